@@ -1,0 +1,48 @@
+"""devmesh: N-dimensional device meshes and the parallelisms composed on them.
+
+A drop-in for ``torch.distributed.device_mesh``::
+
+    from devmesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    tp_group = mesh["tp"].get_group()
+
+Names are imported lazily so that ``import devmesh`` (and the ``devmesh show`` CLI, which
+only needs the pure :mod:`devmesh.layout`) does not pay for importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "MeshLayout": "devmesh.layout",
+    "DeviceMesh": "devmesh.mesh",
+    "init_device_mesh": "devmesh.mesh",
+    "launch": "devmesh.launch",
+    "WorkerPool": "devmesh.launch",
+    "DevmeshError": "devmesh.errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+if TYPE_CHECKING:
+    from devmesh.errors import DevmeshError
+    from devmesh.launch import WorkerPool, launch
+    from devmesh.layout import MeshLayout
+    from devmesh.mesh import DeviceMesh, init_device_mesh
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'devmesh' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

@@ -1,0 +1,84 @@
+"""A long-lived worker process of a :class:`devmesh.launch.WorkerPool`.
+
+Started as ``python -m devmesh._worker HOST PORT TOKEN INDEX``. It imports torch once, then
+runs tasks sent by the pool: each task sets torchrun's environment variables for its rank,
+calls the function, sends back its result (or its traceback), and tears down whatever the
+function left (the default process group, devmesh's group cache) so the next task starts
+clean. ``SIGUSR1`` dumps every thread's stack to a file the pool reads when a task hangs.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import socket
+import sys
+import traceback
+from multiprocessing.connection import Connection
+
+_TASK_ENV = (
+    "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
+    "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+)
+
+
+def _cleanup() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group must not take the worker down
+            pass
+    if "devmesh.groups" in sys.modules:
+        sys.modules["devmesh.groups"].reset()
+    for name in _TASK_ENV:
+        os.environ.pop(name, None)
+
+
+def _serve(conn: Connection) -> None:
+    import cloudpickle
+
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the pool is gone
+        if message is None:
+            return
+        task_id, payload, task_env, paths = message
+        for path in reversed(paths):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        os.environ.update(task_env)
+        try:
+            fn, args, kwargs = cloudpickle.loads(payload)
+            result = ("ok", cloudpickle.dumps(fn(*args, **kwargs)))
+        except BaseException as exc:  # noqa: BLE001 - report everything to the caller
+            result = ("error", f"{type(exc).__name__}: {exc}", traceback.format_exc())
+        finally:
+            _cleanup()
+        try:
+            conn.send((task_id, result))
+        except Exception as exc:  # an unpicklable result
+            conn.send((task_id, ("error", f"cannot send result back: {exc}", "")))
+
+
+def main(argv: list[str]) -> None:
+    host, port, token, index, stack_path = argv
+    stack_file = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    sock = socket.create_connection((host, int(port)))
+    conn = Connection(sock.detach())
+    conn.send((token, int(index), os.getpid()))
+    import torch  # noqa: F401 - pay the import once, before the first task
+    import torch.distributed  # noqa: F401
+
+    torch.set_num_threads(1)
+    conn.send("ready")
+    _serve(conn)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

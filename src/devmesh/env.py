@@ -1,0 +1,149 @@
+"""The launch environment, and the default process group started from it.
+
+torchrun (and ``devmesh run`` / ``devmesh.launch``, which use the same variables) tells each
+process who it is through ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK``, ``MASTER_ADDR`` and ``MASTER_PORT``. This module reads them once, turns a
+missing variable into an error that says how to launch, and initializes the default process
+group with the right backend for the device type (gloo for CPU, NCCL for CUDA), binding each
+process to its GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+from devmesh.errors import DeviceUnavailableError, LaunchEnvironmentError
+
+__all__ = ["LaunchEnv", "read_launch_env", "backend_for", "ensure_default_group"]
+
+_REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_HOW_TO_LAUNCH = (
+    "start the script with a launcher, e.g. `torchrun --nproc_per_node=N script.py` or "
+    "`devmesh run -n N script.py`, or from Python/a notebook with "
+    "`devmesh.launch(fn, N)`"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchEnv:
+    """What the launcher told this process."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    group_rank: int  # index of this host (torchrun's node rank)
+    master_addr: str
+    master_port: int
+
+    @property
+    def num_hosts(self) -> int:
+        return max(1, self.world_size // max(1, self.local_world_size))
+
+
+def _int_var(name: str, default: int | None = None) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        if default is None:
+            raise LaunchEnvironmentError(f"environment variable {name} is not set")
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise LaunchEnvironmentError(
+            f"environment variable {name}={raw!r} is not an integer"
+        ) from None
+
+
+def read_launch_env() -> LaunchEnv:
+    """Read torchrun's variables; raise :class:`LaunchEnvironmentError` naming what is missing."""
+    missing = [name for name in _REQUIRED if name not in os.environ]
+    if missing:
+        raise LaunchEnvironmentError(
+            f"this process was not started by a distributed launcher: "
+            f"{', '.join(missing)} {'is' if len(missing) == 1 else 'are'} not set. To fix it, "
+            + _HOW_TO_LAUNCH
+        )
+    rank = _int_var("RANK")
+    world_size = _int_var("WORLD_SIZE")
+    if not 0 <= rank < world_size:
+        raise LaunchEnvironmentError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    local_world_size = _int_var("LOCAL_WORLD_SIZE", world_size)
+    return LaunchEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=_int_var("LOCAL_RANK", rank % max(1, local_world_size)),
+        local_world_size=local_world_size,
+        group_rank=_int_var("GROUP_RANK", rank // max(1, local_world_size)),
+        master_addr=os.environ["MASTER_ADDR"],
+        master_port=_int_var("MASTER_PORT"),
+    )
+
+
+def backend_for(device_type: str) -> str:
+    """The c10d backend devmesh uses for a device type: gloo for CPU, NCCL for CUDA."""
+    return {"cpu": "gloo", "cuda": "nccl"}.get(device_type, "gloo")
+
+
+def check_device(device_type: str, local_world_size: int | None = None) -> None:
+    """Refuse a device type this machine cannot serve, before any group is created.
+
+    torch accepts ``init_device_mesh("cuda", ...)`` on a CPU-only machine and fails later;
+    devmesh says so up front, and also when there are fewer GPUs than local ranks.
+    """
+    if device_type == "cpu":
+        return
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(
+                "device_type 'cuda' was requested but this machine has no usable CUDA GPU "
+                f"(torch {torch.__version__}, torch.cuda.is_available() is False); use "
+                "device_type='cpu' to run the same mesh over gloo on CPU processes"
+            )
+        if local_world_size is not None and torch.cuda.device_count() < local_world_size:
+            raise DeviceUnavailableError(
+                f"{local_world_size} processes per host share {torch.cuda.device_count()} "
+                "GPU(s), and NCCL needs one GPU per process; launch at most "
+                f"--nproc_per_node={torch.cuda.device_count()} per host, or use "
+                "device_type='cpu'"
+            )
+        return
+    raise DeviceUnavailableError(
+        f"device_type {device_type!r} is not supported; use 'cpu' (gloo) or 'cuda' (NCCL)"
+    )
+
+
+def ensure_default_group(
+    device_type: str, *, expected_world_size: int | None = None,
+    timeout: datetime.timedelta | None = None,
+) -> None:
+    """Initialize the default process group from the launch environment if none exists.
+
+    Without a launcher and with ``expected_world_size == 1`` a one-process world is started
+    in place (a ``(1,)`` or ``(1, 1)`` mesh then works in a plain script or notebook, where
+    torch raises ``KeyError: 'RANK'``). Otherwise a missing launcher is a clear error.
+    """
+    if dist.is_initialized():
+        return
+    backend = backend_for(device_type)
+    kwargs: dict = {"backend": backend}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if expected_world_size == 1 and not any(v in os.environ for v in _REQUIRED):
+        check_device(device_type, 1)
+        if device_type == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        return
+    env = read_launch_env()
+    check_device(device_type, env.local_world_size)
+    if device_type == "cuda":
+        torch.cuda.set_device(env.local_rank)
+        kwargs["device_id"] = torch.device("cuda", env.local_rank)
+    dist.init_process_group(**kwargs)

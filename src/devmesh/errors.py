@@ -1,0 +1,105 @@
+"""devmesh's exception types.
+
+Every error devmesh raises is a :class:`DevmeshError` *and* a subclass of the builtin type
+PyTorch raises in the same situation (``KeyError``, ``ValueError``, ``RuntimeError``,
+``TimeoutError``), so ``except`` clauses written against ``torch.distributed`` keep working.
+
+Messages say what is wrong, on which rank (when a process group exists), and how to fix it.
+This module imports nothing heavy: the pure layout layer and the CLI use it without torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "DevmeshError",
+    "MeshShapeError",
+    "MeshDimNameError",
+    "MeshRankError",
+    "LaunchEnvironmentError",
+    "WorldSizeMismatchError",
+    "DeviceUnavailableError",
+    "MeshMismatchError",
+    "MeshTimeoutError",
+    "RankFailedError",
+    "RankTimeoutError",
+    "rank_prefix",
+]
+
+
+def rank_prefix() -> str:
+    """``"[rank 3] "`` when this process knows its rank, else ``""``.
+
+    Read from the launcher's environment so that it works before (and without) a process
+    group, and does not import torch.
+    """
+    rank = os.environ.get("RANK")
+    return f"[rank {rank}] " if rank is not None else ""
+
+
+class DevmeshError(Exception):
+    """Base class of every devmesh error."""
+
+    def __init__(self, message: str, *, with_rank: bool = True) -> None:
+        self.message = (rank_prefix() if with_rank else "") + message
+        super().__init__(self.message)
+
+    def __str__(self) -> str:  # KeyError would otherwise print the message in quotes
+        return self.message
+
+
+class MeshShapeError(DevmeshError, ValueError):
+    """A mesh shape or rank array is malformed (non-positive size, duplicate ranks, ...)."""
+
+
+class MeshDimNameError(DevmeshError, KeyError):
+    """A mesh dimension name is unknown, duplicated, or names are missing.
+
+    A ``KeyError`` because torch raises ``KeyError`` for an invalid name in slicing.
+    """
+
+
+class MeshRankError(DevmeshError, ValueError):
+    """A rank is not part of a mesh or a coordinate is out of range."""
+
+
+class LaunchEnvironmentError(DevmeshError, KeyError):
+    """The process was not started by a launcher (torchrun sets ``RANK``, ``WORLD_SIZE``, ...).
+
+    A ``KeyError`` because that is what ``os.environ["RANK"]`` raises in torch's path.
+    """
+
+
+class WorldSizeMismatchError(DevmeshError, RuntimeError):
+    """``init_device_mesh`` was asked for a mesh whose size is not the world size."""
+
+
+class DeviceUnavailableError(DevmeshError, RuntimeError):
+    """The requested device type is missing or has fewer devices than local ranks."""
+
+
+class MeshMismatchError(DevmeshError, RuntimeError):
+    """Ranks passed different meshes (shape, names or ranks) to the same collective call."""
+
+
+class MeshTimeoutError(DevmeshError, TimeoutError):
+    """Some ranks did not reach a mesh-wide step (mesh creation) within the timeout."""
+
+
+class RankFailedError(DevmeshError, RuntimeError):
+    """A rank of a local launch raised; carries the rank and its remote traceback."""
+
+    def __init__(self, message: str, *, rank: int, remote_traceback: str) -> None:
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+        super().__init__(message, with_rank=False)
+
+
+class RankTimeoutError(DevmeshError, TimeoutError):
+    """Ranks of a local launch did not finish within the timeout (a hang)."""
+
+    def __init__(self, message: str, *, ranks: list[int], stacks: dict[int, str]) -> None:
+        self.ranks = ranks
+        self.stacks = stacks
+        super().__init__(message, with_rank=False)

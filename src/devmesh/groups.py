@@ -1,0 +1,226 @@
+"""Process groups: created once per distinct rank list, shared by every mesh that needs them.
+
+A communicator is expensive (NCCL: a connection per peer and GPU memory; gloo: a TCP mesh), so
+devmesh creates one per distinct ``(ranks, backend, timeout)`` and hands the same object to
+every mesh, sub-mesh and flattened view that asks for it. Slicing a mesh therefore never
+creates a group.
+
+Creation is cheap where it can be: only the members of a group take part in creating it
+(``new_group(..., use_local_synchronization=True)``), and when the default group is bound to
+a device (NCCL with ``device_id``) all groups of one mesh dimension come from a single
+communicator split.
+
+This module also holds the agreement check that turns "ranks passed different meshes" from a
+silent hang into an error naming the ranks, within a bounded time.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from devmesh.errors import MeshMismatchError, MeshTimeoutError
+
+__all__ = [
+    "GroupKey",
+    "get_group",
+    "create_dim_groups",
+    "register_group",
+    "created_count",
+    "check_agreement",
+    "as_timedelta",
+    "reset",
+]
+
+GroupKey = tuple[tuple[int, ...], "str | None", "datetime.timedelta | None"]
+
+DEFAULT_AGREEMENT_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+class _Cache:
+    """Groups of the current world. Rebuilt when the default process group changes."""
+
+    def __init__(self, world: object) -> None:
+        self.world = world
+        self.groups: dict[GroupKey, ProcessGroup] = {}
+        self.created = 0
+        self.agreements = itertools.count()
+
+
+_cache: _Cache | None = None
+
+
+def _current() -> _Cache:
+    global _cache
+    world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    if _cache is None or _cache.world is not world:
+        _cache = _Cache(world)
+    return _cache
+
+
+def reset() -> None:
+    """Forget every cached group (call after ``destroy_process_group``)."""
+    global _cache
+    _cache = None
+
+
+def as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedelta | None:
+    """Accept seconds or a ``timedelta``, as torch users pass either."""
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise ValueError(f"timeout must be positive seconds or a timedelta, got {timeout!r}")
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def _key(ranks: Sequence[int], backend: str | None, timeout: datetime.timedelta | None) -> GroupKey:
+    return (tuple(sorted(int(r) for r in ranks)), backend, timeout)
+
+
+def created_count() -> int:
+    """How many process groups devmesh created in this world (tests assert on it)."""
+    return _current().created
+
+
+def register_group(
+    group: ProcessGroup, *, backend: str | None = None, timeout: datetime.timedelta | None = None
+) -> None:
+    """Adopt an existing group (``from_group``, ``from_torch``) so meshes reuse it."""
+    ranks = dist.get_process_group_ranks(group)
+    _current().groups.setdefault(_key(ranks, backend, timeout), group)
+
+
+def _is_world(ranks: tuple[int, ...]) -> bool:
+    return len(ranks) == dist.get_world_size() and ranks == tuple(range(len(ranks)))
+
+
+def get_group(
+    ranks: Sequence[int],
+    *,
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+    desc: str = "devmesh",
+) -> ProcessGroup | None:
+    """The group over ``ranks`` (created on first use, by the members only); ``None`` if this
+    rank is not a member. Every member must call it, non-members need not."""
+    cache = _current()
+    key = _key(ranks, backend, timeout)
+    if dist.get_rank() not in key[0]:
+        return None
+    group = cache.groups.get(key)
+    if group is not None:
+        return group
+    if _is_world(key[0]) and backend is None and timeout is None:
+        group = dist.group.WORLD
+    else:
+        group = dist.new_group(
+            list(key[0]),
+            timeout=timeout,
+            backend=backend,
+            use_local_synchronization=True,
+            group_desc=desc,
+        )
+        cache.created += 1
+    assert group is not None
+    cache.groups[key] = group
+    return group
+
+
+def _can_split() -> bool:
+    world = dist.distributed_c10d._get_default_group()
+    return getattr(world, "bound_device_id", None) is not None
+
+
+def create_dim_groups(
+    rows: Sequence[Sequence[int]],
+    *,
+    backend: str | None = None,
+    timeout: datetime.timedelta | None = None,
+    desc: str = "devmesh",
+) -> ProcessGroup | None:
+    """Create (or reuse) the groups of one mesh dimension; return this rank's group.
+
+    ``rows`` are all the groups of the dimension. When the rows partition the whole world,
+    the default group is bound to a device, and none of the rows exists yet, one
+    ``split_group`` call creates them all (``ncclCommSplit``); otherwise each rank creates
+    only its own row, with its members.
+    """
+    cache = _current()
+    keys = [_key(row, backend, timeout) for row in rows]
+    me = dist.get_rank()
+    mine = next((k for k in keys if me in k[0]), None)
+    if mine is None:
+        return None
+    if mine in cache.groups:
+        return cache.groups[mine]
+    covered = sum(len(k[0]) for k in keys)
+    if (
+        _can_split()
+        and backend is None
+        and covered == dist.get_world_size()
+        and not any(k in cache.groups for k in keys)
+    ):
+        group = dist.split_group(
+            split_ranks=[list(k[0]) for k in keys], timeout=timeout, group_desc=desc
+        )
+        if group is not None:
+            cache.created += 1
+            cache.groups[mine] = group
+            return group
+    return get_group(mine[0], backend=backend, timeout=timeout, desc=desc)
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``: short enough for an error message about many ranks."""
+    parts: list[str] = []
+    for _, run in itertools.groupby(enumerate(sorted(ranks)), lambda p: p[1] - p[0]):
+        values = [v for _, v in run]
+        parts.append(str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}")
+    return ", ".join(parts)
+
+
+def check_agreement(
+    what: str, payload: str, *, timeout: datetime.timedelta | None = None
+) -> None:
+    """Check that every rank of the world passed the same ``payload`` for ``what``.
+
+    Each rank posts its payload to the default store and waits (at most ``timeout``) for the
+    others. Ranks that passed different values raise :class:`MeshMismatchError` listing which
+    ranks passed what; ranks that never arrive are named in a :class:`MeshTimeoutError`.
+    Skipped for a one-rank world and for torch's single-process ``fake`` backend.
+    """
+    world_size = dist.get_world_size()
+    if world_size == 1 or dist.get_backend() == "fake":
+        return
+    timeout = timeout or DEFAULT_AGREEMENT_TIMEOUT
+    store = dist.distributed_c10d._get_default_store()
+    sequence = next(_current().agreements)
+    prefix = f"devmesh/agree/{sequence}/"
+    me = dist.get_rank()
+    store.set(prefix + str(me), payload)
+    keys = [prefix + str(r) for r in range(world_size)]
+    try:
+        store.wait(keys, timeout)
+    except Exception:  # DistStoreError / RuntimeError: which ranks are missing?
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        raise MeshTimeoutError(
+            f"{what}: rank(s) {_ranges(missing)} did not arrive within "
+            f"{timeout.total_seconds():g} s. Every rank of the world must create the same "
+            "meshes in the same order; check that those ranks are alive and run the same code "
+            "(and pass timeout= to wait longer)"
+        ) from None
+    values = [v.decode() for v in store.multi_get(keys)]
+    if len(set(values)) > 1:
+        by_value: dict[str, list[int]] = defaultdict(list)
+        for rank, value in enumerate(values):
+            by_value[value].append(rank)
+        lines = [f"  ranks {_ranges(ranks)}: {value}" for value, ranks in by_value.items()]
+        raise MeshMismatchError(
+            f"{what}: ranks disagree on the mesh; every rank must pass the same arguments.\n"
+            + "\n".join(lines)
+        )

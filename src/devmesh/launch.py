@@ -1,0 +1,299 @@
+"""Run a function on N local processes over gloo, from a script, a notebook or a test.
+
+``launch(fn, 8)`` is the one-liner: it starts 8 processes, gives each torchrun's environment
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ...), calls ``fn`` on every rank, and returns the
+results in rank order. An exception on any rank is raised here with that rank's remote
+traceback; a rank that hangs is reported (with every hung rank's stack) after ``timeout``;
+no process is left behind.
+
+:class:`WorkerPool` keeps the processes alive between calls, so the ~2 s torch import is paid
+once: the test suite runs hundreds of multi-rank tests on one pool (see ``devmesh.testing``).
+A failed or hung task kills and replaces only the workers that did not finish cleanly.
+
+Functions are shipped with cloudpickle, so lambdas and functions defined in ``__main__`` or a
+notebook cell work; functions from importable modules are sent by reference.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import cloudpickle
+
+from devmesh.errors import RankFailedError, RankTimeoutError
+
+__all__ = ["launch", "WorkerPool"]
+
+#: How long the other ranks get to finish after one rank raised, before they are killed.
+FAILURE_GRACE_SECONDS = 5.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Worker:
+    def __init__(self, index: int, process: subprocess.Popen, stack_path: str) -> None:
+        self.index = index
+        self.process = process
+        self.stack_path = stack_path
+        self.conn: Connection | None = None
+
+    def alive(self) -> bool:
+        return self.conn is not None and self.process.poll() is None
+
+    def kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+    def stack(self) -> str:
+        """Ask the worker for its threads' stacks (faulthandler on SIGUSR1)."""
+        if self.process.poll() is not None:
+            return f"(process exited with code {self.process.returncode})"
+        with open(self.stack_path) as f:
+            f.seek(0, os.SEEK_END)
+            start = f.tell()
+        os.kill(self.process.pid, signal.SIGUSR1)
+        time.sleep(0.5)  # faulthandler writes from a signal handler; give it a moment
+        with open(self.stack_path) as f:
+            f.seek(start)
+            text = f.read()
+        return text.strip() or "(no stack received)"
+
+
+class WorkerPool:
+    """A pool of ``size`` local worker processes that run SPMD functions on ``1..size`` ranks.
+
+    Use as a context manager (or call :meth:`close`). Not thread-safe: one task at a time.
+
+    Example:
+        >>> with WorkerPool(4) as pool:                        # doctest: +SKIP
+        ...     pool.run(lambda: int(os.environ["RANK"]) ** 2, 4)
+        [0, 1, 4, 9]
+    """
+
+    def __init__(self, size: int, *, start_timeout: float = 120.0) -> None:
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"a WorkerPool needs a positive number of workers, got {size!r}")
+        self.size = size
+        self._start_timeout = start_timeout
+        self._token = secrets.token_hex(16)
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self._server.settimeout(start_timeout)
+        self._stack_dir = tempfile.TemporaryDirectory(prefix="devmesh-pool-")
+        self._workers: list[_Worker | None] = [None] * size
+        self._task_ids = itertools.count()
+        self._closed = False
+        self._start(list(range(size)))
+
+    # -- process management ----------------------------------------------------------------
+    def _start(self, indices: list[int]) -> None:
+        host, port = self._server.getsockname()
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = os.pathsep.join(
+            [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        )
+        by_pid: dict[int, _Worker] = {}
+        for index in indices:
+            stack_path = os.path.join(self._stack_dir.name, f"worker{index}.stack")
+            open(stack_path, "w").close()
+            process = subprocess.Popen(
+                [sys.executable, "-m", "devmesh._worker", host, str(port), self._token,
+                 str(index), stack_path],
+                env=env,
+                stdin=subprocess.DEVNULL,
+            )
+            worker = _Worker(index, process, stack_path)
+            self._workers[index] = worker
+            by_pid[process.pid] = worker
+        pending = set(indices)
+        deadline = time.monotonic() + self._start_timeout
+        while pending:
+            try:
+                sock, _ = self._server.accept()
+            except TimeoutError:
+                raise RuntimeError(
+                    f"devmesh worker(s) {sorted(pending)} did not start within "
+                    f"{self._start_timeout:g} s"
+                ) from None
+            sock.settimeout(None)
+            conn = Connection(sock.detach())
+            token, index, pid = conn.recv()
+            worker = self._workers[index]
+            if token != self._token or index not in pending or worker is None:
+                conn.close()
+                continue
+            worker.conn = conn
+            pending.discard(index)
+            if time.monotonic() > deadline:
+                break
+        for index in indices:
+            worker = self._workers[index]
+            assert worker is not None and worker.conn is not None
+            if not worker.conn.poll(max(1.0, deadline - time.monotonic())):
+                raise RuntimeError(f"devmesh worker {index} did not finish importing torch")
+            worker.conn.recv()  # "ready"
+
+    def _replace(self, indices: list[int]) -> None:
+        for index in indices:
+            worker = self._workers[index]
+            if worker is not None:
+                worker.kill()
+        if not self._closed and indices:
+            self._start(indices)
+
+    def close(self) -> None:
+        """Stop every worker. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._workers:
+            if worker is None:
+                continue
+            try:
+                if worker.conn is not None:
+                    worker.conn.send(None)
+            except OSError:
+                pass
+        for worker in self._workers:
+            if worker is None:
+                continue
+            try:
+                worker.process.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                pass
+            worker.kill()
+        self._server.close()
+        self._stack_dir.cleanup()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # last resort: never leave processes behind
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    # -- running tasks ---------------------------------------------------------------------
+    def run(
+        self, fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+        **kwargs: Any,
+    ) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; return results by rank.
+
+        Raises :class:`~devmesh.errors.RankFailedError` (the lowest failing rank, with its
+        remote traceback) if any rank raised, and :class:`~devmesh.errors.RankTimeoutError`
+        (with the stacks of the hung ranks) if some did not finish within ``timeout`` seconds.
+        """
+        if self._closed:
+            raise RuntimeError("this WorkerPool is closed")
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or not (
+            1 <= world_size <= self.size
+        ):
+            raise ValueError(
+                f"world_size must be between 1 and the pool size {self.size}, got {world_size!r}"
+            )
+        dead = [i for i in range(world_size) if not self._workers[i].alive()]  # type: ignore[union-attr]
+        self._replace(dead)
+        task_id = next(self._task_ids)
+        payload = cloudpickle.dumps((fn, args, kwargs))
+        port = _free_port()
+        paths = [p for p in sys.path if p]
+        workers = [self._workers[r] for r in range(world_size)]
+        for rank, worker in enumerate(workers):
+            assert worker is not None and worker.conn is not None
+            task_env = {
+                "RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world_size),
+                "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "1",
+                "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size),
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                "TORCHELASTIC_RUN_ID": f"devmesh-{task_id}",
+            }
+            worker.conn.send((task_id, payload, task_env, paths))
+        return self._collect(task_id, workers, timeout)
+
+    def _collect(self, task_id: int, workers: list[Any], timeout: float) -> list[Any]:
+        results: dict[int, tuple] = {}
+        conn_rank = {w.conn: r for r, w in enumerate(workers)}
+        deadline = time.monotonic() + timeout
+        failed_at: float | None = None
+        while len(results) < len(workers):
+            now = time.monotonic()
+            limit = deadline if failed_at is None else min(deadline, failed_at + FAILURE_GRACE_SECONDS)
+            if now >= limit:
+                break
+            waiting = [w.conn for r, w in enumerate(workers) if r not in results]
+            for conn in wait(waiting, timeout=limit - now):
+                rank = conn_rank[conn]
+                try:
+                    got_id, result = conn.recv()
+                except (EOFError, OSError):
+                    code = workers[rank].process.wait()
+                    result = ("error", f"worker process died (exit code {code})", "")
+                    got_id = task_id
+                if got_id != task_id:
+                    continue
+                results[rank] = result
+                if result[0] == "error" and failed_at is None:
+                    failed_at = time.monotonic()
+        unfinished = [r for r in range(len(workers)) if r not in results]
+        stacks = {r: workers[r].stack() for r in unfinished} if failed_at is None else {}
+        died = [r for r, res in results.items() if res[0] == "error" and not workers[r].alive()]
+        self._replace(sorted(set(unfinished) | set(died)))
+        errors = sorted(r for r, res in results.items() if res[0] == "error")
+        if errors:
+            rank = errors[0]
+            _, summary, remote_tb = results[rank]
+            others = f" (ranks {errors[1:]} failed too)" if len(errors) > 1 else ""
+            stuck = f"; ranks {unfinished} were stopped" if unfinished else ""
+            raise RankFailedError(
+                f"rank {rank} of {len(workers)} raised {summary}{others}{stuck}\n"
+                f"--- remote traceback of rank {rank} ---\n{remote_tb}",
+                rank=rank,
+                remote_traceback=remote_tb,
+            )
+        if unfinished:
+            shown = "\n".join(f"--- stack of rank {r} ---\n{stacks[r]}" for r in unfinished)
+            raise RankTimeoutError(
+                f"ranks {unfinished} of {len(workers)} did not finish within {timeout:g} s "
+                f"(a hang: a collective that not every rank called?); they were stopped.\n"
+                f"{shown}",
+                ranks=unfinished,
+                stacks=stacks,
+            )
+        return [cloudpickle.loads(results[r][1]) for r in range(len(workers))]
+
+
+def launch(
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh local processes; return their results.
+
+    Each process sees torchrun's environment, so ``init_device_mesh("cpu", ...)`` inside
+    ``fn`` just works. Errors and hangs are raised here, naming the rank.
+    """
+    with WorkerPool(world_size) as pool:
+        return pool.run(fn, world_size, *args, timeout=timeout, **kwargs)

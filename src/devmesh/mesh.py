@@ -1,0 +1,534 @@
+"""DeviceMesh: a :class:`~devmesh.layout.MeshLayout` bound to this rank's process groups.
+
+The API and semantics are those of ``torch.distributed.device_mesh`` so that code written
+for torch runs with only its import changed. Where devmesh differs it says so:
+
+* errors are devmesh's own types (subclasses of what torch raises) and say how to fix things;
+* ranks that pass different meshes get an error naming them instead of a later hang;
+* slicing accepts dimensions in any order (``mesh["tp", "dp"]``);
+* ``repr`` shows the ranks and names (``DeviceMesh([0, 1, 2], mesh_dim_names=('tp',))``);
+* a ``timeout=`` bounds every collective on the mesh's groups;
+* every distinct rank list gets one process group, shared by all meshes and sub-meshes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from devmesh import env, groups
+from devmesh.errors import (
+    DevmeshError,
+    MeshDimNameError,
+    MeshRankError,
+    MeshShapeError,
+    WorldSizeMismatchError,
+)
+from devmesh.layout import Dim, MeshLayout, _check_names, _check_shape
+
+if TYPE_CHECKING:
+    import datetime
+
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+
+class MeshUsageError(DevmeshError, RuntimeError):
+    """A DeviceMesh method was called in a way torch also refuses (a ``RuntimeError`` there)."""
+
+
+def _as_rank_array(mesh: Any) -> np.ndarray:
+    if isinstance(mesh, torch.Tensor):
+        return mesh.detach().cpu().numpy()
+    return np.asarray(mesh)
+
+
+def _payload(device_type: str, layout: MeshLayout) -> str:
+    """What ranks must agree on, short enough for an error message."""
+    ranks = layout.rank_list()
+    shown = (
+        str(ranks)
+        if len(ranks) <= 64
+        else hashlib.sha1(layout.ranks.tobytes()).hexdigest()[:12]
+    )
+    return (
+        f"device_type={device_type!r}, shape={layout.shape}, "
+        f"mesh_dim_names={layout.names}, ranks={shown}"
+    )
+
+
+class DeviceMesh:
+    """An N-dimensional mesh of ranks with one process group per dimension for this rank.
+
+    Args:
+        device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
+        mesh: array-like or integer tensor of global ranks; its shape is the mesh shape. It may
+            cover part of the world (every rank of the world must still construct it, as in
+            torch; ranks outside it get ``get_coordinate() is None``).
+        mesh_dim_names: one name per dimension, needed for slicing.
+        timeout: seconds or ``timedelta`` bounding every collective on this mesh's groups and
+            the check that all ranks passed the same mesh.
+
+    Creating a mesh is a collective over the world: it initializes the default process group
+    from torchrun's environment if needed, checks that all ranks agree, and creates (or
+    reuses) one group per dimension containing this rank.
+    """
+
+    def __init__(
+        self,
+        device_type: str,
+        mesh: Any,
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+        timeout: float | datetime.timedelta | None = None,
+        _init_backend: bool = True,
+    ) -> None:
+        _check_device_type(device_type)
+        layout = MeshLayout(ranks=_as_rank_array(mesh), names=mesh_dim_names)
+        timeout_td = groups.as_timedelta(timeout)
+        self._bind(device_type, layout, root=None, dim_roots=None, anchor=None, timeout=timeout_td)
+        if _init_backend:
+            env.ensure_default_group(device_type, timeout=timeout_td)
+            self._check_world_covers(layout)
+            groups.check_agreement(
+                "DeviceMesh creation", _payload(device_type, layout), timeout=timeout_td
+            )
+            self._create_groups()
+        self._finish()
+
+    # -- construction internals ------------------------------------------------------------
+    def _bind(
+        self,
+        device_type: str,
+        layout: MeshLayout,
+        *,
+        root: DeviceMesh | None,
+        dim_roots: tuple[tuple[int, ...], ...] | None,
+        anchor: tuple[int, ...] | None,
+        timeout: datetime.timedelta | None,
+    ) -> None:
+        self._device_type = device_type
+        self._layout = layout
+        self._root = root if root is not None else self
+        self._dim_roots = dim_roots or tuple((d,) for d in range(layout.ndim))
+        self._timeout = timeout
+        self._flattened: dict[str, tuple[int, ...]] = {}
+        self._flattened_meshes: dict[str, DeviceMesh] = {}
+        self._groups: tuple[ProcessGroup | None, ...] = (None,) * layout.ndim
+        self._anchor = anchor
+
+    def _finish(self) -> None:
+        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        self._coordinate = self._layout.coordinate_of(self._rank)
+        if self._root is self and self._anchor is None:
+            self._anchor = self._coordinate or (0,) * self._layout.ndim
+
+    @staticmethod
+    def _check_world_covers(layout: MeshLayout) -> None:
+        world = dist.get_world_size()
+        top = int(layout.ranks.max())
+        if top >= world:
+            raise MeshRankError(
+                f"the mesh contains rank {top} but the world has only {world} ranks "
+                f"(0..{world - 1}); launch more processes or use ranks below {world}"
+            )
+
+    def _create_groups(self) -> None:
+        created = []
+        for d in range(self._layout.ndim):
+            rows = self._layout.group_array(d).tolist()
+            created.append(
+                groups.create_dim_groups(
+                    rows, timeout=self._timeout, desc=f"mesh_{self._layout.dim_name(d)}"
+                )
+            )
+        self._groups = tuple(created)
+
+    def _child(
+        self,
+        layout: MeshLayout,
+        dim_roots: tuple[tuple[int, ...], ...],
+    ) -> DeviceMesh:
+        """A view of the root: same ranks, some dims; groups come from the cache."""
+        child = DeviceMesh.__new__(DeviceMesh)
+        child._bind(
+            self._device_type, layout, root=self._root, dim_roots=dim_roots,
+            anchor=self._root._anchor, timeout=self._timeout,
+        )
+        child._finish()
+        if child._coordinate is not None:
+            child._groups = tuple(
+                groups.get_group(layout.group_of(child._rank, d), timeout=self._timeout)
+                for d in range(layout.ndim)
+            )
+        return child
+
+    # -- torch API: attributes -------------------------------------------------------------
+    @property
+    def device_type(self) -> str:
+        return self._device_type
+
+    @property
+    def mesh(self) -> torch.Tensor:
+        """The global ranks as an integer tensor of the mesh's shape."""
+        return torch.tensor(self._layout.ranks, dtype=torch.int)
+
+    @property
+    def mesh_dim_names(self) -> tuple[str, ...] | None:
+        return self._layout.names
+
+    @property
+    def layout(self) -> MeshLayout:
+        """The pure layout (shape, names, ranks) behind this mesh."""
+        return self._layout
+
+    @property
+    def ndim(self) -> int:
+        return self._layout.ndim
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._layout.shape
+
+    @property
+    def timeout(self) -> datetime.timedelta | None:
+        return self._timeout
+
+    def size(self, mesh_dim: Dim | None = None) -> int:
+        """Number of ranks in the mesh, or along ``mesh_dim``."""
+        if mesh_dim is None:
+            return self._layout.size
+        return self._layout.shape[self._layout.dim(mesh_dim)]
+
+    def get_rank(self) -> int:
+        """This process's global rank."""
+        return self._rank
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        """This rank's coordinate in the mesh, or ``None`` if the mesh does not contain it."""
+        return self._coordinate
+
+    def _single_dim(self, mesh_dim: Dim | None, what: str) -> int:
+        if mesh_dim is None:
+            if self.ndim > 1:
+                names = self.mesh_dim_names or tuple(range(self.ndim))
+                raise MeshUsageError(
+                    f"{what} needs mesh_dim= on a {self.ndim}-D mesh; pass one of {names}"
+                )
+            return 0
+        return self._layout.dim(mesh_dim)
+
+    def _require_member(self, what: str) -> tuple[int, ...]:
+        if self._coordinate is None:
+            raise MeshRankError(
+                f"{what}: rank {self._rank} is not part of {self!r}; only its ranks "
+                f"{self._layout.rank_list()} have groups and coordinates in it"
+            )
+        return self._coordinate
+
+    def get_local_rank(self, mesh_dim: Dim | None = None) -> int:
+        """This rank's index along ``mesh_dim`` (its rank in that dimension's group)."""
+        dim = self._single_dim(mesh_dim, "get_local_rank()")
+        return self._require_member("get_local_rank()")[dim]
+
+    def get_group(self, mesh_dim: Dim | None = None) -> ProcessGroup:
+        """The process group of this rank along ``mesh_dim``."""
+        dim = self._single_dim(mesh_dim, "get_group()")
+        self._require_member("get_group()")
+        group = self._groups[dim]
+        if group is None:
+            raise MeshUsageError(
+                f"{self!r} was created without process groups (_init_backend=False)"
+            )
+        return group
+
+    def get_all_groups(self) -> list[ProcessGroup]:
+        """This rank's process group along every dimension, in order."""
+        return [self.get_group(d) for d in range(self.ndim)]
+
+    def group_ranks(self, mesh_dim: Dim | None = None) -> tuple[int, ...]:
+        """Global ranks of this rank's group along ``mesh_dim``, in mesh order."""
+        dim = self._single_dim(mesh_dim, "group_ranks()")
+        self._require_member("group_ranks()")
+        return self._layout.group_of(self._rank, dim)
+
+    # -- slicing ---------------------------------------------------------------------------
+    def _valid_names(self) -> list[str]:
+        covered = {d for roots in self._dim_roots for d in roots}
+        extra = [
+            name
+            for name, roots in self._root._flattened.items()
+            if set(roots) <= covered and name not in (self.mesh_dim_names or ())
+        ]
+        return list(self.mesh_dim_names or ()) + extra
+
+    def _root_dims_of(self, name: str) -> tuple[int, ...]:
+        names = self.mesh_dim_names or ()
+        if name in names:
+            return self._dim_roots[names.index(name)]
+        roots = self._root._flattened.get(name)
+        covered = {d for r in self._dim_roots for d in r}
+        if roots is not None and set(roots) <= covered:
+            return roots
+        raise MeshDimNameError(
+            f"cannot slice {name!r} from {self!r}; valid names are "
+            f"{', '.join(map(repr, self._valid_names()))}"
+        )
+
+    def __getitem__(self, mesh_dim_names: str | Sequence[str]) -> DeviceMesh:
+        """Sub-mesh over one or several named dimensions (flattened names included).
+
+        Unlike torch, the names may come in any order; the sub-mesh's dims follow it.
+        """
+        if not self.mesh_dim_names:
+            raise MeshUsageError(
+                "Cannot slice a DeviceMesh without mesh_dim_names: create it with "
+                "mesh_dim_names=(...), e.g. init_device_mesh('cpu', (2, 4), "
+                "mesh_dim_names=('dp', 'tp'))"
+            )
+        names = (mesh_dim_names,) if isinstance(mesh_dim_names, str) else tuple(mesh_dim_names)
+        if not names or not all(isinstance(n, str) for n in names):
+            raise MeshDimNameError(f"slice a mesh by dimension names, got {mesh_dim_names!r}")
+        if names == self.mesh_dim_names:
+            return self
+        _check_names(names, len(names))  # duplicates
+        per_name = [self._root_dims_of(n) for n in names]
+        flat = [d for roots in per_name for d in roots]
+        if len(set(flat)) != len(flat):
+            raise MeshDimNameError(
+                f"cannot slice {names!r} from {self!r}: those names overlap (a flattened "
+                "dimension and one of its parts)"
+            )
+        root_layout = self._root._layout
+        assert self._root._anchor is not None
+        sub = root_layout.slice(flat, coordinate=self._root._anchor)
+        shape = tuple(math.prod(root_layout.shape[d] for d in roots) for roots in per_name)
+        layout = MeshLayout._trusted(sub.ranks.reshape(shape), names)
+        return self._child(layout, tuple(per_name))
+
+    # -- flatten / unflatten ---------------------------------------------------------------
+    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+        """Flatten all dims of this mesh into one, reachable later by name from the root.
+
+        ``mesh_3d["dp", "cp"]._flatten()`` gives a 1-D mesh named ``"dp_cp"``, and
+        ``mesh_3d["dp_cp"]`` slices it again without creating a group.
+        """
+        if not self.mesh_dim_names:
+            raise MeshUsageError(
+                "Cannot flatten a DeviceMesh without mesh_dim_names: create it with "
+                "mesh_dim_names=(...)"
+            )
+        name = mesh_dim_name or "_".join(self.mesh_dim_names)
+        if self.ndim == 1 and name in self.mesh_dim_names:
+            return self
+        roots = tuple(d for r in self._dim_roots for d in r)
+        root = self._root
+        existing = root._flattened.get(name)
+        root_names = root.mesh_dim_names or ()
+        if (existing is not None and existing != roots) or (
+            name in root_names and (root_names.index(name),) != roots
+        ):
+            raise MeshDimNameError(
+                f"cannot flatten into {name!r}: that name already stands for other dimensions "
+                "of the root mesh; pass another mesh_dim_name"
+            )
+        if existing is None:
+            groups.check_agreement(
+                "DeviceMesh flatten",
+                f"flatten {_payload(self._device_type, root._layout)} dims {roots} as {name!r}",
+                timeout=self._timeout,
+            )
+            rows = root._layout.group_array(roots).tolist()
+            groups.create_dim_groups(rows, timeout=self._timeout, desc=f"mesh_{name}")
+            root._flattened[name] = roots
+        layout = MeshLayout._trusted(self._layout.ranks.reshape(-1), (name,))
+        return self._child(layout, (roots,))
+
+    flatten = _flatten
+
+    def _unflatten(
+        self, dim: Dim, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str]
+    ) -> DeviceMesh:
+        """Split ``dim`` into several named dims, as torchtitan builds its meshes.
+
+        The result is a new mesh over the same ranks; groups of the new dims are created (or
+        reused when another view already has them).
+        """
+        if isinstance(dim, int) and not isinstance(dim, bool) and not -self.ndim <= dim < self.ndim:
+            raise MeshDimNameError(f"dim {dim} specified in unflatten is out of range {self.ndim}")
+        sizes = _check_shape(mesh_sizes)
+        if len(tuple(mesh_dim_names)) != len(sizes):
+            raise MeshDimNameError(
+                f"unflatten into sizes {sizes} needs {len(sizes)} names, got {tuple(mesh_dim_names)!r}"
+            )
+        names = self.mesh_dim_names
+        if names is None:
+            names = tuple(f"dim{i}" for i in range(self.ndim))
+        named = self._layout.with_names(names)
+        layout = named.unflatten(named.dim(dim), sizes, tuple(mesh_dim_names))
+        groups.check_agreement(
+            "DeviceMesh unflatten",
+            f"unflatten {_payload(self._device_type, self._layout)} into {_payload(self._device_type, layout)}",
+            timeout=self._timeout,
+        )
+        result = DeviceMesh.__new__(DeviceMesh)
+        result._bind(self._device_type, layout, root=None, dim_roots=None, anchor=None,
+                     timeout=self._timeout)
+        result._finish()
+        result._create_groups()
+        return result
+
+    unflatten = _unflatten
+
+    # -- interop ---------------------------------------------------------------------------
+    @staticmethod
+    def from_group(
+        group: ProcessGroup | Sequence[ProcessGroup],
+        device_type: str,
+        mesh: Any = None,
+        *,
+        mesh_dim_names: Sequence[str] | None = None,
+    ) -> DeviceMesh:
+        """A mesh over existing process groups (one per dimension), as in torch.
+
+        One group: a 1-D mesh over its ranks (``mesh`` optional, must match). Several groups:
+        ``mesh`` (the full rank array) is required, and group ``i`` must be this rank's group
+        along dimension ``i``.
+        """
+        _check_device_type(device_type)
+        if isinstance(group, ProcessGroup):
+            ranks = dist.get_process_group_ranks(group)
+            if mesh is not None and _as_rank_array(mesh).reshape(-1).tolist() != ranks:
+                raise MeshShapeError(
+                    f"mesh {_as_rank_array(mesh).tolist()} does not match the ranks {ranks} of "
+                    "the process group; leave mesh out for a 1-D mesh over the group"
+                )
+            group_list = [group]
+            mesh = ranks
+        else:
+            group_list = list(group)
+            if not group_list:
+                raise MeshShapeError("from_group needs at least one ProcessGroup")
+            if mesh is None:
+                raise MeshShapeError(
+                    "from_group with several groups needs mesh=, the full array of ranks "
+                    "whose dimension i is spanned by group i"
+                )
+        layout = MeshLayout(ranks=_as_rank_array(mesh), names=mesh_dim_names)
+        if layout.ndim != len(group_list):
+            raise MeshShapeError(
+                f"from_group got {len(group_list)} groups for a {layout.ndim}-D mesh "
+                f"{layout.rank_list()}; pass one group per dimension"
+            )
+        result = DeviceMesh.__new__(DeviceMesh)
+        result._bind(device_type, layout, root=None, dim_roots=None, anchor=None, timeout=None)
+        result._finish()
+        if result._coordinate is not None:
+            for d, pg in enumerate(group_list):
+                expected = sorted(layout.group_of(result._rank, d))
+                actual = sorted(dist.get_process_group_ranks(pg))
+                if expected != actual:
+                    raise MeshShapeError(
+                        f"group {d} has ranks {actual}, but along dimension {d} of mesh "
+                        f"{layout.rank_list()} this rank's group is {expected}"
+                    )
+                groups.register_group(pg)
+            result._groups = tuple(group_list)
+        return result
+
+    @staticmethod
+    def from_torch(torch_mesh: TorchDeviceMesh) -> DeviceMesh:
+        """The devmesh view of a torch ``DeviceMesh``, over the same process groups."""
+        groups_ = [torch_mesh.get_group(d) for d in range(torch_mesh.ndim)]
+        mesh = DeviceMesh.from_group(
+            groups_ if torch_mesh.ndim > 1 else groups_[0],
+            torch_mesh.device_type,
+            torch_mesh.mesh,
+            mesh_dim_names=torch_mesh.mesh_dim_names,
+        )
+        return mesh
+
+    def to_torch(self) -> TorchDeviceMesh:
+        """A torch ``DeviceMesh`` over the same process groups, for torch's own ``fully_shard``,
+        ``DTensor`` and tensor-parallel APIs. Meshes of several dims without names get
+        ``dim0``, ``dim1``, ... (torch requires names there)."""
+        from torch.distributed.device_mesh import DeviceMesh as TorchMesh
+
+        all_groups = self.get_all_groups()
+        if self.ndim == 1:
+            return TorchMesh.from_group(
+                all_groups[0], self._device_type, mesh_dim_names=self.mesh_dim_names
+            )
+        names = self.mesh_dim_names or tuple(f"dim{i}" for i in range(self.ndim))
+        return TorchMesh.from_group(
+            all_groups, self._device_type, self.mesh, mesh_dim_names=names
+        )
+
+    # -- value semantics -------------------------------------------------------------------
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, DeviceMesh):
+            return NotImplemented
+        return self._device_type == other._device_type and self._layout == other._layout
+
+    def __hash__(self) -> int:
+        return hash((self._device_type, self._layout))
+
+    def __repr__(self) -> str:
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh({self._layout.ranks.tolist()}{names})"
+
+
+def _check_device_type(device_type: object) -> None:
+    if not isinstance(device_type, str) or ":" in device_type:
+        raise MeshShapeError(
+            f"device_type must be a device type such as 'cpu' or 'cuda' without an index, got "
+            f"{device_type!r}; devmesh picks the device index from LOCAL_RANK"
+        )
+
+
+def init_device_mesh(
+    device_type: str,
+    mesh_shape: Sequence[int],
+    *,
+    mesh_dim_names: Sequence[str] | None = None,
+    timeout: float | datetime.timedelta | None = None,
+) -> DeviceMesh:
+    """Create a mesh of ``mesh_shape`` over the whole world, as torch's ``init_device_mesh``.
+
+    Initializes the default process group from torchrun's environment if needed (gloo for
+    ``"cpu"``, NCCL for ``"cuda"`` with one GPU per local rank). A shape whose size is not the
+    world size is an error that says how to fix it; to use part of the world on purpose,
+    construct ``DeviceMesh(device_type, mesh=ranks)``.
+    """
+    _check_device_type(device_type)
+    shape = _check_shape(mesh_shape)
+    names = _check_names(mesh_dim_names, len(shape))
+    timeout_td = groups.as_timedelta(timeout)
+    size = math.prod(shape)
+    env.check_device(device_type)
+    env.ensure_default_group(device_type, expected_world_size=size, timeout=timeout_td)
+    world = dist.get_world_size()
+    if size != world:
+        hint = (
+            f"launch {size} processes (e.g. `torchrun --nproc_per_node={size}` or "
+            f"`devmesh run -n {size}`)"
+        )
+        raise WorldSizeMismatchError(
+            f"init_device_mesh({device_type!r}, {shape}) needs {size} ranks but the world has "
+            f"{world}: {hint}, or choose a shape whose sizes multiply to {world}. To use part "
+            "of the world on purpose, build DeviceMesh(device_type, mesh=[...ranks...])"
+        )
+    return DeviceMesh(
+        device_type,
+        np.arange(size).reshape(shape),
+        mesh_dim_names=names,
+        timeout=timeout_td,
+    )
