@@ -21,8 +21,8 @@ _EXPORTS = {
     "MeshLayout": "devmesh.layout",
     "DeviceMesh": "devmesh.mesh",
     "init_device_mesh": "devmesh.mesh",
-    "launch": "devmesh.launch",
-    "WorkerPool": "devmesh.launch",
+    "launch": "devmesh.launcher",
+    "WorkerPool": "devmesh.launcher",
     "DevmeshError": "devmesh.errors",
 }
 
@@ -30,7 +30,7 @@ __all__ = sorted(_EXPORTS)
 
 if TYPE_CHECKING:
     from devmesh.errors import DevmeshError
-    from devmesh.launch import WorkerPool, launch
+    from devmesh.launcher import WorkerPool, launch
     from devmesh.layout import MeshLayout
     from devmesh.mesh import DeviceMesh, init_device_mesh
 

@@ -1,4 +1,4 @@
-"""A long-lived worker process of a :class:`devmesh.launch.WorkerPool`.
+"""A long-lived worker process of a :class:`devmesh.launcher.WorkerPool`.
 
 Started as ``python -m devmesh._worker HOST PORT TOKEN INDEX``. It imports torch once, then
 runs tasks sent by the pool: each task sets torchrun's environment variables for its rank,

@@ -1,0 +1,169 @@
+"""Bad input gives devmesh's own exceptions (also torch's types), with rank and fix; no hangs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch.distributed as dist
+
+from devmesh import DeviceMesh, init_device_mesh
+from devmesh.errors import (
+    DeviceUnavailableError,
+    DevmeshError,
+    LaunchEnvironmentError,
+    MeshDimNameError,
+    MeshMismatchError,
+    MeshRankError,
+    MeshShapeError,
+    MeshTimeoutError,
+    WorldSizeMismatchError,
+)
+
+
+def _catch(fn, *args, **kwargs):
+    """Return (type name, message, builtin bases) of the error fn raises, or None."""
+    try:
+        fn(*args, **kwargs)
+    except DevmeshError as exc:
+        bases = [b.__name__ for b in (KeyError, ValueError, RuntimeError, TimeoutError)
+                 if isinstance(exc, b)]
+        return type(exc).__name__, str(exc), bases
+    return None
+
+
+def no_launcher():
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK"):
+        os.environ.pop(name, None)
+    error = _catch(init_device_mesh, "cpu", (2, 4))
+    single = init_device_mesh("cpu", (1, 1), mesh_dim_names=("replicate", "shard"))
+    return error, single.get_coordinate(), dist.get_world_size()
+
+
+def test_without_launcher_error_says_how_to_launch(mesh_pool):
+    error, coordinate, world = mesh_pool.run(no_launcher, 1)[0]
+    name, message, bases = error
+    assert name == "LaunchEnvironmentError" and bases == ["KeyError"]
+    assert "RANK" in message and "torchrun --nproc_per_node" in message
+    assert "devmesh.launch" in message and "devmesh run" in message
+    # a 1-rank mesh needs no launcher at all (torch: KeyError: 'RANK')
+    assert coordinate == (0, 0) and world == 1
+
+
+def wrong_world_size(shape):
+    return _catch(init_device_mesh, "cpu", shape)
+
+
+@pytest.mark.parametrize("shape", [(2, 4), (3,)])
+def test_mesh_size_not_world_size(mesh_pool, shape):
+    results = mesh_pool.run(wrong_world_size, 4, shape)
+    for rank, (name, message, bases) in enumerate(results):
+        assert name == "WorldSizeMismatchError" and bases == ["RuntimeError"]
+        assert message.startswith(f"[rank {rank}] ")
+        size = 1
+        for s in shape:
+            size *= s
+        assert f"needs {size} ranks but the world has 4" in message
+        assert f"--nproc_per_node={size}" in message and "DeviceMesh(device_type, mesh=" in message
+
+
+def bad_arguments():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    unnamed = init_device_mesh("cpu", (2, 2))
+    return {
+        "names_count": _catch(init_device_mesh, "cpu", (2, 2), mesh_dim_names=("dp",)),
+        "duplicate_names": _catch(init_device_mesh, "cpu", (2, 2), mesh_dim_names=("a", "a")),
+        "unknown_name": _catch(lambda: mesh["pp"]),
+        "unnamed_slice": _catch(lambda: unnamed["dp"]),
+        "zero_size": _catch(init_device_mesh, "cpu", (4, 0)),
+        "float_size": _catch(init_device_mesh, "cpu", (2.0, 2)),
+        "duplicate_ranks": _catch(DeviceMesh, "cpu", [0, 1, 1]),
+        "out_of_range": _catch(DeviceMesh, "cpu", [0, 1, 2, 9]),
+        "group_without_dim": _catch(mesh.get_group),
+        "cuda": _catch(init_device_mesh, "cuda", (2, 2)),
+        "indexed_device": _catch(init_device_mesh, "cpu:0", (2, 2)),
+        "overlap": _catch(lambda: mesh["dp", "dp"]),
+    }
+
+
+def test_bad_arguments_are_named_with_a_fix(mesh_pool):
+    r = mesh_pool.run(bad_arguments, 4)[2]
+    expectations = {
+        "names_count": ("MeshDimNameError", "KeyError", "1 names for a 2-D mesh"),
+        "duplicate_names": ("MeshDimNameError", "KeyError", "repeats 'a'"),
+        "unknown_name": ("MeshDimNameError", "KeyError", "valid names are 'dp', 'tp'"),
+        "unnamed_slice": ("MeshUsageError", "RuntimeError", "without mesh_dim_names"),
+        "zero_size": ("MeshShapeError", "ValueError", "positive integer"),
+        "float_size": ("MeshShapeError", "ValueError", "positive integer"),
+        "duplicate_ranks": ("MeshShapeError", "ValueError", "rank 1 appears more than once"),
+        "out_of_range": ("MeshRankError", "ValueError", "contains rank 9 but the world has only 4"),
+        "group_without_dim": ("MeshUsageError", "RuntimeError", "needs mesh_dim="),
+        "cuda": ("DeviceUnavailableError", "RuntimeError", "device_type='cpu'"),
+        "indexed_device": ("MeshShapeError", "ValueError", "without an index"),
+        "overlap": ("MeshDimNameError", "KeyError", "repeats 'dp'"),
+    }
+    for key, (name, base, words) in expectations.items():
+        assert r[key] is not None, key
+        got_name, message, bases = r[key]
+        assert got_name == name, (key, r[key])
+        assert base in bases, (key, bases)
+        assert words in message, (key, message)
+        assert message.startswith("[rank 2] "), (key, message)
+
+
+def disagreeing_shapes():
+    shape = (2, 2) if dist_rank() < 2 else (4,)
+    return _catch(init_device_mesh, "cpu", shape, timeout=20)
+
+
+def disagreeing_names():
+    names = ("dp", "tp") if dist_rank() != 3 else ("tp", "dp")
+    return _catch(init_device_mesh, "cpu", (2, 2), mesh_dim_names=names, timeout=20)
+
+
+def dist_rank() -> int:
+    return int(os.environ["RANK"])
+
+
+def test_ranks_passing_different_shapes_all_get_an_error(mesh_pool):
+    for rank, (name, message, bases) in enumerate(mesh_pool.run(disagreeing_shapes, 4)):
+        assert name == "MeshMismatchError" and "RuntimeError" in bases
+        assert "ranks 0-1: device_type='cpu', shape=(2, 2)" in message
+        assert "ranks 2-3: device_type='cpu', shape=(4,)" in message
+
+
+def test_ranks_passing_different_names_all_get_an_error(mesh_pool):
+    for name, message, _ in mesh_pool.run(disagreeing_names, 4):
+        assert name == "MeshMismatchError"
+        assert "ranks 0-2:" in message and "mesh_dim_names=('tp', 'dp')" in message
+
+
+def one_rank_missing():
+    import time
+
+    dist.init_process_group("gloo")  # the world exists ...
+    if dist_rank() == 3:
+        return None  # ... but rank 3 never creates the mesh
+    start = time.monotonic()
+    error = _catch(DeviceMesh, "cpu", [0, 1, 2, 3], timeout=3)
+    return error, time.monotonic() - start
+
+
+def test_a_rank_that_never_arrives_is_named_in_bounded_time(mesh_pool):
+    results = mesh_pool.run(one_rank_missing, 4, timeout=60)
+    for error, elapsed in results[:3]:
+        name, message, bases = error
+        assert name == "MeshTimeoutError" and "TimeoutError" in bases
+        assert "rank(s) 3 did not arrive within 3 s" in message
+        assert elapsed < 30
+
+
+def test_exception_classes_keep_torch_compatible_bases():
+    assert issubclass(LaunchEnvironmentError, KeyError)
+    assert issubclass(MeshDimNameError, KeyError)
+    assert issubclass(WorldSizeMismatchError, RuntimeError)
+    assert issubclass(MeshMismatchError, RuntimeError)
+    assert issubclass(DeviceUnavailableError, RuntimeError)
+    assert issubclass(MeshShapeError, ValueError) and issubclass(MeshRankError, ValueError)
+    assert issubclass(MeshTimeoutError, TimeoutError)
+    assert str(MeshDimNameError("plain", with_rank=False)) == "plain"

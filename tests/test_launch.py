@@ -1,0 +1,87 @@
+"""The worker pool and devmesh.launch: results, remote errors, hangs, recovery, cleanup."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+import devmesh
+from devmesh.errors import RankFailedError, RankTimeoutError
+
+
+def whoami(offset):
+    return int(os.environ["RANK"]) + offset, int(os.environ["WORLD_SIZE"]), os.getpid()
+
+
+def fail_on_rank_two():
+    if os.environ["RANK"] == "2":
+        raise ValueError("bad batch on this rank")
+    return "ok"
+
+
+def fail_then_hang_others():
+    from devmesh import init_device_mesh
+    import torch
+    import torch.distributed as dist
+
+    mesh = init_device_mesh("cpu", (3,))
+    if dist.get_rank() == 1:
+        raise RuntimeError("rank 1 gives up")
+    dist.all_reduce(torch.ones(1), group=mesh.get_group())  # waits for rank 1 forever
+    return "unreachable"
+
+
+def hang_forever_on_rank_one():
+    if os.environ["RANK"] == "1":
+        while True:
+            time.sleep(0.05)
+    return "done"
+
+
+def test_results_in_rank_order_and_workers_reused(mesh_pool):
+    first = mesh_pool.run(whoami, 4, 10)
+    assert [r[:2] for r in first] == [(10, 4), (11, 4), (12, 4), (13, 4)]
+    second = mesh_pool.run(whoami, 4, 0)
+    assert [r[2] for r in first] == [r[2] for r in second]  # same processes
+
+
+def test_remote_exception_names_rank_and_traceback(mesh_pool):
+    with pytest.raises(RankFailedError) as info:
+        mesh_pool.run(fail_on_rank_two, 4)
+    assert info.value.rank == 2
+    assert "rank 2 of 4 raised ValueError: bad batch on this rank" in str(info.value)
+    assert "fail_on_rank_two" in info.value.remote_traceback
+    assert mesh_pool.run(whoami, 4, 0)[2][0] == 2  # pool still healthy
+
+
+def test_failure_while_others_wait_in_a_collective(mesh_pool):
+    start = time.monotonic()
+    with pytest.raises(RankFailedError, match="rank 1 of 3 raised RuntimeError: rank 1 gives up"):
+        mesh_pool.run(fail_then_hang_others, 3, timeout=60)
+    assert time.monotonic() - start < 60
+    assert [r[0] for r in mesh_pool.run(whoami, 3, 0)] == [0, 1, 2]
+
+
+def test_hang_is_reported_with_stack_and_pool_recovers(mesh_pool):
+    pids = [r[2] for r in mesh_pool.run(whoami, 2, 0)]
+    with pytest.raises(RankTimeoutError) as info:
+        mesh_pool.run(hang_forever_on_rank_one, 2, timeout=3)
+    assert info.value.ranks == [1]
+    assert "hang_forever_on_rank_one" in info.value.stacks[1]
+    after = mesh_pool.run(whoami, 2, 0)
+    assert after[0][2] == pids[0] and after[1][2] != pids[1]  # only the hung worker replaced
+
+
+def test_launch_runs_a_lambda_and_leaves_no_process():
+    results = devmesh.launch(lambda base: (base + int(os.environ["RANK"]), os.getpid()), 2, 100)
+    assert [r[0] for r in results] == [100, 101]
+    for _, pid in results:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_bad_world_size_is_refused(mesh_pool):
+    with pytest.raises(ValueError, match="between 1 and the pool size"):
+        mesh_pool.run(whoami, 0, 0)
