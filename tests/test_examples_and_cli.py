@@ -1,0 +1,121 @@
+"""The seeds' examples (by hand vs devmesh), the CLI as a user runs it, and the demo."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+DEVMESH = [sys.executable, "-m", "devmesh.cli"]
+
+
+def _example(name):
+    if str(EXAMPLES) not in sys.path:
+        sys.path.insert(0, str(EXAMPLES))
+    return importlib.import_module(name)
+
+
+def by_hand_and_with_mesh():
+    by_hand = importlib.import_module("2d_setup").setup_groups_by_hand()
+    with_mesh = importlib.import_module("2d_setup_with_device_mesh").setup_groups_with_mesh()
+    return by_hand, with_mesh
+
+
+def test_by_hand_groups_equal_devmesh_groups(mesh_pool):
+    _example("2d_setup")
+    for rank, (by_hand, with_mesh) in enumerate(mesh_pool.run(by_hand_and_with_mesh, 8)):
+        assert by_hand == with_mesh
+        assert by_hand[0] == list(range(4 * (rank // 4), 4 * (rank // 4) + 4))
+
+
+def test_3d_custom_slicing_example(mesh_pool):
+    module = _example("3d_custom_slicing")
+    info = mesh_pool.run(module.slice_3d, 8)[5]
+    assert info["hsdp_mesh"] == "DeviceMesh([[1, 3], [5, 7]], mesh_dim_names=('replicate', 'shard'))"
+    assert info["tp_mesh"] == "DeviceMesh([4, 5], mesh_dim_names=('tp',))"
+    assert (info["replicate"], info["shard"], info["tp"]) == ([1, 5], [5, 7], [4, 5])
+
+
+def _run(args, timeout=180, env=None):
+    return subprocess.run(args, capture_output=True, text=True, timeout=timeout, cwd=ROOT,
+                          env=env or dict(os.environ))
+
+
+@pytest.mark.parametrize(
+    "launcher, script, n, expected",
+    [
+        ("devmesh", "print_submeshes.py", 6,
+         "(3, 2) Rank: 5, DeviceMesh([4, 5], mesh_dim_names=('tp',))"),
+        ("torchrun", "2d_setup_with_device_mesh.py", 4,
+         "rank 3: shard group [2, 3], replicate group [1, 3]"),
+    ],
+)
+def test_examples_run_under_launchers(launcher, script, n, expected):
+    if launcher == "devmesh":
+        cmd = DEVMESH + ["run", "-n", str(n), str(EXAMPLES / script)]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               f"--nproc_per_node={n}", str(EXAMPLES / script)]
+    result = _run(cmd)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert expected in result.stdout
+
+
+def test_devmesh_run_reports_failing_script(tmp_path):
+    script = tmp_path / "boom.py"
+    script.write_text("import os\nif os.environ['RANK'] == '1':\n    raise SystemExit(3)\n")
+    result = _run(DEVMESH + ["run", "-n", "2", str(script)])
+    assert result.returncode != 0
+
+
+def test_show_plain_lists_every_group_without_torch():
+    code = (
+        "import sys; from devmesh.cli import main; "
+        "main(['show', '2,2,2', '--names', 'replicate,shard,tp', '--rank', '5']); "
+        "assert 'torch' not in sys.modules, 'show imported torch'"
+    )
+    result = _run([sys.executable, "-c", code])
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "Mesh (2, 2, 2): replicate=2 × shard=2 × tp=2 — 8 ranks" in out
+    assert "replicate (size 2, 4 groups): [0, 4] [1, 5] [2, 6] [3, 7]" in out
+    assert "shard (size 2, 4 groups): [0, 2] [1, 3] [4, 6] [5, 7]" in out
+    assert "tp (size 2, 4 groups): [0, 1] [2, 3] [4, 5] [6, 7]" in out
+    assert "rank 5 at (1, 0, 1): replicate=[1, 5], shard=[5, 7], tp=[4, 5]" in out
+
+
+def test_show_elides_a_million_ranks():
+    result = _run(DEVMESH + ["show", "128,128,64", "--names", "dp,fsdp,tp"])
+    assert result.returncode == 0
+    assert "tp (size 64, 16384 groups):" in result.stdout
+    assert "… and 16376 more" in result.stdout
+    assert "… 124 more blocks" in result.stdout
+    assert len(result.stdout.splitlines()) < 120
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["show", "2,0"], "positive integer"),
+        (["show", "2,4", "--names", "dp"], "1 names for a 2-D mesh"),
+        (["show", "2,4", "--rank", "9"], "--rank 9 is not in this mesh"),
+    ],
+)
+def test_show_bad_input_is_a_clear_error(args, words):
+    result = _run(DEVMESH + args)
+    assert result.returncode == 2
+    assert words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_demo_proves_every_group():
+    result = _run(DEVMESH + ["demo", "--plain"], timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "Every group of every mesh summed exactly its ranks" in result.stdout
+    assert result.stdout.count(" ok ") + result.stdout.count(" ok") >= 16
+    assert "WRONG" not in result.stdout
