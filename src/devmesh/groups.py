@@ -204,8 +204,10 @@ def check_agreement(
     me = dist.get_rank()
     store.set(prefix + str(me), payload)
     keys = [prefix + str(r) for r in range(world_size)]
+    previous_timeout = store.timeout
+    store.set_timeout(timeout)
     try:
-        store.wait(keys, timeout)
+        raw = store.multi_get(keys)  # one round trip; blocks until every rank has posted
     except Exception:  # DistStoreError / RuntimeError: which ranks are missing?
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         raise MeshTimeoutError(
@@ -214,7 +216,9 @@ def check_agreement(
             "meshes in the same order; check that those ranks are alive and run the same code "
             "(and pass timeout= to wait longer)"
         ) from None
-    values = [v.decode() for v in store.multi_get(keys)]
+    finally:
+        store.set_timeout(previous_timeout)
+    values = [v.decode() for v in raw]
     if len(set(values)) > 1:
         by_value: dict[str, list[int]] = defaultdict(list)
         for rank, value in enumerate(values):
