@@ -24,6 +24,15 @@ _EXPORTS = {
     "launch": "devmesh.launcher",
     "WorkerPool": "devmesh.launcher",
     "DevmeshError": "devmesh.errors",
+    "Shard": "devmesh.tensor",
+    "Replicate": "devmesh.tensor",
+    "Partial": "devmesh.tensor",
+    "ShardingSpec": "devmesh.tensor",
+    "ShardedTensor": "devmesh.tensor",
+    "distribute_tensor": "devmesh.tensor",
+    "explain_redistribute": "devmesh.tensor",
+    "comm_stats": "devmesh.comm",
+    "visualize_sharding": "devmesh.viz",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -32,7 +41,13 @@ if TYPE_CHECKING:
     from devmesh.errors import DevmeshError
     from devmesh.launcher import WorkerPool, launch
     from devmesh.layout import MeshLayout
+    from devmesh.comm import comm_stats
     from devmesh.mesh import DeviceMesh, init_device_mesh
+    from devmesh.tensor import (
+        Partial, Replicate, Shard, ShardedTensor, ShardingSpec, distribute_tensor,
+        explain_redistribute,
+    )
+    from devmesh.viz import visualize_sharding
 
 
 def __getattr__(name: str) -> Any:

@@ -1,0 +1,239 @@
+"""Every collective devmesh issues, counted per mesh dimension.
+
+The tensor and parallel layers never call ``torch.distributed`` collectives directly: they call
+these functions with a mesh and the mesh dims to communicate over. That gives one place to
+
+* turn several mesh dims into one collective over their flattened group (the group of ranks
+  that differ only in those coordinates, ordered major to minor as given), with the ordering
+  fixed up when c10d's group order (sorted global ranks) differs from the mesh's;
+* count calls and bytes per mesh dim (``with comm_stats() as stats``), so tests can assert
+  communication volume and users can ask for it.
+
+Bytes are the collective's buffer size on one rank, as nccl-tests count them: the output of an
+all-gather, the input of a reduce-scatter or all-to-all, the tensor of an all-reduce or
+broadcast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from devmesh import groups
+
+if TYPE_CHECKING:
+    from devmesh.mesh import DeviceMesh
+
+__all__ = [
+    "CommStats",
+    "comm_stats",
+    "all_gather",
+    "all_reduce",
+    "reduce_scatter",
+    "all_to_all",
+    "broadcast",
+]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+        "min": dist.ReduceOp.MIN}
+
+
+@dataclass
+class CommStats:
+    """Calls and bytes of every collective issued while the context was active.
+
+    ``records[(collective, dims)] = [calls, bytes]`` where ``dims`` names the mesh dims the
+    collective ran over (``"dp+tp"`` for one collective over the flattened group).
+    """
+
+    records: dict[tuple[str, str], list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+
+    def add(self, collective: str, dims: str, nbytes: int) -> None:
+        record = self.records[(collective, dims)]
+        record[0] += 1
+        record[1] += nbytes
+
+    @property
+    def calls(self) -> int:
+        return sum(calls for calls, _ in self.records.values())
+
+    @property
+    def bytes(self) -> int:
+        return sum(nbytes for _, nbytes in self.records.values())
+
+    def by_collective(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for (collective, _), (calls, nbytes) in self.records.items():
+            out[collective][0] += calls
+            out[collective][1] += nbytes
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def by_dim(self) -> dict[str, tuple[int, int]]:
+        out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for (_, dims), (calls, nbytes) in self.records.items():
+            out[dims][0] += calls
+            out[dims][1] += nbytes
+        return {k: (v[0], v[1]) for k, v in out.items()}
+
+    def __str__(self) -> str:
+        lines = [f"{'collective':<16}{'mesh dims':<16}{'calls':>7}{'bytes':>14}"]
+        for (collective, dims), (calls, nbytes) in sorted(self.records.items()):
+            lines.append(f"{collective:<16}{dims:<16}{calls:>7}{nbytes:>14,}")
+        lines.append(f"{'total':<32}{self.calls:>7}{self.bytes:>14,}")
+        return "\n".join(lines)
+
+
+_active: list[CommStats] = []
+
+
+@contextlib.contextmanager
+def comm_stats() -> Iterator[CommStats]:
+    """Count every devmesh collective issued inside the ``with`` block (on this rank)."""
+    stats = CommStats()
+    _active.append(stats)
+    try:
+        yield stats
+    finally:
+        _active.remove(stats)
+
+
+def _record(collective: str, mesh: DeviceMesh, dims: Sequence[int], nbytes: int) -> None:
+    if not _active:
+        return
+    label = "+".join(mesh.layout.dim_name(d) for d in dims)
+    for stats in _active:
+        stats.add(collective, label, nbytes)
+
+
+@dataclass(frozen=True)
+class _Group:
+    group: dist.ProcessGroup
+    size: int
+    # mesh_order[i] = position in c10d's (sorted) order of the i-th rank in mesh order
+    to_c10d: tuple[int, ...] | None
+    # from_c10d[j] = mesh-order index of the j-th rank in c10d order
+    from_c10d: tuple[int, ...] | None
+
+
+_group_cache: dict[tuple, _Group] = {}
+
+
+def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
+    """This rank's group over ``dims`` (flattened, major to minor as given), cached."""
+    key = (mesh.layout, mesh.get_rank(), tuple(dims), mesh.timeout, id(dist.group.WORLD))
+    found = _group_cache.get(key)
+    if found is not None:
+        return found
+    ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
+    pg = groups.get_group(ranks, timeout=mesh.timeout)
+    assert pg is not None
+    ordered = sorted(ranks)
+    if list(ranks) == ordered:
+        result = _Group(pg, len(ranks), None, None)
+    else:
+        position = {r: j for j, r in enumerate(ordered)}
+        to_c10d = tuple(position[r] for r in ranks)
+        index = {r: i for i, r in enumerate(ranks)}
+        result = _Group(pg, len(ranks), to_c10d, tuple(index[r] for r in ordered))
+    if len(_group_cache) > 4096:
+        _group_cache.clear()
+    _group_cache[key] = result
+    return result
+
+
+def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]) -> torch.Tensor:
+    """Gather ``tensor`` from every rank of the flattened group over ``dims``.
+
+    Returns shape ``(k, *tensor.shape)`` with entry ``i`` from the ``i``-th rank in mesh order
+    (``dims`` major to minor). Every rank must pass the same shape (pad uneven blocks).
+    """
+    g = _group(mesh, dims)
+    if g.size == 1:
+        return tensor.unsqueeze(0).clone()
+    tensor = tensor.contiguous()
+    out = torch.empty((g.size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
+    dist.all_gather_single(out, tensor.reshape(-1), group=g.group)
+    _record("all_gather", mesh, dims, out.numel() * out.element_size())
+    out = out.view(g.size, *tensor.shape)
+    if g.to_c10d is not None:
+        out = out[list(g.to_c10d)]
+    return out
+
+
+def reduce_scatter(
+    stacked: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], op: str = "sum"
+) -> torch.Tensor:
+    """Reduce ``stacked`` (shape ``(k, *block)``, entry ``i`` for the ``i``-th rank in mesh
+    order) over the group and return this rank's reduced block."""
+    g = _group(mesh, dims)
+    if g.size == 1:
+        return stacked[0].clone()
+    if stacked.shape[0] != g.size:
+        raise ValueError(f"reduce_scatter needs {g.size} blocks, got {stacked.shape[0]}")
+    if g.from_c10d is not None:
+        stacked = stacked[list(g.from_c10d)]
+    stacked = stacked.contiguous()
+    out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
+    dist.reduce_scatter_single(out.view(-1), stacked.view(-1), op=_OPS[op], group=g.group)
+    _record("reduce_scatter", mesh, dims, stacked.numel() * stacked.element_size())
+    if op == "avg":
+        out /= g.size
+    return out
+
+
+def all_reduce(
+    tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], op: str = "sum"
+) -> torch.Tensor:
+    """All-reduce ``tensor`` in place over the flattened group of ``dims``; returns it."""
+    g = _group(mesh, dims)
+    if g.size == 1:
+        return tensor
+    dist.all_reduce(tensor, op=_OPS[op], group=g.group)
+    _record("all_reduce", mesh, dims, tensor.numel() * tensor.element_size())
+    if op == "avg":
+        tensor /= g.size
+    return tensor
+
+
+def all_to_all(
+    chunks: Sequence[torch.Tensor], mesh: DeviceMesh, dims: Sequence[int],
+    recv_shapes: Sequence[Sequence[int]],
+) -> list[torch.Tensor]:
+    """Send ``chunks[i]`` to the ``i``-th rank of the group (mesh order) and receive from each
+    rank a block of the given shape; sizes may differ (uneven splits)."""
+    g = _group(mesh, dims)
+    if g.size == 1:
+        return [chunks[0].clone()]
+    like = chunks[0]
+    # One all_to_all_single over flat buffers: gloo's list all_to_all needs equal sizes,
+    # all_to_all_single takes uneven splits on every backend.
+    order = list(g.from_c10d) if g.from_c10d is not None else list(range(g.size))
+    send = torch.cat([chunks[i].contiguous().reshape(-1) for i in order])
+    recv_numels = [math.prod(recv_shapes[i]) for i in order]
+    recv = torch.empty(sum(recv_numels), dtype=like.dtype, device=like.device)
+    dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
+                           input_split_sizes=[chunks[i].numel() for i in order], group=g.group)
+    _record("all_to_all", mesh, dims, send.numel() * send.element_size())
+    outputs: list[torch.Tensor] = [like] * g.size
+    for i, piece in zip(order, torch.split(recv, recv_numels)):
+        outputs[i] = piece.view(tuple(recv_shapes[i]))
+    return outputs
+
+
+def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], src_index: int = 0
+              ) -> torch.Tensor:
+    """Broadcast in place from the ``src_index``-th rank (mesh order) of the group."""
+    g = _group(mesh, dims)
+    if g.size == 1:
+        return tensor
+    ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
+    dist.broadcast(tensor, src=ranks[src_index], group=g.group)
+    _record("broadcast", mesh, dims, tensor.numel() * tensor.element_size())
+    return tensor

@@ -1,0 +1,63 @@
+"""PyTorch-style placements: what one mesh dimension does to a tensor.
+
+``Shard(d)`` splits tensor dim ``d`` across the mesh dim, ``Replicate()`` keeps a full copy on
+every rank of it, ``Partial(op)`` holds a partial value that the mesh dim reduces with ``op``.
+A list with one placement per mesh dim converts to and from a
+:class:`~devmesh.tensor.spec.ShardingSpec`, the form devmesh computes with; placements cannot
+state nesting (FSDP over TP splits a dim by ``tp`` first, then ``dp``), the spec can.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class Placement:
+    """Base class of the per-mesh-dim placements."""
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return isinstance(self, Shard) and (dim is None or self.dim == dim)
+
+    def is_replicate(self) -> bool:
+        return isinstance(self, Replicate)
+
+    def is_partial(self) -> bool:
+        return isinstance(self, Partial)
+
+
+@dataclass(frozen=True)
+class Shard(Placement):
+    """Split tensor dim ``dim`` across this mesh dim (uneven sizes follow ``torch.chunk``)."""
+
+    dim: int
+
+    def __repr__(self) -> str:
+        return f"Shard(dim={self.dim})"
+
+
+@dataclass(frozen=True)
+class Replicate(Placement):
+    """Every rank along this mesh dim holds the same full (along this dim) value."""
+
+    def __repr__(self) -> str:
+        return "Replicate()"
+
+
+@dataclass(frozen=True)
+class Partial(Placement):
+    """Every rank holds a partial value; the true value is their reduction with ``reduce_op``."""
+
+    reduce_op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.reduce_op not in REDUCE_OPS:
+            raise ValueError(
+                f"Partial reduce_op must be one of {REDUCE_OPS}, got {self.reduce_op!r}"
+            )
+
+    def __repr__(self) -> str:
+        return f"Partial({self.reduce_op})"

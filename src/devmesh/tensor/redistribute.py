@@ -1,0 +1,179 @@
+"""Running a plan on this rank's local block, and its autograd.
+
+Each step of a :class:`~devmesh.tensor.plan.Plan` maps to one call of :mod:`devmesh.comm` (or
+a local slice). Uneven blocks are padded to the largest block inside the collective and cut
+back right after, so padding never reaches the caller.
+
+Autograd follows DTensor's convention: the gradient of a tensor has the same layout as the
+tensor, with partial dims becoming replicated. The backward of ``redistribute(src -> dst)`` is
+``redistribute(grad: dst -> src)`` with that rule applied to both ends, so all-gather and
+reduce-scatter are each other's backward, all-to-all is its own (reversed), and the backward of
+resolving a partial (all-reduce) is the identity.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from devmesh import comm
+from devmesh.mesh import DeviceMesh
+from devmesh.tensor.plan import Plan, Step, plan_redistribute
+from devmesh.tensor.spec import ShardingSpec, chunk_bounds
+
+__all__ = ["execute", "redistribute_local"]
+
+
+def _sub_bounds(length: int, sizes: Sequence[int], index: Sequence[int]) -> tuple[int, int]:
+    """Bounds of the piece at ``index`` when ``length`` is split hierarchically by ``sizes``."""
+    start = 0
+    for k, i in zip(sizes, index):
+        offset, length = chunk_bounds(length, k, i)
+        start += offset
+    return start, length
+
+
+def _pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+    if tuple(t.shape) == tuple(shape):
+        return t
+    pad: list[int] = []
+    for have, want in reversed(list(zip(t.shape, shape))):
+        pad += [0, want - have]
+    return F.pad(t, pad)
+
+
+def _reduce_scatter(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
+    d, dims = step.tensor_dim, step.mesh_dims
+    sizes = [mesh.shape[m] for m in dims]
+    length = local.shape[d]
+    pieces = []
+    for index in itertools.product(*[range(k) for k in sizes]):
+        start, size = _sub_bounds(length, sizes, index)
+        pieces.append(local.narrow(d, start, size))
+    padded_len = max(p.shape[d] for p in pieces)
+    block = list(local.shape)
+    block[d] = padded_len
+    stacked = torch.stack([_pad_to(p, block) for p in pieces])
+    out = comm.reduce_scatter(stacked, mesh, dims, step.op or "sum")
+    mine = _sub_bounds(length, sizes, [coord[m] for m in dims])[1]
+    return out.narrow(d, 0, mine)
+
+
+def _all_reduce(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
+    return comm.all_reduce(local.clone(), mesh, step.mesh_dims, step.op or "sum")
+
+
+def _all_gather(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
+    before, after, dims = step.before, step.after, step.mesh_dims
+    gathered_dims = [d for d in range(before.ndim) if before.dim_map[d] != after.dim_map[d]]
+    padded = list(local.shape)
+    for d in gathered_dims:
+        region = after.local_bounds(coord)[d][1]
+        for m in before.dim_map[d][len(after.dim_map[d]):]:
+            region = -(-region // mesh.shape[m]) if region else 0
+        padded[d] = region
+    stacked = comm.all_gather(_pad_to(local, padded), mesh, dims)
+    sizes = [mesh.shape[m] for m in dims]
+    peers = []
+    for i, index in enumerate(itertools.product(*[range(k) for k in sizes])):
+        peer = list(coord)
+        for m, c in zip(dims, index):
+            peer[m] = c
+        peers.append((i, before.local_bounds(peer)))
+    region = after.local_bounds(coord)
+    if len(gathered_dims) == 1:  # pieces arrive in tensor order: concatenate
+        d = gathered_dims[0]
+        parts = [stacked[i].narrow(d, 0, bounds[d][1]) for i, bounds in peers]
+        return torch.cat(parts, dim=d)
+    out = local.new_empty([region[d][1] for d in range(before.ndim)])
+    for i, bounds in peers:
+        block = stacked[i]
+        target = out
+        for d in gathered_dims:
+            block = block.narrow(d, 0, bounds[d][1])
+            target = target.narrow(d, bounds[d][0] - region[d][0], bounds[d][1])
+        target.copy_(block)
+    return out
+
+
+def _all_to_all(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
+    (m,) = step.mesh_dims
+    source, target = step.source_dim, step.tensor_dim
+    k = mesh.shape[m]
+    length = local.shape[target]
+    chunks = [local.narrow(target, *chunk_bounds(length, k, j)) for j in range(k)]
+    mine = chunk_bounds(length, k, coord[m])[1]
+    recv_shapes = []
+    for j in range(k):
+        peer = list(coord)
+        peer[m] = j
+        shape = list(local.shape)
+        shape[source] = step.before.local_bounds(peer)[source][1]
+        shape[target] = mine
+        recv_shapes.append(shape)
+    parts = comm.all_to_all(chunks, mesh, (m,), recv_shapes)
+    return torch.cat(parts, dim=source)
+
+
+def _chunk(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
+    out = local
+    for d in range(step.before.ndim):
+        new = step.after.dim_map[d][len(step.before.dim_map[d]):]
+        if new:
+            start, size = _sub_bounds(out.shape[d], [mesh.shape[m] for m in new],
+                                      [coord[m] for m in new])
+            out = out.narrow(d, start, size)
+    return out.clone(memory_format=torch.contiguous_format)
+
+
+def _make_partial(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
+    zero = any(step.after.partial_op(m) == "sum" and coord[m] != 0 for m in step.mesh_dims)
+    return torch.zeros_like(local) if zero else local
+
+
+_APPLY = {
+    "reduce_scatter": _reduce_scatter,
+    "all_reduce": _all_reduce,
+    "all_gather": _all_gather,
+    "all_to_all": _all_to_all,
+    "chunk": _chunk,
+    "make_partial": _make_partial,
+}
+
+
+def execute(local: torch.Tensor, mesh: DeviceMesh, plan: Plan) -> torch.Tensor:
+    """Apply ``plan`` to this rank's block (no autograd)."""
+    coord = mesh.get_coordinate()
+    assert coord is not None
+    for step in plan.steps:
+        local = _APPLY[step.kind](local, mesh, coord, step)
+    return local
+
+
+def _grad_spec(spec: ShardingSpec) -> ShardingSpec:
+    return spec.replace(partial=()) if spec.partial else spec
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, mesh, src, dst):  # type: ignore[override]
+        ctx.mesh, ctx.src, ctx.dst = mesh, src, dst
+        return execute(local, mesh, plan_redistribute(src, dst, local.element_size()))
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[override]
+        src, dst = _grad_spec(ctx.dst), _grad_spec(ctx.src)
+        grad = execute(grad.contiguous(), ctx.mesh, plan_redistribute(src, dst, grad.element_size()))
+        return grad, None, None, None
+
+
+def redistribute_local(
+    local: torch.Tensor, mesh: DeviceMesh, src: ShardingSpec, dst: ShardingSpec
+) -> torch.Tensor:
+    """This rank's block of ``dst`` from its block of ``src``; differentiable."""
+    if src == dst:
+        return local
+    return _Redistribute.apply(local, mesh, src, dst)
