@@ -1,0 +1,167 @@
+"""Pure tests of sharding specs and redistribution plans (no processes)."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from devmesh.layout import MeshLayout
+from devmesh.tensor import (
+    NestedShardingError, Partial, Replicate, Shard, ShardingSpec, ShardingSpecError,
+    explain_redistribute, plan_redistribute,
+)
+from devmesh.tensor.spec import chunk_bounds
+from devmesh.viz import sharding_blocks, visualize_sharding
+
+
+@given(st.integers(0, 40), st.integers(1, 9))
+def test_chunk_bounds_follow_torch_chunk(length, parts):
+    pieces = torch.arange(length).chunk(parts) if length else ()
+    for i in range(parts):
+        start, size = chunk_bounds(length, parts, i)
+        expected = pieces[i].tolist() if i < len(pieces) else []
+        assert list(range(start, start + size)) == expected
+
+
+def _reference_block(spec: ShardingSpec, coord) -> list[list[int]]:
+    """Nested torch.chunk on index ranges, level by level: the definition of a spec."""
+    out = []
+    for d, dims in enumerate(spec.dim_map):
+        idx = torch.arange(spec.global_shape[d])
+        for m in dims:
+            pieces = idx.chunk(spec.mesh_shape[m]) if idx.numel() else ()
+            c = coord[m]
+            idx = pieces[c] if c < len(pieces) else torch.arange(0)
+        out.append(idx.tolist())
+    return out
+
+
+@st.composite
+def specs(draw, mesh_shape=None, global_shape=None):
+    mesh_shape = mesh_shape or tuple(draw(st.lists(st.integers(1, 4), min_size=1, max_size=3)))
+    global_shape = global_shape or tuple(draw(st.lists(st.integers(0, 9), min_size=1, max_size=3)))
+    dim_map = [[] for _ in global_shape]
+    partial = []
+    for m in draw(st.permutations(range(len(mesh_shape)))):
+        choice = draw(st.integers(-2, len(global_shape) - 1))
+        if choice >= 0:
+            dim_map[choice].append(m)
+        elif choice == -1:
+            partial.append((m, draw(st.sampled_from(["sum", "max"]))))
+    return ShardingSpec(mesh_shape, global_shape, tuple(map(tuple, dim_map)), tuple(partial))
+
+
+@settings(max_examples=200, deadline=None)
+@given(specs())
+def test_local_bounds_match_nested_chunk_reference(spec):
+    for coord in itertools.product(*[range(s) for s in spec.mesh_shape]):
+        bounds = spec.local_bounds(coord)
+        ref = _reference_block(spec, coord)
+        assert [list(range(s, s + n)) for s, n in bounds] == ref
+        assert all(n <= mx for (_, n), mx in zip(bounds, spec.max_local_shape()))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_every_plan_reaches_its_destination_with_few_collectives(data):
+    src = data.draw(specs())
+    dst = data.draw(specs(mesh_shape=src.mesh_shape, global_shape=src.global_shape))
+    plan = plan_redistribute(src, dst)  # asserts internally that the last spec == dst
+    spec = src
+    for step in plan.steps:
+        assert step.before == spec
+        spec = step.after
+    assert spec == dst
+    # at most: one all-to-all per mesh dim, reductions, one all-gather
+    assert plan.collectives <= len(src.mesh_shape) + 2
+    assert sum(s.kind == "all_gather" for s in plan.steps) <= 1
+
+
+MESH = (2, 4)
+NAMES = ("dp", "tp")
+
+
+def spec_of(placements, shape=(64, 32)):
+    return ShardingSpec.from_placements(placements, MESH, shape, NAMES)
+
+
+@pytest.mark.parametrize(
+    "src, dst, kinds, nbytes",
+    [
+        ([Replicate(), Shard(0)], [Replicate(), Replicate()], ["all_gather"], 64 * 32 * 4),
+        ([Replicate(), Partial()], [Replicate(), Replicate()], ["all_reduce"], 64 * 32 * 4),
+        ([Replicate(), Partial()], [Replicate(), Shard(0)], ["reduce_scatter"], 64 * 32 * 4),
+        ([Replicate(), Shard(0)], [Replicate(), Shard(1)], ["all_to_all"], 64 * 32 * 4 // 4),
+        ([Replicate(), Replicate()], [Shard(0), Shard(1)], ["chunk"], 0),
+        ([Shard(0), Shard(0)], [Replicate(), Replicate()], ["all_gather"], 64 * 32 * 4),
+        ([Partial(), Partial()], [Shard(0), Shard(0)], ["reduce_scatter"], 64 * 32 * 4),
+        ([Partial(), Partial()], [Replicate(), Replicate()], ["all_reduce"], 64 * 32 * 4),
+        ([Shard(0), Shard(1)], [Replicate(), Replicate()], ["all_gather"], 64 * 32 * 4),
+        ([Replicate(), Replicate()], [Replicate(), Partial()], ["make_partial"], 0),
+    ],
+)
+def test_standard_transitions_use_one_step_and_minimal_bytes(src, dst, kinds, nbytes):
+    plan = plan_redistribute(spec_of(src), spec_of(dst))
+    assert [s.kind for s in plan.steps] == kinds
+    assert plan.nbytes == nbytes
+
+
+def test_nested_fsdp_over_tp_gathers_once_in_tensor_order():
+    nested = ShardingSpec.build(MESH, (64, 32), {0: ("tp", "dp")}, mesh_dim_names=NAMES)
+    plan = plan_redistribute(nested, nested.replicated())
+    assert [(s.kind, s.mesh_dims) for s in plan.steps] == [("all_gather", (1, 0))]
+    assert plan.nbytes == 64 * 32 * 4
+    text = explain_redistribute(nested, nested.replicated())
+    assert "all_gather over (tp, dp), 8,192 bytes" in text and "1 collective(s)" in text
+    with pytest.raises(NestedShardingError, match=r"split by \(tp, dp\)"):
+        nested.placements()
+
+
+def test_placements_round_trip_and_errors():
+    spec = spec_of([Shard(1), Partial("max")])
+    assert spec.placements() == (Shard(1), Partial("max"))
+    assert spec.dim_map == ((), (0,)) and spec.partial == ((1, "max"),)
+    assert str(spec) == "(64, 32): dim 1 split by (dp); partial max over tp"
+    with pytest.raises(ShardingSpecError, match="3 placements for a 2-D mesh"):
+        spec_of([Shard(0), Shard(0), Shard(0)])
+    with pytest.raises(ShardingSpecError, match="has no dim 2"):
+        spec_of([Shard(2), Replicate()])
+    with pytest.raises(ShardingSpecError, match="used twice"):
+        ShardingSpec(MESH, (4, 4), ((0,), (0,)))
+    with pytest.raises(ValueError, match="reduce_op must be one of"):
+        Partial("prod")
+    with pytest.raises(ShardingSpecError, match="shape"):
+        plan_redistribute(spec_of([Shard(0), Replicate()]),
+                          spec_of([Shard(0), Replicate()], shape=(8, 8)))
+
+
+def test_visualize_nested_sharding_text_and_png(tmp_path):
+    layout = MeshLayout(MESH, NAMES)
+    nested = ShardingSpec.build(MESH, (16, 4), {0: ("tp", "dp")}, mesh_dim_names=NAMES)
+    blocks = sharding_blocks(nested, layout)
+    # tp piece t holds rows 4t..4t+4; dp splits it: rank (dp=d, tp=t) holds rows 4t+2d..+2
+    assert blocks[((2, 2), (0, 4))] == [4]
+    assert blocks[((4, 2), (0, 4))] == [1]
+    text = visualize_sharding(nested, layout, show=False, to_file=str(tmp_path / "s.png"))
+    assert "dim 0 split by (tp, dp)" in text
+    lines = text.splitlines()
+    assert lines[2].split("|")[1].strip() == "ranks 0" and lines[3].split("|")[1].strip() == "ranks 4"
+    png = tmp_path / "s.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp.png"))
+    replicated = visualize_sharding(
+        ShardingSpec.from_placements([Shard(0), Replicate()], MESH, (6,), NAMES), layout,
+        show=False)
+    assert "ranks 0,1,2,3" in replicated and "ranks 4,5,6,7" in replicated
+    with pytest.raises(ShardingSpecError, match="1-D and 2-D"):
+        visualize_sharding(ShardingSpec(MESH, (2, 2, 2), ((), (), ())), layout, show=False)
+
+
+def test_plan_is_cheap_enough_to_cache():
+    a, b = spec_of([Shard(0), Shard(1)]), spec_of([Shard(1), Shard(0)])
+    assert plan_redistribute(a, b) is plan_redistribute(a, b)
+    assert math.prod(a.max_local_shape()) * 8 == 64 * 32
