@@ -14,6 +14,7 @@ resolving a partial (all-reduce) is the identity.
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Sequence
 
 import torch
@@ -49,14 +50,17 @@ def _reduce_scatter(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) ->
     d, dims = step.tensor_dim, step.mesh_dims
     sizes = [mesh.shape[m] for m in dims]
     length = local.shape[d]
-    pieces = []
-    for index in itertools.product(*[range(k) for k in sizes]):
-        start, size = _sub_bounds(length, sizes, index)
-        pieces.append(local.narrow(d, start, size))
-    padded_len = max(p.shape[d] for p in pieces)
-    block = list(local.shape)
-    block[d] = padded_len
-    stacked = torch.stack([_pad_to(p, block) for p in pieces])
+    k = math.prod(sizes)
+    if d == 0 and length % k == 0 and local.is_contiguous():  # already laid out by block
+        stacked = local.view(k, length // k, *local.shape[1:])
+    else:
+        pieces = []
+        for index in itertools.product(*[range(n) for n in sizes]):
+            start, size = _sub_bounds(length, sizes, index)
+            pieces.append(local.narrow(d, start, size))
+        block = list(local.shape)
+        block[d] = max(p.shape[d] for p in pieces)
+        stacked = torch.stack([_pad_to(p, block) for p in pieces])
     out = comm.reduce_scatter(stacked, mesh, dims, step.op or "sum")
     mine = _sub_bounds(length, sizes, [coord[m] for m in dims])[1]
     return out.narrow(d, 0, mine)
@@ -86,6 +90,8 @@ def _all_gather(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> tor
     region = after.local_bounds(coord)
     if len(gathered_dims) == 1:  # pieces arrive in tensor order: concatenate
         d = gathered_dims[0]
+        if d == 0 and all(bounds[0][1] == padded[0] for _, bounds in peers):
+            return stacked.reshape(-1, *stacked.shape[2:])  # already contiguous in order
         parts = [stacked[i].narrow(d, 0, bounds[d][1]) for i, bounds in peers]
         return torch.cat(parts, dim=d)
     out = local.new_empty([region[d][1] for d in range(before.ndim)])
