@@ -39,6 +39,8 @@ __all__ = [
     "reduce_scatter",
     "all_to_all",
     "broadcast",
+    "all_reduce_async",
+    "Pending",
 ]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -200,6 +202,33 @@ def all_reduce(
     if op == "avg":
         tensor /= g.size
     return tensor
+
+
+class Pending:
+    """An asynchronous collective in flight; ``wait()`` returns its result."""
+
+    def __init__(self, work, result: torch.Tensor, divide_by: int = 1) -> None:
+        self._work, self._result, self._divide_by = work, result, divide_by
+
+    def wait(self) -> torch.Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            if self._divide_by != 1:
+                self._result /= self._divide_by
+        return self._result
+
+
+def all_reduce_async(
+    tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], op: str = "sum"
+) -> Pending:
+    """Start an in-place all-reduce; overlap it with other work, then ``wait()``."""
+    g = _group(mesh, dims)
+    if g.size == 1:
+        return Pending(None, tensor)
+    work = dist.all_reduce(tensor, op=_OPS[op], group=g.group, async_op=True)
+    _record("all_reduce", mesh, dims, tensor.numel() * tensor.element_size())
+    return Pending(work, tensor, g.size if op == "avg" else 1)
 
 
 def all_to_all(

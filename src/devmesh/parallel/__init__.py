@@ -1,0 +1,17 @@
+"""Parallelisms on a mesh: replicate (DDP), fully_shard (FSDP, HSDP), tensor parallelism."""
+
+from devmesh.parallel.fully_shard import FSDPUnit, MixedPrecisionPolicy, fully_shard
+from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
+from devmesh.parallel.replicate import replicate
+from devmesh.parallel.tensor_parallel import (
+    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
+    SequenceParallel, parallelize_module,
+)
+from devmesh.parallel.utils import clip_grad_norm_, describe, state_dict
+
+__all__ = [
+    "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "replicate", "parallelize_module",
+    "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "clip_grad_norm_", "state_dict", "describe",
+    "get_layout", "as_sharded", "ParallelizeError",
+]

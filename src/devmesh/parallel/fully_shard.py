@@ -1,0 +1,253 @@
+"""FSDP2-style ``fully_shard``: per-parameter sharding on dim 0, HSDP on a 2-D mesh.
+
+Each call makes one *unit* of the parameters of ``module`` not already in a child unit.
+Every parameter is replaced by a plain ``nn.Parameter`` holding this rank's rows (uneven sizes
+follow ``torch.chunk``), with its spec attached. Around the unit's forward:
+
+* before: all parameters of the unit are gathered in **one** collective (their padded shards
+  packed into one buffer), in ``mp_policy.param_dtype`` if given;
+* after: with ``reshard_after_forward`` the full parameters are dropped; tensors autograd saved
+  for backward are replaced by a handle (saved-tensor hooks) and the unit gathers again, once,
+  when backward first needs them;
+* backward: the unit's gradients are reduce-scattered (averaged over the shard dim) in one
+  collective, in ``mp_policy.reduce_dtype``; on a 2-D ``(replicate, shard)`` mesh they are then
+  all-reduced (averaged) over the replicate dim: hybrid sharding.
+
+Applied after tensor parallelism, the unit shards each parameter's TP-local block, and the
+spec records dim 0 as split by ``("tp", "dp")``, so ``full_tensor()`` reassembles exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from devmesh import comm
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.param import ParallelizeError, combined_mesh, get_layout, set_layout
+from devmesh.tensor import ShardingSpec
+from devmesh.tensor.spec import chunk_bounds
+
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit"]
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """``param_dtype``: dtype of the gathered parameters (compute); ``reduce_dtype``: dtype of
+    gradient reduction. Sharded parameters (the optimizer's master copy) keep their dtype."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+
+
+@dataclass
+class _Param:
+    module: nn.Module
+    name: str
+    sharded: nn.Parameter
+    full_shape: tuple[int, ...]  # the (TP-local) shape FSDP shards
+    padded_rows: int
+    shape: tuple[int, ...]  # the parameter's own shape (differs for 0-d parameters)
+
+    @property
+    def row_numel(self) -> int:
+        n = 1
+        for s in self.full_shape[1:]:
+            n *= s
+        return n
+
+    @property
+    def padded_numel(self) -> int:
+        return self.padded_rows * self.row_numel
+
+
+class FSDPUnit:
+    """The parameters of one ``fully_shard`` call and the hooks that gather and reduce them."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
+                 mp_policy: MixedPrecisionPolicy | None) -> None:
+        if mesh.ndim not in (1, 2):
+            raise ParallelizeError(
+                f"fully_shard needs a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh!r}"
+            )
+        if mesh.get_coordinate() is None:
+            raise ParallelizeError(f"rank {mesh.get_rank()} is not part of {mesh!r}")
+        self.mesh = mesh
+        self.shard_dim = mesh.ndim - 1
+        self.replicate_dims = tuple(range(mesh.ndim - 1))
+        self.k = mesh.shape[self.shard_dim]
+        self.index = mesh.get_coordinate()[self.shard_dim]
+        self.reshard_after_forward = reshard_after_forward
+        self.mp = mp_policy or MixedPrecisionPolicy()
+        self.params: list[_Param] = []
+        self._full: list[torch.Tensor] | None = None  # gathered for backward (resharded case)
+        self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._collect(module)
+
+    # -- setup -----------------------------------------------------------------------------
+    def _collect(self, root: nn.Module) -> None:
+        seen: set[int] = set()
+
+        def visit(module: nn.Module) -> None:
+            if module is not root and getattr(module, "_devmesh_fsdp", None) is not None:
+                return  # a child unit owns this subtree
+            for name, param in list(module._parameters.items()):
+                if param is None or id(param) in seen:
+                    continue
+                seen.add(id(param))
+                self._shard(module, name, param)
+            for child in module.children():
+                visit(child)
+
+        visit(root)
+
+    def _shard(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+        shape = tuple(param.shape)
+        data = param.detach().reshape(-1) if param.ndim == 0 else param.detach()
+        full_shape = tuple(data.shape)
+        start, size = chunk_bounds(full_shape[0], self.k, self.index)
+        local = data.narrow(0, start, size).clone()
+        new = nn.Parameter(local, requires_grad=param.requires_grad)
+        new._devmesh_fsdp_owned = True  # type: ignore[attr-defined]
+        self._attach_spec(new, param, full_shape)
+        module._parameters[name] = new
+        padded_rows = -(-full_shape[0] // self.k) if full_shape[0] else 0
+        self.params.append(_Param(module, name, new, full_shape, padded_rows, shape))
+
+    def _attach_spec(self, new: nn.Parameter, old: nn.Parameter, full_shape) -> None:
+        tp = get_layout(old)
+        names = self.mesh.mesh_dim_names
+        if tp is None:
+            spec = ShardingSpec(self.mesh.shape, full_shape,
+                                ((self.shard_dim,),) + ((),) * (len(full_shape) - 1),
+                                mesh_dim_names=names)
+            set_layout(new, self.mesh, spec)
+            return
+        mesh = combined_mesh(tp.mesh, self.mesh)
+        index = {n: i for i, n in enumerate(mesh.mesh_dim_names)}
+        old_names = tp.mesh.mesh_dim_names
+        dim_map = [tuple(index[old_names[m]] for m in dims) for dims in tp.spec.dim_map]
+        dim_map[0] = dim_map[0] + (index[names[self.shard_dim]],)
+        spec = ShardingSpec(mesh.shape, tp.spec.global_shape, tuple(dim_map),
+                            mesh_dim_names=mesh.mesh_dim_names)
+        set_layout(new, mesh, spec)
+
+    # -- communication ---------------------------------------------------------------------
+    def gather(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All parameters of the unit, unsharded, from one all-gather."""
+        dtype = self.mp.param_dtype or shards[0].dtype
+        flat = []
+        for p, shard in zip(self.params, shards):
+            piece = shard.detach().to(dtype).reshape(-1)
+            pad = p.padded_numel - piece.numel()
+            flat.append(piece if pad == 0 else torch.cat([piece, piece.new_zeros(pad)]))
+        buffer = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
+        stacked = comm.all_gather(buffer, self.mesh, (self.shard_dim,))
+        out, offset = [], 0
+        for p in self.params:
+            rows = []
+            for j in range(self.k):
+                size = chunk_bounds(p.full_shape[0], self.k, j)[1]
+                rows.append(stacked[j, offset: offset + size * p.row_numel])
+            full = torch.cat(rows).view(p.full_shape)
+            out.append(full)
+            offset += p.padded_numel
+        return out
+
+    def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+        """Reduce-scatter (average) all gradients of the unit in one collective; HSDP adds one
+        all-reduce over the replicate dims."""
+        dtype = self.mp.reduce_dtype or self.params[0].sharded.dtype
+        per_peer = [[] for _ in range(self.k)]
+        for p, grad in zip(self.params, grads):
+            g = torch.zeros(p.full_shape, dtype=dtype) if grad is None else grad.to(dtype)
+            for j in range(self.k):
+                start, size = chunk_bounds(p.full_shape[0], self.k, j)
+                piece = g.narrow(0, start, size).reshape(-1)
+                pad = p.padded_numel - piece.numel()
+                per_peer[j].append(piece if pad == 0 else torch.cat([piece, piece.new_zeros(pad)]))
+        stacked = torch.stack([torch.cat(pieces) for pieces in per_peer])
+        mine = comm.reduce_scatter(stacked, self.mesh, (self.shard_dim,), "avg")
+        if self.replicate_dims:
+            comm.all_reduce(mine, self.mesh, self.replicate_dims, "avg")
+        out, offset = [], 0
+        for p in self.params:
+            size = chunk_bounds(p.full_shape[0], self.k, self.index)[1]
+            local = mine[offset: offset + size * p.row_numel].view(size, *p.full_shape[1:])
+            out.append(local.to(p.sharded.dtype).view(p.sharded.shape))
+            offset += p.padded_numel
+        self._full = None  # backward of this unit is done: drop the re-gathered parameters
+        return out
+
+    # -- hooks -----------------------------------------------------------------------------
+    def pre_forward(self, module: nn.Module, args):
+        shards = [p.sharded for p in self.params]
+        if not shards:
+            return None
+        fulls = _Unshard.apply(self, *shards)
+        for p, full in zip(self.params, fulls):
+            p.module._parameters[p.name] = full.view(p.shape)
+        if self.reshard_after_forward and torch.is_grad_enabled():
+            storages = {f.untyped_storage().data_ptr(): i for i, f in enumerate(fulls)}
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(
+                lambda t: self._pack(t, storages), self._unpack)
+            self._hooks.__enter__()
+        return None
+
+    def post_forward(self, module: nn.Module, args, output):
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+        for p in self.params:
+            p.module._parameters[p.name] = p.sharded
+        return output
+
+    def _pack(self, t: torch.Tensor, storages: dict[int, int]):
+        index = storages.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        if index is None:
+            return t
+        return (_HANDLE, index, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+
+    def _unpack(self, packed):
+        if not (isinstance(packed, tuple) and packed and packed[0] is _HANDLE):
+            return packed
+        _, index, shape, stride, offset, dtype = packed
+        if self._full is None:
+            with torch.no_grad():
+                self._full = self.gather([p.sharded for p in self.params])
+        return self._full[index].as_strided(shape, stride, offset)
+
+
+_HANDLE = object()
+
+
+class _Unshard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, unit: FSDPUnit, *shards):  # type: ignore[override]
+        ctx.unit = unit
+        return tuple(unit.gather(list(shards)))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None, *ctx.unit.reduce_grads(list(grads)))
+
+
+def fully_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    reshard_after_forward: bool = True,
+    mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
+    """Shard ``module``'s parameters over ``mesh`` (FSDP2's API): apply to submodules first,
+    then to the root. Returns ``module``; ``module._devmesh_fsdp`` is its unit."""
+    if getattr(module, "_devmesh_fsdp", None) is not None:
+        raise ParallelizeError(f"fully_shard was already applied to this {type(module).__name__}")
+    unit = FSDPUnit(module, mesh, reshard_after_forward, mp_policy)
+    module._devmesh_fsdp = unit  # type: ignore[attr-defined]
+    module.register_forward_pre_hook(unit.pre_forward)
+    module.register_forward_hook(unit.post_forward)
+    return module
+

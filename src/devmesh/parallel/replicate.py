@@ -1,0 +1,118 @@
+"""``replicate``: data parallelism (DDP) over a mesh of one or several dims.
+
+Parameters and buffers are broadcast from the mesh's first rank (one collective), so every
+replica starts equal. During backward, gradients are packed into buckets (in the reverse order
+of registration, about the order backward produces them); as soon as a bucket's gradients are
+all accumulated, its all-reduce (averaging over the flattened group of the mesh's dims) starts
+asynchronously, overlapping the rest of backward. At the end of backward every bucket is
+waited on and copied back into ``param.grad``.
+
+Parameters already sharded by tensor parallelism keep their layout: DDP replicates over the
+given (data-parallel) mesh only.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from devmesh import comm
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.param import ParallelizeError, get_layout, set_layout
+from devmesh.tensor import ShardingSpec
+
+__all__ = ["replicate", "DataParallelState"]
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.params = params
+        self.ready = 0
+        self.pending: comm.Pending | None = None
+        self.buffer: torch.Tensor | None = None
+
+
+class DataParallelState:
+    """Buckets and hooks of one ``replicate`` call."""
+
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float) -> None:
+        if mesh.get_coordinate() is None:
+            raise ParallelizeError(f"rank {mesh.get_rank()} is not part of {mesh!r}")
+        self.mesh = mesh
+        self.dims = tuple(range(mesh.ndim))
+        params = [p for p in module.parameters() if p.requires_grad]
+        self._broadcast(module)
+        cap = int(bucket_cap_mb * 2**20)
+        self.buckets: list[_Bucket] = []
+        current: list[nn.Parameter] = []
+        size = 0
+        for p in reversed(params):
+            current.append(p)
+            size += p.numel() * p.element_size()
+            if size >= cap:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current))
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self._callback_queued = False
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad)
+            if get_layout(p) is None:
+                spec = ShardingSpec(mesh.shape, tuple(p.shape), ((),) * p.ndim,
+                                    mesh_dim_names=mesh.mesh_dim_names)
+                set_layout(p, mesh, spec)
+
+    def _broadcast(self, module: nn.Module) -> None:
+        tensors = [t for t in list(module.parameters()) + list(module.buffers())
+                   if torch.is_floating_point(t)]
+        if not tensors or self.mesh.size() == 1:
+            return
+        with torch.no_grad():
+            flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
+            comm.broadcast(flat, self.mesh, self.dims, 0)
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+        bucket = self.bucket_of[id(param)]
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        bucket.buffer = torch.cat([g.reshape(-1) for g in grads])
+        bucket.pending = comm.all_reduce_async(bucket.buffer, self.mesh, self.dims, "avg")
+
+    def _finish(self) -> None:
+        self._callback_queued = False
+        for bucket in self.buckets:
+            if bucket.pending is None:  # some parameter got no gradient: reduce anyway
+                self._launch(bucket)
+        for bucket in self.buckets:
+            assert bucket.pending is not None and bucket.buffer is not None
+            flat = bucket.pending.wait()
+            offset = 0
+            for p in bucket.params:
+                chunk = flat[offset: offset + p.numel()].view_as(p)
+                if p.grad is None:
+                    p.grad = chunk.clone()
+                else:
+                    p.grad.copy_(chunk)
+                offset += p.numel()
+            bucket.pending, bucket.buffer, bucket.ready = None, None, 0
+
+
+def replicate(module: nn.Module, *, mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> nn.Module:
+    """Data-parallel ``module`` over ``mesh`` (all of its dims): gradients are averaged.
+    Returns ``module``; ``module._devmesh_ddp`` holds the state."""
+    if getattr(module, "_devmesh_ddp", None) is not None:
+        raise ParallelizeError("replicate was already applied to this module")
+    module._devmesh_ddp = DataParallelState(module, mesh, bucket_cap_mb)  # type: ignore[attr-defined]
+    return module

@@ -1,0 +1,119 @@
+"""Helpers that need the global picture of sharded parameters: they read the attached spec.
+
+* ``clip_grad_norm_``: the total gradient norm over all shards (each mesh dim that splits a
+  parameter is summed over once; replicated dims are not double counted), then scaling;
+* ``state_dict(model, full=True)``: full tensors on every rank (one collective per sharded
+  parameter), or ``full=False``: ``ShardedTensor``s without communication;
+* ``describe(model)``: every parameter's global shape, spec, local shape and bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from devmesh import comm
+from devmesh.parallel.param import as_sharded, get_layout
+from devmesh.tensor import ShardedTensor
+
+__all__ = ["clip_grad_norm_", "state_dict", "describe"]
+
+
+def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Module, max_norm: float,
+                    norm_type: float = 2.0) -> torch.Tensor:
+    """Clip gradients by their global norm; returns the norm (same value on every rank)."""
+    params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+    grads = [p for p in params if p.grad is not None]
+    groups: dict[tuple, list[nn.Parameter]] = defaultdict(list)
+    meshes = {}
+    for p in grads:
+        layout = get_layout(p)
+        if layout is None:
+            groups[("local",)].append(p)
+            continue
+        dims = tuple(sorted(m for d in layout.spec.dim_map for m in d))
+        key = (repr(layout.mesh), dims)
+        meshes[key] = layout.mesh
+        groups[key].append(p)
+    total = torch.zeros((), dtype=torch.float64)
+    for key in sorted(groups, key=repr):
+        part = sum((p.grad.detach().double().abs() ** norm_type).sum() for p in groups[key])
+        part = torch.as_tensor(part, dtype=torch.float64).reshape(1)
+        if key != ("local",) and key[1]:
+            comm.all_reduce(part, meshes[key], key[1])
+        total += part[0]
+    norm = total ** (1.0 / norm_type)
+    coef = max_norm / (float(norm) + 1e-6)
+    if coef < 1:
+        for p in grads:
+            p.grad.detach().mul_(coef)
+    return norm.to(torch.float32)
+
+
+def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor | ShardedTensor]:
+    """Parameters and buffers by name: full tensors (``full=True``) or ShardedTensors."""
+    out: dict[str, torch.Tensor | ShardedTensor] = {}
+    for name, p in model.named_parameters():
+        sharded = as_sharded(p)
+        if sharded is None:
+            out[name] = p.detach().clone()
+        elif full:
+            out[name] = sharded.full_tensor().reshape(_global_shape(p, sharded))
+        else:
+            out[name] = sharded
+    for name, b in model.named_buffers():
+        out[name] = b.detach().clone()
+    return out
+
+
+def _global_shape(p: nn.Parameter, sharded: ShardedTensor) -> tuple[int, ...]:
+    shape = tuple(sharded.shape)
+    return () if p.ndim == 0 and shape == (1,) else shape
+
+
+def describe(model: nn.Module, *, to_file: str | None = None) -> str:
+    """A table of every parameter: global shape, spec, this rank's local shape and bytes."""
+    rows = [("parameter", "global shape", "layout", "local shape", "local bytes")]
+    total_local = total_global = 0
+    for name, p in model.named_parameters():
+        layout = get_layout(p)
+        global_shape = tuple(layout.spec.global_shape) if layout else tuple(p.shape)
+        what = str(layout.spec).split(": ", 1)[1] if layout else "not distributed"
+        nbytes = p.numel() * p.element_size()
+        total_local += nbytes
+        total_global += math.prod(global_shape) * p.element_size()
+        rows.append((name, str(global_shape), what, str(tuple(p.shape)), f"{nbytes:,}"))
+    rows.append(("total", "", "", "", f"{total_local:,} of {total_global:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    text = "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows)
+    if to_file:
+        _describe_png(rows[1:-1], to_file)
+    return text
+
+
+def _describe_png(rows, path: str) -> None:
+    import os
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r[0] for r in rows]
+    local = [int(r[4].replace(",", "")) for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.4 * len(rows) + 1.5))
+    ax.barh(names, local, color="tab:blue")
+    for i, r in enumerate(rows):
+        ax.text(local[i], i, f"  {r[2]}", va="center", fontsize=7)
+    ax.invert_yaxis()
+    ax.set_xlabel("bytes on this rank")
+    ax.set_title("parameters on this rank")
+    fig.tight_layout()
+    tmp = f"{path}.tmp.png"
+    fig.savefig(tmp, dpi=100)
+    plt.close(fig)
+    os.replace(tmp, path)
