@@ -129,7 +129,7 @@ _group_cache: dict[tuple, _Group] = {}
 
 def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
     """This rank's group over ``dims`` (flattened, major to minor as given), cached."""
-    key = (mesh.layout, mesh.get_rank(), tuple(dims), mesh.timeout, id(dist.group.WORLD))
+    key = (mesh.layout, mesh.get_rank(), tuple(dims), mesh.timeout, groups.generation())
     found = _group_cache.get(key)
     if found is not None:
         return found

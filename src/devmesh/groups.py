@@ -42,11 +42,15 @@ GroupKey = tuple[tuple[int, ...], "str | None", "datetime.timedelta | None"]
 DEFAULT_AGREEMENT_TIMEOUT = datetime.timedelta(seconds=300)
 
 
+_generations = itertools.count()
+
+
 class _Cache:
     """Groups of the current world. Rebuilt when the default process group changes."""
 
     def __init__(self, world: object) -> None:
         self.world = world
+        self.generation = next(_generations)
         self.groups: dict[GroupKey, ProcessGroup] = {}
         self.created = 0
         self.agreements = itertools.count()
@@ -61,6 +65,12 @@ def _current() -> _Cache:
     if _cache is None or _cache.world is not world:
         _cache = _Cache(world)
     return _cache
+
+
+def generation() -> int:
+    """A number that changes whenever the world (default process group) changes: caches of
+    anything derived from groups key on it."""
+    return _current().generation
 
 
 def reset() -> None:
