@@ -8,7 +8,6 @@ and at the end every full parameter (``state_dict(full=True)``) must equal the r
 from __future__ import annotations
 
 import copy
-import math
 
 import pytest
 import torch
@@ -140,3 +139,88 @@ def test_matches_single_process_training(mesh_pool, strategy, optimizer):
     if strategy == "fsdp+tp":  # weight 0 (20x12): TP rows 5 each, FSDP halves: 3 + 2
         numels = [r[4] for r in results]
         assert numels[0]["0.weight"] == 3 * 12 and numels[4]["0.weight"] == 2 * 12
+
+
+def collectives_per_step(name, reshard=True):
+    world, shape, names = STRATEGIES[name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = make_model()
+    if name.startswith("fsdp") or name == "hsdp":
+        for i in (0, 2, 4):
+            fully_shard(model[i], mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    else:
+        apply_strategy(name, model, mesh)
+    x = torch.randn(8, 12)
+    with comm_stats() as stats:
+        model(x).sum().backward()
+    return stats.by_collective()
+
+
+def test_collective_counts_per_step(mesh_pool):
+    # FSDP, 3 units with parameters: gather in forward; gather again in backward
+    # (reshard_after_forward) only where backward needs the weight: not for the first layer,
+    # whose input needs no gradient; one reduce-scatter per unit
+    fsdp = mesh_pool.run(collectives_per_step, 4, "fsdp")[0]
+    assert fsdp["all_gather"][0] == 5 and fsdp["reduce_scatter"][0] == 3
+    assert "all_reduce" not in fsdp
+    kept = mesh_pool.run(collectives_per_step, 2, "fsdp_no_reshard", False)[0]
+    assert kept["all_gather"][0] == 3 and kept["reduce_scatter"][0] == 3
+    hsdp = mesh_pool.run(collectives_per_step, 8, "hsdp")[0]
+    assert hsdp["reduce_scatter"][0] == 3 and hsdp["all_reduce"][0] == 3
+    ddp = mesh_pool.run(collectives_per_step, 4, "ddp")[0]
+    assert ddp == {"all_reduce": (1, 4 * sum(p.numel() for p in make_model().parameters()))}
+    tp = mesh_pool.run(collectives_per_step, 4, "tp")[0]
+    # one all-reduce in forward (rowwise output: batch 8 x 14 features, fp32); none in backward:
+    # the input needs no gradient, so colwise's input all-reduce never runs
+    assert tp == {"all_reduce": (1, 8 * 14 * 4)}
+
+
+def fsdp_memory_and_helpers(tmp):
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = make_model()
+    full_bytes = sum(p.numel() * 4 for p in model.parameters())
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    local_bytes = sum(p.numel() * 4 for p in model.parameters())
+    F.cross_entropy(model(torch.randn(8, 12)), torch.zeros(8, dtype=torch.long)).backward()
+    norm = clip_grad_norm_(model.parameters(), max_norm=1e-3)
+    local_sq = sum((p.grad ** 2).sum() for p in model.parameters())
+    text = describe(model, to_file=f"{tmp}/describe{torch.distributed.get_rank()}.png")
+    return full_bytes, local_bytes, float(norm), float(local_sq), text
+
+
+def test_fsdp_memory_clip_and_describe(mesh_pool, tmp_path):
+    results = mesh_pool.run(fsdp_memory_and_helpers, 4, str(tmp_path))
+    from devmesh.tensor.spec import chunk_bounds
+
+    for rank, (full_bytes, local, _, _, _) in enumerate(results):
+        # per-rank parameter memory = every parameter's torch.chunk rows on this rank
+        expected = sum(chunk_bounds(p.shape[0], 4, rank)[1] * (p.numel() // p.shape[0]) * 4
+                       for p in make_model().parameters())
+        assert local == expected
+        assert sum(r[1] for r in results) == full_bytes  # shards partition the model
+    total_sq = sum(r[3] for r in results)  # after clipping: norm of the clipped grads
+    assert total_sq ** 0.5 == pytest.approx(1e-3, rel=1e-3)
+    assert len({round(r[2], 6) for r in results}) == 1  # every rank agrees on the norm
+    assert "0.weight" in results[0][4] and "dim 0 split by (dp)" in results[0][4]
+    assert (tmp_path / "describe0.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def mixed_precision_step():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = make_model()
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    out = model(torch.randn(4, 12).to(torch.bfloat16))
+    out.float().sum().backward()
+    return out.dtype, [(p.dtype, p.grad.dtype) for p in model.parameters()]
+
+
+def test_mixed_precision_computes_in_bf16_keeps_fp32_master(mesh_pool):
+    dtype, params = mesh_pool.run(mixed_precision_step, 2)[0]
+    assert dtype == torch.bfloat16
+    assert all(p == torch.float32 and g == torch.float32 for p, g in params)
