@@ -224,3 +224,91 @@ def test_mixed_precision_computes_in_bf16_keeps_fp32_master(mesh_pool):
     dtype, params = mesh_pool.run(mixed_precision_step, 2)[0]
     assert dtype == torch.bfloat16
     assert all(p == torch.float32 and g == torch.float32 for p, g in params)
+
+
+class TinyLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.emb = nn.Embedding(16, 8)
+        self.norm = nn.LayerNorm(8)
+        self.up = nn.Linear(8, 16)
+        self.down = nn.Linear(16, 8)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids):
+        h = self.norm(self.emb(ids))
+        return self.head(self.down(F.relu(self.up(h))))
+
+
+def sequence_parallel_matches(plan_name):
+    from devmesh.parallel import SequenceParallel
+    from devmesh.tensor import Replicate, Shard
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    plans = {
+        "sequence_parallel": {
+            "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1)),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+        "colwise_embedding": {
+            "emb": ColwiseParallel(output_layouts=Replicate()),
+            "up": ColwiseParallel(),
+            "down": RowwiseParallel(),
+        },
+    }
+    model, reference = TinyLM(), TinyLM()
+    parallelize_module(model, mesh, plans[plan_name])
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
+    losses = []
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        ids = torch.randint(0, 16, (3, 8), generator=gen)
+        target = torch.randint(0, 16, (3, 8), generator=gen)
+        for m, o in ((model, opt), (reference, ref_opt)):
+            loss = F.cross_entropy(m(ids).reshape(-1, 16), target.reshape(-1))
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses.append(loss.item())
+    full = state_dict(model)
+    ref = reference.state_dict()
+    return losses[0::2], losses[1::2], max((full[k] - ref[k]).abs().max().item() for k in ref)
+
+
+@pytest.mark.parametrize("plan", ["sequence_parallel", "colwise_embedding"])
+def test_sequence_parallel_and_embeddings_match_single_process(mesh_pool, plan):
+    for losses, ref_losses, max_diff in mesh_pool.run(sequence_parallel_matches, 4, plan):
+        assert losses == pytest.approx(ref_losses, rel=1e-5)
+        assert max_diff < 1e-5
+
+
+def bad_plans():
+    from devmesh.parallel import ParallelizeError
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    errors = []
+    for fn in (
+        lambda: parallelize_module(make_model(), mesh, {"0": ColwiseParallel()}),
+        lambda: parallelize_module(make_model(), mesh["tp"], {"9": ColwiseParallel()}),
+        lambda: parallelize_module(make_model(), mesh["tp"], {"1": ColwiseParallel()}),
+        lambda: fully_shard(fully_shard(make_model(), mesh=mesh["dp"]), mesh=mesh["dp"]),
+    ):
+        try:
+            fn()
+            errors.append(None)
+        except ParallelizeError as exc:
+            errors.append(str(exc))
+    return errors
+
+
+def test_bad_plans_are_named(mesh_pool):
+    errors = mesh_pool.run(bad_plans, 4)[0]
+    assert "needs a 1-D tensor-parallel mesh" in errors[0] and "mesh['tp']" in errors[0]
+    assert "matches no submodule" in errors[1] and "0, 1, 2, 3, 4" in errors[1]
+    assert "applies to nn.Linear and nn.Embedding, not ReLU" in errors[2]
+    assert "already applied" in errors[3]

@@ -50,9 +50,12 @@ def _distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement:
 
 def _sum_grad_over(param: nn.Parameter, mesh: DeviceMesh) -> None:
     """Replicated parameter used on sequence shards: its gradient is partial over TP."""
+    def hook(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            comm.all_reduce(p.grad, mesh, (0,))
+
     if mesh.size() > 1 and param.requires_grad:
-        param.register_post_accumulate_grad_hook(
-            lambda p: comm.all_reduce(p.grad, mesh, (0,)) if p.grad is not None else None)
+        param.register_post_accumulate_grad_hook(hook)
 
 
 def _to_parallel_input(x, have: Placement, mesh: DeviceMesh):
