@@ -113,9 +113,39 @@ def test_show_bad_input_is_a_clear_error(args, words):
     assert words in result.stderr and "Traceback" not in result.stderr
 
 
-def test_demo_proves_every_group():
-    result = _run(DEVMESH + ["demo", "--plain"], timeout=300)
+def test_demo_meshes_proves_every_group():
+    result = _run(DEVMESH + ["demo", "--meshes", "--plain"], timeout=300)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "Every group of every mesh summed exactly its ranks" in result.stdout
     assert result.stdout.count(" ok ") + result.stdout.count(" ok") >= 16
     assert "WRONG" not in result.stdout
+
+
+def test_demo_trains_digits_like_single_process(tmp_path):
+    png = tmp_path / "loss.png"
+    result = _run(DEVMESH + ["demo", "--plain", "--epochs", "1", "--plot", str(png)], timeout=600)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    out = result.stdout
+    assert "dim 0 split by (tp, shard)" in out  # nested FSDP-over-TP layout shown
+    assert "the losses match single-process training" in out
+    assert "epoch 1: test accuracy" in out
+    assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_train_digits_example_launches_itself(tmp_path):
+    png = tmp_path / "curve.png"
+    result = _run([sys.executable, str(EXAMPLES / "train_digits.py"), "--mesh", "shard=2",
+                   "--epochs", "1", "--verify", "--plot", str(png)], timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "largest loss difference vs single process" in result.stdout
+    assert png.exists()
+
+
+@pytest.mark.parametrize("text, words", [("dp=2,pp=2", "names dp, shard, tp"),
+                                         ("dp=2,dp=2", "appears twice"), ("", "empty")])
+def test_digits_mesh_flag_errors(text, words):
+    from devmesh.apps.digits import parse_mesh
+
+    with pytest.raises(ValueError, match=words):
+        parse_mesh(text)
+    assert parse_mesh("dp=2,shard=2,tp=2").describe() == "TP=2 + HSDP (replicate=2, shard=2)"

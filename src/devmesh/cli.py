@@ -69,9 +69,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from devmesh.demo import run_demo
+    from devmesh.demo import run_demo, run_training_demo
 
-    return run_demo(world_size=args.nproc, plain=args.plain or not sys.stdout.isatty())
+    plain = args.plain or not sys.stdout.isatty()
+    if args.meshes:
+        return run_demo(world_size=8, plain=plain)
+    return run_training_demo(plain=plain, epochs=args.epochs, plot=args.plot)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -97,10 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=_cmd_run)
 
-    demo = sub.add_parser("demo", help="8 local CPU ranks: build the seeds' meshes and prove "
-                                       "every group with an all-reduce")
-    demo.add_argument("-n", "--nproc", type=int, default=8, choices=[8],
-                      help="number of ranks (the seeds' meshes need 8)")
+    demo = sub.add_parser("demo", help="8 local CPU ranks: train digits with HSDP + TP and check "
+                                       "it against single-process training")
+    demo.add_argument("--meshes", action="store_true",
+                      help="instead: build the seeds' meshes and prove every group")
+    demo.add_argument("--epochs", type=int, default=5)
+    demo.add_argument("--plot", default="digits_loss.png", help="loss-curve PNG ('' for none)")
     demo.add_argument("--plain", action="store_true", help="plain text even in a terminal")
     demo.set_defaults(handler=_cmd_demo)
     return parser
