@@ -149,3 +149,32 @@ def test_digits_mesh_flag_errors(text, words):
     with pytest.raises(ValueError, match=words):
         parse_mesh(text)
     assert parse_mesh("dp=2,shard=2,tp=2").describe() == "TP=2 + HSDP (replicate=2, shard=2)"
+
+
+def test_hsdp_example_replicas_hold_the_same_rows(mesh_pool):
+    module = _example("hsdp")
+    results = mesh_pool.run(module.hsdp_step, 8)
+    for rank, dp, shard, rows, ok in results:
+        assert ok and dp == rank // 4 and shard == rank % 4
+        # 10 rows split 3, 3, 3, 1 over the shard dim; replicas (same shard index) equal
+        assert rows == results[shard][3]
+    assert results[0][3] == [101.0, 111.0, 121.0] and results[3][3] == [191.0]
+
+
+def test_fsdp_tp_example_reassembles_seed_004_weight(mesh_pool):
+    module = _example("fsdp_tp")
+    results = mesh_pool.run(module.fsdp_over_tp, 8)
+    for info in results:
+        assert info["full_equal"]
+        assert info["layout"] == "(12, 12): dim 0 split by (TP, FSDP)"
+    # TP rank t holds rows 3t..3t+2; FSDP rank f holds 2 rows (f=0) or 1 row (f=1) of them
+    assert results[1]["local_rows"] == [137.0, 149.0] and results[5]["local_rows"] == [161.0]
+    assert "ranks 0" in results[0]["table"]
+
+
+def test_custom_3d_example_trains(mesh_pool):
+    module = _example("custom_3d")
+    results = mesh_pool.run(module.hsdp_plus_tp, 8)
+    for info in results:
+        assert len(info["losses"]) == 3 and all(v == v for v in info["losses"])
+    assert "split by (tp, shard)" in results[0]["describe"]
