@@ -40,6 +40,17 @@ def _cmd_show(args: argparse.Namespace) -> int:
     except DevmeshError as exc:
         print(f"devmesh show: error: {exc}", file=sys.stderr)
         return 2
+    if args.png:
+        from devmesh.render_png import layout_png
+        from devmesh.topology import contiguous_hosts
+
+        try:
+            host_of = (contiguous_hosts(layout.size, layout.size // args.hosts)
+                       if args.hosts else None)
+            layout_png(layout, args.png, host_of=host_of, outline=args.outline)
+        except (DevmeshError, ValueError) as exc:
+            print(f"devmesh show: error: {exc}", file=sys.stderr)
+            return 2
     big = 10**9
     limits = dict(max_groups=big if args.all else 8, max_cells=big if args.all else 16,
                   max_blocks=big if args.all else 4)
@@ -92,6 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--rank", type=int, default=None, help="also show what this rank sees")
     show.add_argument("--all", action="store_true", help="list every group, however many")
     show.add_argument("--plain", action="store_true", help="plain text even in a terminal")
+    show.add_argument("--png", default=None, help="also draw the mesh to this PNG file")
+    show.add_argument("--hosts", type=int, default=None,
+                      help="shade the PNG by host: this many hosts of consecutive ranks")
+    show.add_argument("--outline", default=None,
+                      help="dim whose groups the PNG outlines (default: the innermost)")
     show.set_defaults(handler=_cmd_show)
 
     run = sub.add_parser("run", help="run a script on N local processes (torchrun --standalone)")

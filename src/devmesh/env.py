@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from devmesh.errors import DeviceUnavailableError, LaunchEnvironmentError
 
-__all__ = ["LaunchEnv", "read_launch_env", "backend_for", "ensure_default_group"]
+__all__ = ["LaunchEnv", "read_launch_env", "backend_for", "ensure_default_group", "host_index"]
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -84,6 +84,15 @@ def read_launch_env() -> LaunchEnv:
         master_addr=os.environ["MASTER_ADDR"],
         master_port=_int_var("MASTER_PORT"),
     )
+
+
+def host_index() -> int:
+    """This process's host (torchrun's node rank, ``GROUP_RANK``); 0 without a launcher."""
+    if "GROUP_RANK" in os.environ:
+        return _int_var("GROUP_RANK")
+    if "RANK" in os.environ and "LOCAL_WORLD_SIZE" in os.environ:
+        return _int_var("RANK") // max(1, _int_var("LOCAL_WORLD_SIZE"))
+    return 0
 
 
 def backend_for(device_type: str) -> str:

@@ -54,6 +54,7 @@ class _Cache:
         self.groups: dict[GroupKey, ProcessGroup] = {}
         self.created = 0
         self.agreements = itertools.count()
+        self.hosts = None  # host index of every rank, once gathered
 
 
 _cache: _Cache | None = None
@@ -212,6 +213,7 @@ def check_agreement(
     sequence = next(_current().agreements)
     prefix = f"devmesh/agree/{sequence}/"
     me = dist.get_rank()
+    _publish_host(store)
     store.set(prefix + str(me), payload)
     keys = [prefix + str(r) for r in range(world_size)]
     previous_timeout = store.timeout
@@ -238,3 +240,32 @@ def check_agreement(
             f"{what}: ranks disagree on the mesh; every rank must pass the same arguments.\n"
             + "\n".join(lines)
         )
+
+
+def _publish_host(store) -> None:
+    from devmesh.env import host_index
+
+    store.set(f"devmesh/host/{dist.get_rank()}", str(host_index()))
+
+
+def world_hosts():
+    """The host index of every rank of the world (numpy array), gathered once per world.
+
+    Every rank posts its host when it first creates a mesh, so after any mesh creation this
+    is one store round trip; otherwise it waits until every rank has called it.
+    """
+    import numpy as np
+
+    cache = _current()
+    if cache.hosts is None:
+        world_size = dist.get_world_size()
+        if world_size == 1 or dist.get_backend() == "fake":
+            from devmesh.env import host_index
+
+            cache.hosts = np.full(world_size, host_index())
+        else:
+            store = dist.distributed_c10d._get_default_store()
+            _publish_host(store)
+            keys = [f"devmesh/host/{r}" for r in range(world_size)]
+            cache.hosts = np.array([int(v) for v in store.multi_get(keys)])
+    return cache.hosts

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
-__all__ = ["DeviceMesh", "init_device_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh", "create_hybrid_mesh"]
 
 
 class MeshUsageError(DevmeshError, RuntimeError):
@@ -259,6 +259,35 @@ class DeviceMesh:
         dim = self._single_dim(mesh_dim, "group_ranks()")
         self._require_member("group_ranks()")
         return self._layout.group_of(self._rank, dim)
+
+    # -- hosts -----------------------------------------------------------------------------
+    def hosts(self) -> list:
+        """The host (torchrun node rank) of every rank, laid out like :attr:`mesh`."""
+        from devmesh.topology import hosts_of
+
+        return hosts_of(self._layout, groups.world_hosts()).tolist()
+
+    def dims_crossing_hosts(self) -> list[str]:
+        """Names of the mesh dims whose groups span more than one host."""
+        from devmesh.topology import crossing_dims
+
+        return [self._layout.dim_name(d)
+                for d in crossing_dims(self._layout, groups.world_hosts())]
+
+    def visualize(self, to_file: str | None = None, *, outline: Dim | None = None) -> str:
+        """Text picture of the mesh with its hosts; a PNG with ``to_file`` (groups of
+        ``outline``, default the innermost dim, drawn as boxes)."""
+        from devmesh.render import layout_text
+        from devmesh.topology import hosts_of
+
+        host_of = groups.world_hosts()
+        if to_file:
+            from devmesh.render_png import layout_png
+
+            layout_png(self._layout, to_file, host_of=host_of, outline=outline)
+        hosts = hosts_of(self._layout, host_of)
+        return layout_text(self._layout) + "\nhosts:\n" + "\n".join(
+            "  " + str(row) for row in hosts.reshape(-1, self._layout.shape[-1]).tolist())
 
     # -- slicing ---------------------------------------------------------------------------
     def _valid_names(self) -> list[str]:
@@ -500,6 +529,8 @@ def init_device_mesh(
     *,
     mesh_dim_names: Sequence[str] | None = None,
     timeout: float | datetime.timedelta | None = None,
+    heavy_dims: Sequence[Dim] | Dim | None = None,
+    strict: bool = False,
 ) -> DeviceMesh:
     """Create a mesh of ``mesh_shape`` over the whole world, as torch's ``init_device_mesh``.
 
@@ -507,6 +538,10 @@ def init_device_mesh(
     ``"cpu"``, NCCL for ``"cuda"`` with one GPU per local rank). A shape whose size is not the
     world size is an error that says how to fix it; to use part of the world on purpose,
     construct ``DeviceMesh(device_type, mesh=ranks)``.
+
+    On several hosts, a bandwidth-heavy dim (``heavy_dims``; default the innermost, where TP
+    goes) whose groups would span hosts gives a :class:`~devmesh.topology.TopologyWarning`, or
+    a :class:`~devmesh.topology.TopologyError` with ``strict=True``.
     """
     _check_device_type(device_type)
     shape = _check_shape(mesh_shape)
@@ -526,9 +561,59 @@ def init_device_mesh(
             f"{world}: {hint}, or choose a shape whose sizes multiply to {world}. To use part "
             "of the world on purpose, build DeviceMesh(device_type, mesh=[...ranks...])"
         )
-    return DeviceMesh(
+    mesh = DeviceMesh(
         device_type,
         np.arange(size).reshape(shape),
         mesh_dim_names=names,
         timeout=timeout_td,
     )
+    _check_topology(mesh, heavy_dims, strict)
+    return mesh
+
+
+def _check_topology(mesh: DeviceMesh, heavy_dims, strict: bool) -> None:
+    """Warn (or, strict, refuse) when a bandwidth-heavy dim crosses hosts."""
+    import os
+    import warnings
+
+    from devmesh.topology import TopologyError, TopologyWarning, check_heavy_dims
+
+    world = dist.get_world_size()
+    if int(os.environ.get("LOCAL_WORLD_SIZE", world)) >= world:
+        return  # one host: nothing can cross
+    problems = check_heavy_dims(mesh.layout, groups.world_hosts(), heavy_dims)
+    if problems and strict:
+        raise TopologyError("; ".join(problems))
+    for message in problems:
+        warnings.warn(message, TopologyWarning, stacklevel=3)
+
+
+def create_hybrid_mesh(
+    intra_shape: Sequence[int],
+    inter_shape: Sequence[int],
+    mesh_dim_names: Sequence[str] | None = None,
+    *,
+    device_type: str = "cpu",
+    timeout: float | datetime.timedelta | None = None,
+) -> DeviceMesh:
+    """A mesh whose dim ``i`` has size ``inter_shape[i] * intra_shape[i]``: ``intra_shape``
+    over the ranks of one host, ``inter_shape`` over the hosts (as JAX's
+    ``create_hybrid_device_mesh``). E.g. 2 hosts x 4 GPUs: ``create_hybrid_mesh((1, 4), (2, 1),
+    ("dp", "tp"))`` puts tp inside each host and dp across hosts."""
+    import os
+
+    from devmesh.topology import hybrid_layout
+
+    _check_device_type(device_type)
+    intra, inter = _check_shape(intra_shape), _check_shape(inter_shape)
+    size = math.prod(intra) * math.prod(inter)
+    env.ensure_default_group(device_type, expected_world_size=size,
+                             timeout=groups.as_timedelta(timeout))
+    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
+    if size != dist.get_world_size():
+        raise WorldSizeMismatchError(
+            f"create_hybrid_mesh({intra}, {inter}) covers {size} ranks but the world has "
+            f"{dist.get_world_size()}"
+        )
+    layout = hybrid_layout(intra, inter, mesh_dim_names, ranks_per_host=per_host)
+    return DeviceMesh(device_type, layout.ranks, mesh_dim_names=mesh_dim_names, timeout=timeout)
