@@ -21,6 +21,7 @@ _EXPORTS = {
     "MeshLayout": "devmesh.layout",
     "DeviceMesh": "devmesh.mesh",
     "init_device_mesh": "devmesh.mesh",
+    "create_hybrid_mesh": "devmesh.mesh",
     "launch": "devmesh.launcher",
     "WorkerPool": "devmesh.launcher",
     "DevmeshError": "devmesh.errors",
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
     from devmesh.launcher import WorkerPool, launch
     from devmesh.layout import MeshLayout
     from devmesh.comm import comm_stats
-    from devmesh.mesh import DeviceMesh, init_device_mesh
+    from devmesh.mesh import DeviceMesh, create_hybrid_mesh, init_device_mesh
     from devmesh.tensor import (
         Partial, Replicate, Shard, ShardedTensor, ShardingSpec, distribute_tensor,
         explain_redistribute,

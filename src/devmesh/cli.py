@@ -65,6 +65,77 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from devmesh.cluster_plan import ModelSize, plan_cluster
+
+    model = None
+    if args.params is not None:
+        missing = [n for n in ("hidden", "seq", "batch") if getattr(args, n) is None]
+        if missing:
+            print(f"devmesh plan: error: --params needs --{', --'.join(missing)} too",
+                  file=sys.stderr)
+            return 2
+        model = ModelSize(args.params, args.hidden, args.seq, args.batch, args.layers)
+    plan = plan_cluster(args.hosts, args.devices_per_host, dp=args.dp, shard=args.shard,
+                        tp=args.tp, pp=args.pp, cp=args.cp, model=model)
+    print(plan)
+    return 0 if plan.ok else 1
+
+
+def _distributed(fn, args: argparse.Namespace, *fn_args):
+    """Run ``fn`` on every rank: under a launcher directly, else on ``-n`` local ranks.
+    Returns rank 0's result (None on other ranks), or raises LaunchEnvironmentError."""
+    import os
+
+    if "RANK" in os.environ:
+        return fn(*fn_args)
+    if not args.nproc:
+        from devmesh.env import read_launch_env
+
+        read_launch_env()  # raises, saying how to launch
+    from devmesh.launcher import launch
+
+    return launch(fn, args.nproc, *fn_args, timeout=max(120.0, 4 * args.timeout))[0]
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from devmesh.doctor import format_report, run_checks
+    from devmesh.errors import DevmeshError
+
+    try:
+        reports = _distributed(run_checks, args, args.mesh, args.names, args.device, args.timeout)
+    except DevmeshError as exc:
+        print(f"FAIL  launch environment: {exc}\n(or run `devmesh doctor -n N` to check N local "
+              "ranks)")
+        return 1
+    if reports is None:
+        return 0  # not rank 0: rank 0 prints the report
+    text, ok = format_report(reports)
+    print(text)
+    return 0 if ok else 1
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from devmesh.commbench import bench_rank, format_table, parse_size, write_outputs
+    from devmesh.errors import DevmeshError
+
+    sizes = [parse_size(s) for s in args.sizes.split(",")]
+    try:
+        result = _distributed(bench_rank, args, args.mesh, args.names, sizes,
+                              tuple(args.ops.split(",")), args.iters)
+    except DevmeshError as exc:
+        print(f"devmesh bench: error: {exc}", file=sys.stderr)
+        return 2
+    import os
+
+    if result is None or int(os.environ.get("RANK", "0")) != 0:
+        return 0
+    rows, memcpy = result
+    print(format_table(rows, memcpy))
+    write_outputs(rows, memcpy, csv_path=args.csv, json_path=args.json, png_path=args.png)
+    return 0
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     from torch.distributed.run import main as torchrun_main
 
@@ -109,6 +180,47 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--outline", default=None,
                       help="dim whose groups the PNG outlines (default: the innermost)")
     show.set_defaults(handler=_cmd_show)
+
+    plan = sub.add_parser("plan", help="choose and check a mesh for a cluster, with estimated "
+                                       "traffic per dim (no processes)")
+    plan.add_argument("--hosts", type=int, required=True)
+    plan.add_argument("--devices-per-host", type=int, required=True)
+    for name, default, text in (("dp", 1, "replicas (DDP, or HSDP's replicate dim)"),
+                                ("tp", 1, "tensor parallel"), ("pp", 1, "pipeline stages"),
+                                ("cp", 1, "context parallel")):
+        plan.add_argument(f"--{name}", type=int, default=default, help=text)
+    plan.add_argument("--shard", "--fsdp", type=int, default=None,
+                      help="FSDP shard degree (default: the devices left over)")
+    plan.add_argument("--params", type=float, default=None, help="model parameters, e.g. 7e9")
+    plan.add_argument("--hidden", type=int, default=None)
+    plan.add_argument("--seq", type=int, default=None)
+    plan.add_argument("--batch", type=int, default=None, help="global batch, in sequences")
+    plan.add_argument("--layers", type=int, default=None)
+    plan.set_defaults(handler=_cmd_plan)
+
+    for name, text in (("doctor", "check the launch, backend, devices, hosts, mesh agreement "
+                                   "and every group's collective; say what to fix"),
+                       ("bench", "collective bandwidth per mesh dim (time, algbw, busbw; CSV, "
+                                 "JSON, PNG)")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("-n", "--nproc", type=int, default=None,
+                         help="launch this many local ranks (default: run under torchrun / "
+                              "devmesh run)")
+        cmd.add_argument("--mesh", type=_parse_shape, default=None,
+                         help="mesh shape, e.g. 2,4 (default: 1-D over the world)")
+        cmd.add_argument("--names", type=_parse_names, default=None)
+        cmd.add_argument("--timeout", type=float, default=30.0, help="seconds per check")
+        if name == "doctor":
+            cmd.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+            cmd.set_defaults(handler=_cmd_doctor)
+        else:
+            cmd.add_argument("--sizes", default="4K,64K,1M,8M")
+            cmd.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all")
+            cmd.add_argument("--iters", type=int, default=5)
+            cmd.add_argument("--csv", default=None)
+            cmd.add_argument("--json", default=None)
+            cmd.add_argument("--png", default=None)
+            cmd.set_defaults(handler=_cmd_bench)
 
     run = sub.add_parser("run", help="run a script on N local processes (torchrun --standalone)")
     run.add_argument("-n", "--nproc", type=int, required=True, help="processes to start")

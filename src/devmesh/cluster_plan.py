@@ -1,0 +1,176 @@
+"""``devmesh plan``: choose and check a mesh for a cluster before launching anything.
+
+Given hosts x devices per host and parallel degrees, the mesh is laid out outermost to
+innermost as ``pp, dp, shard, cp, tp`` (torchtitan's order): the heaviest traffic (TP, then
+CP) on the innermost dims, which map to consecutive ranks and so to one host. The plan says
+which dims cross hosts, flags plans that cannot work or will be slow (with the reason), and, for
+a model size, estimates the bytes each dim sends per step per rank (ring algorithms: an
+all-reduce sends ``2 (n-1)/n`` of its buffer, an all-gather or reduce-scatter ``(n-1)/n`` of the
+full buffer). Pure arithmetic: instant for any cluster size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from devmesh.layout import MeshLayout
+from devmesh.topology import contiguous_hosts, crossing_dims
+
+__all__ = ["ModelSize", "ClusterPlan", "plan_cluster", "ORDER"]
+
+ORDER = ("pp", "dp", "shard", "cp", "tp")
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Sizes for the traffic estimate. ``batch`` is the global batch in sequences."""
+
+    params: float
+    hidden: int
+    seq: int
+    batch: int
+    layers: int | None = None
+    bytes_per_value: int = 2  # bf16 parameters, gradients and activations
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers or max(1, round(self.params / (12 * self.hidden**2)))
+
+
+@dataclass
+class Traffic:
+    dim: str
+    degree: int
+    crosses_hosts: bool
+    what: str
+    bytes_per_step: float
+
+
+@dataclass
+class ClusterPlan:
+    hosts: int
+    devices_per_host: int
+    degrees: dict[str, int]
+    layout: MeshLayout | None
+    crossing: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    traffic: list[Traffic] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def __str__(self) -> str:
+        from devmesh.render import layout_text
+
+        world = self.hosts * self.devices_per_host
+        lines = [f"cluster: {self.hosts} host(s) x {self.devices_per_host} device(s) = {world}"]
+        lines.append("degrees: " + ", ".join(f"{k}={v}" for k, v in self.degrees.items()))
+        if self.layout is not None:
+            lines.append(layout_text(self.layout, max_groups=4, max_cells=8, max_blocks=2))
+            for d in range(self.layout.ndim):
+                name = self.layout.dim_name(d)
+                where = "crosses hosts" if name in self.crossing else "within each host"
+                lines.append(f"  {name:<6} size {self.layout.shape[d]:<5} {where}")
+        if self.traffic:
+            lines.append("estimated traffic per rank per step:")
+            for t in self.traffic:
+                link = "network" if t.crosses_hosts else "intra-host"
+                lines.append(f"  {t.dim:<6} x{t.degree:<5} {link:<11} {_human(t.bytes_per_step):>10}"
+                             f"  {t.what}")
+        for message in self.errors:
+            lines.append(f"ERROR: {message}")
+        for message in self.warnings:
+            lines.append(f"warning: {message}")
+        lines.append("plan is valid" if self.ok else "plan is NOT valid")
+        return "\n".join(lines)
+
+
+def _human(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1000 or unit == "TB":
+            return f"{nbytes:.1f} {unit}"
+        nbytes /= 1000
+    return f"{nbytes:.1f} TB"
+
+
+def plan_cluster(hosts: int, devices_per_host: int, *, dp: int = 1, shard: int | None = None,
+                 tp: int = 1, pp: int = 1, cp: int = 1, model: ModelSize | None = None
+                 ) -> ClusterPlan:
+    """Lay out the degrees on the cluster; ``shard=None`` takes the devices left over."""
+    world = hosts * devices_per_host
+    given = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
+    plan = ClusterPlan(hosts, devices_per_host, {}, None)
+    for name, value in list(given.items()) + [("shard", shard if shard is not None else 1)]:
+        if value < 1 or hosts < 1 or devices_per_host < 1:
+            plan.errors.append(f"{name}={value}: degrees, hosts and devices must be positive")
+            return plan
+    if shard is None:
+        rest = world // math.prod(given.values())
+        if world % math.prod(given.values()):
+            plan.errors.append(
+                f"pp*dp*cp*tp = {math.prod(given.values())} does not divide the {world} devices"
+            )
+            return plan
+        shard = rest
+    degrees = {**given, "shard": shard}
+    plan.degrees = {name: degrees[name] for name in ORDER}
+    total = math.prod(plan.degrees.values())
+    if total != world:
+        plan.errors.append(
+            f"the degrees multiply to {total} but the cluster has {world} devices; "
+            f"change a degree (or leave --shard out to fill the rest)"
+        )
+        return plan
+    if tp > devices_per_host:
+        plan.errors.append(
+            f"tp={tp} > {devices_per_host} devices per host: TP traffic would cross hosts; "
+            f"use tp <= {devices_per_host}"
+        )
+    elif devices_per_host % tp:
+        plan.errors.append(
+            f"tp={tp} does not divide {devices_per_host} devices per host: some TP groups would "
+            "straddle two hosts"
+        )
+    names = tuple(n for n in ORDER if plan.degrees[n] > 1) or ("dp",)
+    shape = tuple(plan.degrees.get(n, 1) for n in names)
+    plan.layout = MeshLayout(shape, names)
+    crossing = crossing_dims(plan.layout, contiguous_hosts(world, devices_per_host))
+    plan.crossing = [names[d] for d in crossing]
+    if "cp" in plan.crossing:
+        plan.warnings.append("cp crosses hosts: ring attention traffic goes over the network; "
+                             "keep cp * tp <= devices per host if you can")
+    if "shard" in plan.crossing and "dp" in plan.degrees and plan.degrees["dp"] == 1 and hosts > 1:
+        plan.warnings.append("FSDP shards across hosts: consider HSDP (--dp hosts, --shard "
+                             "devices per host) to keep all-gathers inside hosts")
+    if model is not None:
+        plan.traffic = _traffic(plan, model)
+    return plan
+
+
+def _traffic(plan: ClusterPlan, model: ModelSize) -> list[Traffic]:
+    d = plan.degrees
+    b = model.bytes_per_value
+    stage_params = model.params / (d["pp"] * d["tp"])
+    local_batch = model.batch / (d["dp"] * d["shard"])
+    layers = model.num_layers / d["pp"]
+    act = local_batch * model.seq / d["cp"] * model.hidden * b
+    ring = lambda n: (n - 1) / n  # noqa: E731
+    rows = []
+
+    def add(name: str, what: str, nbytes: float) -> None:
+        if d[name] > 1:
+            rows.append(Traffic(name, d[name], name in plan.crossing, what, nbytes))
+
+    add("tp", "4 all-reduces of activations per layer (2 forward, 2 backward)",
+        layers * 4 * 2 * ring(d["tp"]) * act)
+    add("cp", "ring attention: K and V pass around the ring, forward and backward",
+        layers * 3 * (d["cp"] - 1) * 2 * act / d["tp"])
+    add("shard", "FSDP: all-gather parameters (forward, backward), reduce-scatter gradients",
+        3 * ring(d["shard"]) * stage_params * b)
+    add("dp", "all-reduce of the gradient shard",
+        2 * ring(d["dp"]) * stage_params / d["shard"] * b)
+    add("pp", "activations to the next stage and gradients back", 2 * act)
+    return rows

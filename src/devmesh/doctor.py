@@ -1,0 +1,151 @@
+"""``devmesh doctor``: check a launch end to end and say what to fix.
+
+Runs on every rank (under torchrun, ``devmesh run``, or ``devmesh doctor -n N`` which launches
+local ranks itself). Checks, in order: the launcher's environment, the backend, GPUs against
+local ranks, the host layout, that every rank agrees on the mesh, and one small all-reduce on
+every group of every dim, each bounded by ``timeout``. Every rank posts its findings to the
+store; rank 0 prints one report and names the ranks and groups that failed — including ranks
+that never reported.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+
+__all__ = ["Finding", "run_checks", "format_report"]
+
+
+@dataclass
+class Finding:
+    check: str
+    ok: bool
+    detail: str
+
+
+@dataclass
+class RankReport:
+    rank: int
+    host: str
+    findings: list[Finding] = field(default_factory=list)
+
+
+def _check(report: RankReport, name: str, fn) -> object:
+    try:
+        value, detail = fn()
+        report.findings.append(Finding(name, True, detail))
+        return value
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a finding
+        report.findings.append(Finding(name, False, f"{type(exc).__name__}: {exc}"))
+        return None
+
+
+def run_checks(mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None,
+               device_type: str = "cpu", timeout: float = 30.0) -> list[RankReport] | None:
+    """Run every check on this rank. Returns all ranks' reports on rank 0, None elsewhere."""
+    import torch
+    import torch.distributed as dist
+
+    from devmesh import env, groups
+    from devmesh.mesh import init_device_mesh
+
+    launch = env.read_launch_env()  # a missing launcher is reported by the CLI itself
+    report = RankReport(launch.rank, socket.gethostname())
+    report.findings.append(Finding(
+        "launch environment", True,
+        f"rank {launch.rank} of {launch.world_size}, local rank {launch.local_rank} of "
+        f"{launch.local_world_size}, host index {launch.group_rank}, master "
+        f"{launch.master_addr}:{launch.master_port}"))
+
+    def backend():
+        name = env.backend_for(device_type)
+        available = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available()}[name]
+        if not available:
+            raise RuntimeError(f"backend {name} is not available in this torch build "
+                               f"({torch.__version__})")
+        return None, f"{name} available (torch {torch.__version__})"
+
+    _check(report, "backend", backend)
+    _check(report, "devices", lambda: (env.check_device(device_type, launch.local_world_size),
+                                       f"{device_type} usable by {launch.local_world_size} "
+                                       "local ranks"))
+    shape = mesh_shape or (launch.world_size,)
+    mesh = _check(report, "mesh agreement", lambda: (
+        init_device_mesh(device_type, shape, mesh_dim_names=names, timeout=timeout),
+        f"every rank built {shape} with names {names}"))
+    if mesh is not None:
+        def host_layout():
+            hosts = groups.world_hosts()
+            per_host = {int(h): int((hosts == h).sum()) for h in sorted(set(hosts.tolist()))}
+            crossing = mesh.dims_crossing_hosts()
+            return None, (f"{len(per_host)} host(s), ranks per host {per_host}; dims crossing "
+                          f"hosts: {crossing or 'none'}")
+
+        _check(report, "host layout", host_layout)
+        for d in range(mesh.ndim):
+            name = mesh.layout.dim_name(d)
+            ranks = mesh.group_ranks(d)
+
+            def collective(d=d, ranks=ranks):
+                value = torch.ones(1)
+                work = dist.all_reduce(value, group=mesh.get_group(d), async_op=True)
+                deadline = time.monotonic() + timeout
+                while not work.is_completed():
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"all-reduce over group {list(ranks)} did not finish "
+                                           f"within {timeout:g} s")
+                    time.sleep(0.001)
+                work.wait()
+                if int(value.item()) != len(ranks):
+                    raise RuntimeError(f"all-reduce over {list(ranks)} gave {value.item()}, "
+                                       f"expected {len(ranks)}")
+                return None, f"all-reduce over group {list(ranks)} ok"
+
+            _check(report, f"collective on dim {name!r}", collective)
+    return _collect(report, launch.world_size, timeout)
+
+
+def _collect(report: RankReport, world_size: int, timeout: float) -> list[RankReport] | None:
+    import datetime
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [report] if report.rank == 0 else None
+    store = dist.distributed_c10d._get_default_store()
+    store.set(f"devmesh/doctor/{report.rank}", json.dumps(asdict(report)))
+    if report.rank != 0:
+        return None
+    reports = []
+    store.set_timeout(datetime.timedelta(seconds=timeout))
+    for r in range(world_size):
+        try:
+            raw = json.loads(store.get(f"devmesh/doctor/{r}"))
+            reports.append(RankReport(raw["rank"], raw["host"],
+                                      [Finding(**f) for f in raw["findings"]]))
+        except Exception:  # noqa: BLE001
+            reports.append(RankReport(r, "?", [Finding("report", False,
+                                                       f"rank {r} did not report within "
+                                                       f"{timeout:g} s (crashed or hung?)")]))
+    return reports
+
+
+def format_report(reports: list[RankReport]) -> tuple[str, bool]:
+    """The report as text, and whether everything passed."""
+    lines = []
+    failed = [(r, f) for r in reports for f in r.findings if not f.ok]
+    first = reports[0]
+    for f in first.findings:
+        lines.append(f"{'ok  ' if f.ok else 'FAIL'}  {f.check}: {f.detail}")
+    if len(reports) > 1:
+        per_rank_ok = [r.rank for r in reports if all(f.ok for f in r.findings)]
+        lines.append(f"ranks with every check passing: {len(per_rank_ok)} of {len(reports)}")
+    for r, f in failed:
+        if r is first:
+            continue
+        lines.append(f"FAIL  rank {r.rank} ({r.host}) {f.check}: {f.detail}")
+    lines.append("all checks passed" if not failed else
+                 f"{len(failed)} check(s) failed: fix the first FAIL above and run again")
+    return "\n".join(lines), not failed
