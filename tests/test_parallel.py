@@ -312,3 +312,27 @@ def test_bad_plans_are_named(mesh_pool):
     assert "matches no submodule" in errors[1] and "0, 1, 2, 3, 4" in errors[1]
     assert "applies to nn.Linear and nn.Embedding, not ReLU" in errors[2]
     assert "already applied" in errors[3]
+
+
+def prefetch_observed():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = make_model()
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    seen = []
+    model[0].register_forward_hook(
+        lambda m, a, y: seen.append(model[2]._devmesh_fsdp._prefetched is not None))
+    for _ in range(3):
+        with comm_stats() as stats:
+            model(torch.randn(4, 12)).sum().backward()
+    leftover = [model[i]._devmesh_fsdp._prefetched for i in (0, 2, 4)]
+    return seen, stats.by_collective()["all_gather"][0], leftover
+
+
+def test_fsdp_prefetches_the_next_unit_after_the_first_step(mesh_pool):
+    seen, gathers, leftover = mesh_pool.run(prefetch_observed, 2)[0]
+    # step 1 records the order; from step 2 on, layer 2's all-gather is already in flight
+    # while layer 0 runs
+    assert seen == [False, True, True]
+    assert gathers == 5 and leftover == [None, None, None]  # prefetching adds no collective

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -40,6 +40,7 @@ __all__ = [
     "all_to_all",
     "broadcast",
     "all_reduce_async",
+    "all_gather_async",
     "Pending",
 ]
 
@@ -150,23 +151,46 @@ def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
     return result
 
 
+class Pending:
+    """An asynchronous collective in flight; ``wait()`` returns its result (once computed)."""
+
+    def __init__(self, work, finish: Callable[[], torch.Tensor]) -> None:
+        self._work, self._finish = work, finish
+        self._result: torch.Tensor | None = None
+
+    def wait(self) -> torch.Tensor:
+        if self._result is None:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            self._result = self._finish()
+        return self._result
+
+
 def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]) -> torch.Tensor:
     """Gather ``tensor`` from every rank of the flattened group over ``dims``.
 
     Returns shape ``(k, *tensor.shape)`` with entry ``i`` from the ``i``-th rank in mesh order
     (``dims`` major to minor). Every rank must pass the same shape (pad uneven blocks).
     """
+    return all_gather_async(tensor, mesh, dims).wait()
+
+
+def all_gather_async(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]) -> Pending:
+    """:func:`all_gather` started asynchronously (FSDP prefetches the next unit with it)."""
     g = _group(mesh, dims)
     if g.size == 1:
-        return tensor.unsqueeze(0).clone()
+        return Pending(None, lambda: tensor.unsqueeze(0).clone())
     tensor = tensor.contiguous()
     out = torch.empty((g.size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
-    dist.all_gather_single(out, tensor.reshape(-1), group=g.group)
+    work = dist.all_gather_single(out, tensor.reshape(-1), group=g.group, async_op=True)
     _record("all_gather", mesh, dims, out.numel() * out.element_size())
-    out = out.view(g.size, *tensor.shape)
-    if g.to_c10d is not None:
-        out = out[list(g.to_c10d)]
-    return out
+
+    def finish() -> torch.Tensor:
+        stacked = out.view(g.size, *tensor.shape)
+        return stacked[list(g.to_c10d)] if g.to_c10d is not None else stacked
+
+    return Pending(work, finish)
 
 
 def reduce_scatter(
@@ -204,31 +228,22 @@ def all_reduce(
     return tensor
 
 
-class Pending:
-    """An asynchronous collective in flight; ``wait()`` returns its result."""
-
-    def __init__(self, work, result: torch.Tensor, divide_by: int = 1) -> None:
-        self._work, self._result, self._divide_by = work, result, divide_by
-
-    def wait(self) -> torch.Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            if self._divide_by != 1:
-                self._result /= self._divide_by
-        return self._result
-
-
 def all_reduce_async(
     tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], op: str = "sum"
 ) -> Pending:
     """Start an in-place all-reduce; overlap it with other work, then ``wait()``."""
     g = _group(mesh, dims)
     if g.size == 1:
-        return Pending(None, tensor)
+        return Pending(None, lambda: tensor)
     work = dist.all_reduce(tensor, op=_OPS[op], group=g.group, async_op=True)
     _record("all_reduce", mesh, dims, tensor.numel() * tensor.element_size())
-    return Pending(work, tensor, g.size if op == "avg" else 1)
+
+    def finish() -> torch.Tensor:
+        if op == "avg":
+            tensor.div_(g.size)
+        return tensor
+
+    return Pending(work, finish)
 
 
 def all_to_all(

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from devmesh import comm
+from devmesh import comm, groups
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.param import ParallelizeError, combined_mesh, get_layout, set_layout
 from devmesh.tensor import ShardingSpec
@@ -83,6 +83,7 @@ class FSDPUnit:
         self.mp = mp_policy or MixedPrecisionPolicy()
         self.params: list[_Param] = []
         self._full: list[torch.Tensor] | None = None  # gathered for backward (resharded case)
+        self._prefetched: comm.Pending | None = None  # started by the previous unit
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._collect(module)
 
@@ -135,8 +136,8 @@ class FSDPUnit:
         set_layout(new, mesh, spec)
 
     # -- communication ---------------------------------------------------------------------
-    def gather(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        """All parameters of the unit, unsharded, from one all-gather."""
+    def start_gather(self, shards: list[torch.Tensor]) -> comm.Pending:
+        """Start the unit's one all-gather (packed, padded shards) asynchronously."""
         dtype = self.mp.param_dtype or shards[0].dtype
         flat = []
         for p, shard in zip(self.params, shards):
@@ -144,17 +145,31 @@ class FSDPUnit:
             pad = p.padded_numel - piece.numel()
             flat.append(piece if pad == 0 else torch.cat([piece, piece.new_zeros(pad)]))
         buffer = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
-        stacked = comm.all_gather(buffer, self.mesh, (self.shard_dim,))
+        return comm.all_gather_async(buffer, self.mesh, (self.shard_dim,))
+
+    def finish_gather(self, pending: comm.Pending) -> list[torch.Tensor]:
+        """Unpack the gathered buffer into the unit's full parameters."""
+        stacked = pending.wait()
         out, offset = [], 0
         for p in self.params:
             rows = []
             for j in range(self.k):
                 size = chunk_bounds(p.full_shape[0], self.k, j)[1]
                 rows.append(stacked[j, offset: offset + size * p.row_numel])
-            full = torch.cat(rows).view(p.full_shape)
-            out.append(full)
+            out.append(torch.cat(rows).view(p.full_shape))
             offset += p.padded_numel
         return out
+
+    def gather(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """All parameters of the unit, unsharded, from one all-gather (a prefetched one if the
+        previous unit started it)."""
+        pending, self._prefetched = self._prefetched, None
+        return self.finish_gather(pending if pending is not None else self.start_gather(shards))
+
+    def prefetch(self) -> None:
+        """Start gathering this unit's parameters now, to overlap with the running unit."""
+        if self._prefetched is None and self.params:
+            self._prefetched = self.start_gather([p.sharded for p in self.params])
 
     def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
         """Reduce-scatter (average) all gradients of the unit in one collective; HSDP adds one
@@ -183,10 +198,13 @@ class FSDPUnit:
 
     # -- hooks -----------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args):
+        _ORDER.enter(self)
         shards = [p.sharded for p in self.params]
         if not shards:
+            _ORDER.prefetch_after(self)
             return None
         fulls = _Unshard.apply(self, *shards)
+        _ORDER.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
         for p, full in zip(self.params, fulls):
             p.module._parameters[p.name] = full.view(p.shape)
         if self.reshard_after_forward and torch.is_grad_enabled():
@@ -202,6 +220,7 @@ class FSDPUnit:
             self._hooks = None
         for p in self.params:
             p.module._parameters[p.name] = p.sharded
+        _ORDER.exit(self)
         return output
 
     def _pack(self, t: torch.Tensor, storages: dict[int, int]):
@@ -216,11 +235,55 @@ class FSDPUnit:
         _, index, shape, stride, offset, dtype = packed
         if self._full is None:
             with torch.no_grad():
-                self._full = self.gather([p.sharded for p in self.params])
+                self._full = self.finish_gather(self.start_gather([p.sharded for p in self.params]))
         return self._full[index].as_strided(shape, stride, offset)
 
 
 _HANDLE = object()
+
+
+class _ForwardOrder:
+    """The order in which units run their forward, recorded on the first pass, so that each
+    unit can start the next one's all-gather (prefetch). Every rank runs the same code, so
+    every rank issues the prefetches in the same order. A prefetch not consumed by the end of
+    the outermost forward (a unit skipped this time) is waited on and dropped, so no stale
+    parameters survive an optimizer step."""
+
+    def __init__(self) -> None:
+        self.order: list[FSDPUnit] = []
+        self.recording: list[FSDPUnit] | None = None
+        self.depth = 0
+        self.generation = -1
+
+    def enter(self, unit: FSDPUnit) -> None:
+        if self.generation != groups.generation():  # a new world: forget the old units
+            self.__init__()
+            self.generation = groups.generation()
+        if self.depth == 0:
+            self.recording = [] if not self.order or self.order[0] is not unit else None
+        self.depth += 1
+        if self.recording is not None:
+            self.recording.append(unit)
+
+    def prefetch_after(self, unit: FSDPUnit) -> None:
+        if self.recording is not None or unit not in self.order:
+            return
+        i = self.order.index(unit)
+        if i + 1 < len(self.order):
+            self.order[i + 1].prefetch()
+
+    def exit(self, unit: FSDPUnit) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            if self.recording is not None:
+                self.order, self.recording = self.recording, None
+            for other in self.order:
+                if other._prefetched is not None:
+                    other._prefetched.wait()
+                    other._prefetched = None
+
+
+_ORDER = _ForwardOrder()
 
 
 class _Unshard(torch.autograd.Function):
