@@ -241,11 +241,15 @@ class TinyLM(nn.Module):
         return self.head(self.down(F.relu(self.up(h))))
 
 
-def sequence_parallel_matches(plan_name):
+def sequence_parallel_matches(plan_name, with_fsdp=False, accumulate=1):
     from devmesh.parallel import SequenceParallel
     from devmesh.tensor import Replicate, Shard
 
-    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    if with_fsdp:
+        root = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        mesh = root["tp"]
+    else:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
     plans = {
         "sequence_parallel": {
             "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
@@ -262,27 +266,39 @@ def sequence_parallel_matches(plan_name):
     }
     model, reference = TinyLM(), TinyLM()
     parallelize_module(model, mesh, plans[plan_name])
+    if with_fsdp:  # every rank of a dp group sees the same batch here: FSDP averages equal grads
+        for name in ("emb", "norm", "up", "down", "head"):
+            fully_shard(getattr(model, name), mesh=root["dp"])
+        fully_shard(model, mesh=root["dp"])
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=0.01)
     losses = []
     for step in range(3):
-        gen = torch.Generator().manual_seed(step)
-        ids = torch.randint(0, 16, (3, 8), generator=gen)
-        target = torch.randint(0, 16, (3, 8), generator=gen)
         for m, o in ((model, opt), (reference, ref_opt)):
-            loss = F.cross_entropy(m(ids).reshape(-1, 16), target.reshape(-1))
-            loss.backward()
+            total = 0.0
+            for micro in range(accumulate):  # gradient accumulation: sum of micro-batch grads
+                gen = torch.Generator().manual_seed(10 * step + micro)
+                ids = torch.randint(0, 16, (3, 8), generator=gen)
+                target = torch.randint(0, 16, (3, 8), generator=gen)
+                loss = F.cross_entropy(m(ids).reshape(-1, 16), target.reshape(-1))
+                loss.backward()
+                total += loss.item()
             o.step()
             o.zero_grad()
-            losses.append(loss.item())
+            losses.append(total)
     full = state_dict(model)
     ref = reference.state_dict()
     return losses[0::2], losses[1::2], max((full[k] - ref[k]).abs().max().item() for k in ref)
 
 
-@pytest.mark.parametrize("plan", ["sequence_parallel", "colwise_embedding"])
-def test_sequence_parallel_and_embeddings_match_single_process(mesh_pool, plan):
-    for losses, ref_losses, max_diff in mesh_pool.run(sequence_parallel_matches, 4, plan):
+@pytest.mark.parametrize("plan, with_fsdp, accumulate", [
+    ("sequence_parallel", False, 1), ("colwise_embedding", False, 1),
+    ("sequence_parallel", True, 1), ("sequence_parallel", False, 2),
+])
+def test_sequence_parallel_and_embeddings_match_single_process(mesh_pool, plan, with_fsdp,
+                                                                accumulate):
+    results = mesh_pool.run(sequence_parallel_matches, 4, plan, with_fsdp, accumulate)
+    for losses, ref_losses, max_diff in results:
         assert losses == pytest.approx(ref_losses, rel=1e-5)
         assert max_diff < 1e-5
 

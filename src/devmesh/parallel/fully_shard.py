@@ -26,7 +26,9 @@ from torch import nn
 
 from devmesh import comm, groups
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.param import ParallelizeError, combined_mesh, get_layout, set_layout
+from devmesh.parallel.param import (
+    ParallelizeError, combined_mesh, get_layout, partial_grad_mesh, set_layout,
+)
 from devmesh.tensor import ShardingSpec
 from devmesh.tensor.spec import chunk_bounds
 
@@ -50,6 +52,7 @@ class _Param:
     full_shape: tuple[int, ...]  # the (TP-local) shape FSDP shards
     padded_rows: int
     shape: tuple[int, ...]  # the parameter's own shape (differs for 0-d parameters)
+    partial_grad_mesh: DeviceMesh | None = None  # gradient is a partial sum over this mesh
 
     @property
     def row_numel(self) -> int:
@@ -115,7 +118,8 @@ class FSDPUnit:
         self._attach_spec(new, param, full_shape)
         module._parameters[name] = new
         padded_rows = -(-full_shape[0] // self.k) if full_shape[0] else 0
-        self.params.append(_Param(module, name, new, full_shape, padded_rows, shape))
+        self.params.append(_Param(module, name, new, full_shape, padded_rows, shape,
+                                  partial_grad_mesh(param)))
 
     def _attach_spec(self, new: nn.Parameter, old: nn.Parameter, full_shape) -> None:
         tp = get_layout(old)
@@ -178,6 +182,8 @@ class FSDPUnit:
         per_peer = [[] for _ in range(self.k)]
         for p, grad in zip(self.params, grads):
             g = torch.zeros(p.full_shape, dtype=dtype) if grad is None else grad.to(dtype)
+            if p.partial_grad_mesh is not None:  # e.g. a sequence-parallel norm's weight
+                g = comm.all_reduce(g.contiguous().clone(), p.partial_grad_mesh, (0,))
             for j in range(self.k):
                 start, size = chunk_bounds(p.full_shape[0], self.k, j)
                 piece = g.narrow(0, start, size).reshape(-1)

@@ -17,7 +17,8 @@ from devmesh.errors import DevmeshError
 from devmesh.mesh import DeviceMesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
-__all__ = ["ParamLayout", "get_layout", "set_layout", "as_sharded", "combined_mesh"]
+__all__ = ["ParamLayout", "get_layout", "set_layout", "as_sharded", "combined_mesh",
+           "mark_partial_grad", "partial_grad_mesh"]
 
 _ATTR = "_devmesh_layout"
 
@@ -38,6 +39,18 @@ def get_layout(param: torch.Tensor) -> ParamLayout | None:
 
 def set_layout(param: torch.Tensor, mesh: DeviceMesh, spec: ShardingSpec) -> None:
     setattr(param, _ATTR, ParamLayout(mesh, spec))
+
+
+_PARTIAL_GRAD = "_devmesh_partial_grad_mesh"
+
+
+def mark_partial_grad(param: torch.Tensor, mesh: DeviceMesh) -> None:
+    """Record that ``param``'s gradient is a partial sum over (1-D) ``mesh``."""
+    setattr(param, _PARTIAL_GRAD, mesh)
+
+
+def partial_grad_mesh(param: torch.Tensor) -> DeviceMesh | None:
+    return getattr(param, _PARTIAL_GRAD, None)
 
 
 def as_sharded(param: torch.Tensor) -> ShardedTensor | None:

@@ -28,7 +28,7 @@ from torch import nn
 from devmesh import comm
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel import functional as PF
-from devmesh.parallel.param import ParallelizeError, set_layout
+from devmesh.parallel.param import ParallelizeError, mark_partial_grad, set_layout
 from devmesh.tensor import Placement, Replicate, Shard, distribute_tensor
 from devmesh.tensor.spec import chunk_bounds
 
@@ -49,13 +49,14 @@ def _distribute_param(module: nn.Module, name: str, mesh: DeviceMesh, placement:
 
 
 def _sum_grad_over(param: nn.Parameter, mesh: DeviceMesh) -> None:
-    """Replicated parameter used on sequence shards: its gradient is partial over TP."""
-    def hook(p: torch.Tensor) -> None:
-        if p.grad is not None:
-            comm.all_reduce(p.grad, mesh, (0,))
+    """Replicated parameter used on sequence shards: its gradient is partial over TP.
 
+    The incoming gradient is summed over the TP group before it is accumulated (so gradient
+    accumulation stays right), and the parameter is marked so that ``fully_shard``, which
+    replaces it, sums the gradient of the gathered parameter instead."""
     if mesh.size() > 1 and param.requires_grad:
-        param.register_post_accumulate_grad_hook(hook)
+        mark_partial_grad(param, mesh)
+        param.register_hook(lambda grad: comm.all_reduce(grad.clone(), mesh, (0,)))
 
 
 def _to_parallel_input(x, have: Placement, mesh: DeviceMesh):
