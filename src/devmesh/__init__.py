@@ -36,7 +36,24 @@ _EXPORTS = {
     "visualize_sharding": "devmesh.viz",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "DeviceMesh",
+    "DevmeshError",
+    "MeshLayout",
+    "Partial",
+    "Replicate",
+    "Shard",
+    "ShardedTensor",
+    "ShardingSpec",
+    "WorkerPool",
+    "comm_stats",
+    "create_hybrid_mesh",
+    "distribute_tensor",
+    "explain_redistribute",
+    "init_device_mesh",
+    "launch",
+    "visualize_sharding",
+]
 
 if TYPE_CHECKING:
     from devmesh.errors import DevmeshError
