@@ -352,3 +352,40 @@ def test_fsdp_prefetches_the_next_unit_after_the_first_step(mesh_pool):
     # while layer 0 runs
     assert seen == [False, True, True]
     assert gathers == 5 and leftover == [None, None, None]  # prefetching adds no collective
+
+
+def state_dict_round_trip(name):
+    from devmesh.parallel import load_state_dict
+
+    world, shape, names = STRATEGIES[name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    trained = make_model()
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.mul_(-2.0).add_(0.5)  # differs from make_model()'s initialization
+    plain_state = trained.state_dict()
+    fresh = make_model()
+    apply_strategy(name, fresh, mesh)
+    load_state_dict(fresh, plain_state)
+    back = state_dict(fresh)
+    x = torch.randn(6, 12, generator=torch.Generator().manual_seed(3))
+    errors = []
+    for bad in ({**plain_state, "0.weight": torch.zeros(3, 3)},
+                {k: v for k, v in plain_state.items() if k != "2.bias"}):
+        before = state_dict(fresh)
+        try:
+            load_state_dict(fresh, bad)
+        except ValueError as exc:
+            errors.append(type(exc).__name__)
+        after = state_dict(fresh)
+        errors.append(all(torch.equal(before[k], after[k]) for k in before))
+    return (all(torch.equal(back[k], plain_state[k]) for k in plain_state),
+            torch.allclose(fresh(x), trained(x), atol=1e-6), errors)
+
+
+@pytest.mark.parametrize("strategy", ["fsdp_uneven", "fsdp+tp", "hsdp+tp", "tp"])
+def test_load_state_dict_puts_every_block_back(mesh_pool, strategy):
+    for equal, same_output, errors in mesh_pool.run(state_dict_round_trip,
+                                                    STRATEGIES[strategy][0], strategy):
+        assert equal and same_output
+        assert errors == ["ParallelizeError", True, "ParallelizeError", True]  # nothing changed

@@ -7,11 +7,11 @@ from devmesh.parallel.tensor_parallel import (
     ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
     SequenceParallel, parallelize_module,
 )
-from devmesh.parallel.utils import clip_grad_norm_, describe, state_dict
+from devmesh.parallel.utils import clip_grad_norm_, describe, load_state_dict, state_dict
 
 __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "replicate", "parallelize_module",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareModuleOutput", "clip_grad_norm_", "state_dict", "describe",
+    "PrepareModuleInput", "PrepareModuleOutput", "clip_grad_norm_", "state_dict", "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError",
 ]

@@ -4,6 +4,7 @@
   parameter is summed over once; replicated dims are not double counted), then scaling;
 * ``state_dict(model, full=True)``: full tensors on every rank (one collective per sharded
   parameter), or ``full=False``: ``ShardedTensor``s without communication;
+  ``load_state_dict(model, state)`` puts full tensors back, each rank taking its block;
 * ``describe(model)``: every parameter's global shape, spec, local shape and bytes.
 """
 
@@ -17,10 +18,10 @@ import torch
 from torch import nn
 
 from devmesh import comm
-from devmesh.parallel.param import as_sharded, get_layout
+from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
 from devmesh.tensor import ShardedTensor
 
-__all__ = ["clip_grad_norm_", "state_dict", "describe"]
+__all__ = ["clip_grad_norm_", "state_dict", "load_state_dict", "describe"]
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Module, max_norm: float,
@@ -68,6 +69,47 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
     for name, b in model.named_buffers():
         out[name] = b.detach().clone()
     return out
+
+
+def load_state_dict(model: nn.Module, state: dict[str, torch.Tensor | ShardedTensor]) -> None:
+    """Load full tensors (as ``state_dict(full=True)`` returns, or a plain single-process
+    ``state_dict()``) or ShardedTensors into a parallelized model: every rank copies its own
+    block, no communication. Names and shapes are checked first, so a mismatch changes
+    nothing."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    missing = sorted(set(params) - set(state))
+    unexpected = sorted(set(state) - set(params) - set(buffers))
+    if missing or unexpected:
+        raise ParallelizeError(f"load_state_dict: missing {missing}, unexpected {unexpected}; "
+                               "the state must come from the same model")
+    blocks = {}
+    for name, p in params.items():
+        value = state[name]
+        if isinstance(value, ShardedTensor):
+            value = value.full_tensor()
+        layout = get_layout(p)
+        if layout is None:
+            block = value
+        else:
+            expected = layout.spec.global_shape
+            full = value.reshape(expected) if value.numel() == math.prod(expected) else value
+            if tuple(full.shape) != tuple(expected):
+                raise ParallelizeError(f"load_state_dict: {name} has shape {tuple(value.shape)}, the "
+                                 f"model's full parameter is {tuple(expected)}")
+            block = full
+            for d, (start, size) in enumerate(layout.spec.local_bounds(layout.mesh.get_coordinate())):
+                block = block.narrow(d, start, size)
+        if block.numel() != p.numel():
+            raise ParallelizeError(f"load_state_dict: {name} block has {block.numel()} elements, "
+                             f"the parameter holds {p.numel()}")
+        blocks[name] = block
+    with torch.no_grad():
+        for name, block in blocks.items():
+            params[name].copy_(block.reshape(params[name].shape))
+        for name, b in buffers.items():
+            if name in state:
+                b.copy_(state[name])
 
 
 def _global_shape(p: nn.Parameter, sharded: ShardedTensor) -> tuple[int, ...]:
