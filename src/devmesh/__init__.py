@@ -56,13 +56,18 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from devmesh.comm import comm_stats
     from devmesh.errors import DevmeshError
     from devmesh.launcher import WorkerPool, launch
     from devmesh.layout import MeshLayout
-    from devmesh.comm import comm_stats
     from devmesh.mesh import DeviceMesh, create_hybrid_mesh, init_device_mesh
     from devmesh.tensor import (
-        Partial, Replicate, Shard, ShardedTensor, ShardingSpec, distribute_tensor,
+        Partial,
+        Replicate,
+        Shard,
+        ShardedTensor,
+        ShardingSpec,
+        distribute_tensor,
         explain_redistribute,
     )
     from devmesh.viz import visualize_sharding

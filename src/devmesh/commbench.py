@@ -44,13 +44,13 @@ def parse_size(text: str) -> int:
 
 def bench_rank(mesh_shape, names, sizes, ops=OPS, iters: int = 5) -> tuple[list[BenchRow], list]:
     """Runs on every rank; returns (rows, memcpy rows) with the slowest rank's times."""
+    import os
+
     import torch
     import torch.distributed as dist
 
     from devmesh import comm
     from devmesh.mesh import init_device_mesh
-
-    import os
 
     shape = tuple(mesh_shape) if mesh_shape else (int(os.environ["WORLD_SIZE"]),)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)

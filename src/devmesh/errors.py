@@ -24,6 +24,12 @@ __all__ = [
     "MeshTimeoutError",
     "RankFailedError",
     "RankTimeoutError",
+    "MeshUsageError",
+    "ParallelizeError",
+    "ShardingSpecError",
+    "NestedShardingError",
+    "TopologyError",
+    "TopologyWarning",
     "rank_prefix",
 ]
 
@@ -103,3 +109,27 @@ class RankTimeoutError(DevmeshError, TimeoutError):
         self.ranks = ranks
         self.stacks = stacks
         super().__init__(message, with_rank=False)
+
+
+class MeshUsageError(DevmeshError, RuntimeError):
+    """A DeviceMesh method was called in a way torch also refuses (a ``RuntimeError`` there)."""
+
+
+class ParallelizeError(DevmeshError, ValueError):
+    """A parallelism was applied in a way that cannot work (wrong mesh, wrong module...)."""
+
+
+class ShardingSpecError(DevmeshError, ValueError):
+    """A sharding spec or placement list is inconsistent with the mesh or the tensor."""
+
+
+class NestedShardingError(ShardingSpecError):
+    """The spec splits a dim by mesh dims out of mesh order; plain placements cannot say so."""
+
+
+class TopologyError(DevmeshError, RuntimeError):
+    """A bandwidth-heavy mesh dim would cross hosts (with ``strict=True``)."""
+
+
+class TopologyWarning(UserWarning):
+    """A bandwidth-heavy mesh dim crosses hosts: its traffic goes over the network."""

@@ -25,10 +25,10 @@ from torch.distributed import ProcessGroup
 
 from devmesh import env, groups
 from devmesh.errors import (
-    DevmeshError,
     MeshDimNameError,
     MeshRankError,
     MeshShapeError,
+    MeshUsageError,  # noqa: F401 - re-exported
     WorldSizeMismatchError,
 )
 from devmesh.layout import Dim, MeshLayout, _check_names, _check_shape
@@ -39,10 +39,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
 __all__ = ["DeviceMesh", "init_device_mesh", "create_hybrid_mesh"]
-
-
-class MeshUsageError(DevmeshError, RuntimeError):
-    """A DeviceMesh method was called in a way torch also refuses (a ``RuntimeError`` there)."""
 
 
 def _as_rank_array(mesh: Any) -> np.ndarray:

@@ -17,21 +17,13 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from devmesh.errors import DevmeshError, MeshShapeError
+from devmesh.errors import MeshShapeError, TopologyError, TopologyWarning  # noqa: F401 - re-exported
 from devmesh.layout import Dims, MeshLayout
 
 __all__ = [
     "TopologyError", "TopologyWarning", "contiguous_hosts", "crossing_dims", "hosts_of",
     "hybrid_layout", "check_heavy_dims",
 ]
-
-
-class TopologyError(DevmeshError, RuntimeError):
-    """A bandwidth-heavy mesh dim would cross hosts (with ``strict=True``)."""
-
-
-class TopologyWarning(UserWarning):
-    """A bandwidth-heavy mesh dim crosses hosts: its traffic goes over the network."""
 
 
 def contiguous_hosts(world_size: int, ranks_per_host: int) -> np.ndarray:

@@ -98,7 +98,11 @@ def _parallelize(model: NeuralNetwork, plan: MeshPlan):
     """Apply the plan; returns (mesh, data-parallel mesh or None)."""
     from devmesh import init_device_mesh
     from devmesh.parallel import (
-        ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module, replicate,
+        ColwiseParallel,
+        RowwiseParallel,
+        fully_shard,
+        parallelize_module,
+        replicate,
     )
 
     mesh = init_device_mesh("cpu", plan.shape, mesh_dim_names=plan.names)

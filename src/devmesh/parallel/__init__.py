@@ -4,10 +4,20 @@ from devmesh.parallel.fully_shard import FSDPUnit, MixedPrecisionPolicy, fully_s
 from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
 from devmesh.parallel.replicate import replicate
 from devmesh.parallel.tensor_parallel import (
-    ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-    SequenceParallel, parallelize_module,
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
 )
-from devmesh.parallel.utils import clip_grad_norm_, describe, load_state_dict, state_dict
+from devmesh.parallel.utils import (
+    clip_grad_norm_,
+    describe,
+    load_state_dict,
+    state_dict,
+)
 
 __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "replicate", "parallelize_module",

@@ -27,7 +27,11 @@ from torch import nn
 from devmesh import comm, groups
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.param import (
-    ParallelizeError, combined_mesh, get_layout, partial_grad_mesh, set_layout,
+    ParallelizeError,
+    combined_mesh,
+    get_layout,
+    partial_grad_mesh,
+    set_layout,
 )
 from devmesh.tensor import ShardingSpec
 from devmesh.tensor.spec import chunk_bounds

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from devmesh.errors import DevmeshError
+from devmesh.errors import ParallelizeError  # noqa: F401 - re-exported
 from devmesh.mesh import DeviceMesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
@@ -21,10 +21,6 @@ __all__ = ["ParamLayout", "get_layout", "set_layout", "as_sharded", "combined_me
            "mark_partial_grad", "partial_grad_mesh"]
 
 _ATTR = "_devmesh_layout"
-
-
-class ParallelizeError(DevmeshError, ValueError):
-    """A parallelism was applied in a way that cannot work (wrong mesh, wrong module...)."""
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,10 @@ import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from devmesh.errors import DevmeshError
+from devmesh.errors import NestedShardingError, ShardingSpecError  # noqa: F401 - re-exported
 from devmesh.tensor.placement import REDUCE_OPS, Partial, Placement, Replicate, Shard
 
 __all__ = ["ShardingSpec", "ShardingSpecError", "NestedShardingError", "chunk_bounds"]
-
-
-class ShardingSpecError(DevmeshError, ValueError):
-    """A sharding spec or placement list is inconsistent with the mesh or the tensor."""
-
-
-class NestedShardingError(ShardingSpecError):
-    """The spec splits a dim by mesh dims out of mesh order; plain placements cannot say so."""
 
 
 def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
