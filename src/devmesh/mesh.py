@@ -117,7 +117,6 @@ class DeviceMesh:
         self._dim_roots = dim_roots or tuple((d,) for d in range(layout.ndim))
         self._timeout = timeout
         self._flattened: dict[str, tuple[int, ...]] = {}
-        self._flattened_meshes: dict[str, DeviceMesh] = {}
         self._groups: tuple[ProcessGroup | None, ...] = (None,) * layout.ndim
         self._anchor = anchor
 

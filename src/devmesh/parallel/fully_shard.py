@@ -5,7 +5,8 @@ Every parameter is replaced by a plain ``nn.Parameter`` holding this rank's rows
 follow ``torch.chunk``), with its spec attached. Around the unit's forward:
 
 * before: all parameters of the unit are gathered in **one** collective (their padded shards
-  packed into one buffer), in ``mp_policy.param_dtype`` if given;
+  packed into one buffer), in ``mp_policy.param_dtype`` if given; from the second step on, the
+  previous unit has already started this all-gather asynchronously (prefetch);
 * after: with ``reshard_after_forward`` the full parameters are dropped; tensors autograd saved
   for backward are replaced by a handle (saved-tensor hooks) and the unit gathers again, once,
   when backward first needs them;
