@@ -22,9 +22,10 @@ def fail_on_rank_two():
 
 
 def fail_then_hang_others():
-    from devmesh import init_device_mesh
     import torch
     import torch.distributed as dist
+
+    from devmesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (3,))
     if dist.get_rank() == 1:

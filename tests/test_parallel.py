@@ -16,8 +16,15 @@ from torch import nn
 
 from devmesh import comm_stats, init_device_mesh
 from devmesh.parallel import (
-    ColwiseParallel, MixedPrecisionPolicy, RowwiseParallel, clip_grad_norm_, describe,
-    fully_shard, parallelize_module, replicate, state_dict,
+    ColwiseParallel,
+    MixedPrecisionPolicy,
+    RowwiseParallel,
+    clip_grad_norm_,
+    describe,
+    fully_shard,
+    parallelize_module,
+    replicate,
+    state_dict,
 )
 
 STRATEGIES = {

@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from devmesh import DeviceMesh, comm_stats, distribute_tensor, init_device_mesh
-from devmesh.tensor import Partial, Replicate, Shard, ShardedTensor, ShardingSpec, ShardingSpecError
+from devmesh.tensor import (
+    Partial,
+    Replicate,
+    Shard,
+    ShardedTensor,
+    ShardingSpec,
+    ShardingSpecError,
+)
 
 
 def all_specs(mesh_ndim: int, tensor_ndim: int, mesh_shape, shape, names):

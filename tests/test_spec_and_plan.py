@@ -12,8 +12,14 @@ from hypothesis import strategies as st
 
 from devmesh.layout import MeshLayout
 from devmesh.tensor import (
-    NestedShardingError, Partial, Replicate, Shard, ShardingSpec, ShardingSpecError,
-    explain_redistribute, plan_redistribute,
+    NestedShardingError,
+    Partial,
+    Replicate,
+    Shard,
+    ShardingSpec,
+    ShardingSpecError,
+    explain_redistribute,
+    plan_redistribute,
 )
 from devmesh.tensor.spec import chunk_bounds
 from devmesh.viz import sharding_blocks, visualize_sharding

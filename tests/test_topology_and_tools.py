@@ -20,7 +20,10 @@ from devmesh.cluster_plan import ModelSize, plan_cluster
 from devmesh.errors import MeshShapeError
 from devmesh.layout import MeshLayout
 from devmesh.topology import (
-    check_heavy_dims, contiguous_hosts, crossing_dims, hybrid_layout,
+    check_heavy_dims,
+    contiguous_hosts,
+    crossing_dims,
+    hybrid_layout,
 )
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -16,6 +16,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from devmesh._files import atomic_write, pyplot, save_figure
+
 __all__ = ["BenchRow", "bench_rank", "parse_size", "write_outputs", "format_table"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
@@ -44,7 +46,6 @@ def parse_size(text: str) -> int:
 
 def bench_rank(mesh_shape, names, sizes, ops=OPS, iters: int = 5) -> tuple[list[BenchRow], list]:
     """Runs on every rank; returns (rows, memcpy rows) with the slowest rank's times."""
-    import os
 
     import torch
     import torch.distributed as dist
@@ -116,13 +117,6 @@ def format_table(rows: list[BenchRow], memcpy: list) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: str, write) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w", newline="") as f:
-        write(f)
-    os.replace(tmp, path)
-
-
 def write_outputs(rows: list[BenchRow], memcpy: list, *, csv_path: str | None = None,
                   json_path: str | None = None, png_path: str | None = None) -> None:
     if csv_path:
@@ -131,17 +125,13 @@ def write_outputs(rows: list[BenchRow], memcpy: list, *, csv_path: str | None = 
             writer.writeheader()
             writer.writerows(asdict(r) for r in rows)
 
-        _atomic_write(csv_path, write_csv)
+        atomic_write(csv_path, write_csv)
     if json_path:
-        _atomic_write(json_path, lambda f: json.dump(
+        atomic_write(json_path, lambda f: json.dump(
             {"collectives": [asdict(r) for r in rows],
              "memcpy": [{"bytes": b, "time_us": t, "gbs": g} for b, t, g in memcpy]}, f, indent=1))
     if png_path:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+        plt = pyplot()
         fig, ax = plt.subplots(figsize=(8, 5))
         for key in sorted({(r.dim, r.op) for r in rows}):
             points = [r for r in rows if (r.dim, r.op) == key]
@@ -155,7 +145,4 @@ def write_outputs(rows: list[BenchRow], memcpy: list, *, csv_path: str | None = 
         ax.legend(fontsize=8)
         ax.set_title("collective bus bandwidth per mesh dim")
         fig.tight_layout()
-        tmp = f"{png_path}.tmp.png"
-        fig.savefig(tmp, dpi=100)
-        plt.close(fig)
-        os.replace(tmp, png_path)
+        save_figure(fig, png_path)

@@ -23,6 +23,16 @@ MESHES: list[tuple[tuple[int, ...], tuple[str, ...]]] = [
 ]
 
 
+def _print_layout(console, layout, plain: bool) -> None:
+    from devmesh.render import layout_rich, layout_text
+
+    if plain:
+        console.out(layout_text(layout), highlight=False)
+    else:
+        for renderable in layout_rich(layout):
+            console.print(renderable)
+
+
 def _rank_view() -> list[dict[str, Any]]:
     """Runs on every rank: build each mesh, report coordinates, groups and all-reduce sums."""
     import torch
@@ -60,7 +70,6 @@ def run_demo(world_size: int = 8, plain: bool = False) -> int:
 
     from devmesh.launcher import launch
     from devmesh.layout import MeshLayout
-    from devmesh.render import layout_rich, layout_text
 
     console = Console(no_color=plain, highlight=not plain, width=120 if plain else None)
     console.print(f"Launching {world_size} local CPU ranks over gloo …")
@@ -69,11 +78,7 @@ def run_demo(world_size: int = 8, plain: bool = False) -> int:
     for index, (shape, names) in enumerate(MESHES):
         layout = MeshLayout(shape, names)
         console.rule(f"init_device_mesh('cpu', {shape}, mesh_dim_names={names})")
-        if plain:
-            console.out(layout_text(layout), highlight=False)
-        else:
-            for renderable in layout_rich(layout):
-                console.print(renderable)
+        _print_layout(console, layout, plain)
         table = Table(title="what every rank sees (sum = all-reduce of the ranks in its group)")
         table.add_column("rank", justify="right")
         table.add_column("coordinate")
@@ -113,18 +118,13 @@ def run_training_demo(plain: bool = False, epochs: int = 5, plot: str = "digits_
     from devmesh.apps.digits import parse_mesh, plot_losses, train
     from devmesh.launcher import launch
     from devmesh.layout import MeshLayout
-    from devmesh.render import layout_rich, layout_text
 
     mesh_text = "dp=2,shard=2,tp=2"
     plan = parse_mesh(mesh_text)
     console = Console(no_color=plain, highlight=not plain, width=120 if plain else None)
     layout = MeshLayout(plan.shape, ("replicate", "shard", "tp"))
     console.rule(f"mesh {plan.shape}: {plan.describe()}")
-    if plain:
-        console.out(layout_text(layout), highlight=False)
-    else:
-        for renderable in layout_rich(layout):
-            console.print(renderable)
+    _print_layout(console, layout, plain)
     console.print(f"Launching {plan.world_size} local CPU ranks over gloo; training on "
                   "scikit-learn's digits (1,500 train / 297 test images) …")
     result = launch(train, plan.world_size, mesh_text, epochs=epochs, verify=True,

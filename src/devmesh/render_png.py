@@ -7,11 +7,11 @@ other dims (row-major), so every mesh of any rank draws as a 2-D table. Written 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import numpy as np
 
+from devmesh._files import pyplot, save_figure
 from devmesh.layout import Dim, MeshLayout
 
 __all__ = ["layout_png"]
@@ -29,11 +29,9 @@ def layout_png(
         raise ValueError(
             f"a picture of {layout.size} ranks would be unreadable; draw at most {max_cells}"
         )
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
+
+    plt = pyplot()
 
     cols = layout.shape[-1]
     grid = layout.ranks.reshape(-1, cols)
@@ -72,7 +70,4 @@ def layout_png(
     ax.set_title(f"mesh {title}\nboxes: groups of {layout.dim_name(dim)!r}"
                  + ("; shading: hosts" if hosts is not None else ""), fontsize=10)
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)

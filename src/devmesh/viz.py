@@ -72,16 +72,11 @@ def _text(spec: ShardingSpec, layout: MeshLayout) -> str:
 
 
 def _png(spec: ShardingSpec, layout: MeshLayout, path: str) -> None:
-    try:
-        import matplotlib
+    from devmesh._files import pyplot, save_figure
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.patches import Rectangle
-    except ImportError:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "visualize_sharding(to_file=...) draws with matplotlib: pip install matplotlib"
-        ) from None
+    plt = pyplot()
+    from matplotlib.patches import Rectangle
+
     cells, rows, cols = _grid(spec, layout)
     height = spec.global_shape[0] if spec.ndim == 2 else 1
     width = spec.global_shape[-1]
@@ -101,12 +96,7 @@ def _png(spec: ShardingSpec, layout: MeshLayout, path: str) -> None:
         ax.set_ylabel("dim 0")
     ax.set_title(_title(spec), fontsize=10)
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    import os
-
-    os.replace(tmp, path)  # never leave a half-written picture
+    save_figure(fig, path)  # never leave a half-written picture
 
 
 def visualize_sharding(

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -202,10 +201,9 @@ def train(mesh_text: str = "dp=2,shard=2,tp=2", *, epochs: int = 3, batch_size: 
 
 def plot_losses(result: Result, path: str) -> None:
     """Loss curve (and the single-process reference, if verified) as a PNG, written atomically."""
-    import matplotlib
+    from devmesh._files import pyplot, save_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(result.losses, label="devmesh (parallel)")
@@ -216,7 +214,4 @@ def plot_losses(result: Result, path: str) -> None:
     ax.set_title("digits: training loss")
     ax.legend()
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)

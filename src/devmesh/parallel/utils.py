@@ -138,12 +138,9 @@ def describe(model: nn.Module, *, to_file: str | None = None) -> str:
 
 
 def _describe_png(rows, path: str) -> None:
-    import os
+    from devmesh._files import pyplot, save_figure
 
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     names = [r[0] for r in rows]
     local = [int(r[4].replace(",", "")) for r in rows]
@@ -155,7 +152,4 @@ def _describe_png(rows, path: str) -> None:
     ax.set_xlabel("bytes on this rank")
     ax.set_title("parameters on this rank")
     fig.tight_layout()
-    tmp = f"{path}.tmp.png"
-    fig.savefig(tmp, dpi=100)
-    plt.close(fig)
-    os.replace(tmp, path)
+    save_figure(fig, path)
