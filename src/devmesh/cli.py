@@ -208,18 +208,22 @@ def build_parser() -> argparse.ArgumentParser:
                               "devmesh run)")
         cmd.add_argument("--mesh", type=_parse_shape, default=None,
                          help="mesh shape, e.g. 2,4 (default: 1-D over the world)")
-        cmd.add_argument("--names", type=_parse_names, default=None)
-        cmd.add_argument("--timeout", type=float, default=30.0, help="seconds per check")
+        cmd.add_argument("--names", type=_parse_names, default=None,
+                         help="dimension names, e.g. dp,tp")
+        cmd.add_argument("--timeout", type=float, default=30.0,
+                         help="seconds before a check or collective counts as hung")
         if name == "doctor":
             cmd.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
             cmd.set_defaults(handler=_cmd_doctor)
         else:
-            cmd.add_argument("--sizes", default="4K,64K,1M,8M")
-            cmd.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all")
-            cmd.add_argument("--iters", type=int, default=5)
-            cmd.add_argument("--csv", default=None)
-            cmd.add_argument("--json", default=None)
-            cmd.add_argument("--png", default=None)
+            cmd.add_argument("--sizes", default="4K,64K,1M,8M",
+                             help="message sizes in bytes (K, M, G suffixes)")
+            cmd.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all",
+                             help="collectives to measure")
+            cmd.add_argument("--iters", type=int, default=5, help="timed runs per point (median)")
+            cmd.add_argument("--csv", default=None, help="write the results as CSV")
+            cmd.add_argument("--json", default=None, help="write the results as JSON")
+            cmd.add_argument("--png", default=None, help="plot bus bandwidth against size")
             cmd.set_defaults(handler=_cmd_bench)
 
     run = sub.add_parser("run", help="run a script on N local processes (torchrun --standalone)")
