@@ -396,3 +396,28 @@ def test_load_state_dict_puts_every_block_back(mesh_pool, strategy):
                                                     STRATEGIES[strategy][0], strategy):
         assert equal and same_output
         assert errors == ["ParallelizeError", True, "ParallelizeError", True]  # nothing changed
+
+
+def backward_prefetch_observed():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    model = make_model()
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    seen = []
+    unit2 = model[2]._devmesh_fsdp
+    # runs in backward right after layer 4's weights were re-gathered (its grad_input hook)
+    model[4].register_full_backward_hook(
+        lambda m, gi, go: seen.append(unit2._regather_pending is not None or unit2._full is not None))
+    counts = []
+    for _ in range(3):
+        with comm_stats() as stats:
+            model(torch.randn(4, 12, requires_grad=False)).sum().backward()
+        counts.append(stats.by_collective()["all_gather"][0])
+    return seen, counts, unit2._regather_pending
+
+
+def test_fsdp_prefetches_backward_regathers(mesh_pool):
+    seen, counts, leftover = mesh_pool.run(backward_prefetch_observed, 2)[0]
+    assert seen == [False, True, True]
+    assert counts == [5, 5, 5] and leftover is None  # layer 0's weights are never re-gathered

@@ -9,7 +9,8 @@ follow ``torch.chunk``), with its spec attached. Around the unit's forward:
   previous unit has already started this all-gather asynchronously (prefetch);
 * after: with ``reshard_after_forward`` the full parameters are dropped; tensors autograd saved
   for backward are replaced by a handle (saved-tensor hooks) and the unit gathers again, once,
-  when backward first needs them;
+  when backward first needs them — from the second step on already started by the unit after
+  it (backward prefetch), for the units whose backward needed them in the previous step;
 * backward: the unit's gradients are reduce-scattered (averaged over the shard dim) in one
   collective, in ``mp_policy.reduce_dtype``; on a 2-D ``(replicate, shard)`` mesh they are then
   all-reduced (averaged) over the replicate dim: hybrid sharding.
@@ -92,6 +93,9 @@ class FSDPUnit:
         self.params: list[_Param] = []
         self._full: list[torch.Tensor] | None = None  # gathered for backward (resharded case)
         self._prefetched: comm.Pending | None = None  # started by the previous unit
+        self._regather_pending: comm.Pending | None = None  # backward prefetch, by the next unit
+        self._needed_regather = False  # backward re-gathered this unit in the previous step
+        self._regathered_now = False
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._collect(module)
 
@@ -205,6 +209,9 @@ class FSDPUnit:
             out.append(local.to(p.sharded.dtype).view(p.sharded.shape))
             offset += p.padded_numel
         self._full = None  # backward of this unit is done: drop the re-gathered parameters
+        if self._regather_pending is not None:  # prefetched but not needed this time
+            self._regather_pending.wait()
+            self._regather_pending = None
         return out
 
     # -- hooks -----------------------------------------------------------------------------
@@ -246,7 +253,12 @@ class FSDPUnit:
         _, index, shape, stride, offset, dtype = packed
         if self._full is None:
             with torch.no_grad():
-                self._full = self.finish_gather(self.start_gather([p.sharded for p in self.params]))
+                pending, self._regather_pending = self._regather_pending, None
+                if pending is None:
+                    pending = self.start_gather([p.sharded for p in self.params])
+                self._full = self.finish_gather(pending)
+            self._regathered_now = True
+            _ORDER.prefetch_backward_before(self)
         return self._full[index].as_strided(shape, stride, offset)
 
 
@@ -272,6 +284,8 @@ class _ForwardOrder:
             self.generation = groups.generation()
         if self.depth == 0:
             self.recording = [] if not self.order or self.order[0] is not unit else None
+            for other in self.order:  # what backward needed last step predicts this step
+                other._needed_regather, other._regathered_now = other._regathered_now, False
         self.depth += 1
         if self.recording is not None:
             self.recording.append(unit)
@@ -282,6 +296,18 @@ class _ForwardOrder:
         i = self.order.index(unit)
         if i + 1 < len(self.order):
             self.order[i + 1].prefetch()
+
+    def prefetch_backward_before(self, unit: FSDPUnit) -> None:
+        """Backward runs units in reverse: start re-gathering the closest earlier unit whose
+        backward needed its parameters in the previous step."""
+        if unit not in self.order:
+            return
+        for other in reversed(self.order[: self.order.index(unit)]):
+            if other._needed_regather and other.params:
+                if other._full is None and other._regather_pending is None:
+                    other._regather_pending = other.start_gather(
+                        [p.sharded for p in other.params])
+                return
 
     def exit(self, unit: FSDPUnit) -> None:
         self.depth -= 1
