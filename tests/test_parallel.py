@@ -211,7 +211,15 @@ def test_fsdp_memory_clip_and_describe(mesh_pool, tmp_path):
     total_sq = sum(r[3] for r in results)  # after clipping: norm of the clipped grads
     assert total_sq ** 0.5 == pytest.approx(1e-3, rel=1e-3)
     assert len({round(r[2], 6) for r in results}) == 1  # every rank agrees on the norm
-    assert "0.weight" in results[0][4] and "dim 0 split by (dp)" in results[0][4]
+    text = results[0][4]
+    assert "0.weight" in text and "dim 0 split by (dp)" in text
+    # every rank's block, from the spec: 5 bias rows split 2, 2, 1, 0 like torch.chunk
+    assert "(2,) on 0-1; (1,) on 2; (0,) on 3" in text
+    # rank 0's describe predicts the bytes every rank really holds (measured on each rank)
+    measured = [r[1] for r in results]
+    assert measured[0] == measured[1] > measured[2] > measured[3]
+    assert (f"bytes per rank: {measured[0]:,} on 0-1; {measured[2]:,} on 2; {measured[3]:,} on 3"
+            f" (the full model: {results[0][0]:,})") in text
     assert (tmp_path / "describe0.png").read_bytes()[:4] == b"\x89PNG"
 
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from devmesh.errors import MeshMismatchError, MeshTimeoutError
+from devmesh.layout import format_ranks
 
 __all__ = [
     "GroupKey",
@@ -186,15 +187,6 @@ def create_dim_groups(
     return get_group(mine[0], backend=backend, timeout=timeout, desc=desc)
 
 
-def _ranges(ranks: list[int]) -> str:
-    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``: short enough for an error message about many ranks."""
-    parts: list[str] = []
-    for _, run in itertools.groupby(enumerate(sorted(ranks)), lambda p: p[1] - p[0]):
-        values = [v for _, v in run]
-        parts.append(str(values[0]) if len(values) == 1 else f"{values[0]}-{values[-1]}")
-    return ", ".join(parts)
-
-
 def check_agreement(
     what: str, payload: str, *, timeout: datetime.timedelta | None = None
 ) -> None:
@@ -223,7 +215,7 @@ def check_agreement(
     except Exception:  # DistStoreError / RuntimeError: which ranks are missing?
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         raise MeshTimeoutError(
-            f"{what}: rank(s) {_ranges(missing)} did not arrive within "
+            f"{what}: rank(s) {format_ranks(missing)} did not arrive within "
             f"{timeout.total_seconds():g} s. Every rank of the world must create the same "
             "meshes in the same order; check that those ranks are alive and run the same code "
             "(and pass timeout= to wait longer)"
@@ -235,7 +227,7 @@ def check_agreement(
         by_value: dict[str, list[int]] = defaultdict(list)
         for rank, value in enumerate(values):
             by_value[value].append(rank)
-        lines = [f"  ranks {_ranges(ranks)}: {value}" for value, ranks in by_value.items()]
+        lines = [f"  ranks {format_ranks(ranks)}: {value}" for value, ranks in by_value.items()]
         raise MeshMismatchError(
             f"{what}: ranks disagree on the mesh; every rank must pass the same arguments.\n"
             + "\n".join(lines)

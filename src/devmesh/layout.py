@@ -29,13 +29,28 @@ import numpy as np
 
 from devmesh.errors import MeshDimNameError, MeshRankError, MeshShapeError
 
-__all__ = ["MeshLayout", "Dim", "Dims"]
+__all__ = ["MeshLayout", "Dim", "Dims", "format_ranks"]
 
 Dim = Union[int, str]
 """A mesh dimension, by index (negative counts from the end) or by name."""
 
 Dims = Union[Dim, Sequence[Dim]]
 """One dimension or an ordered sequence of dimensions."""
+
+
+def format_ranks(ranks: Iterable[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2, 5"``: short enough for a message about many ranks."""
+    values = sorted(int(r) for r in ranks)
+    parts: list[str] = []
+    start = prev = None
+    for v in values + [None]:  # type: ignore[list-item]
+        if v is not None and prev is not None and v == prev + 1:
+            prev = v
+            continue
+        if start is not None:
+            parts.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = v
+    return ", ".join(parts)
 
 
 def _check_shape(shape: object) -> tuple[int, ...]:

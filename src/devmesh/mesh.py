@@ -229,6 +229,26 @@ class DeviceMesh:
             )
         return self._coordinate
 
+    def coordinate_of(self, rank: int) -> tuple[int, ...] | None:
+        """The coordinate ``rank`` has in *its* copy of this mesh: for a sub-mesh, the one
+        sliced through ``rank`` (same dims, ``rank``'s other coordinates). Pure arithmetic;
+        ``None`` if the root mesh does not contain ``rank``."""
+        root = self._root
+        coordinate = root._layout.coordinate_of(rank)
+        if coordinate is None:
+            return None
+        out = []
+        for roots in self._dim_roots:
+            index = 0
+            for d in roots:
+                index = index * root._layout.shape[d] + coordinate[d]
+            out.append(index)
+        return tuple(out)
+
+    def world_ranks(self) -> list[int]:
+        """Every rank of the root mesh this mesh was sliced from."""
+        return self._root._layout.rank_list()
+
     def get_local_rank(self, mesh_dim: Dim | None = None) -> int:
         """This rank's index along ``mesh_dim`` (its rank in that dimension's group)."""
         dim = self._single_dim(mesh_dim, "get_local_rank()")
