@@ -299,3 +299,24 @@ def test_mesh_timeout_bounds_collectives(mesh_pool):
     outcome, elapsed, message = mesh_pool.run(collective_timeout, 2, timeout=60)[0]
     assert outcome == "raised", message
     assert elapsed < 7.5, elapsed  # bounded by the 2 s mesh timeout, not gloo's 30 min default
+
+
+def coordinates_of_other_ranks():
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+    flat = mesh["a", "b"]._flatten("ab")
+    out = {}
+    for name, sub in (("ac", mesh["a", "c"]), ("ca", mesh["c", "a"]), ("ab", flat)):
+        out[name] = [sub.coordinate_of(r) for r in range(8)]
+    out["root"] = [mesh.coordinate_of(r) for r in range(8)]
+    out["missing"] = mesh.coordinate_of(42)
+    return out
+
+
+def test_coordinate_of_other_ranks_in_their_own_submesh(mesh_pool):
+    out = mesh_pool.run(coordinates_of_other_ranks, 8)[0]
+    # rank r = 4a + 2b + c; in its own ("a", "c") slice it sits at (a, c)
+    assert out["ac"] == [(r // 4, r % 2) for r in range(8)]
+    assert out["ca"] == [(r % 2, r // 4) for r in range(8)]
+    assert out["ab"] == [(r // 2,) for r in range(8)]
+    assert out["root"] == [(r // 4, (r // 2) % 2, r % 2) for r in range(8)]
+    assert out["missing"] is None
