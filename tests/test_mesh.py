@@ -320,3 +320,22 @@ def test_coordinate_of_other_ranks_in_their_own_submesh(mesh_pool):
     assert out["ab"] == [(r // 2,) for r in range(8)]
     assert out["root"] == [(r // 4, (r // 2) % 2, r % 2) for r in range(8)]
     assert out["missing"] is None
+
+
+def return_a_mesh():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    return mesh["tp"]
+
+
+def test_a_mesh_can_be_returned_from_launch_for_inspection(mesh_pool):
+    import pytest
+
+    from devmesh.errors import MeshUsageError
+
+    meshes = mesh_pool.run(return_a_mesh, 4)
+    assert [repr(m) for m in meshes] == [
+        "DeviceMesh([0, 1], mesh_dim_names=('tp',))", "DeviceMesh([0, 1], mesh_dim_names=('tp',))",
+        "DeviceMesh([2, 3], mesh_dim_names=('tp',))", "DeviceMesh([2, 3], mesh_dim_names=('tp',))"]
+    assert meshes[3].get_coordinate() == (1,) and meshes[3].layout.groups("tp") == [(2, 3)]
+    with pytest.raises(MeshUsageError, match="unpickled"):
+        meshes[0].get_group()

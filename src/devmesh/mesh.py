@@ -261,7 +261,8 @@ class DeviceMesh:
         group = self._groups[dim]
         if group is None:
             raise MeshUsageError(
-                f"{self!r} was created without process groups (_init_backend=False)"
+                f"{self!r} has no process groups in this process: it was unpickled (groups do "
+                "not travel between processes) or created with _init_backend=False"
             )
         return group
 
@@ -517,6 +518,13 @@ class DeviceMesh:
         )
 
     # -- value semantics -------------------------------------------------------------------
+    def __getstate__(self) -> dict:
+        """Pickle the layout, not the process groups (they belong to this process): a mesh
+        returned from ``devmesh.launch`` can be inspected, not communicated on."""
+        state = self.__dict__.copy()
+        state["_groups"] = (None,) * self._layout.ndim
+        return state
+
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, DeviceMesh):
             return NotImplemented
