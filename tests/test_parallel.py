@@ -429,3 +429,60 @@ def test_fsdp_prefetches_backward_regathers(mesh_pool):
     seen, counts, leftover = mesh_pool.run(backward_prefetch_observed, 2)[0]
     assert seen == [False, True, True]
     assert counts == [5, 5, 5] and leftover is None  # layer 0's weights are never re-gathered
+
+
+def checkpoint_resume(name, path, break_save=False):
+    from devmesh.parallel import load_checkpoint, save_checkpoint
+
+    world, shape, names = STRATEGIES[name]
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+
+    def fresh():
+        model = make_model()
+        apply_strategy(name, model, mesh)
+        return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+    def step(model, opt, i):
+        gen = torch.Generator().manual_seed(100 + i)
+        x, y = torch.randn(24, 12, generator=gen), torch.randint(0, 5, (24,), generator=gen)
+        loss = F.cross_entropy(model(x), y)  # every rank the same batch: fine for any layout
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+
+    model, opt = fresh()
+    for i in range(2):
+        step(model, opt, i)
+    save_checkpoint(path, model, opt, extra={"step": 2})
+    continued = [step(model, opt, i) for i in (2, 3)]
+    failure = None
+    if break_save:  # a failed save raises on every rank and leaves the old file intact
+        import devmesh.parallel.checkpoint as ckpt
+
+        real = torch.save
+        ckpt.torch.save = lambda *a, **k: (_ for _ in ()).throw(OSError("disk full"))
+        try:
+            save_checkpoint(path, model, opt)
+        except Exception as exc:  # noqa: BLE001
+            failure = str(exc)
+        finally:
+            ckpt.torch.save = real
+    model2, opt2 = fresh()
+    extra = load_checkpoint(path, model2, opt2)
+    resumed = [step(model2, opt2, i) for i in (2, 3)]
+    return continued, resumed, extra, failure
+
+
+@pytest.mark.parametrize("strategy", ["fsdp+tp", "hsdp", "ddp"])
+def test_checkpoint_resumes_training_exactly(mesh_pool, tmp_path, strategy):
+    path = str(tmp_path / "ckpt.pt")
+    break_save = strategy == "hsdp"
+    results = mesh_pool.run(checkpoint_resume, STRATEGIES[strategy][0], strategy, path,
+                            break_save)
+    for continued, resumed, extra, failure in results:
+        assert resumed == pytest.approx(continued, rel=1e-6)
+        assert extra == {"step": 2}
+        if break_save:
+            assert "save_checkpoint failed on rank 0: OSError: disk full" in failure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temporary left

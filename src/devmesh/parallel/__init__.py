@@ -1,5 +1,6 @@
 """Parallelisms on a mesh: replicate (DDP), fully_shard (FSDP, HSDP), tensor parallelism."""
 
+from devmesh.parallel.checkpoint import load_checkpoint, save_checkpoint
 from devmesh.parallel.fully_shard import FSDPUnit, MixedPrecisionPolicy, fully_shard
 from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
 from devmesh.parallel.replicate import replicate
@@ -23,5 +24,5 @@ __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "replicate", "parallelize_module",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "clip_grad_norm_", "state_dict", "load_state_dict", "describe",
-    "get_layout", "as_sharded", "ParallelizeError",
+    "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",
 ]

@@ -22,7 +22,7 @@ from devmesh.layout import format_ranks
 from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
 from devmesh.tensor import ShardedTensor
 
-__all__ = ["clip_grad_norm_", "state_dict", "load_state_dict", "describe"]
+__all__ = ["clip_grad_norm_", "state_dict", "load_state_dict", "local_block", "describe"]
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Module, max_norm: float,
@@ -72,6 +72,22 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
     return out
 
 
+def local_block(param: nn.Parameter, full: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """This rank's block of ``full``, a tensor laid out like ``param`` (its global shape)."""
+    layout = get_layout(param)
+    if layout is None:
+        return full
+    expected = tuple(layout.spec.global_shape)
+    if full.numel() == math.prod(expected):
+        full = full.reshape(expected)
+    if tuple(full.shape) != expected:
+        raise ParallelizeError(f"{name} has shape {tuple(full.shape)}, the model's full "
+                               f"parameter is {expected}")
+    for d, (start, size) in enumerate(layout.spec.local_bounds(layout.mesh.get_coordinate())):
+        full = full.narrow(d, start, size)
+    return full
+
+
 def load_state_dict(model: nn.Module, state: dict[str, torch.Tensor | ShardedTensor]) -> None:
     """Load full tensors (as ``state_dict(full=True)`` returns, or a plain single-process
     ``state_dict()``) or ShardedTensors into a parallelized model: every rank copies its own
@@ -89,18 +105,7 @@ def load_state_dict(model: nn.Module, state: dict[str, torch.Tensor | ShardedTen
         value = state[name]
         if isinstance(value, ShardedTensor):
             value = value.full_tensor()
-        layout = get_layout(p)
-        if layout is None:
-            block = value
-        else:
-            expected = layout.spec.global_shape
-            full = value.reshape(expected) if value.numel() == math.prod(expected) else value
-            if tuple(full.shape) != tuple(expected):
-                raise ParallelizeError(f"load_state_dict: {name} has shape {tuple(value.shape)}, the "
-                                 f"model's full parameter is {tuple(expected)}")
-            block = full
-            for d, (start, size) in enumerate(layout.spec.local_bounds(layout.mesh.get_coordinate())):
-                block = block.narrow(d, start, size)
+        block = local_block(p, value, name)
         if block.numel() != p.numel():
             raise ParallelizeError(f"load_state_dict: {name} block has {block.numel()} elements, "
                              f"the parameter holds {p.numel()}")
