@@ -48,6 +48,15 @@ def make_model() -> nn.Sequential:
                          nn.Linear(14, 5))
 
 
+def fsdp_model(mesh, **options):
+    """make_model() with every Linear and then the root fully sharded over ``mesh``."""
+    model = make_model()
+    for i in (0, 2, 4):
+        fully_shard(model[i], mesh=mesh, **options)
+    fully_shard(model, mesh=mesh, **options)
+    return model
+
+
 def apply_strategy(name, model, mesh):
     tp_plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     if name.startswith("ddp_2d") or name == "ddp":
@@ -185,11 +194,8 @@ def test_collective_counts_per_step(mesh_pool):
 
 def fsdp_memory_and_helpers(tmp):
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
-    model = make_model()
-    full_bytes = sum(p.numel() * 4 for p in model.parameters())
-    for i in (0, 2, 4):
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    full_bytes = sum(p.numel() * 4 for p in make_model().parameters())
+    model = fsdp_model(mesh)
     local_bytes = sum(p.numel() * 4 for p in model.parameters())
     F.cross_entropy(model(torch.randn(8, 12)), torch.zeros(8, dtype=torch.long)).backward()
     norm = clip_grad_norm_(model.parameters(), max_norm=1e-3)
@@ -225,11 +231,8 @@ def test_fsdp_memory_clip_and_describe(mesh_pool, tmp_path):
 
 def mixed_precision_step():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    model = make_model()
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    for i in (0, 2, 4):
-        fully_shard(model[i], mesh=mesh, mp_policy=policy)
-    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model = fsdp_model(mesh, mp_policy=policy)
     out = model(torch.randn(4, 12).to(torch.bfloat16))
     out.float().sum().backward()
     return out.dtype, [(p.dtype, p.grad.dtype) for p in model.parameters()]
@@ -347,10 +350,7 @@ def test_bad_plans_are_named(mesh_pool):
 
 def prefetch_observed():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    model = make_model()
-    for i in (0, 2, 4):
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp_model(mesh)
     seen = []
     model[0].register_forward_hook(
         lambda m, a, y: seen.append(model[2]._devmesh_fsdp._prefetched is not None))
@@ -408,10 +408,7 @@ def test_load_state_dict_puts_every_block_back(mesh_pool, strategy):
 
 def backward_prefetch_observed():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    model = make_model()
-    for i in (0, 2, 4):
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    model = fsdp_model(mesh)
     seen = []
     unit2 = model[2]._devmesh_fsdp
     # runs in backward right after layer 4's weights were re-gathered (its grad_input hook)

@@ -55,77 +55,43 @@ def _split(t: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     return t.chunk(k, dim=dim)[mesh.get_local_rank()].contiguous()
 
 
-class _CopyToParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh):  # type: ignore[override]
-        ctx.mesh = mesh
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return comm.all_reduce(grad.contiguous().clone(), ctx.mesh, (0,)), None
+def _all_reduce(t: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    return comm.all_reduce(t.contiguous().clone(), mesh, (0,))
 
 
-class _ReduceFromParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh):  # type: ignore[override]
-        return comm.all_reduce(x.contiguous().clone(), mesh, (0,))
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return grad, None
+def _identity(t: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+    return t.view_as(t)
 
 
-class _GatherForParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, dim):  # type: ignore[override]
+def _dual(name: str, forward, backward) -> type[torch.autograd.Function]:
+    """An autograd function running ``forward(x, mesh, dim)`` and, on the way back,
+    ``backward(grad, mesh, dim)``."""
+
+    def fwd(ctx, x, mesh, dim):
         ctx.mesh, ctx.dim = mesh, dim
-        return _gather(x, mesh, dim)
+        return forward(x, mesh, dim)
 
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _reduce_scatter(grad, ctx.mesh, ctx.dim), None, None
+    def bwd(ctx, grad):
+        return backward(grad, ctx.mesh, ctx.dim), None, None
 
-
-class _ReduceScatterFromParallel(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, dim):  # type: ignore[override]
-        ctx.mesh, ctx.dim = mesh, dim
-        return _reduce_scatter(x, mesh, dim)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _gather(grad, ctx.mesh, ctx.dim), None, None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _GatherReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, dim):  # type: ignore[override]
-        ctx.mesh, ctx.dim = mesh, dim
-        return _gather(x, mesh, dim)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _split(grad, ctx.mesh, ctx.dim), None, None
-
-
-class _SplitReplicated(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, mesh, dim):  # type: ignore[override]
-        ctx.mesh, ctx.dim = mesh, dim
-        return _split(x, mesh, dim)
-
-    @staticmethod
-    def backward(ctx, grad):  # type: ignore[override]
-        return _gather(grad, ctx.mesh, ctx.dim), None, None
+_CopyToParallel = _dual("_CopyToParallel", _identity, _all_reduce)
+_ReduceFromParallel = _dual("_ReduceFromParallel", _all_reduce, _identity)
+_GatherForParallel = _dual("_GatherForParallel", _gather, _reduce_scatter)
+_ReduceScatterFromParallel = _dual("_ReduceScatterFromParallel", _reduce_scatter, _gather)
+_GatherReplicated = _dual("_GatherReplicated", _gather, _split)
+_SplitReplicated = _dual("_SplitReplicated", _split, _gather)
 
 
 def copy_to_parallel(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return _CopyToParallel.apply(x, mesh) if mesh.size() > 1 else x
+    return _CopyToParallel.apply(x, mesh, 0) if mesh.size() > 1 else x
 
 
 def reduce_from_parallel(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return _ReduceFromParallel.apply(x, mesh) if mesh.size() > 1 else x
+    return _ReduceFromParallel.apply(x, mesh, 0) if mesh.size() > 1 else x
 
 
 def gather_for_parallel(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
