@@ -178,3 +178,10 @@ def test_custom_3d_example_trains(mesh_pool):
     for info in results:
         assert len(info["losses"]) == 3 and all(v == v for v in info["losses"])
     assert "split by (tp, shard)" in results[0]["describe"]
+
+
+def test_show_all_lists_every_rank_of_every_group():
+    result = _run(DEVMESH + ["show", "2,20", "--names", "a,b", "--all"])
+    assert result.returncode == 0
+    assert "[20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39]" \
+        in result.stdout and "…" not in result.stdout

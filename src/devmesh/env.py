@@ -42,10 +42,6 @@ class LaunchEnv:
     master_addr: str
     master_port: int
 
-    @property
-    def num_hosts(self) -> int:
-        return max(1, self.world_size // max(1, self.local_world_size))
-
 
 def _int_var(name: str, default: int | None = None) -> int:
     raw = os.environ.get(name)

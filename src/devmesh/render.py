@@ -29,11 +29,12 @@ def _fmt_group(group: tuple[int, ...], max_items: int = 16) -> str:
     return f"[{head}, … {tail}] ({len(group)} ranks)"
 
 
-def group_lines(layout: MeshLayout, max_groups: int = 8) -> Iterator[str]:
-    """One line per dim: its name, size, number of groups, and the groups (elided)."""
+def group_lines(layout: MeshLayout, max_groups: int = 8, max_items: int = 16) -> Iterator[str]:
+    """One line per dim: its name, size, number of groups, and the groups (elided past
+    ``max_groups`` groups and ``max_items`` ranks per group)."""
     for d in range(layout.ndim):
         array = layout.group_array(d)
-        shown = [_fmt_group(tuple(row)) for row in array[:max_groups].tolist()]
+        shown = [_fmt_group(tuple(row), max_items) for row in array[:max_groups].tolist()]
         more = f"… and {len(array) - max_groups} more" if len(array) > max_groups else ""
         head = (
             f"{layout.dim_name(d)} (size {layout.shape[d]}, {len(array)} group"
@@ -108,7 +109,7 @@ def layout_text(
     if blocks > max_blocks:
         lines.append(f"  … {blocks - max_blocks} more blocks")
     lines.append("groups:")
-    lines.extend("  " + line for line in group_lines(layout, max_groups))
+    lines.extend("  " + line for line in group_lines(layout, max_groups, max_cells))
     if rank is not None:
         lines.append(_rank_line(layout, rank))
     return "\n".join(lines)
@@ -141,7 +142,7 @@ def layout_rich(
             table.add_row(str(r) if layout.ndim > 1 else "", *cells)
         out.append(table)
     out.append(Text("groups:", style="bold"))
-    out.extend(Text("  " + line) for line in group_lines(layout, max_groups))
+    out.extend(Text("  " + line) for line in group_lines(layout, max_groups, max_cells))
     if rank is not None:
         out.append(Text(_rank_line(layout, rank), style="bold"))
     return out

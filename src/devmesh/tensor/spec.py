@@ -175,10 +175,6 @@ class ShardingSpec:
     def partial_op(self, mesh_dim: int) -> str | None:
         return dict(self.partial).get(mesh_dim)
 
-    @property
-    def is_replicated(self) -> bool:
-        return not self.partial and not any(self.dim_map)
-
     def placements(self) -> tuple[Placement, ...]:
         """Per-mesh-dim placements; :class:`NestedShardingError` if a dim is split out of
         mesh order (then only the spec, or torch's ``_StridedShard``, can say it)."""
