@@ -83,24 +83,39 @@ def bad_arguments():
         "cuda": _catch(init_device_mesh, "cuda", (2, 2)),
         "indexed_device": _catch(init_device_mesh, "cpu:0", (2, 2)),
         "overlap": _catch(lambda: mesh["dp", "dp"]),
+        "local_rank_without_dim": _catch(mesh.get_local_rank),
+        "unknown_group_name": _catch(mesh.get_group, "pp"),
+        "from_group_wrong_mesh": _catch(DeviceMesh.from_group, mesh.get_group("tp"), "cpu",
+                                        mesh=[7, 8]),
     }
 
 
 def test_bad_arguments_are_named_with_a_fix(mesh_pool):
     r = mesh_pool.run(bad_arguments, 4)[2]
     expectations = {
-        "names_count": ("MeshDimNameError", "KeyError", "1 names for a 2-D mesh"),
-        "duplicate_names": ("MeshDimNameError", "KeyError", "repeats 'a'"),
-        "unknown_name": ("MeshDimNameError", "KeyError", "valid names are 'dp', 'tp'"),
-        "unnamed_slice": ("MeshUsageError", "RuntimeError", "without mesh_dim_names"),
+        # torch's exception type and its own phrase, inside devmesh's longer message
+        "names_count": ("MeshNamesError", "RuntimeError",
+                        "mesh_shape and mesh_dim_names should have same length!"),
+        "duplicate_names": ("MeshNamesError", "RuntimeError",
+                            "Each mesh_dim_name must be unique."),
+        "unknown_name": ("MeshDimNameError", "KeyError", "Invalid mesh_dim_names"),
+        "unnamed_slice": ("MeshUsageError", "RuntimeError",
+                          "Cannot slice a DeviceMesh without mesh_dim_names!"),
         "zero_size": ("MeshShapeError", "ValueError", "positive integer"),
         "float_size": ("MeshShapeError", "ValueError", "positive integer"),
         "duplicate_ranks": ("MeshShapeError", "ValueError", "rank 1 appears more than once"),
         "out_of_range": ("MeshRankError", "ValueError", "contains rank 9 but the world has only 4"),
-        "group_without_dim": ("MeshUsageError", "RuntimeError", "needs mesh_dim="),
+        "group_without_dim": ("MeshUsageError", "RuntimeError",
+                              "Optional kwarg `mesh_dim` needs to be specified"),
+        "local_rank_without_dim": ("MeshUsageError", "RuntimeError",
+                                   "Optional kwarg `mesh_dim` needs to be specified"),
+        "unknown_group_name": ("MeshDimNameError", "KeyError",
+                               "Mesh dimension 'pp' does not exist"),
+        "from_group_wrong_mesh": ("MeshShapeError", "ValueError", "Invalid mesh [7, 8]"),
         "cuda": ("DeviceUnavailableError", "RuntimeError", "device_type='cpu'"),
-        "indexed_device": ("MeshShapeError", "ValueError", "without an index"),
-        "overlap": ("MeshDimNameError", "KeyError", "repeats 'dp'"),
+        "indexed_device": ("DeviceTypeError", "RuntimeError",
+                           "Device type with index is not supported"),
+        "overlap": ("MeshNamesError", "KeyError", "repeats 'dp'"),
     }
     for key, (name, base, words) in expectations.items():
         assert r[key] is not None, key

@@ -124,7 +124,18 @@ def flatten_and_unflatten():
         "un": un.mesh.tolist(),
         "un_groups": [dist.get_process_group_ranks(un.get_group(n)) for n in ("a", "b", "c")],
         "public_alias": mesh["cp", "tp"].flatten("cp_tp").mesh.tolist(),
+        # torch: the root answers get_group / get_local_rank for a flattened name
+        "group_by_flat_name": mesh.get_group("dp_cp") is dp_cp.get_group(),
+        "local_by_flat_name": mesh.get_local_rank("dp_cp"),
+        "torch_get_group": torch_mesh_get_group(mesh, "dp_cp") is dp_cp.get_group(),
     }
+
+
+def torch_mesh_get_group(mesh, name):
+    """torch's own DeviceMesh.get_group, run on the devmesh mesh (it is a torch mesh)."""
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    return TorchDeviceMesh.get_group(mesh, name)
 
 
 def test_flatten_unflatten(mesh_pool):
@@ -143,6 +154,8 @@ def test_flatten_unflatten(mesh_pool):
                                   [rank - 2 * b, rank - 2 * b + 2], [rank - c, rank - c + 1]]
         cp_tp_start = 4 * (rank // 4)
         assert r["public_alias"] == list(range(cp_tp_start, cp_tp_start + 4))
+        assert r["group_by_flat_name"] and r["torch_get_group"]
+        assert r["local_by_flat_name"] == rank // 2
 
 
 def partial_world_mesh():

@@ -33,8 +33,29 @@ def _cleanup() -> None:
             pass
     if "devmesh.groups" in sys.modules:
         sys.modules["devmesh.groups"].reset()
+    _forget_torch_mesh_caches()
     for name in _TASK_ENV:
         os.environ.pop(name, None)
+
+
+def _forget_torch_mesh_caches() -> None:
+    """Drop DTensor's plan and sharding caches: they are keyed by mesh *value*, so an entry
+    made in an earlier task's world would hand the next task a mesh whose process groups are
+    gone (torch's caches assume one world per process)."""
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    api = sys.modules.get("torch.distributed.tensor._api")
+    try:
+        if redistribute is not None:
+            redistribute._gen_transform_infos.cache_clear()
+        if api is not None:
+            propagator = api.DTensor._op_dispatcher.sharding_propagator
+            propagator.propagate_op_sharding.cache.cache_clear()
+            propagator._propagate_tensor_meta_cached.cache_clear()
+            import torch
+
+            torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's cache
+    except AttributeError:  # a torch whose private caches moved: nothing to clear
+        pass
 
 
 def _serve(conn: Connection) -> None:

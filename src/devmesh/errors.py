@@ -16,6 +16,8 @@ __all__ = [
     "DevmeshError",
     "MeshShapeError",
     "MeshDimNameError",
+    "MeshNamesError",
+    "DeviceTypeError",
     "MeshRankError",
     "LaunchEnvironmentError",
     "WorldSizeMismatchError",
@@ -63,6 +65,21 @@ class MeshDimNameError(DevmeshError, KeyError):
     """A mesh dimension name is unknown, duplicated, or names are missing.
 
     A ``KeyError`` because torch raises ``KeyError`` for an invalid name in slicing.
+    """
+
+
+class MeshNamesError(MeshDimNameError, RuntimeError):
+    """The names given to a new mesh are wrong (count, duplicates, empty).
+
+    A ``RuntimeError`` because torch's ``init_device_mesh`` raises one; still a ``KeyError``
+    (through :class:`MeshDimNameError`) because devmesh 0.1 raised that.
+    """
+
+
+class DeviceTypeError(MeshShapeError, RuntimeError):
+    """``device_type`` is not a plain device type (``"cuda:0"`` instead of ``"cuda"``).
+
+    A ``RuntimeError`` as in torch's ``init_device_mesh``; a ``ValueError`` as in devmesh 0.1.
     """
 
 

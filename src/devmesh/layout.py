@@ -27,7 +27,7 @@ from typing import Union
 
 import numpy as np
 
-from devmesh.errors import MeshDimNameError, MeshRankError, MeshShapeError
+from devmesh.errors import MeshDimNameError, MeshNamesError, MeshRankError, MeshShapeError
 
 __all__ = ["MeshLayout", "Dim", "Dims", "format_ranks"]
 
@@ -81,18 +81,20 @@ def _check_names(names: object, ndim: int) -> tuple[str, ...] | None:
         names = (names,)
     names = tuple(names)  # type: ignore[arg-type]
     if len(names) != ndim:
-        raise MeshDimNameError(
+        raise MeshNamesError(
+            "mesh_shape and mesh_dim_names should have same length! "
             f"mesh_dim_names {names!r} has {len(names)} names for a {ndim}-D mesh; "
             f"give exactly one name per dimension"
         )
     for name in names:
         if not isinstance(name, str) or not name:
-            raise MeshDimNameError(
+            raise MeshNamesError(
                 f"mesh_dim_names {names!r} contains {name!r}: names must be non-empty strings"
             )
     duplicates = sorted({n for n in names if names.count(n) > 1})
     if duplicates:
-        raise MeshDimNameError(
+        raise MeshNamesError(
+            "Each mesh_dim_name must be unique. "
             f"mesh_dim_names {names!r} repeats {', '.join(map(repr, duplicates))}: "
             "every dimension needs its own name"
         )
@@ -233,7 +235,7 @@ class MeshLayout:
                 return self._names.index(dim)
             except ValueError:
                 raise MeshDimNameError(
-                    f"mesh has no dimension named {dim!r}; valid names are "
+                    f"Mesh dimension '{dim}' does not exist; valid names are "
                     f"{', '.join(map(repr, self._names))}"
                 ) from None
         if isinstance(dim, bool) or not isinstance(dim, (int, np.integer)):

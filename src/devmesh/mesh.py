@@ -22,9 +22,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
 from devmesh import env, groups
 from devmesh.errors import (
+    DeviceTypeError,
     MeshDimNameError,
     MeshRankError,
     MeshShapeError,
@@ -36,7 +38,6 @@ from devmesh.layout import Dim, MeshLayout, _check_names, _check_shape
 if TYPE_CHECKING:
     import datetime
 
-    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
 __all__ = ["DeviceMesh", "init_device_mesh", "create_hybrid_mesh"]
 
@@ -61,8 +62,14 @@ def _payload(device_type: str, layout: MeshLayout) -> str:
     )
 
 
-class DeviceMesh:
+class DeviceMesh(TorchDeviceMesh):
     """An N-dimensional mesh of ranks with one process group per dimension for this rank.
+
+    A devmesh mesh *is* a ``torch.distributed.device_mesh.DeviceMesh`` (a subclass whose
+    torch-side bookkeeping — ``_layout``, ``_rank_map``, ``_dim_group_names``, the root mesh —
+    describes the same ranks and process groups), so it goes wherever torch takes a mesh:
+    ``DTensor.from_local``, ``distribute_tensor``, torch's ``fully_shard`` and
+    ``parallelize_module``, functional collectives with ``group=(mesh, dim)``.
 
     Args:
         device_type: ``"cpu"`` (gloo) or ``"cuda"`` (NCCL).
@@ -90,41 +97,96 @@ class DeviceMesh:
         _check_device_type(device_type)
         layout = MeshLayout(ranks=_as_rank_array(mesh), names=mesh_dim_names)
         timeout_td = groups.as_timedelta(timeout)
-        self._bind(device_type, layout, root=None, dim_roots=None, anchor=None, timeout=timeout_td)
         if _init_backend:
             env.ensure_default_group(device_type, timeout=timeout_td)
             self._check_world_covers(layout)
             groups.check_agreement(
                 "DeviceMesh creation", _payload(device_type, layout), timeout=timeout_td
             )
+        self._setup(device_type, layout, root=None, dim_roots=None, timeout=timeout_td)
+        if _init_backend:
             self._create_groups()
-        self._finish()
 
     # -- construction internals ------------------------------------------------------------
-    def _bind(
+    @classmethod
+    def _build(
+        cls,
+        device_type: str,
+        layout: MeshLayout,
+        *,
+        root: DeviceMesh | None = None,
+        dim_roots: tuple[tuple[int, ...], ...] | None = None,
+        timeout: datetime.timedelta | None = None,
+    ) -> DeviceMesh:
+        """The one private constructor behind slicing, flattening, unflattening and
+        ``from_group``: no agreement check, no groups (the caller sets them)."""
+        mesh = cls.__new__(cls)
+        mesh._setup(device_type, layout, root=root, dim_roots=dim_roots, timeout=timeout)
+        return mesh
+
+    def _setup(
         self,
         device_type: str,
         layout: MeshLayout,
         *,
         root: DeviceMesh | None,
         dim_roots: tuple[tuple[int, ...], ...] | None,
-        anchor: tuple[int, ...] | None,
         timeout: datetime.timedelta | None,
     ) -> None:
         self._device_type = device_type
-        self._layout = layout
+        self._mesh_layout = layout
         self._root = root if root is not None else self
         self._dim_roots = dim_roots or tuple((d,) for d in range(layout.ndim))
         self._timeout = timeout
         self._flattened: dict[str, tuple[int, ...]] = {}
         self._groups: tuple[ProcessGroup | None, ...] = (None,) * layout.ndim
-        self._anchor = anchor
-
-    def _finish(self) -> None:
         self._rank = dist.get_rank() if dist.is_initialized() else 0
-        self._coordinate = self._layout.coordinate_of(self._rank)
-        if self._root is self and self._anchor is None:
-            self._anchor = self._coordinate or (0,) * self._layout.ndim
+        self._world = groups.generation() if dist.is_initialized() else -1
+        self._coordinate = layout.coordinate_of(self._rank)
+        if root is None:
+            self._anchor = self._coordinate or (0,) * layout.ndim
+        self._init_torch_state()
+
+    def _init_torch_state(self) -> None:
+        """Fill in what torch's own DeviceMesh code reads: a CuTe-style ``_layout`` of this
+        mesh's dims as strides into the root's ``_rank_map``, the root mesh, and (see
+        :meth:`_set_groups`) the names of this rank's groups."""
+        from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
+
+        root = self._root
+        if root is self:
+            shape = self._mesh_layout.shape
+            strides = [1] * len(shape)
+            for d in range(len(shape) - 2, -1, -1):
+                strides[d] = strides[d + 1] * shape[d + 1]
+            self._root_strides = tuple(strides)
+            self._rank_map = torch.tensor(self._mesh_layout.ranks.reshape(-1),
+                                             dtype=torch.int).contiguous()
+            self._flatten_rank_map = tuple(self._rank_map.tolist())
+        else:
+            self._rank_map = root._rank_map
+            self._flatten_rank_map = root._flatten_rank_map
+        root_shape = root._mesh_layout.shape
+        self._layout = _MeshLayout([
+            _FlatLayout(tuple(root_shape[d] for d in dims),
+                        tuple(root._root_strides[d] for d in dims))
+            for dims in self._dim_roots
+        ])
+        self._root_mesh = None if root is self else root
+        self._mesh_dim_names = self._mesh_layout.names
+        self._flatten_mapping: dict[str, TorchDeviceMesh] = {}
+        self._pg_registry: dict[str, ProcessGroup] = {}
+        self._dim_group_names: list[str] = []
+        self._thread_id = None
+        self._hash = None
+        self._coordinate_on_dim = self._coordinate
+
+    def _set_groups(self, dim_groups: Sequence[ProcessGroup]) -> None:
+        self._groups = tuple(dim_groups)
+        self._dim_group_names = [pg.group_name for pg in dim_groups]
+        registry = self._root._pg_registry
+        for pg in dim_groups:
+            registry[pg.group_name] = pg
 
     @staticmethod
     def _check_world_covers(layout: MeshLayout) -> None:
@@ -138,14 +200,15 @@ class DeviceMesh:
 
     def _create_groups(self) -> None:
         created = []
-        for d in range(self._layout.ndim):
-            rows = self._layout.group_array(d).tolist()
+        for d in range(self._mesh_layout.ndim):
+            rows = self._mesh_layout.group_array(d).tolist()
             created.append(
                 groups.create_dim_groups(
-                    rows, timeout=self._timeout, desc=f"mesh_{self._layout.dim_name(d)}"
+                    rows, timeout=self._timeout, desc=f"mesh_{self._mesh_layout.dim_name(d)}"
                 )
             )
-        self._groups = tuple(created)
+        if self._coordinate is not None:
+            self._set_groups(created)
 
     def _child(
         self,
@@ -153,17 +216,13 @@ class DeviceMesh:
         dim_roots: tuple[tuple[int, ...], ...],
     ) -> DeviceMesh:
         """A view of the root: same ranks, some dims; groups come from the cache."""
-        child = DeviceMesh.__new__(DeviceMesh)
-        child._bind(
-            self._device_type, layout, root=self._root, dim_roots=dim_roots,
-            anchor=self._root._anchor, timeout=self._timeout,
-        )
-        child._finish()
+        child = DeviceMesh._build(self._device_type, layout, root=self._root,
+                                  dim_roots=dim_roots, timeout=self._timeout)
         if child._coordinate is not None:
-            child._groups = tuple(
+            child._set_groups([
                 groups.get_group(layout.group_of(child._rank, d), timeout=self._timeout)
                 for d in range(layout.ndim)
-            )
+            ])
         return child
 
     # -- torch API: attributes -------------------------------------------------------------
@@ -174,24 +233,24 @@ class DeviceMesh:
     @property
     def mesh(self) -> torch.Tensor:
         """The global ranks as an integer tensor of the mesh's shape."""
-        return torch.tensor(self._layout.ranks, dtype=torch.int)
+        return torch.tensor(self._mesh_layout.ranks, dtype=torch.int)
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...] | None:
-        return self._layout.names
+        return self._mesh_layout.names
 
     @property
     def layout(self) -> MeshLayout:
         """The pure layout (shape, names, ranks) behind this mesh."""
-        return self._layout
+        return self._mesh_layout
 
     @property
     def ndim(self) -> int:
-        return self._layout.ndim
+        return self._mesh_layout.ndim
 
     @property
     def shape(self) -> tuple[int, ...]:
-        return self._layout.shape
+        return self._mesh_layout.shape
 
     @property
     def timeout(self) -> datetime.timedelta | None:
@@ -200,8 +259,8 @@ class DeviceMesh:
     def size(self, mesh_dim: Dim | None = None) -> int:
         """Number of ranks in the mesh, or along ``mesh_dim``."""
         if mesh_dim is None:
-            return self._layout.size
-        return self._layout.shape[self._layout.dim(mesh_dim)]
+            return self._mesh_layout.size
+        return self._mesh_layout.shape[self._mesh_layout.dim(mesh_dim)]
 
     def get_rank(self) -> int:
         """This process's global rank."""
@@ -216,16 +275,26 @@ class DeviceMesh:
             if self.ndim > 1:
                 names = self.mesh_dim_names or tuple(range(self.ndim))
                 raise MeshUsageError(
-                    f"{what} needs mesh_dim= on a {self.ndim}-D mesh; pass one of {names}"
+                    f"Found the DeviceMesh have {self.ndim} dimensions. Optional kwarg "
+                    "`mesh_dim` needs to be specified when device_mesh.ndim > 1: "
+                    f"{what} needs mesh_dim= one of {names}"
                 )
             return 0
-        return self._layout.dim(mesh_dim)
+        return self._mesh_layout.dim(mesh_dim)
+
+    def _flattened_view(self, mesh_dim: Dim | None) -> DeviceMesh | None:
+        """The 1-D mesh of a flattened name (``"dp_cp"`` after ``mesh["dp", "cp"]._flatten()``)
+        when ``mesh_dim`` is such a name and not one of this mesh's own dims."""
+        if (isinstance(mesh_dim, str) and mesh_dim not in (self.mesh_dim_names or ())
+                and mesh_dim in self._root._flattened):
+            return self[mesh_dim]
+        return None
 
     def _require_member(self, what: str) -> tuple[int, ...]:
         if self._coordinate is None:
             raise MeshRankError(
                 f"{what}: rank {self._rank} is not part of {self!r}; only its ranks "
-                f"{self._layout.rank_list()} have groups and coordinates in it"
+                f"{self._mesh_layout.rank_list()} have groups and coordinates in it"
             )
         return self._coordinate
 
@@ -234,28 +303,35 @@ class DeviceMesh:
         sliced through ``rank`` (same dims, ``rank``'s other coordinates). Pure arithmetic;
         ``None`` if the root mesh does not contain ``rank``."""
         root = self._root
-        coordinate = root._layout.coordinate_of(rank)
+        coordinate = root._mesh_layout.coordinate_of(rank)
         if coordinate is None:
             return None
         out = []
         for roots in self._dim_roots:
             index = 0
             for d in roots:
-                index = index * root._layout.shape[d] + coordinate[d]
+                index = index * root._mesh_layout.shape[d] + coordinate[d]
             out.append(index)
         return tuple(out)
 
     def world_ranks(self) -> list[int]:
         """Every rank of the root mesh this mesh was sliced from."""
-        return self._root._layout.rank_list()
+        return self._root._mesh_layout.rank_list()
 
     def get_local_rank(self, mesh_dim: Dim | None = None) -> int:
         """This rank's index along ``mesh_dim`` (its rank in that dimension's group)."""
+        flattened = self._flattened_view(mesh_dim)
+        if flattened is not None:
+            return flattened.get_local_rank()
         dim = self._single_dim(mesh_dim, "get_local_rank()")
         return self._require_member("get_local_rank()")[dim]
 
     def get_group(self, mesh_dim: Dim | None = None) -> ProcessGroup:
-        """The process group of this rank along ``mesh_dim``."""
+        """The process group of this rank along ``mesh_dim`` (a dim's index or name, or a
+        flattened name such as ``"dp_cp"``)."""
+        flattened = self._flattened_view(mesh_dim)
+        if flattened is not None:
+            return flattened.get_group()
         dim = self._single_dim(mesh_dim, "get_group()")
         self._require_member("get_group()")
         group = self._groups[dim]
@@ -274,21 +350,21 @@ class DeviceMesh:
         """Global ranks of this rank's group along ``mesh_dim``, in mesh order."""
         dim = self._single_dim(mesh_dim, "group_ranks()")
         self._require_member("group_ranks()")
-        return self._layout.group_of(self._rank, dim)
+        return self._mesh_layout.group_of(self._rank, dim)
 
     # -- hosts -----------------------------------------------------------------------------
     def hosts(self) -> list:
         """The host (torchrun node rank) of every rank, laid out like :attr:`mesh`."""
         from devmesh.topology import hosts_of
 
-        return hosts_of(self._layout, groups.world_hosts()).tolist()
+        return hosts_of(self._mesh_layout, groups.world_hosts()).tolist()
 
     def dims_crossing_hosts(self) -> list[str]:
         """Names of the mesh dims whose groups span more than one host."""
         from devmesh.topology import crossing_dims
 
-        return [self._layout.dim_name(d)
-                for d in crossing_dims(self._layout, groups.world_hosts())]
+        return [self._mesh_layout.dim_name(d)
+                for d in crossing_dims(self._mesh_layout, groups.world_hosts())]
 
     def visualize(self, to_file: str | None = None, *, outline: Dim | None = None) -> str:
         """Text picture of the mesh with its hosts; a PNG with ``to_file`` (groups of
@@ -300,10 +376,10 @@ class DeviceMesh:
         if to_file:
             from devmesh.render_png import layout_png
 
-            layout_png(self._layout, to_file, host_of=host_of, outline=outline)
-        hosts = hosts_of(self._layout, host_of)
-        return layout_text(self._layout) + "\nhosts:\n" + "\n".join(
-            "  " + str(row) for row in hosts.reshape(-1, self._layout.shape[-1]).tolist())
+            layout_png(self._mesh_layout, to_file, host_of=host_of, outline=outline)
+        hosts = hosts_of(self._mesh_layout, host_of)
+        return layout_text(self._mesh_layout) + "\nhosts:\n" + "\n".join(
+            "  " + str(row) for row in hosts.reshape(-1, self._mesh_layout.shape[-1]).tolist())
 
     # -- slicing ---------------------------------------------------------------------------
     def _valid_names(self) -> list[str]:
@@ -324,7 +400,8 @@ class DeviceMesh:
         if roots is not None and set(roots) <= covered:
             return roots
         raise MeshDimNameError(
-            f"cannot slice {name!r} from {self!r}; valid names are "
+            f"Invalid mesh_dim_names ({name!r},) specified: cannot slice {name!r} from "
+            f"{self!r}; valid names are "
             f"{', '.join(map(repr, self._valid_names()))}"
         )
 
@@ -335,7 +412,7 @@ class DeviceMesh:
         """
         if not self.mesh_dim_names:
             raise MeshUsageError(
-                "Cannot slice a DeviceMesh without mesh_dim_names: create it with "
+                "Cannot slice a DeviceMesh without mesh_dim_names! Create it with "
                 "mesh_dim_names=(...), e.g. init_device_mesh('cpu', (2, 4), "
                 "mesh_dim_names=('dp', 'tp'))"
             )
@@ -352,7 +429,7 @@ class DeviceMesh:
                 f"cannot slice {names!r} from {self!r}: those names overlap (a flattened "
                 "dimension and one of its parts)"
             )
-        root_layout = self._root._layout
+        root_layout = self._root._mesh_layout
         assert self._root._anchor is not None
         sub = root_layout.slice(flat, coordinate=self._root._anchor)
         shape = tuple(math.prod(root_layout.shape[d] for d in roots) for roots in per_name)
@@ -388,14 +465,16 @@ class DeviceMesh:
         if existing is None:
             groups.check_agreement(
                 "DeviceMesh flatten",
-                f"flatten {_payload(self._device_type, root._layout)} dims {roots} as {name!r}",
+                f"flatten {_payload(self._device_type, root._mesh_layout)} dims {roots} as {name!r}",
                 timeout=self._timeout,
             )
-            rows = root._layout.group_array(roots).tolist()
+            rows = root._mesh_layout.group_array(roots).tolist()
             groups.create_dim_groups(rows, timeout=self._timeout, desc=f"mesh_{name}")
             root._flattened[name] = roots
-        layout = MeshLayout._trusted(self._layout.ranks.reshape(-1), (name,))
-        return self._child(layout, (roots,))
+        layout = MeshLayout._trusted(self._mesh_layout.ranks.reshape(-1), (name,))
+        flat = self._child(layout, (roots,))
+        root._flatten_mapping.setdefault(name, flat)  # where torch's own code looks it up
+        return flat
 
     flatten = _flatten
 
@@ -417,17 +496,14 @@ class DeviceMesh:
         names = self.mesh_dim_names
         if names is None:
             names = tuple(f"dim{i}" for i in range(self.ndim))
-        named = self._layout.with_names(names)
+        named = self._mesh_layout.with_names(names)
         layout = named.unflatten(named.dim(dim), sizes, tuple(mesh_dim_names))
         groups.check_agreement(
             "DeviceMesh unflatten",
-            f"unflatten {_payload(self._device_type, self._layout)} into {_payload(self._device_type, layout)}",
+            f"unflatten {_payload(self._device_type, self._mesh_layout)} into {_payload(self._device_type, layout)}",
             timeout=self._timeout,
         )
-        result = DeviceMesh.__new__(DeviceMesh)
-        result._bind(self._device_type, layout, root=None, dim_roots=None, anchor=None,
-                     timeout=self._timeout)
-        result._finish()
+        result = DeviceMesh._build(self._device_type, layout, timeout=self._timeout)
         result._create_groups()
         return result
 
@@ -453,8 +529,9 @@ class DeviceMesh:
             ranks = dist.get_process_group_ranks(group)
             if mesh is not None and _as_rank_array(mesh).reshape(-1).tolist() != ranks:
                 raise MeshShapeError(
-                    f"mesh {_as_rank_array(mesh).tolist()} does not match the ranks {ranks} of "
-                    "the process group; leave mesh out for a 1-D mesh over the group"
+                    f"Invalid mesh {_as_rank_array(mesh).tolist()} for ProcessGroup with ranks "
+                    f"{ranks}: the mesh must list the group's ranks in order; leave mesh out "
+                    "for a 1-D mesh over the group"
                 )
             group_list = [group]
             mesh = ranks
@@ -473,25 +550,27 @@ class DeviceMesh:
                 f"from_group got {len(group_list)} groups for a {layout.ndim}-D mesh "
                 f"{layout.rank_list()}; pass one group per dimension"
             )
-        result = DeviceMesh.__new__(DeviceMesh)
-        result._bind(device_type, layout, root=None, dim_roots=None, anchor=None, timeout=None)
-        result._finish()
+        result = DeviceMesh._build(device_type, layout)
         if result._coordinate is not None:
             for d, pg in enumerate(group_list):
                 expected = sorted(layout.group_of(result._rank, d))
                 actual = sorted(dist.get_process_group_ranks(pg))
                 if expected != actual:
                     raise MeshShapeError(
-                        f"group {d} has ranks {actual}, but along dimension {d} of mesh "
+                        f"Invalid mesh {layout.rank_list()} for ProcessGroup with ranks "
+                        f"{actual}: group {d} has ranks {actual}, but along dimension {d} of mesh "
                         f"{layout.rank_list()} this rank's group is {expected}"
                     )
                 groups.register_group(pg)
-            result._groups = tuple(group_list)
+            result._set_groups(group_list)
         return result
 
     @staticmethod
     def from_torch(torch_mesh: TorchDeviceMesh) -> DeviceMesh:
-        """The devmesh view of a torch ``DeviceMesh``, over the same process groups."""
+        """The devmesh view of a torch ``DeviceMesh``, over the same process groups (the mesh
+        itself if it already is a devmesh mesh)."""
+        if isinstance(torch_mesh, DeviceMesh):
+            return torch_mesh
         groups_ = [torch_mesh.get_group(d) for d in range(torch_mesh.ndim)]
         mesh = DeviceMesh.from_group(
             groups_ if torch_mesh.ndim > 1 else groups_[0],
@@ -501,48 +580,54 @@ class DeviceMesh:
         )
         return mesh
 
-    def to_torch(self) -> TorchDeviceMesh:
-        """A torch ``DeviceMesh`` over the same process groups, for torch's own ``fully_shard``,
-        ``DTensor`` and tensor-parallel APIs. Meshes of several dims without names get
-        ``dim0``, ``dim1``, ... (torch requires names there)."""
-        from torch.distributed.device_mesh import DeviceMesh as TorchMesh
-
-        all_groups = self.get_all_groups()
-        if self.ndim == 1:
-            return TorchMesh.from_group(
-                all_groups[0], self._device_type, mesh_dim_names=self.mesh_dim_names
-            )
-        names = self.mesh_dim_names or tuple(f"dim{i}" for i in range(self.ndim))
-        return TorchMesh.from_group(
-            all_groups, self._device_type, self.mesh, mesh_dim_names=names
-        )
+    def to_torch(self) -> DeviceMesh:
+        """This mesh: a devmesh mesh already is a torch ``DeviceMesh``. Kept so that code
+        written for devmesh 0.1 (``fully_shard(model, mesh=mesh.to_torch())``) runs on."""
+        return self
 
     # -- value semantics -------------------------------------------------------------------
     def __getstate__(self) -> dict:
         """Pickle the layout, not the process groups (they belong to this process): a mesh
         returned from ``devmesh.launch`` can be inspected, not communicated on."""
         state = self.__dict__.copy()
-        state["_groups"] = (None,) * self._layout.ndim
+        state["_groups"] = (None,) * self._mesh_layout.ndim
+        state["_dim_group_names"] = []
+        state.pop("_pg_registry", None)
         return state
 
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._pg_registry = {}
+
+    def __deepcopy__(self, memo: dict) -> DeviceMesh:
+        """A mesh names process groups of this process; copying a model (``copy.deepcopy``)
+        shares its mesh rather than duplicating communicators."""
+        return self
+
     def __eq__(self, other: object) -> bool:
+        """Same device type and layout, in the same world. A torch-built mesh is never equal
+        (it has its own process groups), nor is a mesh of an earlier world: torch caches
+        DTensor plans by mesh value, and a stale hit would use groups that are gone."""
         if not isinstance(other, DeviceMesh):
-            return NotImplemented
-        return self._device_type == other._device_type and self._layout == other._layout
+            return NotImplemented if not isinstance(other, TorchDeviceMesh) else False
+        return (self._device_type == other._device_type
+                and self._mesh_layout == other._mesh_layout
+                and self._world == other._world)
 
     def __hash__(self) -> int:
-        return hash((self._device_type, self._layout))
+        return hash((self._device_type, self._mesh_layout, self._world))
 
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
-        return f"DeviceMesh({self._layout.ranks.tolist()}{names})"
+        return f"DeviceMesh({self._mesh_layout.ranks.tolist()}{names})"
 
 
 def _check_device_type(device_type: object) -> None:
     if not isinstance(device_type, str) or ":" in device_type:
-        raise MeshShapeError(
-            f"device_type must be a device type such as 'cpu' or 'cuda' without an index, got "
-            f"{device_type!r}; devmesh picks the device index from LOCAL_RANK"
+        raise DeviceTypeError(
+            f"Device type with index is not supported but got {device_type!r}. Pass a device "
+            "type such as 'cpu' or 'cuda' (device.type for a torch.device); devmesh picks the "
+            "device index from LOCAL_RANK"
         )
 
 
