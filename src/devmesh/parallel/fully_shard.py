@@ -21,6 +21,7 @@ spec records dim 0 as split by ``("tp", "dp")``, so ``full_tensor()`` reassemble
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -32,8 +33,8 @@ from devmesh.parallel.param import (
     ParallelizeError,
     combined_mesh,
     get_layout,
-    partial_grad_mesh,
     set_layout,
+    sharded_parameter,
 )
 from devmesh.tensor import ShardingSpec
 from devmesh.tensor.spec import chunk_bounds
@@ -52,20 +53,15 @@ class MixedPrecisionPolicy:
 
 @dataclass
 class _Param:
-    module: nn.Module
-    name: str
+    places: list[tuple[nn.Module, str]]  # every module attribute holding it (tied weights)
     sharded: nn.Parameter
     full_shape: tuple[int, ...]  # the (TP-local) shape FSDP shards
     padded_rows: int
     shape: tuple[int, ...]  # the parameter's own shape (differs for 0-d parameters)
-    partial_grad_mesh: DeviceMesh | None = None  # gradient is a partial sum over this mesh
 
     @property
     def row_numel(self) -> int:
-        n = 1
-        for s in self.full_shape[1:]:
-            n *= s
-        return n
+        return math.prod(self.full_shape[1:])
 
     @property
     def padded_numel(self) -> int:
@@ -101,44 +97,61 @@ class FSDPUnit:
 
     # -- setup -----------------------------------------------------------------------------
     def _collect(self, root: nn.Module) -> None:
-        seen: set[int] = set()
+        """Shard every parameter of ``root``'s subtree that no child unit owns. A parameter
+        registered in several places (tied weights) becomes one sharded parameter that every
+        place holds, gathered once per forward."""
+        owned: dict[int, _Param] = {}
 
         def visit(module: nn.Module) -> None:
             if module is not root and getattr(module, "_devmesh_fsdp", None) is not None:
                 return  # a child unit owns this subtree
             for name, param in list(module._parameters.items()):
-                if param is None or id(param) in seen:
+                if param is None:
                     continue
-                seen.add(id(param))
-                self._shard(module, name, param)
+                if id(param) in owned:
+                    owned[id(param)].places.append((module, name))
+                    module._parameters[name] = owned[id(param)].sharded
+                    continue
+                other_unit = getattr(param, _SHARDED_BY, None)
+                if other_unit is not None:
+                    raise ParallelizeError(
+                        f"{type(module).__name__}.{name} is tied to a parameter that another "
+                        "fully_shard unit already sharded (e.g. an output projection sharing "
+                        "the embedding's weight, with fully_shard applied to the embedding): "
+                        "apply fully_shard to a module that contains every use of the tied "
+                        "parameter (usually the root) and not to the smaller one"
+                    )
+                owned[id(param)] = self._shard(module, name, param)
             for child in module.children():
                 visit(child)
 
         visit(root)
 
-    def _shard(self, module: nn.Module, name: str, param: nn.Parameter) -> None:
+    def _shard(self, module: nn.Module, name: str, param: nn.Parameter) -> _Param:
         shape = tuple(param.shape)
         data = param.detach().reshape(-1) if param.ndim == 0 else param.detach()
         full_shape = tuple(data.shape)
         start, size = chunk_bounds(full_shape[0], self.k, self.index)
         local = data.narrow(0, start, size).clone()
-        new = nn.Parameter(local, requires_grad=param.requires_grad)
-        new._devmesh_fsdp_owned = True  # type: ignore[attr-defined]
-        self._attach_spec(new, param, full_shape)
+        spec_mesh, spec = self._spec(param, full_shape)
+        new = sharded_parameter(local, param.requires_grad, spec_mesh, spec)
+        setattr(param, _SHARDED_BY, self)
         module._parameters[name] = new
         padded_rows = -(-full_shape[0] // self.k) if full_shape[0] else 0
-        self.params.append(_Param(module, name, new, full_shape, padded_rows, shape,
-                                  partial_grad_mesh(param)))
+        entry = _Param([(module, name)], new, full_shape, padded_rows, shape)
+        self.params.append(entry)
+        return entry
 
-    def _attach_spec(self, new: nn.Parameter, old: nn.Parameter, full_shape) -> None:
+    def _spec(self, old: nn.Parameter, full_shape) -> tuple[DeviceMesh, ShardingSpec]:
+        """Where the new shard lies: dim 0 split by the shard dim, nested inside any split
+        tensor parallelism already made (on the mesh spanning both)."""
         tp = get_layout(old)
         names = self.mesh.mesh_dim_names
         if tp is None:
             spec = ShardingSpec(self.mesh.shape, full_shape,
                                 ((self.shard_dim,),) + ((),) * (len(full_shape) - 1),
                                 mesh_dim_names=names)
-            set_layout(new, self.mesh, spec)
-            return
+            return self.mesh, spec
         mesh = combined_mesh(tp.mesh, self.mesh)
         index = {n: i for i, n in enumerate(mesh.mesh_dim_names)}
         old_names = tp.mesh.mesh_dim_names
@@ -146,7 +159,7 @@ class FSDPUnit:
         dim_map[0] = dim_map[0] + (index[names[self.shard_dim]],)
         spec = ShardingSpec(mesh.shape, tp.spec.global_shape, tuple(dim_map),
                             mesh_dim_names=mesh.mesh_dim_names)
-        set_layout(new, mesh, spec)
+        return mesh, spec
 
     # -- communication ---------------------------------------------------------------------
     def start_gather(self, shards: list[torch.Tensor]) -> comm.Pending:
@@ -191,8 +204,6 @@ class FSDPUnit:
         per_peer = [[] for _ in range(self.k)]
         for p, grad in zip(self.params, grads):
             g = torch.zeros(p.full_shape, dtype=dtype) if grad is None else grad.to(dtype)
-            if p.partial_grad_mesh is not None:  # e.g. a sequence-parallel norm's weight
-                g = comm.all_reduce(g.contiguous().clone(), p.partial_grad_mesh, (0,))
             for j in range(self.k):
                 start, size = chunk_bounds(p.full_shape[0], self.k, j)
                 piece = g.narrow(0, start, size).reshape(-1)
@@ -224,7 +235,8 @@ class FSDPUnit:
         fulls = _Unshard.apply(self, *shards)
         _ORDER.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
         for p, full in zip(self.params, fulls):
-            p.module._parameters[p.name] = full.view(p.shape)
+            for module, name in p.places:
+                module._parameters[name] = full.view(p.shape)
         if self.reshard_after_forward and torch.is_grad_enabled():
             storages = {f.untyped_storage().data_ptr(): i for i, f in enumerate(fulls)}
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
@@ -237,7 +249,8 @@ class FSDPUnit:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
         for p in self.params:
-            p.module._parameters[p.name] = p.sharded
+            for module, name in p.places:
+                module._parameters[name] = p.sharded
         _ORDER.exit(self)
         return output
 
@@ -263,6 +276,7 @@ class FSDPUnit:
 
 
 _HANDLE = object()
+_SHARDED_BY = "_devmesh_sharded_by"  # on an original parameter: the unit that replaced it
 
 
 class _ForwardOrder:
@@ -347,7 +361,8 @@ def fully_shard(
         raise ParallelizeError(f"fully_shard was already applied to this {type(module).__name__}")
     unit = FSDPUnit(module, mesh, reshard_after_forward, mp_policy)
     module._devmesh_fsdp = unit  # type: ignore[attr-defined]
-    module.register_forward_pre_hook(unit.pre_forward)
-    module.register_forward_hook(unit.post_forward)
+    # gather before any other pre-hook of the module (a sequence-parallel style's, say)
+    module.register_forward_pre_hook(unit.pre_forward, prepend=True)
+    module.register_forward_hook(unit.post_forward, always_call=True)
     return module
 

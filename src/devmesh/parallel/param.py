@@ -9,16 +9,18 @@ the weight's dim 0 is split by ``("tp", "dp")`` — TP's pieces, each split by F
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 
 from devmesh.errors import ParallelizeError  # noqa: F401 - re-exported
 from devmesh.mesh import DeviceMesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
-__all__ = ["ParamLayout", "get_layout", "set_layout", "as_sharded", "combined_mesh",
-           "mark_partial_grad", "partial_grad_mesh"]
+__all__ = ["ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
+           "as_sharded", "combined_mesh"]
 
 _ATTR = "_devmesh_layout"
 
@@ -37,16 +39,29 @@ def set_layout(param: torch.Tensor, mesh: DeviceMesh, spec: ShardingSpec) -> Non
     setattr(param, _ATTR, ParamLayout(mesh, spec))
 
 
-_PARTIAL_GRAD = "_devmesh_partial_grad_mesh"
+class ShardedParameter(nn.Parameter):
+    """An ``nn.Parameter`` holding this rank's block of a distributed parameter.
+
+    It is a plain parameter in every way the optimizer and autograd see; the subclass exists
+    only because ``nn.Parameter.__deepcopy__`` drops Python attributes, and the layout must
+    survive ``copy.deepcopy(model)`` (pickling keeps attributes already)."""
+
+    def __deepcopy__(self, memo: dict) -> ShardedParameter:
+        if id(self) in memo:
+            return memo[id(self)]
+        result = ShardedParameter(self.data.clone(memory_format=torch.preserve_format),
+                                  self.requires_grad)
+        memo[id(self)] = result
+        result.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        return result
 
 
-def mark_partial_grad(param: torch.Tensor, mesh: DeviceMesh) -> None:
-    """Record that ``param``'s gradient is a partial sum over (1-D) ``mesh``."""
-    setattr(param, _PARTIAL_GRAD, mesh)
-
-
-def partial_grad_mesh(param: torch.Tensor) -> DeviceMesh | None:
-    return getattr(param, _PARTIAL_GRAD, None)
+def sharded_parameter(local: torch.Tensor, requires_grad: bool, mesh: DeviceMesh,
+                      spec: ShardingSpec) -> ShardedParameter:
+    """A new parameter holding ``local`` (this rank's block of ``spec``)."""
+    param = ShardedParameter(local, requires_grad=requires_grad)
+    set_layout(param, mesh, spec)
+    return param
 
 
 def as_sharded(param: torch.Tensor) -> ShardedTensor | None:

@@ -57,9 +57,14 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Module, max_norm: fl
 
 
 def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor | ShardedTensor]:
-    """Parameters and buffers by name: full tensors (``full=True``) or ShardedTensors."""
+    """Parameters and buffers by name: full tensors (``full=True``) or ShardedTensors. A tied
+    parameter appears under every name it has, as in ``nn.Module.state_dict()``."""
     out: dict[str, torch.Tensor | ShardedTensor] = {}
-    for name, p in model.named_parameters():
+    done: dict[int, torch.Tensor | ShardedTensor] = {}  # tied parameters: gathered once
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in done:
+            out[name] = done[id(p)]  # an alias key, as nn.Module.state_dict() lists it
+            continue
         sharded = as_sharded(p)
         if sharded is None:
             out[name] = p.detach().clone()
@@ -67,6 +72,7 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
             out[name] = sharded.full_tensor().reshape(_global_shape(p, sharded))
         else:
             out[name] = sharded
+        done[id(p)] = out[name]
     for name, b in model.named_buffers():
         out[name] = b.detach().clone()
     return out

@@ -1,12 +1,12 @@
 """Sharded tensors: explicit nested specs, planned redistribution, autograd."""
 
-from devmesh.tensor.placement import Partial, Placement, Replicate, Shard
+from devmesh.tensor.placement import Partial, Placement, Replicate, Shard, as_placement
 from devmesh.tensor.plan import Plan, explain_redistribute, plan_redistribute
 from devmesh.tensor.sharded import ShardedTensor, distribute_tensor
 from devmesh.tensor.spec import NestedShardingError, ShardingSpec, ShardingSpecError
 
 __all__ = [
-    "Partial", "Placement", "Replicate", "Shard", "ShardingSpec", "ShardingSpecError",
+    "Partial", "Placement", "Replicate", "Shard", "as_placement", "ShardingSpec", "ShardingSpecError",
     "NestedShardingError", "ShardedTensor", "distribute_tensor", "Plan", "plan_redistribute",
     "explain_redistribute",
 ]

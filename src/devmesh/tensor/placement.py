@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "REDUCE_OPS"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "REDUCE_OPS", "as_placement"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
@@ -61,3 +61,26 @@ class Partial(Placement):
 
     def __repr__(self) -> str:
         return f"Partial({self.reduce_op})"
+
+
+def as_placement(placement: object) -> Placement:
+    """devmesh's placement for ``placement``: devmesh's own, or torch's ``Shard``,
+    ``Replicate`` and ``Partial`` (``torch.distributed.tensor``), recognised without importing
+    torch. Anything else, torch's private ``_StridedShard`` included, is refused by name."""
+    if isinstance(placement, Placement):
+        return placement
+    kind = type(placement)
+    if kind.__module__.startswith("torch.distributed.tensor"):
+        if kind.__name__ == "Shard":
+            return Shard(placement.dim)  # type: ignore[attr-defined]
+        if kind.__name__ == "Replicate":
+            return Replicate()
+        if kind.__name__ == "Partial":
+            return Partial(placement.reduce_op)  # type: ignore[attr-defined]
+    from devmesh.errors import ShardingSpecError
+
+    raise ShardingSpecError(
+        f"{placement!r} is not a placement devmesh understands: use Shard(d), Replicate() or "
+        "Partial(op) (devmesh's or torch.distributed.tensor's); a nested split is stated with "
+        "a ShardingSpec"
+    )

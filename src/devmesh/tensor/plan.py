@@ -105,9 +105,15 @@ def _with_dim(spec: ShardingSpec, d: int, dims: tuple[int, ...]) -> ShardingSpec
     return spec.replace(dim_map=tuple(dim_map))
 
 
-@functools.lru_cache(maxsize=4096)
 def plan_redistribute(src: ShardingSpec, dst: ShardingSpec, itemsize: int = 4) -> Plan:
     """The steps that turn a tensor laid out as ``src`` into ``dst`` on the same mesh."""
+    # specs compare without their dim names; the cache key must not, or a plan made for
+    # ('dp', 'tp') would describe itself with those names for a mesh named ('x', 'y')
+    return _plan(src, dst, itemsize, src.mesh_dim_names, dst.mesh_dim_names)
+
+
+@functools.lru_cache(maxsize=4096)
+def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_names) -> Plan:
     if src.mesh_shape != dst.mesh_shape:
         raise ShardingSpecError(
             f"cannot redistribute between meshes of shapes {src.mesh_shape} and {dst.mesh_shape}"

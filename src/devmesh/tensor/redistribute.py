@@ -91,7 +91,8 @@ def _all_gather(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> tor
     if len(gathered_dims) == 1:  # pieces arrive in tensor order: concatenate
         d = gathered_dims[0]
         if d == 0 and all(bounds[0][1] == padded[0] for _, bounds in peers):
-            return stacked.reshape(-1, *stacked.shape[2:])  # already contiguous in order
+            # already contiguous in order (explicit sizes: -1 is ambiguous for empty blocks)
+            return stacked.reshape(stacked.shape[0] * stacked.shape[1], *stacked.shape[2:])
         parts = [stacked[i].narrow(d, 0, bounds[d][1]) for i, bounds in peers]
         return torch.cat(parts, dim=d)
     out = local.new_empty([region[d][1] for d in range(before.ndim)])

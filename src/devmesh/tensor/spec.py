@@ -18,7 +18,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from devmesh.errors import NestedShardingError, ShardingSpecError  # noqa: F401 - re-exported
-from devmesh.tensor.placement import REDUCE_OPS, Partial, Placement, Replicate, Shard
+from devmesh.tensor.placement import (
+    REDUCE_OPS,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    as_placement,
+)
 
 __all__ = ["ShardingSpec", "ShardingSpecError", "NestedShardingError", "chunk_bounds"]
 
@@ -87,7 +94,7 @@ class ShardingSpec:
         mesh_dim_names: Sequence[str] | None = None,
     ) -> ShardingSpec:
         """Per-mesh-dim placements (torch's convention: mesh dims split left to right)."""
-        placements = tuple(placements)
+        placements = tuple(as_placement(p) for p in placements)
         if len(placements) != len(mesh_shape):
             raise ShardingSpecError(
                 f"{len(placements)} placements for a {len(mesh_shape)}-D mesh: give one "

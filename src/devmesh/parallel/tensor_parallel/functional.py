@@ -21,7 +21,7 @@ import torch
 
 from devmesh import comm
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.param import ParallelizeError
+from devmesh.errors import ParallelizeError
 
 __all__ = [
     "copy_to_parallel", "reduce_from_parallel", "gather_for_parallel",

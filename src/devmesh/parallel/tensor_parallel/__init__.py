@@ -1,0 +1,17 @@
+"""Tensor and sequence parallelism with torch's API: styles, ``parallelize_module``, and the
+autograd-aware collectives that move activations between layouts."""
+
+from devmesh.parallel.tensor_parallel.api import parallelize_module
+from devmesh.parallel.tensor_parallel.styles import (
+    ColwiseParallel,
+    ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+)
+
+__all__ = [
+    "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "parallelize_module",
+]

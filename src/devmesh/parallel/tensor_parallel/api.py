@@ -1,0 +1,155 @@
+"""``parallelize_module(module, device_mesh, parallelize_plan)``: torch's entry point.
+
+Every plan entry is matched and checked before any module changes, so a bad plan leaves the
+model as it was. Parameters are replaced by :class:`~devmesh.parallel.param.ShardedParameter`
+blocks (broadcast from ``src_data_rank`` first, as torch does); a parameter tied to several
+modules (``output.weight = tok_embeddings.weight``) is replaced once, in every place it
+appears, so it stays one parameter.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+
+from torch import nn
+
+from devmesh.errors import ParallelizeError
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.param import get_layout, sharded_parameter
+from devmesh.parallel.tensor_parallel.styles import ParallelStyle
+from devmesh.tensor import Placement, ShardingSpec, distribute_tensor
+
+__all__ = ["parallelize_module", "parameter_aliases"]
+
+_APPLIED = "_devmesh_tp_style"
+_REPLACED_BY = "_devmesh_replaced_by"
+
+
+def parameter_aliases(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+    """Every place each parameter of ``root`` is registered: ``id(param) -> [(module, name)]``
+    (more than one entry for tied parameters)."""
+    aliases: dict[int, list[tuple[nn.Module, str]]] = {}
+    seen: set[int] = set()
+    for module in root.modules():
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for name, param in module._parameters.items():
+            if param is not None:
+                aliases.setdefault(id(param), []).append((module, name))
+    return aliases
+
+
+def _as_devmesh(mesh: object) -> DeviceMesh:
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+    from torch.distributed.device_mesh import _mesh_resources
+
+    if mesh is None:
+        mesh = _mesh_resources.get_current_mesh()  # torch's `with mesh:` context
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    if isinstance(mesh, TorchDeviceMesh):
+        return DeviceMesh.from_torch(mesh)
+    raise ParallelizeError(f"device_mesh must be a DeviceMesh, got {type(mesh).__name__}")
+
+
+def _resolve_plan(module: nn.Module, plan) -> list[tuple[str, nn.Module, ParallelStyle]]:
+    if isinstance(plan, ParallelStyle):
+        return [("", module, plan)]
+    if not isinstance(plan, Mapping):
+        raise ParallelizeError(
+            f"parallelize_plan must be a ParallelStyle or a dict of module name -> style, got "
+            f"{type(plan).__name__}"
+        )
+    names = dict(module.named_modules())
+    entries = []
+    for pattern, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            origin = type(style).__module__
+            hint = (" — that is torch's style; import the styles from devmesh.parallel with "
+                    "devmesh's parallelize_module" if origin.startswith("torch.") else "")
+            raise ParallelizeError(
+                f"parallelize_plan[{pattern!r}] is a {type(style).__name__}, not a devmesh "
+                f"ParallelStyle{hint}"
+            )
+        matches = [n for n in names if n and fnmatch.fnmatchcase(n, pattern)
+                   and n.count(".") == pattern.count(".")]
+        if not matches:
+            raise ParallelizeError(
+                f"parallelize_plan key {pattern!r} matches no submodule; submodules are "
+                f"{', '.join(n for n in names if n)}"
+            )
+        entries += [(name, names[name], style) for name in matches]
+    return entries
+
+
+def parallelize_module(
+    module: nn.Module,
+    device_mesh: DeviceMesh | None = None,
+    parallelize_plan: ParallelStyle | Mapping[str, ParallelStyle] | None = None,
+    *,
+    src_data_rank: int | None = 0,
+) -> nn.Module:
+    """Apply tensor-parallel styles to ``module`` (or to submodules by name; ``*`` matches one
+    path segment, as in torch) over the 1-D ``device_mesh`` (default: torch's current mesh
+    from ``with mesh:``). ``src_data_rank=None`` keeps each rank's own values instead of
+    broadcasting them first."""
+    mesh = _as_devmesh(device_mesh)
+    if mesh.ndim != 1:
+        raise ParallelizeError(
+            f"parallelize_module needs a 1-D tensor-parallel mesh, got {mesh!r}; slice it, "
+            "e.g. mesh['tp']"
+        )
+    if parallelize_plan is None:
+        return module
+    entries = _resolve_plan(module, parallelize_plan)
+    for name, target, style in entries:
+        style.check(target, name or type(target).__name__)
+        previous = getattr(target, _APPLIED, None)
+        if style.distributes_parameters and previous is not None:
+            raise ParallelizeError(
+                f"{type(previous).__name__} was already applied to {name or 'the module'!r}; "
+                f"applying {type(style).__name__} too would split an already split weight. "
+                "Each module takes one parameter-distributing style"
+            )
+    aliases = parameter_aliases(module)
+    for name, target, style in entries:
+        def distribute(owner: nn.Module, attr: str, placement: Placement,
+                       where: str = name) -> None:
+            _distribute(owner, attr, placement, mesh, aliases, src_data_rank, where)
+
+        style.apply(target, mesh, distribute)
+        if style.distributes_parameters:
+            setattr(target, _APPLIED, style)
+    return module
+
+
+def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: DeviceMesh,
+                aliases: dict[int, list[tuple[nn.Module, str]]], src_data_rank: int | None,
+                where: str) -> None:
+    param = module._parameters.get(attr)
+    if param is None:
+        return
+    replacement = getattr(param, _REPLACED_BY, None)
+    if replacement is not None:  # tied to a parameter distributed by an earlier call
+        param = module._parameters[attr] = replacement
+    layout = get_layout(param)
+    if layout is not None:
+        wanted = ShardingSpec.from_placements([placement], mesh.shape, layout.spec.global_shape,
+                                              mesh.mesh_dim_names)
+        if layout.mesh == mesh and layout.spec == wanted:
+            return  # a tied alias, already distributed the same way
+        raise ParallelizeError(
+            f"{where + '.' if where else ''}{attr} is already distributed ({layout.spec} on "
+            f"{layout.mesh!r}), and this style needs {wanted}: a parameter tied to another "
+            "module must be split the same way in both (e.g. RowwiseParallel on the embedding "
+            "and ColwiseParallel on the tied output projection both split the vocabulary)"
+        )
+    sharded = distribute_tensor(param.detach(), mesh, [placement], src_rank=src_data_rank)
+    new = sharded_parameter(sharded.to_local().contiguous(), param.requires_grad, mesh,
+                            sharded.spec)
+    for owner, name in aliases.get(id(param), [(module, attr)]):
+        owner._parameters[name] = new
+    module._parameters[attr] = new
+    setattr(param, _REPLACED_BY, new)

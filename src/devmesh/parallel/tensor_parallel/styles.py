@@ -1,0 +1,360 @@
+"""Tensor-parallel styles, with torch's names, arguments and defaults.
+
+* ``ColwiseParallel``: ``nn.Linear`` weight and bias split on dim 0 (output features), or
+  ``nn.Embedding`` split on the embedding dim; input replicated (or ``Shard(seq)`` for sequence
+  parallelism, gathered first), output sharded on the last dim (or ``output_layouts``).
+* ``RowwiseParallel``: ``nn.Linear`` weight split on dim 1 (input features), bias replicated and
+  added once after the reduction; ``nn.Embedding`` split on the vocabulary; input sharded on
+  the last dim, output reduced to replicated (or reduce-scattered to ``Shard(seq)``).
+* ``SequenceParallel``: norm/dropout layers run on the sequence shard with replicated
+  parameters, whose gradients are summed over the TP group.
+* ``PrepareModuleInput`` / ``PrepareModuleOutput``: change activation layouts at a boundary.
+
+Every style takes devmesh's or torch's placements and checks them when it is built. Styles
+install forward hooks (or a forward that receives the module) holding only the style and the
+mesh, never the module itself, so a parallelized module survives ``copy.deepcopy``. How
+activations are converted, and their gradients kept right, is :mod:`.activations`.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh.errors import ParallelizeError, ShardingSpecError
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.tensor_parallel import activations as A
+from devmesh.parallel.tensor_parallel import functional as PF
+from devmesh.tensor import Partial, Placement, Replicate, Shard, as_placement
+from devmesh.tensor.spec import chunk_bounds
+
+__all__ = [
+    "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "Distribute",
+]
+
+Distribute = Callable[[nn.Module, str, Placement], None]
+"""Replaces ``module.<name>`` (and every tied alias of it) by this rank's block of it."""
+
+
+def _placement(value: object, what: str) -> Placement:
+    try:
+        return as_placement(value)
+    except ShardingSpecError as exc:
+        raise ParallelizeError(f"{what}: {exc}") from None
+
+
+def _optional(value: object, what: str) -> Placement | None:
+    return None if value is None else _placement(value, what)
+
+
+def _one(value: object, what: str) -> Placement | None:
+    """Torch's styles accept one placement or a 1-tuple of it (a 1-D mesh)."""
+    if isinstance(value, (tuple, list)):
+        if len(value) != 1:
+            raise ParallelizeError(f"{what}: a 1-D tensor-parallel mesh takes one placement, "
+                                   f"got {tuple(value)!r}")
+        value = value[0]
+    return _optional(value, what)
+
+
+class ParallelStyle:
+    """How one module is parallelized over a 1-D (tensor-parallel) mesh."""
+
+    distributes_parameters = False
+
+    def check(self, module: nn.Module, name: str) -> None:
+        """Raise if this style cannot apply to ``module`` (called for every entry of a plan
+        before any module is changed)."""
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        raise NotImplementedError  # pragma: no cover
+
+    def __repr__(self) -> str:
+        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({fields})"
+
+
+def _check_linear_or_embedding(style: ParallelStyle, module: nn.Module, name: str) -> None:
+    if isinstance(module, nn.Embedding):
+        if module.max_norm is not None or module.sparse:
+            raise ParallelizeError(
+                f"{type(style).__name__} on {name!r}: an nn.Embedding with max_norm or "
+                "sparse=True cannot be split (the norm and sparse gradient need whole rows)"
+            )
+        return
+    if not isinstance(module, nn.Linear):
+        raise ParallelizeError(
+            f"{type(style).__name__} applies to nn.Linear and nn.Embedding, but {name!r} is a "
+            f"{type(module).__name__}"
+        )
+
+
+def _ids(ids, have: Placement, mesh: DeviceMesh) -> torch.Tensor:
+    """Token ids (no gradient) replicated on every rank."""
+    return A.convert(ids, have, Replicate(), mesh, use_local_output=True)
+
+
+# -- ColwiseParallel ------------------------------------------------------------------------
+class ColwiseParallel(ParallelStyle):
+    distributes_parameters = True
+
+    def __init__(self, *, input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None, use_local_output: bool = True) -> None:
+        self.input_layouts = _one(input_layouts, "ColwiseParallel input_layouts") or Replicate()
+        self.output_layouts = _one(output_layouts, "ColwiseParallel output_layouts") or Shard(-1)
+        self.use_local_output = use_local_output
+        if isinstance(self.output_layouts, Partial):
+            raise ParallelizeError("ColwiseParallel output_layouts must be Shard(d) or "
+                                   "Replicate(): its output is complete, not a partial sum")
+
+    def check(self, module: nn.Module, name: str) -> None:
+        _check_linear_or_embedding(self, module, name)
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            distribute(module, "weight", Shard(1))
+        else:
+            distribute(module, "weight", Shard(0))
+            distribute(module, "bias", Shard(0))
+        module.register_forward_pre_hook(functools.partial(_colwise_input, self, mesh))
+        module.register_forward_hook(functools.partial(_colwise_output, self, mesh))
+        return module
+
+
+def _colwise_input(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Module, args):
+    if not args:
+        return None
+    if isinstance(module, nn.Embedding):
+        x = _ids(args[0], style.input_layouts, mesh)
+    else:
+        x = A.replicated_input(args[0], style.input_layouts, mesh)
+    return (x, *args[1:])
+
+
+def _colwise_output(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Module, args, y):
+    return A.finish_output(y, Shard(-1), style.output_layouts, mesh, style.use_local_output)
+
+
+# -- RowwiseParallel ------------------------------------------------------------------------
+class RowwiseParallel(ParallelStyle):
+    distributes_parameters = True
+
+    def __init__(self, *, input_layouts: Placement | None = None,
+                 output_layouts: Placement | None = None, use_local_output: bool = True) -> None:
+        self.input_layouts = _one(input_layouts, "RowwiseParallel input_layouts") or Shard(-1)
+        self.output_layouts = _one(output_layouts, "RowwiseParallel output_layouts") or Replicate()
+        self.use_local_output = use_local_output
+        if isinstance(self.output_layouts, Partial):
+            raise ParallelizeError("RowwiseParallel output_layouts must be Replicate() or "
+                                   "Shard(d): the partial sums are reduced in the style")
+
+    def check(self, module: nn.Module, name: str) -> None:
+        _check_linear_or_embedding(self, module, name)
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        if isinstance(module, nn.Embedding):
+            distribute(module, "weight", Shard(0))
+            start = chunk_bounds(module.num_embeddings, mesh.size(), mesh.get_local_rank())[0]
+            module.forward = functools.partial(_rowwise_embedding, self, mesh, start, module)
+        else:
+            distribute(module, "weight", Shard(1))
+            distribute(module, "bias", Replicate())
+            module.forward = functools.partial(_rowwise_linear, self, mesh, module)
+        return module
+
+    def reduce(self, y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        """The partial sums of this rank's slice, reduced into ``output_layouts``."""
+        out = self.output_layouts
+        if isinstance(out, Shard):
+            return PF.reduce_scatter_from_parallel(y, mesh, out.dim)
+        return PF.reduce_from_parallel(y, mesh)
+
+
+def _rowwise_linear(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear, x):
+    x = A.sharded_input(x, style.input_layouts, Shard(-1), mesh)
+    y = style.reduce(F.linear(x, module.weight), mesh)
+    bias = module.bias
+    if bias is not None:
+        # a sequence shard of the output: each rank's bias gradient covers its positions only
+        y = y + (PF.copy_to_parallel(bias, mesh) if isinstance(style.output_layouts, Shard)
+                 else bias)
+    out = style.output_layouts
+    return A.finish_output(y, out, out, mesh, style.use_local_output)
+
+
+def _rowwise_embedding(style: RowwiseParallel, mesh: DeviceMesh, start: int,
+                       module: nn.Embedding, ids):
+    ids = _ids(ids, style.input_layouts, mesh)
+    weight = module.weight
+    rows = weight.shape[0]
+    local = ids - start
+    outside = (local < 0) | (local >= rows)
+    pad = module.padding_idx
+    pad = pad - start if pad is not None and start <= pad < start + rows else None
+    y = F.embedding(local.masked_fill(outside, 0), weight, padding_idx=pad)
+    y = style.reduce(y.masked_fill(outside.unsqueeze(-1), 0.0), mesh)
+    out = style.output_layouts
+    return A.finish_output(y, out, out, mesh, style.use_local_output)
+
+
+# -- SequenceParallel -----------------------------------------------------------------------
+class SequenceParallel(ParallelStyle):
+    """Run a norm/dropout layer on the local sequence shard (``Shard(sequence_dim)``) with
+    replicated parameters; their gradients (partial: each rank saw its positions) are summed
+    over the TP group in backward, before they are accumulated."""
+
+    distributes_parameters = True
+
+    def __init__(self, *, sequence_dim: int = 1, use_local_output: bool = False) -> None:
+        self.sequence_dim = sequence_dim
+        self.use_local_output = use_local_output
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        for name in list(module._parameters):
+            distribute(module, name, Replicate())
+        module.register_forward_pre_hook(functools.partial(_sequence_input, self, mesh))
+        module.register_forward_hook(functools.partial(_sequence_output, self, mesh),
+                                     always_call=True)
+        return module
+
+
+_SAVED = "_devmesh_sequence_parallel_saved"
+
+
+def _sequence_input(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module, args):
+    seq = Shard(style.sequence_dim)
+    saved = {}
+    for name, param in module._parameters.items():
+        if param is not None and param.requires_grad:
+            saved[name] = param
+            module._parameters[name] = PF.copy_to_parallel(param, mesh)  # type: ignore[assignment]
+    setattr(module, _SAVED, saved)
+    if not args:
+        return None
+    return (A.sharded_input(args[0], seq, seq, mesh), *args[1:])
+
+
+def _sequence_output(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module, args, y):
+    module._parameters.update(getattr(module, _SAVED, {}))
+    setattr(module, _SAVED, {})
+    seq = Shard(style.sequence_dim)
+    if not isinstance(y, torch.Tensor):
+        return y
+    return A.finish_output(y, seq, seq, mesh, style.use_local_output)
+
+
+# -- PrepareModuleInput / PrepareModuleOutput -----------------------------------------------
+def _layout_tuple(value, what: str) -> tuple[Placement | None, ...] | None:
+    if value is None:
+        return None
+    values = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    return tuple(_optional(v, what) for v in values)
+
+
+def _layout_dict(value, what: str) -> dict[str, Placement | None]:
+    if value is None:
+        return {}
+    if not isinstance(value, Mapping):
+        raise ParallelizeError(f"{what} must map keyword names to placements, got {value!r}")
+    return {k: _optional(v, f"{what}[{k!r}]") for k, v in value.items()}
+
+
+class PrepareModuleInput(ParallelStyle):
+    """Convert a module's inputs (positional and keyword) from ``input_layouts`` to
+    ``desired_input_layouts`` before it runs, as torch's style of the same name. With
+    ``use_local_output=False`` (torch's default) the module receives DTensors."""
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None,
+                 input_kwarg_layouts=None, desired_input_kwarg_layouts=None,
+                 use_local_output: bool = False) -> None:
+        self.input_layouts = _layout_tuple(input_layouts, "PrepareModuleInput input_layouts")
+        self.desired_input_layouts = _layout_tuple(
+            desired_input_layouts, "PrepareModuleInput desired_input_layouts")
+        if (self.input_layouts is None) != (self.desired_input_layouts is None) or (
+                self.input_layouts is not None
+                and len(self.input_layouts) != len(self.desired_input_layouts or ())):
+            raise ParallelizeError(
+                "PrepareModuleInput: input_layouts and desired_input_layouts must have the "
+                f"same length, got {input_layouts!r} and {desired_input_layouts!r}"
+            )
+        self.input_kwarg_layouts = _layout_dict(input_kwarg_layouts,
+                                                "PrepareModuleInput input_kwarg_layouts")
+        self.desired_input_kwarg_layouts = _layout_dict(
+            desired_input_kwarg_layouts, "PrepareModuleInput desired_input_kwarg_layouts")
+        if set(self.input_kwarg_layouts) != set(self.desired_input_kwarg_layouts):
+            raise ParallelizeError(
+                "PrepareModuleInput: input_kwarg_layouts and desired_input_kwarg_layouts "
+                f"must name the same keywords, got {sorted(self.input_kwarg_layouts)} and "
+                f"{sorted(self.desired_input_kwarg_layouts)}"
+            )
+        self.use_local_output = use_local_output
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        module.register_forward_pre_hook(functools.partial(_prepare_input, self, mesh),
+                                         with_kwargs=True)
+        return module
+
+    def convert(self, x, have: Placement | None, want: Placement | None, mesh: DeviceMesh):
+        if have is None:
+            return x
+        return A.convert(x, have, want or have, mesh, use_local_output=self.use_local_output)
+
+
+def _prepare_input(style: PrepareModuleInput, mesh: DeviceMesh, module: nn.Module, args,
+                   kwargs):
+    args = list(args)
+    if style.input_layouts is not None:
+        if len(args) < len(style.input_layouts):
+            raise ParallelizeError(
+                f"PrepareModuleInput expects {len(style.input_layouts)} positional inputs for "
+                f"{type(module).__name__}, got {len(args)}"
+            )
+        for i, (have, want) in enumerate(zip(style.input_layouts,
+                                             style.desired_input_layouts or ())):
+            args[i] = style.convert(args[i], have, want, mesh)
+    for key, have in style.input_kwarg_layouts.items():
+        if key in kwargs:
+            kwargs[key] = style.convert(kwargs[key], have,
+                                        style.desired_input_kwarg_layouts[key], mesh)
+    return tuple(args), kwargs
+
+
+class PrepareModuleOutput(ParallelStyle):
+    """Convert a module's outputs from ``output_layouts`` to ``desired_output_layouts``."""
+
+    def __init__(self, *, output_layouts, desired_output_layouts,
+                 use_local_output: bool = True) -> None:
+        self.output_layouts = _layout_tuple(output_layouts, "PrepareModuleOutput output_layouts")
+        self.desired_output_layouts = _layout_tuple(
+            desired_output_layouts, "PrepareModuleOutput desired_output_layouts")
+        if len(self.output_layouts or ()) != len(self.desired_output_layouts or ()):
+            raise ParallelizeError(
+                "PrepareModuleOutput: output_layouts and desired_output_layouts must have "
+                f"the same length, got {output_layouts!r} and {desired_output_layouts!r}"
+            )
+        self.use_local_output = use_local_output
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        module.register_forward_hook(functools.partial(_prepare_output, self, mesh))
+        return module
+
+
+def _prepare_output(style: PrepareModuleOutput, mesh: DeviceMesh, module: nn.Module, args,
+                    outputs):
+    single = not isinstance(outputs, tuple)
+    items = [outputs] if single else list(outputs)
+    layouts = list(zip(style.output_layouts or (), style.desired_output_layouts or ()))
+    if len(items) != len(layouts):
+        raise ParallelizeError(
+            f"PrepareModuleOutput was given {len(layouts)} output layouts but "
+            f"{type(module).__name__} returned {len(items)} outputs"
+        )
+    converted = [x if have is None else
+                 A.convert(x, have, want or have, mesh, use_local_output=style.use_local_output)
+                 for x, (have, want) in zip(items, layouts)]
+    return converted[0] if single else tuple(converted)
