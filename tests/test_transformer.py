@@ -59,25 +59,27 @@ def _devmesh_styles():
                 PrepareModuleInput=P.PrepareModuleInput)
 
 
-def _train(model, rows: slice, steps: int = STEPS):
-    """Adam on cross-entropy; this rank sees ``rows`` of each global batch (its dp share)."""
+def _train(model, rows: slice, clip, steps: int = STEPS):
+    """Adam on cross-entropy; this rank sees ``rows`` of each global batch (its dp share).
+    Returns the losses and the global gradient norm of every step (``clip`` computes it)."""
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
-    losses = []
+    losses, norms = [], []
     for step in range(steps):
         tokens, target = _batch(step)
         logits = model(tokens[rows])
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), target[rows].reshape(-1))
         loss.backward()
+        norms.append(float(clip(model.parameters(), 1e9)))
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    return losses, norms
 
 
 def reference():
     model = _model()
-    losses = _train(model, slice(None))
-    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+    losses, norms = _train(model, slice(None), torch.nn.utils.clip_grad_norm_)
+    return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
 
 
 def parallel_run(case: str, library: str):
@@ -86,10 +88,13 @@ def parallel_run(case: str, library: str):
     from torch.testing._internal.distributed._tensor import common_dtensor
 
     if library == "devmesh":
-        from devmesh.parallel import fully_shard, state_dict
+        from devmesh.parallel import clip_grad_norm_, fully_shard, state_dict
         styles = _devmesh_styles()
     else:
         from torch.distributed.fsdp import fully_shard
+
+        def clip_grad_norm_(params, max_norm):  # torch's refuses a mix of DTensor and Tensor
+            return 0.0
         styles = {}
 
     shapes = {"tp": ((4,), ("tp",)), "tp_sp": ((4,), ("tp",)), "fsdp": ((4,), ("dp",)),
@@ -115,7 +120,7 @@ def parallel_run(case: str, library: str):
         for n in dp_names:
             dp_index = dp_index * mesh.size(n) + mesh.get_local_rank(n)
     per = BATCH // dp_size
-    losses = _train(model, slice(dp_index * per, (dp_index + 1) * per))
+    losses, norms = _train(model, slice(dp_index * per, (dp_index + 1) * per), clip_grad_norm_)
     if library == "devmesh":
         full = state_dict(model, full=True)
         tied = model.output.weight is model.tok_embeddings.weight
@@ -124,7 +129,7 @@ def parallel_run(case: str, library: str):
         full = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
                 for k, v in model.state_dict().items()}
         tied, count = None, None
-    return {"losses": losses, "dp": (dp_index, dp_size), "full": full, "tied": tied,
+    return {"losses": losses, "norms": norms, "dp": (dp_index, dp_size), "full": full, "tied": tied,
             "count": count, "rank": dist.get_rank()}
 
 
@@ -147,10 +152,12 @@ def single_process():
 
 @pytest.mark.parametrize("case", list(_WORLD))
 def test_torch_transformer_matches_single_process(mesh_pool, single_process, case):
-    ref_losses, ref_state = single_process
+    ref_losses, ref_norms, ref_state = single_process
     results = mesh_pool.run(parallel_run, _WORLD[case], case, "devmesh", timeout=300)
     assert _mean_losses(results) == pytest.approx(ref_losses, abs=1e-10, rel=1e-10)
     for r in results:
+        # clip_grad_norm_ sees the global-batch gradient: the same norm on every rank
+        assert r["norms"] == pytest.approx(ref_norms, abs=1e-10, rel=1e-10)
         assert r["tied"], "output.weight and tok_embeddings.weight must stay one parameter"
         assert r["count"] == len(list(_model().parameters()))
         assert set(r["full"]) == set(ref_state)  # alias keys included, as nn.Module gives

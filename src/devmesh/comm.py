@@ -17,6 +17,7 @@ broadcast.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -281,3 +282,47 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], src_i
     dist.broadcast(tensor, src=ranks[src_index], group=g.group)
     _record("broadcast", mesh, dims, tensor.numel() * tensor.element_size())
     return tensor
+
+
+def agree(mesh: DeviceMesh, dims: Sequence[int], what: str, value: str) -> None:
+    """Check that every rank of the group over ``dims`` passed the same ``value``.
+
+    One all-gather of an 8-byte digest when they agree. When they do not, every rank sees it
+    in the same gathered digests, so every rank goes on to gather the texts and raises the
+    same :class:`~devmesh.errors.MeshMismatchError` naming which ranks passed what — an
+    error on all ranks rather than on some (which would leave the others hanging).
+    """
+    from devmesh.errors import MeshMismatchError
+    from devmesh.layout import format_ranks
+
+    digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    digests = all_gather(mine, mesh, dims).reshape(-1)
+    if bool((digests == digests[0]).all()):
+        return
+    data = torch.tensor(list(value.encode()), dtype=torch.uint8)
+    lengths = all_gather(torch.tensor([data.numel()]), mesh, dims).reshape(-1)
+    padded = torch.zeros(int(lengths.max()), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    texts = all_gather(padded, mesh, dims)
+    ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
+    by_value: dict[str, list[int]] = defaultdict(list)
+    for rank, text, n in zip(ranks, texts, lengths.tolist()):
+        by_value[bytes(text[:n].tolist()).decode(errors="replace")].append(rank)
+    values = list(by_value)
+    start = len(_common_prefix(values))
+    if max(map(len, values)) > 240:  # long descriptions: show where they start to differ
+        start = max(0, start - 40)
+        shown = {v: ("…" if start else "") + v[start: start + 160] + "…" for v in values}
+    else:
+        shown = {v: v for v in values}
+    listing = "; ".join(f"ranks {format_ranks(r)}: {shown[v]}" for v, r in by_value.items())
+    raise MeshMismatchError(f"{what}: the ranks disagree — {listing}")
+
+
+def _common_prefix(values: list[str]) -> str:
+    first, last = min(values), max(values)
+    n = 0
+    while n < min(len(first), len(last)) and first[n] == last[n]:
+        n += 1
+    return first[:n]

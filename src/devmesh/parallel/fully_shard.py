@@ -32,6 +32,7 @@ from devmesh.mesh import DeviceMesh
 from devmesh.parallel.param import (
     ParallelizeError,
     combined_mesh,
+    describe_tensors,
     get_layout,
     set_layout,
     sharded_parameter,
@@ -93,6 +94,9 @@ class FSDPUnit:
         self._needed_regather = False  # backward re-gathered this unit in the previous step
         self._regathered_now = False
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        comm.agree(mesh, tuple(range(mesh.ndim)),
+                   "fully_shard: every rank must hold the same parameters",
+                   describe_tensors(module))
         self._collect(module)
 
     # -- setup -----------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from devmesh.mesh import DeviceMesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
 __all__ = ["ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
-           "as_sharded", "combined_mesh"]
+           "as_sharded", "combined_mesh", "describe_tensors"]
 
 _ATTR = "_devmesh_layout"
 
@@ -70,6 +70,19 @@ def as_sharded(param: torch.Tensor) -> ShardedTensor | None:
     if layout is None:
         return None
     return ShardedTensor(param.detach(), layout.mesh, layout.spec)
+
+
+def describe_tensors(module: torch.nn.Module) -> str:
+    """Names, shapes and dtypes of a module's parameters and buffers: what every replica
+    (or every rank sharding the module) must agree on before its first collective."""
+    def shape(p: torch.Tensor) -> tuple[int, ...]:  # global: local blocks may differ
+        layout = get_layout(p)
+        return tuple(layout.spec.global_shape) if layout else tuple(p.shape)
+
+    params = [f"{n} {shape(p)} {p.dtype}" for n, p in module.named_parameters()]
+    buffers = [f"{n} {tuple(b.shape)} {b.dtype}" for n, b in module.named_buffers()]
+    return (f"{len(params)} parameters, {len(buffers)} buffers: "
+            + "; ".join(params + buffers))
 
 
 def combined_mesh(a: DeviceMesh, b: DeviceMesh) -> DeviceMesh:

@@ -18,7 +18,7 @@ from torch import nn
 
 from devmesh import comm
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.param import ParallelizeError, get_layout, set_layout
+from devmesh.parallel.param import ParallelizeError, describe_tensors, get_layout, set_layout
 from devmesh.tensor import ShardingSpec
 
 __all__ = ["replicate", "DataParallelState"]
@@ -41,6 +41,8 @@ class DataParallelState:
         self.mesh = mesh
         self.dims = tuple(range(mesh.ndim))
         params = [p for p in module.parameters() if p.requires_grad]
+        comm.agree(mesh, self.dims, "replicate: every replica must hold the same parameters",
+                   describe_tensors(module))
         self._broadcast(module)
         cap = int(bucket_cap_mb * 2**20)
         self.buckets: list[_Bucket] = []

@@ -53,7 +53,7 @@ def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Module, max_norm: fl
     if coef < 1:
         for p in grads:
             p.grad.detach().mul_(coef)
-    return norm.to(torch.float32)
+    return norm.to(grads[0].grad.dtype if grads else torch.float32)  # torch: the grads' dtype
 
 
 def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor | ShardedTensor]:

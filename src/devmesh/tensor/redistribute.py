@@ -166,21 +166,24 @@ def _grad_spec(spec: ShardingSpec) -> ShardingSpec:
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, mesh, src, dst):  # type: ignore[override]
-        ctx.mesh, ctx.src, ctx.dst = mesh, src, dst
+    def forward(ctx, local, mesh, src, dst, grad_spec):  # type: ignore[override]
+        ctx.mesh, ctx.src, ctx.grad_spec = mesh, src, grad_spec
         return execute(local, mesh, plan_redistribute(src, dst, local.element_size()))
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        src, dst = _grad_spec(ctx.dst), _grad_spec(ctx.src)
-        grad = execute(grad.contiguous(), ctx.mesh, plan_redistribute(src, dst, grad.element_size()))
-        return grad, None, None, None
+        plan = plan_redistribute(ctx.grad_spec, _grad_spec(ctx.src), grad.element_size())
+        return execute(grad.contiguous(), ctx.mesh, plan), None, None, None, None
 
 
 def redistribute_local(
-    local: torch.Tensor, mesh: DeviceMesh, src: ShardingSpec, dst: ShardingSpec
+    local: torch.Tensor, mesh: DeviceMesh, src: ShardingSpec, dst: ShardingSpec,
+    grad_spec: ShardingSpec | None = None,
 ) -> torch.Tensor:
-    """This rank's block of ``dst`` from its block of ``src``; differentiable."""
-    if src == dst:
+    """This rank's block of ``dst`` from its block of ``src``; differentiable. The gradient
+    arriving for the result is in ``grad_spec`` (default ``dst`` with partial dims made
+    replicated, DTensor's convention) and leaves in ``src``'s layout."""
+    grad_spec = grad_spec if grad_spec is not None else _grad_spec(dst)
+    if src == dst and grad_spec == _grad_spec(dst):
         return local
-    return _Redistribute.apply(local, mesh, src, dst)
+    return _Redistribute.apply(local, mesh, src, dst, grad_spec)

@@ -9,19 +9,24 @@ object holding a plain tensor: autograd flows through ``to_local``/``full_tensor
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from typing import Union
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
 from devmesh import comm
 from devmesh.mesh import DeviceMesh
-from devmesh.tensor.placement import Placement, Replicate, Shard
+from devmesh.tensor.placement import Placement, Replicate, Shard, as_placement
 from devmesh.tensor.plan import plan_redistribute
 from devmesh.tensor.redistribute import execute, redistribute_local
 from devmesh.tensor.spec import NestedShardingError, ShardingSpec, ShardingSpecError
 
 __all__ = ["ShardedTensor", "distribute_tensor", "Layout"]
+
+_UNSET: object = object()
 
 Layout = Union[ShardingSpec, Sequence[Placement]]
 """A destination layout: a :class:`ShardingSpec`, or one placement per mesh dim."""
@@ -67,6 +72,13 @@ class ShardedTensor:
                 f"local block has shape {tuple(local.shape)} but {spec} puts a block of shape "
                 f"{expected} at mesh coordinate {coord}"
             )
+        if any(op == "avg" for _, op in spec.partial) and not (
+                local.is_floating_point() or local.is_complex()):
+            raise ShardingSpecError(
+                f"Partial('avg') needs a floating-point tensor, got {local.dtype}: an average "
+                "of integers is not an integer. Use Partial('sum') and divide, or convert the "
+                "tensor to a floating dtype"
+            )
         self._local = local
         self._mesh = mesh
         self._spec = spec
@@ -79,20 +91,30 @@ class ShardedTensor:
         placements: Layout,
         *,
         shape: Sequence[int] | None = None,
+        run_check: bool = True,
     ) -> ShardedTensor:
         """Wrap this rank's block. Without ``shape`` the global shape assumes even splits
         (``local size x number of pieces`` per dim), as DTensor does; pass ``shape`` when the
-        sizes are uneven."""
+        sizes are uneven.
+
+        ``run_check`` (default on; torch's is off) checks, with one small collective, that
+        every rank of the mesh states the same global shape, dtype and layout, and raises the
+        same clear error on every rank if not (else ranks would silently disagree, or die in
+        a later collective). Turn it off on hot paths whose inputs are known to agree."""
+        device_mesh = _as_devmesh(device_mesh)
         if shape is None:
             if isinstance(placements, ShardingSpec):
                 shape = placements.global_shape
             else:
                 global_shape = list(local.shape)
                 for m, p in enumerate(placements):
+                    p = as_placement(p)
                     if isinstance(p, Shard):
                         global_shape[p.dim] *= device_mesh.shape[m]
                 shape = global_shape
         spec = _as_spec(placements, device_mesh, shape)
+        if run_check:
+            _check_agreement(device_mesh, spec, local.dtype, "ShardedTensor.from_local")
         return ShardedTensor(local, device_mesh, spec)
 
     # -- the DTensor-like API --------------------------------------------------------------
@@ -132,21 +154,45 @@ class ShardedTensor:
     def requires_grad(self) -> bool:
         return self._local.requires_grad
 
-    def to_local(self) -> torch.Tensor:
-        """This rank's block (the tensor itself: autograd flows through it)."""
-        return self._local
+    def to_local(self, *, grad_placements: Layout | None = None) -> torch.Tensor:
+        """This rank's block (the tensor itself: autograd flows through it).
 
-    def redistribute(self, layout: Layout) -> ShardedTensor:
+        ``grad_placements`` (as torch's): the layout the gradient of the block will have —
+        e.g. ``[Partial()]`` when the consumer of a replicated block produces partial sums;
+        it is turned into this tensor's own layout on the way back."""
+        if grad_placements is None:
+            return self._local
+        grad = _as_spec(grad_placements, self._mesh, self._spec.global_shape)
+        return redistribute_local(self._local, self._mesh, self._spec, self._spec,
+                                  grad_spec=grad)
+
+    def redistribute(self, device_mesh: DeviceMesh | Layout | None = None,
+                     placements: Layout | None = None, *, async_op: bool = False
+                     ) -> ShardedTensor:
         """The same global tensor in another layout, with the fewest collectives;
-        differentiable."""
-        dst = _as_spec(layout, self._mesh, self._spec.global_shape)
+        differentiable. Torch's call shape (``redistribute(mesh, placements)``, either
+        optional) and devmesh's (``redistribute(layout)``, a spec or placements) both work.
+        ``async_op`` is accepted for torch's signature; the result is computed at once."""
+        if device_mesh is not None and not isinstance(device_mesh, TorchDeviceMesh):
+            device_mesh, placements = None, device_mesh  # redistribute(layout)
+        if device_mesh is not None and _as_devmesh(device_mesh) != self._mesh:
+            raise ShardingSpecError(
+                f"redistribute stays on the tensor's mesh {self._mesh!r}, got {device_mesh!r}"
+            )
+        if placements is None:
+            return self
+        dst = _as_spec(placements, self._mesh, self._spec.global_shape)
         local = redistribute_local(self._local, self._mesh, self._spec, dst)
         return ShardedTensor(local, self._mesh, dst)
 
-    def full_tensor(self) -> torch.Tensor:
+    def full_tensor(self, *, grad_placements: Layout | None = None) -> torch.Tensor:
         """The whole global tensor on every rank (one collective for any nesting);
-        differentiable."""
-        return redistribute_local(self._local, self._mesh, self._spec, self._spec.replicated())
+        differentiable. ``grad_placements`` is the layout of the gradient that will arrive
+        (default replicated), as in torch."""
+        full = self._spec.replicated()
+        grad = (None if grad_placements is None
+                else _as_spec(grad_placements, self._mesh, self._spec.global_shape))
+        return redistribute_local(self._local, self._mesh, self._spec, full, grad_spec=grad)
 
     def explain_redistribute(self, layout: Layout) -> str:
         """The plan ``redistribute(layout)`` would run, with the bytes each step moves."""
@@ -155,8 +201,10 @@ class ShardedTensor:
 
     # -- torch DTensor interop ---------------------------------------------------------------
     def to_dtensor(self):
-        """A torch ``DTensor`` over ``device_mesh.to_torch()``. A nested split of two mesh
-        dims becomes torch's ``_StridedShard`` (as FSDP2 over TP produces)."""
+        """A torch ``DTensor`` on the same mesh (a devmesh mesh is a torch mesh). A nested
+        split becomes torch's ``_StridedShard``, as FSDP2 over TP produces: a mesh dim that
+        splits inside pieces made by later mesh dims carries the product of their sizes as
+        its split factor."""
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor import Partial as TorchPartial
         from torch.distributed.tensor import Replicate as TorchReplicate
@@ -166,46 +214,46 @@ class ShardedTensor:
         spec = self._spec
         placements: list = [TorchReplicate()] * len(spec.mesh_shape)
         for d, dims in enumerate(spec.dim_map):
-            if list(dims) == sorted(dims):
-                for m in dims:
-                    placements[m] = TorchShard(d)
-            elif len(dims) == 2:  # (later mesh dim, earlier mesh dim): FSDP over TP
-                inner_first, outer = dims
-                placements[inner_first] = TorchShard(d)
-                placements[outer] = _StridedShard(d, split_factor=spec.mesh_shape[inner_first])
-            else:
-                raise NestedShardingError(
-                    f"torch's DTensor cannot express dim {d} split by "
-                    f"{tuple(spec.name(m) for m in dims)}"
-                )
+            for m, factor in _split_factors(spec.mesh_shape, dims).items():
+                placements[m] = (TorchShard(d) if factor == 1
+                                 else _StridedShard(d, split_factor=factor))
         for m, op in spec.partial:
             placements[m] = TorchPartial(op)
-        return DTensor.from_local(self._local, self._mesh.to_torch(), placements,
+        return DTensor.from_local(self._local, self._mesh, placements,
                                   shape=self.shape, stride=_contiguous_strides(self.shape),
                                   run_check=False)
 
     @staticmethod
     def from_dtensor(dtensor, device_mesh: DeviceMesh | None = None) -> ShardedTensor:
-        """The devmesh view of a torch ``DTensor`` (its local tensor is shared, not copied)."""
+        """The devmesh view of a torch ``DTensor`` (its local tensor is shared, not copied).
+        ``_StridedShard`` placements become the nesting they stand for; split factors that
+        no nesting explains raise :class:`NestedShardingError`."""
         from torch.distributed.tensor import Partial as TorchPartial
         from torch.distributed.tensor import Shard as TorchShard
         from torch.distributed.tensor.placement_types import _StridedShard
 
-        mesh = device_mesh or DeviceMesh.from_torch(dtensor.device_mesh)
+        mesh = _as_devmesh(device_mesh or dtensor.device_mesh)
         shape = tuple(dtensor.shape)
-        dim_map: list[list[int]] = [[] for _ in shape]
-        strided: dict[int, int] = {}
+        splits: dict[int, dict[int, int]] = {}
         partial = []
         for m, p in enumerate(dtensor.placements):
             if isinstance(p, _StridedShard):
-                strided[p.dim] = m
+                splits.setdefault(p.dim % len(shape), {})[m] = p.split_factor
             elif isinstance(p, TorchShard):
-                dim_map[p.dim].append(m)
+                splits.setdefault(p.dim % len(shape), {})[m] = 1
             elif isinstance(p, TorchPartial):
                 partial.append((m, p.reduce_op))
-        for d, m in strided.items():  # strided mesh dim m splits within the later ones
-            dim_map[d] = dim_map[d] + [m]
-        spec = ShardingSpec(mesh.shape, shape, tuple(map(tuple, dim_map)), tuple(partial),
+        dim_map: list[tuple[int, ...]] = [() for _ in shape]
+        for d, factors in splits.items():
+            order = next((o for o in itertools.permutations(sorted(factors))
+                          if _split_factors(mesh.shape, o) == factors), None)
+            if order is None:
+                raise NestedShardingError(
+                    f"DTensor placements {tuple(dtensor.placements)} split dim {d} with "
+                    "split factors no nesting of those mesh dims produces"
+                )
+            dim_map[d] = order
+        spec = ShardingSpec(mesh.shape, shape, tuple(dim_map), tuple(partial),
                             mesh.mesh_dim_names)
         return ShardedTensor(dtensor.to_local(), mesh, spec)
 
@@ -214,6 +262,14 @@ class ShardedTensor:
             f"ShardedTensor(shape={tuple(self.shape)}, dtype={self.dtype}, layout=[{self._spec}], "
             f"mesh={self._mesh!r}, local_shape={tuple(self._local.shape)})"
         )
+
+
+def _split_factors(mesh_shape: Sequence[int], order: Sequence[int]) -> dict[int, int]:
+    """For mesh dims splitting one tensor dim in ``order`` (major to minor): each one's torch
+    split factor, the product of the sizes of the mesh dims before it in the order that come
+    after it in mesh order (1: a plain ``Shard``)."""
+    return {m: math.prod(mesh_shape[o] for o in order[:i] if o > m)
+            for i, m in enumerate(order)}
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
@@ -230,17 +286,27 @@ def distribute_tensor(
     placements: Layout | None = None,
     *,
     src_rank: int | None = 0,
+    src_data_rank: int | None = _UNSET,  # type: ignore[assignment]
+    check: bool = True,
 ) -> ShardedTensor:
     """Split a full tensor over the mesh.
 
-    Every rank passes a tensor of the global shape. With ``src_rank`` (an index into the mesh's
-    ranks in row-major order; default 0) the values of that rank are broadcast first, as
-    DTensor does; with ``src_rank=None`` each rank keeps its own values (no communication).
-    The result is a leaf: it requires grad if ``tensor`` did.
+    Every rank passes a tensor of the global shape. With ``src_rank`` (torch's name,
+    ``src_data_rank``, works too: an index into the mesh's ranks in row-major order; default
+    0) the values of that rank are broadcast first, as DTensor does; with ``None`` each rank
+    keeps its own values (no communication). The result is a leaf: it requires grad if
+    ``tensor`` did. ``check`` first confirms, with one small collective, that every rank
+    passed the same shape and dtype (a clear error on every rank instead of a crash in
+    the broadcast).
     """
+    if src_data_rank is not _UNSET:
+        src_rank = src_data_rank
+    device_mesh = _as_devmesh(device_mesh)
     placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
     spec = _as_spec(placements, device_mesh, tuple(tensor.shape))
     _member_coordinate(device_mesh, "distribute_tensor")
+    if check and src_rank is not None:
+        _check_agreement(device_mesh, spec, tensor.dtype, "distribute_tensor")
     full = tensor.detach()
     if src_rank is not None:
         if not 0 <= src_rank < device_mesh.size():
@@ -255,3 +321,18 @@ def distribute_tensor(
         local = local.clone()
     local.requires_grad_(tensor.requires_grad)
     return ShardedTensor(local, device_mesh, spec)
+
+
+def _check_agreement(mesh: DeviceMesh, spec: ShardingSpec, dtype: torch.dtype,
+                     what: str) -> None:
+    comm.agree(mesh, tuple(range(mesh.ndim)), what,
+               f"global shape {spec.global_shape}, {dtype}, layout [{spec}]")
+
+
+def _as_devmesh(mesh: object) -> DeviceMesh:
+    """devmesh's view of ``mesh`` (a torch-built DeviceMesh is adopted, same groups)."""
+    if isinstance(mesh, DeviceMesh):
+        return mesh
+    if isinstance(mesh, TorchDeviceMesh):
+        return DeviceMesh.from_torch(mesh)
+    raise ShardingSpecError(f"expected a DeviceMesh, got {type(mesh).__name__}")

@@ -1,0 +1,149 @@
+"""ShardedTensor as torch users call it, and the mistakes that used to crash or hang some
+ranks (issue 8, items 5, 7, 9, 15): nested DTensor layouts both ways, shape/dtype
+disagreement between ranks, Partial('avg') on integers, torch's call shapes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Partial as TorchPartial
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import Shard as TorchShard
+
+from devmesh import init_device_mesh
+from devmesh.errors import DevmeshError
+from devmesh.tensor import Partial, Replicate, Shard, ShardedTensor, ShardingSpec, distribute_tensor
+
+
+def _error(fn):
+    try:
+        fn()
+    except DevmeshError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def nested_layouts_round_trip_through_dtensor():
+    """Every nesting order of 3 mesh dims over one tensor dim: to_dtensor() gives torch the
+    same blocks (its full_tensor is right), and from_dtensor() gives the nesting back."""
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("a", "b", "c"))
+    out = []
+    for rows, r in itertools.product((16, 13, 5), (1, 2, 3)):  # even, uneven, empty blocks
+        x = torch.arange(rows * 3.0).reshape(rows, 3)
+        for order in itertools.permutations(range(3), r):
+            spec = ShardingSpec(mesh.shape, x.shape, (order, ()), (), mesh.mesh_dim_names)
+            st = distribute_tensor(x, mesh, spec)
+            dt = st.to_dtensor()
+            back = ShardedTensor.from_dtensor(dt)
+            out.append(((rows, order), torch.equal(dt.full_tensor(), x), back.spec.dim_map[0] == order,
+                        torch.equal(back.to_local(), st.to_local())))
+    return out
+
+
+def test_nested_layouts_round_trip_through_dtensor(mesh_pool):
+    for rank_result in mesh_pool.run(nested_layouts_round_trip_through_dtensor, 8):
+        for order, torch_full_ok, same_order, same_block in rank_result:
+            assert torch_full_ok and same_order and same_block, order
+
+
+def torch_fsdp_over_tp_param_reads_back():
+    """A weight torch's FSDP2 sharded over torch's TP (placements _StridedShard + Shard):
+    from_dtensor reads the nesting, and devmesh's full_tensor equals torch's."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    weight = model[0].weight
+    ours = ShardedTensor.from_dtensor(weight)
+    bogus = DTensor.from_local(torch.zeros(2, 4), mesh,
+                               [torch.distributed.tensor.placement_types._StridedShard(
+                                   0, split_factor=3), TorchShard(0)], run_check=False)
+    return (str(weight.placements), ours.spec.dim_map, torch.equal(ours.full_tensor(),
+                                                                   weight.full_tensor()),
+            _error(lambda: ShardedTensor.from_dtensor(bogus)))
+
+
+def test_torch_fsdp_over_tp_parameter_reads_back(mesh_pool):
+    for placements, dim_map, equal, bogus in mesh_pool.run(torch_fsdp_over_tp_param_reads_back, 4):
+        assert "_StridedShard" in placements
+        assert dim_map[0] == (1, 0)  # tp major, dp minor
+        assert equal
+        assert bogus is not None and bogus[0] == "NestedShardingError"
+
+
+def disagreeing_ranks(case: str):
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
+    rank = dist.get_rank()
+    if case == "from_local_shape":
+        shape = (8, 4) if rank != 2 else (9, 4)
+        return _error(lambda: ShardedTensor.from_local(torch.zeros(2, 4), mesh, [Shard(0)],
+                                                       shape=shape))
+    if case == "distribute_dtype":
+        dtype = torch.float32 if rank != 1 else torch.float64
+        return _error(lambda: distribute_tensor(torch.zeros(4, 4, dtype=dtype), mesh,
+                                                [Shard(0)]))
+    if case == "distribute_shape":
+        return _error(lambda: distribute_tensor(torch.zeros(4 + (rank == 3), 4), mesh,
+                                                [Shard(0)]))
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("from_local_shape", "global shape (9, 4)"),
+    ("distribute_dtype", "torch.float64"),
+    ("distribute_shape", "global shape (5, 4)"),
+])
+def test_ranks_that_disagree_all_get_the_same_error(mesh_pool, case, words):
+    results = mesh_pool.run(disagreeing_ranks, 4, case, timeout=60)
+    for result in results:
+        assert result is not None
+        name, message = result
+        assert name == "MeshMismatchError" and words in message
+        assert "ranks" in message
+    assert len({message.split("] ", 1)[1] for _, message in results}) == 1
+
+
+def torch_call_shapes():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.arange(16.0).reshape(4, 4)
+    # torch's placement classes, torch's keyword names, torch's redistribute signature
+    t = distribute_tensor(x, mesh, [TorchShard(0), TorchReplicate()], src_data_rank=0)
+    u = t.redistribute(mesh, [TorchReplicate(), TorchShard(1)], async_op=True)
+    same = t.redistribute(placements=None)
+    # full_tensor(grad_placements=...): a partial gradient is reduce-scattered back
+    leaf = t.to_local().detach().clone().requires_grad_()
+    full = ShardedTensor.from_local(leaf, mesh, [Shard(0), Replicate()]).full_tensor(
+        grad_placements=[TorchPartial(), TorchPartial()])
+    full.sum().backward()
+    # to_local(grad_placements=...): the consumer's gradient is partial over tp
+    leaf2 = torch.ones(4, 4, requires_grad=True)
+    rep = ShardedTensor.from_local(leaf2, mesh, [Replicate(), Replicate()])
+    rep.to_local(grad_placements=[Replicate(), Partial()]).sum().backward()
+    int_avg = _error(lambda: ShardedTensor.from_local(torch.ones(2, dtype=torch.int64), mesh,
+                                                      [Partial("avg"), Replicate()]))
+    return {
+        "u_local": u.to_local().tolist(), "same": same is t,
+        "full_grad": leaf.grad.tolist(), "partial_grad": leaf2.grad.tolist(),
+        "int_avg": int_avg,
+    }
+
+
+def test_torch_call_shapes(mesh_pool):
+    results = mesh_pool.run(torch_call_shapes, 4)
+    x = torch.arange(16.0).reshape(4, 4)
+    for rank, r in enumerate(results):
+        tp = rank % 2
+        assert r["u_local"] == x[:, 2 * tp: 2 * tp + 2].tolist()
+        assert r["same"]
+        # each of the 4 ranks contributes ones; summed over the 4 partial ranks: 4 per element
+        assert r["full_grad"] == [[4.0] * 4] * 2
+        assert r["partial_grad"] == [[2.0] * 4] * 4  # summed over the 2 tp ranks
+        assert r["int_avg"][0] == "ShardingSpecError" and "floating-point" in r["int_avg"][1]

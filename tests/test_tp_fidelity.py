@@ -1,0 +1,150 @@
+"""Tensor parallelism as torch users apply it (issue 8, items 1, 3, 6, 13, 14): torch's
+placements, use_local_output, keyword inputs, deepcopy of parallelized modules, styles
+applied twice, replicas that differ."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import Replicate as TorchReplicate
+from torch.distributed.tensor import Shard as TorchShard
+
+from devmesh import init_device_mesh
+from devmesh.errors import DevmeshError
+from devmesh.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+    replicate,
+    state_dict,
+)
+
+
+def _error(fn):
+    try:
+        fn()
+    except DevmeshError as exc:
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8)).double()
+
+
+def sequence_parallel_input_gradient():
+    """PrepareModuleInput(Shard(1) -> Replicate) in front of column-parallel layers: the
+    input gradient equals single-process (it was multiplied by the TP degree)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.wq, self.wk = nn.Linear(8, 8).double(), nn.Linear(8, 8).double()
+            self.wo = nn.Linear(8, 8).double()
+
+        def forward(self, x):
+            return self.wo(F.relu(self.wq(x)) * self.wk(x))
+
+    x = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    ref, model = Block(), Block()
+    xr = x.clone().requires_grad_()
+    ref(xr).pow(2).sum().backward()
+    model = parallelize_module(model, mesh, PrepareModuleInput(
+        input_layouts=TorchShard(1), desired_input_layouts=TorchReplicate()))
+    parallelize_module(model, mesh, {"wq": ColwiseParallel(), "wk": ColwiseParallel(),
+                                     "wo": RowwiseParallel(output_layouts=TorchShard(1))})
+    r = mesh.get_local_rank()
+    xs = x[:, 2 * r: 2 * r + 2].clone().requires_grad_()
+    model(xs).pow(2).sum().backward()
+    return torch.allclose(xs.grad, xr.grad[:, 2 * r: 2 * r + 2], atol=1e-12)
+
+
+def test_sequence_parallel_input_gradient_is_counted_once(mesh_pool):
+    assert all(mesh_pool.run(sequence_parallel_input_gradient, 2))
+
+
+def local_output_and_kwargs():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = _mlp()
+    parallelize_module(model, mesh, {"0": ColwiseParallel(use_local_output=False),
+                                     "2": RowwiseParallel(output_layouts=TorchReplicate(),
+                                                          use_local_output=False)})
+    x = torch.randn(3, 8, dtype=torch.float64)
+    hidden = model[0](x)
+    out = model(x)
+
+    class Takes(nn.Module):
+        def forward(self, x, *, scale):
+            return x, scale
+
+    taker = parallelize_module(Takes(), mesh, PrepareModuleInput(
+        input_kwarg_layouts={"scale": TorchShard(0)},
+        desired_input_kwarg_layouts={"scale": TorchReplicate()}, use_local_output=True))
+    _, scale = taker(x, scale=torch.full((2,), float(dist.get_rank())))
+    return (type(hidden).__name__, str(hidden.placements), type(out).__name__,
+            str(out.placements), scale.tolist())
+
+
+def test_use_local_output_false_gives_dtensors_and_kwargs_are_prepared(mesh_pool):
+    for hidden, hp, out, op, scale in mesh_pool.run(local_output_and_kwargs, 2):
+        assert (hidden, out) == ("DTensor", "DTensor")
+        assert "Shard(dim=-1)" in hp or "Shard(dim=1)" in hp
+        assert "Replicate" in op
+        assert scale == [0.0, 0.0, 1.0, 1.0]
+
+
+def deepcopy_and_refusals():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = _mlp()
+    parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(3, 8, dtype=torch.float64)
+    before = model(x)
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        clone[2].weight.zero_()
+        clone[2].bias.fill_(1.0)
+    out = {
+        "original_unchanged": torch.equal(model(x), before),
+        "copy_uses_its_weights": torch.equal(clone(x), torch.ones(3, 8, dtype=torch.float64)),
+        "copy_keeps_layout": tuple(state_dict(clone)["0.weight"].shape) == (16, 8),
+        "twice": _error(lambda: parallelize_module(model, mesh, {"0": ColwiseParallel()})),
+        "bad_placement": _error(lambda: RowwiseParallel(output_layouts="Replicate")),
+        "torch_style": _error(lambda: parallelize_module(
+            _mlp(), mesh, {"0": __import__("torch.distributed.tensor.parallel",
+                                           fromlist=["x"]).ColwiseParallel()})),
+    }
+    return out
+
+
+def test_deepcopy_styles_twice_and_bad_arguments(mesh_pool):
+    for r in mesh_pool.run(deepcopy_and_refusals, 2):
+        assert r["original_unchanged"] and r["copy_uses_its_weights"] and r["copy_keeps_layout"]
+        assert r["twice"][0] == "ParallelizeError" and "already applied" in r["twice"][1]
+        assert r["bad_placement"][0] == "ParallelizeError"
+        assert "torch's style" in r["torch_style"][1]
+
+
+def replicas_that_differ(case: str):
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    rank = dist.get_rank()
+    if case == "shape":
+        model = nn.Linear(8, 4 if rank != 3 else 5)
+    else:
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 if rank else 3)])
+    return _error(lambda: replicate(model, mesh=mesh))
+
+
+@pytest.mark.parametrize("case, words", [("shape", "(5, 8)"), ("count", "6 parameters")])
+def test_replicate_refuses_replicas_that_differ_on_every_rank(mesh_pool, case, words):
+    for name, message in mesh_pool.run(replicas_that_differ, 4, case, timeout=60):
+        assert name == "MeshMismatchError" and words in message
