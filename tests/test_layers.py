@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "devmesh"
 LAYERS = {  # low to high
     "errors": 0, "_files": 0,
     "layout": 1, "topology": 1, "render": 1, "render_png": 1,  # pure: need only the layout
-    "launcher": 2, "_worker": 2, "testing": 2,
+    "launcher": 2, "_worker": 2, "_auth": 2, "testing": 2,
     "env": 3, "groups": 3,
     "mesh": 4,
     "comm": 5,

@@ -158,7 +158,7 @@ def test_visualize_nested_sharding_text_and_png(tmp_path):
     lines = text.splitlines()
     assert lines[2].split("|")[1].strip() == "ranks 0" and lines[3].split("|")[1].strip() == "ranks 4"
     png = tmp_path / "s.png"
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob("*.tmp.png"))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and not list(tmp_path.glob(".*devmesh-tmp"))
     replicated = visualize_sharding(
         ShardingSpec.from_placements([Shard(0), Replicate()], MESH, (6,), NAMES), layout,
         show=False)

@@ -1,34 +1,78 @@
-"""Writing files so that a crash never leaves one half-written: write a temporary file next
-to the target, then rename it over the target (atomic on POSIX). Used for every picture, CSV
-and JSON devmesh writes."""
+"""Writing files so that a crash never leaves one half-written, and nothing planted at a
+predictable name is followed.
+
+Every file devmesh writes (checkpoints, pictures, CSV, JSON) goes through
+:func:`atomic_file`: a fresh temporary file is created *exclusively* next to the target (a
+unique name, ``O_EXCL``, so a symlink planted there is never followed), written, flushed and
+fsynced, renamed over the target (atomic on POSIX), and the directory is fsynced so the rename
+survives a power cut. On any failure the temporary file is removed and the old target stays.
+A writer killed outright (SIGKILL) cannot clean up: its temporary file is hidden
+(``.NAME.*.devmesh-tmp``) and removed by the next write of the same target.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from typing import IO, Any
 
-__all__ = ["atomic_write", "pyplot", "save_figure"]
+__all__ = ["atomic_file", "atomic_write", "pyplot", "save_figure", "TMP_SUFFIX"]
+
+TMP_SUFFIX = ".devmesh-tmp"
 
 
-def atomic_write(path: str, write: Callable[[IO[str]], Any]) -> None:
-    """Call ``write(file)`` on a temporary file, then move it to ``path``."""
-    tmp = f"{path}.tmp"
+def _fsync_dir(directory: str) -> None:
     try:
-        with open(tmp, "w", newline="") as f:
-            write(f)
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform without directory fds: the rename is still atomic
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@contextlib.contextmanager
+def atomic_file(path: str, mode: str = "wb") -> Iterator[IO[Any]]:
+    """``with atomic_file(path) as f: ...`` writes ``path`` all or nothing."""
+    directory = os.path.dirname(os.path.abspath(path)) or "."
+    prefix = f".{os.path.basename(path)}."
+    for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*"
+                                        + TMP_SUFFIX)):
+        with contextlib.suppress(OSError):
+            os.remove(stale)  # left by a writer that was killed
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=TMP_SUFFIX)
+    try:
+        with os.fdopen(fd, mode, **({} if "b" in mode else {"newline": ""})) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
         os.replace(tmp, path)
+        _fsync_dir(directory)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def atomic_write(path: str, write: Callable[[IO[str]], Any]) -> None:
+    """Call ``write(file)`` on a text file that becomes ``path`` only when complete."""
+    with atomic_file(path, "w") as f:
+        write(f)
 
 
 def pyplot():
     """matplotlib's pyplot on the non-interactive Agg backend (no display needed)."""
     try:
         import matplotlib
-    except ImportError:  # pragma: no cover - matplotlib is a dependency
-        raise ImportError("drawing pictures needs matplotlib: pip install matplotlib") from None
+    except ImportError:
+        raise ImportError(
+            "drawing pictures needs matplotlib: pip install 'devmesh[viz]' (or matplotlib)"
+        ) from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -37,11 +81,8 @@ def pyplot():
 
 def save_figure(fig: Any, path: str) -> None:
     """Save a matplotlib figure as PNG atomically and close it."""
-    tmp = f"{path}.tmp.png"
     try:
-        fig.savefig(tmp, dpi=100)
-        os.replace(tmp, path)
+        with atomic_file(path, "wb") as f:
+            fig.savefig(f, dpi=100, format="png")
     finally:
         pyplot().close(fig)
-        if os.path.exists(tmp):
-            os.remove(tmp)

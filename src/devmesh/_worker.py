@@ -1,7 +1,8 @@
 """A long-lived worker process of a :class:`devmesh.launcher.WorkerPool`.
 
-Started as ``python -m devmesh._worker HOST PORT TOKEN INDEX``. It imports torch once, then
-runs tasks sent by the pool: each task sets torchrun's environment variables for its rank,
+Started as ``python -m devmesh._worker HOST PORT INDEX STACK_PATH PARENT_PID`` with the pool's
+secret on stdin; it authenticates to the pool (:mod:`devmesh._auth`) before anything else,
+and dies with the pool's process. It imports torch once, then runs tasks sent by the pool: each task sets torchrun's environment variables for its rank,
 calls the function, sends back its result (or its traceback), and tears down whatever the
 function left (the default process group, devmesh's group cache) so the next task starts
 clean. ``SIGUSR1`` dumps every thread's stack to a file the pool reads when a task hangs.
@@ -17,9 +18,12 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
+from devmesh import _auth
+
 _TASK_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "GLOO_SOCKET_IFNAME",
 )
 
 
@@ -86,13 +90,32 @@ def _serve(conn: Connection) -> None:
             conn.send((task_id, ("error", f"cannot send result back: {exc}", "")))
 
 
+def _die_with_parent(parent: int) -> None:
+    """No orphans: on Linux the kernel sends SIGKILL when the pool's process dies (whatever
+    killed it); everywhere, a worker whose parent is already gone exits now, and one blocked
+    waiting for a task exits when the pool's socket closes."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
 def main(argv: list[str]) -> None:
-    host, port, token, index, stack_path = argv
+    host, port, index, stack_path, parent = argv
+    _die_with_parent(int(parent))
+    key = bytes.fromhex(sys.stdin.readline().strip())  # the pool's secret: stdin, not argv
     stack_file = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     sock = socket.create_connection((host, int(port)))
     conn = Connection(sock.detach())
-    conn.send((token, int(index), os.getpid()))
+    if not _auth.respond(conn, key):
+        os._exit(2)  # whoever listens there is not our pool
+    conn.send((int(index), os.getpid()))
     import torch  # noqa: F401 - pay the import once, before the first task
     import torch.distributed  # noqa: F401
 

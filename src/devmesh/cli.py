@@ -7,6 +7,7 @@ answers instantly; the other commands import torch only when they run.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -85,8 +86,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def _distributed(fn, args: argparse.Namespace, *fn_args):
     """Run ``fn`` on every rank: under a launcher directly, else on ``-n`` local ranks.
     Returns rank 0's result (None on other ranks), or raises LaunchEnvironmentError."""
-    import os
-
     if "RANK" in os.environ:
         return fn(*fn_args)
     if not args.nproc:
@@ -126,8 +125,6 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     except DevmeshError as exc:
         print(f"devmesh bench: error: {exc}", file=sys.stderr)
         return 2
-    import os
-
     if result is None or int(os.environ.get("RANK", "0")) != 0:
         return 0
     rows, memcpy = result
@@ -136,15 +133,41 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+MAX_LOCAL_PROCESSES = 4096
+
+
+def _check_nproc(n: int) -> None:
+    """Refuse a process count that cannot work before spawning anything."""
+    import resource
+
+    if n < 1:
+        raise SystemExit(f"devmesh run: -n must be at least 1, got {n}")
+    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
+    if n > MAX_LOCAL_PROCESSES or (limit != resource.RLIM_INFINITY and n > limit):
+        cap = MAX_LOCAL_PROCESSES if limit == resource.RLIM_INFINITY else min(
+            limit, MAX_LOCAL_PROCESSES)
+        raise SystemExit(f"devmesh run: -n {n} is more processes than this machine can "
+                         f"start locally (at most {cap}); use torchrun across several hosts")
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
+    _check_nproc(args.nproc)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main
 
+    # the workers' own gloo sockets stay on loopback (torchrun's agent store is torch's)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc}", args.script, *args.args]
     try:
         torchrun_main(torchrun_args)
-    except SystemExit as exc:  # torchrun exits with the failing child's code
+    except SystemExit as exc:
         return int(exc.code or 0)
-    except Exception as exc:  # ChildFailedError carries a readable summary
+    except ChildFailedError as exc:  # the failing rank's own exit code, as a shell would
+        print(str(exc), file=sys.stderr)
+        first = min(exc.failures) if exc.failures else None
+        code = exc.failures[first].exitcode if first is not None else 1
+        return code if code > 0 else 128 - code if code < 0 else 1
+    except Exception as exc:
         print(str(exc), file=sys.stderr)
         return 1
     return 0

@@ -151,4 +151,37 @@ def ensure_default_group(
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)
         kwargs["device_id"] = torch.device("cuda", env.local_rank)
+    store = _loopback_store(env, timeout)
+    if store is not None:
+        kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
     dist.init_process_group(**kwargs)
+
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def is_loopback(address: str) -> bool:
+    return address in _LOOPBACK or address.startswith("127.")
+
+
+def _loopback_store(env: LaunchEnv, timeout: datetime.timedelta | None):
+    """For a local launch (``MASTER_ADDR`` on loopback, no torchrun agent store), the
+    rendezvous store rank 0 serves, listening on loopback only — torch's own ``env://``
+    store listens on every interface, open to any machine on the network. ``None``: let
+    torch do it (a multi-host launch, or torchrun's agent store)."""
+    if not is_loopback(env.master_addr) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return None
+    import socket
+
+    host = "::1" if env.master_addr == "::1" else "127.0.0.1"
+    wait = timeout or datetime.timedelta(minutes=30)
+    if env.rank != 0:
+        return dist.TCPStore(host, env.master_port, env.world_size, False, wait)
+    family = socket.AF_INET6 if host == "::1" else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, env.master_port))
+    listener.listen(max(128, env.world_size))
+    # the store owns the listening descriptor from here on (it closes it when destroyed)
+    return dist.TCPStore(host, env.master_port, env.world_size, True, wait,
+                         master_listen_fd=listener.detach(), use_libuv=False)

@@ -31,6 +31,9 @@ __all__ = [
     "ShardingSpecError",
     "NestedShardingError",
     "TopologyError",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "StateDictError",
     "TopologyWarning",
     "rank_prefix",
 ]
@@ -142,6 +145,20 @@ class ShardingSpecError(DevmeshError, ValueError):
 
 class NestedShardingError(ShardingSpecError):
     """The spec splits a dim by mesh dims out of mesh order; plain placements cannot say so."""
+
+
+class CheckpointError(DevmeshError, RuntimeError):
+    """A checkpoint cannot be written or read: refused, truncated, corrupted, or for another
+    model. Raised before anything in the model or optimizer is changed."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """The checkpoint file does not exist (a ``FileNotFoundError`` too)."""
+
+
+class StateDictError(ParallelizeError, RuntimeError):
+    """A state dict does not fit the model (missing or unexpected keys, shapes): a
+    ``RuntimeError`` as ``nn.Module.load_state_dict`` raises; nothing was copied."""
 
 
 class TopologyError(DevmeshError, RuntimeError):

@@ -31,12 +31,24 @@ from typing import Any
 
 import cloudpickle
 
+from devmesh import _auth
 from devmesh.errors import RankFailedError, RankTimeoutError
 
 __all__ = ["launch", "WorkerPool"]
 
 #: How long the other ranks get to finish after one rank raised, before they are killed.
 FAILURE_GRACE_SECONDS = 5.0
+
+
+def _death(code: int) -> str:
+    """How a worker process ended, in words."""
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"its process was killed by {name} (exit code {code})"
+    return f"its process exited with code {code} without reporting"
 
 
 def _free_port() -> int:
@@ -94,7 +106,7 @@ class WorkerPool:
             raise ValueError(f"a WorkerPool needs a positive number of workers, got {size!r}")
         self.size = size
         self._start_timeout = start_timeout
-        self._token = secrets.token_hex(16)
+        self._authkey = secrets.token_bytes(32)  # sent to each worker on its stdin, never argv
         self._server = socket.create_server(("127.0.0.1", 0))
         self._server.settimeout(start_timeout)
         self._stack_dir = tempfile.TemporaryDirectory(prefix="devmesh-pool-")
@@ -116,11 +128,14 @@ class WorkerPool:
             stack_path = os.path.join(self._stack_dir.name, f"worker{index}.stack")
             open(stack_path, "w").close()
             process = subprocess.Popen(
-                [sys.executable, "-m", "devmesh._worker", host, str(port), self._token,
-                 str(index), stack_path],
+                [sys.executable, "-m", "devmesh._worker", host, str(port), str(index),
+                 stack_path, str(os.getpid())],
                 env=env,
-                stdin=subprocess.DEVNULL,
+                stdin=subprocess.PIPE,
             )
+            assert process.stdin is not None
+            process.stdin.write(self._authkey.hex().encode() + b"\n")
+            process.stdin.close()
             worker = _Worker(index, process, stack_path)
             self._workers[index] = worker
             by_pid[process.pid] = worker
@@ -136,9 +151,16 @@ class WorkerPool:
                 ) from None
             sock.settimeout(None)
             conn = Connection(sock.detach())
-            token, index, pid = conn.recv()
-            worker = self._workers[index]
-            if token != self._token or index not in pending or worker is None:
+            try:  # HMAC challenge both ways before anything is unpickled from the peer
+                trusted = _auth.challenge(conn, self._authkey)
+            except OSError:
+                trusted = False
+            if not trusted:
+                conn.close()  # not one of ours: a stranger on the port, or a broken start
+                continue
+            index, pid = conn.recv()
+            worker = self._workers[index] if 0 <= index < self.size else None
+            if index not in pending or worker is None:
                 conn.close()
                 continue
             worker.conn = conn
@@ -152,11 +174,15 @@ class WorkerPool:
                 raise RuntimeError(f"devmesh worker {index} did not finish importing torch")
             worker.conn.recv()  # "ready"
 
-    def _replace(self, indices: list[int]) -> None:
+    def _kill(self, indices: list[int]) -> None:
         for index in indices:
             worker = self._workers[index]
             if worker is not None:
                 worker.kill()
+                self._workers[index] = None
+
+    def _replace(self, indices: list[int]) -> None:
+        self._kill(indices)
         if not self._closed and indices:
             self._start(indices)
 
@@ -173,11 +199,12 @@ class WorkerPool:
                     worker.conn.send(None)
             except OSError:
                 pass
+        deadline = time.monotonic() + 5.0  # for all workers together, not each in turn
         for worker in self._workers:
             if worker is None:
                 continue
             try:
-                worker.process.wait(timeout=5)
+                worker.process.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
             worker.kill()
@@ -215,7 +242,8 @@ class WorkerPool:
             raise ValueError(
                 f"world_size must be between 1 and the pool size {self.size}, got {world_size!r}"
             )
-        dead = [i for i in range(world_size) if not self._workers[i].alive()]  # type: ignore[union-attr]
+        dead = [i for i in range(world_size)
+                if self._workers[i] is None or not self._workers[i].alive()]  # type: ignore[union-attr]
         self._replace(dead)
         task_id = next(self._task_ids)
         payload = cloudpickle.dumps((fn, args, kwargs))
@@ -231,6 +259,8 @@ class WorkerPool:
                 "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "TORCHELASTIC_RUN_ID": f"devmesh-{task_id}",
+                # a local launch stays on this machine: gloo's sockets on loopback too
+                "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             }
             worker.conn.send((task_id, payload, task_env, paths))
         return self._collect(task_id, workers, timeout)
@@ -251,8 +281,7 @@ class WorkerPool:
                 try:
                     got_id, result = conn.recv()
                 except (EOFError, OSError):
-                    code = workers[rank].process.wait()
-                    result = ("error", f"worker process died (exit code {code})", "")
+                    result = ("error", _death(workers[rank].process.wait()), "")
                     got_id = task_id
                 if got_id != task_id:
                     continue
@@ -262,10 +291,14 @@ class WorkerPool:
         unfinished = [r for r in range(len(workers)) if r not in results]
         stacks = {r: workers[r].stack() for r in unfinished} if failed_at is None else {}
         died = [r for r, res in results.items() if res[0] == "error" and not workers[r].alive()]
-        self._replace(sorted(set(unfinished) | set(died)))
+        # stop the broken workers now; new ones start with the next task, so the error is
+        # raised at once (a fresh worker costs a torch import)
+        self._kill(sorted(set(unfinished) | set(died)))
         errors = sorted(r for r, res in results.items() if res[0] == "error")
         if errors:
-            rank = errors[0]
+            # a rank that died (killed, crashed) is the cause; the others' errors (connection
+            # closed by peer) are its consequence
+            rank = min(errors, key=lambda r: (r not in died, r))
             _, summary, remote_tb = results[rank]
             others = f" (ranks {errors[1:]} failed too)" if len(errors) > 1 else ""
             stuck = f"; ranks {unfinished} were stopped" if unfinished else ""
@@ -288,12 +321,14 @@ class WorkerPool:
 
 
 def launch(
-    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0, **kwargs: Any
+    fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
+    start_timeout: float = 120.0, **kwargs: Any
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh local processes; return their results.
 
     Each process sees torchrun's environment, so ``init_device_mesh("cpu", ...)`` inside
-    ``fn`` just works. Errors and hangs are raised here, naming the rank.
+    ``fn`` just works. Errors and hangs are raised here, naming the rank (a rank killed by a
+    signal is named with the signal). ``start_timeout`` bounds starting the processes.
     """
-    with WorkerPool(world_size) as pool:
+    with WorkerPool(world_size, start_timeout=start_timeout) as pool:
         return pool.run(fn, world_size, *args, timeout=timeout, **kwargs)

@@ -12,17 +12,21 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from devmesh import comm
 from devmesh.layout import format_ranks
+from devmesh.errors import StateDictError
 from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
 from devmesh.tensor import ShardedTensor
 
-__all__ = ["clip_grad_norm_", "state_dict", "load_state_dict", "local_block", "describe"]
+__all__ = ["clip_grad_norm_", "state_dict", "load_state_dict", "prepare_load", "apply_load",
+           "local_block", "describe"]
 
 
 def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Module, max_norm: float,
@@ -84,8 +88,6 @@ def local_block(param: nn.Parameter, full: torch.Tensor, name: str = "tensor") -
     if layout is None:
         return full
     expected = tuple(layout.spec.global_shape)
-    if full.numel() == math.prod(expected):
-        full = full.reshape(expected)
     if tuple(full.shape) != expected:
         raise ParallelizeError(f"{name} has shape {tuple(full.shape)}, the model's full "
                                f"parameter is {expected}")
@@ -94,34 +96,77 @@ def local_block(param: nn.Parameter, full: torch.Tensor, name: str = "tensor") -
     return full
 
 
-def load_state_dict(model: nn.Module, state: dict[str, torch.Tensor | ShardedTensor]) -> None:
-    """Load full tensors (as ``state_dict(full=True)`` returns, or a plain single-process
-    ``state_dict()``) or ShardedTensors into a parallelized model: every rank copies its own
-    block, no communication. Names and shapes are checked first, so a mismatch changes
-    nothing."""
-    params = dict(model.named_parameters())
-    buffers = dict(model.named_buffers())
-    missing = sorted(set(params) - set(state))
-    unexpected = sorted(set(state) - set(params) - set(buffers))
-    if missing or unexpected:
-        raise ParallelizeError(f"load_state_dict: missing {missing}, unexpected {unexpected}; "
-                               "the state must come from the same model")
-    blocks = {}
-    for name, p in params.items():
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``nn.Module.state_dict()`` saves (non-persistent ones excluded)."""
+    out = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                out[f"{prefix}.{name}" if prefix else name] = buffer
+    return out
+
+
+def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], _IncompatibleKeys]:
+    """Check ``state`` against ``model`` and compute this rank's block of every entry,
+    changing nothing: ``(writes, incompatible keys)``, where ``writes`` pairs each target
+    tensor with the value to copy into it. Raises :class:`StateDictError` (torch's wording)
+    on a missing or unexpected key (``strict``), a shape that differs (exactly: no reshaping)
+    or a value that is not a tensor."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = _persistent_buffers(model)
+    expected = set(params) | set(buffers)
+    missing = sorted(expected - set(state))
+    unexpected = sorted(set(state) - expected)
+    problems = []
+    if strict and unexpected:
+        problems.append("Unexpected key(s) in state_dict: " + ", ".join(map(repr, unexpected)))
+    if strict and missing:
+        problems.append("Missing key(s) in state_dict: " + ", ".join(map(repr, missing)))
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for name in sorted(expected & set(state)):
         value = state[name]
         if isinstance(value, ShardedTensor):
             value = value.full_tensor()
-        block = local_block(p, value, name)
-        if block.numel() != p.numel():
-            raise ParallelizeError(f"load_state_dict: {name} block has {block.numel()} elements, "
-                             f"the parameter holds {p.numel()}")
-        blocks[name] = block
+        if not isinstance(value, torch.Tensor):
+            problems.append(f"{name} is a {type(value).__name__}, not a tensor")
+            continue
+        target = params.get(name, buffers.get(name))
+        sharded = as_sharded(target) if name in params else None
+        shape = _global_shape(target, sharded) if sharded is not None else tuple(target.shape)
+        if tuple(value.shape) != shape:
+            problems.append(
+                f"size mismatch for {name}: copying a param with shape {tuple(value.shape)} "
+                f"from checkpoint, the shape in current model is {shape}"
+            )
+            continue
+        block = local_block(target, value.reshape(sharded.shape) if sharded else value, name)
+        writes.append((target, block.reshape(target.shape)))
+    if problems:
+        raise StateDictError(
+            f"Error(s) in loading state_dict for {type(model).__name__}: " + "; ".join(problems)
+            + ". Nothing was loaded; the state must come from the same model"
+            + ("" if strict else " (shapes must match even with strict=False)")
+        )
+    return writes, _IncompatibleKeys(missing, unexpected)
+
+
+def apply_load(writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     with torch.no_grad():
-        for name, block in blocks.items():
-            params[name].copy_(block.reshape(params[name].shape))
-        for name, b in buffers.items():
-            if name in state:
-                b.copy_(state[name])
+        for target, value in writes:
+            target.copy_(value)
+
+
+def load_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
+                    ) -> _IncompatibleKeys:
+    """Load full tensors (as ``state_dict(full=True)`` returns, or a plain single-process
+    ``state_dict()``) or ShardedTensors into a parallelized model: every rank copies its own
+    block, no communication. All or nothing: parameters and buffers are all checked (names,
+    exact shapes) before the first copy. ``strict=False`` loads what matches and returns
+    the missing and unexpected keys, as ``nn.Module.load_state_dict`` does."""
+    writes, incompatible = prepare_load(model, state, strict=strict)
+    apply_load(writes)
+    return incompatible
 
 
 def _global_shape(p: nn.Parameter, sharded: ShardedTensor) -> tuple[int, ...]:

@@ -1,0 +1,125 @@
+"""Fault injection (issue 9): a killed rank is named with its signal within seconds, a
+stranger on the pool's port is refused before anything is unpickled, the pool's secret is not
+on any command line, a killed parent leaves no worker behind, and ``devmesh run`` validates
+its process count and passes on a failing rank's exit code. Processes are checked in the OS
+process table."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from devmesh import WorkerPool
+from devmesh.errors import RankFailedError
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still has a pid: read its state
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except OSError:
+        return True
+
+
+def kill_rank_two():
+    import torch
+
+    from devmesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
+    if mesh.get_rank() == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    torch.distributed.all_reduce(torch.ones(1), group=mesh.get_group())
+    return "unreachable"
+
+
+def test_a_killed_rank_is_named_with_its_signal_within_seconds():
+    with WorkerPool(4) as pool:
+        pids = [w.process.pid for w in pool._workers]
+        start = time.monotonic()
+        with pytest.raises(RankFailedError) as info:
+            pool.run(kill_rank_two, 4, timeout=120)
+        elapsed = time.monotonic() - start
+        assert info.value.rank == 2
+        assert "SIGKILL" in str(info.value) and "exit code -9" in str(info.value)
+        assert elapsed < 20, elapsed  # not after restarting workers (a torch import each)
+        assert not _alive(pids[2])
+        assert pool.run(lambda: 1, 4) == [1, 1, 1, 1]  # the pool recovers
+    for pid in pids:
+        assert not _alive(pid)
+
+
+class _Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {_MARK}",))
+
+
+_MARK = "/tmp/devmesh-test-unpickled-by-pool"
+
+
+def test_a_stranger_on_the_pool_port_is_refused_before_unpickling():
+    if os.path.exists(_MARK):
+        os.remove(_MARK)
+    with WorkerPool(1) as pool:
+        host, port = pool._server.getsockname()
+        stranger = socket.create_connection((host, port))
+        payload = pickle.dumps((_Evil(), 0, 0))
+        stranger.sendall(len(payload).to_bytes(4, "big") + payload)
+        pool._replace([0])  # the pool accepts (and must reject) the stranger while starting
+        stranger.close()
+        assert pool.run(lambda: 2, 1) == [2]
+        cmdlines = [open(f"/proc/{w.process.pid}/cmdline", "rb").read() for w in pool._workers]
+        assert all(pool._authkey.hex().encode() not in c for c in cmdlines)
+    assert not os.path.exists(_MARK)
+
+
+def test_killing_the_parent_leaves_no_worker():
+    script = textwrap.dedent("""
+        import os, sys, time
+        from devmesh import WorkerPool
+        pool = WorkerPool(3)
+        print(" ".join(str(w.process.pid) for w in pool._workers), flush=True)
+        time.sleep(600)
+    """)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)
+
+
+def _devmesh(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "devmesh.cli", *args], capture_output=True,
+                          text=True, timeout=300, **kw)
+
+
+@pytest.mark.parametrize("n", ["0", "-2", "100000"])
+def test_devmesh_run_refuses_impossible_process_counts(tmp_path, n):
+    script = tmp_path / "s.py"
+    script.write_text("print('ran')\n")
+    proc = _devmesh("run", "-n", n, str(script))
+    assert proc.returncode != 0 and "ran" not in proc.stdout
+    assert "devmesh run: -n" in proc.stderr
+
+
+def test_devmesh_run_passes_on_a_failing_ranks_exit_code(tmp_path):
+    script = tmp_path / "exit3.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
+    proc = _devmesh("run", "-n", "2", str(script))
+    assert proc.returncode == 3, proc.stderr
