@@ -105,12 +105,28 @@ def test_show_elides_a_million_ranks():
         (["show", "2,0"], "positive integer"),
         (["show", "2,4", "--names", "dp"], "1 names for a 2-D mesh"),
         (["show", "2,4", "--rank", "9"], "--rank 9 is not in this mesh"),
+        # issue 9, item 13: refused before any work, valid values named
+        (["show", "2,x"], "no empty or non-numeric parts"),
+        (["show", "2,,4"], "no empty or non-numeric parts"),
+        (["show", "2,4,"], "no empty or non-numeric parts"),
+        (["show", "2,4", "--names", "dp,"], "must be non-empty"),
+        (["bench", "-n", "2", "--sizes", "4Q"], "optional K, M or G suffix"),
+        (["bench", "-n", "2", "--ops", "bogus"], "choose from all_reduce, all_gather"),
+        (["bench", "-n", "0"], "'0' must be a positive integer"),
     ],
 )
 def test_show_bad_input_is_a_clear_error(args, words):
     result = _run(DEVMESH + args)
     assert result.returncode == 2
     assert words in result.stderr and "Traceback" not in result.stderr
+
+
+def test_version_and_bare_command_and_defaults_in_help():
+    assert _run(DEVMESH + ["--version"]).stdout.startswith("devmesh ")
+    bare = _run(DEVMESH)
+    assert bare.returncode == 0 and "show" in bare.stdout and "bench" in bare.stdout
+    helptext = _run(DEVMESH + ["bench", "--help"]).stdout
+    assert "(default: 4K,64K,1M,8M)" in helptext and "reduce_scatter" in helptext
 
 
 def test_demo_meshes_proves_every_group():

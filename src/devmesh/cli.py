@@ -15,16 +15,53 @@ __all__ = ["main"]
 
 
 def _parse_shape(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.replace("x", ",").split(",") if part.strip())
-    except ValueError:
+    """``"2,4"`` (or ``"2x4"``) -> ``(2, 4)``; every part a positive integer, none empty."""
+    parts = text.replace("x", ",").split(",")
+    if not all(p.strip().isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(
-            f"mesh shape {text!r} must be integers separated by commas, e.g. 2,2,2"
-        ) from None
+            f"mesh shape {text!r} must be positive integers separated by commas, e.g. 2,2,2 "
+            "(no empty or non-numeric parts)"
+        )
+    return tuple(int(p) for p in parts)
 
 
 def _parse_names(text: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in text.split(",") if part.strip())
+    names = tuple(part.strip() for part in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"dimension names {text!r} must be non-empty and separated by commas, e.g. dp,tp")
+    return names
+
+
+def _parse_sizes(text: str) -> list[int]:
+    from devmesh.commbench import parse_size
+
+    try:
+        return [parse_size(part) for part in text.split(",")]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _parse_ops(text: str) -> tuple[str, ...]:
+    from devmesh.commbench import OPS
+
+    ops = tuple(part.strip() for part in text.split(","))
+    unknown = [op for op in ops if op not in OPS]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown collective(s) {', '.join(map(repr, unknown))}; choose from "
+            f"{', '.join(OPS)}")
+    return ops
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive integer")
+    return value
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
@@ -115,13 +152,12 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from devmesh.commbench import bench_rank, format_table, parse_size, write_outputs
+    from devmesh.commbench import bench_rank, format_table, write_outputs
     from devmesh.errors import DevmeshError
 
-    sizes = [parse_size(s) for s in args.sizes.split(",")]
     try:
-        result = _distributed(bench_rank, args, args.mesh, args.names, sizes,
-                              tuple(args.ops.split(",")), args.iters)
+        result = _distributed(bench_rank, args, args.mesh, args.names, args.sizes,
+                              args.ops, args.iters)
     except DevmeshError as exc:
         print(f"devmesh bench: error: {exc}", file=sys.stderr)
         return 2
@@ -183,10 +219,20 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from devmesh import __version__
+
     parser = argparse.ArgumentParser(
-        prog="devmesh", description="N-dimensional device meshes on PyTorch's distributed runtime."
+        prog="devmesh", description="N-dimensional device meshes on PyTorch's distributed runtime.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"devmesh {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_parser = sub.add_parser
+
+    def add_parser(name: str, **kw):  # every command shows its defaults in --help
+        return _add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
 
     show = sub.add_parser(
         "show", help="draw a mesh and list every group of every dim (no processes, no torch)"
@@ -226,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                        ("bench", "collective bandwidth per mesh dim (time, algbw, busbw; CSV, "
                                  "JSON, PNG)")):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("-n", "--nproc", type=int, default=None,
+        cmd.add_argument("-n", "--nproc", type=_positive, default=None,
                          help="launch this many local ranks (default: run under torchrun / "
                               "devmesh run)")
         cmd.add_argument("--mesh", type=_parse_shape, default=None,
@@ -239,11 +285,14 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
             cmd.set_defaults(handler=_cmd_doctor)
         else:
-            cmd.add_argument("--sizes", default="4K,64K,1M,8M",
-                             help="message sizes in bytes (K, M, G suffixes)")
-            cmd.add_argument("--ops", default="all_reduce,all_gather,reduce_scatter,all_to_all",
-                             help="collectives to measure")
-            cmd.add_argument("--iters", type=int, default=5, help="timed runs per point (median)")
+            cmd.add_argument("--sizes", type=_parse_sizes, default="4K,64K,1M,8M",
+                             help="message sizes in bytes, comma-separated (K, M, G suffixes)")
+            cmd.add_argument("--ops", type=_parse_ops,
+                             default="all_reduce,all_gather,reduce_scatter,all_to_all",
+                             help="collectives to measure, comma-separated: all_reduce, "
+                                  "all_gather, reduce_scatter, all_to_all")
+            cmd.add_argument("--iters", type=_positive, default=5,
+                             help="timed runs per point (median)")
             cmd.add_argument("--csv", default=None, help="write the results as CSV")
             cmd.add_argument("--json", default=None, help="write the results as JSON")
             cmd.add_argument("--png", default=None, help="plot bus bandwidth against size")
@@ -267,7 +316,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "handler", None) is None:  # a bare `devmesh`: say what there is
+        parser.print_help()
+        return 0
     return int(args.handler(args) or 0)
 
 

@@ -37,11 +37,21 @@ class BenchRow:
 
 
 def parse_size(text: str) -> int:
+    """``"64K"`` -> 65536: bytes, with an optional K, M or G suffix (powers of 1024)."""
     units = {"K": 2**10, "M": 2**20, "G": 2**30}
-    text = text.strip().upper().rstrip("B")
+    raw = text
+    text = text.strip().upper().removesuffix("B")
+    scale = 1
     if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+        text, scale = text[:-1], units[text[-1]]
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"size {raw!r} is not a number of bytes with an optional K, M or G "
+                         "suffix (e.g. 4K, 1M, 8M)") from None
+    if value <= 0 or value * scale < 1:
+        raise ValueError(f"size {raw!r} must be at least 1 byte")
+    return int(value * scale)
 
 
 def bench_rank(mesh_shape, names, sizes, ops=OPS, iters: int = 5) -> tuple[list[BenchRow], list]:
