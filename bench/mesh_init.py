@@ -87,7 +87,7 @@ def fake_case(which: str, shape: tuple[int, ...], rounds: int) -> dict[str, floa
     out["flatten"] = time.perf_counter() - start
     dist.destroy_process_group()
     if which == "devmesh":
-        from devmesh import groups
+        from devmesh.distributed import groups
 
         groups.reset()
     return out
@@ -113,7 +113,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=100, help="slicing rounds")
     args = parser.parse_args()
 
-    from devmesh.launcher import WorkerPool
+    from devmesh.launching.launcher import WorkerPool
     from devmesh.layout import MeshLayout
 
     print("devmesh vs torch init_device_mesh (ratio = devmesh / torch; < 1 means devmesh is faster)")

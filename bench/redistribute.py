@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--cols", type=int, default=2048)
     args = parser.parse_args()
 
-    from devmesh.launcher import launch
+    from devmesh.launching.launcher import launch
 
     per_rank = launch(bench_rank, 8, args.rows, args.cols, args.repeats, timeout=1200)
     mb = args.rows * args.cols * 4 / 2**20

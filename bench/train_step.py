@@ -115,7 +115,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--strategies", default="ddp,fsdp,tp,fsdp+tp")
     args = parser.parse_args()
-    from devmesh.launcher import launch
+    from devmesh.launching.launcher import launch
 
     def measure(library, strategy):
         per_rank = launch(run, 8, library, strategy, args.steps, timeout=1800)

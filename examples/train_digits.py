@@ -11,7 +11,7 @@ the plain model on the same global batches and reports the largest difference.
 import argparse
 import os
 
-from devmesh.apps.digits import parse_mesh, plot_losses, train
+from devmesh.tools.apps.digits import parse_mesh, plot_losses, train
 
 
 def main() -> None:

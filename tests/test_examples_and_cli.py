@@ -12,7 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-DEVMESH = [sys.executable, "-m", "devmesh.cli"]
+DEVMESH = [sys.executable, "-m", "devmesh.tools.cli"]
 
 
 def _example(name):
@@ -76,7 +76,7 @@ def test_devmesh_run_reports_failing_script(tmp_path):
 
 def test_show_plain_lists_every_group_without_torch():
     code = (
-        "import sys; from devmesh.cli import main; "
+        "import sys; from devmesh.tools.cli import main; "
         "main(['show', '2,2,2', '--names', 'replicate,shard,tp', '--rank', '5']); "
         "assert 'torch' not in sys.modules, 'show imported torch'"
     )
@@ -160,7 +160,7 @@ def test_train_digits_example_launches_itself(tmp_path):
 @pytest.mark.parametrize("text, words", [("dp=2,pp=2", "names dp, shard, tp"),
                                          ("dp=2,dp=2", "appears twice"), ("", "empty")])
 def test_digits_mesh_flag_errors(text, words):
-    from devmesh.apps.digits import parse_mesh
+    from devmesh.tools.apps.digits import parse_mesh
 
     with pytest.raises(ValueError, match=words):
         parse_mesh(text)

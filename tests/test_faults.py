@@ -105,7 +105,7 @@ def test_killing_the_parent_leaves_no_worker():
 
 
 def _devmesh(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "devmesh.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "devmesh.tools.cli", *args], capture_output=True,
                           text=True, timeout=300, **kw)
 
 

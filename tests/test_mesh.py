@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from devmesh import DeviceMesh, init_device_mesh
-from devmesh import groups as dm_groups
+from devmesh.distributed import groups as dm_groups
 
 
 def _sum_of_ranks(group) -> int:

@@ -207,7 +207,7 @@ def fsdp_memory_and_helpers(tmp):
 
 def test_fsdp_memory_clip_and_describe(mesh_pool, tmp_path):
     results = mesh_pool.run(fsdp_memory_and_helpers, 4, str(tmp_path))
-    from devmesh.tensor.spec import chunk_bounds
+    from devmesh.layout.spec import chunk_bounds
 
     for rank, (full_bytes, local, _, _, _) in enumerate(results):
         # per-rank parameter memory = every parameter's torch.chunk rows on this rank

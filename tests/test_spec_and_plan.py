@@ -21,8 +21,8 @@ from devmesh.tensor import (
     explain_redistribute,
     plan_redistribute,
 )
-from devmesh.tensor.spec import chunk_bounds
-from devmesh.viz import sharding_blocks, visualize_sharding
+from devmesh.layout.spec import chunk_bounds
+from devmesh.inspect.sharding import sharding_blocks, visualize_sharding
 
 
 @given(st.integers(0, 40), st.integers(1, 9))

@@ -16,10 +16,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from devmesh.cluster_plan import ModelSize, plan_cluster
+from devmesh.tools.cluster_plan import ModelSize, plan_cluster
 from devmesh.errors import MeshShapeError
 from devmesh.layout import MeshLayout
-from devmesh.topology import (
+from devmesh.layout.topology import (
     check_heavy_dims,
     contiguous_hosts,
     crossing_dims,
@@ -27,7 +27,7 @@ from devmesh.topology import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-DEVMESH = [sys.executable, "-m", "devmesh.cli"]
+DEVMESH = [sys.executable, "-m", "devmesh.tools.cli"]
 
 
 def _run(args, timeout=300):

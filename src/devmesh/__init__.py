@@ -22,8 +22,8 @@ _EXPORTS = {
     "DeviceMesh": "devmesh.mesh",
     "init_device_mesh": "devmesh.mesh",
     "create_hybrid_mesh": "devmesh.mesh",
-    "launch": "devmesh.launcher",
-    "WorkerPool": "devmesh.launcher",
+    "launch": "devmesh.launching.launcher",
+    "WorkerPool": "devmesh.launching.launcher",
     "DevmeshError": "devmesh.errors",
     "Shard": "devmesh.tensor",
     "Replicate": "devmesh.tensor",
@@ -32,8 +32,8 @@ _EXPORTS = {
     "ShardedTensor": "devmesh.tensor",
     "distribute_tensor": "devmesh.tensor",
     "explain_redistribute": "devmesh.tensor",
-    "comm_stats": "devmesh.comm",
-    "visualize_sharding": "devmesh.viz",
+    "comm_stats": "devmesh.distributed.comm",
+    "visualize_sharding": "devmesh.inspect.sharding",
 }
 
 __all__ = [
@@ -56,9 +56,9 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from devmesh.comm import comm_stats
+    from devmesh.distributed.comm import comm_stats
     from devmesh.errors import DevmeshError
-    from devmesh.launcher import WorkerPool, launch
+    from devmesh.launching.launcher import WorkerPool, launch
     from devmesh.layout import MeshLayout
     from devmesh.mesh import DeviceMesh, create_hybrid_mesh, init_device_mesh
     from devmesh.tensor import (
@@ -70,7 +70,7 @@ if TYPE_CHECKING:
         distribute_tensor,
         explain_redistribute,
     )
-    from devmesh.viz import visualize_sharding
+    from devmesh.inspect.sharding import visualize_sharding
 
 
 def __getattr__(name: str) -> Any:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
-from devmesh import env, groups
+from devmesh.distributed import env, groups
 from devmesh.errors import (
     DeviceTypeError,
     MeshDimNameError,
@@ -355,13 +355,13 @@ class DeviceMesh(TorchDeviceMesh):
     # -- hosts -----------------------------------------------------------------------------
     def hosts(self) -> list:
         """The host (torchrun node rank) of every rank, laid out like :attr:`mesh`."""
-        from devmesh.topology import hosts_of
+        from devmesh.layout.topology import hosts_of
 
         return hosts_of(self._mesh_layout, groups.world_hosts()).tolist()
 
     def dims_crossing_hosts(self) -> list[str]:
         """Names of the mesh dims whose groups span more than one host."""
-        from devmesh.topology import crossing_dims
+        from devmesh.layout.topology import crossing_dims
 
         return [self._mesh_layout.dim_name(d)
                 for d in crossing_dims(self._mesh_layout, groups.world_hosts())]
@@ -369,12 +369,12 @@ class DeviceMesh(TorchDeviceMesh):
     def visualize(self, to_file: str | None = None, *, outline: Dim | None = None) -> str:
         """Text picture of the mesh with its hosts; a PNG with ``to_file`` (groups of
         ``outline``, default the innermost dim, drawn as boxes)."""
-        from devmesh.render import layout_text
-        from devmesh.topology import hosts_of
+        from devmesh.inspect.render import layout_text
+        from devmesh.layout.topology import hosts_of
 
         host_of = groups.world_hosts()
         if to_file:
-            from devmesh.render_png import layout_png
+            from devmesh.inspect.render_png import layout_png
 
             layout_png(self._mesh_layout, to_file, host_of=host_of, outline=outline)
         hosts = hosts_of(self._mesh_layout, host_of)
@@ -648,8 +648,8 @@ def init_device_mesh(
     construct ``DeviceMesh(device_type, mesh=ranks)``.
 
     On several hosts, a bandwidth-heavy dim (``heavy_dims``; default the innermost, where TP
-    goes) whose groups would span hosts gives a :class:`~devmesh.topology.TopologyWarning`, or
-    a :class:`~devmesh.topology.TopologyError` with ``strict=True``.
+    goes) whose groups would span hosts gives a :class:`~devmesh.layout.topology.TopologyWarning`, or
+    a :class:`~devmesh.layout.topology.TopologyError` with ``strict=True``.
     """
     _check_device_type(device_type)
     shape = _check_shape(mesh_shape)
@@ -684,7 +684,7 @@ def _check_topology(mesh: DeviceMesh, heavy_dims, strict: bool) -> None:
     import os
     import warnings
 
-    from devmesh.topology import TopologyError, TopologyWarning, check_heavy_dims
+    from devmesh.layout.topology import TopologyError, TopologyWarning, check_heavy_dims
 
     world = dist.get_world_size()
     if int(os.environ.get("LOCAL_WORLD_SIZE", world)) >= world:
@@ -710,7 +710,7 @@ def create_hybrid_mesh(
     ("dp", "tp"))`` puts tp inside each host and dp across hosts."""
     import os
 
-    from devmesh.topology import hybrid_layout
+    from devmesh.layout.topology import hybrid_layout
 
     _check_device_type(device_type)
     intra, inter = _check_shape(intra_shape), _check_shape(inter_shape)

@@ -1,7 +1,7 @@
 """Multi-rank tests without a fresh launch per test.
 
 Importing torch costs ~2 s per process; a test that spawns 8 fresh processes pays it 8 times
-on 2 cores. This module keeps one :class:`~devmesh.launcher.WorkerPool` of 8 workers for the
+on 2 cores. This module keeps one :class:`~devmesh.launching.launcher.WorkerPool` of 8 workers for the
 whole test session and runs every multi-rank test on it (world sizes 1 to 8). Each task gets a
 fresh default process group on a new port, and a task that fails or hangs replaces only the
 workers it broke, so later tests are unaffected.
@@ -23,7 +23,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from devmesh.launcher import WorkerPool
+from devmesh.launching.launcher import WorkerPool
 
 __all__ = ["shared_pool", "run", "mesh_pool"]
 

@@ -8,7 +8,7 @@ import warnings
 import torch.distributed as dist
 
 from devmesh import create_hybrid_mesh, init_device_mesh
-from devmesh.topology import TopologyError, TopologyWarning
+from devmesh.layout.topology import TopologyError, TopologyWarning
 
 out = {}
 with warnings.catch_warnings(record=True) as caught:

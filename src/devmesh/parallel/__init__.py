@@ -13,12 +13,8 @@ from devmesh.parallel.tensor_parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from devmesh.parallel.utils import (
-    clip_grad_norm_,
-    describe,
-    load_state_dict,
-    state_dict,
-)
+from devmesh.parallel.grads import clip_grad_norm_
+from devmesh.parallel.state_dict import load_state_dict, state_dict
 
 __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "replicate", "parallelize_module",
@@ -26,3 +22,13 @@ __all__ = [
     "PrepareModuleInput", "PrepareModuleOutput", "clip_grad_norm_", "state_dict", "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",
 ]
+
+
+def __getattr__(name: str):
+    """``describe`` lives with the other pictures (:mod:`devmesh.inspect`); it stays reachable
+    here, imported on first use."""
+    if name == "describe":
+        from devmesh.inspect.describe import describe
+
+        return describe
+    raise AttributeError(f"module 'devmesh.parallel' has no attribute {name!r}")

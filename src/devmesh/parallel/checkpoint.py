@@ -30,7 +30,7 @@ from torch import nn
 from devmesh._files import atomic_file
 from devmesh.errors import CheckpointError, CheckpointNotFoundError
 from devmesh.parallel.param import as_sharded, get_layout
-from devmesh.parallel.utils import apply_load, local_block, prepare_load, state_dict
+from devmesh.parallel.state_dict import apply_load, local_block, prepare_load, state_dict
 
 __all__ = ["save_checkpoint", "load_checkpoint", "FORMAT"]
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from devmesh import comm, groups
+from devmesh.distributed import comm, groups
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.param import (
     ParallelizeError,
@@ -38,7 +38,7 @@ from devmesh.parallel.param import (
     sharded_parameter,
 )
 from devmesh.tensor import ShardingSpec
-from devmesh.tensor.spec import chunk_bounds
+from devmesh.layout.spec import chunk_bounds
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit"]
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from devmesh import comm
+from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.param import ParallelizeError, describe_tensors, get_layout, set_layout
 from devmesh.tensor import ShardingSpec

@@ -1,9 +1,9 @@
 """Sharded tensors: explicit nested specs, planned redistribution, autograd."""
 
-from devmesh.tensor.placement import Partial, Placement, Replicate, Shard, as_placement
-from devmesh.tensor.plan import Plan, explain_redistribute, plan_redistribute
+from devmesh.layout.placement import Partial, Placement, Replicate, Shard, as_placement
+from devmesh.layout.plan import Plan, explain_redistribute, plan_redistribute
 from devmesh.tensor.sharded import ShardedTensor, distribute_tensor
-from devmesh.tensor.spec import NestedShardingError, ShardingSpec, ShardingSpecError
+from devmesh.layout.spec import NestedShardingError, ShardingSpec, ShardingSpecError
 
 __all__ = [
     "Partial", "Placement", "Replicate", "Shard", "as_placement", "ShardingSpec", "ShardingSpecError",

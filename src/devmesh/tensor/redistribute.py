@@ -1,6 +1,6 @@
 """Running a plan on this rank's local block, and its autograd.
 
-Each step of a :class:`~devmesh.tensor.plan.Plan` maps to one call of :mod:`devmesh.comm` (or
+Each step of a :class:`~devmesh.layout.plan.Plan` maps to one call of :mod:`devmesh.distributed.comm` (or
 a local slice). Uneven blocks are padded to the largest block inside the collective and cut
 back right after, so padding never reaches the caller.
 
@@ -20,10 +20,10 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from devmesh import comm
+from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
-from devmesh.tensor.plan import Plan, Step, plan_redistribute
-from devmesh.tensor.spec import ShardingSpec, chunk_bounds
+from devmesh.layout.plan import Plan, Step, plan_redistribute
+from devmesh.layout.spec import ShardingSpec, chunk_bounds
 
 __all__ = ["execute", "redistribute_local"]
 

@@ -17,12 +17,12 @@ from typing import Union
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
-from devmesh import comm
+from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
-from devmesh.tensor.placement import Placement, Replicate, Shard, as_placement
-from devmesh.tensor.plan import plan_redistribute
+from devmesh.layout.placement import Placement, Replicate, Shard, as_placement
+from devmesh.layout.plan import plan_redistribute
 from devmesh.tensor.redistribute import execute, redistribute_local
-from devmesh.tensor.spec import NestedShardingError, ShardingSpec, ShardingSpecError
+from devmesh.layout.spec import NestedShardingError, ShardingSpec, ShardingSpecError
 
 __all__ = ["ShardedTensor", "distribute_tensor", "Layout"]
 

@@ -12,7 +12,7 @@ An activation reaches a parallelized module in one of three forms:
 * a devmesh ``ShardedTensor``: converted to a DTensor (same local block, no copy).
 
 Plain-tensor boundaries go through :mod:`.functional` (one devmesh collective each, counted
-by :mod:`devmesh.comm`); DTensor boundaries through torch's redistribution.
+by :mod:`devmesh.distributed.comm`); DTensor boundaries through torch's redistribution.
 """
 
 from __future__ import annotations

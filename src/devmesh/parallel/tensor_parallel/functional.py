@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from devmesh import comm
+from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
 from devmesh.errors import ParallelizeError
 

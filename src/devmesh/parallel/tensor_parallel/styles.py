@@ -30,7 +30,7 @@ from devmesh.mesh import DeviceMesh
 from devmesh.parallel.tensor_parallel import activations as A
 from devmesh.parallel.tensor_parallel import functional as PF
 from devmesh.tensor import Partial, Placement, Replicate, Shard, as_placement
-from devmesh.tensor.spec import chunk_bounds
+from devmesh.layout.spec import chunk_bounds
 
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",

@@ -31,7 +31,7 @@ from typing import Any
 
 import cloudpickle
 
-from devmesh import _auth
+from devmesh.launching import _auth
 from devmesh.errors import RankFailedError, RankTimeoutError
 
 __all__ = ["launch", "WorkerPool"]
@@ -119,7 +119,7 @@ class WorkerPool:
     def _start(self, indices: list[int]) -> None:
         host, port = self._server.getsockname()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        package_root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(
             [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         )
@@ -128,7 +128,7 @@ class WorkerPool:
             stack_path = os.path.join(self._stack_dir.name, f"worker{index}.stack")
             open(stack_path, "w").close()
             process = subprocess.Popen(
-                [sys.executable, "-m", "devmesh._worker", host, str(port), str(index),
+                [sys.executable, "-m", "devmesh.launching._worker", host, str(port), str(index),
                  stack_path, str(os.getpid())],
                 env=env,
                 stdin=subprocess.PIPE,

@@ -34,7 +34,7 @@ def _parse_names(text: str) -> tuple[str, ...]:
 
 
 def _parse_sizes(text: str) -> list[int]:
-    from devmesh.commbench import parse_size
+    from devmesh.tools.commbench import parse_size
 
     try:
         return [parse_size(part) for part in text.split(",")]
@@ -43,7 +43,7 @@ def _parse_sizes(text: str) -> list[int]:
 
 
 def _parse_ops(text: str) -> tuple[str, ...]:
-    from devmesh.commbench import OPS
+    from devmesh.tools.commbench import OPS
 
     ops = tuple(part.strip() for part in text.split(","))
     unknown = [op for op in ops if op not in OPS]
@@ -67,7 +67,7 @@ def _positive(text: str) -> int:
 def _cmd_show(args: argparse.Namespace) -> int:
     from devmesh.errors import DevmeshError
     from devmesh.layout import MeshLayout
-    from devmesh.render import layout_rich, layout_text
+    from devmesh.inspect.render import layout_rich, layout_text
 
     try:
         layout = MeshLayout(args.shape, args.names)
@@ -79,8 +79,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
         print(f"devmesh show: error: {exc}", file=sys.stderr)
         return 2
     if args.png:
-        from devmesh.render_png import layout_png
-        from devmesh.topology import contiguous_hosts
+        from devmesh.inspect.render_png import layout_png
+        from devmesh.layout.topology import contiguous_hosts
 
         try:
             host_of = (contiguous_hosts(layout.size, layout.size // args.hosts)
@@ -104,7 +104,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from devmesh.cluster_plan import ModelSize, plan_cluster
+    from devmesh.tools.cluster_plan import ModelSize, plan_cluster
 
     model = None
     if args.params is not None:
@@ -126,16 +126,16 @@ def _distributed(fn, args: argparse.Namespace, *fn_args):
     if "RANK" in os.environ:
         return fn(*fn_args)
     if not args.nproc:
-        from devmesh.env import read_launch_env
+        from devmesh.distributed.env import read_launch_env
 
         read_launch_env()  # raises, saying how to launch
-    from devmesh.launcher import launch
+    from devmesh.launching.launcher import launch
 
     return launch(fn, args.nproc, *fn_args, timeout=max(120.0, 4 * args.timeout))[0]
 
 
 def _cmd_doctor(args: argparse.Namespace) -> int:
-    from devmesh.doctor import format_report, run_checks
+    from devmesh.tools.doctor import format_report, run_checks
     from devmesh.errors import DevmeshError
 
     try:
@@ -152,7 +152,7 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from devmesh.commbench import bench_rank, format_table, write_outputs
+    from devmesh.tools.commbench import bench_rank, format_table, write_outputs
     from devmesh.errors import DevmeshError
 
     try:
@@ -210,7 +210,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from devmesh.demo import run_demo, run_training_demo
+    from devmesh.tools.demo import run_demo, run_training_demo
 
     plain = args.plain or not sys.stdout.isatty()
     if args.meshes:
@@ -321,7 +321,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "handler", None) is None:  # a bare `devmesh`: say what there is
         parser.print_help()
         return 0
-    return int(args.handler(args) or 0)
+    try:
+        return int(args.handler(args) or 0)
+    except BrokenPipeError:  # `devmesh show ... | head`: the reader left; not an error
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 ``Shard(d)`` splits tensor dim ``d`` across the mesh dim, ``Replicate()`` keeps a full copy on
 every rank of it, ``Partial(op)`` holds a partial value that the mesh dim reduces with ``op``.
 A list with one placement per mesh dim converts to and from a
-:class:`~devmesh.tensor.spec.ShardingSpec`, the form devmesh computes with; placements cannot
+:class:`~devmesh.layout.spec.ShardingSpec`, the form devmesh computes with; placements cannot
 state nesting (FSDP over TP splits a dim by ``tp`` first, then ``dp``), the spec can.
 """
 

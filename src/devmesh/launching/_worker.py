@@ -1,7 +1,7 @@
-"""A long-lived worker process of a :class:`devmesh.launcher.WorkerPool`.
+"""A long-lived worker process of a :class:`devmesh.launching.launcher.WorkerPool`.
 
-Started as ``python -m devmesh._worker HOST PORT INDEX STACK_PATH PARENT_PID`` with the pool's
-secret on stdin; it authenticates to the pool (:mod:`devmesh._auth`) before anything else,
+Started as ``python -m devmesh.launching._worker HOST PORT INDEX STACK_PATH PARENT_PID`` with the pool's
+secret on stdin; it authenticates to the pool (:mod:`devmesh.launching._auth`) before anything else,
 and dies with the pool's process. It imports torch once, then runs tasks sent by the pool: each task sets torchrun's environment variables for its rank,
 calls the function, sends back its result (or its traceback), and tears down whatever the
 function left (the default process group, devmesh's group cache) so the next task starts
@@ -18,7 +18,7 @@ import sys
 import traceback
 from multiprocessing.connection import Connection
 
-from devmesh import _auth
+from devmesh.launching import _auth
 
 _TASK_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -35,8 +35,8 @@ def _cleanup() -> None:
             dist.destroy_process_group()
         except Exception:  # a broken group must not take the worker down
             pass
-    if "devmesh.groups" in sys.modules:
-        sys.modules["devmesh.groups"].reset()
+    if "devmesh.distributed.groups" in sys.modules:
+        sys.modules["devmesh.distributed.groups"].reset()
     _forget_torch_mesh_caches()
     for name in _TASK_ENV:
         os.environ.pop(name, None)

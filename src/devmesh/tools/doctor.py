@@ -48,7 +48,7 @@ def run_checks(mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...]
     import torch
     import torch.distributed as dist
 
-    from devmesh import env, groups
+    from devmesh.distributed import env, groups
     from devmesh.mesh import init_device_mesh
 
     launch = env.read_launch_env()  # a missing launcher is reported by the CLI itself

@@ -29,9 +29,9 @@ def layout_png(
         raise ValueError(
             f"a picture of {layout.size} ranks would be unreadable; draw at most {max_cells}"
         )
+    plt = pyplot()  # a clear error if matplotlib is missing
     from matplotlib.patches import Rectangle
 
-    plt = pyplot()
 
     cols = layout.shape[-1]
     grid = layout.ranks.reshape(-1, cols)

@@ -15,7 +15,7 @@ from collections import defaultdict
 from typing import Any
 
 from devmesh.layout import MeshLayout
-from devmesh.tensor.spec import ShardingSpec, ShardingSpecError
+from devmesh.layout.spec import ShardingSpec, ShardingSpecError
 
 __all__ = ["sharding_blocks", "visualize_sharding"]
 

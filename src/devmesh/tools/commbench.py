@@ -60,7 +60,7 @@ def bench_rank(mesh_shape, names, sizes, ops=OPS, iters: int = 5) -> tuple[list[
     import torch
     import torch.distributed as dist
 
-    from devmesh import comm
+    from devmesh.distributed import comm
     from devmesh.mesh import init_device_mesh
 
     shape = tuple(mesh_shape) if mesh_shape else (int(os.environ["WORLD_SIZE"]),)

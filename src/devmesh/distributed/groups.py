@@ -235,7 +235,7 @@ def check_agreement(
 
 
 def _publish_host(store) -> None:
-    from devmesh.env import host_index
+    from devmesh.distributed.env import host_index
 
     store.set(f"devmesh/host/{dist.get_rank()}", str(host_index()))
 
@@ -252,7 +252,7 @@ def world_hosts():
     if cache.hosts is None:
         world_size = dist.get_world_size()
         if world_size == 1 or dist.get_backend() == "fake":
-            from devmesh.env import host_index
+            from devmesh.distributed.env import host_index
 
             cache.hosts = np.full(world_size, host_index())
         else:

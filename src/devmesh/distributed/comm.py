@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from devmesh import groups
+from devmesh.distributed import groups
 
 if TYPE_CHECKING:
     from devmesh.mesh import DeviceMesh

@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass, field
 
 from devmesh.layout import MeshLayout
-from devmesh.topology import contiguous_hosts, crossing_dims
+from devmesh.layout.topology import contiguous_hosts, crossing_dims
 
 __all__ = ["ModelSize", "ClusterPlan", "plan_cluster", "ORDER"]
 
@@ -63,7 +63,7 @@ class ClusterPlan:
         return not self.errors
 
     def __str__(self) -> str:
-        from devmesh.render import layout_text
+        from devmesh.inspect.render import layout_text
 
         world = self.hosts * self.devices_per_host
         lines = [f"cluster: {self.hosts} host(s) x {self.devices_per_host} device(s) = {world}"]

@@ -24,7 +24,7 @@ MESHES: list[tuple[tuple[int, ...], tuple[str, ...]]] = [
 
 
 def _print_layout(console, layout, plain: bool) -> None:
-    from devmesh.render import layout_rich, layout_text
+    from devmesh.inspect.render import layout_rich, layout_text
 
     if plain:
         console.out(layout_text(layout), highlight=False)
@@ -68,7 +68,7 @@ def run_demo(world_size: int = 8, plain: bool = False) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from devmesh.launcher import launch
+    from devmesh.launching.launcher import launch
     from devmesh.layout import MeshLayout
 
     console = Console(no_color=plain, highlight=not plain, width=120 if plain else None)
@@ -115,8 +115,8 @@ def run_training_demo(plain: bool = False, epochs: int = 5, plot: str = "digits_
     """Train digits with HSDP + TP on (2, 2, 2); 0 if it matches single-process training."""
     from rich.console import Console
 
-    from devmesh.apps.digits import parse_mesh, plot_losses, train
-    from devmesh.launcher import launch
+    from devmesh.tools.apps.digits import parse_mesh, plot_losses, train
+    from devmesh.launching.launcher import launch
     from devmesh.layout import MeshLayout
 
     mesh_text = "dp=2,shard=2,tp=2"

@@ -83,7 +83,13 @@ class NeuralNetwork(nn.Module):
 
 
 def load_data(seed: int = 0):
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        raise ImportError(
+            "the digits demo needs scikit-learn (its bundled digits data set): "
+            "pip install 'devmesh[demo]'"
+        ) from None
 
     digits = load_digits()
     x = torch.tensor(digits.images, dtype=torch.float32) / 16.0

@@ -16,7 +16,7 @@ plan runs in five phases, each skipped when it has nothing to do:
 4. **chunk**: new splits are local slicing (no communication).
 5. **make partial**: ``Replicate -> Partial`` is local too (zeros off the first rank for sum).
 
-Byte counts are one rank's collective buffer (see :mod:`devmesh.comm`), padded blocks
+Byte counts are one rank's collective buffer (see :mod:`devmesh.distributed.comm`), padded blocks
 included; for evenly divisible shapes they are the theoretical minimum.
 """
 
@@ -26,7 +26,7 @@ import functools
 import math
 from dataclasses import dataclass
 
-from devmesh.tensor.spec import ShardingSpec, ShardingSpecError
+from devmesh.layout.spec import ShardingSpec, ShardingSpecError
 
 __all__ = ["Step", "Plan", "plan_redistribute", "explain_redistribute"]
 

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from devmesh.errors import NestedShardingError, ShardingSpecError  # noqa: F401 - re-exported
-from devmesh.tensor.placement import (
+from devmesh.layout.placement import (
     REDUCE_OPS,
     Partial,
     Placement,

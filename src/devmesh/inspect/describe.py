@@ -1,0 +1,86 @@
+"""``describe(model)``: every parameter's global shape, spec, local shape on every rank and
+the bytes each rank holds — computed from the specs, no communication — and a PNG of bytes
+per rank and parameter."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+from torch import nn
+
+from devmesh.layout import format_ranks
+from devmesh.parallel.param import get_layout
+
+__all__ = ["describe"]
+
+
+def _shapes_by_rank(p: nn.Parameter) -> dict[int, tuple[int, ...]]:
+    """Every rank's local shape of ``p``, computed from the spec (no communication)."""
+    layout = get_layout(p)
+    if layout is None:
+        return {}
+    out = {}
+    for rank in layout.mesh.world_ranks():
+        coordinate = layout.mesh.coordinate_of(rank)
+        if coordinate is not None:
+            out[rank] = layout.spec.local_shape(coordinate)
+    return out
+
+
+def describe(model: nn.Module, *, to_file: str | None = None) -> str:
+    """A table of every parameter: global shape, spec, local shape on every rank, and the
+    bytes each rank holds (from the specs, no communication); ``to_file`` draws the bytes per
+    rank and parameter as a PNG."""
+    rows = [("parameter", "global shape", "layout", "local shape (by rank)", "bytes here")]
+    per_rank: dict[int, int] = defaultdict(int)
+    by_param: dict[str, dict[int, int]] = {}
+    total_global = 0
+    for name, p in model.named_parameters():
+        layout = get_layout(p)
+        global_shape = tuple(layout.spec.global_shape) if layout else tuple(p.shape)
+        what = str(layout.spec).split(": ", 1)[1] if layout else "not distributed"
+        total_global += math.prod(global_shape) * p.element_size()
+        shapes = _shapes_by_rank(p)
+        groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
+        for rank, shape in shapes.items():
+            groups[shape].append(rank)
+            per_rank[rank] += math.prod(shape) * p.element_size()
+        by_param[name] = {r: math.prod(sh) * p.element_size() for r, sh in shapes.items()}
+        if len(groups) <= 1:
+            local = f"{tuple(p.shape)} on every rank"
+        else:
+            local = "; ".join(f"{shape} on {format_ranks(ranks)}"
+                              for shape, ranks in sorted(groups.items(), key=lambda g: min(g[1])))
+        rows.append((name, str(global_shape), what, local, f"{p.numel() * p.element_size():,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    if per_rank:
+        by_total: dict[int, list[int]] = defaultdict(list)
+        for rank, nbytes in per_rank.items():
+            by_total[nbytes].append(rank)
+        lines.append("bytes per rank: " + "; ".join(
+            f"{nbytes:,} on {format_ranks(ranks)}"
+            for nbytes, ranks in sorted(by_total.items(), key=lambda g: min(g[1])))
+            + f" (the full model: {total_global:,})")
+    if to_file:
+        _describe_png(by_param, sorted(per_rank), to_file)
+    return "\n".join(lines)
+
+
+def _describe_png(by_param: dict[str, dict[int, int]], ranks: list[int], path: str) -> None:
+    from devmesh._files import pyplot, save_figure
+
+    plt = pyplot()
+    fig, ax = plt.subplots(figsize=(max(6.0, 1 + 0.6 * len(ranks)), 4.5))
+    bottom = [0] * len(ranks)
+    for name, sizes in by_param.items():
+        heights = [sizes.get(r, 0) for r in ranks]
+        ax.bar([str(r) for r in ranks], heights, bottom=bottom, label=name)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    ax.set_xlabel("rank")
+    ax.set_ylabel("parameter bytes")
+    ax.set_title("parameter bytes held by each rank")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    fig.tight_layout()
+    save_figure(fig, path)
