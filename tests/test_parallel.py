@@ -479,3 +479,37 @@ def test_checkpoint_resumes_training_exactly(mesh_pool, tmp_path, strategy):
         if break_save:
             assert "save_checkpoint failed on rank 0: NotADirectoryError" in failure
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temporary left
+
+
+def fsdp_recovers_after_a_failed_forward_and_keeps_models_apart():
+    """A forward that raises inside a unit leaves every unit resharded and the order record
+    usable; two FSDP models used in turn each keep their own order (issue 12, item 3)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    models = []
+    for _ in range(2):
+        model = make_model()
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        models.append(model)
+    reference = make_model()
+    try:
+        models[0](torch.randn(3, 5))  # wrong width: the first unit raises
+    except RuntimeError:
+        pass
+    resharded = all(p.shape[0] <= -(-q.shape[0] // 2)
+                    for p, q in zip(models[0].parameters(), reference.parameters()))
+    x = torch.randn(4, 12, generator=torch.Generator().manual_seed(0))
+    outs = []
+    for _ in range(3):  # interleaved forwards of the two models
+        outs.append([m(x).detach() for m in models])
+    orders = [m._devmesh_fsdp._root_order for m in models]
+    return (resharded, all(torch.allclose(a, reference(x), atol=1e-6)
+                           for pair in outs for a in pair),
+            orders[0] is not orders[1] and all(len(o.order) == 3 for o in orders))
+
+
+def test_fsdp_recovers_after_a_failed_forward(mesh_pool):
+    for resharded, equal, separate in mesh_pool.run(
+            fsdp_recovers_after_a_failed_forward_and_keeps_models_apart, 2):
+        assert resharded and equal and separate

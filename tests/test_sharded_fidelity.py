@@ -15,16 +15,9 @@ from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
 
 from devmesh import init_device_mesh
-from devmesh.errors import DevmeshError
+from helpers import caught
 from devmesh.tensor import Partial, Replicate, Shard, ShardedTensor, ShardingSpec, distribute_tensor
 
-
-def _error(fn):
-    try:
-        fn()
-    except DevmeshError as exc:
-        return type(exc).__name__, str(exc)
-    return None
 
 
 def nested_layouts_round_trip_through_dtensor():
@@ -68,7 +61,7 @@ def torch_fsdp_over_tp_param_reads_back():
                                    0, split_factor=3), TorchShard(0)], run_check=False)
     return (str(weight.placements), ours.spec.dim_map, torch.equal(ours.full_tensor(),
                                                                    weight.full_tensor()),
-            _error(lambda: ShardedTensor.from_dtensor(bogus)))
+            caught(lambda: ShardedTensor.from_dtensor(bogus)))
 
 
 def test_torch_fsdp_over_tp_parameter_reads_back(mesh_pool):
@@ -84,14 +77,14 @@ def disagreeing_ranks(case: str):
     rank = dist.get_rank()
     if case == "from_local_shape":
         shape = (8, 4) if rank != 2 else (9, 4)
-        return _error(lambda: ShardedTensor.from_local(torch.zeros(2, 4), mesh, [Shard(0)],
+        return caught(lambda: ShardedTensor.from_local(torch.zeros(2, 4), mesh, [Shard(0)],
                                                        shape=shape))
     if case == "distribute_dtype":
         dtype = torch.float32 if rank != 1 else torch.float64
-        return _error(lambda: distribute_tensor(torch.zeros(4, 4, dtype=dtype), mesh,
+        return caught(lambda: distribute_tensor(torch.zeros(4, 4, dtype=dtype), mesh,
                                                 [Shard(0)]))
     if case == "distribute_shape":
-        return _error(lambda: distribute_tensor(torch.zeros(4 + (rank == 3), 4), mesh,
+        return caught(lambda: distribute_tensor(torch.zeros(4 + (rank == 3), 4), mesh,
                                                 [Shard(0)]))
     raise AssertionError(case)
 
@@ -127,7 +120,7 @@ def torch_call_shapes():
     leaf2 = torch.ones(4, 4, requires_grad=True)
     rep = ShardedTensor.from_local(leaf2, mesh, [Replicate(), Replicate()])
     rep.to_local(grad_placements=[Replicate(), Partial()]).sum().backward()
-    int_avg = _error(lambda: ShardedTensor.from_local(torch.ones(2, dtype=torch.int64), mesh,
+    int_avg = caught(lambda: ShardedTensor.from_local(torch.ones(2, dtype=torch.int64), mesh,
                                                       [Partial("avg"), Replicate()]))
     return {
         "u_local": u.to_local().tolist(), "same": same is t,

@@ -16,7 +16,7 @@ from torch.distributed.tensor import Replicate as TorchReplicate
 from torch.distributed.tensor import Shard as TorchShard
 
 from devmesh import init_device_mesh
-from devmesh.errors import DevmeshError
+from helpers import caught
 from devmesh.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -26,13 +26,6 @@ from devmesh.parallel import (
     state_dict,
 )
 
-
-def _error(fn):
-    try:
-        fn()
-    except DevmeshError as exc:
-        return type(exc).__name__, str(exc)
-    return None
 
 
 def _mlp():
@@ -117,9 +110,9 @@ def deepcopy_and_refusals():
         "original_unchanged": torch.equal(model(x), before),
         "copy_uses_its_weights": torch.equal(clone(x), torch.ones(3, 8, dtype=torch.float64)),
         "copy_keeps_layout": tuple(state_dict(clone)["0.weight"].shape) == (16, 8),
-        "twice": _error(lambda: parallelize_module(model, mesh, {"0": ColwiseParallel()})),
-        "bad_placement": _error(lambda: RowwiseParallel(output_layouts="Replicate")),
-        "torch_style": _error(lambda: parallelize_module(
+        "twice": caught(lambda: parallelize_module(model, mesh, {"0": ColwiseParallel()})),
+        "bad_placement": caught(lambda: RowwiseParallel(output_layouts="Replicate")),
+        "torch_style": caught(lambda: parallelize_module(
             _mlp(), mesh, {"0": __import__("torch.distributed.tensor.parallel",
                                            fromlist=["x"]).ColwiseParallel()})),
     }
@@ -141,7 +134,7 @@ def replicas_that_differ(case: str):
         model = nn.Linear(8, 4 if rank != 3 else 5)
     else:
         model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(2 if rank else 3)])
-    return _error(lambda: replicate(model, mesh=mesh))
+    return caught(lambda: replicate(model, mesh=mesh))
 
 
 @pytest.mark.parametrize("case, words", [("shape", "(5, 8)"), ("count", "6 parameters")])

@@ -219,14 +219,7 @@ def all_reduce(
     tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], op: str = "sum"
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place over the flattened group of ``dims``; returns it."""
-    g = _group(mesh, dims)
-    if g.size == 1:
-        return tensor
-    dist.all_reduce(tensor, op=_OPS[op], group=g.group)
-    _record("all_reduce", mesh, dims, tensor.numel() * tensor.element_size())
-    if op == "avg":
-        tensor /= g.size
-    return tensor
+    return all_reduce_async(tensor, mesh, dims, op).wait()
 
 
 def all_reduce_async(

@@ -22,6 +22,7 @@ spec records dim 0 as split by ``("tp", "dp")``, so ``full_tensor()`` reassemble
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,8 @@ class FSDPUnit:
         self._needed_regather = False  # backward re-gathered this unit in the previous step
         self._regathered_now = False
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._order: _ForwardOrder | None = None  # the record the last forward used
+        self._root_order: _ForwardOrder | None = None  # owned when this unit is the root
         comm.agree(mesh, tuple(range(mesh.ndim)),
                    "fully_shard: every rank must hold the same parameters",
                    describe_tensors(module))
@@ -234,10 +237,10 @@ class FSDPUnit:
         _ORDER.enter(self)
         shards = [p.sharded for p in self.params]
         if not shards:
-            _ORDER.prefetch_after(self)
+            self._order.prefetch_after(self)
             return None
         fulls = _Unshard.apply(self, *shards)
-        _ORDER.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
+        self._order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
         for p, full in zip(self.params, fulls):
             for module, name in p.places:
                 module._parameters[name] = full.view(p.shape)
@@ -275,7 +278,8 @@ class FSDPUnit:
                     pending = self.start_gather([p.sharded for p in self.params])
                 self._full = self.finish_gather(pending)
             self._regathered_now = True
-            _ORDER.prefetch_backward_before(self)
+            if self._order is not None:
+                self._order.prefetch_backward_before(self)
         return self._full[index].as_strided(shape, stride, offset)
 
 
@@ -297,9 +301,6 @@ class _ForwardOrder:
         self.generation = -1
 
     def enter(self, unit: FSDPUnit) -> None:
-        if self.generation != groups.generation():  # a new world: forget the old units
-            self.__init__()
-            self.generation = groups.generation()
         if self.depth == 0:
             self.recording = [] if not self.order or self.order[0] is not unit else None
             for other in self.order:  # what backward needed last step predicts this step
@@ -327,18 +328,46 @@ class _ForwardOrder:
                         [p.sharded for p in other.params])
                 return
 
-    def exit(self, unit: FSDPUnit) -> None:
+    def exit(self, unit: FSDPUnit, failed: bool = False) -> None:
         self.depth -= 1
         if self.depth == 0:
-            if self.recording is not None:
-                self.order, self.recording = self.recording, None
+            if self.recording is not None:  # a forward that raised records nothing
+                self.order = [] if failed else self.recording
+                self.recording = None
             for other in self.order:
                 if other._prefetched is not None:
                     other._prefetched.wait()
                     other._prefetched = None
 
 
-_ORDER = _ForwardOrder()
+class _Orders:
+    """One :class:`_ForwardOrder` per root: the unit that starts a forward (the outermost one)
+    owns the record of that model's units, so two models (a copy, an EMA model) trained side
+    by side each keep their own order and prefetches. A unit remembers the record its last
+    forward used, for its backward."""
+
+    def __init__(self) -> None:
+        self.active: _ForwardOrder | None = None
+
+    def enter(self, unit: FSDPUnit) -> None:
+        if self.active is None:
+            if unit._root_order is None or unit._root_order.generation != groups.generation():
+                unit._root_order = _ForwardOrder()  # first forward, or a new world
+                unit._root_order.generation = groups.generation()
+            self.active = unit._root_order
+        unit._order = self.active
+        self.active.enter(unit)
+
+    def exit(self, unit: FSDPUnit) -> None:
+        order = self.active
+        assert order is not None
+        order.exit(unit, failed=sys.exc_info()[0] is not None)  # an always_call hook after
+        # an exception runs inside torch's `except` block
+        if order.depth == 0:
+            self.active = None
+
+
+_ORDER = _Orders()
 
 
 class _Unshard(torch.autograd.Function):
