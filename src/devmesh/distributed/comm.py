@@ -79,12 +79,6 @@ class CommStats:
             out[collective][1] += nbytes
         return {k: (v[0], v[1]) for k, v in out.items()}
 
-    def by_dim(self) -> dict[str, tuple[int, int]]:
-        out: dict[str, list[int]] = defaultdict(lambda: [0, 0])
-        for (_, dims), (calls, nbytes) in self.records.items():
-            out[dims][0] += calls
-            out[dims][1] += nbytes
-        return {k: (v[0], v[1]) for k, v in out.items()}
 
     def __str__(self) -> str:
         lines = [f"{'collective':<16}{'mesh dims':<16}{'calls':>7}{'bytes':>14}"]
@@ -120,7 +114,7 @@ def _record(collective: str, mesh: DeviceMesh, dims: Sequence[int], nbytes: int)
 class _Group:
     group: dist.ProcessGroup
     size: int
-    # mesh_order[i] = position in c10d's (sorted) order of the i-th rank in mesh order
+    # to_c10d[i] = position in c10d's (sorted) order of the i-th rank in mesh order
     to_c10d: tuple[int, ...] | None
     # from_c10d[j] = mesh-order index of the j-th rank in c10d order
     from_c10d: tuple[int, ...] | None

@@ -19,15 +19,6 @@ REDUCE_OPS = ("sum", "avg", "max", "min")
 class Placement:
     """Base class of the per-mesh-dim placements."""
 
-    def is_shard(self, dim: int | None = None) -> bool:
-        return isinstance(self, Shard) and (dim is None or self.dim == dim)
-
-    def is_replicate(self) -> bool:
-        return isinstance(self, Replicate)
-
-    def is_partial(self) -> bool:
-        return isinstance(self, Partial)
-
 
 @dataclass(frozen=True)
 class Shard(Placement):

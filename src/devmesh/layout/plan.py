@@ -22,6 +22,7 @@ included; for evenly divisible shapes they are the theoretical minimum.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -102,7 +103,7 @@ def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
 def _with_dim(spec: ShardingSpec, d: int, dims: tuple[int, ...]) -> ShardingSpec:
     dim_map = list(spec.dim_map)
     dim_map[d] = dims
-    return spec.replace(dim_map=tuple(dim_map))
+    return dataclasses.replace(spec, dim_map=tuple(dim_map))
 
 
 def plan_redistribute(src: ShardingSpec, dst: ShardingSpec, itemsize: int = 4) -> Plan:
@@ -162,7 +163,7 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_
             op = pending[run[0]]
             dim_map = list(cur.dim_map)
             dim_map[d] = have + tuple(run)
-            after = cur.replace(dim_map=tuple(dim_map),
+            after = dataclasses.replace(cur, dim_map=tuple(dim_map),
                                 partial=tuple((m, o) for m, o in cur.partial if m not in run))
             k = math.prod(size[m] for m in run)
             steps.append(Step("reduce_scatter", tuple(run), cur, after,
@@ -172,7 +173,7 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_
                 del pending[m]
     for op in sorted(set(pending.values())):
         dims = tuple(sorted(m for m, o in pending.items() if o == op))
-        after = cur.replace(partial=tuple((m, o) for m, o in cur.partial if m not in dims))
+        after = dataclasses.replace(cur, partial=tuple((m, o) for m, o in cur.partial if m not in dims))
         steps.append(Step("all_reduce", dims, cur, after, local_bytes(cur), op=op))
         cur = after
 
@@ -198,14 +199,14 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_
     # 4. local chunks for the new splits
     new_dims = tuple(m for d in range(cur.ndim) for m in dst.dim_map[d][len(cur.dim_map[d]):])
     if new_dims:
-        after = cur.replace(dim_map=dst.dim_map)
+        after = dataclasses.replace(cur, dim_map=dst.dim_map)
         steps.append(Step("chunk", new_dims, cur, after))
         cur = after
 
     # 5. replicate -> partial, locally
     new_partial = tuple(m for m, op in dst.partial if cur.partial_op(m) != op)
     if new_partial:
-        after = cur.replace(partial=dst.partial)
+        after = dataclasses.replace(cur, partial=dst.partial)
         steps.append(Step("make_partial", new_partial, cur, after))
         cur = after
 

@@ -13,6 +13,7 @@ redistribution, and drawing a sharding, need no running mesh.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -152,16 +153,9 @@ class ShardingSpec:
         return cls(tuple(mesh_shape), tuple(global_shape), tuple(map(tuple, dim_map)),
                    tuple(pairs), names)
 
-    def replace(self, **changes) -> ShardingSpec:
-        values = dict(mesh_shape=self.mesh_shape, global_shape=self.global_shape,
-                      dim_map=self.dim_map, partial=self.partial,
-                      mesh_dim_names=self.mesh_dim_names)
-        values.update(changes)
-        return ShardingSpec(**values)
-
     def replicated(self) -> ShardingSpec:
         """The fully replicated spec on the same mesh."""
-        return self.replace(dim_map=((),) * len(self.global_shape), partial=())
+        return dataclasses.replace(self, dim_map=((),) * len(self.global_shape), partial=())
 
     # -- queries ---------------------------------------------------------------------------
     @property

@@ -13,6 +13,7 @@ resolving a partial (all-reduce) is the identity.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -161,7 +162,7 @@ def execute(local: torch.Tensor, mesh: DeviceMesh, plan: Plan) -> torch.Tensor:
 
 
 def _grad_spec(spec: ShardingSpec) -> ShardingSpec:
-    return spec.replace(partial=()) if spec.partial else spec
+    return dataclasses.replace(spec, partial=()) if spec.partial else spec
 
 
 class _Redistribute(torch.autograd.Function):

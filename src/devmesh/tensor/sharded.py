@@ -9,6 +9,7 @@ object holding a plain tensor: autograd flows through ``to_local``/``full_tensor
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ def _as_spec(layout: Layout, mesh: DeviceMesh, global_shape: Sequence[int]) -> S
                 f"{tuple(global_shape)}"
             )
         if layout.mesh_dim_names is None and mesh.mesh_dim_names:
-            layout = layout.replace(mesh_dim_names=mesh.mesh_dim_names)
+            layout = dataclasses.replace(layout, mesh_dim_names=mesh.mesh_dim_names)
         return layout
     return ShardingSpec.from_placements(layout, mesh.shape, tuple(global_shape),
                                         mesh.mesh_dim_names)

@@ -1,7 +1,8 @@
-"""The ``devmesh`` command line: ``show``, ``run`` and ``demo``.
+"""The ``devmesh`` command line: ``show``, ``plan``, ``doctor``, ``bench``, ``run``, ``demo``.
 
-``show`` is pure (it imports neither torch nor numpy-heavy modules beyond the layout), so it
-answers instantly; the other commands import torch only when they run.
+``show`` and ``plan`` are pure (they import no torch: only the layout and its pictures), so
+they answer instantly; the other commands import torch only when they run. Every argument is
+checked when it is parsed, before any process starts.
 """
 
 from __future__ import annotations
