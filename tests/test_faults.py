@@ -123,3 +123,28 @@ def test_devmesh_run_passes_on_a_failing_ranks_exit_code(tmp_path):
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")
     proc = _devmesh("run", "-n", "2", str(script))
     assert proc.returncode == 3, proc.stderr
+
+
+def late_rank():
+    from devmesh import init_device_mesh
+    from devmesh.errors import MeshTimeoutError
+
+    if int(os.environ["RANK"]) == 3:
+        time.sleep(8)  # later than the others' 4 s timeout
+    try:
+        init_device_mesh("cpu", (4,), timeout=4)
+    except MeshTimeoutError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_rank_late_for_the_first_mesh_is_named(mesh_pool):
+    """Issue 9, item 9: not torch's "3/4 clients joined" but the late rank, by number, on
+    every rank that waited; the late rank itself is told the others gave up."""
+    start = time.monotonic()
+    results = mesh_pool.run(late_rank, 4, timeout=60)
+    assert time.monotonic() - start < 30
+    for message in results[:3]:
+        assert message is not None and "ranks 3 of 4 did not start" in message
+    assert results[3] is not None
+    assert mesh_pool.run(lambda: "recovered", 4) == ["recovered"] * 4

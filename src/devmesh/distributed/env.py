@@ -10,6 +10,7 @@ process to its GPU.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import os
@@ -17,7 +18,8 @@ import os
 import torch
 import torch.distributed as dist
 
-from devmesh.errors import DeviceUnavailableError, LaunchEnvironmentError
+from devmesh.errors import DeviceUnavailableError, LaunchEnvironmentError, MeshTimeoutError
+from devmesh.layout import format_ranks
 
 __all__ = ["LaunchEnv", "read_launch_env", "backend_for", "ensure_default_group", "host_index"]
 
@@ -153,8 +155,37 @@ def ensure_default_group(
         kwargs["device_id"] = torch.device("cuda", env.local_rank)
     store = _loopback_store(env, timeout)
     if store is not None:
+        _wait_for_every_rank(store, env, timeout)
         kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
     dist.init_process_group(**kwargs)
+
+
+def _wait_for_every_rank(store, env: LaunchEnv, timeout: datetime.timedelta | None) -> None:
+    """Each rank checks in; a rank that does not within ``timeout`` is *named* in a
+    :class:`MeshTimeoutError` on every rank that did (instead of torch's "7/8 clients
+    joined", or a hang in the backend's first connection)."""
+    wait = timeout or datetime.timedelta(minutes=30)
+    prefix = f"devmesh/arrived/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+    store.set(prefix + str(env.rank), "1")
+    keys = [prefix + str(r) for r in range(env.world_size)]
+    try:
+        store.wait(keys, wait)
+    except Exception:  # torch raises DistStoreError / RuntimeError on a store timeout
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            return
+        # rank 0 serves the store: it stays until every rank that came has read who is missing
+        store.set(f"{prefix}told/{env.rank}", "1")
+        if env.rank == 0:
+            told = [f"{prefix}told/{r}" for r in range(env.world_size) if r not in missing]
+            with contextlib.suppress(Exception):
+                store.wait(told, datetime.timedelta(seconds=10))
+        raise MeshTimeoutError(
+            f"ranks {format_ranks(missing)} of {env.world_size} did not start the process "
+            f"group within {wait.total_seconds():g} s (the ranks that did waited for them). "
+            "Find out why they are late or stuck (their own output says), or raise the "
+            "timeout: init_device_mesh(..., timeout=seconds)"
+        ) from None
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -176,7 +207,14 @@ def _loopback_store(env: LaunchEnv, timeout: datetime.timedelta | None):
     host = "::1" if env.master_addr == "::1" else "127.0.0.1"
     wait = timeout or datetime.timedelta(minutes=30)
     if env.rank != 0:
-        return dist.TCPStore(host, env.master_port, env.world_size, False, wait)
+        try:
+            return dist.TCPStore(host, env.master_port, env.world_size, False, wait)
+        except Exception:  # DistNetworkError / DistStoreError: nobody serves the store
+            raise MeshTimeoutError(
+                f"rank 0 did not start the rendezvous store on {host}:{env.master_port} within "
+                f"{wait.total_seconds():g} s; rank 0 is late, stuck or gone (its own output "
+                "says which), or raise the timeout: init_device_mesh(..., timeout=seconds)"
+            ) from None
     family = socket.AF_INET6 if host == "::1" else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -184,4 +222,5 @@ def _loopback_store(env: LaunchEnv, timeout: datetime.timedelta | None):
     listener.listen(max(128, env.world_size))
     # the store owns the listening descriptor from here on (it closes it when destroyed)
     return dist.TCPStore(host, env.master_port, env.world_size, True, wait,
-                         master_listen_fd=listener.detach(), use_libuv=False)
+                         wait_for_workers=False, master_listen_fd=listener.detach(),
+                         use_libuv=False)
