@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -230,19 +231,46 @@ def test_fsdp_memory_clip_and_describe(mesh_pool, tmp_path):
     assert (tmp_path / "describe0.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def mixed_precision_step():
+def mixed_precision_steps(library: str):
+    """Three AdamW steps with bf16 compute and fp32 reduction, by devmesh or torch's FSDP2 on
+    the same mesh: losses, output dtype, and the dtypes of the master weights and grads."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    model = fsdp_model(mesh, mp_policy=policy)
-    out = model(torch.randn(4, 12).to(torch.bfloat16))
-    out.float().sum().backward()
-    return out.dtype, [(p.dtype, p.grad.dtype) for p in model.parameters()]
+    if library == "devmesh":
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = fsdp_model(mesh, mp_policy=policy)
+    else:
+        from torch.distributed.fsdp import MixedPrecisionPolicy as TorchPolicy
+        from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+        policy = TorchPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        model = make_model()
+        for layer in model:
+            if isinstance(layer, nn.Linear):
+                torch_fully_shard(layer, mesh=mesh, mp_policy=policy)
+        torch_fully_shard(model, mesh=mesh, mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    gen = torch.Generator().manual_seed(dist.get_rank() if dist.is_initialized() else 0)
+    losses = []
+    for _ in range(3):
+        out = model(torch.randn(4, 12, generator=gen))
+        loss = out.float().pow(2).mean()
+        loss.backward()
+        dtypes = [(p.dtype, p.grad.dtype) for p in model.parameters()]
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return out.dtype, dtypes, losses
 
 
-def test_mixed_precision_computes_in_bf16_keeps_fp32_master(mesh_pool):
-    dtype, params = mesh_pool.run(mixed_precision_step, 2)[0]
-    assert dtype == torch.bfloat16
-    assert all(p == torch.float32 and g == torch.float32 for p, g in params)
+def test_mixed_precision_equals_torch_fsdp2_bit_for_bit(mesh_pool):
+    """bf16 compute, fp32 master weights and reductions — and the same losses as torch's
+    FSDP2 with the same policy, exactly (a dtype check alone could not catch a wrong cast)."""
+    ours = mesh_pool.run(mixed_precision_steps, 2, "devmesh")
+    theirs = mesh_pool.run(mixed_precision_steps, 2, "torch")
+    for (dtype, params, losses), (_, _, ref_losses) in zip(ours, theirs):
+        assert dtype == torch.bfloat16
+        assert all(p == torch.float32 and g == torch.float32 for p, g in params)
+        assert losses == ref_losses
 
 
 class TinyLM(nn.Module):

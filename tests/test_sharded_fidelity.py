@@ -140,3 +140,28 @@ def test_torch_call_shapes(mesh_pool):
         assert r["full_grad"] == [[4.0] * 4] * 2
         assert r["partial_grad"] == [[2.0] * 4] * 4  # summed over the 2 tp ranks
         assert r["int_avg"][0] == "ShardingSpecError" and "floating-point" in r["int_avg"][1]
+
+
+def partial_reductions():
+    """Partial(max/min/avg/sum) resolved on real processes, to Replicate and to Shard."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rank = dist.get_rank()
+    local = torch.arange(8.0).reshape(2, 4) * (rank + 1) - 3 * rank
+    out = {}
+    for op in ("sum", "avg", "max", "min"):
+        t = ShardedTensor.from_local(local.clone(), mesh, [Partial(op), Partial(op)])
+        out[op] = (t.full_tensor().tolist(),
+                   t.redistribute([Shard(0), Replicate()]).to_local().tolist())
+    return out
+
+
+def test_partial_reductions_on_real_processes(mesh_pool):
+    results = mesh_pool.run(partial_reductions, 4)
+    values = torch.stack([torch.arange(8.0).reshape(2, 4) * (r + 1) - 3 * r for r in range(4)])
+    expected = {"sum": values.sum(0), "avg": values.mean(0), "max": values.amax(0),
+                "min": values.amin(0)}
+    for rank, r in enumerate(results):
+        for op, full in expected.items():
+            assert torch.allclose(torch.tensor(r[op][0]), full), op
+            row = rank // 2
+            assert torch.allclose(torch.tensor(r[op][1]), full[row: row + 1]), op

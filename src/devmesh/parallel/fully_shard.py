@@ -47,10 +47,13 @@ __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit"]
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """``param_dtype``: dtype of the gathered parameters (compute); ``reduce_dtype``: dtype of
-    gradient reduction. Sharded parameters (the optimizer's master copy) keep their dtype."""
+    gradient reduction; ``cast_forward_inputs``: floating-point inputs of each unit's forward
+    are cast to ``param_dtype`` (torch's default too). Sharded parameters (the optimizer's
+    master copy) keep their dtype."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
 
 
 @dataclass
@@ -236,9 +239,10 @@ class FSDPUnit:
     def pre_forward(self, module: nn.Module, args):
         _ORDER.enter(self)
         shards = [p.sharded for p in self.params]
+        cast = self._cast_inputs(args)
         if not shards:
             self._order.prefetch_after(self)
-            return None
+            return cast
         fulls = _Unshard.apply(self, *shards)
         self._order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
         for p, full in zip(self.params, fulls):
@@ -249,7 +253,16 @@ class FSDPUnit:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: self._pack(t, storages), self._unpack)
             self._hooks.__enter__()
-        return None
+        return cast
+
+    def _cast_inputs(self, args):
+        """Floating-point inputs in the compute dtype (``None``: leave the inputs as they
+        are)."""
+        dtype = self.mp.param_dtype
+        if dtype is None or not self.mp.cast_forward_inputs:
+            return None
+        return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
+                     else a for a in args)
 
     def post_forward(self, module: nn.Module, args, output):
         if self._hooks is not None:
