@@ -17,7 +17,7 @@ LAYERS = {  # low to high; one entry per folder (a top-level module counts as it
     "layout": 1,  # pure: no torch (see test_layout_imports_no_torch)
     "launching": 2, "testing": 2,
     "distributed": 3,
-    "mesh": 4,
+    "mesh": 4, "hybrid": 4,
     "tensor": 5,
     "parallel": 6,
     "inspect": 7,

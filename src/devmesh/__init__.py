@@ -21,7 +21,7 @@ _EXPORTS = {
     "MeshLayout": "devmesh.layout",
     "DeviceMesh": "devmesh.mesh",
     "init_device_mesh": "devmesh.mesh",
-    "create_hybrid_mesh": "devmesh.mesh",
+    "create_hybrid_mesh": "devmesh.hybrid",
     "launch": "devmesh.launching.launcher",
     "WorkerPool": "devmesh.launching.launcher",
     "DevmeshError": "devmesh.errors",
@@ -60,7 +60,8 @@ if TYPE_CHECKING:
     from devmesh.errors import DevmeshError
     from devmesh.launching.launcher import WorkerPool, launch
     from devmesh.layout import MeshLayout
-    from devmesh.mesh import DeviceMesh, create_hybrid_mesh, init_device_mesh
+    from devmesh.hybrid import create_hybrid_mesh
+    from devmesh.mesh import DeviceMesh, init_device_mesh
     from devmesh.tensor import (
         Partial,
         Replicate,

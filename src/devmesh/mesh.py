@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     import datetime
 
 
-__all__ = ["DeviceMesh", "init_device_mesh", "create_hybrid_mesh"]
+__all__ = ["DeviceMesh", "init_device_mesh"]
 
 
 def _as_rank_array(mesh: Any) -> np.ndarray:
@@ -100,6 +100,7 @@ class DeviceMesh(TorchDeviceMesh):
         if _init_backend:
             env.ensure_default_group(device_type, timeout=timeout_td)
             self._check_world_covers(layout)
+            groups.publish_host()
             groups.check_agreement(
                 "DeviceMesh creation", _payload(device_type, layout), timeout=timeout_td
             )
@@ -694,34 +695,3 @@ def _check_topology(mesh: DeviceMesh, heavy_dims, strict: bool) -> None:
         raise TopologyError("; ".join(problems))
     for message in problems:
         warnings.warn(message, TopologyWarning, stacklevel=3)
-
-
-def create_hybrid_mesh(
-    intra_shape: Sequence[int],
-    inter_shape: Sequence[int],
-    mesh_dim_names: Sequence[str] | None = None,
-    *,
-    device_type: str = "cpu",
-    timeout: float | datetime.timedelta | None = None,
-) -> DeviceMesh:
-    """A mesh whose dim ``i`` has size ``inter_shape[i] * intra_shape[i]``: ``intra_shape``
-    over the ranks of one host, ``inter_shape`` over the hosts (as JAX's
-    ``create_hybrid_device_mesh``). E.g. 2 hosts x 4 GPUs: ``create_hybrid_mesh((1, 4), (2, 1),
-    ("dp", "tp"))`` puts tp inside each host and dp across hosts."""
-    import os
-
-    from devmesh.layout.topology import hybrid_layout
-
-    _check_device_type(device_type)
-    intra, inter = _check_shape(intra_shape), _check_shape(inter_shape)
-    size = math.prod(intra) * math.prod(inter)
-    env.ensure_default_group(device_type, expected_world_size=size,
-                             timeout=groups.as_timedelta(timeout))
-    per_host = int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))
-    if size != dist.get_world_size():
-        raise WorldSizeMismatchError(
-            f"create_hybrid_mesh({intra}, {inter}) covers {size} ranks but the world has "
-            f"{dist.get_world_size()}"
-        )
-    layout = hybrid_layout(intra, inter, mesh_dim_names, ranks_per_host=per_host)
-    return DeviceMesh(device_type, layout.ranks, mesh_dim_names=mesh_dim_names, timeout=timeout)

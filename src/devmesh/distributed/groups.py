@@ -56,6 +56,7 @@ class _Cache:
         self.created = 0
         self.agreements = itertools.count()
         self.hosts = None  # host index of every rank, once gathered
+        self.host_published = False  # this rank posted its host index in this world
 
 
 _cache: _Cache | None = None
@@ -205,7 +206,6 @@ def check_agreement(
     sequence = next(_current().agreements)
     prefix = f"devmesh/agree/{sequence}/"
     me = dist.get_rank()
-    _publish_host(store)
     store.set(prefix + str(me), payload)
     keys = [prefix + str(r) for r in range(world_size)]
     previous_timeout = store.timeout
@@ -232,6 +232,16 @@ def check_agreement(
             f"{what}: ranks disagree on the mesh; every rank must pass the same arguments.\n"
             + "\n".join(lines)
         )
+
+
+def publish_host() -> None:
+    """Post this rank's host index (once per world), so that :func:`world_hosts` is one store
+    round trip. Mesh creation calls it on every rank."""
+    cache = _current()
+    if cache.host_published or dist.get_world_size() == 1 or dist.get_backend() == "fake":
+        return
+    _publish_host(dist.distributed_c10d._get_default_store())
+    cache.host_published = True
 
 
 def _publish_host(store) -> None:
