@@ -163,8 +163,9 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_
             op = pending[run[0]]
             dim_map = list(cur.dim_map)
             dim_map[d] = have + tuple(run)
-            after = dataclasses.replace(cur, dim_map=tuple(dim_map),
-                                partial=tuple((m, o) for m, o in cur.partial if m not in run))
+            after = dataclasses.replace(
+                cur, dim_map=tuple(dim_map),
+                partial=tuple((m, o) for m, o in cur.partial if m not in run))
             k = math.prod(size[m] for m in run)
             steps.append(Step("reduce_scatter", tuple(run), cur, after,
                               k * local_bytes(after), tensor_dim=d, op=op))
@@ -173,7 +174,8 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_
                 del pending[m]
     for op in sorted(set(pending.values())):
         dims = tuple(sorted(m for m, o in pending.items() if o == op))
-        after = dataclasses.replace(cur, partial=tuple((m, o) for m, o in cur.partial if m not in dims))
+        after = dataclasses.replace(
+            cur, partial=tuple((m, o) for m, o in cur.partial if m not in dims))
         steps.append(Step("all_reduce", dims, cur, after, local_bytes(cur), op=op))
         cur = after
 
