@@ -123,18 +123,29 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_
         raise ShardingSpecError(
             f"cannot redistribute a tensor of shape {src.global_shape} to shape {dst.global_shape}"
         )
-    size = src.mesh_shape
     steps: list[Step] = []
     cur = src
+    for phase in (_all_to_all_phase, _reduction_phase, _all_gather_phase, _chunk_phase,
+                  _make_partial_phase):
+        for step in phase(cur, dst, itemsize):
+            steps.append(step)
+            cur = step.after
+    assert cur == dst, (cur, dst)
+    return Plan(src, dst, tuple(steps))
 
-    def local_bytes(spec: ShardingSpec) -> int:
-        return itemsize * math.prod(spec.max_local_shape())
 
-    # 1. all-to-all: move a mesh dim from one tensor dim to another
+def _local_bytes(spec: ShardingSpec, itemsize: int) -> int:
+    return itemsize * math.prod(spec.max_local_shape())
+
+
+def _all_to_all_phase(cur: ShardingSpec, dst: ShardingSpec, itemsize: int) -> list[Step]:
+    """1. Move a mesh dim from splitting one tensor dim to splitting another with one
+    all-to-all, when it is the innermost split of its source and the next of its target."""
+    steps = []
     moved = True
     while moved:
         moved = False
-        for m in range(len(size)):
+        for m in range(len(cur.mesh_shape)):
             d, target = cur.shard_dim_of(m), dst.shard_dim_of(m)
             if d is None or target is None or d == target or cur.dim_map[d][-1] != m:
                 continue
@@ -143,11 +154,16 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_
                 continue
             after = _with_dim(_with_dim(cur, d, cur.dim_map[d][:-1]), target,
                               cur.dim_map[target] + (m,))
-            steps.append(Step("all_to_all", (m,), cur, after, local_bytes(cur),
+            steps.append(Step("all_to_all", (m,), cur, after, _local_bytes(cur, itemsize),
                               tensor_dim=target, source_dim=d))
             cur, moved = after, True
+    return steps
 
-    # 2. reductions
+
+def _reduction_phase(cur: ShardingSpec, dst: ShardingSpec, itemsize: int) -> list[Step]:
+    """2. Partial dims that the destination shards next are reduce-scattered (consecutive ones
+    of one op together); the rest are all-reduced, one collective per op."""
+    steps = []
     pending = {m: op for m, op in cur.partial if dst.partial_op(m) != op}
     for d in range(cur.ndim):
         have, want = cur.dim_map[d], dst.dim_map[d]
@@ -160,15 +176,15 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_
             else:
                 break
         if run:
-            op = pending[run[0]]
             dim_map = list(cur.dim_map)
             dim_map[d] = have + tuple(run)
             after = dataclasses.replace(
                 cur, dim_map=tuple(dim_map),
                 partial=tuple((m, o) for m, o in cur.partial if m not in run))
-            k = math.prod(size[m] for m in run)
+            k = math.prod(cur.mesh_shape[m] for m in run)
             steps.append(Step("reduce_scatter", tuple(run), cur, after,
-                              k * local_bytes(after), tensor_dim=d, op=op))
+                              k * _local_bytes(after, itemsize), tensor_dim=d,
+                              op=pending[run[0]]))
             cur = after
             for m in run:
                 del pending[m]
@@ -176,44 +192,47 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_
         dims = tuple(sorted(m for m, o in pending.items() if o == op))
         after = dataclasses.replace(
             cur, partial=tuple((m, o) for m, o in cur.partial if m not in dims))
-        steps.append(Step("all_reduce", dims, cur, after, local_bytes(cur), op=op))
+        steps.append(Step("all_reduce", dims, cur, after, _local_bytes(cur, itemsize), op=op))
         cur = after
+    return steps
 
-    # 3. one all-gather for every mesh dim that must stop splitting its tensor dim
+
+def _all_gather_phase(cur: ShardingSpec, dst: ShardingSpec, itemsize: int) -> list[Step]:
+    """3. One all-gather for every mesh dim that must stop splitting its tensor dim (a single
+    nested dim in tensor order, so the pieces arrive in place)."""
     gathers = {}
     for d in range(cur.ndim):
         keep = _common_prefix(cur.dim_map[d], dst.dim_map[d])
         if cur.dim_map[d][keep:]:
             gathers[d] = keep
-    if gathers:
-        if len(gathers) == 1:
-            (d, keep), = gathers.items()
-            dims = cur.dim_map[d][keep:]  # tensor order: pieces arrive in place
-        else:
-            dims = tuple(sorted(m for d, keep in gathers.items() for m in cur.dim_map[d][keep:]))
-        after = cur
-        for d, keep in gathers.items():
-            after = _with_dim(after, d, cur.dim_map[d][:keep])
-        k = math.prod(size[m] for m in dims)
-        steps.append(Step("all_gather", dims, cur, after, k * local_bytes(cur)))
-        cur = after
+    if not gathers:
+        return []
+    if len(gathers) == 1:
+        (d, keep), = gathers.items()
+        dims = cur.dim_map[d][keep:]
+    else:
+        dims = tuple(sorted(m for d, keep in gathers.items() for m in cur.dim_map[d][keep:]))
+    after = cur
+    for d, keep in gathers.items():
+        after = _with_dim(after, d, cur.dim_map[d][:keep])
+    k = math.prod(cur.mesh_shape[m] for m in dims)
+    return [Step("all_gather", dims, cur, after, k * _local_bytes(cur, itemsize))]
 
-    # 4. local chunks for the new splits
+
+def _chunk_phase(cur: ShardingSpec, dst: ShardingSpec, itemsize: int) -> list[Step]:
+    """4. New splits are local slicing."""
     new_dims = tuple(m for d in range(cur.ndim) for m in dst.dim_map[d][len(cur.dim_map[d]):])
-    if new_dims:
-        after = dataclasses.replace(cur, dim_map=dst.dim_map)
-        steps.append(Step("chunk", new_dims, cur, after))
-        cur = after
+    if not new_dims:
+        return []
+    return [Step("chunk", new_dims, cur, dataclasses.replace(cur, dim_map=dst.dim_map))]
 
-    # 5. replicate -> partial, locally
+
+def _make_partial_phase(cur: ShardingSpec, dst: ShardingSpec, itemsize: int) -> list[Step]:
+    """5. Replicate -> Partial is local (zeros off the first rank for sum)."""
     new_partial = tuple(m for m, op in dst.partial if cur.partial_op(m) != op)
-    if new_partial:
-        after = dataclasses.replace(cur, partial=dst.partial)
-        steps.append(Step("make_partial", new_partial, cur, after))
-        cur = after
-
-    assert cur == dst, (cur, dst)
-    return Plan(src, dst, tuple(steps))
+    if not new_partial:
+        return []
+    return [Step("make_partial", new_partial, cur, dataclasses.replace(cur, partial=dst.partial))]
 
 
 def explain_redistribute(src: ShardingSpec, dst: ShardingSpec, itemsize: int = 4) -> str:
