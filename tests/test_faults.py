@@ -148,3 +148,29 @@ def test_a_rank_late_for_the_first_mesh_is_named(mesh_pool):
         assert message is not None and "ranks 3 of 4 did not start" in message
     assert results[3] is not None
     assert mesh_pool.run(lambda: "recovered", 4) == ["recovered"] * 4
+
+
+def test_killing_devmesh_run_leaves_no_rank(tmp_path):
+    """SIGKILL of `devmesh run` itself (torchrun's agent runs in it): its ranks die too."""
+    script = tmp_path / "sleeper.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        open(os.path.join({str(tmp_path)!r}, "pid" + os.environ["RANK"]), "w").write(
+            str(os.getpid()))
+        assert sys.argv[1:] == ["--flag", "x"]
+        time.sleep(600)
+    """))
+    run = subprocess.Popen([sys.executable, "-m", "devmesh", "run", "-n", "2", str(script),
+                            "--flag", "x"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    files = [tmp_path / "pid0", tmp_path / "pid1"]
+    while not all(f.exists() and f.read_text() for f in files) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pids = [int(f.read_text()) for f in files]
+    assert all(_alive(p) for p in pids)
+    run.send_signal(signal.SIGKILL)
+    run.wait(timeout=30)
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in pids)

@@ -19,6 +19,7 @@ import traceback
 from multiprocessing.connection import Connection
 
 from devmesh.launching import _auth
+from devmesh.launching.child import die_with_parent
 
 _TASK_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -90,24 +91,11 @@ def _serve(conn: Connection) -> None:
             conn.send((task_id, ("error", f"cannot send result back: {exc}", "")))
 
 
-def _die_with_parent(parent: int) -> None:
-    """No orphans: on Linux the kernel sends SIGKILL when the pool's process dies (whatever
-    killed it); everywhere, a worker whose parent is already gone exits now, and one blocked
-    waiting for a task exits when the pool's socket closes."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        try:
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if os.getppid() != parent:
-        os._exit(1)
-
-
 def main(argv: list[str]) -> None:
     host, port, index, stack_path, parent = argv
-    _die_with_parent(int(parent))
+    die_with_parent()
+    if os.getppid() != int(parent):  # the pool died before we could ask to die with it
+        os._exit(1)
     key = bytes.fromhex(sys.stdin.readline().strip())  # the pool's secret: stdin, not argv
     stack_file = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)

@@ -194,7 +194,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     # the workers' own gloo sockets stay on loopback (torchrun's agent store is torch's)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc}", args.script, *args.args]
+    # each rank runs through a wrapper that dies with this process (no orphans on SIGKILL)
+    torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc}", "-m",
+                     "devmesh.launching.child", args.script, *args.args]
     try:
         torchrun_main(torchrun_args)
     except SystemExit as exc:

@@ -1,0 +1,42 @@
+"""``python -m devmesh.launching.child SCRIPT ARGS...``: run a user's script as a rank of
+``devmesh run``, dying with the launcher.
+
+torchrun's agent starts the ranks; if the agent's process is killed outright (SIGKILL), its
+children would live on as orphans holding ports and memory. On Linux this wrapper asks the
+kernel to send SIGKILL when the launching process dies (``PR_SET_PDEATHSIG``), exits at once
+if that already happened, then runs the script as ``__main__`` with its own arguments.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import signal
+import sys
+
+
+def die_with_parent() -> None:
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent:  # the launcher died before the request took effect
+        os._exit(1)
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: python -m devmesh.launching.child SCRIPT [ARGS...]")
+    die_with_parent()
+    script = argv[0]
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
