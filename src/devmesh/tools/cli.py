@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -187,6 +188,17 @@ def _check_nproc(n: int) -> None:
                          f"start locally (at most {cap}); use torchrun across several hosts")
 
 
+def _root_exit_code(failures: dict) -> int:
+    """The exit code of the rank that failed first on its own: the agent then stops the
+    others with SIGTERM, and their -15 must not mask it (a signal n gives 128 + n)."""
+    if not failures:
+        return 1
+    own = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    rank = min(own, key=lambda r: (own[r].timestamp, r))
+    code = own[rank].exitcode
+    return code if code > 0 else 128 - code if code < 0 else 1
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     _check_nproc(args.nproc)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -203,9 +215,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return int(exc.code or 0)
     except ChildFailedError as exc:  # the failing rank's own exit code, as a shell would
         print(str(exc), file=sys.stderr)
-        first = min(exc.failures) if exc.failures else None
-        code = exc.failures[first].exitcode if first is not None else 1
-        return code if code > 0 else 128 - code if code < 0 else 1
+        return _root_exit_code(exc.failures)
     except Exception as exc:
         print(str(exc), file=sys.stderr)
         return 1
