@@ -144,12 +144,18 @@ def test_two_simulated_hosts_with_torchrun(tmp_path):
 def test_doctor_passes_and_fails_clearly():
     ok = _run(DEVMESH + ["doctor", "-n", "4", "--mesh", "2,2", "--names", "dp,tp"])
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert "ok    collective on dim 'tp': all-reduce over group [0, 1] ok" in ok.stdout
+    # every group of every dim, over all ranks, counted (issue 9, item 13)
+    assert ("ok    collective on dim 'tp': 2 group(s) checked: all-reduce over group [0, 1] ok"
+            in ok.stdout)
     assert "ranks with every check passing: 4 of 4" in ok.stdout
+    assert ok.stdout.strip().splitlines()[-1] == "all checks passed"
     wrong = _run(DEVMESH + ["doctor", "-n", "2", "--mesh", "2,2"])
     assert wrong.returncode == 1
-    assert "FAIL  mesh agreement: WorldSizeMismatchError" in wrong.stdout
+    # the same error on both ranks is one line naming them; the summary comes last
+    assert wrong.stdout.count("WorldSizeMismatchError") == 1
+    assert "FAIL  mesh agreement (ranks 0-1): WorldSizeMismatchError" in wrong.stdout
     assert "needs 4 ranks but the world has 2" in wrong.stdout
+    assert wrong.stdout.strip().splitlines()[-1].startswith("2 check(s) failed")
     unlaunched = _run(DEVMESH + ["doctor"])
     assert unlaunched.returncode == 1 and "devmesh doctor -n N" in unlaunched.stdout
 

@@ -11,9 +11,13 @@ that never reported.
 from __future__ import annotations
 
 import json
+import re
 import socket
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
+
+from devmesh.layout import format_ranks
 
 __all__ = ["Finding", "run_checks", "format_report"]
 
@@ -132,20 +136,48 @@ def _collect(report: RankReport, world_size: int, timeout: float) -> list[RankRe
     return reports
 
 
+def _without_rank(detail: str) -> str:
+    """``"[rank 3] X"`` -> ``"X"``: the same error on several ranks is one line."""
+    return re.sub(r"\[rank \d+\] ", "", detail)
+
+
 def format_report(reports: list[RankReport]) -> tuple[str, bool]:
-    """The report as text, and whether everything passed."""
+    """The report as text, and whether everything passed: one line per check (collectives:
+    how many groups of each dim were checked, over all ranks), each failure once with the
+    ranks it happened on, then the summary."""
+    order: list[str] = []
+    outcomes: dict[str, list[tuple[int, Finding]]] = {}
+    for r in reports:
+        for f in r.findings:
+            if f.check not in outcomes:
+                order.append(f.check)
+            outcomes.setdefault(f.check, []).append((r.rank, f))
     lines = []
-    failed = [(r, f) for r in reports for f in r.findings if not f.ok]
-    first = reports[0]
-    for f in first.findings:
-        lines.append(f"{'ok  ' if f.ok else 'FAIL'}  {f.check}: {f.detail}")
+    for check in order:
+        found = outcomes[check]
+        passed = [f for _, f in found if f.ok]
+        failures: dict[str, list[int]] = defaultdict(list)
+        for rank, f in found:
+            if not f.ok:
+                failures[_without_rank(f.detail)].append(rank)
+        if passed:
+            if check.startswith("collective on dim"):
+                groups = sorted({f.detail for f in passed})
+                shown = groups[0] if len(groups) == 1 else f"{groups[0]} (and {len(groups) - 1} more)"
+                lines.append(f"ok    {check}: {len(groups)} group(s) checked: {shown}")
+            else:
+                first_rank = next(rank for rank, f in found if f.ok)
+                lines.append(f"ok    {check}: {passed[0].detail}"
+                             + (f"  [rank {first_rank}'s; ok on {len(passed)} ranks]"
+                                if len(passed) > 1 else ""))
+        for detail, ranks in failures.items():
+            who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
+            lines.append(f"FAIL  {check} ({who}): {detail}")
+    failed = sum(len(ranks) for check in order
+                 for ranks in [[r for r, f in outcomes[check] if not f.ok]] if ranks)
     if len(reports) > 1:
         per_rank_ok = [r.rank for r in reports if all(f.ok for f in r.findings)]
         lines.append(f"ranks with every check passing: {len(per_rank_ok)} of {len(reports)}")
-    for r, f in failed:
-        if r is first:
-            continue
-        lines.append(f"FAIL  rank {r.rank} ({r.host}) {f.check}: {f.detail}")
     lines.append("all checks passed" if not failed else
-                 f"{len(failed)} check(s) failed: fix the first FAIL above and run again")
+                 f"{failed} check(s) failed: fix the first FAIL above and run again")
     return "\n".join(lines), not failed
