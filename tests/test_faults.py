@@ -187,3 +187,43 @@ def test_the_root_exit_code_is_not_masked_by_the_agents_sigterm():
     assert _root_exit_code({0: stopped, 1: failed}) == 3
     assert _root_exit_code({0: stopped, 1: failed, 2: killed}) == 128 + signal.SIGKILL
     assert _root_exit_code({0: stopped}) == 128 + signal.SIGTERM
+
+
+def one_rank_never_enters_the_collective():
+    import torch
+
+    from devmesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("x",))
+    if mesh.get_rank() == 1:
+        time.sleep(600)  # stuck in its own code
+    torch.distributed.all_reduce(torch.ones(1), group=mesh.get_group())
+
+
+def test_a_hung_rank_is_named_as_the_cause(mesh_pool):
+    """Issue 9, item 9: the rank that never entered the collective is named, not rank 0."""
+    from devmesh.errors import RankTimeoutError
+
+    with pytest.raises(RankTimeoutError) as info:
+        mesh_pool.run(one_rank_never_enters_the_collective, 4, timeout=15)
+    assert "ranks [1] never entered it" in str(info.value)
+    assert "Ranks [0, 2, 3] wait inside a collective" in str(info.value)
+    assert mesh_pool.run(lambda: 5, 4) == [5, 5, 5, 5]
+
+
+def fails_before_its_process_group(fail_rank: int):
+    from devmesh import init_device_mesh
+
+    if int(os.environ["RANK"]) == fail_rank:
+        raise ValueError("bad config on this rank")
+    init_device_mesh("cpu", (4,), timeout=60)
+
+
+@pytest.mark.parametrize("fail_rank", [0, 2])
+def test_the_pool_recovers_after_a_failure_in_process_group_setup(mesh_pool, fail_rank):
+    """Issue 9, item 10: a rank failing before the others finish setting up the world (rank 0
+    serves the store) breaks nothing for the next task."""
+    with pytest.raises(RankFailedError) as info:
+        mesh_pool.run(fails_before_its_process_group, 4, fail_rank, timeout=60)
+    assert info.value.rank == fail_rank and "bad config" in str(info.value)
+    assert mesh_pool.run(lambda: "next", 4) == ["next"] * 4

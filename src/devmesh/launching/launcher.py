@@ -51,6 +51,23 @@ def _death(code: int) -> str:
     return f"its process exited with code {code} without reporting"
 
 
+def _in_collective(stack: str) -> bool:
+    """Whether a rank's Python stack is inside torch.distributed (waiting in a collective or
+    the rendezvous) rather than in the user's own code."""
+    return "torch/distributed/" in stack
+
+
+def _culprits(unfinished: list[int], stacks: dict[int, str]) -> str:
+    """When some hung ranks wait inside a collective and others are elsewhere, the others are
+    what the collective waits for: name them."""
+    waiting = [r for r in unfinished if _in_collective(stacks.get(r, ""))]
+    elsewhere = [r for r in unfinished if r not in waiting]
+    if not waiting or not elsewhere:
+        return ""
+    return (f" Ranks {waiting} wait inside a collective; ranks {elsewhere} never entered it "
+            "(they are elsewhere in their code, see their stacks): they are the cause.")
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -312,8 +329,8 @@ class WorkerPool:
             shown = "\n".join(f"--- stack of rank {r} ---\n{stacks[r]}" for r in unfinished)
             raise RankTimeoutError(
                 f"ranks {unfinished} of {len(workers)} did not finish within {timeout:g} s "
-                f"(a hang: a collective that not every rank called?); they were stopped.\n"
-                f"{shown}",
+                f"(a hang: a collective that not every rank called?); they were stopped."
+                f"{_culprits(unfinished, stacks)}\n{shown}",
                 ranks=unfinished,
                 stacks=stacks,
             )
