@@ -61,6 +61,14 @@ def test_a_killed_rank_is_named_with_its_signal_within_seconds():
         assert not _alive(pid)
 
 
+def _all_gone(pids: list[int], within: float) -> bool:
+    """Whether every process in ``pids`` is gone (or a zombie) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return not any(_alive(p) for p in pids)
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, (f"touch {_MARK}",))
@@ -98,10 +106,7 @@ def test_killing_the_parent_leaves_no_worker():
     assert len(pids) == 3 and all(_alive(p) for p in pids)
     parent.send_signal(signal.SIGKILL)
     parent.wait(timeout=30)
-    deadline = time.monotonic() + 15
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert _all_gone(pids, within=15)
 
 
 def _devmesh(*args, **kw):
@@ -170,10 +175,7 @@ def test_killing_devmesh_run_leaves_no_rank(tmp_path):
     assert all(_alive(p) for p in pids)
     run.send_signal(signal.SIGKILL)
     run.wait(timeout=30)
-    deadline = time.monotonic() + 15
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(_alive(p) for p in pids)
+    assert _all_gone(pids, within=15)
 
 
 def test_the_root_exit_code_is_not_masked_by_the_agents_sigterm():
