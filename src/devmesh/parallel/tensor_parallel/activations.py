@@ -27,7 +27,7 @@ from devmesh.parallel.tensor_parallel import functional as PF
 from devmesh.tensor import Partial, Placement, Replicate, Shard, ShardedTensor, as_placement
 
 __all__ = ["to_torch_placement", "as_dtensor", "is_global", "layout_of", "replicated_input",
-           "last_dim_sharded_input", "sharded_input", "finish_output", "convert"]
+           "sharded_input", "finish_output", "convert"]
 
 
 def to_torch_placement(p: Placement):
@@ -100,10 +100,6 @@ def sharded_input(x, have: Placement, want: Shard, mesh: DeviceMesh) -> torch.Te
             dt = dt.redistribute(mesh, [to_torch_placement(want)])
         return dt.to_local()
     return convert(x, have, want, mesh, use_local_output=True)
-
-
-def last_dim_sharded_input(x, have: Placement, mesh: DeviceMesh) -> torch.Tensor:
-    return sharded_input(x, have, Shard(-1), mesh)
 
 
 def finish_output(y: torch.Tensor, have: Placement, want: Placement, mesh: DeviceMesh,
