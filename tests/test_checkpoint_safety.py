@@ -4,6 +4,7 @@ mesh of size 1 runs the same code paths as a larger one."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import signal
@@ -48,7 +49,8 @@ class _RunsCode:
         return (os.system, ("touch PWNED",))
 
 
-def test_a_checkpoint_whose_pickle_runs_code_is_refused(tmp_path, monkeypatch):
+def test_an_old_single_file_checkpoint_whose_pickle_runs_code_is_refused(tmp_path,
+                                                                          monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "evil.pt"
     torch.save({"format": "devmesh-checkpoint/1", "model": {}, "extra": _RunsCode()}, path)
@@ -60,35 +62,66 @@ def test_a_checkpoint_whose_pickle_runs_code_is_refused(tmp_path, monkeypatch):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
 
 
+def test_an_old_single_file_checkpoint_still_loads(tmp_path):
+    model, _ = _trained()
+    path = tmp_path / "old.pt"
+    torch.save({"format": "devmesh-checkpoint/1", "model": model.state_dict(),
+                "extra": {"step": 3}}, path)
+    fresh = Net()
+    assert load_checkpoint(str(path), fresh) == {"step": 3}
+    assert _same(model, fresh)
+
+
 def test_extra_must_be_plain_data():
     model, opt = _trained()
     with pytest.raises(CheckpointError, match="extra\\['obj'\\] is a _RunsCode"):
-        save_checkpoint("/nonexistent/never-written.pt", model, opt, extra={"obj": _RunsCode()})
+        save_checkpoint("/nonexistent/never-written", model, opt, extra={"obj": _RunsCode()})
 
 
 def test_round_trip_with_optimizer_buffers_and_extra(tmp_path):
     model, opt = _trained()
-    path = str(tmp_path / "ckpt.pt")
+    path = str(tmp_path / "ckpt")
     rng = torch.get_rng_state()
-    save_checkpoint(path, model, opt, extra={"step": 7, "rng": rng, "betas": (0.9, 0.99)})
+    save_checkpoint(path, model, opt, extra={"step": 7, "rng": rng, "betas": (0.9, 0.99),
+                                             3: [None, True, "x", torch.float16]})
     fresh = Net()
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.1)
     extra = load_checkpoint(path, fresh, fresh_opt)
     assert _same(model, fresh)  # BatchNorm's running statistics included
     assert extra["step"] == 7 and torch.equal(extra["rng"], rng)
+    assert extra["betas"] == (0.9, 0.99) and extra[3] == [None, True, "x", torch.float16]
+    assert fresh_opt.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
     for p, q in zip(model.parameters(), fresh.parameters()):
-        assert torch.equal(opt.state[p]["exp_avg"], fresh_opt.state[q]["exp_avg"])
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key])
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert all(not name.endswith(".devmesh-tmp") for name in os.listdir(path))
+
+
+def test_tied_weights_are_stored_once_and_stay_tied(tmp_path):
+    model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    model[1].weight = model[0].weight
+    save_checkpoint(str(tmp_path / "ckpt"), model)
+    meta = json.load(open(tmp_path / "ckpt" / "metadata.json"))
+    assert meta["aliases"] == {"model.1.weight": "model.0.weight"}
+    assert sum(meta["files"].values()) == 10 * 4 * 4
+    fresh = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    fresh[1].weight = fresh[0].weight
+    load_checkpoint(str(tmp_path / "ckpt"), fresh)
+    assert fresh[1].weight is fresh[0].weight and torch.equal(fresh[0].weight, model[0].weight)
 
 
 def test_a_planted_symlink_is_not_followed(tmp_path):
     victim = tmp_path / "victim.txt"
     victim.write_text("precious")
-    path = tmp_path / "ckpt.pt"
-    os.symlink(victim, str(path) + ".tmp")  # the old fixed temporary name
+    path = tmp_path / "ckpt"
+    path.mkdir()
+    os.symlink(victim, path / "metadata.json")  # the predictable names
+    os.symlink(victim, path / "metadata.json.tmp")
     model, opt = _trained()
     save_checkpoint(str(path), model, opt)
     assert victim.read_text() == "precious"
+    assert not os.path.islink(path / "metadata.json")
     load_checkpoint(str(path), Net())
 
 
@@ -104,21 +137,91 @@ def test_empty_and_garbage_files(tmp_path, content, words):
     assert str(path) in str(info.value)
 
 
-def test_truncated_missing_and_plain_files(tmp_path):
+def _saved(tmp_path):
     model, opt = _trained()
-    good = tmp_path / "good.pt"
-    save_checkpoint(str(good), model, opt)
-    cut = tmp_path / "cut.pt"
-    cut.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
-    with pytest.raises(CheckpointError, match="truncated or corrupted"):
-        load_checkpoint(str(cut), Net())
+    path = tmp_path / "ckpt"
+    save_checkpoint(str(path), model, opt)
+    meta = json.loads((path / "metadata.json").read_text())
+    return path, meta
+
+
+def _damage(path, meta, change):
+    change(meta)
+    (path / "metadata.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("case, words", [
+    ("garbage metadata", "not valid JSON"),
+    ("no metadata", "holds no metadata.json"),
+    ("missing data file", "is missing"),
+    ("short data file", "truncated or overwritten"),
+    ("path in a file name", "damaged or not written by devmesh"),
+    ("block past the end", "ends past the end"),
+    ("block outside the tensor", "lies outside the tensor"),
+    ("blocks do not cover", "cover"),
+    ("unknown dtype", "unknown dtype"),
+    ("foreign format", "expected 'devmesh-sharded-checkpoint/1'"),
+    ("object in extra", "unknown tag"),
+])
+def test_damaged_or_hostile_checkpoints_are_refused_before_anything_changes(tmp_path, case,
+                                                                               words):
+    path, meta = _saved(tmp_path)
+    data = next(iter(meta["files"]))
+    first = next(iter(meta["tensors"]))
+    if case == "garbage metadata":
+        (path / "metadata.json").write_text('{"format": "devmesh-sharded-checkpoint/1", "fi')
+    elif case == "no metadata":
+        (path / "metadata.json").unlink()
+    elif case == "missing data file":
+        (path / data).unlink()
+    elif case == "short data file":
+        (path / data).write_bytes((path / data).read_bytes()[:-4])
+    elif case == "path in a file name":
+        _damage(path, meta, lambda m: m["files"].update({"../../etc/passwd": 10}))
+    elif case == "block past the end":
+        _damage(path, meta, lambda m: m["tensors"][first]["blocks"][0].update(
+            offset=meta["files"][data]))
+    elif case == "block outside the tensor":
+        _damage(path, meta, lambda m: m["tensors"][first]["blocks"][0].update(start=[5, 5]))
+    elif case == "blocks do not cover":
+        _damage(path, meta, lambda m: m["tensors"][first].update(shape=[9, 4]))
+    elif case == "unknown dtype":
+        _damage(path, meta, lambda m: m["tensors"][first].update(dtype="object"))
+    elif case == "foreign format":
+        _damage(path, meta, lambda m: m.update(format="torch-dcp"))
+    elif case == "object in extra":
+        _damage(path, meta, lambda m: m.update(extra={"pickle": "cos\nsystem\n"}))
+    target = Net()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    with pytest.raises(CheckpointError, match=words) as info:
+        load_checkpoint(str(path), target, torch.optim.Adam(target.parameters()))
+    assert str(path) in str(info.value)
+    assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def test_missing_and_plain_files(tmp_path):
+    model, _ = _trained()
     with pytest.raises(CheckpointNotFoundError) as info:
-        load_checkpoint(str(tmp_path / "missing.pt"), Net())
+        load_checkpoint(str(tmp_path / "missing"), Net())
     assert isinstance(info.value, FileNotFoundError)
     plain = tmp_path / "plain.pt"
     torch.save(model.state_dict(), plain)
     with pytest.raises(CheckpointError, match="plain torch.save\\(model.state_dict\\(\\)\\)"):
         load_checkpoint(str(plain), Net())
+
+
+def test_a_model_that_does_not_match_is_refused(tmp_path):
+    path, _ = _saved(tmp_path)
+    wider = Net()
+    wider.lin = nn.Linear(4, 9)
+    with pytest.raises(StateDictError, match="size mismatch for model.lin.weight"):
+        load_checkpoint(str(path), wider)
+    renamed = nn.Sequential(nn.Linear(4, 8))
+    with pytest.raises(StateDictError, match="Missing key\\(s\\): '0.weight'"):
+        load_checkpoint(str(path), renamed)
+    half = Net().to(torch.float16)
+    with pytest.raises(StateDictError, match="dtype mismatch for lin.weight"):
+        load_checkpoint(str(path), half)
 
 
 def test_loads_are_all_or_nothing_and_shapes_exact():
@@ -162,7 +265,7 @@ def _message(fn, *args):
 
 def test_optimizer_mismatch_changes_nothing(tmp_path):
     model, opt = _trained()
-    path = str(tmp_path / "ckpt.pt")
+    path = str(tmp_path / "ckpt")
     save_checkpoint(path, model, opt)
     target = Net()
     before = {k: v.clone() for k, v in target.state_dict().items()}
@@ -172,40 +275,46 @@ def test_optimizer_mismatch_changes_nothing(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
 
 
-def test_a_killed_writer_leaves_the_old_checkpoint_and_no_temporary(tmp_path):
-    """SIGKILL in the middle of a save: the previous checkpoint still loads, and the next save
-    removes the killed writer's temporary file."""
-    path = tmp_path / "ckpt.pt"
+@pytest.mark.parametrize("stage", ["data-", "metadata.json"])
+def test_a_killed_writer_leaves_the_old_checkpoint_loadable(tmp_path, stage):
+    """SIGKILL while writing the data files, or the metadata: the previous checkpoint still
+    loads, and the next save removes what the killed writer left."""
+    path = tmp_path / "ckpt"
     model, opt = _trained()
     save_checkpoint(str(path), model, opt, extra={"generation": 1})
     script = textwrap.dedent(f"""
-        import os, signal, torch
-        import devmesh._files as files
-        real_save = torch.save
-        def slow_save(obj, f):
-            f.write(b"partial bytes")
-            f.flush()
-            print("writing", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-        torch.save = slow_save
-        from devmesh.parallel import save_checkpoint
+        import contextlib, os, signal
+        import devmesh.parallel.checkpoint.save as save
+        real = save.atomic_file
+        @contextlib.contextmanager
+        def dying(target, mode="wb"):
+            with real(target, mode) as f:
+                if {stage!r} in os.path.basename(target):
+                    f.write(b"partial" if "b" in mode else "partial")
+                    f.flush()
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield f
+        save.atomic_file = dying
         from torch import nn
-        save_checkpoint({str(path)!r}, nn.Linear(2, 2))
+        save.save_checkpoint({str(path)!r}, nn.Linear(4, 8), extra={{"generation": 99}})
     """)
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == -signal.SIGKILL, proc.stderr
-    leftovers = [n for n in os.listdir(tmp_path) if n != "ckpt.pt"]
-    assert leftovers and all(n.endswith(".devmesh-tmp") for n in leftovers)
+    left = set(os.listdir(path))
+    assert any(n.endswith(".devmesh-tmp") for n in left)
     fresh = Net()
     assert load_checkpoint(str(path), fresh)["generation"] == 1
     assert _same(model, fresh)
     save_checkpoint(str(path), model, opt, extra={"generation": 2})
-    assert sorted(os.listdir(tmp_path)) == ["ckpt.pt"]
+    meta = json.loads((path / "metadata.json").read_text())
+    assert sorted(os.listdir(path)) == sorted(["metadata.json", *meta["files"]])
 
 
-def test_pickle_module_is_not_used_for_checkpoints():
-    assert "pickle.load" not in open(
-        os.path.join(os.path.dirname(__file__), "..", "src", "devmesh", "parallel",
-                     "checkpoint.py")).read()
+def test_nothing_is_unpickled_when_loading_sharded_checkpoints():
+    root = os.path.join(os.path.dirname(__file__), "..", "src", "devmesh", "parallel",
+                        "checkpoint")
+    for name in ("format.py", "load.py", "encoding.py", "offline.py"):
+        source = open(os.path.join(root, name)).read()
+        assert "import pickle" not in source and "torch.load(" not in source, name
     assert pickle  # imported for the malicious file above

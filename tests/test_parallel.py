@@ -483,10 +483,10 @@ def checkpoint_resume(name, path, break_save=False):
     save_checkpoint(path, model, opt, extra={"step": 2})
     continued = [step(model, opt, i) for i in (2, 3)]
     failure = None
-    if break_save:  # a failed save (a real one: the target's directory is a file) raises on
+    if break_save:  # a failed save (a real one: the target's parent is a file) raises on
         # every rank and leaves the old checkpoint intact
         try:
-            save_checkpoint(os.path.join(path, "inside-a-file.pt"), model, opt)
+            save_checkpoint(os.path.join(path, "metadata.json", "inside-a-file"), model, opt)
         except Exception as exc:  # noqa: BLE001
             failure = str(exc)
     model2, opt2 = fresh()
@@ -497,7 +497,7 @@ def checkpoint_resume(name, path, break_save=False):
 
 @pytest.mark.parametrize("strategy", ["fsdp+tp", "hsdp", "ddp"])
 def test_checkpoint_resumes_training_exactly(mesh_pool, tmp_path, strategy):
-    path = str(tmp_path / "ckpt.pt")
+    path = str(tmp_path / "ckpt")
     break_save = strategy == "hsdp"
     results = mesh_pool.run(checkpoint_resume, STRATEGIES[strategy][0], strategy, path,
                             break_save)
@@ -505,8 +505,9 @@ def test_checkpoint_resumes_training_exactly(mesh_pool, tmp_path, strategy):
         assert resumed == pytest.approx(continued, rel=1e-6)
         assert extra == {"step": 2}
         if break_save:
-            assert "save_checkpoint failed on rank 0: NotADirectoryError" in failure
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt.pt"]  # no temporary left
+            assert "could not write" in failure and "NotADirectoryError" in failure
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert not any(n.endswith(".devmesh-tmp") for n in os.listdir(path))  # no temporary left
 
 
 def fsdp_recovers_after_a_failed_forward_and_keeps_models_apart():

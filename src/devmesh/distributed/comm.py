@@ -43,6 +43,9 @@ __all__ = [
     "all_reduce_async",
     "all_gather_async",
     "Pending",
+    "agree",
+    "failures",
+    "differing",
 ]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -296,6 +299,14 @@ def agree(mesh: DeviceMesh, dims: Sequence[int], what: str, value: str) -> None:
     by_value: dict[str, list[int]] = defaultdict(list)
     for rank, text, n in zip(ranks, texts, lengths.tolist()):
         by_value[bytes(text[:n].tolist()).decode(errors="replace")].append(rank)
+    listing = describe_disagreement(by_value)
+    raise MeshMismatchError(f"{what}: the ranks disagree — {listing}")
+
+
+def describe_disagreement(by_value: dict[str, list[int]]) -> str:
+    """``ranks 0-3: value; ranks 4-7: other value``, long values cut to where they differ."""
+    from devmesh.layout import format_ranks
+
     values = list(by_value)
     start = len(_common_prefix(values))
     if max(map(len, values)) > 240:  # long descriptions: show where they start to differ
@@ -303,8 +314,7 @@ def agree(mesh: DeviceMesh, dims: Sequence[int], what: str, value: str) -> None:
         shown = {v: ("…" if start else "") + v[start: start + 160] + "…" for v in values}
     else:
         shown = {v: v for v in values}
-    listing = "; ".join(f"ranks {format_ranks(r)}: {shown[v]}" for v, r in by_value.items())
-    raise MeshMismatchError(f"{what}: the ranks disagree — {listing}")
+    return "; ".join(f"ranks {format_ranks(r)}: {shown[v]}" for v, r in by_value.items())
 
 
 def _common_prefix(values: list[str]) -> str:
@@ -313,3 +323,57 @@ def _common_prefix(values: list[str]) -> str:
     while n < min(len(first), len(last)) and first[n] == last[n]:
         n += 1
     return first[:n]
+
+
+# -- outcomes over a whole group (not a mesh): checkpoints agree on success this way ---------
+def _gather_texts(text: str, group: dist.ProcessGroup | None) -> list[str]:
+    """Every rank's ``text``, on every rank: two small all-gathers (lengths, then bytes).
+    Bytes, not pickles: nothing from a peer is unpickled."""
+    size = dist.get_world_size(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([data.numel()]), group=group)
+    longest = max(int(n) for n in lengths)
+    padded = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    padded[: data.numel()] = data
+    out = [torch.zeros_like(padded) for _ in range(size)]
+    dist.all_gather(out, padded, group=group)
+    return [bytes(t[: int(n)].tolist()).decode(errors="replace") for t, n in zip(out, lengths)]
+
+
+def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[int, str]:
+    """``{rank: error}`` of every rank of ``group`` that failed, the same dict on every rank.
+
+    One all-gather of a flag when every rank succeeded; the texts travel only after a
+    failure. Call it where some ranks may have raised, before the next collective, and raise
+    on every rank if the result is not empty: an error on some ranks alone is a hang for the
+    others."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return {0: error} if error is not None else {}
+    size = dist.get_world_size(group)
+    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(flags, torch.tensor([int(error is not None)]), group=group)
+    if not any(int(f) for f in flags):
+        return {}
+    texts = _gather_texts(error or "", group)
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
+    return {r: t for r, t, f in zip(ranks, texts, flags) if int(f)}
+
+
+def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, list[int]]:
+    """``{value: ranks}`` if the ranks of ``group`` passed different values, else ``{}`` (the
+    same on every rank): one all-gather of an 8-byte digest when they agree."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return {}
+    size = dist.get_world_size(group)
+    digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    digests = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
+    dist.all_gather(digests, mine, group=group)
+    if all(int(d) == int(digests[0]) for d in digests):
+        return {}
+    ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
+    by_value: dict[str, list[int]] = defaultdict(list)
+    for rank, text in zip(ranks, _gather_texts(value, group)):
+        by_value[text].append(rank)
+    return dict(by_value)

@@ -57,6 +57,7 @@ class _Cache:
         self.agreements = itertools.count()
         self.hosts = None  # host index of every rank, once gathered
         self.host_published = False  # this rank posted its host index in this world
+        self.private: dict[str, ProcessGroup] = {}  # whole-world groups of one purpose each
 
 
 _cache: _Cache | None = None
@@ -141,6 +142,22 @@ def get_group(
         cache.created += 1
     assert group is not None
     cache.groups[key] = group
+    return group
+
+
+def private_world_group(purpose: str) -> ProcessGroup:
+    """A gloo group over the whole world used for ``purpose`` only (e.g. a background
+    checkpoint writer agreeing on its outcome), so its collectives never interleave with the
+    training's collectives on other groups, even from another thread. Collective on first use:
+    every rank must ask for it, in the same order as for its other groups."""
+    cache = _current()
+    group = cache.private.get(purpose)
+    if group is None:
+        group = dist.new_group(list(range(dist.get_world_size())), backend="gloo",
+                               group_desc=f"devmesh-{purpose}")
+        assert group is not None
+        cache.private[purpose] = group
+        cache.created += 1
     return group
 
 

@@ -60,7 +60,7 @@ def local_block(param: nn.Parameter, full: torch.Tensor, name: str = "tensor") -
     return full
 
 
-def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers ``nn.Module.state_dict()`` saves (non-persistent ones excluded)."""
     out = {}
     for prefix, module in model.named_modules(remove_duplicate=False):
@@ -78,7 +78,7 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
     on a missing or unexpected key (``strict``), a shape that differs (exactly: no reshaping)
     or a value that is not a tensor."""
     params = dict(model.named_parameters(remove_duplicate=False))
-    buffers = _persistent_buffers(model)
+    buffers = persistent_buffers(model)
     expected = set(params) | set(buffers)
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)

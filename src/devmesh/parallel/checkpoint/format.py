@@ -1,0 +1,220 @@
+"""The on-disk format of a sharded checkpoint: a directory of raw data files and one JSON
+metadata file, and the reader that checks and reads them.
+
+::
+
+    PATH/
+      metadata.json                  written last, atomically: the checkpoint exists when it does
+      data-<save id>-r00003.bin      rank 3's blocks, raw bytes, one after another
+
+``metadata.json`` names every tensor (``model.<name>``, ``optim.state.<name>.<key>``,
+``extra...``), its dtype, global shape and layout, and for each distinct block the file,
+byte offset, start and size; tied parameters are aliases of one entry. Data files are raw
+little-endian bytes in row-major order: no pickle anywhere, so reading a checkpoint can never
+run code. Each save writes data files under a fresh id, so a save killed half-way leaves the
+previous metadata and the data files it names intact; the next save removes the orphans.
+
+:class:`CheckpointReader` checks the metadata's structure, that every data file exists and is
+as long as the metadata says, and reads any box of any tensor, touching only the rows of the
+blocks that overlap it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from devmesh.errors import CheckpointError, CheckpointNotFoundError
+from devmesh.parallel.checkpoint.blocks import overlap
+from devmesh.parallel.checkpoint.encoding import Malformed, dtype_of
+
+__all__ = ["FORMAT", "METADATA", "BlockMeta", "TensorMeta", "CheckpointReader", "data_file_name",
+           "DATA_FILE"]
+
+FORMAT = "devmesh-sharded-checkpoint/1"
+METADATA = "metadata.json"
+DATA_FILE = re.compile(r"data-[0-9a-f]{16}-r[0-9]{5}\.bin")
+
+
+def data_file_name(save_id: str, rank: int) -> str:
+    return f"data-{save_id}-r{rank:05d}.bin"
+
+
+@dataclass(frozen=True)
+class BlockMeta:
+    file: str
+    offset: int
+    start: tuple[int, ...]
+    size: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    layout: str
+    blocks: tuple[BlockMeta, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+def _ints(value: Any, where: str, length: int | None = None) -> tuple[int, ...]:
+    if (not isinstance(value, list) or any(type(v) is not int or v < 0 for v in value)
+            or (length is not None and len(value) != length)):
+        raise Malformed(f"{where} is not a list of {length or ''} non-negative integers")
+    return tuple(value)
+
+
+def _tensor_meta(key: str, raw: Any, files: dict[str, int]) -> TensorMeta:
+    if not isinstance(raw, dict):
+        raise Malformed(f"tensor {key!r} is not an object")
+    dtype = dtype_of(raw.get("dtype"))
+    shape = _ints(raw.get("shape"), f"{key}.shape")
+    blocks = []
+    covered = 0
+    for i, b in enumerate(raw.get("blocks") if isinstance(raw.get("blocks"), list) else ()):
+        where = f"{key}.blocks[{i}]"
+        if not isinstance(b, dict) or b.get("file") not in files:
+            raise Malformed(f"{where} names a data file the metadata does not list")
+        block = BlockMeta(b["file"], _ints([b.get("offset")], where)[0],
+                          _ints(b.get("start"), f"{where}.start", len(shape)),
+                          _ints(b.get("size"), f"{where}.size", len(shape)))
+        if any(s + n > d for s, n, d in zip(block.start, block.size, shape)):
+            raise Malformed(f"{where} lies outside the tensor's shape {shape}")
+        nbytes = math.prod(block.size) * dtype.itemsize
+        if block.offset + nbytes > files[block.file]:
+            raise Malformed(f"{where} ends past the end of {block.file}")
+        covered += math.prod(block.size)
+        blocks.append(block)
+    if covered != math.prod(shape):
+        raise Malformed(f"the blocks of {key!r} cover {covered} of its {math.prod(shape)} "
+                        "elements")
+    layout = raw.get("layout", "")
+    return TensorMeta(key, dtype, shape, layout if isinstance(layout, str) else "", tuple(blocks))
+
+
+class CheckpointReader:
+    """A checked view of the sharded checkpoint at ``path`` (a directory). Construction reads
+    only ``metadata.json`` and the data files' sizes; :meth:`read` reads bytes."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        meta_path = os.path.join(path, METADATA)
+        if not os.path.isdir(path):
+            raise CheckpointNotFoundError(f"no checkpoint at {path}")
+        if not os.path.exists(meta_path):
+            raise CheckpointError(
+                f"{path} holds no {METADATA}: not a devmesh checkpoint, or its first save never "
+                "completed (a checkpoint exists only once its metadata is written)")
+        try:
+            with open(meta_path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise CheckpointError(f"{meta_path} is truncated or corrupted: not valid JSON "
+                                  f"({exc})") from None
+        try:
+            self._parse(raw)
+        except Malformed as exc:
+            raise CheckpointError(f"{meta_path} is damaged or not written by devmesh: {exc}"
+                                  ) from None
+        self._handles: dict[str, Any] = {}
+
+    def _parse(self, raw: Any) -> None:
+        if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+            found = raw.get("format") if isinstance(raw, dict) else None
+            raise Malformed(f"format is {found!r}, expected {FORMAT!r}")
+        files = raw.get("files")
+        if not isinstance(files, dict) or not all(
+                isinstance(k, str) and DATA_FILE.fullmatch(k) and type(v) is int and v >= 0
+                for k, v in files.items()):
+            raise Malformed("'files' is not a map of data file names to sizes")
+        for name, size in files.items():
+            actual = os.path.getsize(os.path.join(self.path, name)) if os.path.exists(
+                os.path.join(self.path, name)) else None
+            if actual is None:
+                raise CheckpointError(f"{self.path}: data file {name} is missing (the metadata "
+                                      "lists it); the checkpoint cannot be loaded")
+            if actual != size:
+                raise CheckpointError(f"{self.path}: data file {name} is {actual} bytes, the "
+                                      f"metadata says {size}: truncated or overwritten")
+        self.files: dict[str, int] = files
+        tensors = raw.get("tensors")
+        if not isinstance(tensors, dict):
+            raise Malformed("'tensors' is not an object")
+        self.tensors = {k: _tensor_meta(k, v, files) for k, v in tensors.items()}
+        aliases = raw.get("aliases", {})
+        if not isinstance(aliases, dict) or any(v not in self.tensors for v in aliases.values()):
+            raise Malformed("'aliases' names tensors that are not stored")
+        self.aliases: dict[str, str] = aliases
+        model = raw.get("model")
+        if not isinstance(model, list) or any(
+                f"model.{k}" not in self.tensors and f"model.{k}" not in aliases for k in model):
+            raise Malformed("'model' is not the list of the model's stored names")
+        self.model_keys: list[str] = model
+        self.optimizer = raw.get("optimizer")
+        self.extra = raw.get("extra")
+        self.world_size = raw.get("world_size")
+
+    def meta(self, key: str) -> TensorMeta:
+        return self.tensors[self.aliases.get(key, key)]
+
+    def _file(self, name: str):
+        if name not in self._handles:
+            self._handles[name] = open(os.path.join(self.path, name), "rb")
+        return self._handles[name]
+
+    def read(self, key: str, start: tuple[int, ...] | None = None,
+             size: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The box ``start``/``size`` (default: all) of tensor ``key``, read from the rows of
+        the blocks that overlap it."""
+        meta = self.meta(key)
+        start = start if start is not None else (0,) * len(meta.shape)
+        size = size if size is not None else meta.shape
+        out = torch.empty(size, dtype=meta.dtype)
+        for block in meta.blocks:
+            box = overlap(start, size, block.start, block.size)
+            if box is None:
+                continue
+            out[tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(box, start))] = \
+                self._read_block_box(meta, block, box)
+        return out
+
+    def _read_block_box(self, meta: TensorMeta, block: BlockMeta,
+                        box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+        if not block.size:  # a 0-d tensor
+            return self._bytes(block.file, block.offset, meta.dtype.itemsize).view(
+                meta.dtype).reshape(())
+        row = math.prod(block.size[1:]) * meta.dtype.itemsize
+        first, last = box[0][0] - block.start[0], box[0][1] - block.start[0]
+        raw = self._bytes(block.file, block.offset + first * row, (last - first) * row)
+        rows = raw.view(meta.dtype).reshape((last - first, *block.size[1:]))
+        return rows[(slice(None), *(slice(lo - s, hi - s) for (lo, hi), s in
+                                    zip(box[1:], block.start[1:])))]
+
+    def _bytes(self, name: str, offset: int, nbytes: int) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        f = self._file(name)
+        f.seek(offset)
+        if f.readinto(memoryview(buffer.numpy())) != nbytes:
+            raise CheckpointError(f"{self.path}: {name} ended early (truncated while loading?)")
+        return buffer
+
+    def close(self) -> None:
+        for f in self._handles.values():
+            f.close()
+        self._handles.clear()
+
+    def __enter__(self) -> CheckpointReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,173 @@
+"""``load_checkpoint``: each rank reads the boxes of the saved blocks that overlap its own
+blocks, into whatever layout the model has now (another mesh shape, another world size, a
+plain model), and changes nothing unless every rank could read and check everything.
+
+The steps: *read* — this rank checks the metadata and data files, the model's names, dtypes
+and global shapes, the optimizer's parameter groups, and reads its blocks into new tensors;
+*agree* — one all-gather of a flag tells every rank whether some rank failed (then every rank
+raises, the failing rank its own error); *apply* — copy into the model and load the
+optimizer's state dict.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictError
+from devmesh.parallel.checkpoint import legacy
+from devmesh.parallel.checkpoint.encoding import Malformed, decode
+from devmesh.parallel.checkpoint.format import CheckpointReader
+from devmesh.parallel.checkpoint.save import _raise_if_failed, wait_for_pending_save
+from devmesh.parallel.param import get_layout
+from devmesh.parallel.state_dict import persistent_buffers
+
+__all__ = ["load_checkpoint", "read_block"]
+
+
+def read_block(reader: CheckpointReader, key: str, target: torch.Tensor,
+               like: torch.Tensor | None = None) -> torch.Tensor:
+    """This rank's block of stored tensor ``key`` for ``target`` (laid out like parameter
+    ``like``, default itself), after checking dtype and global shape."""
+    meta = reader.meta(key)
+    layout = get_layout(like if like is not None else target)
+    shape = tuple(layout.spec.global_shape) if layout else tuple(target.shape)
+    if meta.shape != shape:
+        raise StateDictError(
+            f"size mismatch for {key}: copying a param with shape {meta.shape} from "
+            f"checkpoint, the shape in current model is {shape}")
+    if layout is None:
+        return reader.read(key)
+    coord = layout.mesh.get_coordinate()
+    bounds = layout.spec.local_bounds(coord)
+    block = reader.read(key, tuple(s for s, _ in bounds), tuple(n for _, n in bounds))
+    return block.reshape(target.shape)
+
+
+def _model_writes(reader: CheckpointReader, model: nn.Module
+                  ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    params = dict(model.named_parameters(remove_duplicate=False))
+    buffers = persistent_buffers(model)
+    expected = list(params) + list(buffers)
+    missing = [k for k in expected if k not in reader.model_keys]
+    unexpected = [k for k in reader.model_keys if k not in params and k not in buffers]
+    if missing or unexpected:
+        raise StateDictError(
+            f"Error(s) in loading checkpoint {reader.path} for {type(model).__name__}: "
+            + "; ".join(part for part in (
+                missing and "Missing key(s): " + ", ".join(map(repr, missing)),
+                unexpected and "Unexpected key(s): " + ", ".join(map(repr, unexpected))) if part)
+            + ". Nothing was loaded; the checkpoint must come from the same model")
+    writes = []
+    done: set[int] = set()
+    for name, target in list(params.items()) + list(buffers.items()):
+        if id(target) in done:
+            continue
+        done.add(id(target))
+        meta = reader.meta(f"model.{name}")
+        if meta.dtype != target.dtype:
+            raise StateDictError(
+                f"dtype mismatch for {name}: the checkpoint holds {meta.dtype}, the model "
+                f"{target.dtype}; convert the model (model.to({meta.dtype})) before loading, "
+                "or load into a model of the saved dtype and convert after")
+        writes.append((target, read_block(reader, f"model.{name}", target)))
+    return writes
+
+
+def _optimizer_state(reader: CheckpointReader, model: nn.Module,
+                     optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    if not isinstance(reader.optimizer, dict):
+        raise CheckpointError(f"{reader.path} holds no optimizer state (saved without one)")
+    names = {id(p): name for name, p in model.named_parameters()}
+    by_name = dict(model.named_parameters())
+    saved_groups = decode(reader.optimizer.get("param_groups"), _no_tensor, "param_groups")
+    current = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
+    stored = [list(g.get("params", [])) if isinstance(g, dict) else None for g in saved_groups]
+    if current != stored:
+        raise CheckpointError(
+            f"{reader.path}: the optimizer's parameter groups differ from the saved ones "
+            f"(saved {[len(g or ()) for g in stored]} parameters per group, this optimizer "
+            f"{[len(g) for g in current]}); build the optimizer over the same parameters")
+    index = {name: i for i, name in enumerate(n for g in current for n in g)}
+    state: dict[int, Any] = {}
+    raw_state = reader.optimizer.get("state")
+    if not isinstance(raw_state, dict):
+        raise Malformed("optimizer state is not an object")
+    for name, entry in raw_state.items():
+        if name not in index:
+            raise CheckpointError(f"{reader.path}: optimizer state for unknown parameter "
+                                  f"{name!r}")
+        p = by_name[name]
+
+        def tensor(key: str, p=p) -> torch.Tensor:
+            meta = reader.meta(key)
+            global_shape = tuple(get_layout(p).spec.global_shape) if get_layout(p) else p.shape
+            if meta.shape and meta.shape == tuple(global_shape):  # laid out like its parameter
+                return read_block(reader, key, p.detach(), like=p)
+            return reader.read(key)
+
+        state[index[name]] = decode(entry, tensor, f"optimizer state of {name}")
+    groups = [g | {"params": [index[n] for n in g["params"]]} for g in saved_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def _no_tensor(key: str) -> torch.Tensor:
+    raise Malformed(f"a parameter group setting refers to tensor {key!r}")
+
+
+def _load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
+                  ) -> tuple[Any, Any]:
+    """Read and check everything this rank needs; returns a function applying it."""
+    with CheckpointReader(path) as reader:
+        try:
+            writes = _model_writes(reader, model)
+            optimizer_state = (None if optimizer is None
+                               else _optimizer_state(reader, model, optimizer))
+            extra = None if reader.extra is None else decode(reader.extra, reader.read, "extra")
+        except Malformed as exc:
+            raise CheckpointError(f"{path} is damaged or not written by devmesh: {exc}"
+                                  ) from None
+        except KeyError as exc:
+            raise CheckpointError(f"{path} does not hold tensor {exc}: damaged, or written "
+                                  "for another model") from None
+    return (writes, optimizer_state), extra
+
+
+def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+                    ) -> dict[str, Any] | None:
+    """Collective: load the checkpoint at ``path`` into ``model`` (and ``optimizer``) in
+    whatever parallel layout they have now; returns the saved ``extra``.
+
+    Each rank reads only the bytes overlapping its blocks. Nothing changes unless everything
+    fits: a missing or damaged checkpoint, or a model or optimizer that does not match (names,
+    dtypes, shapes, parameter groups) raises :class:`~devmesh.errors.CheckpointError` or
+    :class:`~devmesh.errors.StateDictError` on every rank first. A single file written by
+    devmesh before sharded checkpoints existed loads too (with ``weights_only=True``)."""
+    wait_for_pending_save()
+    prepared = extra = None
+    error: BaseException | None = None
+    try:
+        if os.path.isdir(path):
+            prepared, extra = _load_sharded(path, model, optimizer)
+        elif os.path.isfile(path):
+            prepared, extra = legacy.prepare(path, model, optimizer)
+        else:
+            raise CheckpointNotFoundError(f"no checkpoint at {path}")
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    if dist.is_initialized():
+        _raise_if_failed(error, f"load_checkpoint({path!r})")
+    elif error is not None:
+        raise error
+    assert prepared is not None
+    writes, optimizer_state = prepared
+    with torch.no_grad():
+        for target, value in writes:
+            target.copy_(value)
+    if optimizer is not None and optimizer_state is not None:
+        optimizer.load_state_dict(optimizer_state)
+    return extra

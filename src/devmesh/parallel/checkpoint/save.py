@@ -1,0 +1,316 @@
+"""``save_checkpoint``: every rank writes the blocks it owns, in parallel; rank 0 writes the
+metadata last.
+
+No rank gathers anything: a rank writes its own local blocks (the ones
+:func:`~devmesh.parallel.checkpoint.blocks.place_blocks` assigns it, each distinct block once),
+so a save needs no memory beyond the model it already holds (synchronous) or one host copy of
+the rank's own blocks (``async_=True``). The steps, each agreed by every rank so that a
+failure anywhere raises everywhere instead of hanging the others:
+
+1. *prepare*: list the tensors to save (model, optimizer state, ``extra``); every rank checks
+   that every rank lists the same ones (one 8-byte digest all-gather);
+2. *write*: each rank writes its data file (exclusively created, fsynced, renamed);
+3. *commit*: once every rank reports success, rank 0 writes ``metadata.json`` atomically and
+   removes the data files no metadata names any more (the previous save's, a killed save's).
+
+Steps 2 and 3 run in a background thread when ``async_=True``; their collectives use a gloo
+group of their own, so they never interleave with the training's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from devmesh._files import TMP_SUFFIX, atomic_file
+from devmesh.distributed import comm, groups
+from devmesh.errors import CheckpointError
+from devmesh.parallel.checkpoint.blocks import Placed, TensorLayout, place_blocks
+from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
+from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data_file_name
+from devmesh.parallel.param import get_layout
+from devmesh.parallel.state_dict import persistent_buffers
+
+__all__ = ["save_checkpoint", "SaveHandle", "wait_for_pending_save"]
+
+
+@dataclass
+class _Entry:
+    """One tensor to save: how it is laid out and this rank's block (or the whole tensor)."""
+
+    layout: TensorLayout
+    local: torch.Tensor
+    dtype: torch.dtype
+    text: str  # the layout, in words, for ``devmesh ckpt info``
+    mesh: dict[str, Any] | None = None
+
+
+def _entry(key: str, tensor: torch.Tensor, like: torch.Tensor | None = None,
+           writer: int | None = None) -> _Entry:
+    """``tensor`` laid out like parameter ``like`` (its block), or whole on every rank."""
+    layout = get_layout(like) if like is not None else None
+    local = tensor.detach()
+    if layout is None:
+        return _Entry(TensorLayout(key, tuple(local.shape), local.element_size(), writer=writer),
+                      local, local.dtype, "whole")
+    spec = layout.spec
+    mesh = layout.mesh
+    root = mesh._root
+    return _Entry(TensorLayout(key, spec.global_shape, local.element_size(), spec,
+                               tuple(root.mesh.flatten().tolist()), tuple(root.mesh.shape),
+                               mesh._dim_roots), local, local.dtype,
+                  str(spec), {"shape": list(spec.mesh_shape),
+                              "names": list(mesh.mesh_dim_names or ())})
+
+
+class _Contents:
+    """Everything one save writes, listed the same way on every rank (``extra`` excepted:
+    rank 0's is saved)."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+                 extra: dict[str, Any] | None, rank: int) -> None:
+        self.entries: list[_Entry] = []
+        self.aliases: dict[str, str] = {}
+        self.model_keys: list[str] = []
+        seen: dict[int, str] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            self.model_keys.append(name)
+            if id(p) in seen:  # a tied parameter: its bytes once, under its first name
+                self.aliases[f"model.{name}"] = seen[id(p)]
+                continue
+            seen[id(p)] = f"model.{name}"
+            self.entries.append(_entry(f"model.{name}", p, like=p))
+        for name, b in persistent_buffers(model).items():
+            self.model_keys.append(name)
+            self.entries.append(_entry(f"model.{name}", b))
+        self.optimizer = None if optimizer is None else self._optimizer(model, optimizer)
+        self.extra = None
+        self.extra_entries: list[_Entry] = []
+        if extra is not None:
+            check_plain(extra, "extra")
+            self.extra = encode(extra, self._extra_tensor(rank), "extra")
+
+    def _optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        names = {id(p): name for name, p in model.named_parameters()}
+        state: dict[str, Any] = {}
+        groups_ = []
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in names:
+                    raise CheckpointError("the optimizer holds a parameter that is not in the "
+                                          "model: save the model it was built over")
+            groups_.append({k: v for k, v in group.items() if k != "params"}
+                           | {"params": [names[id(p)] for p in group["params"]]})
+            for p in group["params"]:
+                name = names[id(p)]
+
+                def ref(value: torch.Tensor, where: str, p=p) -> str:
+                    key = f"optim.state.{where}"
+                    like = p if value.shape == p.shape and value.ndim else None
+                    self.entries.append(_entry(key, value, like=like))
+                    return key
+
+                state[name] = encode(dict(optimizer.state.get(p, {})), ref, name)
+        check_plain(groups_, "optimizer.param_groups")
+        return {"state": state, "param_groups": encode(
+            groups_, lambda t, w: _refuse_tensor(w), "param_groups")}
+
+    def _extra_tensor(self, rank: int):
+        def ref(value: torch.Tensor, where: str) -> str:
+            self.extra_entries.append(_entry(where, value, writer=0))
+            return where
+        return ref
+
+    def description(self) -> str:
+        """What every rank must agree on before writing: names, dtypes, shapes, layouts."""
+        return "; ".join(f"{e.layout.key} {dtype_name(e.dtype)} {list(e.layout.shape)} {e.text}"
+                         f" {list(e.layout.dim_roots)}" for e in self.entries)
+
+
+def _refuse_tensor(where: str) -> str:
+    raise CheckpointError(f"optimizer param group setting {where} is a tensor: only plain "
+                          "settings (numbers, strings, tuples) can be saved")
+
+
+class SaveHandle:
+    """A save in progress: :meth:`wait` blocks until it is complete everywhere and raises
+    :class:`~devmesh.errors.CheckpointError` (on every rank) if it failed."""
+
+    def __init__(self, work, background: bool) -> None:
+        self._error: BaseException | None = None
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._run, args=(work,), daemon=True,
+                                            name="devmesh-checkpoint-writer")
+            self._thread.start()
+        else:
+            self._run(work)
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - handed to wait()
+            self._error = exc
+
+    def done(self) -> bool:
+        return self._thread is None or not self._thread.is_alive()
+
+    def wait(self, timeout: float | None = None) -> None:
+        global _pending
+        if self._thread is not None:
+            self._thread.join(timeout)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the checkpoint save is still writing after {timeout} s")
+        if _pending is self:
+            _pending = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+
+_pending: SaveHandle | None = None
+
+
+def wait_for_pending_save() -> None:
+    """Finish the previous ``async_`` save before anything else touches checkpoints."""
+    if _pending is not None:
+        _pending.wait()
+
+
+def _raise_if_failed(error: BaseException | str | None, what: str, group=None) -> None:
+    """Every rank raises if any rank failed (this rank's own exception where it failed)."""
+    text = None if error is None else (error if isinstance(error, str)
+                                       else f"{type(error).__name__}: {error}")
+    failed = comm.failures(text, group)
+    if not failed:
+        return
+    if isinstance(error, BaseException):
+        raise error
+    listing = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items()))
+    raise CheckpointError(f"{what} failed — {listing}")
+
+
+def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    *, extra: dict[str, Any] | None = None, async_: bool = False
+                    ) -> SaveHandle:
+    """Collective: write a sharded checkpoint of ``model`` (and ``optimizer``) to the
+    directory ``path``; every rank writes only its own blocks, each block is written once.
+
+    ``extra`` (epoch, data position, RNG states as tensors, ...) must be plain data; rank 0's
+    is saved. With ``async_=True`` this rank's blocks are copied to host memory and the call
+    returns; the files are written in the background (call ``handle.wait()`` to know it
+    succeeded; the next save or load waits for it). The previous checkpoint at ``path`` stays
+    loadable until the new one is complete; a failed save raises on every rank."""
+    global _pending
+    wait_for_pending_save()
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
+    world = dist.get_world_size() if distributed else 1
+    contents = None
+    try:
+        contents = _Contents(model, optimizer, extra, rank)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error: BaseException | None = exc
+    else:
+        error = None
+    _raise_if_failed(error, "save_checkpoint")
+    assert contents is not None
+    disagree = comm.differing(contents.description())
+    if disagree:
+        listing = comm.describe_disagreement(disagree)
+        raise CheckpointError(f"save_checkpoint: the ranks list different tensors to save "
+                              f"(models or optimizer states differ) — {listing}")
+    group = groups.private_world_group("checkpoint") if distributed and world > 1 else None
+    save_id = _agree_on_save_id(group)
+    placed = place_blocks([e.layout for e in contents.entries + contents.extra_entries], world)
+    mine = [p for p in placed if p.rank == rank]
+    local = {e.layout.key: e.local for e in contents.entries + contents.extra_entries}
+    blocks = [(p, local[p.key].contiguous().cpu()) for p in mine]
+    if async_:  # a host copy now, so training may change the parameters right away
+        blocks = [(p, t.clone() if t.data_ptr() == local[p.key].data_ptr() else t)
+                  for p, t in blocks]
+
+    def work() -> None:
+        _write_and_commit(path, save_id, rank, world, blocks, placed, contents, group)
+
+    handle = SaveHandle(work, background=async_)
+    if async_:
+        _pending = handle
+    else:
+        handle.wait()
+    return handle
+
+
+def _agree_on_save_id(group) -> str:
+    """A fresh random id for this save's data files, rank 0's on every rank."""
+    value = torch.tensor([secrets.randbits(63)], dtype=torch.int64)
+    if group is not None:
+        dist.broadcast(value, src=0, group=group)
+    return f"{int(value.item()):016x}"
+
+
+def _write_and_commit(path: str, save_id: str, rank: int, world: int,
+                      blocks: list[tuple[Placed, torch.Tensor]], placed: list[Placed],
+                      contents: _Contents, group) -> None:
+    name = data_file_name(save_id, rank)
+    error: BaseException | None = None
+    try:
+        os.makedirs(path, exist_ok=True)
+        if blocks:
+            with atomic_file(os.path.join(path, name), "wb") as f:
+                for p, tensor in blocks:
+                    assert f.tell() == p.offset
+                    f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = CheckpointError(f"save_checkpoint could not write {os.path.join(path, name)}: "
+                                f"{type(exc).__name__}: {exc}; the previous checkpoint, if "
+                                "any, is untouched")
+    _raise_if_failed(error, "save_checkpoint (writing data files; the previous checkpoint, if "
+                     "any, is untouched)", group)
+    commit_error = None
+    if rank == 0:
+        try:
+            _commit(path, save_id, world, placed, contents)
+        except Exception as exc:  # noqa: BLE001
+            commit_error = CheckpointError(
+                f"save_checkpoint could not write {os.path.join(path, METADATA)}: "
+                f"{type(exc).__name__}: {exc}; the previous checkpoint, if any, is untouched")
+    _raise_if_failed(commit_error, "save_checkpoint (rank 0 writing the metadata; the "
+                     "previous checkpoint, if any, is untouched)", group)
+
+
+def _commit(path: str, save_id: str, world: int, placed: list[Placed],
+            contents: _Contents) -> None:
+    """Rank 0: write the metadata (the checkpoint now exists), then drop unnamed data files."""
+    sizes: dict[str, int] = {}
+    for p in placed:
+        name = data_file_name(save_id, p.rank)
+        sizes[name] = max(sizes.get(name, 0), p.offset + p.nbytes)
+    tensors: dict[str, Any] = {}
+    for e in contents.entries + contents.extra_entries:
+        tensors[e.layout.key] = {
+            "dtype": dtype_name(e.dtype), "shape": list(e.layout.shape), "layout": e.text,
+            "mesh": e.mesh, "blocks": []}
+    for p in placed:
+        tensors[p.key]["blocks"].append({
+            "file": data_file_name(save_id, p.rank), "offset": p.offset,
+            "start": list(p.block.start), "size": list(p.block.size)})
+    metadata = {"format": FORMAT, "world_size": world, "files": sizes, "tensors": tensors,
+                "aliases": contents.aliases, "model": contents.model_keys,
+                "optimizer": contents.optimizer, "extra": contents.extra}
+    with atomic_file(os.path.join(path, METADATA), "w") as f:
+        json.dump(metadata, f)
+    for stale in os.listdir(path):  # every rank is done writing: these are left over
+        leftover_tmp = stale.startswith(".data-") and stale.endswith(TMP_SUFFIX)
+        if (DATA_FILE.fullmatch(stale) and stale not in sizes) or leftover_tmp:
+            with contextlib.suppress(OSError):
+                os.remove(os.path.join(path, stale))

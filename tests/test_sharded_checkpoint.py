@@ -1,0 +1,166 @@
+"""Sharded checkpoints (issue 10): every rank writes only its blocks, each block once, and a
+checkpoint loads into any layout of the same model — another mesh, another world size, one
+plain process — with the optimizer's state resharded alongside its parameter."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from devmesh import comm_stats, init_device_mesh
+from devmesh.parallel import as_sharded, get_layout, load_checkpoint, save_checkpoint, state_dict
+from test_parallel import apply_strategy, make_model
+
+# name: (world, mesh shape, mesh dim names, strategy of test_parallel.apply_strategy)
+LAYOUTS = {
+    "plain": (1, None, None, None),
+    "ddp4": (4, (4,), ("dp",), "ddp"),
+    "fsdp3": (3, (3,), ("dp",), "fsdp_uneven"),
+    "tp2": (2, (2,), ("tp",), "tp"),
+    "hsdp4": (4, (2, 2), ("replicate", "shard"), "hsdp"),
+    "fsdp+tp8": (8, (2, 4), ("dp", "tp"), "fsdp+tp"),
+    "hsdp+tp8": (8, (2, 2, 2), ("replicate", "shard", "tp"), "hsdp+tp"),
+}
+
+
+def build(layout: str, dtype: torch.dtype):
+    world, shape, names, strategy = LAYOUTS[layout]
+    model = make_model().to(dtype)
+    if strategy is not None:
+        apply_strategy(strategy, model, init_device_mesh("cpu", shape, mesh_dim_names=names))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def train_step(model, opt, i: int) -> float:
+    gen = torch.Generator().manual_seed(100 + i)
+    dtype = next(model.parameters()).dtype
+    x, y = torch.randn(24, 12, generator=gen).to(dtype), torch.randint(0, 5, (24,), generator=gen)
+    loss = F.cross_entropy(model(x).float(), y)  # every rank the same batch: any layout
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def full_state(model, opt) -> dict[str, torch.Tensor]:
+    """Parameters, buffers and Adam's moments and step, as full tensors, by name."""
+    out = dict(state_dict(model, full=True))
+    for name, p in model.named_parameters():
+        for key, value in opt.state[p].items():
+            if value.ndim and get_layout(p) is not None:
+                sharded = as_sharded(p)
+                value = type(sharded)(value, sharded.device_mesh, sharded.spec).full_tensor()
+            out[f"{name}.{key}"] = value.reshape(-1) if value.ndim else value
+    return out
+
+
+def save_trained(layout: str, dtype: torch.dtype, path: str):
+    model, opt = build(layout, dtype)
+    for i in range(2):
+        train_step(model, opt, i)
+    with comm_stats() as stats:
+        save_checkpoint(path, model, opt, extra={"step": 2})
+    return full_state(model, opt), stats.calls
+
+
+def load_into(layout: str, dtype: torch.dtype, path: str):
+    model, opt = build(layout, dtype)
+    extra = load_checkpoint(path, model, opt)
+    return full_state(model, opt), extra
+
+
+def run(mesh_pool, layout: str, fn, *args):
+    world = LAYOUTS[layout][0]
+    return mesh_pool.run(fn, world, layout, *args) if world > 1 else [fn(layout, *args)]
+
+
+PAIRS = [
+    ("fsdp+tp8", "ddp4", torch.float32),
+    ("ddp4", "plain", torch.float32),
+    ("fsdp+tp8", "hsdp4", torch.bfloat16),
+    ("hsdp4", "tp2", torch.float32),
+    ("tp2", "fsdp3", torch.bfloat16),
+    ("fsdp3", "hsdp+tp8", torch.float32),
+    ("plain", "fsdp+tp8", torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("saved, loaded, dtype", PAIRS, ids=[f"{a}->{b}-{str(d)[6:]}"
+                                                            for a, b, d in PAIRS])
+def test_a_checkpoint_reshards_into_another_layout(mesh_pool, tmp_path, saved, loaded, dtype):
+    path = str(tmp_path / "ckpt")
+    before = run(mesh_pool, saved, save_trained, dtype, path)
+    expected, collectives = before[0]
+    assert all(calls == 0 for _, calls in before)  # no rank gathered anything to save
+    for state, extra in run(mesh_pool, loaded, load_into, dtype, path):
+        assert extra == {"step": 2}
+        assert state.keys() == expected.keys()
+        for key, value in expected.items():
+            assert state[key].dtype == value.dtype, key
+            assert torch.equal(state[key], value), key
+    # every block written once: the data files hold exactly the model's and optimizer's bytes
+    meta = json.load(open(os.path.join(path, "metadata.json")))
+    stored = sum(torch.Size(t["shape"]).numel() * getattr(torch, t["dtype"]).itemsize
+                 for t in meta["tensors"].values())
+    assert sum(meta["files"].values()) == stored
+    on_disk = sorted(n for n in os.listdir(path) if n.endswith(".bin"))
+    assert on_disk == sorted(meta["files"]) and len(on_disk) == min(LAYOUTS[saved][0], 8)
+
+
+def async_save_then_keep_training(layout: str, path: str):
+    model, opt = build(layout, torch.float32)
+    train_step(model, opt, 0)
+    snapshot = full_state(model, opt)
+    handle = save_checkpoint(path, model, opt, async_=True)
+    losses = [train_step(model, opt, i) for i in (1, 2)]  # changes parameters while writing
+    handle.wait()
+    fresh, fresh_opt = build(layout, torch.float32)
+    load_checkpoint(path, fresh, fresh_opt)
+    loaded = full_state(fresh, fresh_opt)
+    resumed = [train_step(fresh, fresh_opt, i) for i in (1, 2)]
+    return snapshot, loaded, losses, resumed
+
+
+def test_async_save_writes_the_state_of_the_moment_it_was_called(mesh_pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    for snapshot, loaded, losses, resumed in mesh_pool.run(async_save_then_keep_training, 4,
+                                                           "hsdp4", path):
+        assert all(torch.equal(snapshot[k], loaded[k]) for k in snapshot)
+        assert resumed == losses  # bit for bit: the checkpoint holds the state before step 1
+
+
+def save_twice_second_fails(layout: str, path: str):
+    """A save that fails on one rank only (its data file cannot be created) raises on every
+    rank, and the previous checkpoint stays loadable."""
+    import torch.distributed as dist
+
+    model, opt = build(layout, torch.float32)
+    save_checkpoint(path, model, opt, extra={"generation": 1})
+    train_step(model, opt, 0)
+    error = None
+    real_open = os.fdopen
+    if dist.get_rank() == 2:
+        def broken(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        os.fdopen = broken
+    try:
+        save_checkpoint(path, model, opt, extra={"generation": 2})
+    except Exception as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        os.fdopen = real_open
+    fresh, fresh_opt = build(layout, torch.float32)
+    extra = load_checkpoint(path, fresh, fresh_opt)
+    return error, extra
+
+
+def test_a_save_failing_on_one_rank_raises_everywhere_and_keeps_the_old(mesh_pool, tmp_path):
+    path = str(tmp_path / "ckpt")
+    for error, extra in mesh_pool.run(save_twice_second_fails, 4, "ddp4", path):
+        assert error is not None and "rank 2" in error and "No space left" in error, error
+        assert extra == {"generation": 1}
+    assert not any(n.endswith(".devmesh-tmp") for n in os.listdir(path))
