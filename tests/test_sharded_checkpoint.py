@@ -164,3 +164,33 @@ def test_a_save_failing_on_one_rank_raises_everywhere_and_keeps_the_old(mesh_poo
         assert error is not None and "rank 2" in error and "No space left" in error, error
         assert extra == {"generation": 1}
     assert not any(n.endswith(".devmesh-tmp") for n in os.listdir(path))
+
+
+def test_ckpt_info_and_consolidate_without_launching(mesh_pool, tmp_path):
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    path = str(tmp_path / "ckpt")
+    expected = run(mesh_pool, "hsdp+tp8", save_trained, torch.float32, path)[0][0]
+    shown = subprocess.run([sys.executable, "-m", "devmesh", "ckpt", "info", path],
+                           capture_output=True, text=True, timeout=120)
+    assert shown.returncode == 0, shown.stderr
+    assert "saved by 8 rank(s)" in shown.stdout
+    line = next(l for l in shown.stdout.splitlines() if l.startswith("model.0.weight "))
+    assert "[20, 12]" in line and "dim 0 split by (tp, shard)" in line and "960 B" in line
+    out = str(tmp_path / "model.safetensors")
+    merged = subprocess.run([sys.executable, "-m", "devmesh", "ckpt", "consolidate", path, out,
+                             "--buffer-mb", "0.0001"], capture_output=True, text=True,
+                            timeout=120)  # a few rows at a time
+    assert merged.returncode == 0, merged.stderr
+    tensors = load_file(out)  # the real safetensors library reads it
+    model = make_model()
+    assert tensors.keys() == model.state_dict().keys()
+    model.load_state_dict(tensors)
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, expected[name]), name
+    bad = subprocess.run([sys.executable, "-m", "devmesh", "ckpt", "info", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "holds no metadata.json" in bad.stderr

@@ -1,4 +1,5 @@
-"""The ``devmesh`` command line: ``show``, ``plan``, ``doctor``, ``bench``, ``run``, ``demo``.
+"""The ``devmesh`` command line: ``show``, ``plan``, ``doctor``, ``bench``, ``run``, ``demo``,
+``ckpt``.
 
 ``show`` and ``plan`` are pure (they import no torch: only the layout and its pictures), so
 they answer instantly; the other commands import torch only when they run. Every argument is
@@ -207,7 +208,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # the workers' own gloo sockets stay on loopback (torchrun's agent store is torch's)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # each rank runs through a wrapper that dies with this process (no orphans on SIGKILL)
-    torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc}", "-m",
+    if args.max_restarts < 0:
+        raise SystemExit(f"devmesh run: --max-restarts must be 0 or more, got {args.max_restarts}")
+    torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc}",
+                     f"--max-restarts={args.max_restarts}", "-m",
                      "devmesh.launching.child", args.script, *args.args]
     try:
         torchrun_main(torchrun_args)
@@ -222,6 +226,31 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_ckpt_info(args: argparse.Namespace) -> int:
+    from devmesh.errors import CheckpointError
+    from devmesh.parallel.checkpoint.offline import info
+
+    try:
+        print(info(args.path))
+    except CheckpointError as exc:
+        print(f"devmesh ckpt info: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
+    from devmesh.errors import CheckpointError
+    from devmesh.parallel.checkpoint.offline import consolidate
+
+    try:
+        names = consolidate(args.path, args.out, buffer_mb=args.buffer_mb)
+    except (CheckpointError, ValueError, OSError) as exc:
+        print(f"devmesh ckpt consolidate: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {len(names)} tensors to {args.out}")
+    return 0
+
+
 def _cmd_demo(args: argparse.Namespace) -> int:
     from devmesh.tools.demo import run_demo, run_training_demo
 
@@ -231,22 +260,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     return run_training_demo(plain=plain, epochs=args.epochs, plot=args.plot)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from devmesh import __version__
-
-    parser = argparse.ArgumentParser(
-        prog="devmesh", description="N-dimensional device meshes on PyTorch's distributed runtime.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"devmesh {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    _add_parser = sub.add_parser
-
-    def add_parser(name: str, **kw):  # every command shows its defaults in --help
-        return _add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
-
-    sub.add_parser = add_parser  # type: ignore[method-assign]
-
+def _add_show(sub) -> None:
+    """``devmesh show SHAPE``: a picture of a mesh and its groups."""
     show = sub.add_parser(
         "show", help="draw a mesh and list every group of every dim (no processes, no torch)"
     )
@@ -263,6 +278,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="dim whose groups the PNG outlines (default: the innermost)")
     show.set_defaults(handler=_cmd_show)
 
+
+def _add_plan(sub) -> None:
+    """``devmesh plan``: a mesh for a cluster, with estimated traffic."""
     plan = sub.add_parser("plan", help="choose and check a mesh for a cluster, with estimated "
                                        "traffic per dim (no processes)")
     plan.add_argument("--hosts", type=int, required=True)
@@ -280,6 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--layers", type=int, default=None)
     plan.set_defaults(handler=_cmd_plan)
 
+
+def _add_doctor_and_bench(sub) -> None:
+    """``devmesh doctor`` and ``devmesh bench``: they launch ranks the same way."""
     for name, text in (("doctor", "check the launch, backend, devices, hosts, mesh agreement "
                                    "and every group's collective; say what to fix"),
                        ("bench", "collective bandwidth per mesh dim (time, algbw, busbw; CSV, "
@@ -311,12 +332,21 @@ def build_parser() -> argparse.ArgumentParser:
             cmd.add_argument("--png", default=None, help="plot bus bandwidth against size")
             cmd.set_defaults(handler=_cmd_bench)
 
+
+def _add_run(sub) -> None:
+    """``devmesh run -n N script``: torchrun --standalone with safer defaults."""
     run = sub.add_parser("run", help="run a script on N local processes (torchrun --standalone)")
     run.add_argument("-n", "--nproc", type=int, required=True, help="processes to start")
+    run.add_argument("--max-restarts", type=int, default=0,
+                     help="restart every rank this many times after one fails (torchrun's "
+                          "elastic restart: resume from your last checkpoint)")
     run.add_argument("script", help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=_cmd_run)
 
+
+def _add_demo(sub) -> None:
+    """``devmesh demo``: the digits demo, or the seeds' meshes."""
     demo = sub.add_parser("demo", help="8 local CPU ranks: train digits with HSDP + TP and check "
                                        "it against single-process training")
     demo.add_argument("--meshes", action="store_true",
@@ -325,6 +355,44 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--plot", default="digits_loss.png", help="loss-curve PNG ('' for none)")
     demo.add_argument("--plain", action="store_true", help="plain text even in a terminal")
     demo.set_defaults(handler=_cmd_demo)
+
+
+def _add_ckpt(sub) -> None:
+    """``devmesh ckpt info|consolidate``: a checkpoint without launching anything."""
+    ckpt = sub.add_parser("ckpt", help="inspect a sharded checkpoint, or consolidate it into "
+                                       "one safetensors file (no processes)")
+    actions = ckpt.add_subparsers(dest="action", metavar="ACTION", required=True)
+    info = actions.add_parser("info", help="tensors, shapes, layouts, bytes and files")
+    info.add_argument("path", help="the checkpoint directory")
+    info.set_defaults(handler=_cmd_ckpt_info)
+    merge = actions.add_parser(
+        "consolidate", help="write the model's full tensors as one safetensors file, streaming",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    merge.add_argument("path", help="the checkpoint directory")
+    merge.add_argument("out", help="the safetensors file to write")
+    merge.add_argument("--buffer-mb", type=float, default=64.0,
+                       help="memory used for reading, whatever the model's size")
+    merge.set_defaults(handler=_cmd_ckpt_consolidate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from devmesh import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="devmesh", description="N-dimensional device meshes on PyTorch's distributed runtime.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"devmesh {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    _add_parser = sub.add_parser
+
+    def add_parser(name: str, **kw):  # every command shows its defaults in --help
+        return _add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+
+    sub.add_parser = add_parser  # type: ignore[method-assign]
+
+    for add in (_add_show, _add_plan, _add_doctor_and_bench, _add_run, _add_demo, _add_ckpt):
+        add(sub)
     return parser
 
 
