@@ -194,3 +194,95 @@ def test_ckpt_info_and_consolidate_without_launching(mesh_pool, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "devmesh", "ckpt", "info", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "holds no metadata.json" in bad.stderr
+
+
+def torch_fsdp_tp_model():
+    """make_model() under torch's own TP (colwise, rowwise) and FSDP2 on a torch mesh: the
+    first Linear's weight is split FSDP-over-TP (nested, torch's _StridedShard)."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    mesh = torch_init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+    model = make_model()
+    torch_parallelize(model, mesh["tp"], {"0": TorchColwise(), "2": TorchRowwise()})
+    for i in (0, 2, 4):
+        torch_fully_shard(model[i], mesh=mesh["dp"])
+    torch_fully_shard(model, mesh=mesh["dp"])
+    return model
+
+
+def dcp_both_ways(devmesh_path: str, torch_path: str):
+    """devmesh FSDP+TP checkpoint -> torch FSDP2+TP via dcp.load; torch FSDP2+TP dcp.save ->
+    devmesh FSDP+TP via load_torch_dcp. Returns full states to compare."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        set_model_state_dict,
+    )
+
+    from devmesh.parallel.checkpoint.torch_dcp import DevmeshReader, load_torch_dcp
+
+    full = StateDictOptions(full_state_dict=True)
+    saved, _ = save_trained("fsdp+tp8", torch.float32, devmesh_path)
+    theirs = torch_fsdp_tp_model()
+    state = {"model": get_model_state_dict(theirs)}
+    dcp.load(state, storage_reader=DevmeshReader(devmesh_path))
+    set_model_state_dict(theirs, state["model"])
+    torch_loaded = {k: v.clone() for k, v in get_model_state_dict(theirs, options=full).items()}
+
+    with torch.no_grad():  # something other than the initial weights, saved by torch
+        for p in theirs.parameters():
+            p.mul_(-2.0).add_(0.25)
+    torch_saved = {k: v.clone() for k, v in get_model_state_dict(theirs, options=full).items()}
+    dcp.save({"model": get_model_state_dict(theirs)}, checkpoint_id=torch_path)
+    ours, _ = build("fsdp+tp8", torch.float32)
+    load_torch_dcp(torch_path, ours)
+    return saved, torch_loaded, torch_saved, dict(state_dict(ours, full=True))
+
+
+def load_torch_dcp_into(layout: str, path: str):
+    from devmesh.parallel.checkpoint.torch_dcp import load_torch_dcp
+
+    model, _ = build(layout, torch.float32)
+    load_torch_dcp(path, model)
+    return dict(state_dict(model, full=True))
+
+
+def test_torch_dcp_interop_both_ways(mesh_pool, tmp_path):
+    ours_path, torch_path = str(tmp_path / "devmesh"), str(tmp_path / "torch")
+    for saved, torch_loaded, torch_saved, ours in mesh_pool.run(dcp_both_ways, 8, ours_path,
+                                                                torch_path):
+        assert torch_loaded.keys() == ours.keys() == torch_saved.keys()
+        for name in torch_loaded:
+            assert torch.equal(torch_loaded[name], saved[name]), name  # devmesh -> torch
+            assert torch.equal(ours[name], torch_saved[name]), name  # torch -> devmesh
+    for state in mesh_pool.run(load_torch_dcp_into, 4, "hsdp4", torch_path):
+        assert all(torch.equal(state[k], torch_saved[k]) for k in torch_saved)
+    plain = make_model()
+    from devmesh.parallel.checkpoint.torch_dcp import load_torch_dcp
+
+    load_torch_dcp(torch_path, plain)  # one plain process, no process group
+    assert all(torch.equal(v, torch_saved[k]) for k, v in plain.state_dict().items())
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("touch PWNED",))
+
+
+def test_a_torch_dcp_metadata_pickle_that_runs_code_is_refused(tmp_path, monkeypatch):
+    import pickle
+
+    from devmesh.errors import CheckpointError
+    from devmesh.parallel.checkpoint.torch_dcp import load_torch_dcp
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "evil" / ".metadata").write_bytes(pickle.dumps(_RunsCode()))
+    with pytest.raises(CheckpointError, match="refused without running anything"):
+        load_torch_dcp(str(tmp_path / "evil"), make_model())
+    assert not (tmp_path / "PWNED").exists()
