@@ -153,7 +153,7 @@ def ensure_default_group(
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)
         kwargs["device_id"] = torch.device("cuda", env.local_rank)
-    store = _loopback_store(env, timeout)
+    store = _loopback_store(env, timeout) or _agent_store(env, timeout)
     if store is not None:
         _wait_for_every_rank(store, env, timeout)
         kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
@@ -186,6 +186,22 @@ def _wait_for_every_rank(store, env: LaunchEnv, timeout: datetime.timedelta | No
             "Find out why they are late or stuck (their own output says), or raise the "
             "timeout: init_device_mesh(..., timeout=seconds)"
         ) from None
+
+
+def _agent_store(env: LaunchEnv, timeout: datetime.timedelta | None):
+    """Under torchrun's shared agent store, a client of it with a prefix per restart attempt.
+
+    torch (2.5 to at least 2.13) reuses the agent's store for every restart without a prefix,
+    so after ``--max-restarts`` restarts the ranks read the previous attempt's addresses
+    (gloo: ``connectFullMesh failed ... Connection refused``; NCCL: a stale unique id —
+    pytorch/pytorch#135712). All ranks of a single-node job restart together, so
+    ``TORCHELASTIC_RESTART_COUNT`` is the same on each and names the attempt."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    wait = timeout or datetime.timedelta(minutes=30)
+    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, wait)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"devmesh/attempt_{attempt}", store)
 
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")

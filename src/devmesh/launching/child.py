@@ -28,7 +28,17 @@ def die_with_parent() -> None:
         os._exit(1)
 
 
+ARGV_VARIABLE = "DEVMESH_RUN_ARGV"
+
+
 def main(argv: list[str]) -> None:
+    """Run ``argv[0]`` with ``argv``; ``devmesh run`` passes the script's arguments in
+    ``DEVMESH_RUN_ARGV`` (JSON) instead, because torchrun's parser would otherwise try its own
+    option abbreviations on them (``--log`` "could match --log-dir")."""
+    if ARGV_VARIABLE in os.environ:
+        import json
+
+        argv = argv[:1] + json.loads(os.environ[ARGV_VARIABLE])
     if not argv:
         raise SystemExit("usage: python -m devmesh.launching.child SCRIPT [ARGS...]")
     die_with_parent()

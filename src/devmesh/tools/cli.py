@@ -210,9 +210,18 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # each rank runs through a wrapper that dies with this process (no orphans on SIGKILL)
     if args.max_restarts < 0:
         raise SystemExit(f"devmesh run: --max-restarts must be 0 or more, got {args.max_restarts}")
+    # the script's own arguments travel in the environment: torchrun's parser would expand
+    # abbreviations of its options among them
+    import json
+
+    from devmesh.launching.child import ARGV_VARIABLE
+
+    os.environ[ARGV_VARIABLE] = json.dumps(list(args.args))
+    # a store per restart (pytorch/pytorch#135712), served by rank 0 on loopback only
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc}",
                      f"--max-restarts={args.max_restarts}", "-m",
-                     "devmesh.launching.child", args.script, *args.args]
+                     "devmesh.launching.child", args.script]
     try:
         torchrun_main(torchrun_args)
     except SystemExit as exc:
