@@ -46,6 +46,8 @@ __all__ = [
     "agree",
     "failures",
     "differing",
+    "send_async",
+    "recv",
 ]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -377,3 +379,30 @@ def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, l
     for rank, text in zip(ranks, _gather_texts(value, group)):
         by_value[text].append(rank)
     return dict(by_value)
+
+
+# -- point to point (pipeline stages): counted as "send" / "recv" over the mesh dim ----------
+def _peer(mesh: DeviceMesh, dim: int, index: int) -> int:
+    return mesh.layout.group_of(mesh.get_rank(), (dim,))[index]
+
+
+def send_async(tensor: torch.Tensor, mesh: DeviceMesh, dim: int, peer_index: int, tag: int
+               ) -> Pending:
+    """Start sending ``tensor`` to the ``peer_index``-th rank along mesh dim ``dim``; the
+    caller keeps ``tensor`` alive until ``wait()``."""
+    g = _group(mesh, (dim,))
+    tensor = tensor.contiguous()
+    work = dist.isend(tensor, dst=_peer(mesh, dim, peer_index), group=g.group, tag=tag)
+    _record("send", mesh, (dim,), tensor.numel() * tensor.element_size())
+    return Pending(work, lambda: tensor)
+
+
+def recv(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, dim: int,
+         peer_index: int, tag: int) -> torch.Tensor:
+    """Receive a tensor of ``shape`` and ``dtype`` from the ``peer_index``-th rank along
+    ``dim`` (blocking)."""
+    g = _group(mesh, (dim,))
+    buffer = torch.empty(tuple(shape), dtype=dtype)
+    dist.irecv(buffer, src=_peer(mesh, dim, peer_index), group=g.group, tag=tag).wait()
+    _record("recv", mesh, (dim,), buffer.numel() * buffer.element_size())
+    return buffer

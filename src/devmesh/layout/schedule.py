@@ -1,0 +1,254 @@
+"""Pipeline schedules as data: per rank, the ordered list of what it computes.
+
+An :class:`Action` is a forward (``F``), a full backward (``B``), or a backward split into
+its input-gradient half (``I``, which the previous stage waits for) and its weight-gradient
+half (``W``, which nobody waits for) — for one stage and one micro-batch. A
+:class:`Schedule` holds each rank's actions in order; stage ``s`` lives on rank
+``s % ranks`` (with virtual stages, rank ``r`` holds stages ``r, r + ranks, ...``).
+
+Nothing here runs a model: :meth:`Schedule.simulate` plays the schedule with given costs per
+kind (respecting that a stage's forward needs the previous stage's, a backward the next
+stage's) and gives each action's start and end, the makespan and the *bubble* — the
+fraction of rank-time spent waiting — which the executor's measured bubble is compared
+with. ``devmesh plan --pp`` prints and draws it without launching anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+__all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_1f1b",
+           "zero_bubble", "SCHEDULES", "build_schedule"]
+
+DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
+
+
+class ScheduleError(ValueError):
+    """A schedule cannot be built (bad sizes) or cannot run (it waits on itself)."""
+
+
+@dataclass(frozen=True, order=True)
+class Action:
+    kind: str  # "F", "B", "I" or "W"
+    stage: int
+    microbatch: int
+
+    def __str__(self) -> str:
+        return f"{self.kind}{self.microbatch}@{self.stage}"
+
+
+@dataclass(frozen=True)
+class Timed:
+    action: Action
+    rank: int
+    start: float
+    end: float
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """``actions[r]``: what rank ``r`` computes, in order."""
+
+    name: str
+    ranks: int
+    stages: int
+    microbatches: int
+    actions: tuple[tuple[Action, ...], ...]
+
+    def rank_of(self, stage: int) -> int:
+        return stage % self.ranks
+
+    def simulate(self, costs: Mapping[str, float] | None = None) -> list[Timed]:
+        """Every action with its start and end when each kind costs ``costs[kind]`` and a
+        rank starts an action once it is free and the action's inputs exist. Raises
+        :class:`ScheduleError` if some rank waits for an action that can never happen."""
+        cost = {**DEFAULT_COSTS, **(costs or {})}
+        done: dict[tuple[str, int, int], float] = {}
+        free = [0.0] * self.ranks
+        position = [0] * self.ranks
+        timeline: list[Timed] = []
+        remaining = sum(map(len, self.actions))
+        while remaining:
+            progressed = False
+            for r in range(self.ranks):
+                while position[r] < len(self.actions[r]):
+                    action = self.actions[r][position[r]]
+                    ready = self._ready_time(action, done)
+                    if ready is None:
+                        break
+                    start = max(free[r], ready)
+                    end = start + cost[action.kind]
+                    key = "B" if action.kind in ("B", "I") else action.kind
+                    done[(key, action.stage, action.microbatch)] = end
+                    if action.kind == "B":
+                        done[("W", action.stage, action.microbatch)] = end
+                    if action.kind == "W":
+                        done[("Wdone", action.stage, action.microbatch)] = end
+                    timeline.append(Timed(action, r, start, end))
+                    free[r] = end
+                    position[r] += 1
+                    remaining -= 1
+                    progressed = True
+            if not progressed:
+                stuck = {r: str(self.actions[r][position[r]]) for r in range(self.ranks)
+                         if position[r] < len(self.actions[r])}
+                raise ScheduleError(f"schedule {self.name!r} cannot proceed: each rank waits "
+                                    f"for an input that comes later ({stuck})")
+        return timeline
+
+    def _ready_time(self, action: Action, done: Mapping) -> float | None:
+        s, m = action.stage, action.microbatch
+        if action.kind == "F":
+            needs = [("F", s - 1, m)] if s > 0 else []
+        elif action.kind in ("B", "I"):
+            needs = [("F", s, m)] + ([("B", s + 1, m)] if s < self.stages - 1 else [])
+        else:  # W: after this stage's input-gradient half
+            needs = [("B", s, m)]
+        times = [done.get(n) for n in needs]
+        return None if any(t is None for t in times) else max(times, default=0.0)
+
+    def bubble(self, costs: Mapping[str, float] | None = None) -> float:
+        """The fraction of rank-time spent idle between the first start and the last end."""
+        timeline = self.simulate(costs)
+        makespan = max(t.end for t in timeline)
+        busy = sum(t.end - t.start for t in timeline)
+        return 1.0 - busy / (self.ranks * makespan)
+
+    def __str__(self) -> str:
+        lines = [f"{self.name}: {self.stages} stages on {self.ranks} ranks, "
+                 f"{self.microbatches} micro-batches"]
+        for r, actions in enumerate(self.actions):
+            lines.append(f"rank {r}: " + " ".join(map(str, actions)))
+        return "\n".join(lines)
+
+
+def _check(ranks: int, microbatches: int, virtual: int = 1) -> None:
+    for name, value in (("ranks (stages)", ranks), ("micro-batches", microbatches),
+                        ("virtual stages per rank", virtual)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ScheduleError(f"{name} must be a positive integer, got {value!r}")
+
+
+def gpipe(ranks: int, microbatches: int) -> Schedule:
+    """All forwards, then all backwards (GPipe): simplest, holds every micro-batch's
+    activations at once."""
+    _check(ranks, microbatches)
+    actions = tuple(tuple([Action("F", r, m) for m in range(microbatches)]
+                          + [Action("B", r, m) for m in range(microbatches)])
+                    for r in range(ranks))
+    return Schedule("gpipe", ranks, ranks, microbatches, actions)
+
+
+def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
+    """1F1B: after ``ranks - 1 - r`` warm-up forwards, rank ``r`` alternates one forward and
+    one backward, so at most ``ranks - r`` micro-batches' activations are alive at once; the
+    same bubble as GPipe."""
+    _check(ranks, microbatches)
+    out = []
+    for r in range(ranks):
+        warmup = min(ranks - 1 - r, microbatches)
+        seq = [Action("F", r, m) for m in range(warmup)]
+        for i in range(warmup, microbatches):
+            seq += [Action("F", r, i), Action("B", r, i - warmup)]
+        seq += [Action("B", r, m) for m in range(microbatches - warmup, microbatches)]
+        out.append(tuple(seq))
+    return Schedule("1f1b", ranks, ranks, microbatches, tuple(out))
+
+
+def interleaved_1f1b(ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """Interleaved 1F1B (Megatron-LM's): each rank holds ``virtual`` stages (rank ``r``:
+    stages ``r, r + ranks, ...``); micro-batches go through the rank's stages in rounds of
+    ``ranks``, which divides the bubble by about ``virtual``. Needs ``microbatches`` to be a
+    multiple of ``ranks``."""
+    _check(ranks, microbatches, virtual)
+    if microbatches % ranks:
+        raise ScheduleError(f"interleaved 1F1B needs the micro-batches ({microbatches}) to be a "
+                            f"multiple of the pipeline ranks ({ranks}); use "
+                            f"{-(-microbatches // ranks) * ranks} micro-batches")
+    total = microbatches * virtual
+
+    def unit(k: int, backward: bool) -> tuple[int, int]:
+        chunk = (k // ranks) % virtual
+        if backward:
+            chunk = virtual - 1 - chunk
+        return chunk, (k // (ranks * virtual)) * ranks + k % ranks
+
+    out = []
+    for r in range(ranks):
+        warmup = min((ranks - r - 1) * 2 + (virtual - 1) * ranks, total)
+        seq = []
+        for k in range(warmup):
+            chunk, m = unit(k, False)
+            seq.append(Action("F", chunk * ranks + r, m))
+        for k in range(warmup, total):
+            chunk, m = unit(k, False)
+            seq.append(Action("F", chunk * ranks + r, m))
+            chunk, m = unit(k - warmup, True)
+            seq.append(Action("B", chunk * ranks + r, m))
+        for k in range(total - warmup, total):
+            chunk, m = unit(k, True)
+            seq.append(Action("B", chunk * ranks + r, m))
+        out.append(tuple(seq))
+    return Schedule("interleaved-1f1b", ranks, ranks * virtual, microbatches, tuple(out))
+
+
+def zero_bubble(ranks: int, microbatches: int) -> Schedule:
+    """A zero-bubble-style schedule (after ZB-H1 of Qi et al., 2023): each backward is split
+    into its input-gradient half ``I``, which the previous stage waits for, and its
+    weight-gradient half ``W``, which nobody waits for. The order is what a greedy list
+    scheduler produces with unit costs: whenever a rank is free it runs a ready ``I`` first,
+    else a ready ``F`` (at most ``ranks - r`` forwards ahead of their ``I``, as 1F1B), else a
+    pending ``W`` — the weight gradients fill the time 1F1B spends waiting, at the price of
+    keeping each deferred ``W``'s saved tensors until it runs."""
+    _check(ranks, microbatches)
+    done: dict[tuple[str, int, int], int] = {}  # action -> end time
+    seqs: list[list[Action]] = [[] for _ in range(ranks)]
+    next_f = [0] * ranks
+    next_i = [0] * ranks
+    pending_w: list[list[int]] = [[] for _ in range(ranks)]
+    total = 3 * ranks * microbatches
+    time = 0
+    while sum(map(len, seqs)) < total:
+        started = []
+        for r in range(ranks):
+            if seqs[r] and done.get(_key(seqs[r][-1]), time + 1) > time:
+                continue  # still busy (unit costs: an action ends one step after it starts)
+            i, f = next_i[r], next_f[r]
+            last = r == ranks - 1
+            if i < f and ("F", r, i) in done and (last or done.get(("I", r + 1, i), time + 1)
+                                                  <= time):
+                action = Action("I", r, i)
+                next_i[r] += 1
+                pending_w[r].append(i)
+            elif (f < microbatches and f - i < ranks - r
+                  and (r == 0 or done.get(("F", r - 1, f), time + 1) <= time)):
+                action = Action("F", r, f)
+                next_f[r] += 1
+            elif pending_w[r]:
+                action = Action("W", r, pending_w[r].pop(0))
+            else:
+                continue
+            seqs[r].append(action)
+            started.append(action)
+        for action in started:
+            done[_key(action)] = time + 1
+        time += 1
+    return Schedule("zero-bubble", ranks, ranks, microbatches, tuple(map(tuple, seqs)))
+
+
+def _key(action: Action) -> tuple[str, int, int]:
+    return (action.kind, action.stage, action.microbatch)
+
+
+SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b,
+             "zero-bubble": zero_bubble}
+
+
+def build_schedule(name: str, ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """The schedule called ``name`` (one of :data:`SCHEDULES`)."""
+    if name not in SCHEDULES:
+        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+    if name == "interleaved-1f1b":
+        return interleaved_1f1b(ranks, microbatches, virtual)
+    return SCHEDULES[name](ranks, microbatches)

@@ -1,0 +1,158 @@
+"""Running a pipeline schedule: each rank plays its list of actions on its stages, sending
+activations forward and gradients backward to the neighbouring stages' ranks.
+
+Sends are asynchronous (``isend``) and each receive names its message by a tag (stage,
+micro-batch, direction), so any order a schedule gives is safe as long as the schedule can
+run at all (:meth:`~devmesh.layout.schedule.Schedule.simulate` checks it without a process).
+The shape and dtype of each stage's output are sent once, with the first micro-batch of the
+first step; later messages carry only data. Every micro-batch's loss is divided by the
+number of micro-batches, so gradients accumulate to exactly those of the whole batch:
+training equals single-process training on the same batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from devmesh.distributed import comm
+from devmesh.layout.schedule import Action, Schedule
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.pipeline.split import PipelineError
+
+__all__ = ["PipelineRunner"]
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
+           torch.int32]
+_HEADER = 10  # ndim, dtype code, up to 8 sizes
+
+
+class PipelineRunner:
+    """This rank's stages of a pipelined model, and the schedule they follow.
+
+    ``stages[s]`` must be given for every stage ``s`` this rank holds (``s % pp == coord``),
+    where ``pp`` is the size of the mesh's ``pp_dim``."""
+
+    def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh, schedule: Schedule,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                 pp_dim: str = "pp") -> None:
+        names = mesh.mesh_dim_names or ()
+        if pp_dim not in names:
+            raise PipelineError(
+                f"the mesh has no {pp_dim!r} dim (dims: {list(names)}): build it with one, "
+                f"e.g. init_device_mesh('cpu', (4,), mesh_dim_names=('{pp_dim}',))")
+        self.mesh = mesh
+        self.dim = names.index(pp_dim)
+        self.pp = mesh.shape[self.dim]
+        self.index = mesh.get_coordinate()[self.dim]
+        if schedule.ranks != self.pp:
+            raise PipelineError(f"the schedule is for {schedule.ranks} pipeline ranks, the "
+                                f"mesh's {pp_dim!r} dim has {self.pp}")
+        mine = {s for s in range(schedule.stages) if schedule.rank_of(s) == self.index}
+        if set(stages) != mine:
+            raise PipelineError(f"rank {mesh.get_rank()} (pp index {self.index}) holds stages "
+                                f"{sorted(mine)} of this schedule, got modules for "
+                                f"{sorted(stages)}")
+        self.stages = stages
+        self.schedule = schedule
+        self.loss_fn = loss_fn
+        self.last = schedule.stages - 1
+        self._shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its input
+
+    # -- messages ---------------------------------------------------------------------------
+    def _tag(self, stage: int, microbatch: int, backward: bool) -> int:
+        return (stage * self.schedule.microbatches + microbatch) * 2 + int(backward)
+
+    def _send(self, tensor: torch.Tensor, stage: int, microbatch: int, backward: bool,
+              header: bool) -> list[comm.Pending]:
+        """Send to the rank of ``stage`` (the receiver); a header first when asked."""
+        peer = self.schedule.rank_of(stage)
+        pending = []
+        if header:
+            if tensor.ndim > _HEADER - 2 or tensor.dtype not in _DTYPES:
+                raise PipelineError(f"stage {stage - 1}'s output ({tuple(tensor.shape)}, "
+                                    f"{tensor.dtype}) cannot cross a pipeline boundary")
+            info = torch.zeros(_HEADER, dtype=torch.int64)
+            info[0], info[1] = tensor.ndim, _DTYPES.index(tensor.dtype)
+            info[2: 2 + tensor.ndim] = torch.tensor(tensor.shape, dtype=torch.int64)
+            pending.append(comm.send_async(info, self.mesh, self.dim, peer, 1 << 30 | stage))
+        pending.append(comm.send_async(tensor, self.mesh, self.dim, peer,
+                                       self._tag(stage, microbatch, backward)))
+        return pending
+
+    def _recv_input(self, stage: int, microbatch: int) -> torch.Tensor:
+        if stage not in self._shapes:
+            info = comm.recv((_HEADER,), torch.int64, self.mesh, self.dim,
+                             self.schedule.rank_of(stage - 1), 1 << 30 | stage)
+            ndim = int(info[0])
+            self._shapes[stage] = (tuple(int(v) for v in info[2: 2 + ndim]),
+                                   _DTYPES[int(info[1])])
+        shape, dtype = self._shapes[stage]
+        return comm.recv(shape, dtype, self.mesh, self.dim, self.schedule.rank_of(stage - 1),
+                         self._tag(stage, microbatch, False))
+
+    # -- one step ---------------------------------------------------------------------------
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+             ) -> torch.Tensor | None:
+        """Forward and backward of one batch, split into the schedule's micro-batches:
+        ``inputs`` are needed on the first stage's rank, ``targets`` on the last's. Gradients
+        accumulate in the stages' parameters (call the optimizer after). Returns the batch's
+        loss on the last stage's rank, ``None`` elsewhere."""
+        m = self.schedule.microbatches
+        chunks = {}
+        for name, batch in (("inputs", inputs), ("targets", targets)):
+            if batch is not None:
+                if batch.shape[0] % m:
+                    raise PipelineError(f"{m} micro-batches do not divide the batch of "
+                                        f"{batch.shape[0]} {name}: use a batch that is a "
+                                        f"multiple of {m}, or another micro-batch count")
+                chunks[name] = batch.chunk(m)
+        if 0 in self.stages and "inputs" not in chunks:
+            raise PipelineError("the first stage's rank needs the inputs: step(inputs, ...)")
+        if self.last in self.stages and "targets" not in chunks:
+            raise PipelineError("the last stage's rank needs the targets: step(..., targets)")
+        state: dict[tuple[int, int], dict] = {}
+        sends: list[comm.Pending] = []
+        losses = []
+        sent_header = set(self._shapes_sent) if hasattr(self, "_shapes_sent") else set()
+        for action in self.schedule.actions[self.index]:
+            s, mb = action.stage, action.microbatch
+            if action.kind == "F":
+                x = chunks["inputs"][mb] if s == 0 else self._recv_input(s, mb)
+                if s > 0:
+                    x.requires_grad_(True)
+                out = self.stages[s](x)
+                entry = {"x": x, "out": out}
+                if s == self.last:
+                    entry["out"] = self.loss_fn(out, chunks["targets"][mb]) / m
+                    losses.append(entry["out"].detach())
+                else:
+                    sends += self._send(out.detach(), s + 1, mb, False, s + 1 not in sent_header)
+                    sent_header.add(s + 1)
+                state[(s, mb)] = entry
+            elif action.kind in ("B", "I"):
+                entry = state[(s, mb)]
+                grad = None if s == self.last else comm.recv(
+                    entry["out"].shape, entry["out"].dtype, self.mesh, self.dim,
+                    self.schedule.rank_of(s + 1), self._tag(s, mb, True))
+                entry["grad"] = grad
+                if action.kind == "B":
+                    torch.autograd.backward(entry["out"], grad)
+                    if s > 0:
+                        sends += self._send(entry["x"].grad, s - 1, mb, True, False)
+                    del state[(s, mb)]
+                elif s > 0:  # input gradient only; W computes the weights' later
+                    (gx,) = torch.autograd.grad(entry["out"], entry["x"], grad,
+                                                retain_graph=True)
+                    sends += self._send(gx, s - 1, mb, True, False)
+            else:  # W: the weight-gradient half of a split backward
+                entry = state.pop((s, mb))
+                params = [p for p in self.stages[s].parameters() if p.requires_grad]
+                if params:
+                    torch.autograd.backward(entry["out"], entry["grad"], inputs=params)
+        for pending in sends:
+            pending.wait()
+        self._shapes_sent = sent_header
+        return torch.stack(losses).sum() if losses else None

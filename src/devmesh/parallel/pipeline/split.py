@@ -1,0 +1,83 @@
+"""Splitting a model into pipeline stages: contiguous runs of an ``nn.Sequential``'s
+children, chosen by name or balanced by parameter count.
+
+torch's ``torch.distributed.pipelining`` traces a model to split it anywhere; devmesh splits
+between the top-level children of an ``nn.Sequential`` (a stack of layers, as pipelined
+models are built), which needs no tracing and keeps the stage modules the model's own
+modules: their parameters are the model's parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+from devmesh.errors import ParallelizeError
+
+__all__ = ["PipelineError", "split_sequential", "balanced_boundaries"]
+
+
+class PipelineError(ParallelizeError, ValueError):
+    """A pipeline cannot be built or run as asked (sizes, splits, shapes)."""
+
+
+def balanced_boundaries(weights: Sequence[int], parts: int) -> list[int]:
+    """Start indices of ``parts`` contiguous runs of ``weights`` minimizing the heaviest run
+    (ties: the earliest split), by dynamic programming; the first start is 0."""
+    n = len(weights)
+    prefix = [0]
+    for w in weights:
+        prefix.append(prefix[-1] + w)
+    inf = float("inf")
+    # best[k][i]: the heaviest run when the first i items form k runs; cut[k][i]: last start
+    best = [[inf] * (n + 1) for _ in range(parts + 1)]
+    cut = [[0] * (n + 1) for _ in range(parts + 1)]
+    best[0][0] = 0
+    for k in range(1, parts + 1):
+        for i in range(k, n + 1):
+            for j in range(k - 1, i):
+                cost = max(best[k - 1][j], prefix[i] - prefix[j])
+                if cost < best[k][i]:
+                    best[k][i], cut[k][i] = cost, j
+    starts, i = [], n
+    for k in range(parts, 0, -1):
+        i = cut[k][i]
+        starts.append(i)
+    return starts[::-1]
+
+
+def split_sequential(model: nn.Module, stages: int, *, starts: Sequence[str] | None = None
+                     ) -> list[nn.Sequential]:
+    """``model``'s children in ``stages`` contiguous runs, each an ``nn.Sequential`` of the
+    model's own modules. ``starts`` names the child that begins each stage after the first
+    (``["4", "8", "12"]`` for 4 stages); without it, stages are balanced by parameter count."""
+    if not isinstance(model, nn.Sequential):
+        raise PipelineError(
+            f"pipeline stages are runs of an nn.Sequential's children; got a "
+            f"{type(model).__name__}. Build the model as nn.Sequential(embedding, *blocks, head)")
+    names = [name for name, _ in model.named_children()]
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise PipelineError(f"the number of stages must be a positive integer, got {stages!r}")
+    if len(names) < stages:
+        raise PipelineError(
+            f"the model has {len(names)} layers (children) for {stages} pipeline stages: every "
+            f"stage needs at least one; use at most {len(names)} stages, or split the layers")
+    if starts is not None:
+        if len(starts) != stages - 1:
+            raise PipelineError(f"starts names {len(starts)} children; {stages} stages need "
+                                f"{stages - 1} (the first child of every stage after the first)")
+        unknown = [s for s in starts if s not in names]
+        if unknown:
+            raise PipelineError(f"starts {unknown} are not children of the model "
+                                f"(children: {names})")
+        index = [0] + [names.index(s) for s in starts]
+        if index != sorted(set(index)):
+            raise PipelineError(f"starts {list(starts)} must name children in increasing order, "
+                                "after the first")
+    else:
+        weights = [sum(p.numel() for p in child.parameters()) for child in model.children()]
+        index = balanced_boundaries([max(w, 1) for w in weights], stages)
+    children = list(model.children())
+    bounds = index + [len(children)]
+    return [nn.Sequential(*children[a:b]) for a, b in zip(bounds, bounds[1:])]

@@ -1,0 +1,169 @@
+"""Pipeline parallelism (issue 11, items 2-3): schedules as data checked without processes,
+and every schedule trained on 4 real pipeline ranks equal to single-process training."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh import comm_stats, init_device_mesh
+from devmesh.layout.schedule import SCHEDULES, ScheduleError, build_schedule
+from devmesh.parallel.pipeline import (
+    PipelineError,
+    PipelineRunner,
+    balanced_boundaries,
+    split_sequential,
+)
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedule_runs_every_piece_once_and_never_waits_on_itself(name):
+    for ranks, microbatches in itertools.product((1, 2, 3, 4), (1, 2, 4, 8)):
+        if name == "interleaved-1f1b" and microbatches % ranks:
+            with pytest.raises(ScheduleError, match="multiple of the pipeline ranks"):
+                build_schedule(name, ranks, microbatches)
+            continue
+        schedule = build_schedule(name, ranks, microbatches)
+        timeline = schedule.simulate()  # raises if some rank would wait forever
+        kinds = ("F", "I", "W") if name == "zero-bubble" else ("F", "B")
+        seen = sorted((t.action.kind, t.action.stage, t.action.microbatch) for t in timeline)
+        assert seen == sorted(itertools.product(kinds, range(schedule.stages),
+                                                range(microbatches)))
+        for t in timeline:  # each action runs on the rank holding its stage
+            assert t.rank == schedule.rank_of(t.action.stage)
+
+
+def test_bubbles_match_the_known_formulas():
+    for s, m in ((4, 8), (2, 6), (8, 8)):
+        expected = (s - 1) / (m + s - 1)  # GPipe and 1F1B, backward = 2 x forward
+        assert build_schedule("gpipe", s, m).bubble() == pytest.approx(expected)
+        assert build_schedule("1f1b", s, m).bubble() == pytest.approx(expected)
+        assert build_schedule("interleaved-1f1b", s, m).bubble() < expected
+        assert build_schedule("zero-bubble", s, m).bubble() < expected / 2
+
+
+def test_a_schedule_that_waits_on_itself_is_refused():
+    from devmesh.layout.schedule import Action, Schedule
+
+    backwards_first = Schedule("bad", 2, 2, 1, ((Action("B", 0, 0), Action("F", 0, 0)),
+                                                 (Action("F", 1, 0), Action("B", 1, 0))))
+    with pytest.raises(ScheduleError, match="cannot proceed"):
+        backwards_first.simulate()
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)]
+    return nn.Sequential(*blocks, nn.Linear(16, 4))
+
+
+def test_splits_by_name_and_by_parameter_count():
+    model = make_model()
+    stages = split_sequential(model, 3, starts=["4", "6"])
+    assert [len(s) for s in stages] == [4, 2, 3]
+    assert stages[1][0] is model[4]  # the model's own modules
+    assert balanced_boundaries([5, 1, 1, 1, 5, 1], 3) == [0, 1, 4]
+    assert [len(s) for s in split_sequential(model, 4)] == [2, 2, 2, 3]
+    with pytest.raises(PipelineError, match="9 layers .children. for 10 pipeline stages"):
+        split_sequential(model, 10)
+    with pytest.raises(PipelineError, match="increasing order"):
+        split_sequential(model, 3, starts=["6", "4"])
+    with pytest.raises(PipelineError, match="nn.Sequential"):
+        split_sequential(nn.Linear(2, 2), 2)
+
+
+def train_pipelined(name: str, microbatches: int, steps: int = 2):
+    """Train on 4 pipeline ranks; return this rank's stage parameters, losses and P2P counts."""
+    import torch.distributed as dist
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+    schedule = build_schedule(name, 4, microbatches)
+    model = make_model()
+    parts = split_sequential(model, schedule.stages)  # balanced by parameter count
+    me = mesh.get_coordinate()[0]
+    stages = {s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == me}
+    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    params = [p for s in stages.values() for p in s.parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    losses, sends = [], []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        with comm_stats() as stats:
+            loss = runner.step(x if 0 in stages else None, y if schedule.stages - 1 in stages
+                               else None)
+        sends.append(stats.by_collective().get("send", (0, 0))[0])
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    index = {id(p): n for n, p in model.named_parameters()}
+    return {index[id(p)]: p.detach().clone() for p in params}, losses, sends, dist.get_rank()
+
+
+def reference(steps: int = 2):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return dict(model.named_parameters()), losses
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_every_schedule_trains_like_one_process(mesh_pool, name):
+    ref_params, ref_losses = reference()
+    microbatches = 8
+    results = mesh_pool.run(train_pipelined, 4, name, microbatches)
+    owned = {}
+    schedule = build_schedule(name, 4, microbatches)
+    boundaries = sum(1 for s in range(schedule.stages - 1)
+                     if schedule.rank_of(s) != schedule.rank_of(s + 1))
+    total_sends = [0, 0]
+    for params, losses, sends, rank in results:
+        owned.update(params)
+        if losses[0] is not None:
+            assert losses == pytest.approx(ref_losses, rel=1e-5)
+        total_sends = [a + b for a, b in zip(total_sends, sends)]
+    assert owned.keys() == ref_params.keys()
+    for key, value in owned.items():
+        torch.testing.assert_close(value, ref_params[key].detach(), rtol=1e-5, atol=1e-6)
+    # per boundary and micro-batch: one activation forward, one gradient back; the first step
+    # also sends each boundary's shape once
+    assert total_sends == [2 * boundaries * microbatches + boundaries,
+                           2 * boundaries * microbatches]
+
+
+def test_pipeline_errors_name_the_fix(mesh_pool):
+    for error in mesh_pool.run(pipeline_errors, 2):
+        assert error == ["no 'pp' dim", "do not divide the batch of 10"]
+
+
+def pipeline_errors():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    out = []
+    try:
+        PipelineRunner({}, mesh, build_schedule("1f1b", 2, 4), F.cross_entropy)
+    except PipelineError as exc:
+        out.append("no 'pp' dim" if "has no 'pp' dim" in str(exc) else str(exc))
+    pp = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    parts = split_sequential(make_model(), 2)
+    me = pp.get_coordinate()[0]
+    runner = PipelineRunner({me: parts[me]}, pp, build_schedule("1f1b", 2, 4), F.cross_entropy)
+    try:  # every rank passes its own data; each checks the batch before any message
+        runner.step(torch.randn(10, 16) if me == 0 else None,
+                    torch.zeros(10, dtype=torch.long) if me == 1 else None)
+    except PipelineError as exc:
+        out.append("do not divide the batch of 10" if "do not divide the batch of 10" in str(exc)
+                   else str(exc))
+    return out
