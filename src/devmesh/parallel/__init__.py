@@ -1,9 +1,9 @@
 """Parallelisms on a mesh: replicate (DDP), fully_shard (FSDP, HSDP), tensor parallelism."""
 
 from devmesh.parallel.checkpoint import load_checkpoint, save_checkpoint
-from devmesh.parallel.fully_shard import FSDPUnit, MixedPrecisionPolicy, fully_shard
+from devmesh.parallel.fully_shard import FSDPModule, FSDPUnit, MixedPrecisionPolicy, fully_shard
 from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
-from devmesh.parallel.replicate import replicate
+from devmesh.parallel.replicate import ReplicateModule, replicate
 from devmesh.parallel.tensor_parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -17,7 +17,8 @@ from devmesh.parallel.grads import clip_grad_norm_
 from devmesh.parallel.state_dict import load_state_dict, state_dict
 
 __all__ = [
-    "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "replicate", "parallelize_module",
+    "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "replicate",
+    "ReplicateModule", "parallelize_module",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "clip_grad_norm_", "state_dict", "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",

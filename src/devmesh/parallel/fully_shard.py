@@ -21,8 +21,10 @@ spec records dim 0 as split by ``("tp", "dp")``, so ``full_tensor()`` reassemble
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,11 +39,12 @@ from devmesh.parallel.param import (
     get_layout,
     set_layout,
     sharded_parameter,
+    with_methods,
 )
 from devmesh.tensor import ShardingSpec
 from devmesh.layout.spec import chunk_bounds
 
-__all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit"]
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +96,12 @@ class FSDPUnit:
         self.mp = mp_policy or MixedPrecisionPolicy()
         self.params: list[_Param] = []
         self._full: list[torch.Tensor] | None = None  # gathered for backward (resharded case)
+        # gradient accumulation (set_requires_gradient_sync(False)): unsharded gradients summed
+        # here until a backward with sync reduces them once
+        self.requires_gradient_sync = True
+        self.reshard_after_backward = True
+        self._accumulated: list[torch.Tensor] | None = None
+        self._kept: list[torch.Tensor] | None = None  # full parameters kept between backwards
         self._prefetched: comm.Pending | None = None  # started by the previous unit
         self._regather_pending: comm.Pending | None = None  # backward prefetch, by the next unit
         self._needed_regather = False  # backward re-gathered this unit in the previous step
@@ -199,18 +208,33 @@ class FSDPUnit:
     def gather(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """All parameters of the unit, unsharded, from one all-gather (a prefetched one if the
         previous unit started it)."""
+        if self._kept is not None:  # kept since the last backward: no all-gather
+            return [t.view(t.shape) for t in self._kept]
         pending, self._prefetched = self._prefetched, None
-        return self.finish_gather(pending if pending is not None else self.start_gather(shards))
+        full = self.finish_gather(pending if pending is not None else self.start_gather(shards))
+        if not (self.reshard_after_backward or self.requires_gradient_sync):
+            self._kept = full
+        return full
 
     def prefetch(self) -> None:
         """Start gathering this unit's parameters now, to overlap with the running unit."""
-        if self._prefetched is None and self.params:
+        if self._prefetched is None and self._kept is None and self.params:
             self._prefetched = self.start_gather([p.sharded for p in self.params])
 
-    def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Reduce-scatter (average) all gradients of the unit in one collective; HSDP adds one
-        all-reduce over the replicate dims."""
+        all-reduce over the replicate dims. Without gradient sync, add them to the unit's
+        unsharded accumulated gradients instead and reduce nothing."""
         dtype = self.mp.reduce_dtype or self.params[0].sharded.dtype
+        if self._accumulated is not None:
+            grads = [a if g is None else a + g.to(dtype)
+                     for a, g in zip(self._accumulated, grads)]
+            self._accumulated = None
+        if not self.requires_gradient_sync:
+            self._accumulated = [torch.zeros(p.full_shape, dtype=dtype) if g is None
+                                 else g.detach().to(dtype) for p, g in zip(self.params, grads)]
+            self._drop_backward_state(keep=not self.reshard_after_backward)
+            return [None] * len(self.params)
         per_peer = [[] for _ in range(self.k)]
         for p, grad in zip(self.params, grads):
             g = torch.zeros(p.full_shape, dtype=dtype) if grad is None else grad.to(dtype)
@@ -229,11 +253,20 @@ class FSDPUnit:
             local = mine[offset: offset + size * p.row_numel].view(size, *p.full_shape[1:])
             out.append(local.to(p.sharded.dtype).view(p.sharded.shape))
             offset += p.padded_numel
-        self._full = None  # backward of this unit is done: drop the re-gathered parameters
+        self._drop_backward_state(keep=False)  # the optimizer step follows: nothing kept
+        return out
+
+    def _drop_backward_state(self, keep: bool) -> None:
+        """Backward of this unit is done: drop the re-gathered parameters (unless ``keep``:
+        the next micro-batch's forward uses them without an all-gather)."""
+        if keep and self._kept is None:
+            self._kept = self._full
+        if not keep:
+            self._kept = None
+        self._full = None
         if self._regather_pending is not None:  # prefetched but not needed this time
             self._regather_pending.wait()
             self._regather_pending = None
-        return out
 
     # -- hooks -----------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args):
@@ -284,6 +317,8 @@ class FSDPUnit:
         if not (isinstance(packed, tuple) and packed and packed[0] is _HANDLE):
             return packed
         _, index, shape, stride, offset, dtype = packed
+        if self._full is None and self._kept is not None:
+            self._full = self._kept
         if self._full is None:
             with torch.no_grad():
                 pending, self._regather_pending = self._regather_pending, None
@@ -394,6 +429,44 @@ class _Unshard(torch.autograd.Function):
         return (None, *ctx.unit.reduce_grads(list(grads)))
 
 
+class FSDPModule:
+    """What ``fully_shard`` adds to a module (torch FSDP2's names), for gradient accumulation:
+
+    * ``set_requires_gradient_sync(False)``: backward adds each unit's gradients to its
+      unsharded accumulated gradients (memory: one full gradient per unit, as FSDP2) and
+      reduces nothing; the next backward with sync on reduces the sum once;
+    * ``set_reshard_after_backward(False)``: while gradients are not synchronized, a unit
+      keeps its gathered parameters after backward, so the next micro-batch needs no
+      all-gather (memory: one full copy of the unit's parameters);
+    * ``no_sync()``: a context with sync off, as DDP's.
+
+    Each applies to every unit in the module's subtree (``recurse=False``: this one only)."""
+
+    def _units(self, recurse: bool) -> list[FSDPUnit]:
+        modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
+        return [m._devmesh_fsdp for m in modules if getattr(m, "_devmesh_fsdp", None)]
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *,
+                                   recurse: bool = True) -> None:
+        for unit in self._units(recurse):
+            unit.requires_gradient_sync = bool(requires_gradient_sync)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *,
+                                   recurse: bool = True) -> None:
+        for unit in self._units(recurse):
+            unit.reshard_after_backward = bool(reshard_after_backward)
+            if reshard_after_backward:
+                unit._kept = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+
 def fully_shard(
     module: nn.Module,
     *,
@@ -407,6 +480,7 @@ def fully_shard(
         raise ParallelizeError(f"fully_shard was already applied to this {type(module).__name__}")
     unit = FSDPUnit(module, mesh, reshard_after_forward, mp_policy)
     module._devmesh_fsdp = unit  # type: ignore[attr-defined]
+    with_methods(module, FSDPModule)
     # gather before any other pre-hook of the module (a sequence-parallel style's, say)
     module.register_forward_pre_hook(unit.pre_forward, prepend=True)
     module.register_forward_hook(unit.post_forward, always_call=True)

@@ -19,7 +19,7 @@ from devmesh.errors import ParallelizeError  # noqa: F401 - re-exported
 from devmesh.mesh import DeviceMesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
-__all__ = ["ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
+__all__ = ["with_methods", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
            "as_sharded", "combined_mesh", "describe_tensors"]
 
 _ATTR = "_devmesh_layout"
@@ -99,3 +99,20 @@ def combined_mesh(a: DeviceMesh, b: DeviceMesh) -> DeviceMesh:
     used = {d for m in (a, b) for roots in m._dim_roots for d in roots}
     wanted = tuple(names[d] for d in sorted(used))
     return root if wanted == names else root[wanted]
+
+
+_MIXED: dict[tuple[type, type], type] = {}
+
+
+def with_methods(module: nn.Module, mixin: type) -> None:
+    """Give ``module`` the methods of ``mixin`` by changing its class to a subclass of both
+    (``FSDPLinear`` for a Linear), as torch's FSDP2 does: ``isinstance(m, nn.Linear)`` still
+    holds and the module's own methods are untouched."""
+    cls = type(module)
+    if isinstance(module, mixin):
+        return
+    key = (cls, mixin)
+    if key not in _MIXED:
+        _MIXED[key] = type(f"{mixin.__name__.removesuffix('Module')}{cls.__name__}",
+                           (mixin, cls), {"__module__": cls.__module__})
+    module.__class__ = _MIXED[key]

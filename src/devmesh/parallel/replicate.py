@@ -13,15 +13,24 @@ given (data-parallel) mesh only.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from torch import nn
 
 from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.param import ParallelizeError, describe_tensors, get_layout, set_layout
+from devmesh.parallel.param import (
+    ParallelizeError,
+    describe_tensors,
+    get_layout,
+    set_layout,
+    with_methods,
+)
 from devmesh.tensor import ShardingSpec
 
-__all__ = ["replicate", "DataParallelState"]
+__all__ = ["replicate", "DataParallelState", "ReplicateModule"]
 
 
 class _Bucket:
@@ -58,6 +67,7 @@ class DataParallelState:
             self.buckets.append(_Bucket(current))
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._callback_queued = False
+        self.requires_gradient_sync = True
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad)
             if get_layout(p) is None:
@@ -79,6 +89,8 @@ class DataParallelState:
                 offset += t.numel()
 
     def _on_grad(self, param: nn.Parameter) -> None:
+        if not self.requires_gradient_sync:  # accumulating: p.grad sums micro-batches locally
+            return
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
@@ -111,10 +123,29 @@ class DataParallelState:
             bucket.pending, bucket.buffer, bucket.ready = None, None, 0
 
 
+class ReplicateModule:
+    """What ``replicate`` adds to a module, for gradient accumulation as in DDP:
+    ``no_sync()`` (a context) or ``set_requires_gradient_sync(False)`` lets gradients
+    accumulate in ``param.grad`` without communication; the first backward with sync on
+    averages the accumulated sum once."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        self._devmesh_ddp.requires_gradient_sync = bool(requires_gradient_sync)  # type: ignore[attr-defined]
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)
+
+
 def replicate(module: nn.Module, *, mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> nn.Module:
     """Data-parallel ``module`` over ``mesh`` (all of its dims): gradients are averaged.
     Returns ``module``; ``module._devmesh_ddp`` holds the state."""
     if getattr(module, "_devmesh_ddp", None) is not None:
         raise ParallelizeError("replicate was already applied to this module")
     module._devmesh_ddp = DataParallelState(module, mesh, bucket_cap_mb)  # type: ignore[attr-defined]
+    with_methods(module, ReplicateModule)
     return module
