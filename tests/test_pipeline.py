@@ -167,3 +167,20 @@ def pipeline_errors():
         out.append("do not divide the batch of 10" if "do not divide the batch of 10" in str(exc)
                    else str(exc))
     return out
+
+
+def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
+    import subprocess
+    import sys
+
+    png = tmp_path / "1f1b.png"
+    proc = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--pp", "4",
+                           "--microbatches", "8", "--schedule", "1f1b", "--png", str(png)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 3: F0@3 B0@3 F1@3" in proc.stdout and "bubble: 27.3%" in proc.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    bad = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--pp", "3",
+                          "--microbatches", "4", "--schedule", "interleaved-1f1b"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "use 6 micro-batches" in bad.stderr

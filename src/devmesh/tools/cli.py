@@ -106,8 +106,38 @@ def _cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from devmesh.layout.schedule import ScheduleError, build_schedule
+
+    microbatches = args.microbatches if args.microbatches is not None else 2 * args.pp
+    try:
+        schedule = build_schedule(args.schedule, args.pp, microbatches, args.virtual)
+        bubble = schedule.bubble()
+    except ScheduleError as exc:
+        print(f"devmesh plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(schedule)
+    print(f"bubble: {bubble:.1%} of rank-time idle (forward = 1, backward = 2, or 1 + 1 when "
+          "split into input and weight gradients)")
+    if args.png:
+        from devmesh.inspect.schedule_png import draw_schedule
+
+        draw_schedule(schedule, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from devmesh.tools.cluster_plan import ModelSize, plan_cluster
+
+    if args.schedule is not None:
+        return _cmd_schedule(args)
+    missing = [f"--{n.replace('_', '-')}" for n in ("hosts", "devices_per_host")
+               if getattr(args, n) is None]
+    if missing:
+        print(f"devmesh plan: error: a cluster plan needs {' and '.join(missing)} (or use "
+              "--schedule NAME --pp N for a pipeline schedule)", file=sys.stderr)
+        return 2
 
     model = None
     if args.params is not None:
@@ -292,8 +322,9 @@ def _add_plan(sub) -> None:
     """``devmesh plan``: a mesh for a cluster, with estimated traffic."""
     plan = sub.add_parser("plan", help="choose and check a mesh for a cluster, with estimated "
                                        "traffic per dim (no processes)")
-    plan.add_argument("--hosts", type=int, required=True)
-    plan.add_argument("--devices-per-host", type=int, required=True)
+    plan.add_argument("--hosts", type=int, default=None, help="required for a cluster plan")
+    plan.add_argument("--devices-per-host", type=int, default=None,
+                      help="required for a cluster plan")
     for name, default, text in (("dp", 1, "replicas (DDP, or HSDP's replicate dim)"),
                                 ("tp", 1, "tensor parallel"), ("pp", 1, "pipeline stages"),
                                 ("cp", 1, "context parallel")):
@@ -305,6 +336,14 @@ def _add_plan(sub) -> None:
     plan.add_argument("--seq", type=int, default=None)
     plan.add_argument("--batch", type=int, default=None, help="global batch, in sequences")
     plan.add_argument("--layers", type=int, default=None)
+    plan.add_argument("--schedule", default=None,
+                      help="instead: print a pipeline schedule for --pp ranks (gpipe, 1f1b, "
+                           "interleaved-1f1b, zero-bubble) with its bubble")
+    plan.add_argument("--microbatches", type=int, default=None,
+                      help="micro-batches per step (with --schedule; default 2 x --pp)")
+    plan.add_argument("--virtual", type=int, default=2,
+                      help="stages per rank for interleaved-1f1b")
+    plan.add_argument("--png", default=None, help="with --schedule: draw its timeline")
     plan.set_defaults(handler=_cmd_plan)
 
 
