@@ -184,3 +184,55 @@ def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
                           "--microbatches", "4", "--schedule", "interleaved-1f1b"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "use 6 micro-batches" in bad.stderr
+
+
+def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2):
+    """The same model, split and schedule run by torch.distributed.pipelining (the anchor)."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+    group = mesh.get_group("pp")
+    virtual = 2 if name == "interleaved-1f1b" else 1
+    model = make_model()
+    parts = split_sequential(model, 4 * virtual)
+    me = mesh.get_coordinate()[0]
+    mine = [s for s in range(4 * virtual) if s % 4 == me]
+    stages = [PipelineStage(parts[s], s, 4 * virtual, torch.device("cpu"), group=group)
+              for s in mine]
+    if name == "interleaved-1f1b":
+        schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=F.cross_entropy)
+    else:
+        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+        schedule = kind(stages[0], microbatches, loss_fn=F.cross_entropy)
+    params = [p for s in mine for p in parts[s].parameters()]
+    opt = torch.optim.SGD(params, lr=0.1)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        if 0 in mine:
+            schedule.step(x)
+        elif 4 * virtual - 1 in mine:
+            schedule.step(target=y)
+        else:
+            schedule.step()
+        opt.step()
+        opt.zero_grad()
+    index = {id(p): n for n, p in model.named_parameters()}
+    return {index[id(p)]: p.detach().clone() for p in params}
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_same_result_as_torch_pipelining(mesh_pool, name):
+    theirs, ours = {}, {}
+    for params in mesh_pool.run(train_with_torch_pipelining, 4, name, 8):
+        theirs.update(params)
+    for params, *_ in mesh_pool.run(train_pipelined, 4, name, 8):
+        ours.update(params)
+    assert theirs.keys() == ours.keys()
+    for key in ours:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
