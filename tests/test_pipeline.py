@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from devmesh import comm_stats, init_device_mesh
+from devmesh.parallel import state_dict
 from devmesh.layout.schedule import SCHEDULES, ScheduleError, build_schedule
 from devmesh.parallel.pipeline import (
     PipelineError,
@@ -236,3 +237,96 @@ def test_same_result_as_torch_pipelining(mesh_pool, name):
     assert theirs.keys() == ours.keys()
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
+
+
+def block_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)) for _ in range(4)]
+    return nn.Sequential(*blocks, nn.Linear(16, 4))
+
+
+def train_composed(name: str, composition: str, steps: int = 2):
+    """PP x FSDP x TP on (pp, dp, tp) = (2, 2, 2), or PP x DDP on (pp, dp) = (2, 4): each
+    stage parallelized on the (dp, tp) slice, each data-parallel replica its own pipeline."""
+    from devmesh.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        fully_shard,
+        parallelize_module,
+        replicate,
+    )
+
+    if composition == "fsdp+tp":
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    else:
+        mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    schedule = build_schedule(name, 2, 4)
+    model = block_model()
+    parts = split_sequential(model, schedule.stages)
+    me = mesh.get_coordinate()[0]
+    stages = {}
+    for s in range(schedule.stages):
+        if schedule.rank_of(s) != me:
+            continue
+        stage = parts[s]
+        if composition == "fsdp+tp":
+            for block in stage:
+                if isinstance(block, nn.Sequential):
+                    parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(),
+                                                           "2": RowwiseParallel()})
+                    fully_shard(block, mesh=mesh["dp"])
+            fully_shard(stage, mesh=mesh["dp"])
+        else:
+            replicate(stage, mesh=mesh["dp"])
+        stages[s] = stage
+    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    opt = torch.optim.SGD([p for s in stages.values() for p in s.parameters()], lr=0.1)
+    dp_index, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    losses = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+        x, y = x.chunk(dp_size)[dp_index], y.chunk(dp_size)[dp_index]
+        loss = runner.step(x if 0 in stages else None,
+                           y if schedule.stages - 1 in stages else None)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    full = {}
+    index = {id(m): prefix for prefix, m in model.named_modules()}
+    for s, stage in stages.items():
+        for name_, value in state_dict(stage, full=True).items():
+            child, rest = name_.split(".", 1)
+            full[f"{index[id(stage[int(child)])]}.{rest}"] = value
+    return full, losses
+
+
+def block_reference(steps: int = 2):
+    model = block_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+@pytest.mark.parametrize("name, composition", [(n, "fsdp+tp") for n in SCHEDULES]
+                         + [("1f1b", "ddp")])
+def test_pipeline_composes_with_fsdp_tp_and_ddp(mesh_pool, name, composition):
+    ref_state, ref_losses = block_reference()
+    full, replica_losses = {}, []
+    for state, losses in mesh_pool.run(train_composed, 8, name, composition):
+        full.update(state)
+        if losses[0] is not None:
+            replica_losses.append(losses)
+    assert full.keys() == ref_state.keys()
+    for key, value in ref_state.items():
+        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6)
+    mean = [sum(step) / len(replica_losses) for step in zip(*replica_losses)]
+    assert mean == pytest.approx(ref_losses, rel=1e-5)

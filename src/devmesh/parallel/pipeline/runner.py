@@ -7,7 +7,9 @@ run at all (:meth:`~devmesh.layout.schedule.Schedule.simulate` checks it without
 The shape and dtype of each stage's output are sent once, with the first micro-batch of the
 first step; later messages carry only data. Every micro-batch's loss is divided by the
 number of micro-batches, so gradients accumulate to exactly those of the whole batch:
-training equals single-process training on the same batch.
+training equals single-process training on the same batch. A stage that is itself data
+parallel (``replicate``) or sharded (``fully_shard``, over TP or not) accumulates its gradients
+without synchronization and reduces them once, at its last backward of the step.
 """
 
 from __future__ import annotations
@@ -60,6 +62,18 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.last = schedule.stages - 1
         self._shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its input
+        # a stage under replicate / fully_shard reduces its gradients once per step: at its
+        # last action that computes weight gradients (the others accumulate without sync)
+        actions = schedule.actions[self.index]
+        self._final_weight_grads = {
+            s: max(i for i, a in enumerate(actions) if a.stage == s and a.kind in ("B", "W"))
+            for s in stages}
+        self._syncable = {s: [m for m in stages[s].modules()
+                              if hasattr(m, "set_requires_gradient_sync")] for s in stages}
+
+    def _set_sync(self, stage: int, sync: bool) -> None:
+        for module in self._syncable[stage]:
+            module.set_requires_gradient_sync(sync)
 
     # -- messages ---------------------------------------------------------------------------
     def _tag(self, stage: int, microbatch: int, backward: bool) -> int:
@@ -117,8 +131,10 @@ class PipelineRunner:
         sends: list[comm.Pending] = []
         losses = []
         sent_header = set(self._shapes_sent) if hasattr(self, "_shapes_sent") else set()
-        for action in self.schedule.actions[self.index]:
+        for position, action in enumerate(self.schedule.actions[self.index]):
             s, mb = action.stage, action.microbatch
+            if action.kind in ("B", "W") and self._syncable[s]:
+                self._set_sync(s, position == self._final_weight_grads[s])
             if action.kind == "F":
                 x = chunks["inputs"][mb] if s == 0 else self._recv_input(s, mb)
                 if s > 0:
@@ -154,5 +170,8 @@ class PipelineRunner:
                     torch.autograd.backward(entry["out"], entry["grad"], inputs=params)
         for pending in sends:
             pending.wait()
+        for stage in self.stages:
+            if self._syncable[stage]:
+                self._set_sync(stage, True)
         self._shapes_sent = sent_header
         return torch.stack(losses).sum() if losses else None
