@@ -14,6 +14,7 @@ without synchronization and reduces them once, at its last backward of the step.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -128,6 +129,7 @@ class PipelineRunner:
         if self.last in self.stages and "targets" not in chunks:
             raise PipelineError("the last stage's rank needs the targets: step(..., targets)")
         state: dict[tuple[int, int], dict] = {}
+        self.compute_seconds: dict[Action, float] = {}  # compute of each action, no messages
         sends: list[comm.Pending] = []
         losses = []
         sent_header = set(self._shapes_sent) if hasattr(self, "_shapes_sent") else set()
@@ -139,12 +141,14 @@ class PipelineRunner:
                 x = chunks["inputs"][mb] if s == 0 else self._recv_input(s, mb)
                 if s > 0:
                     x.requires_grad_(True)
+                start = time.perf_counter()
                 out = self.stages[s](x)
                 entry = {"x": x, "out": out}
                 if s == self.last:
                     entry["out"] = self.loss_fn(out, chunks["targets"][mb]) / m
                     losses.append(entry["out"].detach())
-                else:
+                self.compute_seconds[action] = time.perf_counter() - start
+                if s != self.last:
                     sends += self._send(out.detach(), s + 1, mb, False, s + 1 not in sent_header)
                     sent_header.add(s + 1)
                 state[(s, mb)] = entry
@@ -154,20 +158,27 @@ class PipelineRunner:
                     entry["out"].shape, entry["out"].dtype, self.mesh, self.dim,
                     self.schedule.rank_of(s + 1), self._tag(s, mb, True))
                 entry["grad"] = grad
+                start = time.perf_counter()
                 if action.kind == "B":
                     torch.autograd.backward(entry["out"], grad)
+                    self.compute_seconds[action] = time.perf_counter() - start
                     if s > 0:
                         sends += self._send(entry["x"].grad, s - 1, mb, True, False)
                     del state[(s, mb)]
                 elif s > 0:  # input gradient only; W computes the weights' later
                     (gx,) = torch.autograd.grad(entry["out"], entry["x"], grad,
                                                 retain_graph=True)
+                    self.compute_seconds[action] = time.perf_counter() - start
                     sends += self._send(gx, s - 1, mb, True, False)
+                else:
+                    self.compute_seconds[action] = 0.0
             else:  # W: the weight-gradient half of a split backward
                 entry = state.pop((s, mb))
                 params = [p for p in self.stages[s].parameters() if p.requires_grad]
+                start = time.perf_counter()
                 if params:
                     torch.autograd.backward(entry["out"], entry["grad"], inputs=params)
+                self.compute_seconds[action] = time.perf_counter() - start
         for pending in sends:
             pending.wait()
         for stage in self.stages:

@@ -1,0 +1,145 @@
+"""Pipeline step time: devmesh's schedules vs torch.distributed.pipelining, and the measured
+bubble vs the one the schedule predicts.
+
+Same model (16 blocks of Linear(256, 256) -> ReLU, and a Linear head), same split (balanced
+by parameter count), same schedule, 4 pipeline ranks over gloo, 8 micro-batches of 16, SGD;
+GPipe, 1F1B and interleaved 1F1B (2 stages per rank) run by both, zero-bubble by devmesh
+only (torch's zero-bubble schedules need its own graph splitting). Prints the slowest rank's
+median step time, the ratio devmesh / torch, and for devmesh the measured bubble (1 - compute
+time summed over ranks / (ranks x step time)) next to the schedule's prediction with the
+measured forward / backward costs.
+
+    .venv/bin/python bench/pipeline.py [--steps 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+RANKS, MICRO, BATCH = 4, 8, 128
+
+
+def build_model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(16)]
+    return nn.Sequential(*blocks, nn.Linear(256, 10))
+
+
+def run(library: str, name: str, steps: int):
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    from devmesh import init_device_mesh
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel.pipeline import PipelineRunner, split_sequential
+
+    mesh = init_device_mesh("cpu", (RANKS,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    virtual = 2 if name == "interleaved-1f1b" else 1
+    stages_total = RANKS * virtual
+    parts = split_sequential(build_model(), stages_total)
+    mine = [s for s in range(stages_total) if s % RANKS == me]
+    params = [p for s in mine for p in parts[s].parameters()]
+    opt = torch.optim.SGD(params, lr=0.01)
+    first, last = 0 in mine, stages_total - 1 in mine
+    if library == "torch":
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import (
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        stages = [PipelineStage(parts[s], s, stages_total, torch.device("cpu"),
+                                group=mesh.get_group("pp")) for s in mine]
+        if virtual > 1:
+            schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=F.cross_entropy)
+        else:
+            kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
+            schedule = kind(stages[0], MICRO, loss_fn=F.cross_entropy)
+
+        def step(x, y):
+            if first:
+                schedule.step(x)
+            elif last:
+                schedule.step(target=y)
+            else:
+                schedule.step()
+    else:
+        plan = build_schedule(name, RANKS, MICRO, virtual)
+        runner = PipelineRunner({s: parts[s] for s in mine}, mesh, plan, F.cross_entropy)
+
+        def step(x, y):
+            runner.step(x if first else None, y if last else None)
+
+    times, computes = [], []
+    for i in range(steps + 2):
+        gen = torch.Generator().manual_seed(i)
+        x, y = torch.randn(BATCH, 256, generator=gen), torch.randint(0, 10, (BATCH,),
+                                                                     generator=gen)
+        dist.barrier()
+        start = time.perf_counter()
+        step(x, y)
+        opt.step()
+        opt.zero_grad()
+        elapsed = torch.tensor([time.perf_counter() - start])
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        if i >= 2:
+            times.append(elapsed.item())
+            if library == "devmesh":
+                computes.append(dict(runner.compute_seconds))
+    result = {"time": statistics.median(times)}
+    if library == "devmesh":
+        result["compute"] = statistics.median(sum(c.values()) for c in computes)
+        by_kind: dict[str, list[float]] = {}
+        for c in computes:
+            for action, seconds in c.items():
+                by_kind.setdefault(action.kind, []).append(seconds)
+        result["costs"] = {k: statistics.median(v) for k, v in by_kind.items()}
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    from devmesh.launching.launcher import launch
+    from devmesh.layout.schedule import build_schedule
+
+    print(f"{RANKS} pipeline ranks (gloo), {MICRO} micro-batches of {BATCH // MICRO}, "
+          f"slowest rank's median of {args.steps} steps")
+    print(f"{'schedule':<18}{'devmesh':>10}{'torch':>10}{'ratio':>8}"
+          f"{'bubble measured':>18}{'predicted':>11}")
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
+        ours = launch(run, RANKS, "devmesh", name, args.steps, timeout=1800)
+        theirs = (launch(run, RANKS, "torch", name, args.steps, timeout=1800)
+                  if name != "zero-bubble" else None)
+        step = ours[0]["time"]
+        measured = 1 - sum(r["compute"] for r in ours) / (RANKS * step)
+        # the same schedule with the costs each kind measured (median over ranks)
+        costs = {k: statistics.median(r["costs"][k] for r in ours if k in r["costs"])
+                 for k in ours[0]["costs"]}
+        for r in ours:  # ranks without an action kind still need a cost for it
+            costs.update({k: v for k, v in r["costs"].items() if k not in costs})
+        virtual = 2 if name == "interleaved-1f1b" else 1
+        predicted = build_schedule(name, RANKS, MICRO, virtual).bubble(costs)
+        torch_text = f"{theirs[0]['time'] * 1e3:>8.1f}ms" if theirs else f"{'-':>10}"
+        ratio = f"{step / theirs[0]['time']:>8.2f}" if theirs else f"{'-':>8}"
+        print(f"{name:<18}{step * 1e3:>8.1f}ms{torch_text}{ratio}{measured:>18.1%}"
+              f"{predicted:>11.1%}")
+
+
+if __name__ == "__main__":
+    main()
