@@ -1,7 +1,7 @@
 """Pipeline step time: devmesh's schedules vs torch.distributed.pipelining, and the measured
 bubble vs the one the schedule predicts.
 
-Same model (16 blocks of Linear(256, 256) -> ReLU, and a Linear head), same split (balanced
+Same model (16 blocks of Linear(512, 512) -> ReLU, and a Linear head), same split (balanced
 by parameter count), same schedule, 4 pipeline ranks over gloo, 8 micro-batches of 16, SGD;
 GPipe, 1F1B and interleaved 1F1B (2 stages per rank) run by both, zero-bubble by devmesh
 only (torch's zero-bubble schedules need its own graph splitting). Prints the slowest rank's
@@ -19,7 +19,7 @@ import statistics
 import time
 import warnings
 
-RANKS, MICRO, BATCH = 4, 8, 128
+RANKS, MICRO, BATCH = 4, 8, 512
 
 
 def build_model():
@@ -27,8 +27,8 @@ def build_model():
     from torch import nn
 
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(256, 256), nn.ReLU()) for _ in range(16)]
-    return nn.Sequential(*blocks, nn.Linear(256, 10))
+    blocks = [nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(16)]
+    return nn.Sequential(*blocks, nn.Linear(512, 10))
 
 
 def run(library: str, name: str, steps: int):
@@ -87,7 +87,7 @@ def run(library: str, name: str, steps: int):
     times, computes = [], []
     for i in range(steps + 2):
         gen = torch.Generator().manual_seed(i)
-        x, y = torch.randn(BATCH, 256, generator=gen), torch.randint(0, 10, (BATCH,),
+        x, y = torch.randn(BATCH, 512, generator=gen), torch.randint(0, 10, (BATCH,),
                                                                      generator=gen)
         dist.barrier()
         start = time.perf_counter()
