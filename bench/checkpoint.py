@@ -149,8 +149,6 @@ def run(library: str, directory: str, repeats: int):
                   if not f.startswith("."))
     blocking = slowed = None
     if library == "devmesh":
-        from devmesh.parallel import save_checkpoint
-
         plain = statistics.median(step() for _ in range(3))
         dist.barrier()
         start = time.perf_counter()

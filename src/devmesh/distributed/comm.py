@@ -285,8 +285,6 @@ def agree(mesh: DeviceMesh, dims: Sequence[int], what: str, value: str) -> None:
     error on all ranks rather than on some (which would leave the others hanging).
     """
     from devmesh.errors import MeshMismatchError
-    from devmesh.layout import format_ranks
-
     digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
     mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
     digests = all_gather(mine, mesh, dims).reshape(-1)

@@ -21,10 +21,8 @@ spec records dim 0 as split by ``("tp", "dp")``, so ``full_tensor()`` reassemble
 
 from __future__ import annotations
 
-import contextlib
 import math
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +35,8 @@ from devmesh.parallel.param import (
     combined_mesh,
     describe_tensors,
     get_layout,
-    set_layout,
     sharded_parameter,
+    GradientSyncControl,
     with_methods,
 )
 from devmesh.tensor import ShardingSpec
@@ -429,7 +427,7 @@ class _Unshard(torch.autograd.Function):
         return (None, *ctx.unit.reduce_grads(list(grads)))
 
 
-class FSDPModule:
+class FSDPModule(GradientSyncControl):
     """What ``fully_shard`` adds to a module (torch FSDP2's names), for gradient accumulation:
 
     * ``set_requires_gradient_sync(False)``: backward adds each unit's gradients to its
@@ -457,14 +455,6 @@ class FSDPModule:
             unit.reshard_after_backward = bool(reshard_after_backward)
             if reshard_after_backward:
                 unit._kept = None
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.set_requires_gradient_sync(True)
 
 
 def fully_shard(

@@ -9,7 +9,9 @@ the weight's dim 0 is split by ``("tp", "dp")`` — TP's pieces, each split by F
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -19,7 +21,7 @@ from devmesh.errors import ParallelizeError  # noqa: F401 - re-exported
 from devmesh.mesh import DeviceMesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
-__all__ = ["with_methods", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
+__all__ = ["with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
            "as_sharded", "combined_mesh", "describe_tensors"]
 
 _ATTR = "_devmesh_layout"
@@ -116,3 +118,19 @@ def with_methods(module: nn.Module, mixin: type) -> None:
         _MIXED[key] = type(f"{mixin.__name__.removesuffix('Module')}{cls.__name__}",
                            (mixin, cls), {"__module__": cls.__module__})
     module.__class__ = _MIXED[key]
+
+
+class GradientSyncControl:
+    """``no_sync()`` for a module whose class defines ``set_requires_gradient_sync``: DDP's
+    context for accumulating gradients without communication."""
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        self.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.set_requires_gradient_sync(True)

@@ -13,9 +13,6 @@ given (data-parallel) mesh only.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 from torch import nn
 
@@ -26,6 +23,7 @@ from devmesh.parallel.param import (
     describe_tensors,
     get_layout,
     set_layout,
+    GradientSyncControl,
     with_methods,
 )
 from devmesh.tensor import ShardingSpec
@@ -123,7 +121,7 @@ class DataParallelState:
             bucket.pending, bucket.buffer, bucket.ready = None, None, 0
 
 
-class ReplicateModule:
+class ReplicateModule(GradientSyncControl):
     """What ``replicate`` adds to a module, for gradient accumulation as in DDP:
     ``no_sync()`` (a context) or ``set_requires_gradient_sync(False)`` lets gradients
     accumulate in ``param.grad`` without communication; the first backward with sync on
@@ -131,14 +129,6 @@ class ReplicateModule:
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self._devmesh_ddp.requires_gradient_sync = bool(requires_gradient_sync)  # type: ignore[attr-defined]
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        self.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.set_requires_gradient_sync(True)
 
 
 def replicate(module: nn.Module, *, mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> nn.Module:

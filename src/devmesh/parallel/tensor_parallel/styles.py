@@ -19,7 +19,7 @@ activations are converted, and their gradients kept right, is :mod:`.activations
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 
 import torch
 import torch.nn.functional as F
