@@ -180,14 +180,16 @@ class FSDPUnit:
 
     # -- communication ---------------------------------------------------------------------
     def start_gather(self, shards: list[torch.Tensor]) -> comm.Pending:
-        """Start the unit's one all-gather (packed, padded shards) asynchronously."""
+        """Start the unit's one all-gather (packed, padded shards) asynchronously. The shards
+        are copied once, straight into the send buffer (and cast on the way)."""
         dtype = self.mp.param_dtype or shards[0].dtype
-        flat = []
+        buffer = torch.empty(sum(p.padded_numel for p in self.params), dtype=dtype)
+        offset = 0
         for p, shard in zip(self.params, shards):
-            piece = shard.detach().to(dtype).reshape(-1)
-            pad = p.padded_numel - piece.numel()
-            flat.append(piece if pad == 0 else torch.cat([piece, piece.new_zeros(pad)]))
-        buffer = torch.cat(flat) if flat else torch.empty(0, dtype=dtype)
+            n = shard.numel()
+            buffer[offset: offset + n].copy_(shard.detach().reshape(-1))
+            buffer[offset + n: offset + p.padded_numel].zero_()
+            offset += p.padded_numel
         return comm.all_gather_async(buffer, self.mesh, (self.shard_dim,))
 
     def finish_gather(self, pending: comm.Pending) -> list[torch.Tensor]:
@@ -233,15 +235,21 @@ class FSDPUnit:
                                  else g.detach().to(dtype) for p, g in zip(self.params, grads)]
             self._drop_backward_state(keep=not self.reshard_after_backward)
             return [None] * len(self.params)
-        per_peer = [[] for _ in range(self.k)]
+        # one buffer, row j for peer j: each gradient is copied (and cast) once, into place
+        stacked = torch.empty(self.k, sum(p.padded_numel for p in self.params), dtype=dtype)
+        offset = 0
         for p, grad in zip(self.params, grads):
-            g = torch.zeros(p.full_shape, dtype=dtype) if grad is None else grad.to(dtype)
+            row = p.row_numel
             for j in range(self.k):
                 start, size = chunk_bounds(p.full_shape[0], self.k, j)
-                piece = g.narrow(0, start, size).reshape(-1)
-                pad = p.padded_numel - piece.numel()
-                per_peer[j].append(piece if pad == 0 else torch.cat([piece, piece.new_zeros(pad)]))
-        stacked = torch.stack([torch.cat(pieces) for pieces in per_peer])
+                target = stacked[j, offset: offset + p.padded_numel]
+                if grad is None:
+                    target.zero_()
+                    continue
+                target[: size * row].view(size, *p.full_shape[1:]).copy_(
+                    grad.narrow(0, start, size))
+                target[size * row:].zero_()
+            offset += p.padded_numel
         mine = comm.reduce_scatter(stacked, self.mesh, (self.shard_dim,), "avg")
         if self.replicate_dims:
             comm.all_reduce(mine, self.mesh, self.replicate_dims, "avg")
