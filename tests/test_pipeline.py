@@ -147,27 +147,31 @@ def test_every_schedule_trains_like_one_process(mesh_pool, name):
 
 
 def test_pipeline_errors_name_the_fix(mesh_pool):
-    for error in mesh_pool.run(pipeline_errors, 2):
-        assert error == ["no 'pp' dim", "do not divide the batch of 10"]
+    for rank, error in enumerate(mesh_pool.run(pipeline_errors, 4)):
+        assert error[0] == "no 'pp' dim"
+        if rank == 0:  # the rank holding the data says why; the others who refused it
+            assert "do not divide the batch of 10" in error[1]
+        else:
+            assert "refused on another stage — rank 0" in error[1], error[1]
 
 
 def pipeline_errors():
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     out = []
     try:
-        PipelineRunner({}, mesh, build_schedule("1f1b", 2, 4), F.cross_entropy)
+        PipelineRunner({}, mesh, build_schedule("1f1b", 4, 4), F.cross_entropy)
     except PipelineError as exc:
         out.append("no 'pp' dim" if "has no 'pp' dim" in str(exc) else str(exc))
-    pp = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    parts = split_sequential(make_model(), 2)
+    pp = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+    parts = split_sequential(make_model(), 4)
     me = pp.get_coordinate()[0]
-    runner = PipelineRunner({me: parts[me]}, pp, build_schedule("1f1b", 2, 4), F.cross_entropy)
-    try:  # every rank passes its own data; each checks the batch before any message
+    runner = PipelineRunner({me: parts[me]}, pp, build_schedule("1f1b", 4, 4), F.cross_entropy)
+    try:  # only the first stage has inputs (of a bad size), only the last has targets: the
+        # middle stages must not wait for a message that never comes
         runner.step(torch.randn(10, 16) if me == 0 else None,
-                    torch.zeros(10, dtype=torch.long) if me == 1 else None)
+                    torch.zeros(12, dtype=torch.long) if me == 3 else None)
     except PipelineError as exc:
-        out.append("do not divide the batch of 10" if "do not divide the batch of 10" in str(exc)
-                   else str(exc))
+        out.append(str(exc))
     return out
 
 

@@ -109,12 +109,8 @@ class PipelineRunner:
                          self._tag(stage, microbatch, False))
 
     # -- one step ---------------------------------------------------------------------------
-    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
-             ) -> torch.Tensor | None:
-        """Forward and backward of one batch, split into the schedule's micro-batches:
-        ``inputs`` are needed on the first stage's rank, ``targets`` on the last's. Gradients
-        accumulate in the stages' parameters (call the optimizer after). Returns the batch's
-        loss on the last stage's rank, ``None`` elsewhere."""
+    def _micro_batches(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
+                       ) -> dict[str, tuple[torch.Tensor, ...]]:
         m = self.schedule.microbatches
         chunks = {}
         for name, batch in (("inputs", inputs), ("targets", targets)):
@@ -128,6 +124,31 @@ class PipelineRunner:
             raise PipelineError("the first stage's rank needs the inputs: step(inputs, ...)")
         if self.last in self.stages and "targets" not in chunks:
             raise PipelineError("the last stage's rank needs the targets: step(..., targets)")
+        return chunks
+
+    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
+             ) -> torch.Tensor | None:
+        """Forward and backward of one batch, split into the schedule's micro-batches:
+        ``inputs`` are needed on the first stage's rank, ``targets`` on the last's. Gradients
+        accumulate in the stages' parameters (call the optimizer after). Returns the batch's
+        loss on the last stage's rank, ``None`` elsewhere."""
+        m = self.schedule.microbatches
+        chunks: dict[str, tuple[torch.Tensor, ...]] = {}
+        error = None
+        try:
+            chunks = self._micro_batches(inputs, targets)
+        except PipelineError as exc:
+            error = exc
+        # only the first and last stages' ranks see the data: every rank learns whether one
+        # of them refused it (one small all-gather over the pp dim), instead of waiting for a
+        # message that never comes
+        failed = comm.failures(None if error is None else str(error),
+                               self.mesh.get_group(self.dim))
+        if failed:
+            if error is not None:
+                raise error
+            listing = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items()))
+            raise PipelineError(f"pipeline step refused on another stage — {listing}")
         state: dict[tuple[int, int], dict] = {}
         self.compute_seconds: dict[Action, float] = {}  # compute of each action, no messages
         sends: list[comm.Pending] = []
