@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -63,6 +64,8 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.last = schedule.stages - 1
         self._shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its input
+        self._shapes_sent: set[int] = set()  # stages whose input shape this rank has sent
+        self.compute_seconds: dict[Action, float] = {}
         # a stage under replicate / fully_shard reduces its gradients once per step: at its
         # last action that computes weight gradients (the others accumulate without sync)
         actions = schedule.actions[self.index]
@@ -132,16 +135,33 @@ class PipelineRunner:
         ``inputs`` are needed on the first stage's rank, ``targets`` on the last's. Gradients
         accumulate in the stages' parameters (call the optimizer after). Returns the batch's
         loss on the last stage's rank, ``None`` elsewhere."""
-        m = self.schedule.microbatches
+        step = _Step(self._agree_on_data(inputs, targets))
+        self.compute_seconds = step.compute  # compute of each action, messages excluded
+        play = {"F": self._forward, "B": self._backward, "I": self._backward,
+                "W": self._weight_grads}
+        for position, action in enumerate(self.schedule.actions[self.index]):
+            if action.kind in ("B", "W") and self._syncable[action.stage]:
+                self._set_sync(action.stage,
+                               position == self._final_weight_grads[action.stage])
+            play[action.kind](step, action)
+        for pending in step.sends:
+            pending.wait()
+        for stage in self.stages:
+            if self._syncable[stage]:
+                self._set_sync(stage, True)
+        return torch.stack(step.losses).sum() if step.losses else None
+
+    def _agree_on_data(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
+                       ) -> dict[str, tuple[torch.Tensor, ...]]:
+        """The micro-batches, once every stage knows that the data was accepted: only the
+        first and last stages' ranks see it, so they tell the others (one small all-gather
+        over the pp dim) instead of leaving them waiting for a message that never comes."""
         chunks: dict[str, tuple[torch.Tensor, ...]] = {}
         error = None
         try:
             chunks = self._micro_batches(inputs, targets)
         except PipelineError as exc:
             error = exc
-        # only the first and last stages' ranks see the data: every rank learns whether one
-        # of them refused it (one small all-gather over the pp dim), instead of waiting for a
-        # message that never comes
         failed = comm.failures(None if error is None else str(error),
                                self.mesh.get_group(self.dim))
         if failed:
@@ -149,61 +169,61 @@ class PipelineRunner:
                 raise error
             listing = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items()))
             raise PipelineError(f"pipeline step refused on another stage — {listing}")
-        state: dict[tuple[int, int], dict] = {}
-        self.compute_seconds: dict[Action, float] = {}  # compute of each action, no messages
-        sends: list[comm.Pending] = []
-        losses = []
-        sent_header = set(self._shapes_sent) if hasattr(self, "_shapes_sent") else set()
-        for position, action in enumerate(self.schedule.actions[self.index]):
-            s, mb = action.stage, action.microbatch
-            if action.kind in ("B", "W") and self._syncable[s]:
-                self._set_sync(s, position == self._final_weight_grads[s])
-            if action.kind == "F":
-                x = chunks["inputs"][mb] if s == 0 else self._recv_input(s, mb)
-                if s > 0:
-                    x.requires_grad_(True)
-                start = time.perf_counter()
-                out = self.stages[s](x)
-                entry = {"x": x, "out": out}
-                if s == self.last:
-                    entry["out"] = self.loss_fn(out, chunks["targets"][mb]) / m
-                    losses.append(entry["out"].detach())
-                self.compute_seconds[action] = time.perf_counter() - start
-                if s != self.last:
-                    sends += self._send(out.detach(), s + 1, mb, False, s + 1 not in sent_header)
-                    sent_header.add(s + 1)
-                state[(s, mb)] = entry
-            elif action.kind in ("B", "I"):
-                entry = state[(s, mb)]
-                grad = None if s == self.last else comm.recv(
-                    entry["out"].shape, entry["out"].dtype, self.mesh, self.dim,
-                    self.schedule.rank_of(s + 1), self._tag(s, mb, True))
-                entry["grad"] = grad
-                start = time.perf_counter()
-                if action.kind == "B":
-                    torch.autograd.backward(entry["out"], grad)
-                    self.compute_seconds[action] = time.perf_counter() - start
-                    if s > 0:
-                        sends += self._send(entry["x"].grad, s - 1, mb, True, False)
-                    del state[(s, mb)]
-                elif s > 0:  # input gradient only; W computes the weights' later
-                    (gx,) = torch.autograd.grad(entry["out"], entry["x"], grad,
+        return chunks
+
+    def _forward(self, step: _Step, action: Action) -> None:
+        s, mb = action.stage, action.microbatch
+        x = step.chunks["inputs"][mb] if s == 0 else self._recv_input(s, mb)
+        if s > 0:
+            x.requires_grad_(True)
+        start = time.perf_counter()
+        out = self.stages[s](x)
+        if s == self.last:
+            out = self.loss_fn(out, step.chunks["targets"][mb]) / self.schedule.microbatches
+            step.losses.append(out.detach())
+        step.compute[action] = time.perf_counter() - start
+        if s != self.last:
+            step.sends += self._send(out.detach(), s + 1, mb, False,
+                                     s + 1 not in self._shapes_sent)
+            self._shapes_sent.add(s + 1)
+        step.saved[(s, mb)] = {"x": x, "out": out}
+
+    def _backward(self, step: _Step, action: Action) -> None:
+        """``B``: the whole backward; ``I``: the input gradient only (``W`` does the rest)."""
+        s, mb = action.stage, action.microbatch
+        entry = step.saved[(s, mb)]
+        grad = None if s == self.last else comm.recv(
+            entry["out"].shape, entry["out"].dtype, self.mesh, self.dim,
+            self.schedule.rank_of(s + 1), self._tag(s, mb, True))
+        entry["grad"] = grad
+        start = time.perf_counter()
+        input_grad = None
+        if action.kind == "B":
+            torch.autograd.backward(entry["out"], grad)
+            input_grad = entry["x"].grad if s > 0 else None
+            del step.saved[(s, mb)]
+        elif s > 0:
+            (input_grad,) = torch.autograd.grad(entry["out"], entry["x"], grad,
                                                 retain_graph=True)
-                    self.compute_seconds[action] = time.perf_counter() - start
-                    sends += self._send(gx, s - 1, mb, True, False)
-                else:
-                    self.compute_seconds[action] = 0.0
-            else:  # W: the weight-gradient half of a split backward
-                entry = state.pop((s, mb))
-                params = [p for p in self.stages[s].parameters() if p.requires_grad]
-                start = time.perf_counter()
-                if params:
-                    torch.autograd.backward(entry["out"], entry["grad"], inputs=params)
-                self.compute_seconds[action] = time.perf_counter() - start
-        for pending in sends:
-            pending.wait()
-        for stage in self.stages:
-            if self._syncable[stage]:
-                self._set_sync(stage, True)
-        self._shapes_sent = sent_header
-        return torch.stack(losses).sum() if losses else None
+        step.compute[action] = time.perf_counter() - start
+        if input_grad is not None:
+            step.sends += self._send(input_grad, s - 1, mb, True, False)
+
+    def _weight_grads(self, step: _Step, action: Action) -> None:
+        entry = step.saved.pop((action.stage, action.microbatch))
+        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
+        start = time.perf_counter()
+        if params:
+            torch.autograd.backward(entry["out"], entry["grad"], inputs=params)
+        step.compute[action] = time.perf_counter() - start
+
+
+@dataclass
+class _Step:
+    """What one step keeps between actions."""
+
+    chunks: dict[str, tuple[torch.Tensor, ...]]
+    saved: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> tensors
+    sends: list[comm.Pending] = field(default_factory=list)
+    losses: list[torch.Tensor] = field(default_factory=list)
+    compute: dict[Action, float] = field(default_factory=dict)
