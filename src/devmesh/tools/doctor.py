@@ -49,14 +49,31 @@ def _check(report: RankReport, name: str, fn) -> object:
 def run_checks(mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...] | None = None,
                device_type: str = "cpu", timeout: float = 30.0) -> list[RankReport] | None:
     """Run every check on this rank. Returns all ranks' reports on rank 0, None elsewhere."""
-    import torch
-    import torch.distributed as dist
-
-    from devmesh.distributed import env, groups
+    from devmesh.distributed import env
     from devmesh.mesh import init_device_mesh
 
     launch = env.read_launch_env()  # a missing launcher is reported by the CLI itself
     report = RankReport(launch.rank, socket.gethostname())
+    _check_setup(report, launch, device_type)
+    shape = mesh_shape or (launch.world_size,)
+    mesh = _check(report, "mesh agreement", lambda: (
+        init_device_mesh(device_type, shape, mesh_dim_names=names, timeout=timeout),
+        f"every rank built {shape} with names {names}"))
+    if mesh is not None:
+        _check(report, "host layout", lambda: (None, _host_layout(mesh)))
+        for d in range(mesh.ndim):
+            _check(report, f"collective on dim {mesh.layout.dim_name(d)!r}",
+                   lambda d=d: (None, _all_reduce_over(mesh, d, timeout)))
+    return _collect(report, launch.world_size, timeout)
+
+
+def _check_setup(report: RankReport, launch, device_type: str) -> None:
+    """The launch environment, the backend and the devices."""
+    import torch
+    import torch.distributed as dist
+
+    from devmesh.distributed import env
+
     report.findings.append(Finding(
         "launch environment", True,
         f"rank {launch.rank} of {launch.world_size}, local rank {launch.local_rank} of "
@@ -75,40 +92,37 @@ def run_checks(mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...]
     _check(report, "devices", lambda: (env.check_device(device_type, launch.local_world_size),
                                        f"{device_type} usable by {launch.local_world_size} "
                                        "local ranks"))
-    shape = mesh_shape or (launch.world_size,)
-    mesh = _check(report, "mesh agreement", lambda: (
-        init_device_mesh(device_type, shape, mesh_dim_names=names, timeout=timeout),
-        f"every rank built {shape} with names {names}"))
-    if mesh is not None:
-        def host_layout():
-            hosts = groups.world_hosts()
-            per_host = {int(h): int((hosts == h).sum()) for h in sorted(set(hosts.tolist()))}
-            crossing = mesh.dims_crossing_hosts()
-            return None, (f"{len(per_host)} host(s), ranks per host {per_host}; dims crossing "
-                          f"hosts: {crossing or 'none'}")
 
-        _check(report, "host layout", host_layout)
-        for d in range(mesh.ndim):
-            name = mesh.layout.dim_name(d)
-            ranks = mesh.group_ranks(d)
 
-            def collective(d=d, ranks=ranks):
-                value = torch.ones(1)
-                work = dist.all_reduce(value, group=mesh.get_group(d), async_op=True)
-                deadline = time.monotonic() + timeout
-                while not work.is_completed():
-                    if time.monotonic() > deadline:
-                        raise TimeoutError(f"all-reduce over group {list(ranks)} did not finish "
-                                           f"within {timeout:g} s")
-                    time.sleep(0.001)
-                work.wait()
-                if int(value.item()) != len(ranks):
-                    raise RuntimeError(f"all-reduce over {list(ranks)} gave {value.item()}, "
-                                       f"expected {len(ranks)}")
-                return None, f"all-reduce over group {list(ranks)} ok"
+def _host_layout(mesh) -> str:
+    from devmesh.distributed import groups
 
-            _check(report, f"collective on dim {name!r}", collective)
-    return _collect(report, launch.world_size, timeout)
+    hosts = groups.world_hosts()
+    per_host = {int(h): int((hosts == h).sum()) for h in sorted(set(hosts.tolist()))}
+    crossing = mesh.dims_crossing_hosts()
+    return (f"{len(per_host)} host(s), ranks per host {per_host}; dims crossing hosts: "
+            f"{crossing or 'none'}")
+
+
+def _all_reduce_over(mesh, d: int, timeout: float) -> str:
+    """One all-reduce over this rank's group of dim ``d``, given ``timeout`` seconds."""
+    import torch
+    import torch.distributed as dist
+
+    ranks = mesh.group_ranks(d)
+    value = torch.ones(1)
+    work = dist.all_reduce(value, group=mesh.get_group(d), async_op=True)
+    deadline = time.monotonic() + timeout
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"all-reduce over group {list(ranks)} did not finish within "
+                               f"{timeout:g} s")
+        time.sleep(0.001)
+    work.wait()
+    if int(value.item()) != len(ranks):
+        raise RuntimeError(f"all-reduce over {list(ranks)} gave {value.item()}, expected "
+                           f"{len(ranks)}")
+    return f"all-reduce over group {list(ranks)} ok"
 
 
 def _collect(report: RankReport, world_size: int, timeout: float) -> list[RankReport] | None:
