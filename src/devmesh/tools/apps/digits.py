@@ -148,11 +148,7 @@ def train(mesh_text: str = "dp=2,shard=2,tp=2", *, epochs: int = 3, batch_size: 
     model = NeuralNetwork()
     reference = copy.deepcopy(model) if verify else None
     mesh, dp_mesh = _parallelize(model, plan)
-    dp_size = dp_mesh.size() if dp_mesh is not None else 1
-    dp_index = 0
-    if dp_mesh is not None:
-        for c, s in zip(dp_mesh.get_coordinate(), dp_mesh.shape):
-            dp_index = dp_index * s + c
+    dp_size, dp_index = _data_parallel_position(dp_mesh)
     if batch_size % dp_size:
         raise ValueError(f"batch size {batch_size} must be divisible by the data-parallel degree {dp_size}")
     (x_train, y_train), (x_test, y_test) = load_data()
@@ -160,49 +156,79 @@ def train(mesh_text: str = "dp=2,shard=2,tp=2", *, epochs: int = 3, batch_size: 
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr) if reference is not None else None
     result = Result(describe=describe(model), mesh=repr(mesh))
     steps_per_epoch = len(y_train) // batch_size
-    show = progress and dist.get_rank() == 0
-    bar = None
-    if show:
-        from rich.progress import Progress
-
-        bar = Progress(transient=False)
-        bar.start()
-        task = bar.add_task(f"training ({plan.describe()})", total=epochs * steps_per_epoch)
+    bar = _ProgressBar(progress and dist.get_rank() == 0, f"training ({plan.describe()})",
+                       epochs * steps_per_epoch)
     per_rank = batch_size // dp_size
+    mine = slice(dp_index * per_rank, (dp_index + 1) * per_rank)
     for epoch in range(epochs):
         order = torch.randperm(len(y_train), generator=torch.Generator().manual_seed(epoch))
         for step in range(steps_per_epoch):
             idx = order[step * batch_size:(step + 1) * batch_size]
             x, y = x_train[idx], y_train[idx]
-            mine = slice(dp_index * per_rank, (dp_index + 1) * per_rank)
-            loss = F.cross_entropy(model(x[mine]), y[mine])
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            global_loss = loss.detach().clone()
-            dist.all_reduce(global_loss)
-            result.losses.append(global_loss.item() / dist.get_world_size())
+            result.losses.append(_train_step(model, opt, x[mine], y[mine]))
             if reference is not None:
-                ref_loss = F.cross_entropy(reference(x), y)
-                ref_loss.backward()
-                ref_opt.step()
-                ref_opt.zero_grad()
-                result.reference_losses.append(ref_loss.item())
-            if bar is not None:
-                bar.advance(task)
+                result.reference_losses.append(_train_step(reference, ref_opt, x, y,
+                                                           average=False))
+            bar.advance()
         with torch.no_grad():
             correct = (model(x_test).argmax(1) == y_test).float().mean().item()
         result.accuracies.append(correct)
-        if bar is not None:
-            bar.console.print(f"epoch {epoch + 1}: loss {result.losses[-1]:.4f}, "
-                              f"test accuracy {100 * correct:.1f}%")
-    if bar is not None:
-        bar.stop()
+        bar.print(f"epoch {epoch + 1}: loss {result.losses[-1]:.4f}, "
+                  f"test accuracy {100 * correct:.1f}%")
+    bar.stop()
     if reference is not None:
         full = state_dict(model)
         ref = reference.state_dict()
         result.max_param_diff = max((full[k] - ref[k]).abs().max().item() for k in ref)
     return result
+
+
+def _data_parallel_position(dp_mesh) -> tuple[int, int]:
+    """How many data-parallel replicas there are, and which one this rank is."""
+    if dp_mesh is None:
+        return 1, 0
+    index = 0
+    for c, s in zip(dp_mesh.get_coordinate(), dp_mesh.shape):
+        index = index * s + c
+    return dp_mesh.size(), index
+
+
+def _train_step(model, opt, x, y, *, average: bool = True) -> float:
+    """One SGD step; the loss averaged over all ranks (``average``) or this one's."""
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    if not average:
+        return loss.item()
+    global_loss = loss.detach().clone()
+    dist.all_reduce(global_loss)
+    return global_loss.item() / dist.get_world_size()
+
+
+class _ProgressBar:
+    """rich's progress bar on rank 0 (nothing elsewhere)."""
+
+    def __init__(self, show: bool, title: str, total: int) -> None:
+        self._bar = None
+        if show:
+            from rich.progress import Progress
+
+            self._bar = Progress(transient=False)
+            self._bar.start()
+            self._task = self._bar.add_task(title, total=total)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def print(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.console.print(text)
+
+    def stop(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
 
 
 def plot_losses(result: Result, path: str) -> None:
