@@ -66,12 +66,8 @@ class _Param:
     shape: tuple[int, ...]  # the parameter's own shape (differs for 0-d parameters)
 
     @property
-    def row_numel(self) -> int:
-        return math.prod(self.full_shape[1:])
-
-    @property
     def padded_numel(self) -> int:
-        return self.padded_rows * self.row_numel
+        return self.padded_rows * math.prod(self.full_shape[1:])
 
 
 class FSDPUnit:
@@ -200,7 +196,7 @@ class FSDPUnit:
             rows = []
             for j in range(self.k):
                 size = chunk_bounds(p.full_shape[0], self.k, j)[1]
-                rows.append(stacked[j, offset: offset + size * p.row_numel])
+                rows.append(stacked[j, offset: offset + size * math.prod(p.full_shape[1:])])
             out.append(torch.cat(rows).view(p.full_shape))
             offset += p.padded_numel
         return out
@@ -239,7 +235,7 @@ class FSDPUnit:
         stacked = torch.empty(self.k, sum(p.padded_numel for p in self.params), dtype=dtype)
         offset = 0
         for p, grad in zip(self.params, grads):
-            row = p.row_numel
+            row = math.prod(p.full_shape[1:])
             for j in range(self.k):
                 start, size = chunk_bounds(p.full_shape[0], self.k, j)
                 target = stacked[j, offset: offset + p.padded_numel]
@@ -256,7 +252,8 @@ class FSDPUnit:
         out, offset = [], 0
         for p in self.params:
             size = chunk_bounds(p.full_shape[0], self.k, self.index)[1]
-            local = mine[offset: offset + size * p.row_numel].view(size, *p.full_shape[1:])
+            row = math.prod(p.full_shape[1:])
+            local = mine[offset: offset + size * row].view(size, *p.full_shape[1:])
             out.append(local.to(p.sharded.dtype).view(p.sharded.shape))
             offset += p.padded_numel
         self._drop_backward_state(keep=False)  # the optimizer step follows: nothing kept
