@@ -202,8 +202,9 @@ def _raise_if_failed(error: BaseException | str | None, what: str, group=None) -
 def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     *, extra: dict[str, Any] | None = None, async_: bool = False
                     ) -> SaveHandle:
-    """Collective: write a sharded checkpoint of ``model`` (and ``optimizer``) to the
-    directory ``path``; every rank writes only its own blocks, each block is written once.
+    """Collective over every rank of the world: write a sharded checkpoint of ``model`` (and
+    ``optimizer``) to the directory ``path``; every rank writes only its own blocks, each
+    block is written once.
 
     ``extra`` (epoch, data position, RNG states as tensors, ...) must be plain data; rank 0's
     is saved. With ``async_=True`` this rank's blocks are copied to host memory and the call
