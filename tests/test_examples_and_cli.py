@@ -149,6 +149,13 @@ def test_demo_trains_digits_like_single_process(tmp_path):
     assert png.read_bytes()[:4] == b"\x89PNG"
 
 
+def test_demo_pp_trains_digits_pipelined_like_single_process():
+    result = _run(DEVMESH + ["demo", "--pp", "--plain", "--epochs", "1"], timeout=600)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "the pipeline matches single-process training" in result.stdout
+    assert "rank 0: F0@0 F1@0 B0@0" in result.stdout  # the 1F1B schedule it runs
+
+
 def test_train_digits_example_launches_itself(tmp_path):
     png = tmp_path / "curve.png"
     result = _run([sys.executable, str(EXAMPLES / "train_digits.py"), "--mesh", "shard=2",

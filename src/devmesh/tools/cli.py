@@ -296,6 +296,10 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     plain = args.plain or not sys.stdout.isatty()
     if args.meshes:
         return run_demo(world_size=8, plain=plain)
+    if args.pp:
+        from devmesh.tools.demo import run_pipeline_demo
+
+        return run_pipeline_demo(plain=plain, epochs=args.epochs)
     return run_training_demo(plain=plain, epochs=args.epochs, plot=args.plot)
 
 
@@ -399,6 +403,8 @@ def _add_demo(sub) -> None:
                                        "it against single-process training")
     demo.add_argument("--meshes", action="store_true",
                       help="instead: build the seeds' meshes and prove every group")
+    demo.add_argument("--pp", action="store_true",
+                      help="instead: train digits with pipeline x FSDP x TP on (2, 2, 2)")
     demo.add_argument("--epochs", type=int, default=5)
     demo.add_argument("--plot", default="digits_loss.png", help="loss-curve PNG ('' for none)")
     demo.add_argument("--plain", action="store_true", help="plain text even in a terminal")
