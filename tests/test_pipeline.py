@@ -320,3 +320,39 @@ def test_pipeline_composes_with_fsdp_tp_and_ddp(mesh_pool, name, composition):
         torch.testing.assert_close(full[key], value.detach(), rtol=1e-5, atol=1e-6)
     mean = [sum(step) / len(replica_losses) for step in zip(*replica_losses)]
     assert mean == pytest.approx(ref_losses, rel=1e-5)
+
+
+def batches_of_two_sizes():
+    """A full batch, then a smaller last one: the stages exchange shapes again."""
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+    schedule = build_schedule("1f1b", 4, 4)
+    model = make_model()
+    parts = split_sequential(model, 4)
+    me = mesh.get_coordinate()[0]
+    runner = PipelineRunner({me: parts[me]}, mesh, schedule, F.cross_entropy)
+    opt = torch.optim.SGD(parts[me].parameters(), lr=0.1)
+    losses = []
+    for step, batch in enumerate((16, 8, 8)):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(batch, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+        loss = runner.step(x if me == 0 else None, y if me == 3 else None)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    return losses
+
+
+def test_a_smaller_last_batch_needs_no_restart(mesh_pool):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    for step, batch in enumerate((16, 8, 8)):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(batch, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    losses = mesh_pool.run(batches_of_two_sizes, 4)[3]
+    assert losses == pytest.approx(expected, rel=1e-5)

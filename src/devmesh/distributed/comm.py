@@ -46,6 +46,7 @@ __all__ = [
     "agree",
     "failures",
     "differing",
+    "gather_texts",
     "send_async",
     "recv",
 ]
@@ -326,7 +327,7 @@ def _common_prefix(values: list[str]) -> str:
 
 
 # -- outcomes over a whole group (not a mesh): checkpoints agree on success this way ---------
-def _gather_texts(text: str, group: dist.ProcessGroup | None) -> list[str]:
+def gather_texts(text: str, group: dist.ProcessGroup | None) -> list[str]:
     """Every rank's ``text``, on every rank: two small all-gathers (lengths, then bytes).
     Bytes, not pickles: nothing from a peer is unpickled."""
     size = dist.get_world_size(group)
@@ -355,7 +356,7 @@ def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[
     dist.all_gather(flags, torch.tensor([int(error is not None)]), group=group)
     if not any(int(f) for f in flags):
         return {}
-    texts = _gather_texts(error or "", group)
+    texts = gather_texts(error or "", group)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
     return {r: t for r, t, f in zip(ranks, texts, flags) if int(f)}
 
@@ -374,7 +375,7 @@ def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, l
         return {}
     ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
     by_value: dict[str, list[int]] = defaultdict(list)
-    for rank, text in zip(ranks, _gather_texts(value, group)):
+    for rank, text in zip(ranks, gather_texts(value, group)):
         by_value[text].append(rank)
     return dict(by_value)
 

@@ -5,7 +5,8 @@ Sends are asynchronous (``isend``) and each receive names its message by a tag (
 micro-batch, direction), so any order a schedule gives is safe as long as the schedule can
 run at all (:meth:`~devmesh.layout.schedule.Schedule.simulate` checks it without a process).
 The shape and dtype of each stage's output are sent once, with the first micro-batch of the
-first step; later messages carry only data. Every micro-batch's loss is divided by the
+first step (and again when the micro-batch shape changes, which every stage learns at the
+start of the step); later messages carry only data. Every micro-batch's loss is divided by the
 number of micro-batches, so gradients accumulate to exactly those of the whole batch:
 training equals single-process training on the same batch. A stage that is itself data
 parallel (``replicate``) or sharded (``fully_shard``, over TP or not) accumulates its gradients
@@ -65,6 +66,7 @@ class PipelineRunner:
         self.last = schedule.stages - 1
         self._shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its input
         self._shapes_sent: set[int] = set()  # stages whose input shape this rank has sent
+        self._input_shape = ""  # the first stage's micro-batch shape the headers were for
         self.compute_seconds: dict[Action, float] = {}
         # a stage under replicate / fully_shard reduces its gradients once per step: at its
         # last action that computes weight gradients (the others accumulate without sync)
@@ -153,22 +155,30 @@ class PipelineRunner:
 
     def _agree_on_data(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
                        ) -> dict[str, tuple[torch.Tensor, ...]]:
-        """The micro-batches, once every stage knows that the data was accepted: only the
-        first and last stages' ranks see it, so they tell the others (one small all-gather
-        over the pp dim) instead of leaving them waiting for a message that never comes."""
+        """The micro-batches, once every stage knows that the data was accepted and what
+        shape it has: only the first and last stages' ranks see it, so they tell the others
+        (two small all-gathers over the pp dim) instead of leaving them waiting for a message
+        that never comes. A new micro-batch shape (a smaller last batch, say) makes every
+        stage exchange its output shape again."""
         chunks: dict[str, tuple[torch.Tensor, ...]] = {}
-        error = None
         try:
             chunks = self._micro_batches(inputs, targets)
+            said = f"shape {tuple(chunks['inputs'][0].shape)}" if "inputs" in chunks else ""
         except PipelineError as exc:
-            error = exc
-        failed = comm.failures(None if error is None else str(error),
-                               self.mesh.get_group(self.dim))
-        if failed:
-            if error is not None:
-                raise error
-            listing = "; ".join(f"rank {r}: {t}" for r, t in sorted(failed.items()))
+            said = f"error {exc}"
+        texts = comm.gather_texts(said, self.mesh.get_group(self.dim))
+        errors = {r: t[len("error "):] for r, t in enumerate(texts) if t.startswith("error ")}
+        if errors:
+            if said.startswith("error "):
+                raise PipelineError(said[len("error "):])
+            ranks = self.mesh.layout.group_of(self.mesh.get_rank(), (self.dim,))
+            listing = "; ".join(f"rank {ranks[i]}: {t}" for i, t in sorted(errors.items()))
             raise PipelineError(f"pipeline step refused on another stage — {listing}")
+        shape = next((t for t in texts if t.startswith("shape ")), "")
+        if shape != self._input_shape:  # a new shape: headers again, on every stage
+            self._input_shape = shape
+            self._shapes.clear()
+            self._shapes_sent.clear()
         return chunks
 
     def _forward(self, step: _Step, action: Action) -> None:
