@@ -286,3 +286,28 @@ def test_a_torch_dcp_metadata_pickle_that_runs_code_is_refused(tmp_path, monkeyp
     with pytest.raises(CheckpointError, match="refused without running anything"):
         load_torch_dcp(str(tmp_path / "evil"), make_model())
     assert not (tmp_path / "PWNED").exists()
+
+
+def load_torch_dcp_missing_on_rank_1(path: str):
+    import torch.distributed as dist
+
+    from devmesh.errors import CheckpointError
+    from devmesh.parallel.checkpoint.torch_dcp import load_torch_dcp
+
+    model, _ = build("tp2", torch.float32)
+    mine = path if dist.get_rank() == 0 else path + "-not-here"
+    try:
+        load_torch_dcp(mine, model)
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
+def test_load_torch_dcp_failing_on_one_rank_raises_on_every_rank(mesh_pool, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    path = str(tmp_path / "dcp")
+    dcp.save({"model": make_model().state_dict()}, checkpoint_id=path)  # one plain process
+    first, second = mesh_pool.run(load_torch_dcp_missing_on_rank_1, 2, path)
+    assert second is not None and "holds no DCP .metadata" in second
+    assert first is not None and "failed on other ranks — rank 1" in first

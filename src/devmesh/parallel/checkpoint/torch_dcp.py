@@ -23,6 +23,7 @@ import pickle
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.futures import Future
@@ -35,6 +36,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
+from devmesh.distributed import comm
 from devmesh.errors import CheckpointError
 from devmesh.parallel.checkpoint.format import METADATA, CheckpointReader
 from devmesh.parallel.checkpoint.save import wait_for_pending_save
@@ -153,7 +155,19 @@ def load_torch_dcp(path: str | os.PathLike, model: nn.Module, *, prefix: str = "
     included), so each rank reads only what overlaps its blocks."""
     wait_for_pending_save()
     reader = SafeFileSystemReader(os.fspath(path))
-    reader.read_metadata()  # a refused or missing file: our error, before torch's loader runs
+    # a refused or missing file: our error, before torch's loader runs, on every rank
+    error = None
+    try:
+        reader.read_metadata()
+    except CheckpointError as exc:
+        error = exc
+    if dist.is_initialized():
+        failed = comm.failures(None if error is None else str(error))
+        if failed and error is None:
+            raise CheckpointError("load_torch_dcp failed on other ranks — " + "; ".join(
+                f"rank {r}: {t}" for r, t in sorted(failed.items())))
+    if error is not None:
+        raise error
     views: dict[str, torch.Tensor] = {}
     targets: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, p in model.named_parameters():
