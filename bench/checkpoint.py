@@ -24,16 +24,11 @@ import threading
 import time
 import warnings
 
+import cloudpickle
+import train_step  # bench/: the same model as the training-step benchmark
+from train_step import build_model
 
-def build_model():
-    import torch
-    from torch import nn
-
-    torch.manual_seed(0)
-    blocks = []
-    for _ in range(4):
-        blocks += [nn.Linear(512, 2048), nn.ReLU(), nn.Linear(2048, 512)]
-    return nn.Sequential(*blocks)
+cloudpickle.register_pickle_by_value(train_step)  # the ranks need not find bench/ on their path
 
 
 class PeakRSS:

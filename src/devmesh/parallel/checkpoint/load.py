@@ -121,7 +121,8 @@ def _no_tensor(key: str) -> torch.Tensor:
 
 def _load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
                   ) -> tuple[Any, Any]:
-    """Read and check everything this rank needs; returns a function applying it."""
+    """Read and check everything this rank needs: ``((writes, optimizer state), extra)``,
+    nothing applied yet."""
     with CheckpointReader(path) as reader:
         try:
             writes = _model_writes(reader, model)

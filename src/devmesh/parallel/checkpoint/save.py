@@ -49,7 +49,6 @@ class _Entry:
 
     layout: TensorLayout
     local: torch.Tensor
-    dtype: torch.dtype
     text: str  # the layout, in words, for ``devmesh ckpt info``
     mesh: dict[str, Any] | None = None
 
@@ -61,14 +60,13 @@ def _entry(key: str, tensor: torch.Tensor, like: torch.Tensor | None = None,
     local = tensor.detach()
     if layout is None:
         return _Entry(TensorLayout(key, tuple(local.shape), local.element_size(), writer=writer),
-                      local, local.dtype, "whole")
+                      local, "whole")
     spec = layout.spec
     mesh = layout.mesh
     root = mesh._root
     return _Entry(TensorLayout(key, spec.global_shape, local.element_size(), spec,
                                tuple(root.mesh.flatten().tolist()), tuple(root.mesh.shape),
-                               mesh._dim_roots), local, local.dtype,
-                  str(spec), {"shape": list(spec.mesh_shape),
+                               mesh._dim_roots), local, str(spec), {"shape": list(spec.mesh_shape),
                               "names": list(mesh.mesh_dim_names or ())})
 
 
@@ -77,7 +75,7 @@ class _Contents:
     rank 0's is saved)."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
-                 extra: dict[str, Any] | None, rank: int) -> None:
+                 extra: dict[str, Any] | None) -> None:
         self.entries: list[_Entry] = []
         self.aliases: dict[str, str] = {}
         self.model_keys: list[str] = []
@@ -97,7 +95,7 @@ class _Contents:
         self.extra_entries: list[_Entry] = []
         if extra is not None:
             check_plain(extra, "extra")
-            self.extra = encode(extra, self._extra_tensor(rank), "extra")
+            self.extra = encode(extra, self._extra_tensor, "extra")
 
     def _optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         names = {id(p): name for name, p in model.named_parameters()}
@@ -124,15 +122,14 @@ class _Contents:
         return {"state": state, "param_groups": encode(
             groups_, lambda t, w: _refuse_tensor(w), "param_groups")}
 
-    def _extra_tensor(self, rank: int):
-        def ref(value: torch.Tensor, where: str) -> str:
-            self.extra_entries.append(_entry(where, value, writer=0))
-            return where
-        return ref
+    def _extra_tensor(self, value: torch.Tensor, where: str) -> str:
+        """``extra`` is rank 0's: its tensors are written by rank 0."""
+        self.extra_entries.append(_entry(where, value, writer=0))
+        return where
 
     def description(self) -> str:
         """What every rank must agree on before writing: names, dtypes, shapes, layouts."""
-        return "; ".join(f"{e.layout.key} {dtype_name(e.dtype)} {list(e.layout.shape)} {e.text}"
+        return "; ".join(f"{e.layout.key} {dtype_name(e.local.dtype)} {list(e.layout.shape)} {e.text}"
                          f" {list(e.layout.dim_roots)}" for e in self.entries)
 
 
@@ -218,7 +215,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     world = dist.get_world_size() if distributed else 1
     contents = None
     try:
-        contents = _Contents(model, optimizer, extra, rank)
+        contents = _Contents(model, optimizer, extra)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error: BaseException | None = exc
     else:
@@ -299,7 +296,7 @@ def _commit(path: str, save_id: str, world: int, placed: list[Placed],
     tensors: dict[str, Any] = {}
     for e in contents.entries + contents.extra_entries:
         tensors[e.layout.key] = {
-            "dtype": dtype_name(e.dtype), "shape": list(e.layout.shape), "layout": e.text,
+            "dtype": dtype_name(e.local.dtype), "shape": list(e.layout.shape), "layout": e.text,
             "mesh": e.mesh, "blocks": []}
     for p in placed:
         tensors[p.key]["blocks"].append({

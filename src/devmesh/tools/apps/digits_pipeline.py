@@ -23,6 +23,7 @@ from devmesh.tools.apps.digits import NeuralNetwork, Result, load_data
 __all__ = ["train_pipelined", "MESH", "NAMES"]
 
 MESH, NAMES = (2, 2, 2), ("pp", "shard", "tp")
+_STARTS = ["3"]  # stage 1 starts at the second Linear
 
 
 def _stages(model: NeuralNetwork, mesh, schedule) -> dict[int, nn.Module]:
@@ -36,7 +37,7 @@ def _stages(model: NeuralNetwork, mesh, schedule) -> dict[int, nn.Module]:
     from devmesh.parallel.pipeline import split_sequential
 
     sequence = nn.Sequential(model.flatten, *model.linear_relu_stack)
-    parts = split_sequential(sequence, 2, starts=["3"])
+    parts = split_sequential(sequence, 2, starts=_STARTS)
     plans = [{"1": ColwiseParallel()}, {"0": RowwiseParallel()}]
     me = mesh.get_coordinate()[0]
     stages = {}
@@ -89,12 +90,12 @@ def train_pipelined(*, epochs: int = 1, batch_size: int = 64, lr: float = 0.2,
             ref_opt.zero_grad()
             result.reference_losses.append(ref_loss.item())
     ref_modules = nn.Sequential(reference.flatten, *reference.linear_relu_stack)
-    offset = {0: 0, 1: 3}
     diff = 0.0
     for s, stage in stages.items():
+        first = 0 if s == 0 else int(_STARTS[s - 1])  # the stage's first child's index
         for name, value in state_dict(stage, full=True).items():
             child, rest = name.split(".", 1)
-            expected = ref_modules[offset[s] + int(child)].state_dict()[rest]
+            expected = ref_modules[first + int(child)].state_dict()[rest]
             diff = max(diff, (value - expected).abs().max().item())
     worst = torch.tensor([diff])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
