@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CommStats",
     "comm_stats",
+    "count_copy",
     "all_gather",
     "all_reduce",
     "reduce_scatter",
@@ -64,6 +65,9 @@ class CommStats:
     """
 
     records: dict[tuple[str, str], list[int]] = field(default_factory=lambda: defaultdict(lambda: [0, 0]))
+    # bytes copied locally around collectives (packing, reordering, reassembling): what the
+    # planner's traffic model predicts (devmesh.layout.traffic), so tests can compare the two
+    copied: int = 0
 
     def add(self, collective: str, dims: str, nbytes: int) -> None:
         record = self.records[(collective, dims)]
@@ -85,7 +89,6 @@ class CommStats:
             out[collective][1] += nbytes
         return {k: (v[0], v[1]) for k, v in out.items()}
 
-
     def __str__(self) -> str:
         lines = [f"{'collective':<16}{'mesh dims':<16}{'calls':>7}{'bytes':>14}"]
         for (collective, dims), (calls, nbytes) in sorted(self.records.items()):
@@ -106,6 +109,14 @@ def comm_stats() -> Iterator[CommStats]:
         yield stats
     finally:
         _active.remove(stats)
+
+
+def count_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """Count ``tensor`` (a copy just made around a collective) in every active ``comm_stats``;
+    returns it."""
+    for stats in _active:
+        stats.copied += tensor.numel() * tensor.element_size()
+    return tensor
 
 
 def _record(collective: str, mesh: DeviceMesh, dims: Sequence[int], nbytes: int) -> None:
@@ -181,7 +192,7 @@ def all_gather_async(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]
     """:func:`all_gather` started asynchronously (FSDP prefetches the next unit with it)."""
     g = _group(mesh, dims)
     if g.size == 1:
-        return Pending(None, lambda: tensor.unsqueeze(0).clone())
+        return Pending(None, lambda: count_copy(tensor.unsqueeze(0).clone()))
     tensor = tensor.contiguous()
     out = torch.empty((g.size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
     work = dist.all_gather_single(out, tensor.reshape(-1), group=g.group, async_op=True)
@@ -189,7 +200,7 @@ def all_gather_async(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]
 
     def finish() -> torch.Tensor:
         stacked = out.view(g.size, *tensor.shape)
-        return stacked[list(g.to_c10d)] if g.to_c10d is not None else stacked
+        return count_copy(stacked[list(g.to_c10d)]) if g.to_c10d is not None else stacked
 
     return Pending(work, finish)
 
@@ -201,11 +212,11 @@ def reduce_scatter(
     order) over the group and return this rank's reduced block."""
     g = _group(mesh, dims)
     if g.size == 1:
-        return stacked[0].clone()
+        return count_copy(stacked[0].clone())
     if stacked.shape[0] != g.size:
         raise ValueError(f"reduce_scatter needs {g.size} blocks, got {stacked.shape[0]}")
     if g.from_c10d is not None:
-        stacked = stacked[list(g.from_c10d)]
+        stacked = count_copy(stacked[list(g.from_c10d)])
     stacked = stacked.contiguous()
     out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
     dist.reduce_scatter_single(out.view(-1), stacked.view(-1), op=_OPS[op], group=g.group)
@@ -248,12 +259,12 @@ def all_to_all(
     rank a block of the given shape; sizes may differ (uneven splits)."""
     g = _group(mesh, dims)
     if g.size == 1:
-        return [chunks[0].clone()]
+        return [count_copy(chunks[0].clone())]
     like = chunks[0]
     # One all_to_all_single over flat buffers: gloo's list all_to_all needs equal sizes,
     # all_to_all_single takes uneven splits on every backend.
     order = list(g.from_c10d) if g.from_c10d is not None else list(range(g.size))
-    send = torch.cat([chunks[i].contiguous().reshape(-1) for i in order])
+    send = count_copy(_pack([chunks[i] for i in order]))
     recv_numels = [math.prod(recv_shapes[i]) for i in order]
     recv = torch.empty(sum(recv_numels), dtype=like.dtype, device=like.device)
     dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
@@ -263,6 +274,18 @@ def all_to_all(
     for i, piece in zip(order, torch.split(recv, recv_numels)):
         outputs[i] = piece.view(tuple(recv_shapes[i]))
     return outputs
+
+
+def _pack(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The pieces one after another in one flat buffer, each copied once (``torch.cat`` of
+    ``reshape(-1)`` would copy a non-contiguous piece twice)."""
+    out = torch.empty(sum(p.numel() for p in pieces), dtype=pieces[0].dtype,
+                      device=pieces[0].device)
+    offset = 0
+    for piece in pieces:
+        out[offset:offset + piece.numel()].view(piece.shape).copy_(piece)
+        offset += piece.numel()
+    return out
 
 
 def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], src_index: int = 0

@@ -1,80 +1,46 @@
-"""Planning a redistribution: any spec to any spec with the fewest collectives.
+"""Planning a redistribution: any spec to any spec, the cheapest of several candidate plans.
 
-Pure (specs in, steps out), so ``explain_redistribute`` shows the plan without a mesh. The
-plan runs in five phases, each skipped when it has nothing to do:
+Pure (specs in, steps out), so ``explain_redistribute`` shows the plan without a mesh. Each
+candidate is a sequence of phases (:mod:`devmesh.layout.plan_phases`): all-to-alls for moved
+splits, reductions of partial dims, all-gathers (merged into one collective, one per tensor
+dim, or one per mesh dim), a direct all-to-all of overlapping pieces, local chunking. Every
+step is annotated with the bytes it receives and copies (:mod:`devmesh.layout.traffic`) and
+priced by the cost model (:mod:`devmesh.layout.cost`); the cheapest candidate wins, ties going
+to fewer collectives. One collective is not automatically cheaper: a merged gather pays more
+hops and, when pieces of several tensor dims arrive interleaved, a reorder copy.
 
-1. **all-to-all**: a mesh dim that moves from splitting one tensor dim to splitting another
-   (``Shard(0) -> Shard(1)``) swaps pieces with one all-to-all instead of gather + chunk, when
-   it is the innermost split of its source dim and the next split of its target dim.
-2. **reductions**: partial mesh dims that the destination shards are reduce-scattered (several
-   consecutive ones in one collective over their flattened group); the others are all-reduced,
-   all of the same op in one collective.
-3. **all-gather**: every mesh dim that must stop splitting a tensor dim, across all tensor dims,
-   is gathered in *one* all-gather over the flattened group of those mesh dims. A nested split
-   such as ``("tp", "dp")`` is gathered in that order, so the pieces arrive in tensor order:
-   one collective where torch needs two and a reorder.
-4. **chunk**: new splits are local slicing (no communication).
-5. **make partial**: ``Replicate -> Partial`` is local too (zeros off the first rank for sum).
-
-Byte counts are one rank's collective buffer (see :mod:`devmesh.distributed.comm`), padded blocks
-included; for evenly divisible shapes they are the theoretical minimum.
+Byte counts are one rank's collective buffer (see :mod:`devmesh.distributed.comm`), padded
+blocks included; for evenly divisible shapes they are the theoretical minimum.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from devmesh.layout.cost import CostModel, cost_model
+from devmesh.layout.plan_phases import STRATEGIES
+from devmesh.layout.plan_step import COLLECTIVES, Step
 from devmesh.layout.spec import ShardingSpec, ShardingSpecError
+from devmesh.layout.traffic import with_traffic
 
-__all__ = ["Step", "Plan", "plan_redistribute", "explain_redistribute"]
-
-COLLECTIVES = ("all_to_all", "reduce_scatter", "all_reduce", "all_gather")
-
-
-@dataclass(frozen=True)
-class Step:
-    """One step of a plan: a collective over ``mesh_dims`` or a local operation."""
-
-    kind: str  # all_to_all | reduce_scatter | all_reduce | all_gather | chunk | make_partial
-    mesh_dims: tuple[int, ...]
-    before: ShardingSpec
-    after: ShardingSpec
-    nbytes: int = 0
-    tensor_dim: int | None = None  # reduce_scatter: the dim scattered; all_to_all: the target
-    source_dim: int | None = None  # all_to_all: the dim gathered
-    op: str | None = None
-
-    @property
-    def is_collective(self) -> bool:
-        return self.kind in COLLECTIVES
-
-    def describe(self) -> str:
-        names = ", ".join(self.before.name(m) for m in self.mesh_dims)
-        over = f"over ({names})" if len(self.mesh_dims) > 1 else f"over {names}"
-        if self.kind == "all_to_all":
-            what = f"all_to_all {over}: dim {self.source_dim} -> dim {self.tensor_dim}"
-        elif self.kind == "reduce_scatter":
-            what = f"reduce_scatter({self.op}) {over} onto dim {self.tensor_dim}"
-        elif self.kind == "all_reduce":
-            what = f"all_reduce({self.op}) {over}"
-        elif self.kind == "all_gather":
-            what = f"all_gather {over}"
-        elif self.kind == "chunk":
-            what = f"local chunk by ({names}) (no communication)"
-        else:
-            what = f"make partial over ({names}) (local, no communication)"
-        moved = f", {self.nbytes:,} bytes" if self.is_collective else ""
-        return f"{what}{moved}  -> {self.after}"
+__all__ = ["Step", "Plan", "plan_redistribute", "explain_redistribute", "candidate_plans",
+           "COLLECTIVES"]
 
 
 @dataclass(frozen=True)
 class Plan:
+    """The steps from ``src`` to ``dst``, the strategy that produced them, their predicted
+    time under ``model``, and the runner-up candidate (for ``explain``)."""
+
     src: ShardingSpec
     dst: ShardingSpec
     steps: tuple[Step, ...]
+    strategy: str = "merged gather"
+    seconds: float = 0.0
+    model: CostModel | None = field(default=None, compare=False, repr=False)
+    runner_up: Plan | None = field(default=None, compare=False, repr=False)
 
     @property
     def collectives(self) -> int:
@@ -84,37 +50,71 @@ class Plan:
     def nbytes(self) -> int:
         return sum(step.nbytes for step in self.steps)
 
+    @property
+    def wire(self) -> int:
+        """Bytes one rank receives from others, over all steps (worst rank per step)."""
+        return sum(step.wire for step in self.steps)
+
+    @property
+    def copied(self) -> int:
+        """Bytes the executor copies locally, over all steps (worst rank per step)."""
+        return sum(step.copied for step in self.steps)
+
+    def summary(self) -> str:
+        return (f"{self.strategy}: {self.collectives} collective(s), {self.nbytes:,} bytes per "
+                f"rank ({self.wire:,} received, {self.copied:,} copied), predicted "
+                f"{self.seconds * 1e3:.2f} ms")
+
     def __str__(self) -> str:
         lines = [f"redistribute {self.src}", f"         to {self.dst}"]
         if not self.steps:
             lines.append("  nothing to do")
         lines += [f"  {i + 1}. {step.describe()}" for i, step in enumerate(self.steps)]
         lines.append(f"  {self.collectives} collective(s), {self.nbytes:,} bytes per rank")
+        if self.steps:
+            lines.append(f"  chosen: {self.summary()}")
+            if self.runner_up is not None:
+                steps = "; ".join(f"{s.kind} over {len(s.mesh_dims)} dim(s)"
+                                  for s in self.runner_up.steps)
+                lines.append(f"  runner-up: {self.runner_up.summary()} [{steps}]")
+            if self.model is not None:
+                lines.append(f"  ({self.model.source} cost model; set DEVMESH_COST_MODEL to a "
+                             "`devmesh bench --json` file to price your machine)")
         return "\n".join(lines)
 
 
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
+def plan_redistribute(src: ShardingSpec, dst: ShardingSpec, itemsize: int = 4,
+                      model: CostModel | None = None) -> Plan:
+    """The cheapest plan that turns a tensor laid out as ``src`` into ``dst`` on the same mesh.
 
-
-def _with_dim(spec: ShardingSpec, d: int, dims: tuple[int, ...]) -> ShardingSpec:
-    dim_map = list(spec.dim_map)
-    dim_map[d] = dims
-    return dataclasses.replace(spec, dim_map=tuple(dim_map))
-
-
-def plan_redistribute(src: ShardingSpec, dst: ShardingSpec, itemsize: int = 4) -> Plan:
-    """The steps that turn a tensor laid out as ``src`` into ``dst`` on the same mesh."""
+    ``model`` prices the candidates (default: :func:`devmesh.layout.cost.cost_model`). Every
+    rank must plan with the same model, or ranks could run different collectives.
+    """
     # specs compare without their dim names; the cache key must not, or a plan made for
     # ('dp', 'tp') would describe itself with those names for a mesh named ('x', 'y')
-    return _plan(src, dst, itemsize, src.mesh_dim_names, dst.mesh_dim_names)
+    return _plan(src, dst, itemsize, model or cost_model(), src.mesh_dim_names,
+                 dst.mesh_dim_names)
+
+
+def candidate_plans(src: ShardingSpec, dst: ShardingSpec, itemsize: int = 4,
+                    model: CostModel | None = None) -> list[Plan]:
+    """Every distinct candidate plan, cheapest first (the first is what
+    :func:`plan_redistribute` runs)."""
+    return list(_candidates(src, dst, itemsize, model or cost_model(), src.mesh_dim_names,
+                            dst.mesh_dim_names))
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_names) -> Plan:
+def _plan(src, dst, itemsize, model, _src_names, _dst_names) -> Plan:
+    candidates = _candidates(src, dst, itemsize, model, _src_names, _dst_names)
+    best = candidates[0]
+    if len(candidates) > 1:
+        best = dataclasses.replace(best, runner_up=candidates[1])
+    return best
+
+
+@functools.lru_cache(maxsize=4096)
+def _candidates(src, dst, itemsize, model, _src_names, _dst_names) -> tuple[Plan, ...]:
     if src.mesh_shape != dst.mesh_shape:
         raise ShardingSpecError(
             f"cannot redistribute between meshes of shapes {src.mesh_shape} and {dst.mesh_shape}"
@@ -123,118 +123,24 @@ def _plan(src: ShardingSpec, dst: ShardingSpec, itemsize: int, _src_names, _dst_
         raise ShardingSpecError(
             f"cannot redistribute a tensor of shape {src.global_shape} to shape {dst.global_shape}"
         )
-    steps: list[Step] = []
-    cur = src
-    for phase in (_all_to_all_phase, _reduction_phase, _all_gather_phase, _chunk_phase,
-                  _make_partial_phase):
-        for step in phase(cur, dst, itemsize):
-            steps.append(step)
-            cur = step.after
-    assert cur == dst, (cur, dst)
-    return Plan(src, dst, tuple(steps))
-
-
-def _local_bytes(spec: ShardingSpec, itemsize: int) -> int:
-    return itemsize * math.prod(spec.max_local_shape())
-
-
-def _all_to_all_phase(cur: ShardingSpec, dst: ShardingSpec, itemsize: int) -> list[Step]:
-    """1. Move a mesh dim from splitting one tensor dim to splitting another with one
-    all-to-all, when it is the innermost split of its source and the next of its target."""
-    steps = []
-    moved = True
-    while moved:
-        moved = False
-        for m in range(len(cur.mesh_shape)):
-            d, target = cur.shard_dim_of(m), dst.shard_dim_of(m)
-            if d is None or target is None or d == target or cur.dim_map[d][-1] != m:
-                continue
-            wanted = dst.dim_map[target]
-            if cur.dim_map[target] != wanted[: wanted.index(m)]:
-                continue
-            after = _with_dim(_with_dim(cur, d, cur.dim_map[d][:-1]), target,
-                              cur.dim_map[target] + (m,))
-            steps.append(Step("all_to_all", (m,), cur, after, _local_bytes(cur, itemsize),
-                              tensor_dim=target, source_dim=d))
-            cur, moved = after, True
-    return steps
-
-
-def _reduction_phase(cur: ShardingSpec, dst: ShardingSpec, itemsize: int) -> list[Step]:
-    """2. Partial dims that the destination shards next are reduce-scattered (consecutive ones
-    of one op together); the rest are all-reduced, one collective per op."""
-    steps = []
-    pending = {m: op for m, op in cur.partial if dst.partial_op(m) != op}
-    for d in range(cur.ndim):
-        have, want = cur.dim_map[d], dst.dim_map[d]
-        if want[: len(have)] != have:
-            continue
-        run: list[int] = []
-        for m in want[len(have):]:
-            if m in pending and (not run or pending[m] == pending[run[0]]):
-                run.append(m)
-            else:
-                break
-        if run:
-            dim_map = list(cur.dim_map)
-            dim_map[d] = have + tuple(run)
-            after = dataclasses.replace(
-                cur, dim_map=tuple(dim_map),
-                partial=tuple((m, o) for m, o in cur.partial if m not in run))
-            k = math.prod(cur.mesh_shape[m] for m in run)
-            steps.append(Step("reduce_scatter", tuple(run), cur, after,
-                              k * _local_bytes(after, itemsize), tensor_dim=d,
-                              op=pending[run[0]]))
-            cur = after
-            for m in run:
-                del pending[m]
-    for op in sorted(set(pending.values())):
-        dims = tuple(sorted(m for m, o in pending.items() if o == op))
-        after = dataclasses.replace(
-            cur, partial=tuple((m, o) for m, o in cur.partial if m not in dims))
-        steps.append(Step("all_reduce", dims, cur, after, _local_bytes(cur, itemsize), op=op))
-        cur = after
-    return steps
-
-
-def _all_gather_phase(cur: ShardingSpec, dst: ShardingSpec, itemsize: int) -> list[Step]:
-    """3. One all-gather for every mesh dim that must stop splitting its tensor dim (a single
-    nested dim in tensor order, so the pieces arrive in place)."""
-    gathers = {}
-    for d in range(cur.ndim):
-        keep = _common_prefix(cur.dim_map[d], dst.dim_map[d])
-        if cur.dim_map[d][keep:]:
-            gathers[d] = keep
-    if not gathers:
-        return []
-    if len(gathers) == 1:
-        (d, keep), = gathers.items()
-        dims = cur.dim_map[d][keep:]
-    else:
-        dims = tuple(sorted(m for d, keep in gathers.items() for m in cur.dim_map[d][keep:]))
-    after = cur
-    for d, keep in gathers.items():
-        after = _with_dim(after, d, cur.dim_map[d][:keep])
-    k = math.prod(cur.mesh_shape[m] for m in dims)
-    return [Step("all_gather", dims, cur, after, k * _local_bytes(cur, itemsize))]
-
-
-def _chunk_phase(cur: ShardingSpec, dst: ShardingSpec, itemsize: int) -> list[Step]:
-    """4. New splits are local slicing."""
-    new_dims = tuple(m for d in range(cur.ndim) for m in dst.dim_map[d][len(cur.dim_map[d]):])
-    if not new_dims:
-        return []
-    return [Step("chunk", new_dims, cur, dataclasses.replace(cur, dim_map=dst.dim_map))]
-
-
-def _make_partial_phase(cur: ShardingSpec, dst: ShardingSpec, itemsize: int) -> list[Step]:
-    """5. Replicate -> Partial is local (zeros off the first rank for sum)."""
-    new_partial = tuple(m for m, op in dst.partial if cur.partial_op(m) != op)
-    if not new_partial:
-        return []
-    return [Step("make_partial", new_partial, cur, dataclasses.replace(cur, partial=dst.partial))]
+    plans: dict[tuple, Plan] = {}
+    for strategy, phases in STRATEGIES.items():
+        steps: list[Step] = []
+        cur = src
+        for phase in phases:
+            for step in phase(cur, dst, itemsize):
+                steps.append(with_traffic(step, itemsize))
+                cur = step.after
+        assert cur == dst, (strategy, cur, dst)
+        key = tuple((s.kind, s.mesh_dims, s.after) for s in steps)
+        if key not in plans:
+            seconds = sum(step.seconds(model) for step in steps)
+            plans[key] = Plan(src, dst, tuple(steps), strategy, seconds, model)
+    # stable sort: among equal costs and collective counts, the earlier strategy wins
+    return tuple(sorted(plans.values(), key=lambda p: (round(p.seconds, 9), p.collectives)))
 
 
 def explain_redistribute(src: ShardingSpec, dst: ShardingSpec, itemsize: int = 4) -> str:
-    """The plan as text: every step, the collective, its mesh dims and bytes per rank."""
+    """The plan as text: every step, the collective, its mesh dims and bytes per rank, the
+    predicted time and the runner-up."""
     return str(plan_redistribute(src, dst, itemsize))

@@ -1,8 +1,10 @@
 """Running a plan on this rank's local block, and its autograd.
 
-Each step of a :class:`~devmesh.layout.plan.Plan` maps to one call of :mod:`devmesh.distributed.comm` (or
-a local slice). Uneven blocks are padded to the largest block inside the collective and cut
-back right after, so padding never reaches the caller.
+Each step of a :class:`~devmesh.layout.plan.Plan` maps to one call of
+:mod:`devmesh.distributed.comm` (or a local slice). Uneven blocks are padded to the largest
+block inside the collective and cut back right after, so padding never reaches the caller.
+Every local copy is counted (``comm_stats().copied``) exactly where
+:mod:`devmesh.layout.traffic` predicts it, so the planner's prices can be checked.
 
 Autograd follows DTensor's convention: the gradient of a tensor has the same layout as the
 tensor, with partial dims becoming replicated. The backward of ``redistribute(src -> dst)`` is
@@ -25,17 +27,9 @@ from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
 from devmesh.layout.plan import Plan, Step, plan_redistribute
 from devmesh.layout.spec import ShardingSpec, chunk_bounds
+from devmesh.layout.traffic import group_coordinates, overlap, sub_bounds
 
 __all__ = ["execute", "redistribute_local"]
-
-
-def _sub_bounds(length: int, sizes: Sequence[int], index: Sequence[int]) -> tuple[int, int]:
-    """Bounds of the piece at ``index`` when ``length`` is split hierarchically by ``sizes``."""
-    start = 0
-    for k, i in zip(sizes, index):
-        offset, length = chunk_bounds(length, k, i)
-        start += offset
-    return start, length
 
 
 def _pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
@@ -44,7 +38,7 @@ def _pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     pad: list[int] = []
     for have, want in reversed(list(zip(t.shape, shape))):
         pad += [0, want - have]
-    return F.pad(t, pad)
+    return comm.count_copy(F.pad(t, pad))
 
 
 def _reduce_scatter(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
@@ -57,18 +51,23 @@ def _reduce_scatter(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) ->
     else:
         pieces = []
         for index in itertools.product(*[range(n) for n in sizes]):
-            start, size = _sub_bounds(length, sizes, index)
+            start, size = sub_bounds(length, sizes, index)
             pieces.append(local.narrow(d, start, size))
         block = list(local.shape)
         block[d] = max(p.shape[d] for p in pieces)
-        stacked = torch.stack([_pad_to(p, block) for p in pieces])
+        # one copy: each piece into its slot of a zeroed buffer (padding stays zero)
+        stacked = local.new_zeros((k, *block)) if any(
+            p.shape[d] != block[d] for p in pieces) else local.new_empty((k, *block))
+        for slot, piece in zip(stacked, pieces):
+            slot.narrow(d, 0, piece.shape[d]).copy_(piece)
+        comm.count_copy(stacked)
     out = comm.reduce_scatter(stacked, mesh, dims, step.op or "sum")
-    mine = _sub_bounds(length, sizes, [coord[m] for m in dims])[1]
+    mine = sub_bounds(length, sizes, [coord[m] for m in dims])[1]
     return out.narrow(d, 0, mine)
 
 
 def _all_reduce(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
-    return comm.all_reduce(local.clone(), mesh, step.mesh_dims, step.op or "sum")
+    return comm.all_reduce(comm.count_copy(local.clone()), mesh, step.mesh_dims, step.op or "sum")
 
 
 def _all_gather(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
@@ -95,7 +94,7 @@ def _all_gather(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> tor
             # already contiguous in order (explicit sizes: -1 is ambiguous for empty blocks)
             return stacked.reshape(stacked.shape[0] * stacked.shape[1], *stacked.shape[2:])
         parts = [stacked[i].narrow(d, 0, bounds[d][1]) for i, bounds in peers]
-        return torch.cat(parts, dim=d)
+        return comm.count_copy(torch.cat(parts, dim=d))
     out = local.new_empty([region[d][1] for d in range(before.ndim)])
     for i, bounds in peers:
         block = stacked[i]
@@ -104,7 +103,7 @@ def _all_gather(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> tor
             block = block.narrow(d, 0, bounds[d][1])
             target = target.narrow(d, bounds[d][0] - region[d][0], bounds[d][1])
         target.copy_(block)
-    return out
+    return comm.count_copy(out)
 
 
 def _all_to_all(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
@@ -123,7 +122,34 @@ def _all_to_all(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> tor
         shape[target] = mine
         recv_shapes.append(shape)
     parts = comm.all_to_all(chunks, mesh, (m,), recv_shapes)
-    return torch.cat(parts, dim=source)
+    return comm.count_copy(torch.cat(parts, dim=source))
+
+
+def _box_slice(t: torch.Tensor, box, origin) -> torch.Tensor:
+    """The part of ``t`` (a block starting at global ``origin``) inside global ``box``."""
+    for d, ((start, size), (offset, _)) in enumerate(zip(box, origin)):
+        t = t.narrow(d, min(max(start - offset, 0), t.shape[d]) if size == 0 else start - offset,
+                     size)  # an empty overlap may start anywhere
+    return t
+
+
+def _permute(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
+    """Send each peer the part of this block its new block overlaps; assemble the new block
+    from what the peers send (the group holds every element of it exactly once)."""
+    before, after, dims = step.before, step.after, step.mesh_dims
+    mine_before, mine_after = before.local_bounds(coord), after.local_bounds(coord)
+    chunks, receiving, recv_shapes = [], [], []
+    for peer in group_coordinates(coord, dims, tuple(mesh.shape)):
+        chunks.append(_box_slice(local, overlap(mine_before, after.local_bounds(peer)),
+                                 mine_before))
+        box = overlap(before.local_bounds(peer), mine_after)
+        receiving.append(box)
+        recv_shapes.append([size for _, size in box])
+    parts = comm.all_to_all(chunks, mesh, dims, recv_shapes)
+    out = local.new_empty([size for _, size in mine_after])
+    for box, part in zip(receiving, parts):
+        _box_slice(out, box, mine_after).copy_(part)
+    return comm.count_copy(out)
 
 
 def _chunk(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
@@ -131,10 +157,10 @@ def _chunk(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Te
     for d in range(step.before.ndim):
         new = step.after.dim_map[d][len(step.before.dim_map[d]):]
         if new:
-            start, size = _sub_bounds(out.shape[d], [mesh.shape[m] for m in new],
+            start, size = sub_bounds(out.shape[d], [mesh.shape[m] for m in new],
                                       [coord[m] for m in new])
             out = out.narrow(d, start, size)
-    return out.clone(memory_format=torch.contiguous_format)
+    return comm.count_copy(out.clone(memory_format=torch.contiguous_format))
 
 
 def _make_partial(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.Tensor:
@@ -147,6 +173,7 @@ _APPLY = {
     "all_reduce": _all_reduce,
     "all_gather": _all_gather,
     "all_to_all": _all_to_all,
+    "permute": _permute,
     "chunk": _chunk,
     "make_partial": _make_partial,
 }

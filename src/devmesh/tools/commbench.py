@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import statistics
 import time
@@ -66,8 +67,11 @@ def bench_rank(mesh_shape, names, sizes, ops=OPS, iters: int = 5) -> tuple[list[
     shape = tuple(mesh_shape) if mesh_shape else (int(os.environ["WORLD_SIZE"]),)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     rows = []
-    for d in range(mesh.ndim):
-        n = mesh.shape[d]
+    # every dim alone, and (on a multi-dim mesh) all dims flattened: the planner's merged
+    # collectives run over flattened groups, and the cost model fits latency per hop from both
+    groups = [(d,) for d in range(mesh.ndim)] + ([tuple(range(mesh.ndim))] if mesh.ndim > 1 else [])
+    for dims in groups:
+        n = math.prod(mesh.shape[d] for d in dims)
         if n == 1:
             continue
         for op in ops:
@@ -75,17 +79,17 @@ def bench_rank(mesh_shape, names, sizes, ops=OPS, iters: int = 5) -> tuple[list[
                 elems = max(n, size // 4 // n * n)
                 buf = torch.ones(elems)
                 if op == "all_reduce":
-                    fn = lambda: comm.all_reduce(buf, mesh, (d,))  # noqa: E731
+                    fn = lambda: comm.all_reduce(buf, mesh, dims)  # noqa: E731
                 elif op == "all_gather":
                     part = buf[: elems // n].clone()
-                    fn = lambda: comm.all_gather(part, mesh, (d,))  # noqa: E731
+                    fn = lambda: comm.all_gather(part, mesh, dims)  # noqa: E731
                 elif op == "reduce_scatter":
                     stacked = buf.view(n, -1)
-                    fn = lambda: comm.reduce_scatter(stacked, mesh, (d,))  # noqa: E731
+                    fn = lambda: comm.reduce_scatter(stacked, mesh, dims)  # noqa: E731
                 else:
                     chunks = list(buf.view(n, -1).unbind(0))
                     shapes = [c.shape for c in chunks]
-                    fn = lambda: comm.all_to_all(chunks, mesh, (d,), shapes)  # noqa: E731
+                    fn = lambda: comm.all_to_all(chunks, mesh, dims, shapes)  # noqa: E731
                 fn()
                 times = []
                 for _ in range(iters):
@@ -98,7 +102,7 @@ def bench_rank(mesh_shape, names, sizes, ops=OPS, iters: int = 5) -> tuple[list[
                 seconds = float(t.item())
                 nbytes = elems * 4
                 algbw = nbytes / seconds / 1e9
-                rows.append(BenchRow(mesh.layout.dim_name(d), n, op, nbytes, seconds * 1e6,
+                rows.append(BenchRow("+".join(mesh.layout.dim_name(d) for d in dims), n, op, nbytes, seconds * 1e6,
                                      algbw, algbw * FACTORS[op](n)))
     memcpy = []
     for size in sizes:

@@ -1,0 +1,155 @@
+"""What a redistribution step costs: bytes on the wire, bytes copied locally, and time.
+
+Pure, so the planner can compare candidate plans without a mesh. The time model is the
+textbook one for ring and pairwise collectives (as in nccl-tests' bus bandwidth):
+
+    collective seconds = (n - 1) * latency[op] + bytes received per rank / bandwidth[op]
+    copy seconds       = bytes copied / copy_bandwidth
+
+where ``n`` is the group size. Bytes received per rank are ``(n-1)/n`` of the gathered output
+(all-gather), of the input (reduce-scatter, all-to-all) and ``2 (n-1)/n`` of it (all-reduce):
+the algorithm factors ``devmesh bench`` applies. Counting the hops is what makes one all-gather
+over 8 ranks cost more than a gather over 2 followed by one over 4 of the same bytes, and
+counting copies is what makes a merged gather that must be reordered afterwards lose to two
+gathers that land in place.
+
+The constants come from ``devmesh bench --json`` (:meth:`CostModel.from_bench`, or the file
+named by ``DEVMESH_COST_MODEL``); without a measurement, :data:`DEFAULT_COST_MODEL` holds
+values fitted on a 2-core CPU machine with 8 gloo ranks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = ["CostModel", "DEFAULT_COST_MODEL", "wire_bytes", "cost_model", "set_cost_model"]
+
+OPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def wire_bytes(op: str, group_size: int, nbytes: int) -> float:
+    """Bytes one rank receives in ``op`` over ``group_size`` ranks, where ``nbytes`` is the
+    collective's buffer as :mod:`devmesh.distributed.comm` counts it (the gathered output,
+    the reduce-scatter input, the all-reduce tensor, the all-to-all input)."""
+    n = group_size
+    if n <= 1:
+        return 0.0
+    factor = 2 * (n - 1) / n if op == "all_reduce" else (n - 1) / n
+    return factor * nbytes
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Per-collective latency (seconds per hop) and bandwidth (bytes/s received per rank),
+    and the bandwidth of a local copy (bytes/s). Frozen and hashable: plans are cached by it."""
+
+    latency: tuple[tuple[str, float], ...]
+    bandwidth: tuple[tuple[str, float], ...]
+    copy_bandwidth: float
+    source: str = "default"
+
+    def collective_seconds(self, op: str, group_size: int, wire: float) -> float:
+        """Predicted time of one collective over ``group_size`` ranks in which a rank
+        receives ``wire`` bytes from the others (:func:`wire_bytes`)."""
+        if group_size <= 1:
+            return 0.0
+        return (group_size - 1) * dict(self.latency)[op] + wire / dict(self.bandwidth)[op]
+
+    def copy_seconds(self, nbytes: int) -> float:
+        return nbytes / self.copy_bandwidth
+
+    @classmethod
+    def fit(cls, rows: Iterable[Mapping], memcpy: Iterable[Mapping] = (),
+            source: str = "measured") -> CostModel:
+        """Least-squares latency and bandwidth per collective from ``devmesh bench`` rows
+        (``op``, ``ranks``, ``bytes``, ``time_us``): time = (n-1) * latency + wire / bw."""
+        latency, bandwidth = dict(DEFAULT_COST_MODEL.latency), dict(DEFAULT_COST_MODEL.bandwidth)
+        by_op: dict[str, list[tuple[float, float, float]]] = {}
+        for row in rows:
+            n = int(row["ranks"])
+            by_op.setdefault(row["op"], []).append(
+                (n - 1, wire_bytes(row["op"], n, int(row["bytes"])), float(row["time_us"]) * 1e-6))
+        for op, points in by_op.items():
+            solved = _least_squares(points)
+            if solved is not None:
+                latency[op], bandwidth[op] = solved
+        copy_bandwidth = DEFAULT_COST_MODEL.copy_bandwidth
+        # the largest copy measured: redistribution copies are large, and small ones fit
+        # in cache and would flatter the machine
+        timed = [(int(r["bytes"]), float(r["time_us"]) * 1e-6) for r in memcpy
+                 if float(r["time_us"]) > 0]
+        if timed:
+            nbytes, seconds = max(timed)
+            copy_bandwidth = nbytes / seconds
+        return cls(tuple(sorted(latency.items())), tuple(sorted(bandwidth.items())),
+                   copy_bandwidth, source)
+
+    @classmethod
+    def from_bench(cls, path: str) -> CostModel:
+        """The model fitted to a ``devmesh bench --json PATH`` file."""
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, dict) or not isinstance(data.get("collectives"), list):
+            raise ValueError(f"{path} is not a `devmesh bench --json` file (no 'collectives' "
+                             "list); write one with `devmesh bench -n 8 --mesh 2,4 --json PATH`")
+        return cls.fit(data["collectives"], data.get("memcpy", []), source=path)
+
+    def __str__(self) -> str:
+        lat = ", ".join(f"{op} {s * 1e6:.0f} us" for op, s in self.latency)
+        bw = ", ".join(f"{op} {b / 1e9:.2f} GB/s" for op, b in self.bandwidth)
+        return (f"cost model ({self.source}): latency per hop {lat}; bandwidth {bw}; "
+                f"copy {self.copy_bandwidth / 1e9:.1f} GB/s")
+
+
+def _least_squares(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """Solve t = h * a + w * b for (a >= 0, 1/b > 0) over (hops, wire, time) points, in
+    relative error (each point scaled by 1/t), so small messages weigh as much as large."""
+    points = [(h / t, w / t, 1.0) for h, w, t in points if t > 0]
+    shh = sum(h * h for h, _, _ in points)
+    sww = sum(w * w for _, w, _ in points)
+    shw = sum(h * w for h, w, _ in points)
+    sht = sum(h * t for h, _, t in points)
+    swt = sum(w * t for _, w, t in points)
+    det = shh * sww - shw * shw
+    if det <= 0:
+        return None
+    a = (sht * sww - swt * shw) / det
+    b = (shh * swt - shw * sht) / det
+    if b <= 0:
+        return None
+    return max(a, 0.0), 1.0 / b
+
+
+# Fitted (CostModel.from_bench) to `devmesh bench -n 8 --mesh 2,4 --sizes 64K,1M,8M,32M --json`
+# on the 2-core development machine: 8 gloo ranks time-sharing 2 cores, so a hop costs
+# milliseconds (a context switch) and bandwidth is a few hundred MB/s. Only the ratios matter
+# for choosing a plan; measure your machine for predictions in seconds.
+DEFAULT_COST_MODEL = CostModel(
+    latency=(("all_gather", 1.5e-3), ("all_reduce", 2.3e-3), ("all_to_all", 0.6e-3),
+             ("reduce_scatter", 2.0e-3)),
+    bandwidth=(("all_gather", 0.30e9), ("all_reduce", 0.63e9), ("all_to_all", 0.30e9),
+               ("reduce_scatter", 0.18e9)),
+    copy_bandwidth=2.6e9,
+)
+
+_chosen: list[CostModel] = []
+
+
+def cost_model() -> CostModel:
+    """The model plans are chosen with: :func:`set_cost_model`'s, else the file named by
+    ``DEVMESH_COST_MODEL`` (a ``devmesh bench --json`` output), else the default. Every rank
+    must use the same model, or ranks could choose different plans."""
+    if not _chosen:
+        path = os.environ.get("DEVMESH_COST_MODEL")
+        _chosen.append(CostModel.from_bench(path) if path else DEFAULT_COST_MODEL)
+    return _chosen[0]
+
+
+def set_cost_model(model: CostModel | None) -> None:
+    """Use ``model`` for every later plan (``None``: back to the environment / default)."""
+    _chosen.clear()
+    if model is not None:
+        _chosen.append(model)
