@@ -1,124 +1,255 @@
 """Redistribution: devmesh vs torch DTensor on 8 gloo ranks, in the same run.
 
-For the standard transitions and for the nested FSDP-over-TP ``full_tensor`` (torch:
-``[_StridedShard(0, sf=4), Shard(0)]``), both libraries redistribute the same 8 MB fp32 tensor
-on the same (2, 4) mesh (devmesh's mesh and ``mesh.to_torch()`` share process groups). Prints
-the slowest rank's median time, the time ratio devmesh / torch, and collective counts
-(devmesh's ``comm_stats``, torch's ``CommDebugMode``).
+Every transition redistributes the same tensor in both libraries on the same mesh (devmesh's
+mesh *is* a torch mesh, so they share process groups): single-dim transitions, 2-D ones
+including the swap ``[S(0),S(1)] -> [S(1),S(0)]``, the nested FSDP-over-TP ``full_tensor``
+(torch: ``_StridedShard``), a 3-D mesh, uneven sizes and bf16, at 64 KB, 8 MB and 64 MB.
+Prints the slowest rank's median time, devmesh / torch, collective counts, the bytes a rank
+receives (devmesh: its plan, checked against ``comm_stats`` by tests/test_sharded.py; torch:
+counted from its functional collectives), and the plan's predicted time.
 
-    .venv/bin/python bench/redistribute.py [--repeats 7] [--rows 1024 --cols 2048]
+``--candidates`` also times every candidate plan devmesh considered, to compare the cost
+model's ranking with the measured one.
+
+    .venv/bin/python bench/redistribute.py [--repeats 5] [--sizes 64K,8M,64M] [--candidates]
+
+Set DEVMESH_COST_MODEL to a ``devmesh bench -n 8 --mesh 2,4 --json`` file to plan with this
+machine's measured constants.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 import warnings
 
+SIZES = {"64K": (128, 128), "8M": (1024, 2048), "64M": (4096, 4096)}
 
-def bench_rank(rows: int, cols: int, repeats: int):
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import Partial as TP
-    from torch.distributed.tensor import Replicate as TR
-    from torch.distributed.tensor import Shard as TS
-    from torch.distributed.tensor.debug import CommDebugMode
-    from torch.distributed.tensor.placement_types import _StridedShard
 
-    from devmesh import comm_stats, init_device_mesh
-    from devmesh.tensor import Partial, Replicate, Shard, ShardedTensor, ShardingSpec
+def _cases(sizes):
+    """(name, mesh shape, global shape, dtype name, src (dim map, partial), dst (...))."""
+    out = []
+    for size in sizes:
+        shape = SIZES[size]
+        out += [
+            (f"S(0)->R on tp {size}", (2, 4), shape, "float32", ({0: "tp"}, None), ({}, None)),
+            (f"P->R on tp {size}", (2, 4), shape, "float32", ({}, {"tp": "sum"}), ({}, None)),
+            (f"P->S(0) on tp {size}", (2, 4), shape, "float32", ({}, {"tp": "sum"}),
+             ({0: "tp"}, None)),
+            (f"S(0)->S(1) on tp {size}", (2, 4), shape, "float32", ({0: "tp"}, None),
+             ({1: "tp"}, None)),
+            (f"[S(0),S(1)]->R {size}", (2, 4), shape, "float32", ({0: "dp", 1: "tp"}, None),
+             ({}, None)),
+            (f"[S(0),S(0)]->R {size}", (2, 4), shape, "float32", ({0: ("dp", "tp")}, None),
+             ({}, None)),
+            (f"swap {size}", (2, 4), shape, "float32", ({0: "dp", 1: "tp"}, None),
+             ({0: "tp", 1: "dp"}, None)),
+            (f"nested (tp,dp) full {size}", (2, 4), shape, "float32", ({0: ("tp", "dp")}, None),
+             ({}, None)),
+        ]
+    out += [
+        ("bf16 [S(0),S(1)]->R 4M", (2, 4), (1024, 2048), "bfloat16", ({0: "dp", 1: "tp"}, None),
+         ({}, None)),
+        ("bf16 swap 4M", (2, 4), (1024, 2048), "bfloat16", ({0: "dp", 1: "tp"}, None),
+         ({0: "tp", 1: "dp"}, None)),
+        ("uneven [S(0),S(1)]->R 8M", (2, 4), (1023, 2047), "float32", ({0: "dp", 1: "tp"}, None),
+         ({}, None)),
+        ("uneven swap 8M", (2, 4), (1023, 2047), "float32", ({0: "dp", 1: "tp"}, None),
+         ({0: "tp", 1: "dp"}, None)),
+        ("3-D [S0,S1,S2]->R 8M", (2, 2, 2), (256, 128, 64), "float32",
+         ({0: "a", 1: "b", 2: "c"}, None), ({}, None)),
+        ("3-D rotate 8M", (2, 2, 2), (256, 128, 64), "float32",
+         ({0: "a", 1: "b", 2: "c"}, None), ({0: "b", 1: "c", 2: "a"}, None)),
+        ("3-D [P,P,S0]->[S0,S1,S0] 8M", (2, 2, 2), (256, 128, 64), "float32",
+         ({0: "c"}, {"a": "sum", "b": "sum"}), ({0: ("a", "c"), 1: "b"}, None)),
+    ]
+    return out
 
-    warnings.filterwarnings("ignore")
+
+class _TorchWire:
+    """Bytes a rank receives in torch's functional collectives (a dispatch mode, like
+    ``CommDebugMode``), with the same algorithm factors as devmesh's plans."""
+
+    def __init__(self):
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from devmesh.layout.cost import wire_bytes
+
+        counter = self
+        self.wire = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                kwargs = kwargs or {}
+                out = func(*args, **kwargs)
+                name = func.__name__.split(".")[0].removesuffix("_out")
+                if func.namespace == "_c10d_functional" and name in counter.COLLECTIVES:
+                    result = kwargs.get("out", out)
+                    counter.wire += counter.count(name, args, result, wire_bytes)
+                return out
+
+        self.mode = Mode()
+        self.torch = torch
+
+    COLLECTIVES = ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce",
+                   "all_to_all_single")
+
+    def count(self, name, args, out, wire_bytes) -> int:
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group([a for a in args if isinstance(a, str)][-1])
+        n = group.size()
+        if name == "all_gather_into_tensor":
+            return round(wire_bytes("all_gather", n, out.numel() * out.element_size()))
+        if name == "reduce_scatter_tensor":
+            return round(wire_bytes("reduce_scatter", n, args[0].numel() * args[0].element_size()))
+        if name == "all_reduce":
+            return round(wire_bytes("all_reduce", n, args[0].numel() * args[0].element_size()))
+        if name == "all_to_all_single":
+            mine = args[1][group.rank()] if args[1] else out.shape[0] // n
+            per_row = out.numel() // max(out.shape[0], 1) * out.element_size()
+            return (out.shape[0] - mine) * per_row
+        raise NotImplementedError(f"torch issued {name}; count its bytes here")
+
+
+def bench_rank(sizes, repeats: int, candidates: bool):
     import logging
 
+    import torch
+    import torch.distributed as dist
+
+    from devmesh import comm_stats, init_device_mesh
+    from devmesh.layout.plan import candidate_plans, plan_redistribute
+    from devmesh.tensor import ShardedTensor, ShardingSpec
+    from devmesh.tensor.redistribute import execute
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
-    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-    tmesh = mesh.to_torch()
-    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0))
-    nested = ShardingSpec.build((2, 4), (rows, cols), {0: ("tp", "dp")},
-                                mesh_dim_names=("dp", "tp"))
+    meshes = {}
 
-    def torch_placements(ps):
-        return [TS(p.dim) if isinstance(p, Shard) else TP() if isinstance(p, Partial) else TR()
-                for p in ps]
-
-    cases = {
-        "Shard(0)->Replicate on tp": ([Replicate(), Shard(0)], [Replicate(), Replicate()]),
-        "Partial->Replicate on tp": ([Replicate(), Partial()], [Replicate(), Replicate()]),
-        "Partial->Shard(0) on tp": ([Replicate(), Partial()], [Replicate(), Shard(0)]),
-        "Shard(0)->Shard(1) on tp": ([Replicate(), Shard(0)], [Replicate(), Shard(1)]),
-        "[Shard(0),Shard(1)]->Replicate": ([Shard(0), Shard(1)], [Replicate(), Replicate()]),
-        "[Shard(0),Shard(0)]->Replicate": ([Shard(0), Shard(0)], [Replicate(), Replicate()]),
-    }
-    results = {}
-
-    def timed(ours_fn, theirs_fn):
-        """Alternate the two so that machine noise hits both alike; medians."""
-        ours_fn(), theirs_fn()  # warm-up: plan caches, lazy buffers
-        ours, theirs = [], []
+    def timed(*fns):
+        """Alternate the functions so that machine noise hits all alike; medians."""
+        for fn in fns:
+            fn()  # warm-up: plan caches, lazy buffers
+        times = [[] for _ in fns]
         for _ in range(repeats):
-            for fn, times in ((ours_fn, ours), (theirs_fn, theirs)):
+            for fn, out in zip(fns, times):
                 dist.barrier()
                 start = time.perf_counter()
                 fn()
-                times.append(time.perf_counter() - start)
-        return statistics.median(ours), statistics.median(theirs)
+                out.append(time.perf_counter() - start)
+        return [statistics.median(t) for t in times]
 
+    meshes[(2, 4)] = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     for _ in range(20):  # warm the machine and the connections up
         dist.all_reduce(torch.ones(1 << 16))
-
-    for name, (a, b) in cases.items():
-        spec_a = ShardingSpec.from_placements(a, (2, 4), (rows, cols), ("dp", "tp"))
-        ours = ShardedTensor(x[tuple(slice(s, s + n) for s, n in spec_a.local_bounds(
-            mesh.get_coordinate()))].contiguous(), mesh, spec_a)
-        theirs = DTensor.from_local(ours.to_local(), tmesh, torch_placements(a),
-                                    shape=x.shape, stride=x.stride())
-        target = torch_placements(b)
-        t_ours, t_theirs = timed(lambda: ours.redistribute(b),
-                                 lambda: theirs.redistribute(tmesh, target))
+    results = {}
+    for name, mesh_shape, shape, dtype, (src_map, src_partial), (dst_map, dst_partial) in _cases(
+            sizes):
+        names = ("a", "b", "c") if len(mesh_shape) == 3 else ("dp", "tp")
+        if mesh_shape not in meshes:
+            meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        mesh = meshes[mesh_shape]
+        src = ShardingSpec.build(mesh_shape, shape, src_map, src_partial, mesh_dim_names=names)
+        dst = ShardingSpec.build(mesh_shape, shape, dst_map, dst_partial, mesh_dim_names=names)
+        x = torch.randn(shape, generator=torch.Generator().manual_seed(0)).to(getattr(torch, dtype))
+        full = ShardedTensor(x, mesh, src.replicated())
+        ours = full.redistribute(src) if not src.partial else _partial(full, src)
+        theirs = ours.to_dtensor()
+        target = ShardedTensor(x, mesh, dst.replicated()).redistribute(dst).to_dtensor().placements
+        t_ours, t_theirs = timed(lambda: ours.redistribute(dst),
+                                 lambda: theirs.redistribute(theirs.device_mesh, target))
         with comm_stats() as stats:
-            ours.redistribute(b)
-        with CommDebugMode() as debug:
-            theirs.redistribute(tmesh, target)
-        results[name] = (t_ours, t_theirs, stats.calls, debug.get_total_counts())
-
-    local = x[tuple(slice(s, s + n) for s, n in nested.local_bounds(mesh.get_coordinate()))]
-    ours = ShardedTensor(local.contiguous(), mesh, nested)
-    theirs = DTensor.from_local(ours.to_local(), tmesh, [_StridedShard(0, split_factor=4), TS(0)],
-                                shape=x.shape, stride=x.stride())
-    assert torch.equal(ours.full_tensor(), x) and torch.equal(theirs.full_tensor(), x)
-    t_ours, t_theirs = timed(ours.full_tensor, theirs.full_tensor)
-    with comm_stats() as stats:
-        ours.full_tensor()
-    with CommDebugMode() as debug:
-        theirs.full_tensor()
-    results["nested (tp, dp) full_tensor"] = (t_ours, t_theirs, stats.calls,
-                                              debug.get_total_counts())
+            result = ours.redistribute(dst)
+        wire = _TorchWire()
+        with CommDebugMode() as debug, wire.mode:
+            expected = theirs.redistribute(theirs.device_mesh, target)
+        assert torch.equal(result.to_local(), expected.to_local()), name
+        plan = plan_redistribute(src, dst, x.element_size())
+        row = {"ours": t_ours, "theirs": t_theirs, "calls": stats.calls,
+               "torch_calls": debug.get_total_counts(), "wire": plan.wire,
+               "torch_wire": wire.wire, "predicted": plan.seconds, "strategy": plan.strategy}
+        if candidates:
+            plans = candidate_plans(src, dst, x.element_size())
+            block = ours.to_local()
+            measured = timed(*[lambda p=p: execute(block, mesh, p) for p in plans])
+            row["candidates"] = [(p.strategy, p.seconds, m) for p, m in zip(plans, measured)]
+        results[name] = row
     return results
+
+
+def _partial(full, spec):
+    """A partial-sum tensor whose sum is ``full``: the value on coordinate 0, zeros elsewhere."""
+    import dataclasses
+
+    import torch
+
+    from devmesh.tensor import ShardedTensor
+
+    replicated = full.redistribute(dataclasses.replace(spec, partial=()))
+    coord = full.device_mesh.get_coordinate()
+    local = replicated.to_local()
+    if any(coord[m] != 0 for m, _ in spec.partial):
+        local = torch.zeros_like(local)
+    return ShardedTensor(local, full.device_mesh, spec)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--rows", type=int, default=1024)
-    parser.add_argument("--cols", type=int, default=2048)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--sizes", default="64K,8M,64M",
+                        help=f"tensor sizes for the 2-D transitions, from {','.join(SIZES)}")
+    parser.add_argument("--candidates", action="store_true",
+                        help="also time every candidate plan (predicted vs measured ranking)")
     args = parser.parse_args()
+    sizes = [s for s in args.sizes.split(",") if s]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        parser.error(f"unknown size(s) {unknown}; choose from {', '.join(SIZES)}")
 
     from devmesh.launching.launcher import launch
 
-    per_rank = launch(bench_rank, 8, args.rows, args.cols, args.repeats, timeout=1200)
-    mb = args.rows * args.cols * 4 / 2**20
-    print(f"redistribute a {args.rows}x{args.cols} fp32 tensor ({mb:.0f} MB) on a (2, 4) gloo mesh, "
-          f"8 ranks; slowest rank, median of {args.repeats}")
-    print(f"{'transition':<34}{'devmesh':>10}{'torch':>10}{'ratio':>8}{'colls':>8}{'torch colls':>13}")
-    for name in per_rank[0]:
-        ours = max(r[name][0] for r in per_rank)
-        theirs = max(r[name][1] for r in per_rank)
-        _, _, calls, torch_calls = per_rank[0][name]
-        print(f"{name:<34}{ours * 1e3:>8.1f}ms{theirs * 1e3:>8.1f}ms{ours / theirs:>8.2f}"
-              f"{calls:>8}{torch_calls:>13}")
+    per_rank = launch(bench_rank, 8, sizes, args.repeats, args.candidates, timeout=3000)
+    print(f"redistribute on 8 gloo ranks; slowest rank, median of {args.repeats}; "
+          "wire = bytes one rank receives")
+    print(f"{'transition':<32}{'devmesh':>10}{'torch':>10}{'ratio':>7}{'colls':>6}{'torch':>6}"
+          f"{'wire MB':>9}{'torch':>8}{'predicted':>11}  plan")
+    ratios = []
+    for name, row in per_rank[0].items():
+        ours = max(r[name]["ours"] for r in per_rank)
+        theirs = max(r[name]["theirs"] for r in per_rank)
+        wire = max(r[name]["wire"] for r in per_rank)
+        torch_wire = max(r[name]["torch_wire"] for r in per_rank)
+        ratios.append(ours / theirs)
+        print(f"{name:<32}{ours * 1e3:>8.2f}ms{theirs * 1e3:>8.2f}ms{ours / theirs:>7.2f}"
+              f"{row['calls']:>6}{row['torch_calls']:>6}{wire / 2**20:>9.2f}"
+              f"{torch_wire / 2**20:>8.2f}{row['predicted'] * 1e3:>9.2f}ms  {row['strategy']}")
+    print(f"devmesh / torch: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}, "
+          f"geometric mean {math.exp(statistics.fmean(math.log(r) for r in ratios)):.2f}")
+    if args.candidates:
+        _print_candidates(per_rank)
+
+
+def _print_candidates(per_rank) -> None:
+    agree = 0
+    rows = per_rank[0]
+    print("\ncandidate plans: predicted vs measured (slowest rank, median)")
+    for name in rows:
+        plans = rows[name]["candidates"]
+        measured = [max(r[name]["candidates"][i][2] for r in per_rank) for i in range(len(plans))]
+        best_measured = min(range(len(plans)), key=lambda i: measured[i])
+        agree += best_measured == 0
+        print(f"{name}:")
+        for i, (strategy, predicted, _) in enumerate(plans):
+            mark = " <- chosen" if i == 0 else ""
+            mark += " (fastest measured)" if i == best_measured else ""
+            print(f"    {strategy:<24}{predicted * 1e3:>9.2f}ms predicted{measured[i] * 1e3:>9.2f}ms "
+                  f"measured{mark}")
+    print(f"the chosen plan was the fastest measured in {agree} of {len(rows)} transitions")
 
 
 if __name__ == "__main__":
