@@ -47,3 +47,75 @@ def test_a_local_launch_listens_on_loopback_only(mesh_pool):
     assert results[0], "rank 0 serves the rendezvous store: it must listen somewhere"
     for addresses in results:
         assert set(addresses) <= LOOPBACK, addresses
+
+
+def _tree(root: int) -> set[int]:
+    """``root`` and every process descending from it (from /proc/*/stat)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, grew = {root}, True
+    while grew:
+        new = {pid for pid, parent in parents.items() if parent in tree} - tree
+        tree |= new
+        grew = bool(new)
+    return tree
+
+
+def _listening(pids: set[int]) -> list[str]:
+    """Local addresses the processes ``pids`` listen on (TCP, v4 and v6)."""
+    inodes = set()
+    for pid in pids:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                inodes.add(target[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and fields[9] in inodes:
+                    found.append(fields[1].split(":")[0])
+    return found
+
+
+def test_devmesh_run_listens_on_loopback_only(tmp_path):
+    """`devmesh run` serves torchrun's rendezvous store itself, on loopback (torchrun
+    --standalone's agent would serve it on every interface), and the workers' store and gloo
+    sockets stay on loopback too: every process of the launch is checked."""
+    import subprocess
+    import time
+
+    ready, done = tmp_path / "ready", tmp_path / "done"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "devmesh", "run", "-n", "2",
+         os.path.join(os.path.dirname(__file__), "scripts", "hold_mesh.py"), str(ready),
+         str(done)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert ready.exists(), proc.communicate(timeout=30)[0] if proc.poll() is not None else ""
+        pids = _tree(proc.pid)
+        assert len(pids) >= 3  # devmesh run (the agent) and its two ranks
+        addresses = _listening(pids)
+        assert addresses, "the launch must serve its stores somewhere"
+        assert set(addresses) <= LOOPBACK, addresses
+    finally:
+        done.write_text("done")
+        out = proc.communicate(timeout=120)[0]
+    assert proc.returncode == 0, out

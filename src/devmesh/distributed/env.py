@@ -218,8 +218,6 @@ def _loopback_store(env: LaunchEnv, timeout: datetime.timedelta | None):
     torch do it (a multi-host launch, or torchrun's agent store)."""
     if not is_loopback(env.master_addr) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         return None
-    import socket
-
     host = "::1" if env.master_addr == "::1" else "127.0.0.1"
     wait = timeout or datetime.timedelta(minutes=30)
     if env.rank != 0:
@@ -231,12 +229,24 @@ def _loopback_store(env: LaunchEnv, timeout: datetime.timedelta | None):
                 f"{wait.total_seconds():g} s; rank 0 is late, stuck or gone (its own output "
                 "says which), or raise the timeout: init_device_mesh(..., timeout=seconds)"
             ) from None
+    return serve_loopback_store(host, env.master_port, env.world_size, wait)[0]
+
+
+def serve_loopback_store(host: str = "127.0.0.1", port: int = 0, world_size: int | None = None,
+                         timeout: datetime.timedelta = datetime.timedelta(minutes=30)
+                         ) -> tuple[dist.TCPStore, int]:
+    """A TCPStore server listening on ``host`` (loopback) only, and its port (``port=0``: a
+    free one). torch's TCPStore binds every interface; devmesh binds the socket itself and
+    hands it over."""
+    import socket
+
     family = socket.AF_INET6 if host == "::1" else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, env.master_port))
-    listener.listen(max(128, env.world_size))
+    listener.bind((host, port))
+    listener.listen(max(128, world_size or 0))
+    port = listener.getsockname()[1]
     # the store owns the listening descriptor from here on (it closes it when destroyed)
-    return dist.TCPStore(host, env.master_port, env.world_size, True, wait,
-                         wait_for_workers=False, master_listen_fd=listener.detach(),
-                         use_libuv=False)
+    store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
+                          master_listen_fd=listener.detach(), use_libuv=False)
+    return store, port

@@ -52,19 +52,15 @@ class Step:
     def describe(self) -> str:
         names = ", ".join(self.before.name(m) for m in self.mesh_dims)
         over = f"over ({names})" if len(self.mesh_dims) > 1 else f"over {names}"
-        if self.kind == "all_to_all":
-            what = f"all_to_all {over}: dim {self.source_dim} -> dim {self.tensor_dim}"
-        elif self.kind == "permute":
-            what = f"all_to_all {over}: each rank sends the pieces its peers' new blocks overlap"
-        elif self.kind == "reduce_scatter":
-            what = f"reduce_scatter({self.op}) {over} onto dim {self.tensor_dim}"
-        elif self.kind == "all_reduce":
-            what = f"all_reduce({self.op}) {over}"
-        elif self.kind == "all_gather":
-            what = f"all_gather {over}"
-        elif self.kind == "chunk":
-            what = f"local chunk by ({names}) (no communication)"
-        else:
-            what = f"make partial over ({names}) (local, no communication)"
+        what = {
+            "all_to_all": f"all_to_all {over}: dim {self.source_dim} -> dim {self.tensor_dim}",
+            "permute": f"all_to_all {over}: each rank sends the pieces its peers' new blocks "
+                       "overlap",
+            "reduce_scatter": f"reduce_scatter({self.op}) {over} onto dim {self.tensor_dim}",
+            "all_reduce": f"all_reduce({self.op}) {over}",
+            "all_gather": f"all_gather {over}",
+            "chunk": f"local chunk by ({names}) (no communication)",
+            "make_partial": f"make partial over ({names}) (local, no communication)",
+        }[self.kind]
         moved = f", {self.nbytes:,} bytes" if self.is_collective else ""
         return f"{what}{moved}  -> {self.after}"

@@ -249,7 +249,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     os.environ[ARGV_VARIABLE] = json.dumps(list(args.args))
     # a store per restart (pytorch/pytorch#135712), served by rank 0 on loopback only
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
-    torchrun_args = ["--standalone", f"--nproc_per_node={args.nproc}",
+    # torchrun --standalone's agent serves its rendezvous store on every interface; this
+    # process serves it on loopback instead and the agent joins it as a client
+    from devmesh.distributed.env import serve_loopback_store
+
+    store, port = serve_loopback_store()
+    torchrun_args = ["--nnodes=1", f"--nproc_per_node={args.nproc}", "--rdzv-backend=c10d",
+                     f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=devmesh-run-{port}",
+                     "--rdzv-conf=is_host=false", "--local-addr=127.0.0.1",
                      f"--max-restarts={args.max_restarts}", "-m",
                      "devmesh.launching.child", args.script]
     try:
@@ -262,6 +269,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except Exception as exc:
         print(str(exc), file=sys.stderr)
         return 1
+    finally:
+        del store
     return 0
 
 
