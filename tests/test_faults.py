@@ -229,3 +229,53 @@ def test_the_pool_recovers_after_a_failure_in_process_group_setup(mesh_pool, fai
         mesh_pool.run(fails_before_its_process_group, 4, fail_rank, timeout=60)
     assert info.value.rank == fail_rank and "bad config" in str(info.value)
     assert mesh_pool.run(lambda: "next", 4) == ["next"] * 4
+
+
+def rank_one_hangs_in_its_own_code():
+    import torch
+
+    from devmesh import init_device_mesh
+    from devmesh.distributed import comm
+    from devmesh.errors import CollectiveTimeoutError
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), timeout=3)
+    comm.all_reduce(torch.ones(2), mesh, (0, 1))  # collective #1: everyone is there
+    if mesh.get_rank() == 1:
+        time.sleep(20)
+        return None
+    try:
+        comm.all_reduce(torch.ones(2), mesh, (0, 1))
+    except CollectiveTimeoutError as exc:
+        return exc.missing, exc.waited, str(exc)
+    return "no error"
+
+
+def test_a_collective_timeout_names_the_rank_that_never_entered(mesh_pool):
+    """Issue 9, item 9, from inside the ranks (so under torchrun and devmesh run too): every
+    rank that timed out says which rank never entered the collective, not torch's bare
+    'Timed out waiting 3000ms for recv'."""
+    results = mesh_pool.run(rank_one_hangs_in_its_own_code, 4, timeout=60)
+    for rank in (0, 2, 3):
+        missing, waited, text = results[rank]
+        assert missing == [1] and waited == [0, 2, 3], text
+        assert "all_reduce over dp+tp (collective #2 on ranks [0, 1, 2, 3])" in text
+        assert "Timed out waiting" in text  # torch's own error stays in the message
+    assert results[1] is None
+
+
+def test_devmesh_run_names_a_hung_rank(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(textwrap.dedent("""
+        import os, time, torch
+        from devmesh import init_device_mesh
+        from devmesh.distributed import comm
+        mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("dp",), timeout=3)
+        if os.environ["RANK"] == "2":
+            time.sleep(60)
+        comm.all_reduce(torch.ones(2), mesh, (0,))
+    """))
+    start = time.monotonic()
+    proc = _devmesh("run", "-n", "3", str(script))
+    assert proc.returncode != 0
+    assert "ranks [2] never entered it" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert time.monotonic() - start < 40

@@ -113,6 +113,16 @@ class MeshTimeoutError(DevmeshError, TimeoutError):
     """Some ranks did not reach a mesh-wide step (mesh creation) within the timeout."""
 
 
+class CollectiveTimeoutError(DevmeshError, RuntimeError, TimeoutError):
+    """A collective timed out; names the ranks of its group that never entered it. A
+    ``RuntimeError`` as torch's own gloo/NCCL timeout, which is its cause."""
+
+    def __init__(self, message: str, *, missing: list[int], waited: list[int]) -> None:
+        self.missing = missing
+        self.waited = waited
+        super().__init__(message)
+
+
 class RankFailedError(DevmeshError, RuntimeError):
     """A rank of a local launch raised; carries the rank and its remote traceback."""
 

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from devmesh.distributed import groups
+from devmesh.distributed.timeouts import Watch
 
 if TYPE_CHECKING:
     from devmesh.mesh import DeviceMesh
@@ -131,6 +132,7 @@ def _record(collective: str, mesh: DeviceMesh, dims: Sequence[int], nbytes: int)
 class _Group:
     group: dist.ProcessGroup
     size: int
+    ranks: tuple[int, ...]  # global ranks in mesh order
     # to_c10d[i] = position in c10d's (sorted) order of the i-th rank in mesh order
     to_c10d: tuple[int, ...] | None
     # from_c10d[j] = mesh-order index of the j-th rank in c10d order
@@ -151,29 +153,39 @@ def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
     assert pg is not None
     ordered = sorted(ranks)
     if list(ranks) == ordered:
-        result = _Group(pg, len(ranks), None, None)
+        result = _Group(pg, len(ranks), tuple(ranks), None, None)
     else:
         position = {r: j for j, r in enumerate(ordered)}
         to_c10d = tuple(position[r] for r in ranks)
         index = {r: i for i, r in enumerate(ranks)}
-        result = _Group(pg, len(ranks), to_c10d, tuple(index[r] for r in ordered))
+        result = _Group(pg, len(ranks), tuple(ranks), to_c10d, tuple(index[r] for r in ordered))
     if len(_group_cache) > 4096:
         _group_cache.clear()
     _group_cache[key] = result
     return result
 
 
+def _watch(collective: str, mesh: DeviceMesh, dims: Sequence[int], g: _Group) -> Watch:
+    """Numbers this collective on its group; a timeout then names who never entered it."""
+    return Watch(collective, g.ranks, lambda: "+".join(mesh.layout.dim_name(d) for d in dims))
+
+
 class Pending:
     """An asynchronous collective in flight; ``wait()`` returns its result (once computed)."""
 
-    def __init__(self, work, finish: Callable[[], torch.Tensor]) -> None:
-        self._work, self._finish = work, finish
+    def __init__(self, work, finish: Callable[[], torch.Tensor], watch: Watch | None = None
+                 ) -> None:
+        self._work, self._finish, self._watch = work, finish, watch
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
-                self._work.wait()
+                if self._watch is not None:
+                    with self._watch.guard():
+                        self._work.wait()
+                else:
+                    self._work.wait()
                 self._work = None
             self._result = self._finish()
         return self._result
@@ -195,14 +207,16 @@ def all_gather_async(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]
         return Pending(None, lambda: count_copy(tensor.unsqueeze(0).clone()))
     tensor = tensor.contiguous()
     out = torch.empty((g.size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
-    work = dist.all_gather_single(out, tensor.reshape(-1), group=g.group, async_op=True)
+    watch = _watch("all_gather", mesh, dims, g)
+    with watch.guard():
+        work = dist.all_gather_single(out, tensor.reshape(-1), group=g.group, async_op=True)
     _record("all_gather", mesh, dims, out.numel() * out.element_size())
 
     def finish() -> torch.Tensor:
         stacked = out.view(g.size, *tensor.shape)
         return count_copy(stacked[list(g.to_c10d)]) if g.to_c10d is not None else stacked
 
-    return Pending(work, finish)
+    return Pending(work, finish, watch)
 
 
 def reduce_scatter(
@@ -219,7 +233,8 @@ def reduce_scatter(
         stacked = count_copy(stacked[list(g.from_c10d)])
     stacked = stacked.contiguous()
     out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
-    dist.reduce_scatter_single(out.view(-1), stacked.view(-1), op=_OPS[op], group=g.group)
+    with _watch("reduce_scatter", mesh, dims, g).guard():
+        dist.reduce_scatter_single(out.view(-1), stacked.view(-1), op=_OPS[op], group=g.group)
     _record("reduce_scatter", mesh, dims, stacked.numel() * stacked.element_size())
     if op == "avg":
         out /= g.size
@@ -240,7 +255,9 @@ def all_reduce_async(
     g = _group(mesh, dims)
     if g.size == 1:
         return Pending(None, lambda: tensor)
-    work = dist.all_reduce(tensor, op=_OPS[op], group=g.group, async_op=True)
+    watch = _watch("all_reduce", mesh, dims, g)
+    with watch.guard():
+        work = dist.all_reduce(tensor, op=_OPS[op], group=g.group, async_op=True)
     _record("all_reduce", mesh, dims, tensor.numel() * tensor.element_size())
 
     def finish() -> torch.Tensor:
@@ -248,7 +265,7 @@ def all_reduce_async(
             tensor.div_(g.size)
         return tensor
 
-    return Pending(work, finish)
+    return Pending(work, finish, watch)
 
 
 def all_to_all(
@@ -267,8 +284,10 @@ def all_to_all(
     send = count_copy(_pack([chunks[i] for i in order]))
     recv_numels = [math.prod(recv_shapes[i]) for i in order]
     recv = torch.empty(sum(recv_numels), dtype=like.dtype, device=like.device)
-    dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
-                           input_split_sizes=[chunks[i].numel() for i in order], group=g.group)
+    with _watch("all_to_all", mesh, dims, g).guard():
+        dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
+                               input_split_sizes=[chunks[i].numel() for i in order],
+                               group=g.group)
     _record("all_to_all", mesh, dims, send.numel() * send.element_size())
     outputs: list[torch.Tensor] = [like] * g.size
     for i, piece in zip(order, torch.split(recv, recv_numels)):
@@ -295,7 +314,8 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], src_i
     if g.size == 1:
         return tensor
     ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
-    dist.broadcast(tensor, src=ranks[src_index], group=g.group)
+    with _watch("broadcast", mesh, dims, g).guard():
+        dist.broadcast(tensor, src=ranks[src_index], group=g.group)
     _record("broadcast", mesh, dims, tensor.numel() * tensor.element_size())
     return tensor
 
