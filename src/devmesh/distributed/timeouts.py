@@ -73,11 +73,16 @@ class Watch:
                     if r not in arrived and store.check([prefix + str(r)]):
                         arrived.add(r)
                 time.sleep(0.05)
-        except Exception:  # noqa: BLE001 - the store is gone too: keep torch's error
+        except Exception as store_error:  # noqa: BLE001 - the store is gone too: torch's error
+            exc.add_note(f"devmesh could not ask the other ranks which one never entered this "
+                         f"collective: the store failed ({type(store_error).__name__}: "
+                         f"{str(store_error).splitlines()[0] if str(store_error) else ''})")
             return exc
         missing = [r for r in self.ranks if r not in arrived]
         waited = sorted(arrived)
-        if not missing:
+        if not missing:  # every rank timed out inside it: a slow or broken link, not a hang
+            exc.add_note(f"devmesh: every rank of {list(self.ranks)} was inside this collective "
+                         f"(#{self.number}) when it timed out")
             return exc
         return CollectiveTimeoutError(
             f"{self.collective} over {self.label()} (collective #{self.number} on ranks "

@@ -1,4 +1,5 @@
-"""Parallelisms on a mesh: replicate (DDP), fully_shard (FSDP, HSDP), tensor parallelism."""
+"""Parallelisms on a mesh: replicate (DDP), fully_shard (FSDP, HSDP), tensor parallelism, pipeline
+stages, gradient clipping, state dicts and sharded checkpoints."""
 
 from devmesh.parallel.checkpoint import load_checkpoint, save_checkpoint
 from devmesh.parallel.fully_shard import FSDPModule, FSDPUnit, MixedPrecisionPolicy, fully_shard
