@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 
 from devmesh.layout.cost import wire_bytes
 from devmesh.layout.plan_step import Step
-from devmesh.layout.spec import ShardingSpec, chunk_bounds
+from devmesh.layout.spec import chunk_bounds
 
 __all__ = ["with_traffic", "overlap", "sub_bounds", "group_coordinates"]
 
