@@ -181,10 +181,7 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
-                if self._watch is not None:
-                    with self._watch.guard():
-                        self._work.wait()
-                else:
+                with self._watch.guard() if self._watch else contextlib.nullcontext():
                     self._work.wait()
                 self._work = None
             self._result = self._finish()
@@ -313,9 +310,8 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], src_i
     g = _group(mesh, dims)
     if g.size == 1:
         return tensor
-    ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
     with _watch("broadcast", mesh, dims, g).guard():
-        dist.broadcast(tensor, src=ranks[src_index], group=g.group)
+        dist.broadcast(tensor, src=g.ranks[src_index], group=g.group)
     _record("broadcast", mesh, dims, tensor.numel() * tensor.element_size())
     return tensor
 

@@ -12,8 +12,8 @@ entered the collective (stuck elsewhere, or dead). This costs nothing until a ti
 
 from __future__ import annotations
 
-import time
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist

@@ -125,18 +125,20 @@ def _permute(step: Step, coord, itemsize: int) -> tuple[int, int]:
     return itemsize * received, itemsize * (sent + _numel(mine_after))
 
 
+def _all_reduce(step: Step, coord, itemsize: int) -> tuple[int, int]:
+    k = math.prod(step.before.mesh_shape[m] for m in step.mesh_dims)
+    local = itemsize * math.prod(step.before.local_shape(coord))
+    return round(wire_bytes("all_reduce", k, local)), local  # the clone it reduces in place
+
+
 def _local(step: Step, coord, itemsize: int) -> tuple[int, int]:
-    if step.kind == "all_reduce":
-        k = math.prod(step.before.mesh_shape[m] for m in step.mesh_dims)
-        local = itemsize * math.prod(step.before.local_shape(coord))
-        return round(wire_bytes("all_reduce", k, local)), local
     if step.kind == "chunk":
         return 0, itemsize * math.prod(step.after.local_shape(coord))
     return 0, 0  # make_partial: zeros or the block itself
 
 
 _TRAFFIC = {"all_gather": _all_gather, "reduce_scatter": _reduce_scatter,
-            "all_to_all": _all_to_all, "permute": _permute}
+            "all_reduce": _all_reduce, "all_to_all": _all_to_all, "permute": _permute}
 
 
 def _coordinates(step: Step) -> list[tuple[int, ...]]:
