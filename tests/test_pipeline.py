@@ -298,11 +298,8 @@ def train_composed(name: str, composition: str, steps: int = 2):
         opt.zero_grad()
         losses.append(None if loss is None else loss.item())
     full = {}
-    index = {id(m): prefix for prefix, m in model.named_modules()}
-    for s, stage in stages.items():
-        for name_, value in state_dict(stage, full=True).items():
-            child, rest = name_.split(".", 1)
-            full[f"{index[id(stage[int(child)])]}.{rest}"] = value
+    for stage in stages.values():  # the stages keep the whole model's names
+        full.update(state_dict(stage, full=True))
     return full, losses
 
 

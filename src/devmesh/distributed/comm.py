@@ -402,7 +402,9 @@ def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[
 
 def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, list[int]]:
     """``{value: ranks}`` if the ranks of ``group`` passed different values, else ``{}`` (the
-    same on every rank): one all-gather of an 8-byte digest when they agree."""
+    same on every rank): one all-gather of an 8-byte digest when they agree; otherwise the
+    lowest rank passing each distinct value broadcasts it (a pipeline's stages send one
+    listing per stage, not one per rank)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {}
     size = dist.get_world_size(group)
@@ -412,11 +414,30 @@ def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, l
     dist.all_gather(digests, mine, group=group)
     if all(int(d) == int(digests[0]) for d in digests):
         return {}
-    ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
-    by_value: dict[str, list[int]] = defaultdict(list)
-    for rank, text in zip(ranks, gather_texts(value, group)):
-        by_value[text].append(rank)
-    return dict(by_value)
+    ranks = list(dist.get_process_group_ranks(group) if group is not None else range(size))
+    me = ranks.index(dist.get_rank())
+    members: dict[int, list[int]] = defaultdict(list)
+    for index, d in enumerate(digests):
+        members[int(d)].append(index)
+    by_value: dict[str, list[int]] = {}
+    for indices in members.values():
+        text = _broadcast_text(value if me == indices[0] else "", ranks[indices[0]], group)
+        by_value[text] = [ranks[i] for i in indices]
+    return by_value
+
+
+def _broadcast_text(text: str, src: int, group: dist.ProcessGroup | None) -> str:
+    """Global rank ``src``'s ``text`` on every rank of ``group``: its length, then its bytes
+    (nothing unpickled)."""
+    data = text.encode()
+    length = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(length, src=src, group=group)
+    buffer = torch.zeros(int(length), dtype=torch.uint8)
+    if dist.get_rank() == src:
+        buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if int(length):
+        dist.broadcast(buffer, src=src, group=group)
+    return buffer.numpy().tobytes().decode(errors="replace")
 
 
 # -- point to point (pipeline stages): counted as "send" / "recv" over the mesh dim ----------

@@ -4,34 +4,50 @@ per rank and parameter."""
 
 from __future__ import annotations
 
+import json
 import math
 from collections import defaultdict
+from collections.abc import Sequence
 
 from torch import nn
 
+from devmesh.distributed import comm
 from devmesh.layout import format_ranks
 from devmesh.parallel.param import get_layout
+from devmesh.parallel.pipeline.runner import PipelineRunner
+from devmesh.parallel.pipeline.whole_model import stage_ranks
 
 __all__ = ["describe"]
 
 
-def _shapes_by_rank(p: nn.Parameter) -> dict[int, tuple[int, ...]]:
-    """Every rank's local shape of ``p``, computed from the spec (no communication)."""
+def _shapes_by_rank(p: nn.Parameter, holders: Sequence[int] | None
+                    ) -> dict[int, tuple[int, ...]]:
+    """Every holding rank's local shape of ``p``, computed from the spec (no communication);
+    a parameter that is not distributed counts only where ``holders`` are named."""
     layout = get_layout(p)
     if layout is None:
-        return {}
+        return {rank: tuple(p.shape) for rank in holders or ()}
     out = {}
-    for rank in layout.mesh.world_ranks():
+    for rank in layout.mesh.world_ranks() if holders is None else holders:
         coordinate = layout.mesh.coordinate_of(rank)
         if coordinate is not None:
             out[rank] = layout.spec.local_shape(coordinate)
     return out
 
 
-def describe(model: nn.Module, *, to_file: str | None = None) -> str:
+def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
+             ranks: Sequence[int] | None = None) -> str:
     """A table of every parameter: global shape, spec, local shape on every rank, and the
     bytes each rank holds (from the specs, no communication); ``to_file`` draws the bytes per
-    rank and parameter as a PNG."""
+    rank and parameter as a PNG. ``ranks`` names the ranks holding ``model`` where only some
+    do (a pipeline stage: the ranks of its pipeline index); by default every rank of each
+    parameter's mesh holds it.
+
+    Given a :class:`~devmesh.parallel.pipeline.PipelineRunner`, describes every stage of the
+    pipelined model with the ranks holding it, on every rank: collective over the pipeline
+    dim (one exchange of text), since a rank holds only its own stages."""
+    if isinstance(model, PipelineRunner):
+        return _describe_pipeline(model)
     rows = [("parameter", "global shape", "layout", "local shape (by rank)", "bytes here")]
     per_rank: dict[int, int] = defaultdict(int)
     by_param: dict[str, dict[int, int]] = {}
@@ -41,14 +57,15 @@ def describe(model: nn.Module, *, to_file: str | None = None) -> str:
         global_shape = tuple(layout.spec.global_shape) if layout else tuple(p.shape)
         what = str(layout.spec).split(": ", 1)[1] if layout else "not distributed"
         total_global += math.prod(global_shape) * p.element_size()
-        shapes = _shapes_by_rank(p)
+        shapes = _shapes_by_rank(p, ranks)
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
         for rank, shape in shapes.items():
             groups[shape].append(rank)
             per_rank[rank] += math.prod(shape) * p.element_size()
         by_param[name] = {r: math.prod(sh) * p.element_size() for r, sh in shapes.items()}
         if len(groups) <= 1:
-            local = f"{tuple(p.shape)} on every rank"
+            local = f"{tuple(p.shape)} on " + ("every rank" if ranks is None
+                                               else f"ranks {format_ranks(sorted(ranks))}")
         else:
             local = "; ".join(f"{shape} on {format_ranks(ranks)}"
                               for shape, ranks in sorted(groups.items(), key=lambda g: min(g[1])))
@@ -62,10 +79,20 @@ def describe(model: nn.Module, *, to_file: str | None = None) -> str:
         lines.append("bytes per rank: " + "; ".join(
             f"{nbytes:,} on {format_ranks(ranks)}"
             for nbytes, ranks in sorted(by_total.items(), key=lambda g: min(g[1])))
-            + f" (the full model: {total_global:,})")
+            + (f" (the full model: {total_global:,})" if ranks is None
+               else f" (the whole module, unsharded: {total_global:,})"))
     if to_file:
         _describe_png(by_param, sorted(per_rank), to_file)
     return "\n".join(lines)
+
+
+def _describe_pipeline(runner: PipelineRunner) -> str:
+    mine = {s: describe(runner.stages[s], ranks=stage_ranks(runner, s)) for s in runner.stages}
+    texts = comm.gather_texts(json.dumps(mine), runner.mesh.get_group(runner.dim))
+    tables = {int(s): t for text in texts for s, t in json.loads(text).items()}
+    return "\n".join(
+        f"stage {s} (pipeline index {runner.schedule.rank_of(s)} of {runner.pp}, ranks "
+        f"{format_ranks(stage_ranks(runner, s))}):\n{tables[s]}" for s in sorted(tables))
 
 
 def _describe_png(by_param: dict[str, dict[int, int]], ranks: list[int], path: str) -> None:

@@ -19,6 +19,7 @@ import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from devmesh.layout.spec import ShardingSpec
 
@@ -91,16 +92,17 @@ def distinct_blocks(layout: TensorLayout, world_size: int) -> list[Block]:
             for b, r in by_bounds.items() if all(n for _, n in b)]
 
 
-def place_blocks(layouts: Sequence[TensorLayout], world_size: int) -> list[Placed]:
-    """Every block of every tensor, its writer and offset: the least-loaded holder writes it
-    (ties: the lowest rank), appending to its file in the order of ``layouts``."""
+def place_blocks(tensors: Sequence[Any], world_size: int) -> list[Placed]:
+    """Every block of every tensor (anything with ``key``, ``itemsize`` and ``blocks``), its
+    writer and offset: the least-loaded holder writes it (ties: the lowest rank), appending
+    to its file in the order of ``tensors``."""
     written = [0] * world_size
     placed = []
-    for layout in layouts:
-        for block in distinct_blocks(layout, world_size):
-            nbytes = block.numel * layout.itemsize
+    for tensor in tensors:
+        for block in tensor.blocks:
+            nbytes = block.numel * tensor.itemsize
             rank = min(block.holders, key=lambda r: (written[r], r))
-            placed.append(Placed(layout.key, block, rank, written[rank], nbytes))
+            placed.append(Placed(tensor.key, block, rank, written[rank], nbytes))
             written[rank] += nbytes
     return placed
 

@@ -5,8 +5,14 @@ plain model), and changes nothing unless every rank could read and check everyth
 The steps: *read* — this rank checks the metadata and data files, the model's names, dtypes
 and global shapes, the optimizer's parameter groups, and reads its blocks into new tensors;
 *agree* — one all-gather of a flag tells every rank whether some rank failed (then every rank
-raises, the failing rank its own error); *apply* — copy into the model and load the
-optimizer's state dict.
+raises, the failing rank its own error), and one all-reduce of a flag per saved name checks
+that the ranks together load everything the checkpoint holds; *apply* — copy into the model
+and load the optimizer's state dict.
+
+A rank loads the names its model has: a pipeline stage loads its own layers from a checkpoint
+of the whole model (saved by any layout, pipelined or not), and every stage together must
+load all of it — a saved name no rank's model has is an error, as a strict
+``load_state_dict`` makes it.
 """
 
 from __future__ import annotations
@@ -53,15 +59,13 @@ def _model_writes(reader: CheckpointReader, model: nn.Module
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = persistent_buffers(model)
     expected = list(params) + list(buffers)
-    missing = [k for k in expected if k not in reader.model_keys]
-    unexpected = [k for k in reader.model_keys if k not in params and k not in buffers]
-    if missing or unexpected:
+    saved = set(reader.model_keys)
+    missing = [k for k in expected if k not in saved]
+    if missing:
         raise StateDictError(
             f"Error(s) in loading checkpoint {reader.path} for {type(model).__name__}: "
-            + "; ".join(part for part in (
-                missing and "Missing key(s): " + ", ".join(map(repr, missing)),
-                unexpected and "Unexpected key(s): " + ", ".join(map(repr, unexpected))) if part)
-            + ". Nothing was loaded; the checkpoint must come from the same model")
+            f"Missing key(s): {', '.join(map(repr, missing))}. Nothing was loaded; the "
+            "checkpoint must come from the same model")
     writes = []
     done: set[int] = set()
     for name, target in list(params.items()) + list(buffers.items()):
@@ -86,8 +90,11 @@ def _optimizer_state(reader: CheckpointReader, model: nn.Module,
     by_name = dict(model.named_parameters())
     saved_groups = decode(reader.optimizer.get("param_groups"), _no_tensor, "param_groups")
     current = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
-    stored = [list(g.get("params", [])) if isinstance(g, dict) else None for g in saved_groups]
-    if current != stored:
+    # the saved groups as far as this rank's model goes (a pipeline stage: its own layers)
+    stored = [[n for n in g.get("params", []) if n in by_name] if isinstance(g, dict) else None
+              for g in saved_groups]
+    if len(current) != len(stored) or any(s is None or set(c) != set(s)
+                                          for c, s in zip(current, stored)):
         raise CheckpointError(
             f"{reader.path}: the optimizer's parameter groups differ from the saved ones "
             f"(saved {[len(g or ()) for g in stored]} parameters per group, this optimizer "
@@ -98,9 +105,11 @@ def _optimizer_state(reader: CheckpointReader, model: nn.Module,
     if not isinstance(raw_state, dict):
         raise Malformed("optimizer state is not an object")
     for name, entry in raw_state.items():
+        if name not in by_name:
+            continue  # another pipeline stage's parameter
         if name not in index:
-            raise CheckpointError(f"{reader.path}: optimizer state for unknown parameter "
-                                  f"{name!r}")
+            raise CheckpointError(f"{reader.path}: optimizer state for parameter {name!r}, "
+                                  "which no parameter group holds")
         p = by_name[name]
 
         def tensor(key: str, p=p) -> torch.Tensor:
@@ -111,7 +120,8 @@ def _optimizer_state(reader: CheckpointReader, model: nn.Module,
             return reader.read(key)
 
         state[index[name]] = decode(entry, tensor, f"optimizer state of {name}")
-    groups = [g | {"params": [index[n] for n in g["params"]]} for g in saved_groups]
+    groups = [g | {"params": [index[n] for n in names_]}
+              for g, names_ in zip(saved_groups, current)]
     return {"state": state, "param_groups": groups}
 
 
@@ -120,9 +130,9 @@ def _no_tensor(key: str) -> torch.Tensor:
 
 
 def _load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
-                  ) -> tuple[Any, Any]:
-    """Read and check everything this rank needs: ``((writes, optimizer state), extra)``,
-    nothing applied yet."""
+                  ) -> tuple[Any, Any, list[str]]:
+    """Read and check everything this rank needs: ``((writes, optimizer state), extra, saved
+    model names)``, nothing applied yet."""
     with CheckpointReader(path) as reader:
         try:
             writes = _model_writes(reader, model)
@@ -135,7 +145,17 @@ def _load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer 
         except KeyError as exc:
             raise CheckpointError(f"{path} does not hold tensor {exc}: damaged, or written "
                                   "for another model") from None
-    return (writes, optimizer_state), extra
+    return (writes, optimizer_state), extra, list(reader.model_keys)
+
+
+def _unloaded(saved: list[str], model: nn.Module) -> list[str]:
+    """The saved model names that no rank's model has: one all-reduce of a flag per name."""
+    mine = set(dict(model.named_parameters(remove_duplicate=False))) | set(
+        persistent_buffers(model))
+    loaded = torch.tensor([name in mine for name in saved], dtype=torch.int32)
+    if dist.is_initialized() and dist.get_world_size() > 1 and len(saved):
+        dist.all_reduce(loaded, op=dist.ReduceOp.MAX)
+    return [name for name, flag in zip(saved, loaded.tolist()) if not flag]
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None
@@ -150,10 +170,11 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     devmesh before sharded checkpoints existed loads too (with ``weights_only=True``)."""
     wait_for_pending_save()
     prepared = extra = None
+    saved: list[str] = []
     error: BaseException | None = None
     try:
         if os.path.isdir(path):
-            prepared, extra = _load_sharded(path, model, optimizer)
+            prepared, extra, saved = _load_sharded(path, model, optimizer)
         elif os.path.isfile(path):
             prepared, extra = legacy.prepare(path, model, optimizer)
         else:
@@ -164,6 +185,12 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         _raise_if_failed(error, f"load_checkpoint({path!r})")
     elif error is not None:
         raise error
+    unloaded = _unloaded(saved, model)  # the same list on every rank
+    if unloaded:
+        raise StateDictError(
+            f"Error(s) in loading checkpoint {path} for {type(model).__name__}: Unexpected "
+            f"key(s): {', '.join(map(repr, unloaded))} (no rank's model has them). Nothing was "
+            "loaded; the checkpoint must come from the same model")
     assert prepared is not None
     writes, optimizer_state = prepared
     with torch.no_grad():

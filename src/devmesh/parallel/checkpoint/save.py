@@ -7,8 +7,11 @@ so a save needs no memory beyond the model it already holds (synchronous) or one
 the rank's own blocks (``async_=True``). The steps, each agreed by every rank so that a
 failure anywhere raises everywhere instead of hanging the others:
 
-1. *prepare*: list the tensors to save (model, optimizer state, ``extra``); every rank checks
-   that every rank lists the same ones (one 8-byte digest all-gather);
+1. *prepare*: list the tensors to save (model, optimizer state, ``extra``); one 8-byte digest
+   all-gather shows whether every rank lists the same ones. When they do not (pipeline
+   stages hold different parameters), one rank per distinct listing shares it and every rank
+   merges them the same way (:mod:`~devmesh.parallel.checkpoint.union`): the checkpoint holds
+   the union, as torch.distributed.checkpoint's does;
 2. *write*: each rank writes its data file (exclusively created, fsynced, renamed);
 3. *commit*: once every rank reports success, rank 0 writes ``metadata.json`` atomically and
    removes the data files no metadata names any more (the previous save's, a killed save's).
@@ -34,9 +37,10 @@ from torch import nn
 from devmesh._files import TMP_SUFFIX, atomic_file
 from devmesh.distributed import comm, groups
 from devmesh.errors import CheckpointError
-from devmesh.parallel.checkpoint.blocks import Placed, TensorLayout, place_blocks
+from devmesh.parallel.checkpoint.blocks import Placed, TensorLayout, distinct_blocks, place_blocks
 from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
 from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data_file_name
+from devmesh.parallel.checkpoint.union import Listed, Merged, listed_json, merge_listings
 from devmesh.parallel.param import get_layout
 from devmesh.parallel.state_dict import persistent_buffers
 
@@ -51,6 +55,15 @@ class _Entry:
     local: torch.Tensor
     text: str  # the layout, in words, for ``devmesh ckpt info``
     mesh: dict[str, Any] | None = None
+
+    def listed(self, world_size: int) -> Listed:
+        layout = self.layout
+        slice_of = None if layout.spec is None else {
+            "ranks": list(layout.ranks), "root_shape": list(layout.root_shape),
+            "dims": [list(d) for d in layout.dim_roots]}
+        return Listed(layout.key, dtype_name(self.local.dtype), tuple(layout.shape),
+                      layout.itemsize, self.text, self.mesh,
+                      tuple(distinct_blocks(layout, world_size)), slice_of)
 
 
 def _entry(key: str, tensor: torch.Tensor, like: torch.Tensor | None = None,
@@ -127,10 +140,18 @@ class _Contents:
         self.extra_entries.append(_entry(where, value, writer=0))
         return where
 
-    def description(self) -> str:
-        """What every rank must agree on before writing: names, dtypes, shapes, layouts."""
-        return "; ".join(f"{e.layout.key} {dtype_name(e.local.dtype)} {list(e.layout.shape)} {e.text}"
-                         f" {list(e.layout.dim_roots)}" for e in self.entries)
+    def listing(self, world_size: int) -> Merged:
+        """What this rank saves, ``extra`` aside (rank 0's alone is saved)."""
+        return Merged([e.listed(world_size) for e in self.entries], self.model_keys,
+                      self.aliases, self.optimizer)
+
+
+def _agree_on_contents(contents: _Contents, world_size: int) -> Merged:
+    """The union of what every rank saves, the same on every rank (one digest all-gather
+    when every rank lists the same tensors)."""
+    mine = contents.listing(world_size)
+    by_listing = comm.differing(listed_json(mine)) if world_size > 1 else {}
+    return merge_listings(list(by_listing.items())) if by_listing else mine
 
 
 def _refuse_tensor(where: str) -> str:
@@ -222,14 +243,11 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         error = None
     _raise_if_failed(error, "save_checkpoint")
     assert contents is not None
-    disagree = comm.differing(contents.description())
-    if disagree:
-        listing = comm.describe_disagreement(disagree)
-        raise CheckpointError(f"save_checkpoint: the ranks list different tensors to save "
-                              f"(models or optimizer states differ) — {listing}")
+    merged = _agree_on_contents(contents, world)  # a refusal raises on every rank alike
     group = groups.private_world_group("checkpoint") if distributed and world > 1 else None
     save_id = _agree_on_save_id(group)
-    placed = place_blocks([e.layout for e in contents.entries + contents.extra_entries], world)
+    extras = [e.listed(world) for e in contents.extra_entries]
+    placed = place_blocks(merged.tensors + extras, world)
     mine = [p for p in placed if p.rank == rank]
     local = {e.layout.key: e.local for e in contents.entries + contents.extra_entries}
     blocks = [(p, local[p.key].contiguous().cpu()) for p in mine]
@@ -238,7 +256,8 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
                   for p, t in blocks]
 
     def work() -> None:
-        _write_and_commit(path, save_id, rank, world, blocks, placed, contents, group)
+        _write_and_commit(path, save_id, rank, world, blocks, placed, merged, extras,
+                          contents.extra, group)
 
     handle = SaveHandle(work, background=async_)
     if async_:
@@ -258,7 +277,7 @@ def _agree_on_save_id(group) -> str:
 
 def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                       blocks: list[tuple[Placed, torch.Tensor]], placed: list[Placed],
-                      contents: _Contents, group) -> None:
+                      merged: Merged, extras: list[Listed], extra: Any, group) -> None:
     name = data_file_name(save_id, rank)
     error: BaseException | None = None
     try:
@@ -277,7 +296,7 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
     commit_error = None
     if rank == 0:
         try:
-            _commit(path, save_id, world, placed, contents)
+            _commit(path, save_id, world, placed, merged, extras, extra)
         except Exception as exc:  # noqa: BLE001
             commit_error = CheckpointError(
                 f"save_checkpoint could not write {os.path.join(path, METADATA)}: "
@@ -286,25 +305,24 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                      "previous checkpoint, if any, is untouched)", group)
 
 
-def _commit(path: str, save_id: str, world: int, placed: list[Placed],
-            contents: _Contents) -> None:
+def _commit(path: str, save_id: str, world: int, placed: list[Placed], merged: Merged,
+            extras: list[Listed], extra: Any) -> None:
     """Rank 0: write the metadata (the checkpoint now exists), then drop unnamed data files."""
     sizes: dict[str, int] = {}
     for p in placed:
         name = data_file_name(save_id, p.rank)
         sizes[name] = max(sizes.get(name, 0), p.offset + p.nbytes)
     tensors: dict[str, Any] = {}
-    for e in contents.entries + contents.extra_entries:
-        tensors[e.layout.key] = {
-            "dtype": dtype_name(e.local.dtype), "shape": list(e.layout.shape), "layout": e.text,
-            "mesh": e.mesh, "blocks": []}
+    for t in merged.tensors + extras:
+        tensors[t.key] = {"dtype": t.dtype, "shape": list(t.shape), "layout": t.text,
+                          "mesh": t.mesh, "blocks": []}
     for p in placed:
         tensors[p.key]["blocks"].append({
             "file": data_file_name(save_id, p.rank), "offset": p.offset,
             "start": list(p.block.start), "size": list(p.block.size)})
     metadata = {"format": FORMAT, "world_size": world, "files": sizes, "tensors": tensors,
-                "aliases": contents.aliases, "model": contents.model_keys,
-                "optimizer": contents.optimizer, "extra": contents.extra}
+                "aliases": merged.aliases, "model": merged.model_keys,
+                "optimizer": merged.optimizer, "extra": extra}
     with atomic_file(os.path.join(path, METADATA), "w") as f:
         json.dump(metadata, f)
     for stale in os.listdir(path):  # every rank is done writing: these are left over

@@ -15,17 +15,26 @@ without synchronization and reduces them once, at its last backward of the step.
 
 from __future__ import annotations
 
+import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from devmesh.distributed import comm
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.pipeline.split import PipelineError
+from devmesh.parallel.pipeline.whole_model import (
+    full_state_dict,
+    load_full_state_dict,
+    local_module,
+)
+from devmesh.parallel.state_dict import state_dict
 
 __all__ = ["PipelineRunner"]
 
@@ -76,6 +85,25 @@ class PipelineRunner:
             for s in stages}
         self._syncable = {s: [m for m in stages[s].modules()
                               if hasattr(m, "set_requires_gradient_sync")] for s in stages}
+
+    @functools.cached_property
+    def module(self) -> nn.Module:
+        """This rank's part of the model as one module, under the whole model's names: build
+        the optimizer over its parameters, and save or load checkpoints of it
+        (:func:`~devmesh.parallel.save_checkpoint` saves the union of every rank's part)."""
+        return local_module(self.stages)
+
+    def state_dict(self, *, full: bool = True) -> dict[str, Any]:
+        """``full=True``: the whole model's full tensors on every rank (collective: each
+        pipeline index broadcasts its stages'); ``full=False``: this rank's stages as
+        ShardedTensors, no communication."""
+        return full_state_dict(self) if full else state_dict(self.module, full=False)
+
+    def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True
+                        ) -> _IncompatibleKeys:
+        """Load a whole model's state dict (a plain model's, or :meth:`state_dict`'s) into
+        the stages; collective over the pipeline dim, all or nothing."""
+        return load_full_state_dict(self, state, strict=strict)
 
     def _set_sync(self, stage: int, sync: bool) -> None:
         for module in self._syncable[stage]:

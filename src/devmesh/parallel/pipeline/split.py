@@ -4,11 +4,15 @@ children, chosen by name or balanced by parameter count.
 torch's ``torch.distributed.pipelining`` traces a model to split it anywhere; devmesh splits
 between the top-level children of an ``nn.Sequential`` (a stack of layers, as pipelined
 models are built), which needs no tracing and keeps the stage modules the model's own
-modules: their parameters are the model's parameters.
+modules: their parameters are the model's parameters, under the model's names (stage 1 of
+``Sequential(a, b, c, d)`` split at ``"2"`` names its children ``"2"`` and ``"3"``), so a
+tensor-parallel plan, a state dict or a checkpoint written for the whole model applies to a
+stage unchanged.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from torch import nn
@@ -50,7 +54,7 @@ def balanced_boundaries(weights: Sequence[int], parts: int) -> list[int]:
 def split_sequential(model: nn.Module, stages: int, *, starts: Sequence[str] | None = None
                      ) -> list[nn.Sequential]:
     """``model``'s children in ``stages`` contiguous runs, each an ``nn.Sequential`` of the
-    model's own modules. ``starts`` names the child that begins each stage after the first
+    model's own modules under the model's names. ``starts`` names the child that begins each stage after the first
     (``["4", "8", "12"]`` for 4 stages); without it, stages are balanced by parameter count."""
     if not isinstance(model, nn.Sequential):
         raise PipelineError(
@@ -78,6 +82,6 @@ def split_sequential(model: nn.Module, stages: int, *, starts: Sequence[str] | N
     else:
         weights = [sum(p.numel() for p in child.parameters()) for child in model.children()]
         index = balanced_boundaries([max(w, 1) for w in weights], stages)
-    children = list(model.children())
+    children = list(model.named_children())
     bounds = index + [len(children)]
-    return [nn.Sequential(*children[a:b]) for a, b in zip(bounds, bounds[1:])]
+    return [nn.Sequential(OrderedDict(children[a:b])) for a, b in zip(bounds, bounds[1:])]

@@ -1,0 +1,129 @@
+"""The whole pipelined model, seen from any rank: its state dict and loading one
+(:func:`devmesh.inspect.describe` of a runner describes every stage).
+
+A rank holds only its own stages, so anything about the whole model needs the other stages'
+ranks. These helpers exchange over the pipeline dim only: the ranks of one pipeline (one per
+stage) share what each holds; the data-parallel and tensor-parallel copies of a pipeline do
+the same among themselves. What travels is bytes and JSON, never pickles.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
+
+from devmesh.distributed import comm
+from devmesh.errors import StateDictError
+from devmesh.parallel.checkpoint.encoding import dtype_name, dtype_of
+from devmesh.parallel.state_dict import apply_load, persistent_buffers, prepare_load, state_dict
+
+if TYPE_CHECKING:
+    from devmesh.parallel.pipeline.runner import PipelineRunner
+
+__all__ = ["full_state_dict", "load_full_state_dict", "stage_ranks", "local_module"]
+
+
+def stage_ranks(runner: PipelineRunner, stage: int) -> list[int]:
+    """The global ranks holding ``stage``: every rank of the mesh at its pipeline index."""
+    layout = runner.mesh.layout
+    index = runner.schedule.rank_of(stage)
+    return sorted(r for r in layout.rank_list()
+                  if layout.coordinate_of(r)[runner.dim] == index)
+
+
+def _pp_group(runner: PipelineRunner):
+    return runner.mesh.get_group(runner.dim)
+
+
+def full_state_dict(runner: PipelineRunner) -> dict[str, torch.Tensor]:
+    """Every stage's full parameters and buffers, under the whole model's names, on every
+    rank: each rank gathers its stages' full tensors (over their own meshes), then each
+    pipeline index broadcasts its bytes to the others (one broadcast per index)."""
+    mine: list[tuple[int, str, torch.Tensor]] = []
+    for s in sorted(runner.stages):
+        mine += [(s, k, v) for k, v in state_dict(runner.stages[s], full=True).items()]
+    listing = json.dumps([[s, k, dtype_name(v.dtype), list(v.shape)] for s, k, v in mine])
+    listings = [json.loads(t) for t in comm.gather_texts(listing, _pp_group(runner))]
+    keys = [k for entries in listings for _, k, _, _ in entries]
+    twice = sorted({k for k in keys if keys.count(k) > 1})
+    if twice:
+        raise StateDictError(f"pipeline stages on different ranks hold the same names "
+                             f"{twice}: give each stage the whole model's names "
+                             "(split_sequential does)")
+    found: list[tuple[int, str, torch.Tensor]] = []
+    for index, entries in enumerate(listings):
+        sizes = [torch.Size(shape).numel() * dtype_of(dtype).itemsize
+                 for _, _, dtype, shape in entries]
+        if index == runner.index:
+            data = torch.cat([v.detach().reshape(-1).view(torch.uint8) for _, _, v in mine]
+                             ) if mine else torch.zeros(0, dtype=torch.uint8)
+        else:
+            data = torch.empty(sum(sizes), dtype=torch.uint8)
+        if len(data):
+            comm.broadcast(data, runner.mesh, (runner.dim,), src_index=index)
+        for (s, k, dtype, shape), piece in zip(entries, data.split(sizes)):
+            found.append((s, k, piece.view(dtype_of(dtype)).reshape(shape).clone()))
+    return {k: v for _, k, v in sorted(found, key=lambda e: e[0])}
+
+
+def load_full_state_dict(runner: PipelineRunner, state: Mapping[str, Any], *,
+                         strict: bool = True) -> _IncompatibleKeys:
+    """Load a whole model's state dict (a plain model's ``state_dict()``, or
+    :func:`full_state_dict`'s) into the stages: each rank copies its stages' blocks. With
+    ``strict``, a name no stage has is an error, as is a stage name the state lacks; every
+    rank of the pipeline raises, and nothing is loaded anywhere."""
+    module = runner.module
+    names = set(dict(module.named_parameters(remove_duplicate=False))) | set(
+        persistent_buffers(module))
+    union = {k for t in comm.gather_texts(json.dumps(sorted(names)), _pp_group(runner))
+             for k in json.loads(t)}
+    unexpected = sorted(set(state) - union)
+    error: StateDictError | None = None
+    writes: list = []
+    incompatible = _IncompatibleKeys([], unexpected)
+    try:
+        if strict and unexpected:
+            raise StateDictError("Error(s) in loading state_dict for the pipelined model: "
+                                 f"Unexpected key(s) in state_dict: {unexpected} (no stage has "
+                                 "them). Nothing was loaded")
+        writes, mine = prepare_load(module, {k: v for k, v in state.items() if k in names},
+                                    strict=strict)
+        incompatible = _IncompatibleKeys(mine.missing_keys, unexpected)
+    except StateDictError as exc:
+        error = exc
+    failed = comm.failures(None if error is None else str(error), _pp_group(runner))
+    if error is not None:
+        raise error
+    if failed:
+        raise StateDictError("loading the pipelined model's state dict failed on another "
+                             "stage — " + "; ".join(f"rank {r}: {t}"
+                                                    for r, t in sorted(failed.items())))
+    apply_load(writes)
+    return incompatible
+
+
+def local_module(stages: Mapping[int, nn.Module]) -> nn.Module:
+    """This rank's stages as one module, under the whole model's names: the stage itself
+    when there is one, else an ``nn.Sequential`` of the stages' children in stage order."""
+    if len(stages) == 1:
+        return next(iter(stages.values()))
+    children: dict[str, nn.Module] = {}
+    for s in sorted(stages):
+        if dict(stages[s].named_parameters(recurse=False)) or dict(
+                stages[s].named_buffers(recurse=False)):
+            raise StateDictError(f"stage {s} holds parameters of its own (not in a child "
+                                 "module): the stages of one rank cannot be joined into one "
+                                 "module; use split_sequential's stages")
+        for name, child in stages[s].named_children():
+            if name in children:
+                raise StateDictError(f"stages of this rank share the child name {name!r}: give "
+                                     "each stage the whole model's names (split_sequential "
+                                     "does)")
+            children[name] = child
+    return nn.Sequential(OrderedDict(children))
