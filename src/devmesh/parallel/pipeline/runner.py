@@ -4,9 +4,17 @@ activations forward and gradients backward to the neighbouring stages' ranks.
 Sends are asynchronous (``isend``) and each receive names its message by a tag (stage,
 micro-batch, direction), so any order a schedule gives is safe as long as the schedule can
 run at all (:meth:`~devmesh.layout.schedule.Schedule.simulate` checks it without a process).
-The shape and dtype of each stage's output are sent once, with the first micro-batch of the
-first step (and again when the micro-batch shape changes, which every stage learns at the
-start of the step); later messages carry only data. Every micro-batch's loss is divided by the
+Shapes are announced once (:mod:`~devmesh.parallel.pipeline.messages`), and again when the
+micro-batch shape changes, which every stage learns at the start of the step.
+
+An exception in a stage (its forward, the loss, a backward, an output whose shape changed
+within the step) does not stop that rank: it plays the rest of its schedule without
+computing, sending zeros where it owes a message, so that no neighbour waits forever; at the
+end of the step one flag all-gather over the pipeline dim tells every rank, and every rank
+raises :class:`PipelineError` naming the rank, stage, action and error. (Within a stage
+parallelized over other dims, the error must be the same on the stage's data- and
+tensor-parallel copies — as a shape error is — or those copies wait in their gradient
+reduction until the collective timeout names the rank.) Every micro-batch's loss is divided by the
 number of micro-batches, so gradients accumulate to exactly those of the whole batch:
 training equals single-process training on the same batch. A stage that is itself data
 parallel (``replicate``) or sharded (``fully_shard``, over TP or not) accumulates its gradients
@@ -28,6 +36,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from devmesh.distributed import comm
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
+from devmesh.parallel.pipeline.messages import StageLinks
 from devmesh.parallel.pipeline.split import PipelineError
 from devmesh.parallel.pipeline.whole_model import (
     full_state_dict,
@@ -37,10 +46,6 @@ from devmesh.parallel.pipeline.whole_model import (
 from devmesh.parallel.state_dict import state_dict
 
 __all__ = ["PipelineRunner"]
-
-_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
-           torch.int32]
-_HEADER = 10  # ndim, dtype code, up to 8 sizes
 
 
 class PipelineRunner:
@@ -73,8 +78,7 @@ class PipelineRunner:
         self.schedule = schedule
         self.loss_fn = loss_fn
         self.last = schedule.stages - 1
-        self._shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}  # stage -> its input
-        self._shapes_sent: set[int] = set()  # stages whose input shape this rank has sent
+        self._links = StageLinks(mesh, self.dim, schedule)
         self._input_shape = ""  # the first stage's micro-batch shape the headers were for
         self.compute_seconds: dict[Action, float] = {}
         # a stage under replicate / fully_shard reduces its gradients once per step: at its
@@ -109,38 +113,6 @@ class PipelineRunner:
         for module in self._syncable[stage]:
             module.set_requires_gradient_sync(sync)
 
-    # -- messages ---------------------------------------------------------------------------
-    def _tag(self, stage: int, microbatch: int, backward: bool) -> int:
-        return (stage * self.schedule.microbatches + microbatch) * 2 + int(backward)
-
-    def _send(self, tensor: torch.Tensor, stage: int, microbatch: int, backward: bool,
-              header: bool) -> list[comm.Pending]:
-        """Send to the rank of ``stage`` (the receiver); a header first when asked."""
-        peer = self.schedule.rank_of(stage)
-        pending = []
-        if header:
-            if tensor.ndim > _HEADER - 2 or tensor.dtype not in _DTYPES:
-                raise PipelineError(f"stage {stage - 1}'s output ({tuple(tensor.shape)}, "
-                                    f"{tensor.dtype}) cannot cross a pipeline boundary")
-            info = torch.zeros(_HEADER, dtype=torch.int64)
-            info[0], info[1] = tensor.ndim, _DTYPES.index(tensor.dtype)
-            info[2: 2 + tensor.ndim] = torch.tensor(tensor.shape, dtype=torch.int64)
-            pending.append(comm.send_async(info, self.mesh, self.dim, peer, 1 << 30 | stage))
-        pending.append(comm.send_async(tensor, self.mesh, self.dim, peer,
-                                       self._tag(stage, microbatch, backward)))
-        return pending
-
-    def _recv_input(self, stage: int, microbatch: int) -> torch.Tensor:
-        if stage not in self._shapes:
-            info = comm.recv((_HEADER,), torch.int64, self.mesh, self.dim,
-                             self.schedule.rank_of(stage - 1), 1 << 30 | stage)
-            ndim = int(info[0])
-            self._shapes[stage] = (tuple(int(v) for v in info[2: 2 + ndim]),
-                                   _DTYPES[int(info[1])])
-        shape, dtype = self._shapes[stage]
-        return comm.recv(shape, dtype, self.mesh, self.dim, self.schedule.rank_of(stage - 1),
-                         self._tag(stage, microbatch, False))
-
     # -- one step ---------------------------------------------------------------------------
     def _micro_batches(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
                        ) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -164,7 +136,9 @@ class PipelineRunner:
         """Forward and backward of one batch, split into the schedule's micro-batches:
         ``inputs`` are needed on the first stage's rank, ``targets`` on the last's. Gradients
         accumulate in the stages' parameters (call the optimizer after). Returns the batch's
-        loss on the last stage's rank, ``None`` elsewhere."""
+        loss on the last stage's rank, ``None`` elsewhere. If any stage fails, every rank
+        raises :class:`PipelineError` at the end of the step (the step's gradients are then
+        partial: zero them before the next step)."""
         step = _Step(self._agree_on_data(inputs, targets))
         self.compute_seconds = step.compute  # compute of each action, messages excluded
         play = {"F": self._forward, "B": self._backward, "I": self._backward,
@@ -174,12 +148,21 @@ class PipelineRunner:
                 self._set_sync(action.stage,
                                position == self._final_weight_grads[action.stage])
             play[action.kind](step, action)
-        for pending in step.sends:
-            pending.wait()
+        self._links.wait_sends()
         for stage in self.stages:
             if self._syncable[stage]:
                 self._set_sync(stage, True)
+        self._raise_if_any_stage_failed(step)
         return torch.stack(step.losses).sum() if step.losses else None
+
+    def _raise_if_any_stage_failed(self, step: _Step) -> None:
+        failed = comm.failures(step.error, self.mesh.get_group(self.dim))
+        if not failed:
+            return
+        self._links.forget_shapes()  # every rank: the next step announces shapes afresh
+        listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
+        raise PipelineError(f"pipeline step failed — {listing}. The step's gradients are "
+                            "partial: zero them before the next step") from step.exception
 
     def _agree_on_data(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
                        ) -> dict[str, tuple[torch.Tensor, ...]]:
@@ -205,54 +188,73 @@ class PipelineRunner:
         shape = next((t for t in texts if t.startswith("shape ")), "")
         if shape != self._input_shape:  # a new shape: headers again, on every stage
             self._input_shape = shape
-            self._shapes.clear()
-            self._shapes_sent.clear()
+            self._links.forget_shapes()
         return chunks
 
     def _forward(self, step: _Step, action: Action) -> None:
         s, mb = action.stage, action.microbatch
-        x = step.chunks["inputs"][mb] if s == 0 else self._recv_input(s, mb)
-        if s > 0:
-            x.requires_grad_(True)
-        start = time.perf_counter()
-        out = self.stages[s](x)
-        if s == self.last:
-            out = self.loss_fn(out, step.chunks["targets"][mb]) / self.schedule.microbatches
-            step.losses.append(out.detach())
-        step.compute[action] = time.perf_counter() - start
+        x = step.chunks["inputs"][mb] if s == 0 else self._links.recv_activation(s, mb)
+        out = None
+        if x is not None and step.error is None:
+            start = time.perf_counter()
+            try:
+                if s > 0:
+                    x.requires_grad_(True)
+                out = self.stages[s](x)
+                if s == self.last:
+                    out = self.loss_fn(out, step.chunks["targets"][mb]
+                                       ) / self.schedule.microbatches
+                    step.losses.append(out.detach())
+            except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
+                step.fail(exc, f"stage {s}, forward of micro-batch {mb} on an input of "
+                               f"{tuple(x.shape)} {x.dtype}")
+                out = None
+            step.compute[action] = time.perf_counter() - start
         if s != self.last:
-            step.sends += self._send(out.detach(), s + 1, mb, False,
-                                     s + 1 not in self._shapes_sent)
-            self._shapes_sent.add(s + 1)
-        step.saved[(s, mb)] = {"x": x, "out": out}
+            problem = self._links.send_activation(None if out is None else out.detach(),
+                                                  s + 1, mb)
+            if problem and step.error is None:
+                step.error = problem
+        if out is not None:
+            step.saved[(s, mb)] = {"x": x, "out": out}
 
     def _backward(self, step: _Step, action: Action) -> None:
         """``B``: the whole backward; ``I``: the input gradient only (``W`` does the rest)."""
         s, mb = action.stage, action.microbatch
-        entry = step.saved[(s, mb)]
-        grad = None if s == self.last else comm.recv(
-            entry["out"].shape, entry["out"].dtype, self.mesh, self.dim,
-            self.schedule.rank_of(s + 1), self._tag(s, mb, True))
-        entry["grad"] = grad
-        start = time.perf_counter()
+        grad = None if s == self.last else self._links.recv_gradient(s, mb)
+        entry = step.saved.get((s, mb))
         input_grad = None
+        if entry is not None and step.error is None:
+            entry["grad"] = grad
+            start = time.perf_counter()
+            try:
+                if action.kind == "B":
+                    torch.autograd.backward(entry["out"], grad)
+                    input_grad = entry["x"].grad if s > 0 else None
+                elif s > 0:
+                    (input_grad,) = torch.autograd.grad(entry["out"], entry["x"], grad,
+                                                        retain_graph=True)
+            except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
+                step.fail(exc, f"stage {s}, backward of micro-batch {mb}")
+                input_grad = None
+            step.compute[action] = time.perf_counter() - start
         if action.kind == "B":
-            torch.autograd.backward(entry["out"], grad)
-            input_grad = entry["x"].grad if s > 0 else None
-            del step.saved[(s, mb)]
-        elif s > 0:
-            (input_grad,) = torch.autograd.grad(entry["out"], entry["x"], grad,
-                                                retain_graph=True)
-        step.compute[action] = time.perf_counter() - start
-        if input_grad is not None:
-            step.sends += self._send(input_grad, s - 1, mb, True, False)
+            step.saved.pop((s, mb), None)
+        if s > 0:
+            self._links.send_gradient(input_grad, s, mb)
 
     def _weight_grads(self, step: _Step, action: Action) -> None:
-        entry = step.saved.pop((action.stage, action.microbatch))
+        entry = step.saved.pop((action.stage, action.microbatch), None)
+        if entry is None or step.error is not None:
+            return
         params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
         start = time.perf_counter()
-        if params:
-            torch.autograd.backward(entry["out"], entry["grad"], inputs=params)
+        try:
+            if params:
+                torch.autograd.backward(entry["out"], entry["grad"], inputs=params)
+        except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
+            step.fail(exc, f"stage {action.stage}, weight gradients of micro-batch "
+                           f"{action.microbatch}")
         step.compute[action] = time.perf_counter() - start
 
 
@@ -262,6 +264,11 @@ class _Step:
 
     chunks: dict[str, tuple[torch.Tensor, ...]]
     saved: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> tensors
-    sends: list[comm.Pending] = field(default_factory=list)
     losses: list[torch.Tensor] = field(default_factory=list)
     compute: dict[Action, float] = field(default_factory=dict)
+    error: str | None = None  # the first failure on this rank; then nothing more is computed
+    exception: BaseException | None = None
+
+    def fail(self, exc: BaseException, where: str) -> None:
+        if self.error is None:
+            self.error, self.exception = f"{where}: {type(exc).__name__}: {exc}", exc

@@ -1,0 +1,127 @@
+"""The messages between pipeline stages: activations forward, gradients backward.
+
+Each message is tagged by (stage, micro-batch, direction), so a receive names exactly the
+message it waits for, whatever order the schedule plays. The shape and dtype of a stage's
+input are announced once, in a small header before the first activation, and again whenever
+the stages forget them (a new micro-batch shape, a failed step); later messages carry only
+data, and a gradient has the shape of the activation it answers.
+
+A stage that fails part-way through a step must not leave its neighbours waiting for a
+message that never comes: it keeps every message flowing, zeros of the announced shape in
+place of what it could not compute, or — when it failed before it could announce a shape —
+a header saying so, after which neither side expects data for that stage in this step. The
+runner then raises on every rank at the end of the step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from devmesh.distributed import comm
+from devmesh.layout.schedule import Schedule
+from devmesh.mesh import DeviceMesh
+
+__all__ = ["StageLinks", "Shape"]
+
+Shape = tuple[tuple[int, ...], torch.dtype]
+
+_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
+           torch.int32]
+_HEADER = 10  # ndim (-1: the sender failed first), dtype code, up to 8 sizes
+_FAILED = -1
+
+
+class StageLinks:
+    """This rank's messages to and from the neighbouring stages' ranks along the pipeline
+    dim, and the shapes announced on them."""
+
+    def __init__(self, mesh: DeviceMesh, dim: int, schedule: Schedule) -> None:
+        self.mesh, self.dim, self.schedule = mesh, dim, schedule
+        self.received: dict[int, Shape | None] = {}  # stage -> its input, as announced here
+        self.announced: dict[int, Shape | None] = {}  # stage -> its input, as this rank said
+        self.sends: list[comm.Pending] = []
+
+    def forget_shapes(self) -> None:
+        """Announce every shape again (a new micro-batch shape, or after a failed step)."""
+        self.received.clear()
+        self.announced.clear()
+
+    def _tag(self, stage: int, microbatch: int, backward: bool) -> int:
+        return (stage * self.schedule.microbatches + microbatch) * 2 + int(backward)
+
+    def _send(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
+        peer = self.schedule.rank_of(stage)
+        self.sends.append(comm.send_async(tensor, self.mesh, self.dim, peer, tag))
+
+    def _recv(self, shape: Shape, stage: int, tag: int) -> torch.Tensor:
+        return comm.recv(shape[0], shape[1], self.mesh, self.dim, self.schedule.rank_of(stage),
+                         tag)
+
+    # -- forward ----------------------------------------------------------------------------
+    def send_activation(self, out: torch.Tensor | None, stage: int, microbatch: int
+                        ) -> str | None:
+        """Send ``stage - 1``'s output for ``microbatch`` to ``stage`` (``None``: the sender
+        failed; zeros of the announced shape go instead). Returns what is wrong with ``out``
+        if it does not fit the announced shape or cannot cross a boundary (zeros go then)."""
+        problem = None
+        if out is not None and (out.ndim > _HEADER - 2 or out.dtype not in _DTYPES):
+            problem = (f"stage {stage - 1}'s output ({tuple(out.shape)}, {out.dtype}) cannot "
+                       f"cross a pipeline boundary: at most {_HEADER - 2} dims, dtype one of "
+                       f"{[str(d) for d in _DTYPES]}")
+            out = None
+        if stage not in self.announced:
+            header = torch.zeros(_HEADER, dtype=torch.int64)
+            header[0] = _FAILED
+            if out is not None:
+                header[0], header[1] = out.ndim, _DTYPES.index(out.dtype)
+                header[2: 2 + out.ndim] = torch.tensor(out.shape, dtype=torch.int64)
+            self._send(header, stage, 1 << 30 | stage)
+            self.announced[stage] = None if out is None else (tuple(out.shape), out.dtype)
+        announced = self.announced[stage]
+        if announced is None:
+            return problem
+        if out is not None and (tuple(out.shape), out.dtype) != announced:
+            problem = (f"stage {stage - 1}'s output for micro-batch {microbatch} is "
+                       f"{tuple(out.shape)} {out.dtype}, but it was {announced[0]} "
+                       f"{announced[1]} for the step's first micro-batch: every micro-batch "
+                       "of a step must give the same shape (pad data-dependent sizes)")
+            out = None
+        self._send(out if out is not None else torch.zeros(announced[0], dtype=announced[1]),
+                   stage, self._tag(stage, microbatch, False))
+        return problem
+
+    def recv_activation(self, stage: int, microbatch: int) -> torch.Tensor | None:
+        """``stage``'s input for ``microbatch``; ``None`` if the previous stage failed before
+        it could announce a shape (no data comes then)."""
+        if stage not in self.received:
+            header = self._recv(((_HEADER,), torch.int64), stage - 1, 1 << 30 | stage)
+            ndim = int(header[0])
+            self.received[stage] = None if ndim == _FAILED else (
+                tuple(int(v) for v in header[2: 2 + ndim]), _DTYPES[int(header[1])])
+        shape = self.received[stage]
+        if shape is None:
+            return None
+        return self._recv(shape, stage - 1, self._tag(stage, microbatch, False))
+
+    # -- backward ---------------------------------------------------------------------------
+    def recv_gradient(self, stage: int, microbatch: int) -> torch.Tensor | None:
+        """The gradient of ``stage``'s output for ``microbatch``, from ``stage + 1``; ``None``
+        if this rank announced a failure instead of that output."""
+        shape = self.announced.get(stage + 1)
+        if shape is None:
+            return None
+        return self._recv(shape, stage + 1, self._tag(stage, microbatch, True))
+
+    def send_gradient(self, grad: torch.Tensor | None, stage: int, microbatch: int) -> None:
+        """Send the gradient of ``stage``'s input back to ``stage - 1`` (``None``: zeros of
+        the input's shape, as the sender failed; nothing if no input shape was announced)."""
+        shape = self.received.get(stage)
+        if shape is None:
+            return
+        self._send(grad if grad is not None else torch.zeros(shape[0], dtype=shape[1]),
+                   stage - 1, self._tag(stage - 1, microbatch, True))
+
+    def wait_sends(self) -> None:
+        for pending in self.sends:
+            pending.wait()
+        self.sends.clear()
