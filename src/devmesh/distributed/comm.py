@@ -456,12 +456,19 @@ def send_async(tensor: torch.Tensor, mesh: DeviceMesh, dim: int, peer_index: int
     return Pending(work, lambda: tensor)
 
 
+def recv_async(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, dim: int,
+               peer_index: int, tag: int) -> Pending:
+    """Start receiving a tensor of ``shape`` and ``dtype`` from the ``peer_index``-th rank
+    along ``dim``; ``wait()`` returns it."""
+    g = _group(mesh, (dim,))
+    buffer = torch.empty(tuple(shape), dtype=dtype)
+    work = dist.irecv(buffer, src=_peer(mesh, dim, peer_index), group=g.group, tag=tag)
+    _record("recv", mesh, (dim,), buffer.numel() * buffer.element_size())
+    return Pending(work, lambda: buffer)
+
+
 def recv(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, dim: int,
          peer_index: int, tag: int) -> torch.Tensor:
     """Receive a tensor of ``shape`` and ``dtype`` from the ``peer_index``-th rank along
     ``dim`` (blocking)."""
-    g = _group(mesh, (dim,))
-    buffer = torch.empty(tuple(shape), dtype=dtype)
-    dist.irecv(buffer, src=_peer(mesh, dim, peer_index), group=g.group, tag=tag).wait()
-    _record("recv", mesh, (dim,), buffer.numel() * buffer.element_size())
-    return buffer
+    return recv_async(shape, dtype, mesh, dim, peer_index, tag).wait()

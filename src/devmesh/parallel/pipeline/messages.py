@@ -1,7 +1,8 @@
 """The messages between pipeline stages: activations forward, gradients backward.
 
 Each message is tagged by (stage, micro-batch, direction), so a receive names exactly the
-message it waits for, whatever order the schedule plays. The shape and dtype of a stage's
+message it waits for, whatever order the schedule plays; the receive of the next action is
+posted before the current action computes, so its data arrives meanwhile. The shape and dtype of a stage's
 input are announced once, in a small header before the first activation, and again whenever
 the stages forget them (a new micro-batch shape, a failed step); later messages carry only
 data, and a gradient has the shape of the activation it answers.
@@ -18,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from devmesh.distributed import comm
-from devmesh.layout.schedule import Schedule
+from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 
 __all__ = ["StageLinks", "Shape"]
@@ -40,6 +41,7 @@ class StageLinks:
         self.received: dict[int, Shape | None] = {}  # stage -> its input, as announced here
         self.announced: dict[int, Shape | None] = {}  # stage -> its input, as this rank said
         self.sends: list[comm.Pending] = []
+        self._posted: dict[tuple[int, int], comm.Pending] = {}  # (peer stage, tag) -> receive
 
     def forget_shapes(self) -> None:
         """Announce every shape again (a new micro-batch shape, or after a failed step)."""
@@ -54,8 +56,25 @@ class StageLinks:
         self.sends.append(comm.send_async(tensor, self.mesh, self.dim, peer, tag))
 
     def _recv(self, shape: Shape, stage: int, tag: int) -> torch.Tensor:
+        posted = self._posted.pop((stage, tag), None)
+        if posted is not None:
+            return posted.wait()
         return comm.recv(shape[0], shape[1], self.mesh, self.dim, self.schedule.rank_of(stage),
                          tag)
+
+    def prefetch(self, action: Action) -> None:
+        """Post the receive ``action`` will wait for, when its shape is already known, so
+        that its data lands while this rank computes the action before it."""
+        s, mb = action.stage, action.microbatch
+        if action.kind == "F" and s > 0:
+            shape, peer, tag = self.received.get(s), s - 1, self._tag(s, mb, False)
+        elif action.kind in ("B", "I") and s < self.schedule.stages - 1:
+            shape, peer, tag = self.announced.get(s + 1), s + 1, self._tag(s, mb, True)
+        else:
+            return
+        if shape is not None and (peer, tag) not in self._posted:
+            self._posted[(peer, tag)] = comm.recv_async(
+                shape[0], shape[1], self.mesh, self.dim, self.schedule.rank_of(peer), tag)
 
     # -- forward ----------------------------------------------------------------------------
     def send_activation(self, out: torch.Tensor | None, stage: int, microbatch: int

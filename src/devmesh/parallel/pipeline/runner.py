@@ -4,11 +4,12 @@ activations forward and gradients backward to the neighbouring stages' ranks.
 Sends are asynchronous (``isend``) and each receive names its message by a tag (stage,
 micro-batch, direction), so any order a schedule gives is safe as long as the schedule can
 run at all (:meth:`~devmesh.layout.schedule.Schedule.simulate` checks it without a process).
-Shapes are announced once (:mod:`~devmesh.parallel.pipeline.messages`), and again when the
-micro-batch shape changes, which every stage learns at the start of the step.
+Each step's first message across each boundary announces its shape and dtype
+(:mod:`~devmesh.parallel.pipeline.messages`), so a smaller last batch needs nothing special,
+and a step costs one collective: the failure flag below.
 
-An exception in a stage (its forward, the loss, a backward, an output whose shape changed
-within the step) does not stop that rank: it plays the rest of its schedule without
+An exception in a stage (data the first or last stage refuses, its forward, the loss, a
+backward, an output whose shape changed within the step) does not stop that rank: it plays the rest of its schedule without
 computing, sending zeros where it owes a message, so that no neighbour waits forever; at the
 end of the step one flag all-gather over the pipeline dim tells every rank, and every rank
 raises :class:`PipelineError` naming the rank, stage, action and error. (Within a stage
@@ -34,6 +35,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from devmesh.distributed import comm
+from devmesh.errors import rank_prefix
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.pipeline.messages import StageLinks
@@ -79,7 +81,6 @@ class PipelineRunner:
         self.loss_fn = loss_fn
         self.last = schedule.stages - 1
         self._links = StageLinks(mesh, self.dim, schedule)
-        self._input_shape = ""  # the first stage's micro-batch shape the headers were for
         self.compute_seconds: dict[Action, float] = {}
         # a stage under replicate / fully_shard reduces its gradients once per step: at its
         # last action that computes weight gradients (the others accumulate without sync)
@@ -139,11 +140,19 @@ class PipelineRunner:
         loss on the last stage's rank, ``None`` elsewhere. If any stage fails, every rank
         raises :class:`PipelineError` at the end of the step (the step's gradients are then
         partial: zero them before the next step)."""
-        step = _Step(self._agree_on_data(inputs, targets))
+        step = _Step({})
+        try:
+            step.chunks = self._micro_batches(inputs, targets)
+        except PipelineError as exc:  # the other stages hear of it at the end of the step
+            step.fail(exc)
+        self._links.forget_shapes()  # each step's first messages announce the shapes
         self.compute_seconds = step.compute  # compute of each action, messages excluded
         play = {"F": self._forward, "B": self._backward, "I": self._backward,
                 "W": self._weight_grads}
-        for position, action in enumerate(self.schedule.actions[self.index]):
+        actions = self.schedule.actions[self.index]
+        for position, action in enumerate(actions):
+            if position + 1 < len(actions):
+                self._links.prefetch(actions[position + 1])
             if action.kind in ("B", "W") and self._syncable[action.stage]:
                 self._set_sync(action.stage,
                                position == self._final_weight_grads[action.stage])
@@ -159,41 +168,16 @@ class PipelineRunner:
         failed = comm.failures(step.error, self.mesh.get_group(self.dim))
         if not failed:
             return
-        self._links.forget_shapes()  # every rank: the next step announces shapes afresh
         listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
         raise PipelineError(f"pipeline step failed — {listing}. The step's gradients are "
                             "partial: zero them before the next step") from step.exception
 
-    def _agree_on_data(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
-                       ) -> dict[str, tuple[torch.Tensor, ...]]:
-        """The micro-batches, once every stage knows that the data was accepted and what
-        shape it has: only the first and last stages' ranks see it, so they tell the others
-        (two small all-gathers over the pp dim) instead of leaving them waiting for a message
-        that never comes. A new micro-batch shape (a smaller last batch, say) makes every
-        stage exchange its output shape again."""
-        chunks: dict[str, tuple[torch.Tensor, ...]] = {}
-        try:
-            chunks = self._micro_batches(inputs, targets)
-            said = f"shape {tuple(chunks['inputs'][0].shape)}" if "inputs" in chunks else ""
-        except PipelineError as exc:
-            said = f"error {exc}"
-        texts = comm.gather_texts(said, self.mesh.get_group(self.dim))
-        errors = {r: t[len("error "):] for r, t in enumerate(texts) if t.startswith("error ")}
-        if errors:
-            if said.startswith("error "):
-                raise PipelineError(said[len("error "):])
-            ranks = self.mesh.layout.group_of(self.mesh.get_rank(), (self.dim,))
-            listing = "; ".join(f"rank {ranks[i]}: {t}" for i, t in sorted(errors.items()))
-            raise PipelineError(f"pipeline step refused on another stage — {listing}")
-        shape = next((t for t in texts if t.startswith("shape ")), "")
-        if shape != self._input_shape:  # a new shape: headers again, on every stage
-            self._input_shape = shape
-            self._links.forget_shapes()
-        return chunks
-
     def _forward(self, step: _Step, action: Action) -> None:
         s, mb = action.stage, action.microbatch
-        x = step.chunks["inputs"][mb] if s == 0 else self._links.recv_activation(s, mb)
+        if s == 0:
+            x = step.chunks["inputs"][mb] if "inputs" in step.chunks else None
+        else:
+            x = self._links.recv_activation(s, mb)
         out = None
         if x is not None and step.error is None:
             start = time.perf_counter()
@@ -269,6 +253,9 @@ class _Step:
     error: str | None = None  # the first failure on this rank; then nothing more is computed
     exception: BaseException | None = None
 
-    def fail(self, exc: BaseException, where: str) -> None:
+    def fail(self, exc: BaseException, where: str | None = None) -> None:
+        """Remember the first failure: ``where`` it happened, or devmesh's own refusal."""
         if self.error is None:
-            self.error, self.exception = f"{where}: {type(exc).__name__}: {exc}", exc
+            message = str(exc).removeprefix(rank_prefix())
+            self.error = f"{where}: {type(exc).__name__}: {message}" if where else message
+            self.exception = exc
