@@ -4,7 +4,7 @@ plain model), and changes nothing unless every rank could read and check everyth
 
 The steps: *read* — this rank checks the metadata and data files, the model's names, dtypes
 and global shapes, the optimizer's parameter groups, and reads its blocks into new tensors;
-*agree* — one all-gather of a flag tells every rank whether some rank failed (then every rank
+*agree* — one all-reduce of a flag tells every rank whether some rank failed (then every rank
 raises, the failing rank its own error), and one all-reduce of a flag per saved name checks
 that the ranks together load everything the checkpoint holds; *apply* — copy into the model
 and load the optimizer's state dict.

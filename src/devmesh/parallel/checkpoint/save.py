@@ -7,8 +7,8 @@ so a save needs no memory beyond the model it already holds (synchronous) or one
 the rank's own blocks (``async_=True``). The steps, each agreed by every rank so that a
 failure anywhere raises everywhere instead of hanging the others:
 
-1. *prepare*: list the tensors to save (model, optimizer state, ``extra``); one 8-byte digest
-   all-gather shows whether every rank lists the same ones. When they do not (pipeline
+1. *prepare*: list the tensors to save (model, optimizer state, ``extra``); one digest
+   all-reduce shows whether every rank lists the same ones. When they do not (pipeline
    stages hold different parameters), one rank per distinct listing shares it and every rank
    merges them the same way (:mod:`~devmesh.parallel.checkpoint.union`): the checkpoint holds
    the union, as torch.distributed.checkpoint's does;
@@ -147,7 +147,7 @@ class _Contents:
 
 
 def _agree_on_contents(contents: _Contents, world_size: int) -> Merged:
-    """The union of what every rank saves, the same on every rank (one digest all-gather
+    """The union of what every rank saves, the same on every rank (one digest all-reduce
     when every rank lists the same tensors)."""
     mine = contents.listing(world_size)
     by_listing = comm.differing(listed_json(mine)) if world_size > 1 else {}
