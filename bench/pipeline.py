@@ -2,14 +2,17 @@
 bubble vs the one the schedule predicts.
 
 Same model (16 blocks of Linear(512, 512) -> ReLU, and a Linear head), same split (balanced
-by parameter count), same schedule, 4 pipeline ranks over gloo, 8 micro-batches of 16, SGD;
-GPipe, 1F1B and interleaved 1F1B (2 stages per rank) run by both, zero-bubble by devmesh
-only (torch's zero-bubble schedules need its own graph splitting). Prints the slowest rank's
-median step time, the ratio devmesh / torch, and for devmesh the measured bubble (1 - compute
-time summed over ranks / (ranks x step time)) next to the schedule's prediction with the
-measured forward / backward costs.
+by parameter count), same schedule, 4 pipeline ranks over gloo (``--ranks``), 8 micro-batches
+of 64, SGD; GPipe, 1F1B and interleaved 1F1B (2 stages per rank) run by both, zero-bubble by
+devmesh only (torch's zero-bubble schedules need its own graph splitting). Prints the slowest
+rank's median step time, the ratio devmesh / torch, and for devmesh the measured bubble
+(1 - compute time summed over ranks / (ranks x schedule time)) next to the schedule's
+prediction with the measured forward / backward costs.
 
-    .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3]
+    .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3] [--ranks 4]
+
+With 4 ranks on a 2-core machine the ranks time-share the cores, so idle and compute time
+blur; ``--ranks 2`` gives each rank a core and is the fair check of the predicted bubble.
 
 Each round launches devmesh's run and torch's run one after the other; the printed time is
 the median over rounds (4 ranks share this machine's cores, so one run alone is noisy).
@@ -26,7 +29,7 @@ import statistics
 import time
 import warnings
 
-RANKS, MICRO, BATCH = 4, 8, 512
+MICRO, BATCH = 8, 512
 
 
 def build_model():
@@ -38,7 +41,7 @@ def build_model():
     return nn.Sequential(*blocks, nn.Linear(512, 10))
 
 
-def run(library: str, name: str, steps: int):
+def run(library: str, name: str, steps: int, ranks: int):
     import logging
 
     import torch
@@ -52,12 +55,12 @@ def run(library: str, name: str, steps: int):
     from devmesh.layout.schedule import build_schedule
     from devmesh.parallel.pipeline import PipelineRunner, split_sequential
 
-    mesh = init_device_mesh("cpu", (RANKS,), mesh_dim_names=("pp",))
+    mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("pp",))
     me = mesh.get_coordinate()[0]
     virtual = 2 if name == "interleaved-1f1b" else 1
-    stages_total = RANKS * virtual
+    stages_total = ranks * virtual
     parts = split_sequential(build_model(), stages_total)
-    mine = [s for s in range(stages_total) if s % RANKS == me]
+    mine = [s for s in range(stages_total) if s % ranks == me]
     params = [p for s in mine for p in parts[s].parameters()]
     opt = torch.optim.SGD(params, lr=0.01)
     first, last = 0 in mine, stages_total - 1 in mine
@@ -85,7 +88,7 @@ def run(library: str, name: str, steps: int):
             else:
                 schedule.step()
     else:
-        plan = build_schedule(name, RANKS, MICRO, virtual)
+        plan = build_schedule(name, ranks, MICRO, virtual)
         runner = PipelineRunner({s: parts[s] for s in mine}, mesh, plan, F.cross_entropy)
 
         def step(x, y):
@@ -124,11 +127,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--ranks", type=int, default=4,
+                        help="pipeline ranks (stages); 2 gives each rank a core of its own here")
     args = parser.parse_args()
     from devmesh.launching.launcher import launch
     from devmesh.layout.schedule import build_schedule
 
-    print(f"{RANKS} pipeline ranks (gloo), {MICRO} micro-batches of {BATCH // MICRO}, "
+    ranks = args.ranks
+    print(f"{ranks} pipeline ranks (gloo), {MICRO} micro-batches of {BATCH // MICRO}, "
           f"median over {args.rounds} rounds of the slowest rank's median of {args.steps} "
           "steps")
     print(f"{'schedule':<18}{'devmesh':>10}{'torch':>10}{'ratio':>8}{'schedule only':>15}"
@@ -136,19 +142,22 @@ def main() -> None:
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
         rounds, theirs = [], []
         for _ in range(args.rounds):  # alternate, so that load changes hit both alike
-            rounds.append(launch(run, RANKS, "devmesh", name, args.steps, timeout=1800))
+            rounds.append(launch(run, ranks, "devmesh", name, args.steps, ranks,
+                                 timeout=1800))
             if name != "zero-bubble":
-                theirs.append(launch(run, RANKS, "torch", name, args.steps, timeout=1800)[0])
+                theirs.append(launch(run, ranks, "torch", name, args.steps, ranks,
+                                     timeout=1800)[0])
         ours = sorted(rounds, key=lambda r: r[0]["time"])[len(rounds) // 2]  # median round
         step = ours[0]["time"]
-        measured = 1 - sum(r["compute"] for r in ours) / (RANKS * step)
+        # idle share of the schedule itself (the optimizer step is outside the pipeline)
+        measured = 1 - sum(r["compute"] for r in ours) / (ranks * ours[0]["schedule"])
         # the same schedule with the costs each kind measured (median over ranks)
         costs = {k: statistics.median(r["costs"][k] for r in ours if k in r["costs"])
                  for k in ours[0]["costs"]}
         for r in ours:  # ranks without an action kind still need a cost for it
             costs.update({k: v for k, v in r["costs"].items() if k not in costs})
         virtual = 2 if name == "interleaved-1f1b" else 1
-        predicted = build_schedule(name, RANKS, MICRO, virtual).bubble(costs)
+        predicted = build_schedule(name, ranks, MICRO, virtual).bubble(costs)
         torch_time = statistics.median(t["time"] for t in theirs) if theirs else None
         torch_text = f"{torch_time * 1e3:>8.1f}ms" if theirs else f"{'-':>10}"
         ratio = f"{step / torch_time:>8.2f}" if theirs else f"{'-':>8}"

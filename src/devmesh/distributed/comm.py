@@ -49,6 +49,8 @@ __all__ = [
     "failures",
     "differing",
     "gather_texts",
+    "mesh_device",
+    "small_tensor_device",
     "send_async",
     "recv",
 ]
@@ -325,14 +327,16 @@ def agree(mesh: DeviceMesh, dims: Sequence[int], what: str, value: str) -> None:
     error on all ranks rather than on some (which would leave the others hanging).
     """
     from devmesh.errors import MeshMismatchError
+    device = small_tensor_device(_group(mesh, dims).group)
     digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
+                        device=device)
     digests = all_gather(mine, mesh, dims).reshape(-1)
     if bool((digests == digests[0]).all()):
         return
-    data = torch.tensor(list(value.encode()), dtype=torch.uint8)
-    lengths = all_gather(torch.tensor([data.numel()]), mesh, dims).reshape(-1)
-    padded = torch.zeros(int(lengths.max()), dtype=torch.uint8)
+    data = torch.tensor(list(value.encode()), dtype=torch.uint8, device=device)
+    lengths = all_gather(torch.tensor([data.numel()], device=device), mesh, dims).reshape(-1)
+    padded = torch.zeros(int(lengths.max()), dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
     texts = all_gather(padded, mesh, dims)
     ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
@@ -366,15 +370,37 @@ def _common_prefix(values: list[str]) -> str:
 
 
 # -- outcomes over a whole group (not a mesh): checkpoints agree on success this way ---------
+def small_tensor_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where the small tensors of devmesh's agreements (flags, digests, texts) go: the CPU
+    when ``group`` has a CPU backend (gloo, or the ``cpu:gloo,cuda:nccl`` pair devmesh starts
+    on GPUs), else the current accelerator — a group the user started as NCCL only takes
+    no CPU tensors."""
+    pg = group if group is not None else dist.group.WORLD
+    kinds = sorted({device.type for device in pg._device_types})
+    if not kinds or "cpu" in kinds:
+        return torch.device("cpu")
+    return torch.device(kinds[0], torch.get_device_module(kinds[0]).current_device())
+
+
+def mesh_device(mesh: DeviceMesh) -> torch.device:
+    """The device this rank's tensors of ``mesh`` live on: the CPU, or the current device of
+    the mesh's device type (the one ``init_device_mesh`` bound to the local rank)."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type,
+                        torch.get_device_module(mesh.device_type).current_device())
+
+
 def gather_texts(text: str, group: dist.ProcessGroup | None) -> list[str]:
     """Every rank's ``text``, on every rank: two small all-gathers (lengths, then bytes).
     Bytes, not pickles: nothing from a peer is unpickled."""
     size = dist.get_world_size(group)
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8)
-    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(lengths, torch.tensor([data.numel()]), group=group)
+    device = small_tensor_device(group)
+    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
+    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(lengths, torch.tensor([data.numel()], device=device), group=group)
     longest = max(int(n) for n in lengths)
-    padded = torch.zeros(max(longest, 1), dtype=torch.uint8)
+    padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=device)
     padded[: data.numel()] = data
     out = [torch.zeros_like(padded) for _ in range(size)]
     dist.all_gather(out, padded, group=group)
@@ -390,13 +416,14 @@ def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[
     the result is not empty: an error on some ranks alone is a hang for the others."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {0: error} if error is not None else {}
-    count = torch.tensor([int(error is not None)], dtype=torch.int64)
+    device = small_tensor_device(group)
+    count = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
     dist.all_reduce(count, group=group)
     if not int(count):
         return {}
     size = dist.get_world_size(group)
-    flags = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(flags, torch.tensor([int(error is not None)]), group=group)
+    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(flags, torch.tensor([int(error is not None)], device=device), group=group)
     texts = gather_texts(error or "", group)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
     return {r: t for r, t, f in zip(ranks, texts, flags) if int(f)}
@@ -413,12 +440,14 @@ def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, l
     size = dist.get_world_size(group)
     digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
     mine = int.from_bytes(digest, "little") >> 1  # 63 bits: its negation fits an int64
-    extremes = torch.tensor([mine, -mine], dtype=torch.int64)
+    device = small_tensor_device(group)
+    extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
     if int(extremes[0]) == -int(extremes[1]):  # the largest digest is the smallest: all equal
         return {}
-    digests = [torch.zeros(1, dtype=torch.int64) for _ in range(size)]
-    dist.all_gather(digests, torch.tensor([mine], dtype=torch.int64), group=group)
+    digests = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+    dist.all_gather(digests, torch.tensor([mine], dtype=torch.int64, device=device),
+                    group=group)
     ranks = list(dist.get_process_group_ranks(group) if group is not None else range(size))
     me = ranks.index(dist.get_rank())
     members: dict[int, list[int]] = defaultdict(list)
@@ -435,14 +464,15 @@ def _broadcast_text(text: str, src: int, group: dist.ProcessGroup | None) -> str
     """Global rank ``src``'s ``text`` on every rank of ``group``: its length, then its bytes
     (nothing unpickled)."""
     data = text.encode()
-    length = torch.tensor([len(data)], dtype=torch.int64)
+    device = small_tensor_device(group)
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(length, src=src, group=group)
-    buffer = torch.zeros(int(length), dtype=torch.uint8)
+    buffer = torch.zeros(int(length), dtype=torch.uint8, device=device)
     if dist.get_rank() == src:
         buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     if int(length):
         dist.broadcast(buffer, src=src, group=group)
-    return buffer.numpy().tobytes().decode(errors="replace")
+    return buffer.cpu().numpy().tobytes().decode(errors="replace")
 
 
 # -- point to point (pipeline stages): counted as "send" / "recv" over the mesh dim ----------
@@ -462,18 +492,19 @@ def send_async(tensor: torch.Tensor, mesh: DeviceMesh, dim: int, peer_index: int
 
 
 def recv_async(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, dim: int,
-               peer_index: int, tag: int) -> Pending:
-    """Start receiving a tensor of ``shape`` and ``dtype`` from the ``peer_index``-th rank
-    along ``dim``; ``wait()`` returns it."""
+               peer_index: int, tag: int, device: torch.device | str = "cpu") -> Pending:
+    """Start receiving a tensor of ``shape`` and ``dtype`` on ``device`` (the sender's
+    device type: NCCL sends CUDA tensors only) from the ``peer_index``-th rank along ``dim``;
+    ``wait()`` returns it."""
     g = _group(mesh, (dim,))
-    buffer = torch.empty(tuple(shape), dtype=dtype)
+    buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
     work = dist.irecv(buffer, src=_peer(mesh, dim, peer_index), group=g.group, tag=tag)
     _record("recv", mesh, (dim,), buffer.numel() * buffer.element_size())
     return Pending(work, lambda: buffer)
 
 
 def recv(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, dim: int,
-         peer_index: int, tag: int) -> torch.Tensor:
+         peer_index: int, tag: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """Receive a tensor of ``shape`` and ``dtype`` from the ``peer_index``-th rank along
     ``dim`` (blocking)."""
-    return recv_async(shape, dtype, mesh, dim, peer_index, tag).wait()
+    return recv_async(shape, dtype, mesh, dim, peer_index, tag, device).wait()

@@ -135,10 +135,15 @@ def ensure_default_group(
     Without a launcher and with ``expected_world_size == 1`` a one-process world is started
     in place (a ``(1,)`` or ``(1, 1)`` mesh then works in a plain script or notebook, where
     torch raises ``KeyError: 'RANK'``). Otherwise a missing launcher is a clear error.
+    On GPUs the group pairs NCCL for the device's tensors with gloo for CPU tensors (torch's
+    ``"cpu:gloo,cuda:nccl"``), so devmesh's small agreements and users' CPU collectives work
+    on a GPU mesh too.
     """
     if dist.is_initialized():
         return
     backend = backend_for(device_type)
+    if backend != "gloo":  # CPU tensors too: devmesh's agreements, users' CPU collectives
+        backend = f"cpu:gloo,{device_type}:{backend}"
     kwargs: dict = {"backend": backend}
     if timeout is not None:
         kwargs["timeout"] = timeout

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from devmesh.distributed import comm
 from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictError
 from devmesh.parallel.checkpoint import legacy
 from devmesh.parallel.checkpoint.encoding import Malformed, decode
@@ -152,9 +153,11 @@ def _unloaded(saved: list[str], model: nn.Module) -> list[str]:
     """The saved model names that no rank's model has: one all-reduce of a flag per name."""
     mine = set(dict(model.named_parameters(remove_duplicate=False))) | set(
         persistent_buffers(model))
-    loaded = torch.tensor([name in mine for name in saved], dtype=torch.int32)
-    if dist.is_initialized() and dist.get_world_size() > 1 and len(saved):
-        dist.all_reduce(loaded, op=dist.ReduceOp.MAX)
+    if not (dist.is_initialized() and dist.get_world_size() > 1 and len(saved)):
+        return [name for name in saved if name not in mine]
+    loaded = torch.tensor([name in mine for name in saved], dtype=torch.int32,
+                          device=comm.small_tensor_device(None))
+    dist.all_reduce(loaded, op=dist.ReduceOp.MAX)
     return [name for name, flag in zip(saved, loaded.tolist()) if not flag]
 
 

@@ -2,10 +2,11 @@
 
 Each message is tagged by (stage, micro-batch, direction), so a receive names exactly the
 message it waits for, whatever order the schedule plays; the receive of the next action is
-posted before the current action computes, so its data arrives meanwhile. The shape and dtype of a stage's
-input are announced once, in a small header before the first activation, and again whenever
-the stages forget them (a new micro-batch shape, a failed step); later messages carry only
-data, and a gradient has the shape of the activation it answers.
+posted before the current action computes, so its data arrives meanwhile. The shape and dtype
+of a stage's input are announced once per step, in a small header before the step's first
+activation (so the shape may change from one step to the next without any collective); later
+messages of the step carry only data, and a gradient has the shape of the activation it
+answers.
 
 A stage that fails part-way through a step must not leave its neighbours waiting for a
 message that never comes: it keeps every message flowing, zeros of the announced shape in
@@ -38,13 +39,15 @@ class StageLinks:
 
     def __init__(self, mesh: DeviceMesh, dim: int, schedule: Schedule) -> None:
         self.mesh, self.dim, self.schedule = mesh, dim, schedule
+        self.device = comm.mesh_device(mesh)  # NCCL carries only the device's tensors
         self.received: dict[int, Shape | None] = {}  # stage -> its input, as announced here
         self.announced: dict[int, Shape | None] = {}  # stage -> its input, as this rank said
         self.sends: list[comm.Pending] = []
         self._posted: dict[tuple[int, int], comm.Pending] = {}  # (peer stage, tag) -> receive
 
     def forget_shapes(self) -> None:
-        """Announce every shape again (a new micro-batch shape, or after a failed step)."""
+        """Announce every shape again: called at the start of every step, so that each step
+        may bring a new micro-batch shape and a failed step leaves nothing behind."""
         self.received.clear()
         self.announced.clear()
 
@@ -60,7 +63,7 @@ class StageLinks:
         if posted is not None:
             return posted.wait()
         return comm.recv(shape[0], shape[1], self.mesh, self.dim, self.schedule.rank_of(stage),
-                         tag)
+                         tag, self.device)
 
     def prefetch(self, action: Action) -> None:
         """Post the receive ``action`` will wait for, when its shape is already known, so
@@ -74,7 +77,8 @@ class StageLinks:
             return
         if shape is not None and (peer, tag) not in self._posted:
             self._posted[(peer, tag)] = comm.recv_async(
-                shape[0], shape[1], self.mesh, self.dim, self.schedule.rank_of(peer), tag)
+                shape[0], shape[1], self.mesh, self.dim, self.schedule.rank_of(peer), tag,
+                self.device)
 
     # -- forward ----------------------------------------------------------------------------
     def send_activation(self, out: torch.Tensor | None, stage: int, microbatch: int
@@ -89,11 +93,10 @@ class StageLinks:
                        f"{[str(d) for d in _DTYPES]}")
             out = None
         if stage not in self.announced:
-            header = torch.zeros(_HEADER, dtype=torch.int64)
-            header[0] = _FAILED
+            fields = [_FAILED] + [0] * (_HEADER - 1)
             if out is not None:
-                header[0], header[1] = out.ndim, _DTYPES.index(out.dtype)
-                header[2: 2 + out.ndim] = torch.tensor(out.shape, dtype=torch.int64)
+                fields[:2 + out.ndim] = [out.ndim, _DTYPES.index(out.dtype), *out.shape]
+            header = torch.tensor(fields, dtype=torch.int64, device=self.device)
             self._send(header, stage, 1 << 30 | stage)
             self.announced[stage] = None if out is None else (tuple(out.shape), out.dtype)
         announced = self.announced[stage]
@@ -105,18 +108,18 @@ class StageLinks:
                        f"{announced[1]} for the step's first micro-batch: every micro-batch "
                        "of a step must give the same shape (pad data-dependent sizes)")
             out = None
-        self._send(out if out is not None else torch.zeros(announced[0], dtype=announced[1]),
-                   stage, self._tag(stage, microbatch, False))
+        self._send(out if out is not None else self._zeros(announced), stage,
+                   self._tag(stage, microbatch, False))
         return problem
 
     def recv_activation(self, stage: int, microbatch: int) -> torch.Tensor | None:
         """``stage``'s input for ``microbatch``; ``None`` if the previous stage failed before
         it could announce a shape (no data comes then)."""
         if stage not in self.received:
-            header = self._recv(((_HEADER,), torch.int64), stage - 1, 1 << 30 | stage)
-            ndim = int(header[0])
+            header = self._recv(((_HEADER,), torch.int64), stage - 1, 1 << 30 | stage).tolist()
+            ndim = header[0]
             self.received[stage] = None if ndim == _FAILED else (
-                tuple(int(v) for v in header[2: 2 + ndim]), _DTYPES[int(header[1])])
+                tuple(header[2: 2 + ndim]), _DTYPES[header[1]])
         shape = self.received[stage]
         if shape is None:
             return None
@@ -137,8 +140,11 @@ class StageLinks:
         shape = self.received.get(stage)
         if shape is None:
             return
-        self._send(grad if grad is not None else torch.zeros(shape[0], dtype=shape[1]),
-                   stage - 1, self._tag(stage - 1, microbatch, True))
+        self._send(grad if grad is not None else self._zeros(shape), stage - 1,
+                   self._tag(stage - 1, microbatch, True))
+
+    def _zeros(self, shape: Shape) -> torch.Tensor:
+        return torch.zeros(shape[0], dtype=shape[1], device=self.device)
 
     def wait_sends(self) -> None:
         for pending in self.sends:

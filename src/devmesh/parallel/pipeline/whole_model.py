@@ -57,14 +57,16 @@ def full_state_dict(runner: PipelineRunner) -> dict[str, torch.Tensor]:
                              f"{twice}: give each stage the whole model's names "
                              "(split_sequential does)")
     found: list[tuple[int, str, torch.Tensor]] = []
+    device = comm.mesh_device(runner.mesh)
     for index, entries in enumerate(listings):
         sizes = [torch.Size(shape).numel() * dtype_of(dtype).itemsize
                  for _, _, dtype, shape in entries]
         if index == runner.index:
-            data = torch.cat([v.detach().reshape(-1).view(torch.uint8) for _, _, v in mine]
-                             ) if mine else torch.zeros(0, dtype=torch.uint8)
+            data = torch.cat([v.detach().to(device).reshape(-1).view(torch.uint8)
+                              for _, _, v in mine]
+                             ) if mine else torch.zeros(0, dtype=torch.uint8, device=device)
         else:
-            data = torch.empty(sum(sizes), dtype=torch.uint8)
+            data = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         if len(data):
             comm.broadcast(data, runner.mesh, (runner.dim,), src_index=index)
         for (s, k, dtype, shape), piece in zip(entries, data.split(sizes)):
