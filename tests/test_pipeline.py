@@ -56,6 +56,14 @@ def test_a_schedule_that_waits_on_itself_is_refused():
         backwards_first.simulate()
 
 
+def test_a_gpu_mesh_is_refused_rather_than_left_to_deadlock():
+    from types import SimpleNamespace
+
+    gpu_mesh = SimpleNamespace(device_type="cuda", mesh_dim_names=("pp",))
+    with pytest.raises(PipelineError, match="NCCL ignores.*torch.distributed.pipelining"):
+        PipelineRunner({}, gpu_mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
+
+
 def make_model() -> nn.Sequential:
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(8)]

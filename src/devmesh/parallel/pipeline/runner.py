@@ -9,17 +9,23 @@ Each step's first message across each boundary announces its shape and dtype
 and a step costs one collective: the failure flag below.
 
 An exception in a stage (data the first or last stage refuses, its forward, the loss, a
-backward, an output whose shape changed within the step) does not stop that rank: it plays the rest of its schedule without
-computing, sending zeros where it owes a message, so that no neighbour waits forever; at the
-end of the step one flag all-gather over the pipeline dim tells every rank, and every rank
-raises :class:`PipelineError` naming the rank, stage, action and error. (Within a stage
-parallelized over other dims, the error must be the same on the stage's data- and
-tensor-parallel copies — as a shape error is — or those copies wait in their gradient
-reduction until the collective timeout names the rank.) Every micro-batch's loss is divided by the
-number of micro-batches, so gradients accumulate to exactly those of the whole batch:
-training equals single-process training on the same batch. A stage that is itself data
-parallel (``replicate``) or sharded (``fully_shard``, over TP or not) accumulates its gradients
-without synchronization and reduces them once, at its last backward of the step.
+backward, an output whose shape changed within the step) does not stop that rank: it plays
+the rest of its schedule without computing, sending zeros where it owes a message, so that no
+neighbour waits forever; at the end of the step one tiny all-reduce of a flag over the
+pipeline dim tells every rank, and every rank raises :class:`PipelineError` naming the rank,
+stage, action and error. (Within a stage parallelized over other dims, the error must be the
+same on the stage's data- and tensor-parallel copies — as a shape error is — or those copies
+wait in their gradient reduction until the collective timeout names the rank.)
+
+CPU meshes (gloo) only, so far: NCCL ignores tags, and a rank's send to and receive from the
+same peer share one NCCL stream, so they must be posted together (``batch_isend_irecv``) in
+the same order on both sides, or they deadlock. Untested here (no GPUs), so refused.
+
+Every micro-batch's loss is divided by the number of micro-batches, so gradients accumulate
+to exactly those of the whole batch: training equals single-process training on the same
+batch. A stage that is itself data parallel (``replicate``) or sharded (``fully_shard``, over
+TP or not) accumulates its gradients without synchronization and reduces them once, at its
+last backward of the step.
 """
 
 from __future__ import annotations
@@ -59,6 +65,12 @@ class PipelineRunner:
     def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh, schedule: Schedule,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
                  pp_dim: str = "pp") -> None:
+        if mesh.device_type != "cpu":
+            raise PipelineError(
+                f"PipelineRunner runs on 'cpu' meshes (gloo) only so far, got a "
+                f"{mesh.device_type!r} mesh: its messages are matched by tag, which NCCL "
+                "ignores, and NCCL needs each send and receive between two ranks batched "
+                "together or they deadlock. On GPUs use torch.distributed.pipelining for now")
         names = mesh.mesh_dim_names or ()
         if pp_dim not in names:
             raise PipelineError(
