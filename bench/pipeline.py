@@ -7,7 +7,8 @@ of 64, SGD; GPipe, 1F1B and interleaved 1F1B (2 stages per rank) run by both, ze
 devmesh only (torch's zero-bubble schedules need its own graph splitting). Prints the slowest
 rank's median step time, the ratio devmesh / torch, and for devmesh the measured bubble
 (1 - compute time summed over ranks / (ranks x schedule time)) next to the schedule's
-prediction with the measured forward / backward costs.
+prediction with the measured forward / backward costs, without and with the measured message
+time (a ping-pong of one activation between ranks 0 and 1 before the run).
 
     .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3] [--ranks 4]
 
@@ -94,6 +95,7 @@ def run(library: str, name: str, steps: int, ranks: int):
         def step(x, y):
             runner.step(x if first else None, y if last else None)
 
+    latency = _message_latency(mesh) if library == "devmesh" else 0.0
     times, schedule_times, computes = [], [], []
     for i in range(steps + 2):
         gen = torch.Generator().manual_seed(i)
@@ -112,7 +114,8 @@ def run(library: str, name: str, steps: int, ranks: int):
             schedule_times.append(elapsed[1].item())
             if library == "devmesh":
                 computes.append(dict(runner.compute_seconds))
-    result = {"time": statistics.median(times), "schedule": statistics.median(schedule_times)}
+    result = {"time": statistics.median(times), "schedule": statistics.median(schedule_times),
+              "latency": latency}
     if library == "devmesh":
         result["compute"] = statistics.median(sum(c.values()) for c in computes)
         by_kind: dict[str, list[float]] = {}
@@ -121,6 +124,26 @@ def run(library: str, name: str, steps: int, ranks: int):
                 by_kind.setdefault(action.kind, []).append(seconds)
         result["costs"] = {k: statistics.median(v) for k, v in by_kind.items()}
     return result
+
+
+def _message_latency(mesh, rounds: int = 20) -> float:
+    """One activation's one-way time between pipeline ranks 0 and 1 (median of ping-pongs
+    with torch's send / recv), for the predicted bubble; 0 on the other ranks."""
+    import torch
+    import torch.distributed as dist
+
+    me, group = mesh.get_coordinate()[0], mesh.get_group("pp")
+    peer = dist.get_global_rank(group, 1 - me) if me < 2 else None
+    message = torch.zeros(BATCH // MICRO, 512)
+    trips = []
+    for _ in range(rounds if peer is not None else 0):
+        start = time.perf_counter()
+        first, second = (dist.send, dist.recv) if me == 0 else (dist.recv, dist.send)
+        first(message, peer, group=group)
+        second(message, peer, group=group)
+        trips.append(time.perf_counter() - start)
+    dist.barrier()
+    return statistics.median(trips) / 2 if trips else 0.0
 
 
 def main() -> None:
@@ -138,7 +161,8 @@ def main() -> None:
           f"median over {args.rounds} rounds of the slowest rank's median of {args.steps} "
           "steps")
     print(f"{'schedule':<18}{'devmesh':>10}{'torch':>10}{'ratio':>8}{'schedule only':>15}"
-          f"{'bubble measured':>18}{'predicted':>11}")
+          f"{'bubble measured':>18}{'predicted':>11}{'+ messages':>12}")
+    latencies = []
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
         rounds, theirs = [], []
         for _ in range(args.rounds):  # alternate, so that load changes hit both alike
@@ -157,14 +181,20 @@ def main() -> None:
         for r in ours:  # ranks without an action kind still need a cost for it
             costs.update({k: v for k, v in r["costs"].items() if k not in costs})
         virtual = 2 if name == "interleaved-1f1b" else 1
-        predicted = build_schedule(name, ranks, MICRO, virtual).bubble(costs)
+        plan = build_schedule(name, ranks, MICRO, virtual)
+        predicted = plan.bubble(costs)
+        with_messages = plan.bubble(costs, ours[0]["latency"])
+        latencies.append(ours[0]["latency"])
         torch_time = statistics.median(t["time"] for t in theirs) if theirs else None
         torch_text = f"{torch_time * 1e3:>8.1f}ms" if theirs else f"{'-':>10}"
         ratio = f"{step / torch_time:>8.2f}" if theirs else f"{'-':>8}"
         only = (f"{ours[0]['schedule'] / statistics.median(t['schedule'] for t in theirs):>15.2f}"
                 if theirs else f"{'-':>15}")
         print(f"{name:<18}{step * 1e3:>8.1f}ms{torch_text}{ratio}{only}{measured:>18.1%}"
-              f"{predicted:>11.1%}")
+              f"{predicted:>11.1%}{with_messages:>12.1%}")
+    print("predicted: the schedule with the measured compute per action kind; + messages: "
+          f"and each message\nbetween ranks taking the measured ping-pong time "
+          f"({statistics.median(latencies) * 1e3:.2f} ms one way)")
 
 if __name__ == "__main__":
     main()

@@ -47,6 +47,16 @@ def test_bubbles_match_the_known_formulas():
         assert build_schedule("zero-bubble", s, m).bubble() < expected / 2
 
 
+def test_message_latency_delays_only_inputs_from_another_rank():
+    # 2 ranks, 1 micro-batch: F0@0, message, F0@1, B0@1, message, B0@0 — 6 units of work
+    # on a makespan of 6 + 2 latencies
+    two = build_schedule("1f1b", 2, 1)
+    assert two.bubble() == pytest.approx(1 - 6 / 12)
+    assert two.bubble(latency=1.0) == pytest.approx(1 - 6 / 16)
+    one = build_schedule("gpipe", 1, 4)  # every stage on one rank: nothing crosses
+    assert one.bubble(latency=5.0) == one.bubble() == 0.0
+
+
 def test_a_schedule_that_waits_on_itself_is_refused():
     from devmesh.layout.schedule import Action, Schedule
 

@@ -59,10 +59,13 @@ class Schedule:
     def rank_of(self, stage: int) -> int:
         return stage % self.ranks
 
-    def simulate(self, costs: Mapping[str, float] | None = None) -> list[Timed]:
-        """Every action with its start and end when each kind costs ``costs[kind]`` and a
-        rank starts an action once it is free and the action's inputs exist. Raises
-        :class:`ScheduleError` if some rank waits for an action that can never happen."""
+    def simulate(self, costs: Mapping[str, float] | None = None, latency: float = 0.0
+                 ) -> list[Timed]:
+        """Every action with its start and end when each kind costs ``costs[kind]``, an
+        input made on another rank arrives ``latency`` after it is made (a message between
+        stages), and a rank starts an action once it is free and its inputs are there.
+        Raises :class:`ScheduleError` if some rank waits for an action that can never
+        happen."""
         cost = {**DEFAULT_COSTS, **(costs or {})}
         done: dict[tuple[str, int, int], float] = {}
         free = [0.0] * self.ranks
@@ -74,7 +77,7 @@ class Schedule:
             for r in range(self.ranks):
                 while position[r] < len(self.actions[r]):
                     action = self.actions[r][position[r]]
-                    ready = self._ready_time(action, done)
+                    ready = self._ready_time(action, done, latency)
                     if ready is None:
                         break
                     start = max(free[r], ready)
@@ -97,7 +100,7 @@ class Schedule:
                                     f"for an input that comes later ({stuck})")
         return timeline
 
-    def _ready_time(self, action: Action, done: Mapping) -> float | None:
+    def _ready_time(self, action: Action, done: Mapping, latency: float) -> float | None:
         s, m = action.stage, action.microbatch
         if action.kind == "F":
             needs = [("F", s - 1, m)] if s > 0 else []
@@ -105,12 +108,19 @@ class Schedule:
             needs = [("F", s, m)] + ([("B", s + 1, m)] if s < self.stages - 1 else [])
         else:  # W: after this stage's input-gradient half
             needs = [("B", s, m)]
-        times = [done.get(n) for n in needs]
-        return None if any(t is None for t in times) else max(times, default=0.0)
+        times = []
+        for need in needs:
+            made = done.get(need)
+            if made is None:
+                return None
+            crossing = self.rank_of(need[1]) != self.rank_of(s)
+            times.append(made + (latency if crossing else 0.0))
+        return max(times, default=0.0)
 
-    def bubble(self, costs: Mapping[str, float] | None = None) -> float:
+    def bubble(self, costs: Mapping[str, float] | None = None, latency: float = 0.0
+               ) -> float:
         """The fraction of rank-time spent idle between the first start and the last end."""
-        timeline = self.simulate(costs)
+        timeline = self.simulate(costs, latency)
         makespan = max(t.end for t in timeline)
         busy = sum(t.end - t.start for t in timeline)
         return 1.0 - busy / (self.ranks * makespan)
