@@ -57,6 +57,17 @@ def test_message_latency_delays_only_inputs_from_another_rank():
     assert one.bubble(latency=5.0) == one.bubble() == 0.0
 
 
+def test_measured_costs_per_action_replace_the_costs_per_kind():
+    from devmesh.layout.schedule import Action
+
+    # the last stage's forward (head and loss) costs 3 instead of 1: rank 0 waits 2 more
+    two = build_schedule("1f1b", 2, 1)
+    slow_head = {Action("F", 1, 0): 3.0}
+    assert two.bubble(slow_head) == pytest.approx(1 - 8 / 16)
+    timeline = {t.action: (t.start, t.end) for t in two.simulate(slow_head)}
+    assert timeline[Action("B", 1, 0)] == (4.0, 6.0)
+
+
 def test_a_schedule_that_waits_on_itself_is_refused():
     from devmesh.layout.schedule import Action, Schedule
 

@@ -59,14 +59,14 @@ class Schedule:
     def rank_of(self, stage: int) -> int:
         return stage % self.ranks
 
-    def simulate(self, costs: Mapping[str, float] | None = None, latency: float = 0.0
-                 ) -> list[Timed]:
-        """Every action with its start and end when each kind costs ``costs[kind]``, an
-        input made on another rank arrives ``latency`` after it is made (a message between
-        stages), and a rank starts an action once it is free and its inputs are there.
-        Raises :class:`ScheduleError` if some rank waits for an action that can never
-        happen."""
-        cost = {**DEFAULT_COSTS, **(costs or {})}
+    def simulate(self, costs: Mapping[str | Action, float] | None = None,
+                 latency: float = 0.0) -> list[Timed]:
+        """Every action with its start and end when it costs ``costs[action]`` (e.g. the
+        runner's measured ``compute_seconds``) or else ``costs[kind]``, an input made on
+        another rank arrives ``latency`` after it is made (a message between stages), and a
+        rank starts an action once it is free and its inputs are there. Raises
+        :class:`ScheduleError` if some rank waits for an action that can never happen."""
+        cost: dict = {**DEFAULT_COSTS, **(costs or {})}
         done: dict[tuple[str, int, int], float] = {}
         free = [0.0] * self.ranks
         position = [0] * self.ranks
@@ -81,7 +81,7 @@ class Schedule:
                     if ready is None:
                         break
                     start = max(free[r], ready)
-                    end = start + cost[action.kind]
+                    end = start + cost.get(action, cost[action.kind])
                     key = "B" if action.kind in ("B", "I") else action.kind
                     done[(key, action.stage, action.microbatch)] = end
                     if action.kind == "B":
@@ -117,8 +117,8 @@ class Schedule:
             times.append(made + (latency if crossing else 0.0))
         return max(times, default=0.0)
 
-    def bubble(self, costs: Mapping[str, float] | None = None, latency: float = 0.0
-               ) -> float:
+    def bubble(self, costs: Mapping[str | Action, float] | None = None,
+               latency: float = 0.0) -> float:
         """The fraction of rank-time spent idle between the first start and the last end."""
         timeline = self.simulate(costs, latency)
         makespan = max(t.end for t in timeline)
