@@ -477,7 +477,7 @@ def _broadcast_text(text: str, src: int, group: dist.ProcessGroup | None) -> str
 
 # -- point to point (pipeline stages): counted as "send" / "recv" over the mesh dim ----------
 def _peer(mesh: DeviceMesh, dim: int, index: int) -> int:
-    return mesh.layout.group_of(mesh.get_rank(), (dim,))[index]
+    return _group(mesh, (dim,)).ranks[index]  # cached: a pipeline sends many messages
 
 
 def send_async(tensor: torch.Tensor, mesh: DeviceMesh, dim: int, peer_index: int, tag: int
