@@ -31,6 +31,7 @@ last backward of the step.
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -44,8 +45,10 @@ from devmesh.distributed import comm
 from devmesh.errors import rank_prefix
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
+from devmesh.parallel.grads import clip_by_norm, grad_norm_power
 from devmesh.parallel.pipeline.messages import StageLinks
 from devmesh.parallel.pipeline.split import PipelineError
+from devmesh.parallel.pipeline.tied import TiedCopies, ties_of
 from devmesh.parallel.pipeline.whole_model import (
     full_state_dict,
     load_full_state_dict,
@@ -84,10 +87,14 @@ class PipelineRunner:
             raise PipelineError(f"the schedule is for {schedule.ranks} pipeline ranks, the "
                                 f"mesh's {pp_dim!r} dim has {self.pp}")
         mine = {s for s in range(schedule.stages) if schedule.rank_of(s) == self.index}
+        problem = None
         if set(stages) != mine:
-            raise PipelineError(f"rank {mesh.get_rank()} (pp index {self.index}) holds stages "
-                                f"{sorted(mine)} of this schedule, got modules for "
-                                f"{sorted(stages)}")
+            problem = (f"pp index {self.index} holds stages {sorted(mine)} of this schedule, "
+                       f"got modules for {sorted(stages)}")
+        self._agree_or_raise(problem, "cannot build the pipeline")
+        self._ties = TiedCopies(stages, ties_of(stages), mesh, self.dim, schedule)
+        self._agree_or_raise(self._ties.check_and_share_values(),
+                             "the stages' copies of tied parameters differ")
         self.stages = stages
         self.schedule = schedule
         self.loss_fn = loss_fn
@@ -121,6 +128,26 @@ class PipelineRunner:
         """Load a whole model's state dict (a plain model's, or :meth:`state_dict`'s) into
         the stages; collective over the pipeline dim, all or nothing."""
         return load_full_state_dict(self, state, strict=strict)
+
+    def _agree_or_raise(self, problem: str | None, what: str) -> None:
+        """Raise on every pipeline rank if any has a ``problem`` (one tiny all-reduce)."""
+        failed = comm.failures(problem, self.mesh.get_group(self.dim))
+        if failed:
+            listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
+            raise PipelineError(f"{what} — {listing}")
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the whole model's gradients by their global norm, as
+        ``torch.nn.utils.clip_grad_norm_`` on the unsplit model would: the norm sums over
+        every stage (one tiny all-reduce over the pipeline dim) and counts a tied parameter
+        once. Call after :meth:`step`; returns the norm, the same on every rank."""
+        params = [p for p in self.module.parameters() if p.grad is not None]
+        skip = self._ties.counted_once
+        counted = [p for p in params if id(p) not in skip]
+        power = grad_norm_power(counted, norm_type)
+        comm.all_reduce(power.reshape(1), self.mesh, (self.dim,),
+                        "max" if norm_type == math.inf else "sum")
+        return clip_by_norm(params, power, max_norm, norm_type)
 
     def _set_sync(self, stage: int, sync: bool) -> None:
         for module in self._syncable[stage]:
@@ -174,15 +201,15 @@ class PipelineRunner:
             if self._syncable[stage]:
                 self._set_sync(stage, True)
         self._raise_if_any_stage_failed(step)
+        self._ties.add_gradients()
         return torch.stack(step.losses).sum() if step.losses else None
 
     def _raise_if_any_stage_failed(self, step: _Step) -> None:
-        failed = comm.failures(step.error, self.mesh.get_group(self.dim))
-        if not failed:
-            return
-        listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
-        raise PipelineError(f"pipeline step failed — {listing}. The step's gradients are "
-                            "partial: zero them before the next step") from step.exception
+        try:
+            self._agree_or_raise(step.error, "pipeline step failed")
+        except PipelineError as exc:
+            raise PipelineError(f"{exc}. The step's gradients are partial: zero them before "
+                                "the next step") from step.exception
 
     def _forward(self, step: _Step, action: Action) -> None:
         s, mb = action.stage, action.microbatch

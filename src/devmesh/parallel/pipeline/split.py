@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from torch import nn
 
 from devmesh.errors import ParallelizeError
+from devmesh.parallel.pipeline.tied import mark_ties
 
 __all__ = ["PipelineError", "split_sequential", "balanced_boundaries"]
 
@@ -54,8 +55,13 @@ def balanced_boundaries(weights: Sequence[int], parts: int) -> list[int]:
 def split_sequential(model: nn.Module, stages: int, *, starts: Sequence[str] | None = None
                      ) -> list[nn.Sequential]:
     """``model``'s children in ``stages`` contiguous runs, each an ``nn.Sequential`` of the
-    model's own modules under the model's names. ``starts`` names the child that begins each stage after the first
-    (``["4", "8", "12"]`` for 4 stages); without it, stages are balanced by parameter count."""
+    model's own modules under the model's names. ``starts`` names the child that begins each
+    stage after the first (``["4", "8", "12"]`` for 4 stages); without it, stages are balanced
+    by parameter count.
+
+    A parameter used by several stages (an embedding tied to the output head) is recorded on
+    the stages (:mod:`~devmesh.parallel.pipeline.tied`): the runner keeps its copies on
+    different ranks one tensor, summing their gradients after each step."""
     if not isinstance(model, nn.Sequential):
         raise PipelineError(
             f"pipeline stages are runs of an nn.Sequential's children; got a "
@@ -84,4 +90,6 @@ def split_sequential(model: nn.Module, stages: int, *, starts: Sequence[str] | N
         index = balanced_boundaries([max(w, 1) for w in weights], stages)
     children = list(model.named_children())
     bounds = index + [len(children)]
-    return [nn.Sequential(OrderedDict(children[a:b])) for a, b in zip(bounds, bounds[1:])]
+    parts = [nn.Sequential(OrderedDict(children[a:b])) for a, b in zip(bounds, bounds[1:])]
+    mark_ties(parts)
+    return parts

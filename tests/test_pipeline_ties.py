@@ -1,0 +1,142 @@
+"""A weight tied across pipeline stages (input embedding = output head) stays one tensor: the
+stages on different ranks sum their gradients, and a pipelined model trains and clips its
+gradients like the unsplit model in one process."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh import init_device_mesh
+from devmesh.layout.schedule import build_schedule
+from devmesh.parallel.pipeline import PipelineError, PipelineRunner, split_sequential
+from devmesh.parallel.pipeline.tied import find_ties
+
+VOCAB, WIDTH = 12, 8
+
+
+class Head(nn.Module):
+    """The output projection, sharing the embedding's weight."""
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight.t()
+
+
+def tied_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(VOCAB, WIDTH)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(6)]
+    return nn.Sequential(embedding, *blocks, Head(embedding))
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return (torch.randint(0, VOCAB, (16,), generator=gen),
+            torch.randint(0, VOCAB, (16,), generator=gen))
+
+
+def reference(steps: int, max_norm: float) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = tied_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    norms = []
+    for step in range(steps):
+        x, y = batch(step)
+        F.cross_entropy(model(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().clone() for n, p in model.state_dict().items()}, norms
+
+
+def train_tied(name: str, ranks: int, steps: int, max_norm: float, perturb: bool,
+               dp: int = 1):
+    """``dp > 1``: each stage is also sharded (``fully_shard``) over a ``dp`` dim."""
+    from devmesh.parallel import fully_shard, state_dict
+
+    mesh = init_device_mesh("cpu", (ranks, dp), mesh_dim_names=("pp", "dp"))
+    schedule = build_schedule(name, ranks, 4)
+    parts = split_sequential(tied_model(), schedule.stages)
+    me = mesh.get_coordinate()[0]
+    stages = {s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == me}
+    if perturb and schedule.stages - 1 in stages:  # the last stage's copy starts elsewhere
+        with torch.no_grad():
+            stages[schedule.stages - 1][-1].weight.add_(1.0)
+    if dp > 1:
+        for stage in stages.values():
+            fully_shard(stage, mesh=mesh["dp"])
+    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    opt = torch.optim.Adam(runner.module.parameters(), lr=0.05)
+    norms = []
+    index = mesh["dp"].get_local_rank()
+    for step in range(steps):
+        x, y = (t.chunk(dp)[index] for t in batch(step))
+        runner.step(x if 0 in stages else None, y if schedule.stages - 1 in stages else None)
+        norms.append(float(runner.clip_grad_norm_(max_norm)))
+        opt.step()
+        opt.zero_grad()
+    return state_dict(runner.module, full=True), norms
+
+
+@pytest.mark.parametrize("name,ranks,dp", [("1f1b", 4, 1), ("zero-bubble", 4, 1),
+                                           ("interleaved-1f1b", 2, 1), ("1f1b", 2, 2)])
+def test_a_tied_weight_trains_like_the_unsplit_model(mesh_pool, name, ranks, dp):
+    # the embedding (stage 0) and the head (last stage) are on different ranks; the last
+    # rank's copy even starts different: the runner gives it stage 0's value
+    ref, ref_norms = reference(steps=3, max_norm=0.5)
+    merged = {}
+    for state, norms in mesh_pool.run(train_tied, ranks * dp, name, ranks, 3, 0.5, True, dp):
+        assert norms == pytest.approx(ref_norms, rel=1e-5)  # clipping really happened
+        for key, value in state.items():
+            if key in merged:  # a tied weight on two ranks: bitwise the same copy
+                assert torch.equal(merged[key], value), key
+            merged[key] = value
+    assert merged.keys() == ref.keys()
+    for key, value in ref.items():
+        torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)
+    assert all(n > 0.5 for n in ref_norms)
+
+
+def test_ties_are_found_between_stages_only():
+    parts = split_sequential(tied_model(), 4)
+    ties = find_ties(parts)
+    assert [t.holders for t in ties] == [((0, "0.weight"), (3, "7.weight"))]
+    assert parts[1].pipeline_ties == ties
+    assert find_ties(split_sequential(tied_model(), 1)) == ()  # one stage: nothing to keep
+
+
+def mismatched_tie():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    parts = split_sequential(tied_model(), 2)
+    me = mesh.get_coordinate()[0]
+    if me == 1:  # the head's copy no longer has the embedding's shape
+        parts[1][-1].weight = nn.Parameter(torch.zeros(VOCAB, WIDTH + 1))
+    try:
+        PipelineRunner({me: parts[me]}, mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
+    except PipelineError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_tied_copies_of_different_shapes_are_refused_on_every_rank(mesh_pool):
+    for error in mesh_pool.run(mismatched_tie, 2):
+        assert "tied parameters differ" in error and "(12, 8)" in error \
+               and "(12, 9)" in error, error
+
+
+def test_the_inf_norm_is_the_largest_gradient_entry():
+    from devmesh.parallel import clip_grad_norm_
+
+    model = tied_model()
+    x, y = batch(0)
+    F.cross_entropy(model(x), y).backward()
+    expected = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e9, norm_type=math.inf)
+    assert float(clip_grad_norm_(model, 1e9, norm_type=math.inf)) == pytest.approx(
+        float(expected))
