@@ -263,6 +263,35 @@ def test_a_collective_timeout_names_the_rank_that_never_entered(mesh_pool):
     assert results[1] is None
 
 
+def peers_hear_a_timeout_as_a_closed_connection():
+    from devmesh import init_device_mesh
+    from devmesh.distributed.timeouts import Watch
+    from devmesh.errors import CollectiveTimeoutError
+
+    mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("dp",), timeout=30)
+    watch = Watch("all_reduce", [0, 1, 2], lambda: "dp")
+    if mesh.get_rank() == 2:
+        time.sleep(8)  # never enters; outlives the others' grace periods
+        return None
+    # rank 1 timed out; gloo closed its connections, so rank 0 hears of it this way
+    error = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234" if
+                         mesh.get_rank() == 0 else "Timed out waiting 3000ms for recv")
+    explained = watch.explain(error)
+    return (type(explained).__name__, getattr(explained, "missing", None), str(explained))
+
+
+def test_a_rank_that_hears_of_the_timeout_as_a_closed_connection_names_the_culprit(mesh_pool):
+    """gloo closes a timed-out rank's connections: its peers fail at once with 'Connection
+    closed by peer' instead of timing out. They name the culprit too (they did not before,
+    and rank 0 — which serves the store — then exited and took the store from the rank that
+    had timed out: the CI failure of test_devmesh_run_names_a_hung_rank)."""
+    results = mesh_pool.run(peers_hear_a_timeout_as_a_closed_connection, 3, timeout=60)
+    for rank, wording in ((0, "broke off"), (1, "timed out")):
+        kind, missing, text = results[rank]
+        assert kind == "CollectiveTimeoutError" and missing == [2], text
+        assert f"{wording}: ranks [2] never entered it" in text
+
+
 def test_devmesh_run_names_a_hung_rank(tmp_path):
     script = tmp_path / "hang.py"
     script.write_text(textwrap.dedent("""

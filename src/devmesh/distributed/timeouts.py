@@ -8,6 +8,10 @@ collective times out writes "I was in collective #n" to the rendezvous store, wa
 grace period for the others of its group to do the same, and raises
 :class:`~devmesh.errors.CollectiveTimeoutError` naming the ranks that never wrote: they never
 entered the collective (stuck elsewhere, or dead). This costs nothing until a timeout.
+
+A rank may hear of the timeout as a closed connection instead (gloo closes a timed-out rank's
+connections, so its peers fail at once with ``Connection closed by peer``): that error takes
+the same path, so every rank of the group names the culprit, not only the first to time out.
 """
 
 from __future__ import annotations
@@ -35,6 +39,15 @@ def is_timeout(exc: BaseException) -> bool:
                                                or "operation timeout" in text)
 
 
+def is_peer_gone(exc: BaseException) -> bool:
+    """Whether ``exc`` is gloo's error for a peer that closed its connection mid-collective:
+    the peer crashed, or — as often — its own wait timed out first (gloo then closes its
+    pairs), so this rank hears of the same timeout as a closed connection."""
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and ("Connection closed by peer" in text
+                                               or "Connection reset by peer" in text)
+
+
 class Watch:
     """One collective about to run on the group ``ranks``: its number, and what to raise if
     it times out."""
@@ -59,20 +72,11 @@ class Watch:
         """The error to raise for ``exc``: a :class:`CollectiveTimeoutError` naming the ranks
         that never entered this collective, or ``exc`` itself if it is not a timeout (or the
         store cannot be reached)."""
-        if not is_timeout(exc):
+        timed_out = is_timeout(exc)
+        if not timed_out and not is_peer_gone(exc):
             return exc
         try:
-            store = dist.distributed_c10d._get_default_store()
-            rank = dist.get_rank()
-            prefix = f"devmesh/timeout/{','.join(map(str, self.ranks))}/{self.number}/"
-            store.set(prefix + str(rank), "1")
-            deadline = time.monotonic() + GRACE_SECONDS
-            arrived = {rank}
-            while len(arrived) < len(self.ranks) and time.monotonic() < deadline:
-                for r in self.ranks:
-                    if r not in arrived and store.check([prefix + str(r)]):
-                        arrived.add(r)
-                time.sleep(0.05)
+            arrived = self._ranks_inside()
         except Exception as store_error:  # noqa: BLE001 - the store is gone too: torch's error
             exc.add_note(f"devmesh could not ask the other ranks which one never entered this "
                          f"collective: the store failed ({type(store_error).__name__}: "
@@ -80,13 +84,46 @@ class Watch:
             return exc
         missing = [r for r in self.ranks if r not in arrived]
         waited = sorted(arrived)
-        if not missing:  # every rank timed out inside it: a slow or broken link, not a hang
-            exc.add_note(f"devmesh: every rank of {list(self.ranks)} was inside this collective "
-                         f"(#{self.number}) when it timed out")
+        if not missing:  # every rank was inside it: a slow or broken link, not a hang
+            if timed_out:
+                exc.add_note(f"devmesh: every rank of {list(self.ranks)} was inside this "
+                             f"collective (#{self.number}) when it timed out")
             return exc
         return CollectiveTimeoutError(
             f"{self.collective} over {self.label()} (collective #{self.number} on ranks "
-            f"{list(self.ranks)}) timed out: ranks {missing} never entered it — they are stuck "
+            f"{list(self.ranks)}) {'timed out' if timed_out else 'broke off'}: ranks "
+            f"{missing} never entered it — they are stuck "
             f"elsewhere in their code, or dead; ranks {waited} waited. Look at rank "
             f"{missing[0]}'s stack (py-spy dump, or faulthandler). torch's error: {exc}",
             missing=missing, waited=waited)
+
+    def _ranks_inside(self) -> set[int]:
+        """The ranks of the group that say (through the rendezvous store) they were inside
+        this collective when it failed, after waiting up to :data:`GRACE_SECONDS` for them.
+
+        The store is served by rank 0's process (under ``devmesh run`` and torch's ``env://``),
+        so rank 0 does not return before the other ranks that were inside have read what
+        they need, or a second grace period passed: leaving first would take the store down
+        under them (and torchrun stops every rank as soon as one exits)."""
+        store = dist.distributed_c10d._get_default_store()
+        rank = dist.get_rank()
+        prefix = f"devmesh/timeout/{','.join(map(str, self.ranks))}/{self.number}/"
+        store.set(prefix + str(rank), "1")
+        arrived = self._wait_for(store, prefix, {rank})
+        store.set(prefix + f"read/{rank}", "1")
+        if rank == 0:
+            self._wait_for(store, prefix + "read/", {rank}, among=arrived)
+        return arrived
+
+    def _wait_for(self, store: dist.Store, prefix: str, present: set[int], *,
+                  among: set[int] | None = None) -> set[int]:
+        """Poll ``prefix + rank`` for the ranks ``among`` (default: the group) until all are
+        present or :data:`GRACE_SECONDS` pass; returns those present."""
+        expected = set(self.ranks if among is None else among)
+        deadline = time.monotonic() + GRACE_SECONDS
+        while not expected <= present and time.monotonic() < deadline:
+            for r in expected - present:
+                if store.check([prefix + str(r)]):
+                    present.add(r)
+            time.sleep(0.05)
+        return present
