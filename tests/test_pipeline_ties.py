@@ -43,21 +43,23 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, VOCAB, (16,), generator=gen))
 
 
-def reference(steps: int, max_norm: float) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(steps: int, max_norm: float, norm_type: float = 2.0
+              ) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = tied_model()
     opt = torch.optim.Adam(model.parameters(), lr=0.05)
     norms = []
     for step in range(steps):
         x, y = batch(step)
         F.cross_entropy(model(x), y).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm,
+                                                          norm_type)))
         opt.step()
         opt.zero_grad()
     return {n: p.detach().clone() for n, p in model.state_dict().items()}, norms
 
 
 def train_tied(name: str, ranks: int, steps: int, max_norm: float, perturb: bool,
-               dp: int = 1):
+               dp: int = 1, norm_type: float = 2.0):
     """``dp > 1``: each stage is also sharded (``fully_shard``) over a ``dp`` dim."""
     from devmesh.parallel import fully_shard, state_dict
 
@@ -79,20 +81,23 @@ def train_tied(name: str, ranks: int, steps: int, max_norm: float, perturb: bool
     for step in range(steps):
         x, y = (t.chunk(dp)[index] for t in batch(step))
         runner.step(x if 0 in stages else None, y if schedule.stages - 1 in stages else None)
-        norms.append(float(runner.clip_grad_norm_(max_norm)))
+        norms.append(float(runner.clip_grad_norm_(max_norm, norm_type)))
         opt.step()
         opt.zero_grad()
     return state_dict(runner.module, full=True), norms
 
 
-@pytest.mark.parametrize("name,ranks,dp", [("1f1b", 4, 1), ("zero-bubble", 4, 1),
-                                           ("interleaved-1f1b", 2, 1), ("1f1b", 2, 2)])
-def test_a_tied_weight_trains_like_the_unsplit_model(mesh_pool, name, ranks, dp):
+@pytest.mark.parametrize("name,ranks,dp,norm_type", [
+    ("1f1b", 4, 1, 2.0), ("zero-bubble", 4, 1, 2.0), ("interleaved-1f1b", 2, 1, 2.0),
+    ("1f1b", 2, 2, 2.0), ("1f1b", 4, 1, math.inf)])
+def test_a_tied_weight_trains_like_the_unsplit_model(mesh_pool, name, ranks, dp, norm_type):
     # the embedding (stage 0) and the head (last stage) are on different ranks; the last
     # rank's copy even starts different: the runner gives it stage 0's value
-    ref, ref_norms = reference(steps=3, max_norm=0.5)
+    max_norm = 0.5 if norm_type == 2.0 else 0.05
+    ref, ref_norms = reference(3, max_norm, norm_type)
     merged = {}
-    for state, norms in mesh_pool.run(train_tied, ranks * dp, name, ranks, 3, 0.5, True, dp):
+    for state, norms in mesh_pool.run(train_tied, ranks * dp, name, ranks, 3, max_norm, True,
+                                      dp, norm_type):
         assert norms == pytest.approx(ref_norms, rel=1e-5)  # clipping really happened
         for key, value in state.items():
             if key in merged:  # a tied weight on two ranks: bitwise the same copy
@@ -101,7 +106,7 @@ def test_a_tied_weight_trains_like_the_unsplit_model(mesh_pool, name, ranks, dp)
     assert merged.keys() == ref.keys()
     for key, value in ref.items():
         torch.testing.assert_close(merged[key], value, rtol=1e-5, atol=1e-6)
-    assert all(n > 0.5 for n in ref_norms)
+    assert all(n > max_norm for n in ref_norms)  # every step was clipped
 
 
 def test_ties_are_found_between_stages_only():
