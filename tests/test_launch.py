@@ -86,3 +86,28 @@ def test_launch_runs_a_lambda_and_leaves_no_process():
 def test_bad_world_size_is_refused(mesh_pool):
     with pytest.raises(ValueError, match="between 1 and the pool size"):
         mesh_pool.run(whoami, 0, 0)
+
+
+def uses_groups_of_every_dim():
+    import torch
+
+    from devmesh import init_device_mesh
+    from devmesh.distributed import comm
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    for dims in ((0,), (1,), (0, 1), (1, 0)):
+        comm.all_reduce(torch.ones(2), mesh, dims)
+
+
+def gloo_threads() -> int:
+    tasks = f"/proc/{os.getpid()}/task"
+    return sum("gloo" in open(f"{tasks}/{t}/comm").read() for t in os.listdir(tasks))
+
+
+def test_a_task_leaves_no_process_group_behind(mesh_pool):
+    """Each task's groups (and their gloo threads and sockets) go with its world: devmesh
+    kept a module-level cache of groups, so every task left a few threads behind — hundreds
+    per worker by the end of the suite."""
+    for _ in range(3):
+        mesh_pool.run(uses_groups_of_every_dim, 4)
+    assert mesh_pool.run(gloo_threads, 4) == [0, 0, 0, 0]

@@ -141,13 +141,11 @@ class _Group:
     from_c10d: tuple[int, ...] | None
 
 
-_group_cache: dict[tuple, _Group] = {}
-
-
 def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
     """This rank's group over ``dims`` (flattened, major to minor as given), cached."""
-    key = (mesh.layout, mesh.get_rank(), tuple(dims), mesh.timeout, groups.generation())
-    found = _group_cache.get(key)
+    cache = groups.world_cache()
+    key = ("comm.group", mesh.layout, mesh.get_rank(), tuple(dims), mesh.timeout)
+    found = cache.get(key)
     if found is not None:
         return found
     ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
@@ -161,9 +159,7 @@ def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
         to_c10d = tuple(position[r] for r in ranks)
         index = {r: i for i, r in enumerate(ranks)}
         result = _Group(pg, len(ranks), tuple(ranks), to_c10d, tuple(index[r] for r in ordered))
-    if len(_group_cache) > 4096:
-        _group_cache.clear()
-    _group_cache[key] = result
+    cache[key] = result
     return result
 
 

@@ -58,6 +58,7 @@ class _Cache:
         self.hosts = None  # host index of every rank, once gathered
         self.host_published = False  # this rank posted its host index in this world
         self.private: dict[str, ProcessGroup] = {}  # whole-world groups of one purpose each
+        self.derived: dict[tuple, object] = {}  # what other modules derive from these groups
 
 
 _cache: _Cache | None = None
@@ -75,6 +76,13 @@ def generation() -> int:
     """A number that changes whenever the world (default process group) changes: caches of
     anything derived from groups key on it."""
     return _current().generation
+
+
+def world_cache() -> dict[tuple, object]:
+    """A dict that lives as long as the current world: for caches of things derived from its
+    groups, which must go with the world (a module-level cache would keep every earlier
+    world's process groups, and their gloo threads and sockets, alive)."""
+    return _current().derived
 
 
 def reset() -> None:

@@ -27,7 +27,6 @@ from devmesh.errors import CollectiveTimeoutError
 
 __all__ = ["Watch", "is_timeout"]
 
-_sequence: dict[tuple[int, tuple[int, ...]], int] = {}
 GRACE_SECONDS = 3.0  # how long a timed-out rank waits for the others of its group to say so
 
 
@@ -54,8 +53,9 @@ class Watch:
 
     def __init__(self, collective: str, ranks: Sequence[int], label: Callable[[], str]) -> None:
         self.collective, self.ranks, self.label = collective, tuple(ranks), label
-        key = (groups.generation(), self.ranks)  # a new world numbers from 1 again
-        self.number = _sequence[key] = _sequence.get(key, 0) + 1
+        numbers = groups.world_cache()  # a new world numbers from 1 again
+        key = ("timeouts.sequence", self.ranks)
+        self.number = numbers[key] = numbers.get(key, 0) + 1
 
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:

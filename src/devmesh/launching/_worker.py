@@ -11,6 +11,7 @@ clean. ``SIGUSR1`` dumps every thread's stack to a file the pool reads when a ta
 from __future__ import annotations
 
 import faulthandler
+import gc
 import os
 import signal
 import socket
@@ -41,6 +42,10 @@ def _cleanup() -> None:
     _forget_torch_mesh_caches()
     for name in _TASK_ENV:
         os.environ.pop(name, None)
+    # a task's process groups sit in reference cycles (meshes, modules, autograd graphs):
+    # collect them now, or each task leaves its groups' gloo threads and sockets behind
+    # until a collection happens to run (hundreds of threads per worker over the suite)
+    gc.collect()
 
 
 def _forget_torch_mesh_caches() -> None:
