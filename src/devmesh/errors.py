@@ -36,6 +36,7 @@ __all__ = [
     "StateDictError",
     "TopologyWarning",
     "rank_prefix",
+    "is_peer_gone",
 ]
 
 
@@ -177,3 +178,14 @@ class TopologyError(DevmeshError, RuntimeError):
 
 class TopologyWarning(UserWarning):
     """A bandwidth-heavy mesh dim crosses hosts: its traffic goes over the network."""
+
+
+def is_peer_gone(error: BaseException | str) -> bool:
+    """Whether ``error`` (an exception, or its ``"Type: message"`` text) is gloo's error for a
+    peer that closed its connection mid-collective: the peer crashed or its task ended, or
+    its own wait timed out first (gloo then closes its pairs), so this rank hears of the
+    same timeout as a closed connection."""
+    if isinstance(error, BaseException) and not isinstance(error, RuntimeError):
+        return False
+    text = str(error)
+    return "Connection closed by peer" in text or "Connection reset by peer" in text

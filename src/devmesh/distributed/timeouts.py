@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch.distributed as dist
 
 from devmesh.distributed import groups
-from devmesh.errors import CollectiveTimeoutError
+from devmesh.errors import CollectiveTimeoutError, is_peer_gone
 
 __all__ = ["Watch", "is_timeout"]
 
@@ -36,15 +36,6 @@ def is_timeout(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("Timed out waiting" in text
                                                or "operation timeout" in text)
-
-
-def is_peer_gone(exc: BaseException) -> bool:
-    """Whether ``exc`` is gloo's error for a peer that closed its connection mid-collective:
-    the peer crashed, or — as often — its own wait timed out first (gloo then closes its
-    pairs), so this rank hears of the same timeout as a closed connection."""
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("Connection closed by peer" in text
-                                               or "Connection reset by peer" in text)
 
 
 class Watch:

@@ -32,7 +32,7 @@ from typing import Any
 import cloudpickle
 
 from devmesh.launching import _auth
-from devmesh.errors import RankFailedError, RankTimeoutError
+from devmesh.errors import RankFailedError, RankTimeoutError, is_peer_gone
 
 __all__ = ["launch", "WorkerPool"]
 
@@ -313,11 +313,13 @@ class WorkerPool:
         self._kill(sorted(set(unfinished) | set(died)))
         errors = sorted(r for r, res in results.items() if res[0] == "error")
         if errors:
-            # a rank that died (killed, crashed) is the cause; the others' errors (connection
-            # closed by peer) are its consequence
-            rank = min(errors, key=lambda r: (r not in died, r))
+            # a rank that died (killed, crashed) is the cause, then one that raised its own
+            # error; the others' errors (connection closed by peer: the failed rank's task
+            # ended and its groups closed their connections) are consequences
+            rank = min(errors, key=lambda r: (r not in died, is_peer_gone(results[r][1]), r))
             _, summary, remote_tb = results[rank]
-            others = f" (ranks {errors[1:]} failed too)" if len(errors) > 1 else ""
+            rest = [r for r in errors if r != rank]
+            others = f" (ranks {rest} failed too)" if rest else ""
             stuck = f"; ranks {unfinished} were stopped" if unfinished else ""
             raise RankFailedError(
                 f"rank {rank} of {len(workers)} raised {summary}{others}{stuck}\n"
