@@ -156,6 +156,53 @@ def test_demo_pp_trains_digits_pipelined_like_single_process():
     assert "rank 0: F0@0 F1@0 B0@0" in result.stdout  # the 1F1B schedule it runs
 
 
+def _pipelined_digits_agree(results, world_size, second_stage_words):
+    assert len(results) == world_size
+    for result in results:
+        gap = max(abs(a - b) for a, b in zip(result.losses, result.reference_losses))
+        assert len(result.losses) == 3 and gap <= 1e-5, (result.losses, result.reference_losses)
+        assert result.max_param_diff <= 1e-5
+    assert second_stage_words in results[world_size // 2].describe, results[world_size // 2].describe
+
+
+def test_pipelined_digits_pp_ddp_tp_like_single_process(mesh_pool):
+    """PP x DDP x TP on (pp, dp, tp) = (2, 2, 2): the stages replicated over dp."""
+    from devmesh.tools.apps.digits_pipeline import train_pipelined
+
+    results = mesh_pool.run(train_pipelined, 8, "tp=2,dp=2,pp=2", max_steps=3, timeout=300)
+    _pipelined_digits_agree(results, 8, "tp")
+    assert "mesh_dim_names=('pp', 'dp', 'tp')" in results[0].mesh  # canonical order
+
+
+def test_pipelined_digits_pp_hsdp_tp_on_16_ranks_like_single_process():
+    """The issue's PP x HSDP x TP: (pp, dp, shard, tp) = (2, 2, 2, 2), each stage fully
+    sharded over shard and replicated over dp — 16 processes, launched for this test."""
+    from devmesh.launching.launcher import launch
+    from devmesh.tools.apps.digits_pipeline import train_pipelined
+
+    results = launch(train_pipelined, 16, "pp=2,dp=2,shard=2,tp=2", max_steps=3, timeout=600)
+    _pipelined_digits_agree(results, 16, "shard")
+
+
+@pytest.mark.parametrize("text, words", [("shard=2,tp=2", "give pp=2"),
+                                         ("pp=3,shard=2", "give pp=2"),
+                                         ("pp=2,ep=2", "names pp, dp, shard, tp")])
+def test_pipelined_digits_mesh_errors(text, words):
+    from devmesh.tools.apps.digits_pipeline import parse_pipeline_mesh
+
+    with pytest.raises(ValueError, match=words):
+        parse_pipeline_mesh(text)
+    plan = parse_pipeline_mesh("tp=2,shard=2,pp=2,dp=2")
+    assert plan.names == ("pp", "dp", "shard", "tp")
+    assert plan.describe() == "PP=2 + TP=2 + HSDP (replicate=2, shard=2)"
+
+
+def test_demo_bad_mesh_is_an_error_before_launch():
+    result = _run(DEVMESH + ["demo", "--pp", "--mesh", "pp=4,tp=2"], timeout=60)
+    assert result.returncode == 2
+    assert "give pp=2" in result.stderr
+
+
 def test_train_digits_example_launches_itself(tmp_path):
     png = tmp_path / "curve.png"
     result = _run([sys.executable, str(EXAMPLES / "train_digits.py"), "--mesh", "shard=2",

@@ -171,3 +171,107 @@ def test_torch_transformer_matches_torch_on_the_same_mesh(mesh_pool, case):
     theirs = mesh_pool.run(parallel_run, _WORLD[case], case, "torch", timeout=300)
     for a, b in zip(ours, theirs):
         assert a["losses"] == pytest.approx(b["losses"], abs=1e-10, rel=1e-10)
+
+
+# -- torch's Transformer pipelined ----------------------------------------------------------
+
+
+class _Embed(torch.nn.Module):
+    """The Transformer's input end, made of its own modules (token + position embeddings)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.tok_embeddings, self.pos_embeddings = model.tok_embeddings, model.pos_embeddings
+
+    def forward(self, tokens):
+        return self.tok_embeddings(tokens) + self.pos_embeddings(torch.arange(0, tokens.size(1)))
+
+
+class _Head(torch.nn.Module):
+    """The output end: final norm and the output projection (tied to the token embedding)."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.norm, self.output = model.norm, model.output
+
+    def forward(self, h):
+        return self.output(self.norm(h))
+
+
+def _as_sequence(model) -> torch.nn.Sequential:
+    """torch's Transformer as the stack a pipeline splits: its own modules, so the head's
+    weight is still the embedding's."""
+    return torch.nn.Sequential(_Embed(model), *model.layers, _Head(model))
+
+
+def _torch_name(name: str) -> str:
+    """A name in :func:`_as_sequence` -> the same parameter's name in torch's model."""
+    index, _, rest = name.partition(".")
+    last = len(_model().layers) + 1
+    if index in ("0", str(last)):
+        return rest
+    return f"layers.{int(index) - 1}.{rest}"
+
+
+def pipelined_run(schedule_name: str, pp: int, dp: int, microbatches: int):
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel import fully_shard, state_dict
+    from devmesh.parallel.pipeline import PipelineRunner, split_sequential
+
+    mesh = init_device_mesh("cpu", (pp, dp), mesh_dim_names=("pp", "dp"))
+    schedule = build_schedule(schedule_name, pp, microbatches)
+    sequence = _as_sequence(_model())  # 4 children: embed, 2 blocks, head
+    parts = split_sequential(sequence, schedule.stages,
+                             starts=["2"] if schedule.stages == 2 else None)
+    me = mesh.get_coordinate()[0]
+    stages = {s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == me}
+    if dp > 1:
+        for stage in stages.values():
+            fully_shard(stage, mesh=mesh["dp"])
+
+    def loss_fn(logits, target):
+        return F.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+    runner = PipelineRunner(stages, mesh, schedule, loss_fn)
+    opt = torch.optim.Adam(runner.module.parameters(), lr=0.01)
+    per, index = BATCH // dp, mesh["dp"].get_local_rank()
+    rows = slice(index * per, (index + 1) * per)
+    losses, norms = [], []
+    for step in range(STEPS):
+        tokens, target = _batch(step)
+        loss = runner.step(tokens[rows] if 0 in stages else None,
+                           target[rows] if schedule.stages - 1 in stages else None)
+        norms.append(float(runner.clip_grad_norm_(1e9)))
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    return {"losses": losses, "norms": norms, "dp": (index, dp),
+            "full": state_dict(runner.module, full=True)}
+
+
+@pytest.mark.parametrize("schedule_name,pp,dp,microbatches", [
+    ("1f1b", 2, 1, 4), ("interleaved-1f1b", 2, 1, 4), ("zero-bubble", 2, 1, 2),
+    ("gpipe", 2, 2, 2)])
+def test_torch_transformer_pipelined_matches_single_process(mesh_pool, single_process,
+                                                            schedule_name, pp, dp, microbatches):
+    """torch's Transformer split into stages (embedding | blocks | head): the output head,
+    tied to the token embedding, sits on another rank than the embedding (interleaved: 4
+    stages, the head on rank 1); with dp, every stage is also fully sharded. Losses,
+    gradient norms and every parameter equal single-process training over 3 Adam steps."""
+    ref_losses, ref_norms, ref_state = single_process
+    results = mesh_pool.run(pipelined_run, pp * dp, schedule_name, pp, dp, microbatches,
+                            timeout=300)
+    last_stage = [r for r in results if r["losses"][0] is not None]
+    assert len(last_stage) == dp
+    assert _mean_losses(last_stage) == pytest.approx(ref_losses, abs=1e-10, rel=1e-10)
+    merged = {}
+    for r in results:
+        assert r["norms"] == pytest.approx(ref_norms, abs=1e-10, rel=1e-10)
+        for key, value in r["full"].items():
+            name = _torch_name(key)
+            if name in merged:  # the tied weight, held by two stages: one value
+                assert torch.equal(merged[name], value), name
+            merged[name] = value
+    assert set(merged) == set(ref_state)
+    for key, value in ref_state.items():
+        torch.testing.assert_close(merged[key], value, atol=1e-10, rtol=1e-10)

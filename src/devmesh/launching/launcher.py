@@ -247,8 +247,9 @@ class WorkerPool:
     ) -> list[Any]:
         """Run ``fn(*args, **kwargs)`` on ranks ``0..world_size-1``; return results by rank.
 
-        Raises :class:`~devmesh.errors.RankFailedError` (the lowest failing rank, with its
-        remote traceback) if any rank raised, and :class:`~devmesh.errors.RankTimeoutError`
+        Raises :class:`~devmesh.errors.RankFailedError` (the rank that caused the failure —
+        one that died, else one with an error of its own rather than a closed connection,
+        lowest first — with its remote traceback) if any rank raised, and :class:`~devmesh.errors.RankTimeoutError`
         (with the stacks of the hung ranks) if some did not finish within ``timeout`` seconds.
         """
         if self._closed:

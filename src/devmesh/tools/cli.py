@@ -305,11 +305,16 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     plain = args.plain or not sys.stdout.isatty()
     if args.meshes:
         return run_demo(world_size=8, plain=plain)
-    if args.pp:
-        from devmesh.tools.demo import run_pipeline_demo
+    try:
+        if args.pp:
+            from devmesh.tools.demo import run_pipeline_demo
 
-        return run_pipeline_demo(plain=plain, epochs=args.epochs)
-    return run_training_demo(plain=plain, epochs=args.epochs, plot=args.plot)
+            return run_pipeline_demo(plain=plain, epochs=args.epochs, mesh_text=args.mesh)
+        return run_training_demo(plain=plain, epochs=args.epochs, plot=args.plot,
+                                 mesh_text=args.mesh)
+    except ValueError as exc:  # a bad --mesh, found before anything is launched
+        print(f"devmesh demo: error: {exc}", file=sys.stderr)
+        return 2
 
 
 def _add_show(sub) -> None:
@@ -414,6 +419,10 @@ def _add_demo(sub) -> None:
                       help="instead: build the seeds' meshes and prove every group")
     demo.add_argument("--pp", action="store_true",
                       help="instead: train digits with pipeline x FSDP x TP on (2, 2, 2)")
+    demo.add_argument("--mesh", default=None,
+                      help="the mesh to train on, e.g. dp=2,shard=2,tp=2 (the default) or, with "
+                           "--pp, pp=2,shard=2,tp=2 (the default) or pp=2,dp=2,shard=2,tp=2 "
+                           "(PP x HSDP x TP, 16 ranks)")
     demo.add_argument("--epochs", type=int, default=5)
     demo.add_argument("--plot", default="digits_loss.png", help="loss-curve PNG ('' for none)")
     demo.add_argument("--plain", action="store_true", help="plain text even in a terminal")

@@ -111,24 +111,33 @@ def run_demo(world_size: int = 8, plain: bool = False) -> int:
     return 1
 
 
-def run_pipeline_demo(plain: bool = False, epochs: int = 1) -> int:
-    """Train digits with PP x FSDP x TP on (2, 2, 2); 0 if it matches single-process
-    training."""
+def run_pipeline_demo(plain: bool = False, epochs: int = 1, mesh_text: str | None = None) -> int:
+    """Train digits pipelined — PP x FSDP x TP on (2, 2, 2) unless ``mesh_text`` says
+    otherwise (``pp=2,dp=2,shard=2,tp=2``: PP x HSDP x TP on 16 ranks); 0 if it matches
+    single-process training."""
     from rich.console import Console
 
     from devmesh.launching.launcher import launch
     from devmesh.layout import MeshLayout
     from devmesh.layout.schedule import build_schedule
-    from devmesh.tools.apps.digits_pipeline import MESH, NAMES, train_pipelined
+    from devmesh.tools.apps.digits_pipeline import (
+        DEFAULT_MESH,
+        parse_pipeline_mesh,
+        train_pipelined,
+    )
 
+    mesh_text = mesh_text or DEFAULT_MESH
+    plan = parse_pipeline_mesh(mesh_text)
     console = Console(no_color=plain, highlight=not plain, width=120 if plain else None)
-    console.rule(f"mesh {MESH}: pipeline stages (pp) x FSDP (shard) x TP (tp)")
-    _print_layout(console, MeshLayout(MESH, NAMES), plain)
+    console.rule(f"mesh {plan.shape} {plan.names}: {plan.describe()}")
+    _print_layout(console, MeshLayout(plan.shape, plan.names), plain)
     console.out(str(build_schedule("1f1b", 2, 4)), highlight=False)
-    console.print("Launching 8 local CPU ranks over gloo; training on scikit-learn's digits …")
-    results = launch(train_pipelined, 8, epochs=epochs, timeout=900)
-    console.rule("how each stage's parameters are sharded (rank 0 and rank 4)")
-    console.out(results[0].describe + "\n" + results[4].describe, highlight=False)
+    console.print(f"Launching {plan.world_size} local CPU ranks over gloo; training on "
+                  "scikit-learn's digits …")
+    results = launch(train_pipelined, plan.world_size, mesh_text, epochs=epochs, timeout=900)
+    console.rule("how each stage's parameters are sharded (describe(runner), the same on "
+                 "every rank)")
+    console.out(results[0].describe, highlight=False)
     result = results[0]
     gap = max(abs(a - b) for a, b in zip(result.losses, result.reference_losses))
     matches = gap <= 1e-5 and (result.max_param_diff or 0.0) <= 1e-5
@@ -141,18 +150,20 @@ def run_pipeline_demo(plain: bool = False, epochs: int = 1) -> int:
     return 0 if matches else 1
 
 
-def run_training_demo(plain: bool = False, epochs: int = 5, plot: str = "digits_loss.png") -> int:
-    """Train digits with HSDP + TP on (2, 2, 2); 0 if it matches single-process training."""
+def run_training_demo(plain: bool = False, epochs: int = 5, plot: str = "digits_loss.png",
+                      mesh_text: str | None = None) -> int:
+    """Train digits with HSDP + TP on (2, 2, 2), or on ``mesh_text`` (``dp=2,shard=2,tp=2``
+    form); 0 if it matches single-process training."""
     from rich.console import Console
 
     from devmesh.tools.apps.digits import parse_mesh, plot_losses, train
     from devmesh.launching.launcher import launch
     from devmesh.layout import MeshLayout
 
-    mesh_text = "dp=2,shard=2,tp=2"
+    mesh_text = mesh_text or "dp=2,shard=2,tp=2"
     plan = parse_mesh(mesh_text)
     console = Console(no_color=plain, highlight=not plain, width=120 if plain else None)
-    layout = MeshLayout(plan.shape, ("replicate", "shard", "tp"))
+    layout = MeshLayout(plan.shape, plan.names)
     console.rule(f"mesh {plan.shape}: {plan.describe()}")
     _print_layout(console, layout, plain)
     console.print(f"Launching {plan.world_size} local CPU ranks over gloo; training on "

@@ -37,7 +37,7 @@ class MeshPlan:
         return self.shape[self.names.index(name)] if name in self.names else 1
 
     def describe(self) -> str:
-        parts = []
+        parts = [f"PP={self.size('pp')}"] if "pp" in self.names else []
         if "tp" in self.names:
             parts.append(f"TP={self.size('tp')}")
         if "shard" in self.names and "dp" in self.names:
@@ -49,14 +49,16 @@ class MeshPlan:
         return " + ".join(parts) or "single rank"
 
 
-def parse_mesh(text: str) -> MeshPlan:
-    """``"dp=2,shard=2,tp=2"`` -> MeshPlan; raises ValueError that names the bad part."""
+def parse_mesh(text: str, allowed: tuple[str, ...] = ("dp", "shard", "tp")) -> MeshPlan:
+    """``"dp=2,shard=2,tp=2"`` -> MeshPlan; raises ValueError that names the bad part.
+    ``allowed`` are the dim names the caller can run (the pipelined demo adds ``pp``)."""
     names, shape = [], []
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, size = part.partition("=")
-        if name not in ("dp", "shard", "tp") or not size.isdigit() or int(size) < 1:
+        if name not in allowed or not size.isdigit() or int(size) < 1:
             raise ValueError(
-                f"mesh part {part!r}: use name=size with names dp, shard, tp, e.g. dp=2,shard=2,tp=2"
+                f"mesh part {part!r}: use name=size with names {', '.join(allowed)}, "
+                f"e.g. {','.join(f'{n}=2' for n in allowed)}"
             )
         if name in names:
             raise ValueError(f"mesh part {name!r} appears twice in {text!r}")
