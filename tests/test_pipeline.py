@@ -394,22 +394,42 @@ class _ShrinksOnThirdCall(nn.Module):
         return x[:, :-1] if self.calls == 3 else x
 
 
+class _PairOnce(nn.Module):
+    """Returns ``(x, x)`` until ``pair`` is switched off: a stage whose output is a tuple."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pair = True
+
+    def forward(self, x: torch.Tensor):
+        return (x, x) if self.pair else x
+
+
 def failing_stages(case: str):
     """4 pipeline ranks where one stage fails mid-step; every rank's error, then whether the
     next step (the failure gone) trains as usual."""
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
     model = make_model()
+    reduction = ["mean"]
     if case == "shape changes within a step":
         model.insert(4, _ShrinksOnThirdCall())  # the last layer of stage 1 (children 2-4)
         starts = ["2", "5", "7"]
         model_fix = lambda: setattr(model[4], "calls", 10)  # noqa: E731
+    elif case == "a stage returns a tuple":
+        model.insert(4, _PairOnce())
+        starts = ["2", "5", "7"]
+        model_fix = lambda: setattr(model[4], "pair", False)  # noqa: E731
+    elif case == "a loss per sample":
+        reduction[0], starts = "none", ["2", "4", "6"]
+        model_fix = lambda: reduction.__setitem__(0, "mean")  # noqa: E731
     else:  # stage 2 expects 32 features where stage 1 gives 16
         model[4] = nn.Sequential(nn.Linear(32, 16), nn.Tanh())
         starts = ["2", "4", "6"]
         model_fix = lambda: model.__setitem__(4, nn.Sequential(nn.Linear(16, 16)))  # noqa: E731
     parts = split_sequential(model, 4, starts=starts)
     me = mesh.get_coordinate()[0]
-    runner = PipelineRunner({me: parts[me]}, mesh, build_schedule("1f1b", 4, 4), F.cross_entropy)
+    runner = PipelineRunner({me: parts[me]}, mesh, build_schedule("1f1b", 4, 4),
+                            lambda out, y: F.cross_entropy(out, y, reduction=reduction[0]))
     x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
     error = None
     try:
@@ -417,7 +437,7 @@ def failing_stages(case: str):
     except PipelineError as exc:
         error = str(exc)
     model_fix()
-    if me == 2:  # the fixed layer is stage 2's
+    if me == 2 and case == "wrong input shape":  # the fixed layer is stage 2's
         parts = split_sequential(model, 4, starts=starts)
         runner.stages[2] = parts[2]
     loss = runner.step(x if me == 0 else None, y if me == 3 else None)
@@ -427,6 +447,12 @@ def failing_stages(case: str):
 @pytest.mark.parametrize("case, culprit, says", [
     ("shape changes within a step", 1, "stage 1's output for micro-batch 2 is (4, 15)"),
     ("wrong input shape", 2, "stage 2, forward of micro-batch 0 on an input of (4, 16)"),
+    ("a stage returns a tuple", 1, "stage 1, forward of micro-batch 0 on an input of (4, 16) "
+                                   "torch.float32: PipelineError: stage 1 returned a tuple, "
+                                   "not a tensor"),
+    ("a loss per sample", 3, "stage 3, forward of micro-batch 0 on an input of (4, 16) "
+                             "torch.float32: PipelineError: the loss function returned a "
+                             "tensor of shape (4,)"),
 ])
 def test_a_failing_stage_raises_on_every_rank_and_the_next_step_runs(mesh_pool, case, culprit,
                                                                       says):
@@ -434,4 +460,5 @@ def test_a_failing_stage_raises_on_every_rank_and_the_next_step_runs(mesh_pool, 
     for error, _ in results:  # no hang: every rank raises, naming the rank and what failed
         assert error is not None and f"rank {culprit}: {says}" in error, error
         assert "pipeline step failed" in error and "zero them" in error
+        assert error.count("[rank") == 1, error  # the rank prefix once
     assert results[3][1] is not None and results[3][1] == results[3][1]  # a finite loss

@@ -209,7 +209,7 @@ class PipelineRunner:
             self._agree_or_raise(step.error, "pipeline step failed")
         except PipelineError as exc:
             raise PipelineError(f"{exc}. The step's gradients are partial: zero them before "
-                                "the next step") from step.exception
+                                "the next step", with_rank=False) from step.exception
 
     def _forward(self, step: _Step, action: Action) -> None:
         s, mb = action.stage, action.microbatch
@@ -223,10 +223,16 @@ class PipelineRunner:
             try:
                 if s > 0:
                     x.requires_grad_(True)
-                out = self.stages[s](x)
+                out = _one_tensor(self.stages[s](x), f"stage {s}")
                 if s == self.last:
-                    out = self.loss_fn(out, step.chunks["targets"][mb]
-                                       ) / self.schedule.microbatches
+                    loss = _one_tensor(self.loss_fn(out, step.chunks["targets"][mb]),
+                                       "the loss function")
+                    if loss.ndim != 0:
+                        raise PipelineError(
+                            f"the loss function returned a tensor of shape {tuple(loss.shape)}; "
+                            "it must return one number per micro-batch (a reduction of "
+                            "'mean' or 'sum')")
+                    out = loss / self.schedule.microbatches
                     step.losses.append(out.detach())
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
                 step.fail(exc, f"stage {s}, forward of micro-batch {mb} on an input of "
@@ -279,6 +285,17 @@ class PipelineRunner:
             step.fail(exc, f"stage {action.stage}, weight gradients of micro-batch "
                            f"{action.microbatch}")
         step.compute[action] = time.perf_counter() - start
+
+
+def _one_tensor(value: object, what: str) -> torch.Tensor:
+    """``value`` if it is a tensor; a stage passes one tensor to the next (and the loss
+    function returns one), so anything else is refused with the fix."""
+    if isinstance(value, torch.Tensor):
+        return value
+    raise PipelineError(
+        f"{what} returned a {type(value).__name__}, not a tensor: a pipeline stage passes "
+        "exactly one tensor to the next stage (concatenate several into one, or keep the "
+        "module that makes them and the one that uses them in the same stage)")
 
 
 @dataclass
