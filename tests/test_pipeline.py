@@ -180,6 +180,8 @@ def test_pipeline_errors_name_the_fix(mesh_pool):
         # only rank 0 sees the data; every rank says why it was refused, none waits forever
         assert "pipeline step failed — rank 0: 4 micro-batches do not divide the batch of 10 " \
                "inputs" in error[1], error[1]
+        assert "rank 0: the inputs must be one tensor with a batch dim, got a tuple" \
+               in error[2], error[2]
 
 
 def pipeline_errors():
@@ -197,6 +199,11 @@ def pipeline_errors():
         # middle stages must not wait for a message that never comes
         runner.step(torch.randn(10, 16) if me == 0 else None,
                     torch.zeros(12, dtype=torch.long) if me == 3 else None)
+    except PipelineError as exc:
+        out.append(str(exc))
+    try:  # two inputs as a tuple, on the first stage only
+        runner.step((torch.randn(8, 16), torch.randn(8, 16)) if me == 0 else None,
+                    torch.zeros(8, dtype=torch.long) if me == 3 else None)
     except PipelineError as exc:
         out.append(str(exc))
     return out

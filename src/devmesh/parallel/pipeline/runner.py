@@ -160,6 +160,11 @@ class PipelineRunner:
         chunks = {}
         for name, batch in (("inputs", inputs), ("targets", targets)):
             if batch is not None:
+                if not isinstance(batch, torch.Tensor) or batch.ndim == 0:
+                    raise PipelineError(
+                        f"the {name} must be one tensor with a batch dim, got "
+                        f"{_kind(batch)}: a pipeline's first stage takes one input tensor "
+                        "(put several inputs into one tensor, or compute them in stage 0)")
                 if batch.shape[0] % m:
                     raise PipelineError(f"{m} micro-batches do not divide the batch of "
                                         f"{batch.shape[0]} {name}: use a batch that is a "
@@ -285,6 +290,12 @@ class PipelineRunner:
             step.fail(exc, f"stage {action.stage}, weight gradients of micro-batch "
                            f"{action.microbatch}")
         step.compute[action] = time.perf_counter() - start
+
+
+def _kind(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {tuple(value.shape)}"
+    return f"a {type(value).__name__}"
 
 
 def _one_tensor(value: object, what: str) -> torch.Tensor:
