@@ -206,6 +206,65 @@ def fsdp_memory_and_helpers(tmp):
     return full_bytes, local_bytes, float(norm), float(local_sq), text
 
 
+def clip_with_torchs_arguments(poison: str | None):
+    """FSDP on 4 ranks, clipped with torch's full signature; ``poison`` puts a nan or inf
+    into one gradient entry on rank 2 only."""
+    from devmesh.parallel import state_dict
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = fsdp_model(mesh)
+    F.cross_entropy(model(torch.randn(8, 12, generator=torch.Generator().manual_seed(1))),
+                    torch.zeros(8, dtype=torch.long)).backward()
+    if poison and torch.distributed.get_rank() == 2:
+        with torch.no_grad():
+            next(iter(model.parameters())).grad.reshape(-1)[0] = float(poison)
+    try:
+        norm = clip_grad_norm_(model.parameters(), 0.1, norm_type="inf",
+                               error_if_nonfinite=poison is not None, foreach=True)
+    except RuntimeError as exc:
+        return "error", str(exc)
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    norm2 = clip_grad_norm_(model.parameters(), 0.1, 2.0, False)  # as torch: nan spreads
+    return float(norm), float(norm2), state_dict(model), grads
+
+
+def test_clip_grad_norm_takes_torchs_arguments(mesh_pool):
+    reference = make_model()
+    F.cross_entropy(reference(torch.randn(8, 12, generator=torch.Generator().manual_seed(1))),
+                    torch.zeros(8, dtype=torch.long)).backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.1, norm_type="inf",
+                                              error_if_nonfinite=True, foreach=True)
+    norm, _, _, _ = mesh_pool.run(clip_with_torchs_arguments, 4, None)[0]
+    assert norm == pytest.approx(float(expected), rel=1e-6)
+    # a non-finite entry on one rank makes the global norm non-finite: every rank raises
+    # torch's error (none waits for a rank that raised alone)
+    for poison in ("nan", "inf"):
+        for result in mesh_pool.run(clip_with_torchs_arguments, 4, poison):
+            assert result[0] == "error" and "is non-finite, so it cannot be clipped" in result[1]
+    torch_grads = make_model()
+    for p in torch_grads.parameters():
+        p.grad = torch.ones_like(p)
+    next(iter(torch_grads.parameters())).grad[0, 0] = float("nan")
+    torch.nn.utils.clip_grad_norm_(torch_grads.parameters(), 0.1)
+    assert all(p.grad.isnan().all() for p in torch_grads.parameters())  # torch's behaviour
+
+
+def nan_gradient_without_error():
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = fsdp_model(mesh)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    if torch.distributed.get_rank() == 2:
+        next(iter(model.parameters())).grad.reshape(-1)[0] = float("nan")
+    norm = clip_grad_norm_(model.parameters(), 0.1)
+    return float(norm), all(bool(p.grad.isnan().all()) for p in model.parameters())
+
+
+def test_a_nan_norm_spreads_to_every_gradient_as_in_torch(mesh_pool):
+    for norm, all_nan in mesh_pool.run(nan_gradient_without_error, 4):
+        assert norm != norm and all_nan
+
+
 def test_fsdp_memory_clip_and_describe(mesh_pool, tmp_path):
     results = mesh_pool.run(fsdp_memory_and_helpers, 4, str(tmp_path))
     from devmesh.layout.spec import chunk_bounds

@@ -16,15 +16,28 @@ from torch import nn
 from devmesh.distributed import comm
 from devmesh.parallel.param import get_layout
 
-__all__ = ["clip_grad_norm_", "grad_norm_power", "clip_by_norm"]
+__all__ = ["clip_grad_norm_", "grad_norm_power", "reduce_norm_power", "clip_by_norm"]
 
 
-def clip_grad_norm_(parameters: Iterable[nn.Parameter] | nn.Module, max_norm: float,
-                    norm_type: float = 2.0) -> torch.Tensor:
-    """Clip gradients by their global norm; returns the norm (same value on every rank)."""
-    params = list(parameters.parameters() if isinstance(parameters, nn.Module) else parameters)
+def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor | nn.Module,
+                    max_norm: float, norm_type: float | str = 2.0,
+                    error_if_nonfinite: bool = False, foreach: bool | None = None
+                    ) -> torch.Tensor:
+    """Clip gradients by their global norm; returns the norm (same value on every rank).
+
+    torch's signature, so code written for ``torch.nn.utils.clip_grad_norm_`` runs unchanged:
+    ``error_if_nonfinite`` raises (on every rank alike, as the norm is global) when the norm
+    is inf or nan; ``foreach`` is accepted and has no effect (the scaling is one multiply per
+    local gradient either way)."""
+    if isinstance(parameters, torch.Tensor):
+        params = [parameters]
+    else:
+        params = list(parameters.parameters() if isinstance(parameters, nn.Module)
+                      else parameters)
     grads = [p for p in params if p.grad is not None]
-    return clip_by_norm(grads, grad_norm_power(grads, norm_type), max_norm, norm_type)
+    norm_type = float(norm_type)
+    return clip_by_norm(grads, grad_norm_power(grads, norm_type), float(max_norm), norm_type,
+                        error_if_nonfinite)
 
 
 def grad_norm_power(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:
@@ -49,25 +62,48 @@ def grad_norm_power(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> t
     total = torch.zeros((), dtype=torch.float64)
     for key in sorted(groups, key=repr):
         magnitudes = [p.grad.detach().double().abs() for p in groups[key]]
-        if infinite:
-            part = max((g.max() for g in magnitudes if g.numel()), default=torch.tensor(0.0))
+        if infinite:  # torch.max and torch.maximum keep a nan, as torch's norm does
+            maxima = [g.max() for g in magnitudes if g.numel()]
+            part = torch.stack(maxima).max() if maxima else torch.tensor(0.0)
         else:
             part = sum((g ** norm_type).sum() for g in magnitudes)
-        part = torch.as_tensor(part, dtype=torch.float64).reshape(1)
+        part = torch.as_tensor(part, dtype=torch.float64)
         if key != ("local",) and key[1]:
-            comm.all_reduce(part, meshes[key], key[1], "max" if infinite else "sum")
-        total = torch.maximum(total, part[0]) if infinite else total + part[0]
+            part = reduce_norm_power(part, meshes[key], key[1], norm_type)
+        total = torch.maximum(total, part) if infinite else total + part
     return total
 
 
+def reduce_norm_power(power: torch.Tensor, mesh, dims: tuple[int, ...], norm_type: float
+                      ) -> torch.Tensor:
+    """Combine ranks' :func:`grad_norm_power` parts over the mesh ``dims``: a sum, or for the
+    inf norm a max that keeps a nan (a max all-reduce alone would drop it on some ranks and
+    not others; the nan travels as a flag in the same collective)."""
+    if norm_type != math.inf:
+        summed = power.reshape(1).clone()
+        comm.all_reduce(summed, mesh, dims, "sum")  # a nan or inf sums to itself
+        return summed[0]
+    nan = torch.isnan(power)
+    pair = torch.stack([torch.where(nan, math.inf, power), nan.double()])
+    comm.all_reduce(pair, mesh, dims, "max")
+    return torch.where(pair[1] > 0, math.nan, pair[0])
+
+
 def clip_by_norm(params: Iterable[nn.Parameter], power: torch.Tensor, max_norm: float,
-                 norm_type: float = 2.0) -> torch.Tensor:
+                 norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
     """Scale the gradients of ``params`` so that the norm whose :func:`grad_norm_power` is
-    ``power`` becomes at most ``max_norm``; returns that norm in the gradients' dtype."""
+    ``power`` becomes at most ``max_norm``; returns that norm in the gradients' dtype. As
+    torch: a nan norm makes every gradient nan and an inf one zeroes them, unless
+    ``error_if_nonfinite``."""
     grads = [p for p in params if p.grad is not None]
     norm = power if norm_type == math.inf else power ** (1.0 / norm_type)
+    if error_if_nonfinite and not math.isfinite(float(norm)):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is "
+            "non-finite, so it cannot be clipped. To disable this error and scale the "
+            "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
     coef = max_norm / (float(norm) + 1e-6)
-    if coef < 1:
+    if not coef >= 1:  # nan included, as torch's clamp(coef, max=1) keeps it
         for p in grads:
             p.grad.detach().mul_(coef)
     return norm.to(grads[0].grad.dtype if grads else torch.float32)  # torch: the grads' dtype

@@ -31,7 +31,6 @@ last backward of the step.
 from __future__ import annotations
 
 import functools
-import math
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -45,7 +44,7 @@ from devmesh.distributed import comm
 from devmesh.errors import rank_prefix
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.grads import clip_by_norm, grad_norm_power
+from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
 from devmesh.parallel.pipeline.messages import StageLinks
 from devmesh.parallel.pipeline.split import PipelineError
 from devmesh.parallel.pipeline.tied import TiedCopies, ties_of
@@ -136,18 +135,20 @@ class PipelineRunner:
             listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
             raise PipelineError(f"{what} — {listing}")
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float | str = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the whole model's gradients by their global norm, as
         ``torch.nn.utils.clip_grad_norm_`` on the unsplit model would: the norm sums over
         every stage (one tiny all-reduce over the pipeline dim) and counts a tied parameter
-        once. Call after :meth:`step`; returns the norm, the same on every rank."""
+        once. Call after :meth:`step`; returns the norm, the same on every rank (so
+        ``error_if_nonfinite`` raises on every rank alike)."""
+        norm_type = float(norm_type)
         params = [p for p in self.module.parameters() if p.grad is not None]
         skip = self._ties.counted_once
         counted = [p for p in params if id(p) not in skip]
-        power = grad_norm_power(counted, norm_type)
-        comm.all_reduce(power.reshape(1), self.mesh, (self.dim,),
-                        "max" if norm_type == math.inf else "sum")
-        return clip_by_norm(params, power, max_norm, norm_type)
+        power = reduce_norm_power(grad_norm_power(counted, norm_type), self.mesh,
+                                  (self.dim,), norm_type)
+        return clip_by_norm(params, power, float(max_norm), norm_type, error_if_nonfinite)
 
     def _set_sync(self, stage: int, sync: bool) -> None:
         for module in self._syncable[stage]:
