@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,7 @@ from devmesh.parallel.param import (
     describe_tensors,
     get_layout,
     sharded_parameter,
+    world_mesh,
     GradientSyncControl,
     with_methods,
 )
@@ -48,12 +50,15 @@ __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule"]
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """``param_dtype``: dtype of the gathered parameters (compute); ``reduce_dtype``: dtype of
-    gradient reduction; ``cast_forward_inputs``: floating-point inputs of each unit's forward
-    are cast to ``param_dtype`` (torch's default too). Sharded parameters (the optimizer's
-    master copy) keep their dtype."""
+    gradient reduction; ``output_dtype``: floating-point outputs of the unit's forward are
+    cast to it; ``cast_forward_inputs``: floating-point inputs of each unit's forward are
+    cast to ``param_dtype`` (torch's default too). Sharded parameters (the optimizer's master
+    copy) keep their dtype. The fields and their order are torch's, whose own
+    ``MixedPrecisionPolicy`` ``fully_shard`` accepts as well."""
 
     param_dtype: torch.dtype | None = None
     reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
 
 
@@ -73,8 +78,9 @@ class _Param:
 class FSDPUnit:
     """The parameters of one ``fully_shard`` call and the hooks that gather and reduce them."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool,
-                 mp_policy: MixedPrecisionPolicy | None) -> None:
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
+                 mp_policy: MixedPrecisionPolicy | None,
+                 ignored_params: set[nn.Parameter] | None = None) -> None:
         if mesh.ndim not in (1, 2):
             raise ParallelizeError(
                 f"fully_shard needs a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh!r}"
@@ -86,8 +92,9 @@ class FSDPUnit:
         self.replicate_dims = tuple(range(mesh.ndim - 1))
         self.k = mesh.shape[self.shard_dim]
         self.index = mesh.get_coordinate()[self.shard_dim]
-        self.reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = reshard_after_forward  # None: all but the root unit
         self.mp = mp_policy or MixedPrecisionPolicy()
+        self._ignored = {id(p) for p in ignored_params or ()}
         self.params: list[_Param] = []
         self._full: list[torch.Tensor] | None = None  # gathered for backward (resharded case)
         # gradient accumulation (set_requires_gradient_sync(False)): unsharded gradients summed
@@ -103,9 +110,10 @@ class FSDPUnit:
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._order: _ForwardOrder | None = None  # the record the last forward used
         self._root_order: _ForwardOrder | None = None  # owned when this unit is the root
+        ignored = [n for n, p in module.named_parameters() if id(p) in self._ignored]
         comm.agree(mesh, tuple(range(mesh.ndim)),
-                   "fully_shard: every rank must hold the same parameters",
-                   describe_tensors(module))
+                   "fully_shard: every rank must hold the same parameters (and ignore the "
+                   "same ones)", describe_tensors(module) + f"\nignored: {ignored}")
         self._collect(module)
 
     # -- setup -----------------------------------------------------------------------------
@@ -119,8 +127,8 @@ class FSDPUnit:
             if module is not root and getattr(module, "_devmesh_fsdp", None) is not None:
                 return  # a child unit owns this subtree
             for name, param in list(module._parameters.items()):
-                if param is None:
-                    continue
+                if param is None or id(param) in self._ignored:
+                    continue  # an ignored parameter stays this rank's plain tensor
                 if id(param) in owned:
                     owned[id(param)].places.append((module, name))
                     module._parameters[name] = owned[id(param)].sharded
@@ -273,6 +281,7 @@ class FSDPUnit:
 
     # -- hooks -----------------------------------------------------------------------------
     def pre_forward(self, module: nn.Module, args):
+        root = _ORDER.active is None  # this unit starts the forward
         _ORDER.enter(self)
         shards = [p.sharded for p in self.params]
         cast = self._cast_inputs(args)
@@ -284,7 +293,10 @@ class FSDPUnit:
         for p, full in zip(self.params, fulls):
             for module, name in p.places:
                 module._parameters[name] = full.view(p.shape)
-        if self.reshard_after_forward and torch.is_grad_enabled():
+        reshard = self.reshard_after_forward
+        if reshard is None:  # torch's default: the root's backward starts at once, keep it
+            reshard = not root
+        if reshard and torch.is_grad_enabled():
             storages = {f.untyped_storage().data_ptr(): i for i, f in enumerate(fulls)}
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: self._pack(t, storages), self._unpack)
@@ -308,7 +320,11 @@ class FSDPUnit:
             for module, name in p.places:
                 module._parameters[name] = p.sharded
         _ORDER.exit(self)
-        return output
+        dtype = self.mp.output_dtype
+        if dtype is None:
+            return output
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output)
 
     def _pack(self, t: torch.Tensor, storages: dict[int, int]):
         index = storages.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
@@ -465,15 +481,31 @@ class FSDPModule(GradientSyncControl):
 def fully_shard(
     module: nn.Module,
     *,
-    mesh: DeviceMesh,
-    reshard_after_forward: bool = True,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
     mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: object | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: object | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters over ``mesh`` (FSDP2's API): apply to submodules first,
-    then to the root. Returns ``module``; ``module._devmesh_fsdp`` is its unit."""
+    then to the root. Returns ``module``; ``module._devmesh_fsdp`` is its unit.
+
+    torch's signature, so FSDP2 code runs unchanged: ``mesh=None`` is the whole world as a
+    1-D mesh; ``reshard_after_forward=None`` (the default, as torch's) reshards every unit
+    but the root, whose parameters backward needs first; ``ignored_params`` stay plain,
+    unsharded tensors whose gradients are not reduced; ``mp_policy`` may be torch's
+    ``MixedPrecisionPolicy``. What devmesh does not do is refused with a clear error rather
+    than silently ignored: resharding to a smaller world (an ``int``), a placement other
+    than ``Shard(0)`` from ``shard_placement_fn``, offloading on a GPU mesh, and
+    ``dp_mesh_dims``."""
     if getattr(module, "_devmesh_fsdp", None) is not None:
         raise ParallelizeError(f"fully_shard was already applied to this {type(module).__name__}")
-    unit = FSDPUnit(module, mesh, reshard_after_forward, mp_policy)
+    mesh = mesh if mesh is not None else world_mesh()
+    _refuse_unsupported(module, mesh, reshard_after_forward, shard_placement_fn,
+                        offload_policy, dp_mesh_dims, ignored_params)
+    unit = FSDPUnit(module, mesh, reshard_after_forward, mp_policy, ignored_params)
     module._devmesh_fsdp = unit  # type: ignore[attr-defined]
     with_methods(module, FSDPModule)
     # gather before any other pre-hook of the module (a sequence-parallel style's, say)
@@ -481,3 +513,41 @@ def fully_shard(
     module.register_forward_hook(unit.post_forward, always_call=True)
     return module
 
+
+def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forward,
+                        shard_placement_fn, offload_policy, dp_mesh_dims,
+                        ignored_params) -> None:
+    """Raise for an argument of torch's that devmesh cannot honour (the same on every rank:
+    they are checked before any collective)."""
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise ParallelizeError(
+            f"reshard_after_forward={reshard_after_forward} (reshard to a smaller world after "
+            "forward) is not supported by devmesh: use True (reshard), False (keep) or None "
+            "(keep the root only)")
+    if shard_placement_fn is not None:
+        from devmesh.layout.placement import Shard
+
+        for name, param in module.named_parameters():
+            placement = shard_placement_fn(param)
+            if placement is not None and not (isinstance(placement, Shard)
+                                              or type(placement).__name__ == "Shard"):
+                raise ParallelizeError(
+                    f"shard_placement_fn gave {placement!r} for {name}: devmesh shards over "
+                    "the mesh given to fully_shard only (return None or Shard(0))")
+            if placement is not None and placement.dim != 0:
+                raise ParallelizeError(
+                    f"shard_placement_fn gave {placement!r} for {name}: devmesh's fully_shard "
+                    "shards dim 0 only (return None or Shard(0); transpose the parameter, "
+                    "or shard it with distribute_tensor, for another dim)")
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        if mesh.device_type != "cpu":
+            raise ParallelizeError(
+                f"{type(offload_policy).__name__}: devmesh does not offload a GPU mesh's "
+                "parameters to CPU; on a CPU mesh they are already there")
+    if dp_mesh_dims is not None:
+        raise ParallelizeError(
+            "dp_mesh_dims is not supported by devmesh: pass the data-parallel mesh itself "
+            "(mesh['dp'], or mesh['replicate', 'shard'] for HSDP)")
+    if ignored_params is not None and not all(isinstance(p, torch.Tensor)
+                                              for p in ignored_params):
+        raise ParallelizeError("ignored_params must be a set of the module's parameters")

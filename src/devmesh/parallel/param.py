@@ -15,10 +15,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from devmesh.distributed.env import read_launch_env
 from devmesh.errors import ParallelizeError  # noqa: F401 - re-exported
-from devmesh.mesh import DeviceMesh
+from devmesh.mesh import DeviceMesh, init_device_mesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
 __all__ = ["with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
@@ -134,3 +136,15 @@ class GradientSyncControl:
             yield
         finally:
             self.set_requires_gradient_sync(True)
+
+
+def world_mesh() -> DeviceMesh:
+    """torch's default data-parallel mesh: every rank of the world on one dim (starting the
+    default process group from the launcher's environment if none runs yet, as torch's
+    ``init_device_mesh`` does; without a launcher that raises the error saying how to
+    launch)."""
+    if dist.is_initialized():
+        device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        return init_device_mesh(device, (dist.get_world_size(),))
+    world_size = read_launch_env().world_size
+    return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (world_size,))

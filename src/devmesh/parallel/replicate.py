@@ -13,6 +13,8 @@ given (data-parallel) mesh only.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 from torch import nn
 
@@ -23,6 +25,7 @@ from devmesh.parallel.param import (
     describe_tensors,
     get_layout,
     set_layout,
+    world_mesh,
     GradientSyncControl,
     with_methods,
 )
@@ -42,15 +45,18 @@ class _Bucket:
 class DataParallelState:
     """Buckets and hooks of one ``replicate`` call."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float) -> None:
+    def __init__(self, module: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float,
+                 ignored: set[int] | frozenset[int] = frozenset()) -> None:
         if mesh.get_coordinate() is None:
             raise ParallelizeError(f"rank {mesh.get_rank()} is not part of {mesh!r}")
         self.mesh = mesh
         self.dims = tuple(range(mesh.ndim))
-        params = [p for p in module.parameters() if p.requires_grad]
-        comm.agree(mesh, self.dims, "replicate: every replica must hold the same parameters",
-                   describe_tensors(module))
-        self._broadcast(module)
+        params = [p for p in module.parameters() if p.requires_grad and id(p) not in ignored]
+        ignored_names = [n for n, p in module.named_parameters() if id(p) in ignored]
+        comm.agree(mesh, self.dims, "replicate: every replica must hold the same parameters "
+                   "(and ignore the same ones)",
+                   describe_tensors(module) + f"\nignored: {ignored_names}")
+        self._broadcast(module, ignored)
         cap = int(bucket_cap_mb * 2**20)
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
@@ -73,9 +79,9 @@ class DataParallelState:
                                     mesh_dim_names=mesh.mesh_dim_names)
                 set_layout(p, mesh, spec)
 
-    def _broadcast(self, module: nn.Module) -> None:
+    def _broadcast(self, module: nn.Module, ignored: set[int] | frozenset[int]) -> None:
         tensors = [t for t in list(module.parameters()) + list(module.buffers())
-                   if torch.is_floating_point(t)]
+                   if torch.is_floating_point(t) and id(t) not in ignored]
         if not tensors or self.mesh.size() == 1:
             return
         with torch.no_grad():
@@ -131,11 +137,27 @@ class ReplicateModule(GradientSyncControl):
         self._devmesh_ddp.requires_gradient_sync = bool(requires_gradient_sync)  # type: ignore[attr-defined]
 
 
-def replicate(module: nn.Module, *, mesh: DeviceMesh, bucket_cap_mb: float = 25.0) -> nn.Module:
+def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
+              bucket_cap_mb: float = 25.0, ignored_params: set[nn.Parameter] | None = None,
+              ignored_modules: Iterable[nn.Module] | None = None,
+              device_mesh: DeviceMesh | None = None) -> nn.Module:
     """Data-parallel ``module`` over ``mesh`` (all of its dims): gradients are averaged.
-    Returns ``module``; ``module._devmesh_ddp`` holds the state."""
+    Returns ``module``; ``module._devmesh_ddp`` holds the state.
+
+    Takes the arguments of both of torch's ``replicate`` functions: ``mesh`` (the FSDP-based
+    one) or ``device_mesh`` (the DDP-based one; the same thing); neither: the whole world as
+    a 1-D mesh. ``ignored_params`` and the parameters of ``ignored_modules`` are neither
+    broadcast nor averaged: they stay each rank's own."""
     if getattr(module, "_devmesh_ddp", None) is not None:
         raise ParallelizeError("replicate was already applied to this module")
-    module._devmesh_ddp = DataParallelState(module, mesh, bucket_cap_mb)  # type: ignore[attr-defined]
+    if mesh is not None and device_mesh is not None and mesh is not device_mesh:
+        raise ParallelizeError("replicate got both mesh and device_mesh: pass one (they are "
+                               "the same argument under torch's two names)")
+    mesh = mesh if mesh is not None else device_mesh
+    if mesh is None:
+        mesh = world_mesh()
+    ignored = {id(p) for p in ignored_params or ()}
+    ignored |= {id(p) for m in ignored_modules or () for p in m.parameters()}
+    module._devmesh_ddp = DataParallelState(module, mesh, bucket_cap_mb, ignored)  # type: ignore[attr-defined]
     with_methods(module, ReplicateModule)
     return module

@@ -1,0 +1,172 @@
+"""torch's ``fully_shard`` and ``replicate`` arguments, as FSDP2 code passes them: devmesh
+either does what torch does (compared with torch's FSDP2 on the same mesh, same data) or
+refuses with a clear error — never ignores an argument silently."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh import comm_stats, init_device_mesh
+
+from helpers import caught
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 14), nn.ReLU(),
+                         nn.Linear(14, 5))
+
+
+def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10 + rank)
+    return torch.randn(4, 12, generator=gen), torch.randint(0, 5, (4,), generator=gen)
+
+
+def _train(model: nn.Module, steps: int = 2) -> list[float]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        x, y = _batch(dist.get_rank())
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _params(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Full parameters, whoever sharded them (devmesh, torch's DTensor, or nobody)."""
+    from devmesh.parallel import state_dict
+
+    if hasattr(model, "_devmesh_fsdp") or hasattr(model, "_devmesh_ddp"):
+        return {k: v.clone() for k, v in state_dict(model, full=True).items()}
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}
+
+
+def side_by_side(library: str):
+    """FSDP2 code with torch's arguments: no mesh (the world), the default
+    ``reshard_after_forward`` (None), the last layer's weight ignored, torch's own
+    ``MixedPrecisionPolicy`` with an ``output_dtype`` and ``OffloadPolicy``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    model = make_model()
+    ignored = {model[4].weight}
+    fully_shard(model[2], ignored_params=ignored, offload_policy=OffloadPolicy())
+    fully_shard(model, ignored_params=ignored,
+                mp_policy=MixedPrecisionPolicy(output_dtype=torch.float64))
+    losses = _train(model)
+    params = _params(model)
+    with torch.no_grad():  # after training: torch's root would otherwise keep its unsharded
+        out_dtype = model(_batch(0)[0]).dtype  # parameters from a forward without backward
+    return {"losses": losses, "params": params, "out_dtype": out_dtype,
+            "ignored_is_plain": type(model[4].weight) is nn.Parameter
+                                and tuple(model[4].weight.shape) == (5, 14)}
+
+
+def test_torchs_fsdp2_arguments_give_torchs_result(mesh_pool):
+    ours = mesh_pool.run(side_by_side, 4, "devmesh")
+    theirs = mesh_pool.run(side_by_side, 4, "torch")
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a["out_dtype"] == b["out_dtype"] == torch.float64  # output_dtype honoured
+        assert a["ignored_is_plain"] and b["ignored_is_plain"]
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=1e-6)
+        assert a["params"].keys() == b["params"].keys()
+        for key in b["params"]:
+            torch.testing.assert_close(a["params"][key], b["params"][key], rtol=1e-6,
+                                       atol=1e-6, msg=f"rank {rank} {key}")
+    # the ignored weight trained on each rank's own batch only: the ranks differ there, and
+    # agree on every sharded parameter
+    assert not torch.equal(ours[0]["params"]["4.weight"], ours[1]["params"]["4.weight"])
+    torch.testing.assert_close(ours[0]["params"]["2.weight"], ours[1]["params"]["2.weight"])
+
+
+def gathers_per_step(reshard):
+    from devmesh.parallel import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = make_model()
+    fully_shard(model[2], mesh=mesh, reshard_after_forward=reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    x, y = _batch(0)
+    with comm_stats() as stats:
+        F.cross_entropy(model(x), y).backward()
+    return stats.by_collective()["all_gather"][0]
+
+
+def test_reshard_after_forward_none_keeps_only_the_root(mesh_pool):
+    # forward gathers the root (layers 0 and 4) and layer 2; backward re-gathers layer 2,
+    # and the root too when it resharded (layer 4's weight gives its input's gradient)
+    assert mesh_pool.run(gathers_per_step, 2, True)[0] == 4
+    assert mesh_pool.run(gathers_per_step, 2, None)[0] == 3
+    assert mesh_pool.run(gathers_per_step, 2, False)[0] == 2
+
+
+def refusals():
+    from torch.distributed.fsdp import CPUOffloadPolicy
+    from torch.distributed.tensor import Shard
+
+    from devmesh.parallel import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    return [
+        caught(lambda: fully_shard(make_model(), mesh=mesh, reshard_after_forward=2)),
+        caught(lambda: fully_shard(make_model(), mesh=mesh,
+                                   shard_placement_fn=lambda p: Shard(p.ndim - 1))),
+        caught(lambda: fully_shard(make_model(), mesh=mesh, dp_mesh_dims=object())),
+        caught(lambda: fully_shard(make_model(), mesh=mesh, offload_policy=CPUOffloadPolicy(),
+                                   shard_placement_fn=lambda p: Shard(0))),
+    ]
+
+
+def test_what_devmesh_does_not_do_is_refused_not_ignored(mesh_pool):
+    for res in mesh_pool.run(refusals, 2):
+        assert res[0][0] == "ParallelizeError" and "smaller world" in res[0][1]
+        assert "Shard(dim=1)" in res[1][1] and "shards dim 0 only" in res[1][1], res[1]
+        assert "dp_mesh_dims" in res[2][1]
+        assert res[3] is None  # a CPU mesh is offloaded already; Shard(0) is the default
+
+
+def ddp_arguments(library: str):
+    model = make_model()
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    if library == "devmesh":
+        from devmesh.parallel import replicate
+
+        replicate(model, device_mesh=mesh, ignored_modules=[model[4]])
+    else:
+        from torch.distributed._composable.replicate import replicate
+
+        replicate(model, device_mesh=mesh, ignored_modules=[model[4]])
+    losses = _train(model)
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_replicate_takes_torchs_ddp_arguments(mesh_pool):
+    ours = mesh_pool.run(ddp_arguments, 3, "devmesh")
+    theirs = mesh_pool.run(ddp_arguments, 3, "torch")
+    for (losses, params), (their_losses, their_params) in zip(ours, theirs):
+        assert losses == pytest.approx(their_losses, rel=1e-6, abs=1e-6)
+        for key, value in their_params.items():
+            torch.testing.assert_close(params[key], value, rtol=1e-6, atol=1e-6)
+    assert not torch.equal(ours[0][1]["4.weight"], ours[1][1]["4.weight"])  # not averaged
+
+
+def test_fully_shard_without_a_mesh_outside_a_launcher_says_how_to_launch():
+    from devmesh.errors import LaunchEnvironmentError
+    from devmesh.parallel import fully_shard, replicate
+
+    for apply in (fully_shard, replicate):
+        with pytest.raises(LaunchEnvironmentError, match="not started by a distributed launcher"):
+            apply(make_model())
