@@ -352,3 +352,45 @@ def test_a_mesh_can_be_returned_from_launch_for_inspection(mesh_pool):
     assert meshes[3].get_coordinate() == (1,) and meshes[3].layout.groups("tp") == [(2, 3)]
     with pytest.raises(MeshUsageError, match="unpickled"):
         meshes[0].get_group()
+
+
+def backend_override_like_torch():
+    """torch's ``backend_override`` on the same (2, 2) mesh: devmesh's dims use their own
+    backend's groups (collectives included) with the same ranks as torch's."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_init
+
+    from devmesh.distributed import comm
+    from devmesh.errors import MeshDimNameError, MeshShapeError
+
+    override = {"tp": "gloo", 0: (None, None)}
+    ours = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), backend_override=override)
+    theirs = torch_init("cpu", (2, 2), mesh_dim_names=("dp", "tp"), backend_override=override)
+    same = all(dist.get_process_group_ranks(ours.get_group(d))
+               == dist.get_process_group_ranks(theirs.get_group(d)) for d in ("dp", "tp"))
+    default_tp = dm_groups.get_group(ours.layout.group_of(dist.get_rank(), (1,)),
+                                     timeout=ours.timeout)
+    t = torch.tensor([float(dist.get_rank())])
+    comm.all_reduce(t, ours, (1,), "sum")
+    errors = []
+    for bad in ({"ep": "gloo"}, {"tp": ("gloo", dist.ProcessGroupGloo._Options())},
+                {"tp": "nosuch"}, {"tp": "gloo", 1: "gloo"}):
+        try:
+            init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), backend_override=bad)
+        except (MeshDimNameError, MeshShapeError) as exc:
+            errors.append(str(exc))
+    return {"same": same, "backends": (ours.backend_of("dp"), ours.backend_of("tp"),
+                                       ours["tp"].backend_of(0)),
+            "own_group": ours.get_group("tp") is not default_tp
+            and ours["tp"].get_group() is ours.get_group("tp"),
+            "sum": t.item(), "errors": errors}
+
+
+def test_backend_override_as_torch(mesh_pool):
+    for rank, r in enumerate(mesh_pool.run(backend_override_like_torch, 4)):
+        assert r["same"] and r["backends"] == (None, "gloo", "gloo") and r["own_group"]
+        assert r["sum"] == (1.0 if rank < 2 else 5.0)
+        assert len(r["errors"]) == 4, r["errors"]
+        assert "'ep' does not exist" in r["errors"][0]
+        assert "not backend options" in r["errors"][1]
+        assert "not a backend this torch build has" in r["errors"][2]
+        assert "names dim 1 twice" in r["errors"][3]

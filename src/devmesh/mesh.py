@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Union
 
 import numpy as np
 import torch
@@ -46,6 +46,31 @@ def _as_rank_array(mesh: Any) -> np.ndarray:
     if isinstance(mesh, torch.Tensor):
         return mesh.detach().cpu().numpy()
     return np.asarray(mesh)
+
+
+BackendChoice = Union[str, tuple]  # a backend name, or torch's (name, options) pair
+
+
+def _backends(override: Mapping[Dim, BackendChoice] | None, layout: MeshLayout
+              ) -> tuple[str | None, ...]:
+    """torch's ``backend_override`` (keys: dim index or name; values: a backend name, or a
+    ``(name, options)`` pair with options ``None``) as one backend per dim, ``None`` for the
+    default. Backend options are refused: devmesh creates its groups by backend name."""
+    chosen: list[str | None] = [None] * layout.ndim
+    for key, value in (override or {}).items():
+        d = layout.dim(key)  # a name or an index; a clear error otherwise
+        name, options = value if isinstance(value, tuple) else (value, None)
+        if options is not None or not isinstance(name, (str, type(None))):
+            raise MeshShapeError(
+                f"backend_override[{key!r}] = {value!r}: devmesh takes a backend name only "
+                "(e.g. 'gloo'), not backend options")
+        if chosen[d] is not None:
+            raise MeshDimNameError(f"backend_override names dim {d} twice (by index and name)")
+        if name is not None and not dist.is_backend_available(name.lower()):
+            raise MeshShapeError(f"backend_override[{key!r}] = {name!r} is not a backend this "
+                                 "torch build has (e.g. 'gloo', 'nccl')")
+        chosen[d] = None if name is None else name.lower()
+    return tuple(chosen)
 
 
 def _payload(device_type: str, layout: MeshLayout) -> str:
@@ -92,19 +117,25 @@ class DeviceMesh(TorchDeviceMesh):
         *,
         mesh_dim_names: Sequence[str] | None = None,
         timeout: float | datetime.timedelta | None = None,
+        backend_override: Mapping[Dim, BackendChoice] | None = None,
         _init_backend: bool = True,
     ) -> None:
         _check_device_type(device_type)
         layout = MeshLayout(ranks=_as_rank_array(mesh), names=mesh_dim_names)
         timeout_td = groups.as_timedelta(timeout)
+        backends = _backends(backend_override, layout)
         if _init_backend:
             env.ensure_default_group(device_type, timeout=timeout_td)
             self._check_world_covers(layout)
             groups.publish_host()
             groups.check_agreement(
-                "DeviceMesh creation", _payload(device_type, layout), timeout=timeout_td
+                "DeviceMesh creation",
+                _payload(device_type, layout) + (f", backends={backends}" if any(backends)
+                                                 else ""),
+                timeout=timeout_td,
             )
         self._setup(device_type, layout, root=None, dim_roots=None, timeout=timeout_td)
+        self._backends = backends
         if _init_backend:
             self._create_groups()
 
@@ -139,6 +170,7 @@ class DeviceMesh(TorchDeviceMesh):
         self._root = root if root is not None else self
         self._dim_roots = dim_roots or tuple((d,) for d in range(layout.ndim))
         self._timeout = timeout
+        self._backends: tuple[str | None, ...] = (None,) * layout.ndim  # None: the default
         self._flattened: dict[str, tuple[int, ...]] = {}
         self._groups: tuple[ProcessGroup | None, ...] = (None,) * layout.ndim
         self._rank = dist.get_rank() if dist.is_initialized() else 0
@@ -205,7 +237,8 @@ class DeviceMesh(TorchDeviceMesh):
             rows = self._mesh_layout.group_array(d).tolist()
             created.append(
                 groups.create_dim_groups(
-                    rows, timeout=self._timeout, desc=f"mesh_{self._mesh_layout.dim_name(d)}"
+                    rows, backend=self._backends[d], timeout=self._timeout,
+                    desc=f"mesh_{self._mesh_layout.dim_name(d)}"
                 )
             )
         if self._coordinate is not None:
@@ -219,12 +252,21 @@ class DeviceMesh(TorchDeviceMesh):
         """A view of the root: same ranks, some dims; groups come from the cache."""
         child = DeviceMesh._build(self._device_type, layout, root=self._root,
                                   dim_roots=dim_roots, timeout=self._timeout)
+        root = self._root
+        child._backends = tuple(root._backends[r[0]] if len(r) == 1 else None
+                                for r in dim_roots)  # a flattened dim: the default backend
         if child._coordinate is not None:
             child._set_groups([
-                groups.get_group(layout.group_of(child._rank, d), timeout=self._timeout)
+                groups.get_group(layout.group_of(child._rank, d), backend=child._backends[d],
+                                 timeout=self._timeout)
                 for d in range(layout.ndim)
             ])
         return child
+
+    def backend_of(self, mesh_dim: Dim) -> str | None:
+        """The backend ``backend_override`` gave ``mesh_dim``'s groups (``None``: the default
+        group's backend)."""
+        return self._backends[self._mesh_layout.dim(mesh_dim)]
 
     # -- torch API: attributes -------------------------------------------------------------
     @property
@@ -640,13 +682,16 @@ def init_device_mesh(
     timeout: float | datetime.timedelta | None = None,
     heavy_dims: Sequence[Dim] | Dim | None = None,
     strict: bool = False,
+    backend_override: Mapping[Dim, BackendChoice] | None = None,
 ) -> DeviceMesh:
     """Create a mesh of ``mesh_shape`` over the whole world, as torch's ``init_device_mesh``.
 
     Initializes the default process group from torchrun's environment if needed (gloo for
     ``"cpu"``, NCCL for ``"cuda"`` with one GPU per local rank). A shape whose size is not the
     world size is an error that says how to fix it; to use part of the world on purpose,
-    construct ``DeviceMesh(device_type, mesh=ranks)``.
+    construct ``DeviceMesh(device_type, mesh=ranks)``. ``backend_override`` gives some dims
+    their own backend, as torch's (``{"dp": "gloo"}``; keys are dim names or indices; backend
+    options are not supported).
 
     On several hosts, a bandwidth-heavy dim (``heavy_dims``; default the innermost, where TP
     goes) whose groups would span hosts gives a :class:`~devmesh.layout.topology.TopologyWarning`, or
@@ -675,6 +720,7 @@ def init_device_mesh(
         np.arange(size).reshape(shape),
         mesh_dim_names=names,
         timeout=timeout_td,
+        backend_override=backend_override,
     )
     _check_topology(mesh, heavy_dims, strict)
     return mesh

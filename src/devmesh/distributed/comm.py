@@ -149,7 +149,10 @@ def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
     if found is not None:
         return found
     ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
-    pg = groups.get_group(ranks, timeout=mesh.timeout)
+    # a dim with its own backend (backend_override) uses its group; otherwise, and for
+    # several dims at once, the default backend's group over the ranks
+    own = len(dims) == 1 and mesh.backend_of(dims[0]) is not None
+    pg = mesh.get_group(dims[0]) if own else groups.get_group(ranks, timeout=mesh.timeout)
     assert pg is not None
     ordered = sorted(ranks)
     if list(ranks) == ordered:
