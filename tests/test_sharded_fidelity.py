@@ -165,3 +165,47 @@ def test_partial_reductions_on_real_processes(mesh_pool):
             assert torch.allclose(torch.tensor(r[op][0]), full), op
             row = rank // 2
             assert torch.allclose(torch.tensor(r[op][1]), full[row: row + 1]), op
+
+
+def factories_next_to_torch():
+    """devmesh's DTensor factories on a (2, 2) mesh with torch's placements, an uneven size
+    and an empty block, next to torch's own factories on the same mesh."""
+    import torch.distributed.tensor as tdt
+
+    import devmesh.tensor as dmt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    placements = [TorchShard(0), TorchShard(1)]
+    out = {"shapes": [], "values": []}
+    for name, args in (("zeros", (5, 1)), ("ones", ((5, 3),)), ("empty", (2, 3))):
+        ours = getattr(dmt, name)(*args, device_mesh=mesh, placements=placements,
+                                  dtype=torch.float64, requires_grad=True)
+        theirs = getattr(tdt, name)(*args, device_mesh=mesh, placements=placements,
+                                    dtype=torch.float64, requires_grad=True)
+        out["shapes"].append((tuple(ours.to_local().shape), tuple(theirs.to_local().shape),
+                              ours.requires_grad))
+        if name != "empty":
+            out["values"].append(torch.equal(ours.full_tensor(), theirs.full_tensor()))
+    filled = dmt.full((5, 3), 7.5, device_mesh=mesh, placements=placements)
+    out["full"] = torch.equal(filled.full_tensor(), torch.full((5, 3), 7.5))
+    torch.manual_seed(3)
+    out["rand"] = dmt.rand(6, 4, device_mesh=mesh, placements=placements).full_tensor()
+    out["randn"] = dmt.randn(6, 4, device_mesh=mesh, placements=[Replicate(), Shard(1)]
+                             ).full_tensor()
+    torch.manual_seed(dist.get_rank())  # ranks seeded differently: refused on every rank
+    out["seeds"] = caught(lambda: dmt.randn(4, device_mesh=mesh))
+    out["partial"] = caught(lambda: dmt.ones(4, device_mesh=mesh,
+                                             placements=[TorchPartial(), TorchReplicate()]))
+    return out
+
+
+def test_tensor_factories_as_torch(mesh_pool):
+    torch.manual_seed(3)
+    rand, randn = torch.rand(6, 4), torch.randn(6, 4)  # one process, the same seed
+    for r in mesh_pool.run(factories_next_to_torch, 4):
+        for ours, theirs, requires_grad in r["shapes"]:
+            assert ours == theirs and requires_grad
+        assert all(r["values"]) and r["full"]
+        assert torch.equal(r["rand"], rand) and torch.equal(r["randn"], randn)
+        assert r["seeds"][0] == "MeshMismatchError" and "same random state" in r["seeds"][1]
+        assert "Partial placement is ambiguous" in r["partial"][1]

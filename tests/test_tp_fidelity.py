@@ -140,3 +140,41 @@ def replicas_that_differ(case: str):
 def test_replicate_refuses_replicas_that_differ_on_every_rank(mesh_pool, case, words):
     for name, message in mesh_pool.run(replicas_that_differ, 4, case, timeout=60):
         assert name == "MeshMismatchError" and words in message
+
+
+def prepare_input_and_output(library: str):
+    """One module whose input arrives split by rows and whose output leaves split by rows,
+    computing on the whole batch in between: torch's PrepareModuleInputOutput or devmesh's."""
+    if library == "devmesh":
+        from devmesh.parallel import PrepareModuleInputOutput
+    else:
+        from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+        from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+
+    class WholeBatch(nn.Module):
+        def forward(self, x):
+            full = x.to_local() if hasattr(x, "to_local") else x  # Replicate: the whole batch
+            return full - full.mean(0)
+
+    style = PrepareModuleInputOutput(input_layouts=TorchShard(0),
+                                     desired_input_layouts=TorchReplicate(),
+                                     use_local_input=True, output_layouts=TorchReplicate(),
+                                     desired_output_layouts=TorchShard(0))
+    apply = parallelize_module if library == "devmesh" else torch_parallelize
+    module = apply(WholeBatch(), mesh, style)
+    rows = torch.arange(8.0, dtype=torch.float64).reshape(4, 2) ** 2
+    mine = rows.chunk(2)[dist.get_rank()].clone().requires_grad_()
+    out = module(mine)
+    out.pow(2).sum().backward()
+    return out.detach(), mine.grad
+
+
+def test_prepare_module_input_output_as_torch(mesh_pool):
+    ours = mesh_pool.run(prepare_input_and_output, 2, "devmesh")
+    theirs = mesh_pool.run(prepare_input_and_output, 2, "torch")
+    rows = torch.arange(8.0, dtype=torch.float64).reshape(4, 2) ** 2
+    for rank, ((out, grad), (t_out, t_grad)) in enumerate(zip(ours, theirs)):
+        torch.testing.assert_close(out, (rows - rows.mean(0)).chunk(2)[rank])
+        torch.testing.assert_close(out, t_out)
+        torch.testing.assert_close(grad, t_grad)

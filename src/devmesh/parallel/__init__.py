@@ -9,6 +9,7 @@ from devmesh.parallel.tensor_parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -21,7 +22,7 @@ __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "replicate",
     "ReplicateModule", "parallelize_module",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareModuleOutput", "clip_grad_norm_", "state_dict", "load_state_dict", "describe",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "clip_grad_norm_", "state_dict", "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",
 ]
 

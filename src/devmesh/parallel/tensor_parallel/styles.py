@@ -34,7 +34,7 @@ from devmesh.layout.spec import chunk_bounds
 
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareModuleOutput", "Distribute",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "Distribute",
 ]
 
 Distribute = Callable[[nn.Module, str, Placement], None]
@@ -358,3 +358,26 @@ def _prepare_output(style: PrepareModuleOutput, mesh: DeviceMesh, module: nn.Mod
                  A.convert(x, have, want or have, mesh, use_local_output=style.use_local_output)
                  for x, (have, want) in zip(items, layouts)]
     return converted[0] if single else tuple(converted)
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one module, as torch's
+    style of the same name (its arguments: ``use_local_input`` is the input side's
+    ``use_local_output``)."""
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None,
+                 input_kwarg_layouts=None, desired_input_kwarg_layouts=None,
+                 use_local_input: bool = False, output_layouts, desired_output_layouts,
+                 use_local_output: bool = True) -> None:
+        self.prepare_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input)
+        self.prepare_output = PrepareModuleOutput(
+            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output)
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        self.prepare_input.apply(module, mesh, distribute)
+        return self.prepare_output.apply(module, mesh, distribute)
