@@ -226,14 +226,25 @@ def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
     assert bad.returncode == 2 and "use 6 micro-batches" in bad.stderr
 
 
-def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2):
-    """The same model, split and schedule run by torch.distributed.pipelining (the anchor)."""
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
+def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
+                                library: str = "torch"):
+    """The same model, split and schedule run by torch.distributed.pipelining (the anchor),
+    or — ``library="devmesh"`` — the same code with only its imports switched to devmesh's
+    classes of the same names."""
+    if library == "torch":
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import (
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+    else:
+        from devmesh.parallel.pipeline import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
     group = mesh.get_group("pp")
@@ -251,31 +262,51 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2):
         schedule = kind(stages[0], microbatches, loss_fn=F.cross_entropy)
     params = [p for s in mine for p in parts[s].parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
+    losses, outputs = [], []
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
         if 0 in mine:
             schedule.step(x)
         elif 4 * virtual - 1 in mine:
-            schedule.step(target=y)
+            outputs.append(schedule.step(target=y, losses=losses))
         else:
             schedule.step()
         opt.step()
         opt.zero_grad()
     index = {id(p): n for n, p in model.named_parameters()}
-    return {index[id(p)]: p.detach().clone() for p in params}
+    return ({index[id(p)]: p.detach().clone() for p in params},
+            [float(loss) for loss in losses], [tuple(out.shape) for out in outputs])
+
+
+def _merged_params(results):
+    merged = {}
+    for params, *_ in results:
+        merged.update(params)
+    return merged
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
 def test_same_result_as_torch_pipelining(mesh_pool, name):
-    theirs, ours = {}, {}
-    for params in mesh_pool.run(train_with_torch_pipelining, 4, name, 8):
-        theirs.update(params)
-    for params, *_ in mesh_pool.run(train_pipelined, 4, name, 8):
-        ours.update(params)
+    theirs = _merged_params(mesh_pool.run(train_with_torch_pipelining, 4, name, 8))
+    ours = _merged_params(mesh_pool.run(train_pipelined, 4, name, 8))
     assert theirs.keys() == ours.keys()
     for key in ours:
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
+def test_torch_pipelining_code_runs_on_devmesh_with_its_imports_switched(mesh_pool, name):
+    """torch's PipelineStage / Schedule code, unchanged but for its imports: the same
+    parameters, per-micro-batch losses and step outputs as torch's own run."""
+    theirs = mesh_pool.run(train_with_torch_pipelining, 4, name, 8)
+    ours = mesh_pool.run(train_with_torch_pipelining, 4, name, 8, 2, "devmesh")
+    for (params, losses, shapes), (t_params, t_losses, t_shapes) in zip(ours, theirs):
+        assert params.keys() == t_params.keys()
+        for key in params:
+            torch.testing.assert_close(params[key], t_params[key], rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(t_losses, rel=1e-5) and shapes == t_shapes
+    assert len(ours[3][1]) == 8 and ours[3][2] == [(16, 4), (16, 4)]  # the last rank
 
 
 def block_model() -> nn.Sequential:
@@ -469,3 +500,18 @@ def test_a_failing_stage_raises_on_every_rank_and_the_next_step_runs(mesh_pool, 
         assert "pipeline step failed" in error and "zero them" in error
         assert error.count("[rank") == 1, error  # the rank prefix once
     assert results[3][1] is not None and results[3][1] == results[3][1]  # a finite loss
+
+
+def test_torch_schedule_arguments_devmesh_does_not_support_are_refused():
+    from devmesh.parallel.pipeline import PipelineStage, Schedule1F1B
+
+    stage = PipelineStage(nn.Linear(2, 2), 0, 2, "cpu")
+    for kwargs, words in (({}, "give loss_fn"), ({"loss_fn": F.mse_loss, "scale_grads": False},
+                                                  "scale_grads=False"),
+                          ({"loss_fn": F.mse_loss, "args_chunk_spec": (0,)}, "chunk")):
+        with pytest.raises(PipelineError, match=words):
+            Schedule1F1B(stage, 4, **kwargs)
+    with pytest.raises(PipelineError, match="runs on CPU"):
+        PipelineStage(nn.Linear(2, 2), 0, 2, torch.device("cuda", 0))
+    with pytest.raises(PipelineError, match="stage_index 2"):
+        PipelineStage(nn.Linear(2, 2), 2, 2, "cpu")

@@ -100,6 +100,7 @@ class PipelineRunner:
         self.last = schedule.stages - 1
         self._links = StageLinks(mesh, self.dim, schedule)
         self.compute_seconds: dict[Action, float] = {}
+        self.microbatch_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
         # a stage under replicate / fully_shard reduces its gradients once per step: at its
         # last action that computes weight gradients (the others accumulate without sync)
         actions = schedule.actions[self.index]
@@ -208,6 +209,8 @@ class PipelineRunner:
                 self._set_sync(stage, True)
         self._raise_if_any_stage_failed(step)
         self._ties.add_gradients()
+        # the last stage's model output and (unscaled) loss of each micro-batch, in order
+        self.microbatch_outputs = [step.outputs[mb] for mb in sorted(step.outputs)]
         return torch.stack(step.losses).sum() if step.losses else None
 
     def _raise_if_any_stage_failed(self, step: _Step) -> None:
@@ -238,6 +241,7 @@ class PipelineRunner:
                             f"the loss function returned a tensor of shape {tuple(loss.shape)}; "
                             "it must return one number per micro-batch (a reduction of "
                             "'mean' or 'sum')")
+                    step.outputs[mb] = (out.detach(), loss.detach())
                     out = loss / self.schedule.microbatches
                     step.losses.append(out.detach())
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
@@ -317,6 +321,7 @@ class _Step:
     chunks: dict[str, tuple[torch.Tensor, ...]]
     saved: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> tensors
     losses: list[torch.Tensor] = field(default_factory=list)
+    outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     compute: dict[Action, float] = field(default_factory=dict)
     error: str | None = None  # the first failure on this rank; then nothing more is computed
     exception: BaseException | None = None

@@ -1,0 +1,151 @@
+"""``torch.distributed.pipelining``'s stage and schedule classes on devmesh's runner, so
+pipelining code written for torch runs with only its imports switched::
+
+    from devmesh.parallel.pipeline import PipelineStage, Schedule1F1B   # was torch's
+
+    stage = PipelineStage(part, stage_index, num_stages, torch.device("cpu"), group=pp_group)
+    schedule = Schedule1F1B(stage, n_microbatches, loss_fn=loss_fn)
+    schedule.step(x)                              # first stage
+    schedule.step(target=y, losses=losses)        # last stage: per-micro-batch losses
+    schedule.step()                               # the stages between
+
+The schedule's :class:`~devmesh.parallel.pipeline.PipelineRunner` is built at the first
+``step`` (it agrees on the stages with its peers, which torch's constructors do not), on a
+1-D ``pp`` mesh over the stage's ``group`` (the world when none is given). What devmesh
+does not do — chunk specs, unscaled gradients, schedules without a loss — is refused when
+the schedule is built, with the fix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from devmesh.layout.schedule import build_schedule
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.pipeline.runner import PipelineRunner
+from devmesh.parallel.pipeline.split import PipelineError
+
+__all__ = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"]
+
+
+class PipelineStage:
+    """One stage of a pipelined model on this rank, as torch's ``PipelineStage``: the module
+    (``submod``), its index among ``num_stages``, and the pipeline's process group."""
+
+    def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
+                 device: torch.device | str, input_args: Any = None, output_args: Any = None,
+                 group: dist.ProcessGroup | None = None, dw_builder: Any = None) -> None:
+        if not 0 <= stage_index < num_stages:
+            raise PipelineError(f"stage_index {stage_index} is not one of the {num_stages} "
+                                "stages (0..num_stages-1)")
+        if torch.device(device).type != "cpu":
+            raise PipelineError(f"devmesh's pipeline runs on CPU (gloo) so far, got device "
+                                f"{device!r}: on GPUs keep torch.distributed.pipelining")
+        if dw_builder is not None:
+            raise PipelineError("dw_builder is not supported: devmesh's zero-bubble schedule "
+                                "splits the backward itself")
+        self.submod = submodule
+        self.stage_index = stage_index
+        self.num_stages = num_stages
+        self.device = torch.device(device)
+        self.group = group
+        self.is_first = stage_index == 0
+        self.is_last = stage_index == num_stages - 1
+
+
+class _Schedule:
+    """A torch schedule class over devmesh's runner; subclasses name the schedule."""
+
+    schedule_name = ""
+
+    def __init__(self, stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None,
+                 output_merge_spec: Any = None, scale_grads: bool = True, **options: Any
+                 ) -> None:
+        self._stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        if loss_fn is None:
+            raise PipelineError("devmesh's pipeline schedules train: give loss_fn (a schedule "
+                                "without one only runs forward in torch)")
+        if (args_chunk_spec, kwargs_chunk_spec, output_merge_spec) != (None, None, None):
+            raise PipelineError("chunk and merge specs are not supported: the batch is split "
+                                "into micro-batches along dim 0, and outputs joined along it")
+        if not scale_grads:
+            raise PipelineError("scale_grads=False is not supported: devmesh divides each "
+                                "micro-batch's loss by the number of micro-batches")
+        unknown = {k for k, v in options.items() if v is not None and k != "use_full_backward"}
+        if unknown:
+            raise PipelineError(f"{type(self).__name__} options {sorted(unknown)} are not "
+                                "supported by devmesh")
+        self._n_microbatches = n_microbatches
+        self._loss_fn = loss_fn
+        self._runner: PipelineRunner | None = None
+
+    def _build(self) -> PipelineRunner:
+        groups = {id(s.group) for s in self._stages}
+        num_stages = {s.num_stages for s in self._stages}
+        if len(groups) != 1 or len(num_stages) != 1:
+            raise PipelineError("this rank's stages must share one group and one num_stages")
+        group = self._stages[0].group or dist.group.WORLD
+        mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("pp",))
+        ranks = mesh.size()
+        schedule = build_schedule(self.schedule_name, ranks, self._n_microbatches,
+                                  **self._virtual(num_stages.pop(), ranks))
+        stages = {s.stage_index: s.submod for s in self._stages}
+        return PipelineRunner(stages, mesh, schedule, self._loss_fn)
+
+    def _virtual(self, num_stages: int, ranks: int) -> dict[str, int]:
+        if num_stages != ranks:
+            raise PipelineError(f"{type(self).__name__} runs one stage per rank: "
+                                f"{num_stages} stages on {ranks} ranks (use "
+                                "ScheduleInterleaved1F1B for several stages per rank)")
+        return {}
+
+    def step(self, *args: torch.Tensor, target: torch.Tensor | None = None,
+             losses: list | None = None, **kwargs: Any) -> torch.Tensor | None:
+        """One training step over the batch: ``args`` (one input tensor) on the first stage's
+        rank, ``target`` on the last's. Fills ``losses`` with each micro-batch's loss and
+        returns the model's output for the whole batch on the last stage's rank (``None``
+        elsewhere), as torch's ``step``."""
+        if kwargs or len(args) > 1:
+            raise PipelineError("the first stage takes one input tensor (no keyword inputs): "
+                                "put several inputs into one tensor")
+        if self._runner is None:
+            self._runner = self._build()
+        runner = self._runner
+        runner.step(args[0] if args else None, target)
+        if not runner.microbatch_outputs:
+            return None
+        if losses is not None:  # this step's losses only, as torch (which clears the list)
+            losses[:] = [loss for _, loss in runner.microbatch_outputs]
+        return torch.cat([out for out, _ in runner.microbatch_outputs])
+
+
+class ScheduleGPipe(_Schedule):
+    """All forwards, then all backwards (torch's ``ScheduleGPipe``)."""
+
+    schedule_name = "gpipe"
+
+
+class Schedule1F1B(_Schedule):
+    """One forward, one backward in the steady state (torch's ``Schedule1F1B``)."""
+
+    schedule_name = "1f1b"
+
+
+class ScheduleInterleaved1F1B(_Schedule):
+    """1F1B over several stages per rank, stage ``s`` on rank ``s % ranks`` (torch's
+    ``ScheduleInterleaved1F1B``)."""
+
+    schedule_name = "interleaved-1f1b"
+
+    def _virtual(self, num_stages: int, ranks: int) -> dict[str, int]:
+        if num_stages % ranks or num_stages == ranks:
+            raise PipelineError(f"ScheduleInterleaved1F1B needs several stages per rank: "
+                                f"{num_stages} stages on {ranks} ranks")
+        return {"virtual": num_stages // ranks}
