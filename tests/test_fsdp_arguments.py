@@ -59,13 +59,17 @@ def side_by_side(library: str):
 
     if library == "devmesh":
         from devmesh.parallel import fully_shard
+        world = {}  # no mesh: devmesh builds the world's
     else:
         from torch.distributed.fsdp import fully_shard
+        # torch's default mesh, given explicitly: torch's own would stay cached in torch's
+        # globals, with its process group, after the pool worker's task
+        world = {"mesh": init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))}
     model = make_model()
     ignored = {model[4].weight}
-    fully_shard(model[2], ignored_params=ignored, offload_policy=OffloadPolicy())
+    fully_shard(model[2], ignored_params=ignored, offload_policy=OffloadPolicy(), **world)
     fully_shard(model, ignored_params=ignored,
-                mp_policy=MixedPrecisionPolicy(output_dtype=torch.float64))
+                mp_policy=MixedPrecisionPolicy(output_dtype=torch.float64), **world)
     losses = _train(model)
     params = _params(model)
     with torch.no_grad():  # after training: torch's root would otherwise keep its unsharded
@@ -76,8 +80,12 @@ def side_by_side(library: str):
 
 
 def test_torchs_fsdp2_arguments_give_torchs_result(mesh_pool):
+    from devmesh.launching.launcher import launch
+
     ours = mesh_pool.run(side_by_side, 4, "devmesh")
-    theirs = mesh_pool.run(side_by_side, 4, "torch")
+    # fresh processes for torch's FSDP2: each model it shards stays alive, with its process
+    # groups, after the pool worker's task (3 gloo threads per task)
+    theirs = launch(side_by_side, 4, "torch")
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert a["out_dtype"] == b["out_dtype"] == torch.float64  # output_dtype honoured
         assert a["ignored_is_plain"] and b["ignored_is_plain"]
@@ -154,8 +162,11 @@ def ddp_arguments(library: str):
 
 
 def test_replicate_takes_torchs_ddp_arguments(mesh_pool):
+    from devmesh.launching.launcher import launch
+
     ours = mesh_pool.run(ddp_arguments, 3, "devmesh")
-    theirs = mesh_pool.run(ddp_arguments, 3, "torch")
+    # fresh processes for torch's DDP-based replicate: its models stay alive as FSDP2's do
+    theirs = launch(ddp_arguments, 3, "torch")
     for (losses, params), (their_losses, their_params) in zip(ours, theirs):
         assert losses == pytest.approx(their_losses, rel=1e-6, abs=1e-6)
         for key, value in their_params.items():

@@ -97,9 +97,17 @@ def uses_groups_of_every_dim():
     from devmesh import init_device_mesh
     from devmesh.distributed import comm
 
+    from devmesh.parallel import fully_shard, replicate
+
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     for dims in ((0,), (1,), (0, 1), (1, 0)):
         comm.all_reduce(torch.ones(2), mesh, dims)
+    # models under replicate / fully_shard, trained a step with an optimizer, then dropped
+    for parallelize in (replicate, fully_shard):
+        model = parallelize(torch.nn.Linear(4, 4), mesh=mesh["dp"])
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
 
 
 def gloo_threads() -> int:
@@ -110,7 +118,8 @@ def gloo_threads() -> int:
 def test_a_task_leaves_no_process_group_behind(mesh_pool):
     """Each task's groups (and their gloo threads and sockets) go with its world: devmesh
     kept a module-level cache of groups, so every task left a few threads behind — hundreds
-    per worker by the end of the suite."""
+    per worker by the end of the suite; and replicate's gradient hooks (held by the tensors,
+    out of the garbage collector's sight) kept every replicated model and its groups."""
     for _ in range(3):
         mesh_pool.run(uses_groups_of_every_dim, 4)
     assert mesh_pool.run(gloo_threads, 4) == [0, 0, 0, 0]

@@ -111,6 +111,10 @@ def main(argv: list[str]) -> None:
     conn.send((int(index), os.getpid()))
     import torch  # noqa: F401 - pay the import once, before the first task
     import torch.distributed  # noqa: F401
+    # torch._dynamo (imported by the first optimizer a task builds) keeps the process group
+    # that is alive when it is imported, for the life of the process: import it now, while
+    # none is, or the first task to build an optimizer leaves its gloo threads behind
+    import torch._dynamo  # noqa: F401
 
     torch.set_num_threads(1)
     conn.send("ready")

@@ -13,6 +13,7 @@ given (data-parallel) mesh only.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 
 import torch
@@ -72,8 +73,13 @@ class DataParallelState:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._callback_queued = False
         self.requires_gradient_sync = True
+        # the hook lives on the tensor (C++), where Python's garbage collector cannot see
+        # it: holding this state strongly would make the cycle param -> hook -> state ->
+        # module -> param uncollectable, keeping the model and its mesh's process groups
+        # alive forever; the module holds the state, the hook only a weak reference to it
+        on_grad = weakref.WeakMethod(self._on_grad)
         for p in params:
-            p.register_post_accumulate_grad_hook(self._on_grad)
+            p.register_post_accumulate_grad_hook(lambda param: _call(on_grad, param))
             if get_layout(p) is None:
                 spec = ShardingSpec(mesh.shape, tuple(p.shape), ((),) * p.ndim,
                                     mesh_dim_names=mesh.mesh_dim_names)
@@ -125,6 +131,12 @@ class DataParallelState:
                     p.grad.copy_(chunk)
                 offset += p.numel()
             bucket.pending, bucket.buffer, bucket.ready = None, None, 0
+
+
+def _call(method: weakref.WeakMethod, param: nn.Parameter) -> None:
+    bound = method()
+    if bound is not None:
+        bound(param)
 
 
 class ReplicateModule(GradientSyncControl):
