@@ -178,3 +178,35 @@ def test_prepare_module_input_output_as_torch(mesh_pool):
         torch.testing.assert_close(out, (rows - rows.mean(0)).chunk(2)[rank])
         torch.testing.assert_close(out, t_out)
         torch.testing.assert_close(grad, t_grad)
+
+
+def vocab_parallel_loss():
+    """The output head column-parallel with a sharded, non-local output (a torch DTensor),
+    under loss_parallel (torch's own, re-exported): the cross-entropy never gathers the
+    logits, and the loss and every gradient equal single-process training."""
+    import torch.nn.functional as F
+
+    from devmesh.parallel import loss_parallel
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    ref, model = _mlp(), _mlp()
+    parallelize_module(model, mesh, {"2": ColwiseParallel(output_layouts=TorchShard(-1),
+                                                           use_local_output=False)})
+    x = torch.randn(4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    y = torch.tensor([1, 3, 7, 0])
+    logits = model(x)
+    with loss_parallel():
+        loss = F.cross_entropy(logits, y)
+        loss.backward()
+    expected = F.cross_entropy(ref(x), y)
+    expected.backward()
+    mine = slice(4 * dist.get_rank(), 4 * dist.get_rank() + 4)  # this rank's 4 of 8 classes
+    return (tuple(logits.to_local().shape), float(loss.full_tensor()), float(expected),
+            torch.allclose(model[2].weight.grad, ref[2].weight.grad[mine], atol=1e-14),
+            torch.allclose(model[0].weight.grad, ref[0].weight.grad, atol=1e-14))
+
+
+def test_loss_parallel_with_devmesh_tensor_parallelism(mesh_pool):
+    for local_shape, loss, expected, head_grad, trunk_grad in mesh_pool.run(vocab_parallel_loss, 2):
+        assert local_shape == (4, 4)  # the logits stay split by class
+        assert loss == pytest.approx(expected, rel=1e-14) and head_grad and trunk_grad

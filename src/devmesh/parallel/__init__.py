@@ -13,6 +13,7 @@ from devmesh.parallel.tensor_parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 from devmesh.parallel.grads import clip_grad_norm_
@@ -22,7 +23,7 @@ __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "replicate",
     "ReplicateModule", "parallelize_module",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "clip_grad_norm_", "state_dict", "load_state_dict", "describe",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "clip_grad_norm_", "state_dict", "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",
 ]
 

@@ -12,7 +12,10 @@ from devmesh.parallel.tensor_parallel.styles import (
     SequenceParallel,
 )
 
+# torch's own: it works on the DTensor a style with use_local_output=False hands on
+from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
+
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module", "loss_parallel",
 ]
