@@ -209,3 +209,43 @@ def test_tensor_factories_as_torch(mesh_pool):
         assert torch.equal(r["rand"], rand) and torch.equal(r["randn"], randn)
         assert r["seeds"][0] == "MeshMismatchError" and "same random state" in r["seeds"][1]
         assert "Partial placement is ambiguous" in r["partial"][1]
+
+
+def redistribute_dtypes(library: str):
+    """redistribute with forward_dtype / backward_dtype, devmesh's or torch's, on a (2, 2)
+    mesh: [R, R] -> [S(0), S(1)] (forward: a local chunk; backward: an all-gather of the
+    gradient). The result's dtype and values, the gradient's dtype and values, and (devmesh)
+    the bytes the backward moved."""
+    import torch.distributed.tensor as tdt
+
+    from devmesh import comm_stats
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    make = distribute_tensor if library == "devmesh" else tdt.distribute_tensor
+    full = torch.linspace(-3, 3, 48).reshape(8, 6) * 1.001
+    weight = torch.linspace(0.1, 7, 12).reshape(4, 3).to(torch.bfloat16) * 1.003
+    out = []
+    for backward_dtype in (None, torch.bfloat16):
+        x = make(full.clone().requires_grad_(), mesh, [TorchReplicate(), TorchReplicate()])
+        y = x.redistribute(mesh, [TorchShard(0), TorchShard(1)],
+                           forward_dtype=torch.bfloat16, backward_dtype=backward_dtype)
+        local = y.to_local()
+        with comm_stats() as stats:
+            (local * weight).sum().backward()
+        grad = x._local.grad if library == "devmesh" else x.grad.to_local()
+        moved = sum(b for _, b in stats.by_collective().values())
+        out.append((local.dtype, local.float(), grad.dtype, grad.clone(), moved))
+    return out
+
+
+def test_redistribute_forward_and_backward_dtypes_as_torch(mesh_pool):
+    ours = mesh_pool.run(redistribute_dtypes, 4, "devmesh")
+    theirs = mesh_pool.run(redistribute_dtypes, 4, "torch")
+    for rank_ours, rank_theirs in zip(ours, theirs):
+        for (dtype, values, grad_dtype, grad, _), (t_dtype, t_values, t_grad_dtype, t_grad, _) \
+                in zip(rank_ours, rank_theirs):
+            assert dtype == t_dtype == torch.bfloat16 and torch.equal(values, t_values)
+            assert grad_dtype == t_grad_dtype == torch.float32
+            assert torch.equal(grad, t_grad)
+        # the gradient's all-gather ran in fp32 (the tensor's dtype), then in bf16
+        assert rank_ours[0][4] > 0 and rank_ours[1][4] * 2 == rank_ours[0][4]

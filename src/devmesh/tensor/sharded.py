@@ -168,22 +168,30 @@ class ShardedTensor:
                                   grad_spec=grad)
 
     def redistribute(self, device_mesh: DeviceMesh | Layout | None = None,
-                     placements: Layout | None = None, *, async_op: bool = False
-                     ) -> ShardedTensor:
+                     placements: Layout | None = None, *, async_op: bool = False,
+                     forward_dtype: torch.dtype | None = None,
+                     backward_dtype: torch.dtype | None = None) -> ShardedTensor:
         """The same global tensor in another layout, with the fewest collectives;
         differentiable. Torch's call shape (``redistribute(mesh, placements)``, either
         optional) and devmesh's (``redistribute(layout)``, a spec or placements) both work.
-        ``async_op`` is accepted for torch's signature; the result is computed at once."""
+        ``async_op`` is accepted for torch's signature; the result is computed at once.
+
+        As torch's: ``forward_dtype`` casts the block before the collectives (the result is
+        in it); ``backward_dtype`` is the dtype the gradient's collectives run in (default:
+        this tensor's dtype, not ``forward_dtype``), the gradient arriving back in this
+        tensor's dtype."""
         if device_mesh is not None and not isinstance(device_mesh, TorchDeviceMesh):
             device_mesh, placements = None, device_mesh  # redistribute(layout)
         if device_mesh is not None and _as_devmesh(device_mesh) != self._mesh:
             raise ShardingSpecError(
                 f"redistribute stays on the tensor's mesh {self._mesh!r}, got {device_mesh!r}"
             )
-        if placements is None:
+        if placements is None and forward_dtype is None:
             return self
-        dst = _as_spec(placements, self._mesh, self._spec.global_shape)
-        local = redistribute_local(self._local, self._mesh, self._spec, dst)
+        dst = (self._spec if placements is None
+               else _as_spec(placements, self._mesh, self._spec.global_shape))
+        local = redistribute_local(self._local, self._mesh, self._spec, dst,
+                                   forward_dtype=forward_dtype, backward_dtype=backward_dtype)
         return ShardedTensor(local, self._mesh, dst)
 
     def full_tensor(self, *, grad_placements: Layout | None = None) -> torch.Tensor:
