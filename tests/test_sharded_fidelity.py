@@ -249,3 +249,67 @@ def test_redistribute_forward_and_backward_dtypes_as_torch(mesh_pool):
             assert torch.equal(grad, t_grad)
         # the gradient's all-gather ran in fp32 (the tensor's dtype), then in bf16
         assert rank_ours[0][4] > 0 and rank_ours[1][4] * 2 == rank_ours[0][4]
+
+
+def from_local_and_mesh_context(library: str):
+    """torch's ``from_local`` arguments and ``with mesh:`` default, devmesh's or torch's, on a
+    (2, 2) mesh: what each rank's leaf gradient is, what the factories and from_local make
+    without a mesh argument, and (devmesh) the errors."""
+    import torch.distributed.tensor as tdt
+
+    import devmesh.tensor as dmt
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    ours = library == "devmesh"
+    from_local = ShardedTensor.from_local if ours else DTensor.from_local
+    lib = dmt if ours else tdt
+    coord = mesh.get_coordinate()
+    weight = torch.arange(12.0).reshape(4, 3) + 1
+    out = {}
+    # grad_placements: a replicated block whose gradient leaves as a partial sum over "a"
+    # (torch: the gradient / 2 on each rank; devmesh: the gradient on a=0, zeros on a=1)
+    for name, placements, grad_placements in (
+            ("replicate->partial", [TorchReplicate(), TorchReplicate()],
+             [TorchPartial(), TorchReplicate()]),
+            ("shard->partial", [TorchShard(0), TorchReplicate()],
+             [TorchShard(0), TorchPartial()]),
+            ("partial->default", [TorchPartial(), TorchReplicate()], None)):
+        leaf = torch.ones(4, 3, requires_grad=True)
+        t = from_local(leaf, mesh, placements, grad_placements=grad_placements)
+        full = t.full_tensor()
+        (full * torch.arange(float(full.numel())).reshape(full.shape)).sum().backward()
+        out[name] = leaf.grad.clone()
+    with mesh:
+        out["context"] = (
+            [type(p).__name__ for p in from_local(weight).placements] == ["Replicate"] * 2,
+            tuple(lib.zeros(5, 2, placements=[TorchShard(0), TorchShard(1)]).to_local().shape),
+            torch.equal(lib.distribute_tensor(weight, placements=[TorchShard(0), TorchShard(1)])
+                        .full_tensor(), weight))
+    if ours:
+        out["no mesh"] = caught(lambda: dmt.ones(4))
+        out["stride"] = caught(lambda: from_local(weight, mesh, stride=(1, 4)))
+        out["nested"] = caught(lambda: from_local(from_local(weight, mesh), mesh))
+    out["coord"] = tuple(coord)
+    return out
+
+
+def test_from_local_grad_placements_and_mesh_context_as_torch(mesh_pool):
+    ours = mesh_pool.run(from_local_and_mesh_context, 4, "devmesh")
+    theirs = mesh_pool.run(from_local_and_mesh_context, 4, "torch")
+    for name in ("replicate->partial", "shard->partial", "partial->default"):
+        # the partial sums differ per rank (see README), their sums are torch's
+        for group in ([0, 2], [1, 3]) if name == "replicate->partial" else ([0, 1], [2, 3]):
+            if name == "partial->default":
+                for rank in range(4):
+                    assert torch.equal(ours[rank][name], theirs[rank][name]), name
+                continue
+            assert torch.allclose(sum(ours[r][name] for r in group),
+                                  sum(theirs[r][name] for r in group)), name
+            # devmesh: the whole gradient on the group's first rank, zeros on the other
+            assert torch.count_nonzero(ours[group[1]][name]) == 0
+            assert torch.equal(ours[group[0]][name], 2 * theirs[group[0]][name])
+    for o, t in zip(ours, theirs):
+        assert o["context"] == t["context"] and o["context"][0] and o["context"][2]
+        assert "with mesh:" in o["no mesh"][1]
+        assert "contiguous stride" in o["stride"][1]
+        assert "already distributed" in o["nested"][1]

@@ -24,9 +24,9 @@ from devmesh.mesh import DeviceMesh
 from devmesh.tensor.sharded import (
     Layout,
     ShardedTensor,
-    _as_devmesh,
     _as_spec,
     _member_coordinate,
+    current_mesh,
 )
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn"]
@@ -45,11 +45,9 @@ def _make(size: tuple, fill: Callable[[tuple[int, ...], torch.dtype], torch.Tens
           requires_grad: bool, dtype: torch.dtype | None, layout: torch.layout,
           device_mesh: DeviceMesh | None, placements: Layout | None, what: str,
           random: bool = False) -> ShardedTensor:
-    if device_mesh is None:
-        raise ShardingSpecError(f"{what} needs device_mesh=... (the mesh the tensor lives on)")
     if layout != torch.strided:
         raise ShardingSpecError(f"{what} makes strided tensors only, got layout={layout}")
-    mesh = _as_devmesh(device_mesh)
+    mesh = current_mesh(device_mesh, what)
     placements = placements if placements is not None else [Replicate()] * mesh.ndim
     global_shape = _size(size)
     spec = _as_spec(placements, mesh, global_shape)

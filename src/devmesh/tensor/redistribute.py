@@ -194,9 +194,9 @@ def _grad_spec(spec: ShardingSpec) -> ShardingSpec:
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, mesh, src, dst, grad_spec, forward_dtype,  # type: ignore[override]
-                backward_dtype):
-        ctx.mesh, ctx.src, ctx.grad_spec = mesh, src, grad_spec
+    def forward(ctx, local, mesh, src, dst, grad_spec, grad_out_spec,  # type: ignore[override]
+                forward_dtype, backward_dtype):
+        ctx.mesh, ctx.grad_spec, ctx.grad_out_spec = mesh, grad_spec, grad_out_spec
         ctx.input_dtype = local.dtype
         ctx.backward_dtype = backward_dtype or local.dtype
         if forward_dtype is not None:
@@ -206,24 +206,28 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
         grad = grad.to(ctx.backward_dtype)
-        plan = plan_redistribute(ctx.grad_spec, _grad_spec(ctx.src), grad.element_size())
+        plan = plan_redistribute(ctx.grad_spec, ctx.grad_out_spec, grad.element_size())
         grad = execute(grad.contiguous(), ctx.mesh, plan).to(ctx.input_dtype)
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 def redistribute_local(
     local: torch.Tensor, mesh: DeviceMesh, src: ShardingSpec, dst: ShardingSpec,
-    grad_spec: ShardingSpec | None = None, *, forward_dtype: torch.dtype | None = None,
-    backward_dtype: torch.dtype | None = None,
+    grad_spec: ShardingSpec | None = None, *, grad_out_spec: ShardingSpec | None = None,
+    forward_dtype: torch.dtype | None = None, backward_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """This rank's block of ``dst`` from its block of ``src``; differentiable. The gradient
     arriving for the result is in ``grad_spec`` (default ``dst`` with partial dims made
     replicated, DTensor's convention) and leaves in ``src``'s layout. ``forward_dtype``:
     the block is cast to it first (the result is in it); ``backward_dtype``: the gradient's
     collectives run in it (default: ``local``'s dtype), the gradient leaving in ``local``'s
-    dtype — torch's ``redistribute`` arguments."""
+    dtype — torch's ``redistribute`` arguments. ``grad_out_spec``: the layout the gradient
+    leaves in (default ``src`` with partial dims made replicated; ``from_local``'s
+    ``grad_placements`` sets it)."""
     grad_spec = grad_spec if grad_spec is not None else _grad_spec(dst)
+    grad_out_spec = grad_out_spec if grad_out_spec is not None else _grad_spec(src)
     same_dtypes = forward_dtype in (None, local.dtype) and backward_dtype in (None, local.dtype)
-    if src == dst and grad_spec == _grad_spec(dst) and same_dtypes:
+    if src == dst and grad_spec == grad_out_spec and same_dtypes:
         return local
-    return _Redistribute.apply(local, mesh, src, dst, grad_spec, forward_dtype, backward_dtype)
+    return _Redistribute.apply(local, mesh, src, dst, grad_spec, grad_out_spec, forward_dtype,
+                               backward_dtype)

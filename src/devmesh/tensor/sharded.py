@@ -87,36 +87,59 @@ class ShardedTensor:
     # -- construction ----------------------------------------------------------------------
     @staticmethod
     def from_local(
-        local: torch.Tensor,
-        device_mesh: DeviceMesh,
-        placements: Layout,
+        local_tensor: torch.Tensor,
+        device_mesh: DeviceMesh | None = None,
+        placements: Layout | None = None,
         *,
-        shape: Sequence[int] | None = None,
         run_check: bool = True,
+        shape: Sequence[int] | None = None,
+        stride: Sequence[int] | None = None,
+        grad_placements: Layout | None = None,
     ) -> ShardedTensor:
-        """Wrap this rank's block. Without ``shape`` the global shape assumes even splits
-        (``local size x number of pieces`` per dim), as DTensor does; pass ``shape`` when the
-        sizes are uneven.
+        """Wrap this rank's block; torch's signature. Without ``device_mesh`` the mesh of the
+        innermost ``with mesh:`` block is used; without ``placements`` the block is
+        replicated. Without ``shape`` the global shape assumes even splits (``local size x
+        number of pieces`` per dim), as DTensor does; pass ``shape`` when the sizes are
+        uneven. ``stride`` is accepted for torch's signature: devmesh's global tensors are
+        contiguous, so it must be the contiguous stride of ``shape``.
+
+        ``grad_placements`` (as torch's): the layout the gradient leaves in on its way back
+        to ``local_tensor`` (default: these placements with ``Partial`` made ``Replicate``).
 
         ``run_check`` (default on; torch's is off) checks, with one small collective, that
         every rank of the mesh states the same global shape, dtype and layout, and raises the
         same clear error on every rank if not (else ranks would silently disagree, or die in
-        a later collective). Turn it off on hot paths whose inputs are known to agree."""
-        device_mesh = _as_devmesh(device_mesh)
+        a later collective). Unlike torch's it does not broadcast replicated blocks. Turn it
+        off on hot paths whose inputs are known to agree."""
+        device_mesh = current_mesh(device_mesh, "ShardedTensor.from_local")
+        if isinstance(local_tensor, ShardedTensor):
+            raise ShardingSpecError("from_local takes this rank's block (a torch.Tensor), got "
+                                    "a ShardedTensor; it is already distributed")
+        if placements is None:
+            placements = [Replicate()] * device_mesh.ndim
         if shape is None:
             if isinstance(placements, ShardingSpec):
                 shape = placements.global_shape
             else:
-                global_shape = list(local.shape)
+                global_shape = list(local_tensor.shape)
                 for m, p in enumerate(placements):
                     p = as_placement(p)
                     if isinstance(p, Shard):
                         global_shape[p.dim] *= device_mesh.shape[m]
                 shape = global_shape
+        if stride is not None and tuple(stride) != _contiguous_strides(shape):
+            raise ShardingSpecError(
+                f"stride={tuple(stride)} is not the contiguous stride "
+                f"{_contiguous_strides(shape)} of shape {tuple(shape)}: devmesh's global "
+                "tensors are contiguous; make the tensor contiguous before wrapping it")
         spec = _as_spec(placements, device_mesh, shape)
         if run_check:
-            _check_agreement(device_mesh, spec, local.dtype, "ShardedTensor.from_local")
-        return ShardedTensor(local, device_mesh, spec)
+            _check_agreement(device_mesh, spec, local_tensor.dtype, "ShardedTensor.from_local")
+        if grad_placements is not None:
+            grad_out = _as_spec(grad_placements, device_mesh, spec.global_shape)
+            local_tensor = redistribute_local(local_tensor, device_mesh, spec, spec,
+                                              grad_out_spec=grad_out)
+        return ShardedTensor(local_tensor, device_mesh, spec)
 
     # -- the DTensor-like API --------------------------------------------------------------
     @property
@@ -291,7 +314,7 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 
 def distribute_tensor(
     tensor: torch.Tensor,
-    device_mesh: DeviceMesh,
+    device_mesh: DeviceMesh | None = None,
     placements: Layout | None = None,
     *,
     src_rank: int | None = 0,
@@ -310,7 +333,7 @@ def distribute_tensor(
     """
     if src_data_rank is not _UNSET:
         src_rank = src_data_rank
-    device_mesh = _as_devmesh(device_mesh)
+    device_mesh = current_mesh(device_mesh, "distribute_tensor")
     placements = placements if placements is not None else [Replicate()] * device_mesh.ndim
     spec = _as_spec(placements, device_mesh, tuple(tensor.shape))
     _member_coordinate(device_mesh, "distribute_tensor")
@@ -336,6 +359,20 @@ def _check_agreement(mesh: DeviceMesh, spec: ShardingSpec, dtype: torch.dtype,
                      what: str) -> None:
     comm.agree(mesh, tuple(range(mesh.ndim)), what,
                f"global shape {spec.global_shape}, {dtype}, layout [{spec}]")
+
+
+def current_mesh(device_mesh: object | None, what: str) -> DeviceMesh:
+    """``device_mesh``, or — when it is ``None`` — the mesh of the innermost ``with mesh:``
+    block, as torch's DTensor APIs take it (a devmesh mesh is a torch mesh, so torch's mesh
+    context is the one used, and torch's and devmesh's calls see the same mesh)."""
+    if device_mesh is not None:
+        return _as_devmesh(device_mesh)
+    from torch.distributed.device_mesh import _mesh_resources
+
+    if not _mesh_resources.mesh_stack:
+        raise ShardingSpecError(
+            f"{what} needs a mesh: pass device_mesh=..., or call it inside `with mesh:`")
+    return _as_devmesh(_mesh_resources.mesh_stack[-1])
 
 
 def _as_devmesh(mesh: object) -> DeviceMesh:
