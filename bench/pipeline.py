@@ -13,6 +13,11 @@ and the measured message time (a ping-pong of one activation between ranks 0 and
 the run) — the gap between "replayed" and "measured" is the runner's own overhead.
 
     .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3] [--ranks 4]
+    .venv/bin/python bench/pipeline.py --breakdown [--ranks 2]
+
+``--breakdown`` runs devmesh's schedules only and splits each rank's step time into compute,
+waiting for a message, sending, posting receives ahead, the end-of-step failure check and
+the rest (the runner's own Python), with timers around the runner's message calls.
 
 With 4 ranks on a 2-core machine the ranks time-share the cores, so idle and compute time
 blur; ``--ranks 2`` gives each rank a core and is the fair check of the predicted bubble.
@@ -149,13 +154,93 @@ def _message_latency(mesh, rounds: int = 20) -> float:
     return statistics.median(trips) / 2 if trips else 0.0
 
 
+_TIMED = {"recv_activation": "wait", "recv_gradient": "wait", "send_activation": "send",
+          "send_gradient": "send", "wait_sends": "send", "prefetch": "post",
+          "_raise_if_any_stage_failed": "check"}
+
+
+def breakdown(name: str, steps: int, ranks: int) -> dict[str, float]:
+    """One rank's median step split by where the time went (see the module's doc)."""
+    import collections
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    from devmesh import init_device_mesh
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel.pipeline import PipelineRunner, split_sequential
+    from devmesh.parallel.pipeline.messages import StageLinks
+
+    spent: collections.Counter = collections.Counter()
+
+    def timed(cls, attr: str, part: str) -> None:
+        inner = getattr(cls, attr)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent[part] += time.perf_counter() - start
+        setattr(cls, attr, wrapper)
+
+    for attr, part in _TIMED.items():
+        timed(PipelineRunner if attr.startswith("_") else StageLinks, attr, part)
+    mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    virtual = 2 if name == "interleaved-1f1b" else 1
+    parts = split_sequential(build_model(), ranks * virtual)
+    mine = [s for s in range(ranks * virtual) if s % ranks == me]
+    runner = PipelineRunner({s: parts[s] for s in mine}, mesh,
+                            build_schedule(name, ranks, MICRO, virtual), F.cross_entropy)
+    rows = []
+    for i in range(steps + 2):
+        gen = torch.Generator().manual_seed(i)
+        x, y = torch.randn(BATCH, 512, generator=gen), torch.randint(0, 10, (BATCH,),
+                                                                     generator=gen)
+        spent.clear()
+        dist.barrier()
+        start = time.perf_counter()
+        runner.step(x if 0 in mine else None, y if ranks * virtual - 1 in mine else None)
+        row = {"step": time.perf_counter() - start,
+               "compute": sum(runner.compute_seconds.values()), **spent}
+        row["other"] = row["step"] - sum(v for k, v in row.items() if k != "step")
+        rows.append(row)
+    return {k: statistics.median(r.get(k, 0.0) for r in rows[2:]) for k in rows[-1]}
+
+
+def print_breakdown(steps: int, ranks: int) -> None:
+    from devmesh.launching.launcher import launch
+
+    columns = ("step", "compute", "wait", "send", "post", "check", "other")
+    print(f"{ranks} pipeline ranks, devmesh only, median of {steps} steps, ms per step")
+    print(f"{'schedule':<18}{'rank':>5}" + "".join(f"{c:>9}" for c in columns))
+    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
+        for rank, row in enumerate(launch(breakdown, ranks, name, steps, ranks, timeout=1800)):
+            print(f"{name:<18}{rank:>5}" + "".join(f"{row.get(c, 0.0) * 1e3:>9.1f}"
+                                                   for c in columns))
+    print("wait: blocked in a receive; send: starting sends and waiting for them at the end; "
+          "post: posting the\nnext action's receive; check: the end-of-step failure check "
+          "(waits for the slowest rank);\nother: the runner's own Python around them")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=4,
                         help="pipeline ranks (stages); 2 gives each rank a core of its own here")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="devmesh only: where each rank's step time goes")
     args = parser.parse_args()
+    if args.breakdown:
+        print_breakdown(args.steps, args.ranks)
+        return
     from devmesh.launching.launcher import launch
     from devmesh.layout.schedule import build_schedule
 
