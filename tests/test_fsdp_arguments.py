@@ -181,3 +181,72 @@ def test_fully_shard_without_a_mesh_outside_a_launcher_says_how_to_launch():
     for apply in (fully_shard, replicate):
         with pytest.raises(LaunchEnvironmentError, match="not started by a distributed launcher"):
             apply(make_model())
+
+
+def batchnorm_buffers(library: str, buffer_args: dict):
+    """A BatchNorm model data-parallel, by devmesh's ``replicate`` or torch's
+    ``DistributedDataParallel`` (the reference for buffers: torch's composable
+    ``replicate`` runs DDP over the parameters only and never syncs buffers), each rank on
+    its own data: two plain steps around an accumulated one (a ``no_sync`` micro-batch
+    first), then two evaluation forwards. Each rank's state (running statistics included)
+    and evaluation outputs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 20), nn.BatchNorm1d(20), nn.ReLU(), nn.Linear(20, 5))
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    with torch.no_grad():  # replicas that start apart: the first broadcast matters
+        model[1].running_mean.fill_(float(dist.get_rank()))
+    if library == "devmesh":
+        from devmesh.parallel import replicate
+
+        wrapped = replicate(model, device_mesh=mesh, **buffer_args)
+    else:
+        from torch.nn.parallel import DistributedDataParallel
+
+        wrapped = DistributedDataParallel(model, process_group=mesh.get_group(), **buffer_args)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def backward(seed: int) -> None:
+        gen = torch.Generator().manual_seed(100 * seed + dist.get_rank())
+        x, y = torch.randn(6, 12, generator=gen), torch.randint(0, 5, (6,), generator=gen)
+        F.cross_entropy(wrapped(x), y).backward()
+
+    backward(0)
+    opt.step(), opt.zero_grad()
+    with wrapped.no_sync():
+        backward(1)
+    backward(2)
+    opt.step(), opt.zero_grad()
+    backward(3)
+    opt.step(), opt.zero_grad()
+    wrapped.eval()
+    with torch.no_grad():
+        probe = torch.linspace(-2, 2, 24).reshape(2, 12)
+        outputs = [wrapped(probe), wrapped(probe)]
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, outputs
+
+
+@pytest.mark.parametrize("buffer_args", [{}, {"forward_sync_buffers": False},
+                                         {"broadcast_buffers": False}],
+                         ids=["default", "forward_sync_buffers=False", "broadcast_buffers=False"])
+def test_replicate_syncs_buffers_as_torchs_ddp(mesh_pool, buffer_args):
+    import warnings
+
+    from devmesh.launching.launcher import launch
+
+    ours = mesh_pool.run(batchnorm_buffers, 3, "devmesh", buffer_args)
+    with warnings.catch_warnings():  # torch deprecates broadcast_buffers
+        warnings.simplefilter("ignore", FutureWarning)
+        theirs = launch(batchnorm_buffers, 3, "torch", buffer_args)
+    for (state, outputs), (their_state, their_outputs) in zip(ours, theirs):
+        assert state.keys() == their_state.keys()
+        for key, value in their_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-6, atol=1e-6, msg=key)
+        for out, their_out in zip(outputs, their_outputs):
+            torch.testing.assert_close(out, their_out, rtol=1e-6, atol=1e-6)
+    means = [state["1.running_mean"] for state, _ in ours]
+    outputs = [outs[0] for _, outs in ours]
+    if buffer_args:  # each rank's own statistics: replicas evaluate differently
+        assert not torch.equal(means[0], means[1]) and not torch.equal(outputs[0], outputs[1])
+    else:  # synced before the evaluation: every replica evaluates alike
+        assert all(torch.equal(m, means[0]) for m in means)
+        assert all(torch.equal(o, outputs[0]) for o in outputs)

@@ -1,7 +1,9 @@
 """``replicate``: data parallelism (DDP) over a mesh of one or several dims.
 
-Parameters and buffers are broadcast from the mesh's first rank (one collective), so every
-replica starts equal. During backward, gradients are packed into buckets (in the reverse order
+Parameters and buffers are broadcast from the mesh's first rank (one collective per dtype),
+so every replica starts equal. As in DDP (``forward_sync_buffers``, on by default), buffers
+(BatchNorm's running statistics) are broadcast from the first rank again before each forward
+that follows a training forward, so replicas evaluate and checkpoint alike. During backward, gradients are packed into buckets (in the reverse order
 of registration, about the order backward produces them); as soon as a bucket's gradients are
 all accumulated, its all-reduce (averaging over the flattened group of the mesh's dims) starts
 asynchronously, overlapping the rest of backward. At the end of backward every bucket is
@@ -47,7 +49,8 @@ class DataParallelState:
     """Buckets and hooks of one ``replicate`` call."""
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float,
-                 ignored: set[int] | frozenset[int] = frozenset()) -> None:
+                 ignored: set[int] | frozenset[int] = frozenset(), *,
+                 forward_sync_buffers: bool = True, init_sync: bool = True) -> None:
         if mesh.get_coordinate() is None:
             raise ParallelizeError(f"rank {mesh.get_rank()} is not part of {mesh!r}")
         self.mesh = mesh
@@ -57,7 +60,13 @@ class DataParallelState:
         comm.agree(mesh, self.dims, "replicate: every replica must hold the same parameters "
                    "(and ignore the same ones)",
                    describe_tensors(module) + f"\nignored: {ignored_names}")
-        self._broadcast(module, ignored)
+        self._ignored = ignored
+        # DDP's broadcast_buffers=False leaves even the first broadcast to the parameters
+        self._broadcast(list(module.parameters()) + (list(module.buffers()) if init_sync else []))
+        # DDP's rule: sync before a forward unless the previous forward was without
+        # gradients or without gradient sync (evaluation, no_sync)
+        self.forward_sync_buffers = forward_sync_buffers
+        self._sync_buffers_next = True
         cap = int(bucket_cap_mb * 2**20)
         self.buckets: list[_Bucket] = []
         current: list[nn.Parameter] = []
@@ -85,18 +94,33 @@ class DataParallelState:
                                     mesh_dim_names=mesh.mesh_dim_names)
                 set_layout(p, mesh, spec)
 
-    def _broadcast(self, module: nn.Module, ignored: set[int] | frozenset[int]) -> None:
-        tensors = [t for t in list(module.parameters()) + list(module.buffers())
-                   if torch.is_floating_point(t) and id(t) not in ignored]
+    def _broadcast(self, tensors: list[torch.Tensor]) -> None:
+        """Give ``tensors`` (those not ignored) the mesh's first rank's values: one broadcast
+        per dtype, so integers (BatchNorm's batch counter) arrive exactly."""
+        tensors = [t for t in tensors if id(t) not in self._ignored]
         if not tensors or self.mesh.size() == 1:
             return
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in tensors:
+            by_dtype.setdefault(t.dtype, []).append(t)
         with torch.no_grad():
-            flat = torch.cat([t.detach().reshape(-1).to(torch.float64) for t in tensors])
-            comm.broadcast(flat, self.mesh, self.dims, 0)
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                offset += t.numel()
+            for group in by_dtype.values():
+                flat = torch.cat([t.detach().reshape(-1) for t in group])
+                if flat.dtype == torch.bool:  # gloo has no bool broadcast
+                    flat = flat.to(torch.uint8)
+                comm.broadcast(flat, self.mesh, self.dims, 0)
+                offset = 0
+                for t in group:
+                    t.copy_(flat[offset: offset + t.numel()].view_as(t))
+                    offset += t.numel()
+
+    def before_forward(self, module: nn.Module) -> None:
+        """DDP's buffer sync: broadcast the buffers if the previous forward trained."""
+        if self.forward_sync_buffers and self._sync_buffers_next:
+            self._broadcast(list(module.buffers()))
+
+    def after_forward(self) -> None:
+        self._sync_buffers_next = torch.is_grad_enabled() and self.requires_gradient_sync
 
     def _on_grad(self, param: nn.Parameter) -> None:
         if not self.requires_gradient_sync:  # accumulating: p.grad sums micro-batches locally
@@ -139,6 +163,14 @@ def _call(method: weakref.WeakMethod, param: nn.Parameter) -> None:
         bound(param)
 
 
+def _before_forward(module: nn.Module, args: tuple) -> None:
+    module._devmesh_ddp.before_forward(module)  # type: ignore[attr-defined]
+
+
+def _after_forward(module: nn.Module, args: tuple, output: object) -> None:
+    module._devmesh_ddp.after_forward()  # type: ignore[attr-defined]
+
+
 class ReplicateModule(GradientSyncControl):
     """What ``replicate`` adds to a module, for gradient accumulation as in DDP:
     ``no_sync()`` (a context) or ``set_requires_gradient_sync(False)`` lets gradients
@@ -152,14 +184,21 @@ class ReplicateModule(GradientSyncControl):
 def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
               bucket_cap_mb: float = 25.0, ignored_params: set[nn.Parameter] | None = None,
               ignored_modules: Iterable[nn.Module] | None = None,
-              device_mesh: DeviceMesh | None = None) -> nn.Module:
+              device_mesh: DeviceMesh | None = None,
+              forward_sync_buffers: bool | None = None,
+              broadcast_buffers: bool | None = None) -> nn.Module:
     """Data-parallel ``module`` over ``mesh`` (all of its dims): gradients are averaged.
     Returns ``module``; ``module._devmesh_ddp`` holds the state.
 
     Takes the arguments of both of torch's ``replicate`` functions: ``mesh`` (the FSDP-based
     one) or ``device_mesh`` (the DDP-based one; the same thing); neither: the whole world as
     a 1-D mesh. ``ignored_params`` and the parameters of ``ignored_modules`` are neither
-    broadcast nor averaged: they stay each rank's own."""
+    broadcast nor averaged: they stay each rank's own (buffers of ``ignored_modules`` too).
+
+    Buffers follow DDP: ``forward_sync_buffers`` (default on) broadcasts them from the mesh's
+    first rank before each forward that follows a training forward (with gradients, not
+    under ``no_sync``); ``broadcast_buffers`` is DDP's older name — ``False`` there also
+    skips the first broadcast, so buffers stay each rank's own."""
     if getattr(module, "_devmesh_ddp", None) is not None:
         raise ParallelizeError("replicate was already applied to this module")
     if mesh is not None and device_mesh is not None and mesh is not device_mesh:
@@ -169,7 +208,18 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
     if mesh is None:
         mesh = world_mesh()
     ignored = {id(p) for p in ignored_params or ()}
-    ignored |= {id(p) for m in ignored_modules or () for p in m.parameters()}
-    module._devmesh_ddp = DataParallelState(module, mesh, bucket_cap_mb, ignored)  # type: ignore[attr-defined]
+    ignored |= {id(t) for m in ignored_modules or ()
+                for t in list(m.parameters()) + list(m.buffers())}
+    if forward_sync_buffers is not None:
+        sync, init_sync = forward_sync_buffers, True
+    else:
+        sync = init_sync = broadcast_buffers if broadcast_buffers is not None else True
+    state = DataParallelState(module, mesh, bucket_cap_mb, ignored,
+                              forward_sync_buffers=sync, init_sync=init_sync)
+    module._devmesh_ddp = state  # type: ignore[attr-defined]
+    # module-level functions that find the state on the module they are called with: a
+    # deep copy of the module then syncs its own buffers
+    module.register_forward_pre_hook(_before_forward)
+    module.register_forward_hook(_after_forward)
     with_methods(module, ReplicateModule)
     return module
