@@ -187,7 +187,9 @@ def test_collective_counts_per_step(mesh_pool):
     hsdp = mesh_pool.run(collectives_per_step, 8, "hsdp")[0]
     assert hsdp["reduce_scatter"][0] == 3 and hsdp["all_reduce"][0] == 3
     ddp = mesh_pool.run(collectives_per_step, 4, "ddp")[0]
-    assert ddp == {"all_reduce": (1, 4 * sum(p.numel() for p in make_model().parameters()))}
+    # every gradient, and one "used" flag per parameter (unused ones keep no gradient)
+    params = list(make_model().parameters())
+    assert ddp == {"all_reduce": (1, 4 * (sum(p.numel() for p in params) + len(params)))}
     tp = mesh_pool.run(collectives_per_step, 4, "tp")[0]
     # one all-reduce in forward (rowwise output: batch 8 x 14 features, fp32); none in backward:
     # the input needs no gradient, so colwise's input all-reduce never runs

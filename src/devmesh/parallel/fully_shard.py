@@ -101,7 +101,7 @@ class FSDPUnit:
         # here until a backward with sync reduces them once
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
-        self._accumulated: list[torch.Tensor] | None = None
+        self._accumulated: list[torch.Tensor | None] | None = None
         self._kept: list[torch.Tensor] | None = None  # full parameters kept between backwards
         self._prefetched: comm.Pending | None = None  # started by the previous unit
         self._regather_pending: comm.Pending | None = None  # backward prefetch, by the next unit
@@ -228,19 +228,25 @@ class FSDPUnit:
     def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Reduce-scatter (average) all gradients of the unit in one collective; HSDP adds one
         all-reduce over the replicate dims. Without gradient sync, add them to the unit's
-        unsharded accumulated gradients instead and reduce nothing."""
+        unsharded accumulated gradients instead and reduce nothing.
+
+        A parameter that got no gradient (``None``: unused in the forward) on every rank
+        keeps no gradient, as in single-process training and torch's FSDP2, so optimizers
+        skip it (a zero gradient would still move it under weight decay or momentum); one
+        flag per parameter rides in the same collective to tell which were used anywhere."""
         dtype = self.mp.reduce_dtype or self.params[0].sharded.dtype
         if self._accumulated is not None:
-            grads = [a if g is None else a + g.to(dtype)
-                     for a, g in zip(self._accumulated, grads)]
+            grads = [_add(a, g, dtype) for a, g in zip(self._accumulated, grads)]
             self._accumulated = None
         if not self.requires_gradient_sync:
-            self._accumulated = [torch.zeros(p.full_shape, dtype=dtype) if g is None
-                                 else g.detach().to(dtype) for p, g in zip(self.params, grads)]
+            self._accumulated = [None if g is None else g.detach().to(dtype) for g in grads]
             self._drop_backward_state(keep=not self.reshard_after_backward)
             return [None] * len(self.params)
-        # one buffer, row j for peer j: each gradient is copied (and cast) once, into place
-        stacked = torch.empty(self.k, sum(p.padded_numel for p in self.params), dtype=dtype)
+        # one buffer, row j for peer j: each gradient is copied (and cast) once, into place;
+        # after the gradients, one "used here" flag per parameter in every row
+        total = sum(p.padded_numel for p in self.params)
+        stacked = torch.empty(self.k, total + len(self.params), dtype=dtype)
+        stacked[:, total:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
         offset = 0
         for p, grad in zip(self.params, grads):
             row = math.prod(p.full_shape[1:])
@@ -257,12 +263,15 @@ class FSDPUnit:
         mine = comm.reduce_scatter(stacked, self.mesh, (self.shard_dim,), "avg")
         if self.replicate_dims:
             comm.all_reduce(mine, self.mesh, self.replicate_dims, "avg")
-        out, offset = [], 0
-        for p in self.params:
+        used = mine[total:].tolist()
+        out: list[torch.Tensor | None] = []
+        offset = 0
+        for p, used_somewhere in zip(self.params, used):
             size = chunk_bounds(p.full_shape[0], self.k, self.index)[1]
             row = math.prod(p.full_shape[1:])
             local = mine[offset: offset + size * row].view(size, *p.full_shape[1:])
-            out.append(local.to(p.sharded.dtype).view(p.sharded.shape))
+            out.append(local.to(p.sharded.dtype).view(p.sharded.shape) if used_somewhere > 0
+                       else None)
             offset += p.padded_numel
         self._drop_backward_state(keep=False)  # the optimizer step follows: nothing kept
         return out
@@ -437,10 +446,20 @@ class _Orders:
 _ORDER = _Orders()
 
 
+def _add(accumulated: torch.Tensor | None, grad: torch.Tensor | None, dtype: torch.dtype
+         ) -> torch.Tensor | None:
+    """Accumulated micro-batch gradients, ``None`` while no micro-batch gave one."""
+    if grad is None:
+        return accumulated
+    grad = grad.to(dtype)
+    return grad if accumulated is None else accumulated + grad
+
+
 class _Unshard(torch.autograd.Function):
     @staticmethod
     def forward(ctx, unit: FSDPUnit, *shards):  # type: ignore[override]
         ctx.unit = unit
+        ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
         return tuple(unit.gather(list(shards)))
 
     @staticmethod

@@ -134,8 +134,13 @@ class DataParallelState:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        # after the gradients, one "used here" flag per parameter: a parameter no rank
+        # computed a gradient for keeps none (as in DDP and single-process training), so
+        # optimizers skip it rather than moving it with a zero gradient
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        bucket.buffer = torch.cat([g.reshape(-1) for g in grads])
+        used = torch.tensor([float(p.grad is not None) for p in bucket.params],
+                            dtype=grads[0].dtype, device=grads[0].device)
+        bucket.buffer = torch.cat([g.reshape(-1) for g in grads] + [used])
         bucket.pending = comm.all_reduce_async(bucket.buffer, self.mesh, self.dims, "avg")
 
     def _finish(self) -> None:
@@ -146,14 +151,17 @@ class DataParallelState:
         for bucket in self.buckets:
             assert bucket.pending is not None and bucket.buffer is not None
             flat = bucket.pending.wait()
+            used = flat[flat.numel() - len(bucket.params):].tolist()
             offset = 0
-            for p in bucket.params:
+            for p, used_somewhere in zip(bucket.params, used):
                 chunk = flat[offset: offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if used_somewhere == 0:
+                    continue
                 if p.grad is None:
                     p.grad = chunk.clone()
                 else:
                     p.grad.copy_(chunk)
-                offset += p.numel()
             bucket.pending, bucket.buffer, bucket.ready = None, None, 0
 
 
