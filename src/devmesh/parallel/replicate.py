@@ -3,7 +3,9 @@
 Parameters and buffers are broadcast from the mesh's first rank (one collective per dtype),
 so every replica starts equal. As in DDP (``forward_sync_buffers``, on by default), buffers
 (BatchNorm's running statistics) are broadcast from the first rank again before each forward
-that follows a training forward, so replicas evaluate and checkpoint alike. During backward, gradients are packed into buckets (in the reverse order
+that follows a training forward, so replicas evaluate and checkpoint alike.
+
+During backward, gradients are packed into buckets (in the reverse order
 of registration, about the order backward produces them); as soon as a bucket's gradients are
 all accumulated, its all-reduce (averaging over the flattened group of the mesh's dims) starts
 asynchronously, overlapping the rest of backward. At the end of backward every bucket is
