@@ -17,6 +17,7 @@ given (data-parallel) mesh only.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from collections.abc import Iterable
 
@@ -62,7 +63,8 @@ class DataParallelState:
         comm.agree(mesh, self.dims, "replicate: every replica must hold the same parameters "
                    "(and ignore the same ones)",
                    describe_tensors(module) + f"\nignored: {ignored_names}")
-        self._ignored = ignored
+        self._ignored = [t for t in list(module.parameters()) + list(module.buffers())
+                         if id(t) in ignored]
         # DDP's broadcast_buffers=False leaves even the first broadcast to the parameters
         self._broadcast(list(module.parameters()) + (list(module.buffers()) if init_sync else []))
         # DDP's rule: sync before a forward unless the previous forward was without
@@ -70,36 +72,53 @@ class DataParallelState:
         self.forward_sync_buffers = forward_sync_buffers
         self._sync_buffers_next = True
         cap = int(bucket_cap_mb * 2**20)
-        self.buckets: list[_Bucket] = []
+        buckets: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
         size = 0
         for p in reversed(params):
             current.append(p)
             size += p.numel() * p.element_size()
             if size >= cap:
-                self.buckets.append(_Bucket(current))
+                buckets.append(current)
                 current, size = [], 0
         if current:
-            self.buckets.append(_Bucket(current))
+            buckets.append(current)
+        self.requires_gradient_sync = True
+        self._attach(buckets)
+
+    def _attach(self, buckets: list[list[nn.Parameter]]) -> None:
+        """Buckets of these parameters, and a hook on each that fills its bucket."""
+        self.buckets = [_Bucket(params) for params in buckets]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._callback_queued = False
-        self.requires_gradient_sync = True
         # the hook lives on the tensor (C++), where Python's garbage collector cannot see
         # it: holding this state strongly would make the cycle param -> hook -> state ->
         # module -> param uncollectable, keeping the model and its mesh's process groups
         # alive forever; the module holds the state, the hook only a weak reference to it
         on_grad = weakref.WeakMethod(self._on_grad)
-        for p in params:
+        for p in (p for b in self.buckets for p in b.params):
             p.register_post_accumulate_grad_hook(lambda param: _call(on_grad, param))
             if get_layout(p) is None:
-                spec = ShardingSpec(mesh.shape, tuple(p.shape), ((),) * p.ndim,
-                                    mesh_dim_names=mesh.mesh_dim_names)
-                set_layout(p, mesh, spec)
+                spec = ShardingSpec(self.mesh.shape, tuple(p.shape), ((),) * p.ndim,
+                                    mesh_dim_names=self.mesh.mesh_dim_names)
+                set_layout(p, self.mesh, spec)
+
+    def __deepcopy__(self, memo: dict) -> DataParallelState:
+        """``copy.deepcopy(model)`` (an EMA copy, a frozen teacher) gives a model that
+        averages its own gradients, as a deep copy of DDP does: tensor hooks do not travel
+        with a copied parameter, so the copy's parameters get their own. The mesh (its
+        process groups) is shared."""
+        new = copy.copy(self)
+        memo[id(self)] = new
+        new._ignored = [copy.deepcopy(t, memo) for t in self._ignored]
+        new._attach([[copy.deepcopy(p, memo) for p in b.params] for b in self.buckets])
+        return new
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Give ``tensors`` (those not ignored) the mesh's first rank's values: one broadcast
         per dtype, so integers (BatchNorm's batch counter) arrive exactly."""
-        tensors = [t for t in tensors if id(t) not in self._ignored]
+        ignored = {id(t) for t in self._ignored}
+        tensors = [t for t in tensors if id(t) not in ignored]
         if not tensors or self.mesh.size() == 1:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
