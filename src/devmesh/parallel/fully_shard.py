@@ -5,8 +5,9 @@ Every parameter is replaced by a plain ``nn.Parameter`` holding this rank's rows
 follow ``torch.chunk``), with its spec attached. Around the unit's forward:
 
 * before: all parameters of the unit are gathered in **one** collective (their padded shards
-  packed into one buffer), in ``mp_policy.param_dtype`` if given; from the second step on, the
-  previous unit has already started this all-gather asynchronously (prefetch);
+  packed into one buffer, as bytes: parameters may differ in dtype), in
+  ``mp_policy.param_dtype`` if given; from the second step on, the previous unit has already
+  started this all-gather asynchronously (prefetch);
 * after: with ``reshard_after_forward`` the full parameters are dropped; tensors autograd saved
   for backward are replaced by a handle (saved-tensor hooks) and the unit gathers again, once,
   when backward first needs them — from the second step on already started by the unit after
@@ -21,6 +22,7 @@ spec records dim 0 as split by ``("tp", "dp")``, so ``full_tensor()`` reassemble
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from collections.abc import Callable
@@ -183,30 +185,48 @@ class FSDPUnit:
         return mesh, spec
 
     # -- communication ---------------------------------------------------------------------
+    def _gather_dtypes(self) -> list[torch.dtype]:
+        """Each parameter's dtype when gathered: ``mp_policy.param_dtype``, else its own."""
+        return [self.mp.param_dtype or p.sharded.dtype for p in self.params]
+
+    def _segments(self, dtypes: list[torch.dtype]) -> tuple[list[int], int]:
+        """Byte offset of each parameter's padded shard in a rank's row of the gather buffer,
+        and the row's length. Parameters of different dtypes (a float32 norm in a bfloat16
+        model) share the one all-gather as bytes; every segment starts at a multiple of the
+        widest element size, so it can be viewed as its own dtype."""
+        align = max(d.itemsize for d in dtypes)
+        offsets, end = [], 0
+        for p, dtype in zip(self.params, dtypes):
+            offsets.append(end)
+            end += -(-p.padded_numel * dtype.itemsize // align) * align
+        return offsets, end
+
     def start_gather(self, shards: list[torch.Tensor]) -> comm.Pending:
         """Start the unit's one all-gather (packed, padded shards) asynchronously. The shards
         are copied once, straight into the send buffer (and cast on the way)."""
-        dtype = self.mp.param_dtype or shards[0].dtype
-        buffer = torch.empty(sum(p.padded_numel for p in self.params), dtype=dtype)
-        offset = 0
-        for p, shard in zip(self.params, shards):
+        dtypes = self._gather_dtypes()
+        offsets, row_bytes = self._segments(dtypes)
+        buffer = torch.empty(row_bytes, dtype=torch.uint8)
+        for p, shard, dtype, start in zip(self.params, shards, dtypes, offsets):
+            segment = buffer[start: start + p.padded_numel * dtype.itemsize].view(dtype)
             n = shard.numel()
-            buffer[offset: offset + n].copy_(shard.detach().reshape(-1))
-            buffer[offset + n: offset + p.padded_numel].zero_()
-            offset += p.padded_numel
+            segment[:n].copy_(shard.detach().reshape(-1))
+            segment[n:].zero_()
         return comm.all_gather_async(buffer, self.mesh, (self.shard_dim,))
 
     def finish_gather(self, pending: comm.Pending) -> list[torch.Tensor]:
         """Unpack the gathered buffer into the unit's full parameters."""
         stacked = pending.wait()
-        out, offset = [], 0
-        for p in self.params:
+        dtypes = self._gather_dtypes()
+        offsets, _ = self._segments(dtypes)
+        out = []
+        for p, dtype, start in zip(self.params, dtypes, offsets):
+            nbytes_per_row = math.prod(p.full_shape[1:]) * dtype.itemsize
             rows = []
             for j in range(self.k):
                 size = chunk_bounds(p.full_shape[0], self.k, j)[1]
-                rows.append(stacked[j, offset: offset + size * math.prod(p.full_shape[1:])])
+                rows.append(stacked[j, start: start + size * nbytes_per_row].view(dtype))
             out.append(torch.cat(rows).view(p.full_shape))
-            offset += p.padded_numel
         return out
 
     def gather(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -234,7 +254,10 @@ class FSDPUnit:
         keeps no gradient, as in single-process training and torch's FSDP2, so optimizers
         skip it (a zero gradient would still move it under weight decay or momentum); one
         flag per parameter rides in the same collective to tell which were used anywhere."""
-        dtype = self.mp.reduce_dtype or self.params[0].sharded.dtype
+        # mixed dtypes reduce in the widest (float32 gradients beside float64 ones are
+        # averaged exactly and rounded once, back into their own dtype)
+        dtype = self.mp.reduce_dtype or functools.reduce(
+            torch.promote_types, (p.sharded.dtype for p in self.params))
         if self._accumulated is not None:
             grads = [_add(a, g, dtype) for a, g in zip(self._accumulated, grads)]
             self._accumulated = None

@@ -1,0 +1,121 @@
+"""Parameters of different dtypes in one ``fully_shard`` unit — a float64 scale beside
+float32 weights, wider norms in a bfloat16 model — keep their own dtypes through the unit's
+one all-gather and reduce-scatter, and train as single-process training. (torch's FSDP2
+refuses them: "FSDP expects uniform original parameter dtype"; before this, devmesh
+gathered every parameter in the first one's dtype.) ``replicate`` gets the same model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from devmesh import init_device_mesh
+from devmesh.parallel import MixedPrecisionPolicy, fully_shard, replicate, state_dict
+
+STEPS = 3
+
+
+class Mixed(nn.Module):
+    """Checks, in forward, that each parameter arrives in ``dtypes[name]``."""
+
+    def __init__(self, low: torch.dtype = torch.float32, high: torch.dtype = torch.float64):
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(5, 6).to(low)
+        self.scale = nn.Parameter(torch.randn(6, 6, dtype=high))
+        self.norm = nn.LayerNorm(6).to(high)
+        self.head = nn.Linear(6, 3, bias=False).to(low)
+        self.expected: dict[str, torch.dtype] = {}
+        # a hook, not forward: with norm its own unit, its parameters are gathered just
+        # before its forward (devmesh's hooks come first)
+        self.norm.register_forward_pre_hook(lambda norm, args: self._check(norm, "norm."))
+
+    def _check(self, module: nn.Module, prefix: str = "") -> None:
+        for name, param in module.named_parameters():
+            want = self.expected.get(prefix + name)
+            if want is not None and param.dtype != want:
+                raise AssertionError(f"{prefix}{name} arrived as {param.dtype}, not {want}")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for child in (self.proj, self.head):
+            self._check(child, "proj." if child is self.proj else "head.")
+        if self.scale.dtype != self.expected.get("scale", self.scale.dtype):
+            raise AssertionError(f"scale arrived as {self.scale.dtype}")
+        h = self.proj(x.to(self.proj.weight.dtype))
+        h = self.norm(h.to(self.scale.dtype) @ self.scale)
+        return self.head(torch.tanh(h).to(self.head.weight.dtype))
+
+
+def _batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def _loss(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    return model(_batch(step, rank)).float().pow(2).mean()
+
+
+def train(strategy: str, low: torch.dtype, param_dtype: torch.dtype | None = None):
+    import torch.distributed as dist
+
+    model = Mixed(low)
+    model.expected = {n: param_dtype or p.dtype for n, p in model.named_parameters()}
+    if strategy == "replicate":
+        replicate(model, mesh=init_device_mesh("cpu", (4,)))
+    else:
+        mesh = (init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "shard"))
+                if strategy == "hsdp" else init_device_mesh("cpu", (4,)))
+        policy = MixedPrecisionPolicy(param_dtype=param_dtype)
+        fully_shard(model.norm, mesh=mesh, mp_policy=policy)  # a unit of float64 only
+        fully_shard(model, mesh=mesh, mp_policy=policy)  # float32 (or bf16) and float64
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model, step, dist.get_rank())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    dtypes = {n: p.dtype for n, p in model.named_parameters()}
+    return dtypes, state_dict(model, full=True)
+
+
+def reference(low: torch.dtype):
+    model = Mixed(low)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(STEPS):
+        (sum(_loss(model, step, r) for r in range(4)) / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp", "replicate"])
+def test_float32_and_float64_parameters_in_one_unit(mesh_pool, strategy):
+    expected = reference(torch.float32)
+    for dtypes, params in mesh_pool.run(train, 4, strategy, torch.float32):
+        assert dtypes == {"proj.weight": torch.float32, "proj.bias": torch.float32,
+                          "scale": torch.float64, "norm.weight": torch.float64,
+                          "norm.bias": torch.float64, "head.weight": torch.float32}
+        for key, value in expected.items():
+            assert params[key].dtype == value.dtype, key
+            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_bfloat16_weights_with_float64_norms(mesh_pool):
+    """The mixed-precision layout users keep (low-precision weights, wide norms): each
+    arrives in its dtype and training follows single-process training to bf16's precision."""
+    expected = reference(torch.bfloat16)
+    for dtypes, params in mesh_pool.run(train, 4, "fsdp", torch.bfloat16):
+        assert dtypes["proj.weight"] == torch.bfloat16 and dtypes["scale"] == torch.float64
+        for key, value in expected.items():
+            assert params[key].dtype == value.dtype, key
+            torch.testing.assert_close(params[key].float(), value.float(), rtol=2e-2,
+                                       atol=1e-2, msg=key)
+
+
+def test_param_dtype_casts_every_parameter_as_torch(mesh_pool):
+    """``MixedPrecisionPolicy(param_dtype=...)`` gathers every parameter in that dtype (the
+    forward checks it); the sharded parameters keep their own dtypes."""
+    for dtypes, _ in mesh_pool.run(train, 4, "fsdp", torch.float32, torch.float32):
+        assert dtypes["scale"] == torch.float64 and dtypes["proj.weight"] == torch.float32
