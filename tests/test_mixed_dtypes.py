@@ -119,3 +119,30 @@ def test_param_dtype_casts_every_parameter_as_torch(mesh_pool):
     forward checks it); the sharded parameters keep their own dtypes."""
     for dtypes, _ in mesh_pool.run(train, 4, "fsdp", torch.float32, torch.float32):
         assert dtypes["scale"] == torch.float64 and dtypes["proj.weight"] == torch.float32
+
+
+
+def unused_here():
+    """``wide`` (float64) is used on every rank, ``narrow`` (float32, in the same bucket) on
+    rank 0 only: the other ranks must get its averaged gradient in its own dtype (the bucket
+    is float64)."""
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.wide = nn.Parameter(torch.randn(4, dtype=torch.float64))
+    model.narrow = nn.Parameter(torch.randn(4))
+    replicate(model, mesh=init_device_mesh("cpu", (4,)))
+    loss = model.wide.sum() * (dist.get_rank() + 1)
+    if dist.get_rank() == 0:
+        loss = loss + (model.narrow * 4).sum()
+    loss.backward()
+    return {n: (p.grad.dtype, p.grad.tolist()) for n, p in model.named_parameters()}
+
+
+def test_a_parameter_unused_on_some_ranks_gets_a_gradient_of_its_own_dtype(mesh_pool):
+    """Before: ranks 1-3 assigned a float64 gradient to a float32 parameter and raised —
+    while rank 0 went on (a hang under a launcher)."""
+    for rank, grads in enumerate(mesh_pool.run(unused_here, 4)):
+        assert grads["wide"] == (torch.float64, [2.5] * 4)  # mean of 1, 2, 3, 4
+        assert grads["narrow"] == (torch.float32, [1.0] * 4), rank  # 4 on rank 0, averaged

@@ -180,7 +180,7 @@ class DataParallelState:
                 if used_somewhere == 0:
                     continue
                 if p.grad is None:
-                    p.grad = chunk.clone()
+                    p.grad = chunk.to(p.dtype, copy=True)  # the bucket may be wider
                 else:
                     p.grad.copy_(chunk)
             bucket.pending, bucket.buffer, bucket.ready = None, None, 0
