@@ -12,7 +12,14 @@ import torch
 import torch.nn.functional as F
 
 from devmesh import comm_stats, init_device_mesh
-from devmesh.parallel import as_sharded, get_layout, load_checkpoint, save_checkpoint, state_dict
+from devmesh.parallel import (
+    as_sharded,
+    fully_shard,
+    get_layout,
+    load_checkpoint,
+    save_checkpoint,
+    state_dict,
+)
 from test_parallel import apply_strategy, make_model
 
 # name: (world, mesh shape, mesh dim names, strategy of test_parallel.apply_strategy)
@@ -311,3 +318,70 @@ def test_load_torch_dcp_failing_on_one_rank_raises_on_every_rank(mesh_pool, tmp_
     first, second = mesh_pool.run(load_torch_dcp_missing_on_rank_1, 2, path)
     assert second is not None and "holds no DCP .metadata" in second
     assert first is not None and "failed on other ranks — rank 1" in first
+
+
+class _Tempered(torch.nn.Sequential):
+    def __init__(self) -> None:
+        torch.manual_seed(0)
+        super().__init__(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+        self.temperature = torch.nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / self.temperature
+
+
+def scalar_model(layout: str):
+    """A model with a 0-d parameter (a temperature), trained 2 steps under ``layout``:
+    fully_shard holds such a parameter as one element on the shard dim's first rank."""
+    model = _Tempered()
+    if layout == "fsdp2":
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    elif layout == "hsdp4":
+        fully_shard(model, mesh=init_device_mesh("cpu", (2, 2)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def scalar_save(layout: str, path: str):
+    model, opt = scalar_model(layout)
+    for i in range(2):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(i))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    save_checkpoint(path, model, opt)
+    return full_state(model, opt)
+
+
+def scalar_load(layout: str, path: str):
+    model, opt = scalar_model(layout)
+    load_checkpoint(path, model, opt)
+    return full_state(model, opt)
+
+
+@pytest.mark.parametrize("saved, loaded", [("fsdp2", "plain"), ("fsdp2", "hsdp4"),
+                                           ("plain", "fsdp2")])
+def test_a_0d_parameter_keeps_its_shape_through_checkpoints(mesh_pool, tmp_path, saved, loaded):
+    """Before, fully_shard's one-element form was saved as shape (1,): no plain model could
+    load it ("size mismatch for model.temperature")."""
+    from safetensors.torch import load_file
+
+    from devmesh.parallel.checkpoint.offline import consolidate
+
+    path = str(tmp_path / "ckpt")
+    worlds = {"plain": 1, "fsdp2": 2, "hsdp4": 4}
+
+    def on(layout, fn):
+        return mesh_pool.run(fn, worlds[layout], layout, path) if worlds[layout] > 1 \
+            else [fn(layout, path)]
+
+    expected = on(saved, scalar_save)[0]
+    assert expected["temperature"].shape == ()
+    for state in on(loaded, scalar_load):
+        assert state.keys() == expected.keys()
+        assert state["temperature"].shape == ()
+        for key, value in expected.items():  # (optimizer moments: flattened by full_state)
+            assert torch.equal(state[key].reshape(-1), value.reshape(-1)), key
+    out = str(tmp_path / "model.safetensors")
+    consolidate(path, out)
+    assert load_file(out)["temperature"].shape == ()

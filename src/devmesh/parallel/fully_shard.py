@@ -38,6 +38,7 @@ from devmesh.parallel.param import (
     combined_mesh,
     describe_tensors,
     get_layout,
+    place_parameter,
     sharded_parameter,
     world_mesh,
     GradientSyncControl,
@@ -133,7 +134,7 @@ class FSDPUnit:
                     continue  # an ignored parameter stays this rank's plain tensor
                 if id(param) in owned:
                     owned[id(param)].places.append((module, name))
-                    module._parameters[name] = owned[id(param)].sharded
+                    place_parameter(module, name, owned[id(param)].sharded)
                     continue
                 other_unit = getattr(param, _SHARDED_BY, None)
                 if other_unit is not None:
@@ -157,9 +158,10 @@ class FSDPUnit:
         start, size = chunk_bounds(full_shape[0], self.k, self.index)
         local = data.narrow(0, start, size).clone()
         spec_mesh, spec = self._spec(param, full_shape)
-        new = sharded_parameter(local, param.requires_grad, spec_mesh, spec)
+        new = sharded_parameter(local, param.requires_grad, spec_mesh, spec,
+                                shape=() if param.ndim == 0 else None)
         setattr(param, _SHARDED_BY, self)
-        module._parameters[name] = new
+        place_parameter(module, name, new)
         padded_rows = -(-full_shape[0] // self.k) if full_shape[0] else 0
         entry = _Param([(module, name)], new, full_shape, padded_rows, shape)
         self.params.append(entry)

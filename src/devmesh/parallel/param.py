@@ -24,7 +24,7 @@ from devmesh.mesh import DeviceMesh, init_device_mesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
 __all__ = ["with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
-           "as_sharded", "combined_mesh", "describe_tensors"]
+           "place_parameter", "local_block", "as_sharded", "combined_mesh", "describe_tensors"]
 
 _ATTR = "_devmesh_layout"
 
@@ -33,14 +33,23 @@ _ATTR = "_devmesh_layout"
 class ParamLayout:
     mesh: DeviceMesh
     spec: ShardingSpec
+    #: the parameter's own full shape where it differs from ``spec.global_shape`` (FSDP
+    #: shards a 0-d parameter as one element: spec ``(1,)``, shape ``()``)
+    shape: tuple[int, ...] | None = None
+
+    @property
+    def full_shape(self) -> tuple[int, ...]:
+        """The full parameter's shape, as single-process training has it."""
+        return tuple(self.spec.global_shape) if self.shape is None else self.shape
 
 
 def get_layout(param: torch.Tensor) -> ParamLayout | None:
     return getattr(param, _ATTR, None)
 
 
-def set_layout(param: torch.Tensor, mesh: DeviceMesh, spec: ShardingSpec) -> None:
-    setattr(param, _ATTR, ParamLayout(mesh, spec))
+def set_layout(param: torch.Tensor, mesh: DeviceMesh, spec: ShardingSpec,
+               shape: tuple[int, ...] | None = None) -> None:
+    setattr(param, _ATTR, ParamLayout(mesh, spec, shape))
 
 
 class ShardedParameter(nn.Parameter):
@@ -61,11 +70,61 @@ class ShardedParameter(nn.Parameter):
 
 
 def sharded_parameter(local: torch.Tensor, requires_grad: bool, mesh: DeviceMesh,
-                      spec: ShardingSpec) -> ShardedParameter:
-    """A new parameter holding ``local`` (this rank's block of ``spec``)."""
+                      spec: ShardingSpec, shape: tuple[int, ...] | None = None
+                      ) -> ShardedParameter:
+    """A new parameter holding ``local`` (this rank's block of ``spec``; ``shape``: the full
+    parameter's shape where it differs from the spec's, see :class:`ParamLayout`)."""
     param = ShardedParameter(local, requires_grad=requires_grad)
-    set_layout(param, mesh, spec)
+    set_layout(param, mesh, spec, shape)
     return param
+
+
+def place_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
+    """Register ``param`` (laid out on a mesh) as ``module.<name>``. ``module.load_state_dict``
+    then also takes the full tensor for it — a pretrained checkpoint, a single-process
+    ``state_dict()`` — and keeps this rank's block, as ``devmesh.parallel.load_state_dict``
+    does; a tensor of this rank's block shape (``module.state_dict()`` of the same rank) is
+    loaded as it is."""
+    module._parameters[name] = param
+    if not getattr(module, _TAKES_FULL, False):
+        module.register_load_state_dict_pre_hook(_take_local_blocks)
+        setattr(module, _TAKES_FULL, True)
+
+
+_TAKES_FULL = "_devmesh_takes_full_tensors"
+
+
+def _take_local_blocks(module: nn.Module, state: dict, prefix: str, local_metadata: dict,
+                       strict: bool, missing: list, unexpected: list, errors: list) -> None:
+    for name, param in module._parameters.items():
+        layout = get_layout(param) if param is not None else None
+        value = state.get(prefix + name)
+        if layout is None or type(value) is not torch.Tensor or value.shape == param.shape:
+            continue
+        full = layout.full_shape
+        if tuple(value.shape) == full:
+            block = local_block(param, value.reshape(layout.spec.global_shape))
+            state[prefix + name] = block.reshape(param.shape)
+        else:
+            errors.append(
+                f"{prefix + name} is sharded by devmesh: pass its full tensor (shape {full}) "
+                f"or this rank's block (shape {tuple(param.shape)}), not shape "
+                f"{tuple(value.shape)}"
+            )
+
+
+def local_block(param: torch.Tensor, full: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """This rank's block of ``full``, a tensor laid out like ``param`` (its global shape)."""
+    layout = get_layout(param)
+    if layout is None:
+        return full
+    expected = tuple(layout.spec.global_shape)
+    if tuple(full.shape) != expected:
+        raise ParallelizeError(f"{name} has shape {tuple(full.shape)}, the model's full "
+                               f"parameter is {expected}")
+    for d, (start, size) in enumerate(layout.spec.local_bounds(layout.mesh.get_coordinate())):
+        full = full.narrow(d, start, size)
+    return full
 
 
 def as_sharded(param: torch.Tensor) -> ShardedTensor | None:

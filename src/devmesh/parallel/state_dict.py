@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from devmesh.errors import ParallelizeError, StateDictError
-from devmesh.parallel.param import as_sharded, get_layout
+from devmesh.parallel.param import as_sharded, get_layout, local_block
 from devmesh.tensor import ShardedTensor
 
 __all__ = ["state_dict", "load_state_dict", "prepare_load", "apply_load", "local_block"]
@@ -44,20 +44,6 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
     for name, b in model.named_buffers():
         out[name] = b.detach().clone()
     return out
-
-
-def local_block(param: nn.Parameter, full: torch.Tensor, name: str = "tensor") -> torch.Tensor:
-    """This rank's block of ``full``, a tensor laid out like ``param`` (its global shape)."""
-    layout = get_layout(param)
-    if layout is None:
-        return full
-    expected = tuple(layout.spec.global_shape)
-    if tuple(full.shape) != expected:
-        raise ParallelizeError(f"{name} has shape {tuple(full.shape)}, the model's full "
-                               f"parameter is {expected}")
-    for d, (start, size) in enumerate(layout.spec.local_bounds(layout.mesh.get_coordinate())):
-        full = full.narrow(d, start, size)
-    return full
 
 
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -134,5 +120,4 @@ def load_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool 
 
 
 def _global_shape(p: nn.Parameter, sharded: ShardedTensor) -> tuple[int, ...]:
-    shape = tuple(sharded.shape)
-    return () if p.ndim == 0 and shape == (1,) else shape
+    return get_layout(p).full_shape

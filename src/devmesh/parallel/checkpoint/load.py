@@ -30,7 +30,7 @@ from devmesh.parallel.checkpoint import legacy
 from devmesh.parallel.checkpoint.encoding import Malformed, decode
 from devmesh.parallel.checkpoint.format import CheckpointReader
 from devmesh.parallel.checkpoint.save import _raise_if_failed, wait_for_pending_save
-from devmesh.parallel.param import get_layout
+from devmesh.parallel.param import get_layout, local_block
 from devmesh.parallel.state_dict import persistent_buffers
 
 __all__ = ["load_checkpoint", "read_block"]
@@ -41,14 +41,20 @@ def read_block(reader: CheckpointReader, key: str, target: torch.Tensor,
     """This rank's block of stored tensor ``key`` for ``target`` (laid out like parameter
     ``like``, default itself), after checking dtype and global shape."""
     meta = reader.meta(key)
-    layout = get_layout(like if like is not None else target)
-    shape = tuple(layout.spec.global_shape) if layout else tuple(target.shape)
-    if meta.shape != shape:
+    like = like if like is not None else target
+    layout = get_layout(like)
+    shape = layout.full_shape if layout else tuple(target.shape)
+    # (a 0-d parameter fully_shard holds as one element: saved in its own shape, or, by
+    # checkpoints written before that was fixed, as its one-element spec)
+    if meta.shape != shape and not (layout and meta.shape == tuple(layout.spec.global_shape)):
         raise StateDictError(
             f"size mismatch for {key}: copying a param with shape {meta.shape} from "
             f"checkpoint, the shape in current model is {shape}")
     if layout is None:
         return reader.read(key)
+    if meta.shape != tuple(layout.spec.global_shape):  # stored whole in the parameter's shape
+        full = reader.read(key).reshape(layout.spec.global_shape)
+        return local_block(like, full).reshape(target.shape)
     coord = layout.mesh.get_coordinate()
     bounds = layout.spec.local_bounds(coord)
     block = reader.read(key, tuple(s for s, _ in bounds), tuple(n for _, n in bounds))

@@ -74,6 +74,14 @@ def _entry(key: str, tensor: torch.Tensor, like: torch.Tensor | None = None,
     if layout is None:
         return _Entry(TensorLayout(key, tuple(local.shape), local.element_size(), writer=writer),
                       local, "whole")
+    if layout.shape is not None:
+        # a 0-d parameter under fully_shard: one element, held by the mesh's first rank (and
+        # its replicas); saved whole in its own shape, so any layout (or a plain model)
+        # loads it as single-process training has it
+        holder = int(layout.mesh.mesh.flatten()[0])
+        value = local.reshape(layout.shape) if local.numel() == 1 else local
+        return _Entry(TensorLayout(key, layout.shape, local.element_size(), writer=holder),
+                      value, "whole")
     spec = layout.spec
     mesh = layout.mesh
     root = mesh._root

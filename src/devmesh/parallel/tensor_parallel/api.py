@@ -16,7 +16,7 @@ from torch import nn
 
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.param import get_layout, sharded_parameter
+from devmesh.parallel.param import get_layout, place_parameter, sharded_parameter
 from devmesh.parallel.tensor_parallel.styles import ParallelStyle
 from devmesh.tensor import Placement, ShardingSpec, distribute_tensor
 
@@ -133,7 +133,8 @@ def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: Device
         return
     replacement = getattr(param, _REPLACED_BY, None)
     if replacement is not None:  # tied to a parameter distributed by an earlier call
-        param = module._parameters[attr] = replacement
+        place_parameter(module, attr, replacement)
+        param = replacement
     layout = get_layout(param)
     if layout is not None:
         wanted = ShardingSpec.from_placements([placement], mesh.shape, layout.spec.global_shape,
@@ -150,6 +151,6 @@ def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: Device
     new = sharded_parameter(sharded.to_local().contiguous(), param.requires_grad, mesh,
                             sharded.spec)
     for owner, name in aliases.get(id(param), [(module, attr)]):
-        owner._parameters[name] = new
-    module._parameters[attr] = new
+        place_parameter(owner, name, new)
+    place_parameter(module, attr, new)
     setattr(param, _REPLACED_BY, new)

@@ -1,0 +1,93 @@
+"""``model.load_state_dict(...)`` — nn.Module's own method, the one every training script
+calls to load pretrained weights — on a model devmesh sharded: it takes the full tensors (a
+single-process ``state_dict()``) and keeps this rank's block, takes this rank's blocks
+(``model.state_dict()`` of the same rank) as they are, and names both shapes when a tensor
+is neither. A 0-d parameter keeps its shape through ``fully_shard`` in every state dict."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from devmesh import init_device_mesh
+from devmesh.parallel import (
+    ColwiseParallel,
+    RowwiseParallel,
+    fully_shard,
+    parallelize_module,
+    state_dict,
+)
+
+
+class ScaledMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 4)
+        self.temperature = nn.Parameter(torch.tensor(3.0))  # 0-d
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.relu(self.up(x))) / self.temperature
+
+
+def pretrained() -> dict[str, torch.Tensor]:
+    """Other weights for the same model, as a single-process ``state_dict()``."""
+    model = ScaledMLP()
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_()
+    return model.state_dict()
+
+
+def load_both_ways(strategy: str):
+    model = ScaledMLP()
+    if strategy == "fsdp":
+        fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+    elif strategy == "tp":
+        parallelize_module(model, init_device_mesh("cpu", (2,)),
+                           {"up": ColwiseParallel(), "down": RowwiseParallel()})
+    else:  # tp + hsdp-free fsdp on a (dp, tp) mesh
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    own_blocks = {k: v.clone() for k, v in model.state_dict().items()}
+    full = pretrained()
+    model.load_state_dict(full)
+    after_full = state_dict(model, full=True)
+    copied = copy.deepcopy(model)  # the hook travels with a copy
+    copied.load_state_dict(own_blocks)
+    after_blocks = state_dict(copied, full=True)
+    model.load_state_dict(own_blocks)
+    round_trip = {k: v.clone() for k, v in model.state_dict().items()}
+    wrong = dict(full, **{"up.weight": torch.zeros(3, 3)})
+    try:
+        model.load_state_dict(wrong)
+        error = None
+    except RuntimeError as exc:
+        error = str(exc)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    model.load_state_dict(full)
+    return after_full, after_blocks, round_trip, own_blocks, error, model(x).detach()
+
+
+@pytest.mark.parametrize("strategy, world", [("fsdp", 2), ("tp", 2), ("tp+fsdp", 4)])
+def test_load_state_dict_takes_full_tensors_and_own_blocks(mesh_pool, strategy, world):
+    full = pretrained()
+    reference = ScaledMLP()
+    untrained = {k: v.clone() for k, v in reference.state_dict().items()}
+    reference.load_state_dict(full)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
+    for after_full, after_blocks, round_trip, own, error, out in mesh_pool.run(
+            load_both_ways, world, strategy):
+        for key, value in full.items():
+            assert after_full[key].shape == value.shape, key  # () for temperature
+            assert torch.equal(after_full[key], value), key
+            assert torch.equal(after_blocks[key], untrained[key]), key
+        assert all(torch.equal(round_trip[k], v) for k, v in own.items())
+        assert "up.weight is sharded by devmesh" in error and "(8, 4)" in error
+        torch.testing.assert_close(out, reference(x).detach())
