@@ -250,3 +250,50 @@ def test_replicate_syncs_buffers_as_torchs_ddp(mesh_pool, buffer_args):
     else:  # synced before the evaluation: every replica evaluates alike
         assert all(torch.equal(m, means[0]) for m in means)
         assert all(torch.equal(o, outputs[0]) for o in outputs)
+
+
+class _KeywordInputs(nn.Module):
+    """Takes a tensor positionally, a pair in a tuple and a keyword dict, and fails unless
+    every floating-point input arrives in the parameters' dtype."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(6, 4)
+        self.b = nn.Linear(6, 4)
+
+    def forward(self, x, pair, *, extra):
+        inputs = [x, *pair, extra["scale"]]
+        if any(t.dtype != self.a.weight.dtype for t in inputs):
+            raise TypeError(f"inputs {[t.dtype for t in inputs]}, weights {self.a.weight.dtype}")
+        return (self.a(x) + self.b(pair[0] * pair[1]) * extra["scale"]).sum()
+
+
+def keyword_inputs(library: str):
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    model = _KeywordInputs()
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x, p, q = (torch.randn(3, 6, generator=gen) for _ in range(3))
+    loss = model(x, (p, q), extra={"scale": torch.tensor(0.5), "steps": 3})
+    loss.backward()
+    return loss.item(), [param.grad.clone() for param in model.parameters()]
+
+
+def test_inputs_in_tuples_and_keywords_are_cast_as_torchs_fsdp2(mesh_pool):
+    """``param_dtype`` casts every floating-point input — keyword arguments and tensors
+    inside tuples and dicts too — as FSDP2 does (devmesh cast positional tensors only)."""
+    from devmesh.launching.launcher import launch
+
+    for (loss, grads), (torch_loss, torch_grads) in zip(
+            mesh_pool.run(keyword_inputs, 2, "devmesh"), launch(keyword_inputs, 2, "torch")):
+        assert loss == torch_loss
+        for ours, theirs in zip(grads, torch_grads):
+            torch.testing.assert_close(ours, theirs.to_local() if hasattr(theirs, "to_local")
+                                       else theirs)

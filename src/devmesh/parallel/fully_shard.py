@@ -13,8 +13,9 @@ follow ``torch.chunk``), with its spec attached. Around the unit's forward:
   when backward first needs them — from the second step on already started by the unit after
   it (backward prefetch), for the units whose backward needed them in the previous step;
 * backward: the unit's gradients are reduce-scattered (averaged over the shard dim) in one
-  collective, in ``mp_policy.reduce_dtype``; on a 2-D ``(replicate, shard)`` mesh they are then
-  all-reduced (averaged) over the replicate dim: hybrid sharding.
+  collective, in ``mp_policy.reduce_dtype`` (else ``param_dtype``); on a 2-D
+  ``(replicate, shard)`` mesh they are then all-reduced (averaged) over the replicate dim:
+  hybrid sharding.
 
 Applied after tensor parallelism, the unit shards each parameter's TP-local block, and the
 spec records dim 0 as split by ``("tp", "dp")``, so ``full_tensor()`` reassembles exactly.
@@ -53,7 +54,8 @@ __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule"]
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """``param_dtype``: dtype of the gathered parameters (compute); ``reduce_dtype``: dtype of
-    gradient reduction; ``output_dtype``: floating-point outputs of the unit's forward are
+    gradient reduction (``None``: ``param_dtype``, as torch; neither: the parameters' own);
+    ``output_dtype``: floating-point outputs of the unit's forward are
     cast to it; ``cast_forward_inputs``: floating-point inputs of each unit's forward are
     cast to ``param_dtype`` (torch's default too). Sharded parameters (the optimizer's master
     copy) keep their dtype. The fields and their order are torch's, whose own
@@ -256,9 +258,10 @@ class FSDPUnit:
         keeps no gradient, as in single-process training and torch's FSDP2, so optimizers
         skip it (a zero gradient would still move it under weight decay or momentum); one
         flag per parameter rides in the same collective to tell which were used anywhere."""
-        # mixed dtypes reduce in the widest (float32 gradients beside float64 ones are
-        # averaged exactly and rounded once, back into their own dtype)
-        dtype = self.mp.reduce_dtype or functools.reduce(
+        # torch's rule: reduce_dtype, else the compute dtype (param_dtype), else the
+        # parameters' own; mixed dtypes reduce in the widest (float32 gradients beside
+        # float64 ones are averaged exactly and rounded once, back into their own dtype)
+        dtype = self.mp.reduce_dtype or self.mp.param_dtype or functools.reduce(
             torch.promote_types, (p.sharded.dtype for p in self.params))
         if self._accumulated is not None:
             grads = [_add(a, g, dtype) for a, g in zip(self._accumulated, grads)]
@@ -314,11 +317,11 @@ class FSDPUnit:
             self._regather_pending = None
 
     # -- hooks -----------------------------------------------------------------------------
-    def pre_forward(self, module: nn.Module, args):
+    def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         root = _ORDER.active is None  # this unit starts the forward
         _ORDER.enter(self)
         shards = [p.sharded for p in self.params]
-        cast = self._cast_inputs(args)
+        cast = self._cast_inputs(args, kwargs)
         if not shards:
             self._order.prefetch_after(self)
             return cast
@@ -337,14 +340,16 @@ class FSDPUnit:
             self._hooks.__enter__()
         return cast
 
-    def _cast_inputs(self, args):
-        """Floating-point inputs in the compute dtype (``None``: leave the inputs as they
-        are)."""
+    def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        """Floating-point inputs in the compute dtype, positional and keyword, inside lists,
+        tuples and dicts too, as torch's FSDP2 casts them (``None``: leave the inputs as
+        they are)."""
         dtype = self.mp.param_dtype
         if dtype is None or not self.mp.cast_forward_inputs:
             return None
-        return tuple(a.to(dtype) if isinstance(a, torch.Tensor) and a.is_floating_point()
-                     else a for a in args)
+        return torch.utils._pytree.tree_map_only(
+            torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
+            (args, kwargs))
 
     def post_forward(self, module: nn.Module, args, output):
         if self._hooks is not None:
@@ -553,7 +558,7 @@ def fully_shard(
     module._devmesh_fsdp = unit  # type: ignore[attr-defined]
     with_methods(module, FSDPModule)
     # gather before any other pre-hook of the module (a sequence-parallel style's, say)
-    module.register_forward_pre_hook(unit.pre_forward, prepend=True)
+    module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, always_call=True)
     return module
 

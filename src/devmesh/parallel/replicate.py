@@ -58,7 +58,7 @@ class DataParallelState:
             raise ParallelizeError(f"rank {mesh.get_rank()} is not part of {mesh!r}")
         self.mesh = mesh
         self.dims = tuple(range(mesh.ndim))
-        params = [p for p in module.parameters() if p.requires_grad and id(p) not in ignored]
+        named = [(n, p) for n, p in module.named_parameters() if id(p) not in ignored]
         ignored_names = [n for n, p in module.named_parameters() if id(p) in ignored]
         comm.agree(mesh, self.dims, "replicate: every replica must hold the same parameters "
                    "(and ignore the same ones)",
@@ -71,23 +71,30 @@ class DataParallelState:
         # gradients or without gradient sync (evaluation, no_sync)
         self.forward_sync_buffers = forward_sync_buffers
         self._sync_buffers_next = True
-        cap = int(bucket_cap_mb * 2**20)
+        self.requires_gradient_sync = True
+        self._cap = int(bucket_cap_mb * 2**20)
+        self._names = [n for n, _ in named]
+        self._params = [p for _, p in named]  # averaged while they require gradients
+        self._hooked: set[int] = set()  # parameters with our gradient hook (it stays)
+        self._bucket(tuple(p.requires_grad for p in self._params))
+
+    def _bucket(self, trainable: tuple[bool, ...]) -> None:
+        """Buckets of the parameters that require gradients (in reverse registration order,
+        about the order backward produces them), and a hook on each that fills its bucket."""
+        self._trainable = trainable
         buckets: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
         size = 0
-        for p in reversed(params):
+        for p, t in zip(reversed(self._params), reversed(trainable)):
+            if not t:
+                continue
             current.append(p)
             size += p.numel() * p.element_size()
-            if size >= cap:
+            if size >= self._cap:
                 buckets.append(current)
                 current, size = [], 0
         if current:
             buckets.append(current)
-        self.requires_gradient_sync = True
-        self._attach(buckets)
-
-    def _attach(self, buckets: list[list[nn.Parameter]]) -> None:
-        """Buckets of these parameters, and a hook on each that fills its bucket."""
         self.buckets = [_Bucket(params) for params in buckets]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._callback_queued = False
@@ -96,12 +103,29 @@ class DataParallelState:
         # module -> param uncollectable, keeping the model and its mesh's process groups
         # alive forever; the module holds the state, the hook only a weak reference to it
         on_grad = weakref.WeakMethod(self._on_grad)
-        for p in (p for b in self.buckets for p in b.params):
+        for p in (p for b in self.buckets for p in b.params if id(p) not in self._hooked):
             p.register_post_accumulate_grad_hook(lambda param: _call(on_grad, param))
+            self._hooked.add(id(p))
+        for p in self._params:
             if get_layout(p) is None:
                 spec = ShardingSpec(self.mesh.shape, tuple(p.shape), ((),) * p.ndim,
                                     mesh_dim_names=self.mesh.mesh_dim_names)
                 set_layout(p, self.mesh, spec)
+
+    def _follow_requires_grad(self) -> None:
+        """Parameters unfrozen (or frozen) since the buckets were made — fine-tuning that
+        unfreezes the backbone after some steps — get buckets anew, so they are averaged
+        (DDP keeps the set from construction and silently leaves them per rank). Every
+        rank must change the same ones: checked with one small collective, on change only
+        (ranks that changed differently all raise; a rank that changed alone waits in that
+        check until the collective timeout names it)."""
+        trainable = tuple(p.requires_grad for p in self._params)
+        if trainable == self._trainable:
+            return
+        comm.agree(self.mesh, self.dims, "replicate: every replica must train the same "
+                   "parameters (requires_grad was changed differently on some ranks)",
+                   " ".join(n for n, t in zip(self._names, trainable) if t))
+        self._bucket(trainable)
 
     def __deepcopy__(self, memo: dict) -> DataParallelState:
         """``copy.deepcopy(model)`` (an EMA copy, a frozen teacher) gives a model that
@@ -111,7 +135,9 @@ class DataParallelState:
         new = copy.copy(self)
         memo[id(self)] = new
         new._ignored = [copy.deepcopy(t, memo) for t in self._ignored]
-        new._attach([[copy.deepcopy(p, memo) for p in b.params] for b in self.buckets])
+        new._params = [copy.deepcopy(p, memo) for p in self._params]
+        new._hooked = set()
+        new._bucket(self._trainable)
         return new
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
@@ -137,6 +163,7 @@ class DataParallelState:
 
     def before_forward(self, module: nn.Module) -> None:
         """DDP's buffer sync: broadcast the buffers if the previous forward trained."""
+        self._follow_requires_grad()
         if self.forward_sync_buffers and self._sync_buffers_next:
             self._broadcast(list(module.buffers()))
 
