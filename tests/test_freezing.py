@@ -95,3 +95,49 @@ def test_ranks_changing_requires_grad_differently_raise_on_every_rank(mesh_pool)
     for name, message in mesh_pool.run(unfreeze_differently, 2):
         assert name == "MeshMismatchError"
         assert "requires_grad was changed differently" in message and "0.weight" in message
+
+
+def _adjust_by_name(module: nn.Module, step: int) -> None:
+    """:func:`_adjust` for a pipeline stage's part of the model (the model's own names)."""
+    for name, p in module.named_parameters():
+        if step == 1 and name.startswith("0."):
+            p.requires_grad_(True)
+        if step == 3 and name.startswith("2."):
+            p.requires_grad_(False)
+
+
+def pipelined(schedule_name: str):
+    """The first stage starts with every parameter frozen: its backward has nothing to do
+    (it raised "element 0 of tensors does not require grad" before)."""
+    from devmesh.parallel.pipeline import PipelineRunner, build_schedule, split_sequential
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    schedule = build_schedule(schedule_name, 2, 4, 1)
+    parts = split_sequential(_model(), schedule.stages)
+    pp, dp = mesh.get_coordinate()
+    stages = {s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == pp}
+    for stage in stages.values():
+        replicate(stage, mesh=mesh["dp"])
+    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    opt = torch.optim.AdamW(runner.module.parameters(), lr=0.05, weight_decay=0.1)
+    for step in range(STEPS):
+        _adjust_by_name(runner.module, step)
+        x, y = _batch(step, dp)
+        runner.step(x if 0 in stages else None, y if schedule.stages - 1 in stages else None)
+        opt.step()
+        opt.zero_grad()
+    return runner.state_dict(full=True)
+
+
+@pytest.mark.parametrize("schedule_name", ["1f1b", "zero-bubble"])
+def test_a_frozen_first_stage_and_unfreezing_under_pipelining(mesh_pool, schedule_name):
+    model = _model()
+    assert [n for n, p in model.named_parameters() if not p.requires_grad] == ["0.weight",
+                                                                                "0.bias"]
+    _train(model, lambda m, step: F.cross_entropy(
+        m(torch.cat([_batch(step, r)[0] for r in range(2)])),
+        torch.cat([_batch(step, r)[1] for r in range(2)])))
+    expected = model.state_dict()
+    for params in mesh_pool.run(pipelined, 4, schedule_name):
+        for key, value in expected.items():
+            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6, msg=key)

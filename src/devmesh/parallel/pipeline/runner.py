@@ -268,7 +268,10 @@ class PipelineRunner:
             start = time.perf_counter()
             try:
                 if action.kind == "B":
-                    torch.autograd.backward(entry["out"], grad)
+                    # a first stage with every parameter frozen (fine-tuning the top of
+                    # a model) has nothing to compute, as in single-process training
+                    if entry["out"].requires_grad:
+                        torch.autograd.backward(entry["out"], grad)
                     input_grad = entry["x"].grad if s > 0 else None
                 elif s > 0:
                     (input_grad,) = torch.autograd.grad(entry["out"], entry["x"], grad,
