@@ -146,32 +146,56 @@ def test_what_devmesh_does_not_do_is_refused_not_ignored(mesh_pool):
         assert res[3] is None  # a CPU mesh is offloaded already; Shard(0) is the default
 
 
-def ddp_arguments(library: str):
+def ddp_arguments(library: str, init_sync: bool = True):
+    """torch's replicate passes DDP's options on: the ones a DDP script sets, and
+    ``init_sync=False`` with a different start on each rank (each keeps its own)."""
     model = make_model()
     mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    if not init_sync:
+        with torch.no_grad():
+            model[0].weight.add_(dist.get_rank())
     if library == "devmesh":
         from devmesh.parallel import replicate
-
-        replicate(model, device_mesh=mesh, ignored_modules=[model[4]])
     else:
         from torch.distributed._composable.replicate import replicate
-
-        replicate(model, device_mesh=mesh, ignored_modules=[model[4]])
+    replicate(model, device_mesh=mesh, ignored_modules=[model[4]], init_sync=init_sync,
+              find_unused_parameters=True, gradient_as_bucket_view=True, static_graph=False,
+              device_ids=None)
     losses = _train(model)
     return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def test_replicate_takes_torchs_ddp_arguments(mesh_pool):
+@pytest.mark.parametrize("init_sync", [True, False])
+def test_replicate_takes_torchs_ddp_arguments(mesh_pool, init_sync):
     from devmesh.launching.launcher import launch
 
-    ours = mesh_pool.run(ddp_arguments, 3, "devmesh")
+    ours = mesh_pool.run(ddp_arguments, 3, "devmesh", init_sync)
     # fresh processes for torch's DDP-based replicate: its models stay alive as FSDP2's do
-    theirs = launch(ddp_arguments, 3, "torch")
+    theirs = launch(ddp_arguments, 3, "torch", init_sync)
+    if not init_sync:  # each rank kept its own start, and trained on averaged gradients
+        assert not torch.equal(ours[0][1]["0.weight"], ours[1][1]["0.weight"])
     for (losses, params), (their_losses, their_params) in zip(ours, theirs):
         assert losses == pytest.approx(their_losses, rel=1e-6, abs=1e-6)
         for key, value in their_params.items():
             torch.testing.assert_close(params[key], value, rtol=1e-6, atol=1e-6)
     assert not torch.equal(ours[0][1]["4.weight"], ours[1][1]["4.weight"])  # not averaged
+
+
+def ddp_options_refused():
+    from devmesh.parallel import replicate
+
+    mesh = init_device_mesh("cpu", (2,))
+    return [caught(lambda: replicate(make_model(), mesh=mesh, **{name: value}))
+            for name, value in [("process_group", dist.group.WORLD), ("bucket_cap_mb_list", [1]),
+                                ("device_ids", [0])]]
+
+
+def test_ddp_options_devmesh_does_not_implement_are_refused(mesh_pool):
+    for results in mesh_pool.run(ddp_options_refused, 2):
+        for (kind, message), name in zip(results, ["process_group", "bucket_cap_mb_list",
+                                                   "device_ids"]):
+            assert kind == "ParallelizeError" and f"does not take {name}" in message
+            assert "pass mesh= or device_mesh=" in message
 
 
 def test_fully_shard_without_a_mesh_outside_a_launcher_says_how_to_launch():

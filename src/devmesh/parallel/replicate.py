@@ -53,7 +53,8 @@ class DataParallelState:
 
     def __init__(self, module: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float,
                  ignored: set[int] | frozenset[int] = frozenset(), *,
-                 forward_sync_buffers: bool = True, init_sync: bool = True) -> None:
+                 forward_sync_buffers: bool = True, init_params: bool = True,
+                 init_buffers: bool = True) -> None:
         if mesh.get_coordinate() is None:
             raise ParallelizeError(f"rank {mesh.get_rank()} is not part of {mesh!r}")
         self.mesh = mesh
@@ -66,7 +67,8 @@ class DataParallelState:
         self._ignored = [t for t in list(module.parameters()) + list(module.buffers())
                          if id(t) in ignored]
         # DDP's broadcast_buffers=False leaves even the first broadcast to the parameters
-        self._broadcast(list(module.parameters()) + (list(module.buffers()) if init_sync else []))
+        self._broadcast((list(module.parameters()) if init_params else [])
+                        + (list(module.buffers()) if init_buffers else []))
         # DDP's rule: sync before a forward unless the previous forward was without
         # gradients or without gradient sync (evaluation, no_sync)
         self.forward_sync_buffers = forward_sync_buffers
@@ -237,12 +239,22 @@ class ReplicateModule(GradientSyncControl):
         self._devmesh_ddp.requires_gradient_sync = bool(requires_gradient_sync)  # type: ignore[attr-defined]
 
 
+# DDP options that may be given as None (their default) without changing anything
+_DDP_NONE = frozenset({"device_ids", "device_id", "output_device", "process_group",
+                       "mixed_precision"})
+
+
 def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
               bucket_cap_mb: float = 25.0, ignored_params: set[nn.Parameter] | None = None,
               ignored_modules: Iterable[nn.Module] | None = None,
               device_mesh: DeviceMesh | None = None,
               forward_sync_buffers: bool | None = None,
-              broadcast_buffers: bool | None = None) -> nn.Module:
+              broadcast_buffers: bool | None = None,
+              init_sync: bool = True,
+              find_unused_parameters: bool = False,
+              gradient_as_bucket_view: bool = False,
+              static_graph: bool = False,
+              **ddp_options: object) -> nn.Module:
     """Data-parallel ``module`` over ``mesh`` (all of its dims): gradients are averaged.
     Returns ``module``; ``module._devmesh_ddp`` holds the state.
 
@@ -254,7 +266,21 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
     Buffers follow DDP: ``forward_sync_buffers`` (default on) broadcasts them from the mesh's
     first rank before each forward that follows a training forward (with gradients, not
     under ``no_sync``); ``broadcast_buffers`` is DDP's older name — ``False`` there also
-    skips the first broadcast, so buffers stay each rank's own."""
+    skips the first broadcast, so buffers stay each rank's own. ``init_sync=False`` (DDP's)
+    skips the first broadcast of parameters and buffers: each replica keeps its own start.
+
+    DDP's ``find_unused_parameters``, ``gradient_as_bucket_view`` and ``static_graph`` are
+    accepted and change nothing in the result: devmesh always finds unused parameters (one
+    flag each in the reduction, so either value trains as DDP with ``True`` would), and the
+    other two are DDP's memory and speed hints for its own reducer. Any other DDP option
+    (devices, ``process_group``, DDP's mixed precision, ...) is refused with the fix."""
+    refused = sorted(k for k, v in ddp_options.items() if v is not None or k not in _DDP_NONE)
+    if refused:
+        raise ParallelizeError(
+            f"replicate does not take {', '.join(refused)}: devmesh's replicate "
+            "runs on the mesh's devices and process groups (pass mesh= or device_mesh=; "
+            "for mixed precision use fully_shard's MixedPrecisionPolicy or autocast)")
+    del find_unused_parameters, gradient_as_bucket_view, static_graph  # see the docstring
     if getattr(module, "_devmesh_ddp", None) is not None:
         raise ParallelizeError("replicate was already applied to this module")
     if mesh is not None and device_mesh is not None and mesh is not device_mesh:
@@ -267,11 +293,12 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
     ignored |= {id(t) for m in ignored_modules or ()
                 for t in list(m.parameters()) + list(m.buffers())}
     if forward_sync_buffers is not None:
-        sync, init_sync = forward_sync_buffers, True
+        sync, init_buffers = forward_sync_buffers, True
     else:
-        sync = init_sync = broadcast_buffers if broadcast_buffers is not None else True
+        sync = init_buffers = broadcast_buffers if broadcast_buffers is not None else True
     state = DataParallelState(module, mesh, bucket_cap_mb, ignored,
-                              forward_sync_buffers=sync, init_sync=init_sync)
+                              forward_sync_buffers=sync, init_params=init_sync,
+                              init_buffers=init_sync and init_buffers)
     module._devmesh_ddp = state  # type: ignore[attr-defined]
     # module-level functions that find the state on the module they are called with: a
     # deep copy of the module then syncs its own buffers
