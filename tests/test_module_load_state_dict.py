@@ -18,6 +18,7 @@ from devmesh.parallel import (
     RowwiseParallel,
     fully_shard,
     parallelize_module,
+    describe,
     state_dict,
 )
 
@@ -72,7 +73,8 @@ def load_both_ways(strategy: str):
         error = str(exc)
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
     model.load_state_dict(full)
-    return after_full, after_blocks, round_trip, own_blocks, error, model(x).detach()
+    shown = describe(model)
+    return after_full, after_blocks, round_trip, own_blocks, error, model(x).detach(), shown
 
 
 @pytest.mark.parametrize("strategy, world", [("fsdp", 2), ("tp", 2), ("tp+fsdp", 4)])
@@ -82,7 +84,7 @@ def test_load_state_dict_takes_full_tensors_and_own_blocks(mesh_pool, strategy, 
     untrained = {k: v.clone() for k, v in reference.state_dict().items()}
     reference.load_state_dict(full)
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
-    for after_full, after_blocks, round_trip, own, error, out in mesh_pool.run(
+    for after_full, after_blocks, round_trip, own, error, out, shown in mesh_pool.run(
             load_both_ways, world, strategy):
         for key, value in full.items():
             assert after_full[key].shape == value.shape, key  # () for temperature
@@ -91,3 +93,5 @@ def test_load_state_dict_takes_full_tensors_and_own_blocks(mesh_pool, strategy, 
         assert all(torch.equal(round_trip[k], v) for k, v in own.items())
         assert "up.weight is sharded by devmesh" in error and "(8, 4)" in error
         torch.testing.assert_close(out, reference(x).detach())
+        row = next(line for line in shown.splitlines() if line.startswith("temperature "))
+        assert row.split()[1] == "()", row  # its own shape, not FSDP's one element

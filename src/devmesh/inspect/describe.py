@@ -54,7 +54,7 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
     total_global = 0
     for name, p in model.named_parameters():
         layout = get_layout(p)
-        global_shape = tuple(layout.spec.global_shape) if layout else tuple(p.shape)
+        global_shape = layout.full_shape if layout else tuple(p.shape)
         what = str(layout.spec).split(": ", 1)[1] if layout else "not distributed"
         total_global += math.prod(global_shape) * p.element_size()
         shapes = _shapes_by_rank(p, ranks)
