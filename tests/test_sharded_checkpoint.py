@@ -385,3 +385,37 @@ def test_a_0d_parameter_keeps_its_shape_through_checkpoints(mesh_pool, tmp_path,
     out = str(tmp_path / "model.safetensors")
     consolidate(path, out)
     assert load_file(out)["temperature"].shape == ()
+
+
+def scalar_dcp_both_ways(devmesh_path: str, torch_path: str):
+    """A 0-d parameter between devmesh's fully_shard and torch DCP: torch's FSDP2 refuses
+    0-d parameters, so the torch side is a plain model, saved and loaded by DCP."""
+    from devmesh.parallel.checkpoint.torch_dcp import load_torch_dcp
+
+    scalar_save("fsdp2", devmesh_path)  # devmesh -> torch: the plain model is read below
+    ours, _ = scalar_model("fsdp2")
+    load_torch_dcp(torch_path, ours)  # torch -> devmesh
+    return dict(state_dict(ours, full=True))
+
+
+def test_a_0d_parameter_between_fully_shard_and_torch_dcp(mesh_pool, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from devmesh.parallel.checkpoint.torch_dcp import DevmeshReader
+
+    devmesh_path, torch_path = str(tmp_path / "devmesh"), str(tmp_path / "torch")
+    theirs = _Tempered()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.mul_(-2.0).add_(0.25)
+    torch_saved = {k: v.clone() for k, v in theirs.state_dict().items()}
+    dcp.save({"model": theirs.state_dict()}, checkpoint_id=torch_path)  # one plain process
+    for ours in mesh_pool.run(scalar_dcp_both_ways, 2, devmesh_path, torch_path):
+        assert ours["temperature"].shape == ()
+        assert all(torch.equal(ours[k], v) for k, v in torch_saved.items())
+    expected = mesh_pool.run(scalar_save, 2, "fsdp2", str(tmp_path / "again"))[0]
+    plain = _Tempered()
+    state = {"model": plain.state_dict()}
+    dcp.load(state, storage_reader=DevmeshReader(str(tmp_path / "again")))
+    plain.load_state_dict(state["model"])
+    assert all(torch.equal(v, expected[k]) for k, v in plain.state_dict().items())

@@ -40,7 +40,7 @@ from devmesh.distributed import comm
 from devmesh.errors import CheckpointError
 from devmesh.parallel.checkpoint.format import METADATA, CheckpointReader
 from devmesh.parallel.checkpoint.save import wait_for_pending_save
-from devmesh.parallel.param import as_sharded
+from devmesh.parallel.param import as_sharded, get_layout
 from devmesh.parallel.state_dict import persistent_buffers
 
 __all__ = ["DevmeshReader", "SafeFileSystemReader", "load_torch_dcp"]
@@ -171,8 +171,14 @@ def load_torch_dcp(path: str | os.PathLike, model: nn.Module, *, prefix: str = "
     views: dict[str, torch.Tensor] = {}
     targets: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, p in model.named_parameters():
+        layout = get_layout(p)
         sharded = as_sharded(p)
-        view = sharded.to_dtensor() if sharded is not None else p.detach()
+        if layout is not None and layout.shape is not None:
+            # a 0-d parameter under fully_shard (one element, on the shard dim's first rank):
+            # offered whole in its own shape, as DCP stores it
+            view = torch.empty(layout.full_shape, dtype=p.dtype)
+        else:
+            view = sharded.to_dtensor() if sharded is not None else p.detach()
         views[name] = view
         targets.append((p, view))
     for name, b in persistent_buffers(model).items():
@@ -183,5 +189,5 @@ def load_torch_dcp(path: str | os.PathLike, model: nn.Module, *, prefix: str = "
     with torch.no_grad():
         for p, view in targets:
             local = view.to_local() if hasattr(view, "to_local") else view
-            if local.data_ptr() != p.data_ptr():
-                p.copy_(local.reshape(p.shape))
+            if local.data_ptr() != p.data_ptr():  # (a 0-d one: this rank's 1 or 0 of it)
+                p.copy_(local.reshape(-1)[: p.numel()].reshape(p.shape))
