@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from devmesh.errors import ParallelizeError, StateDictError
+from devmesh.errors import StateDictError
 from devmesh.parallel.param import as_sharded, get_layout, local_block
 from devmesh.tensor import ShardedTensor
 
@@ -37,7 +37,7 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
         if sharded is None:
             out[name] = p.detach().clone()
         elif full:
-            out[name] = sharded.full_tensor().reshape(_global_shape(p, sharded))
+            out[name] = sharded.full_tensor().reshape(get_layout(p).full_shape)
         else:
             out[name] = sharded
         done[id(p)] = out[name]
@@ -83,7 +83,7 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
             continue
         target = params.get(name, buffers.get(name))
         sharded = as_sharded(target) if name in params else None
-        shape = _global_shape(target, sharded) if sharded is not None else tuple(target.shape)
+        shape = get_layout(target).full_shape if sharded is not None else tuple(target.shape)
         if tuple(value.shape) != shape:
             problems.append(
                 f"size mismatch for {name}: copying a param with shape {tuple(value.shape)} "
@@ -118,6 +118,3 @@ def load_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool 
     apply_load(writes)
     return incompatible
 
-
-def _global_shape(p: nn.Parameter, sharded: ShardedTensor) -> tuple[int, ...]:
-    return get_layout(p).full_shape

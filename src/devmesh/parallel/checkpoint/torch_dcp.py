@@ -172,13 +172,14 @@ def load_torch_dcp(path: str | os.PathLike, model: nn.Module, *, prefix: str = "
     targets: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, p in model.named_parameters():
         layout = get_layout(p)
-        sharded = as_sharded(p)
-        if layout is not None and layout.shape is not None:
+        if layout is None:
+            view = p.detach()
+        elif layout.shape is not None:
             # a 0-d parameter under fully_shard (one element, on the shard dim's first rank):
             # offered whole in its own shape, as DCP stores it
             view = torch.empty(layout.full_shape, dtype=p.dtype)
         else:
-            view = sharded.to_dtensor() if sharded is not None else p.detach()
+            view = as_sharded(p).to_dtensor()
         views[name] = view
         targets.append((p, view))
     for name, b in persistent_buffers(model).items():
