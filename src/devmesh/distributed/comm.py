@@ -256,7 +256,7 @@ def all_reduce_async(
     watch = _watch("all_reduce", mesh, dims, g)
     with watch.guard():
         work = dist.all_reduce(tensor, op=_OPS[op], group=g.group, async_op=True)
-    _record("all_reduce", mesh, dims, tensor.numel() * tensor.element_size())
+    _record("all_reduce", mesh, dims, _nbytes(tensor))
 
     def finish() -> torch.Tensor:
         if op == "avg":
@@ -264,6 +264,13 @@ def all_reduce_async(
         return tensor
 
     return Pending(work, finish, watch)
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    """The bytes a collective moves for ``tensor`` (a sparse one: its indices and values)."""
+    if tensor.is_sparse:
+        return _nbytes(tensor._indices()) + _nbytes(tensor._values())
+    return tensor.numel() * tensor.element_size()
 
 
 def all_to_all(

@@ -547,8 +547,8 @@ def fully_shard(
     unsharded tensors whose gradients are not reduced; ``mp_policy`` may be torch's
     ``MixedPrecisionPolicy``. What devmesh does not do is refused with a clear error rather
     than silently ignored: resharding to a smaller world (an ``int``), a placement other
-    than ``Shard(0)`` from ``shard_placement_fn``, offloading on a GPU mesh, and
-    ``dp_mesh_dims``."""
+    than ``Shard(0)`` from ``shard_placement_fn``, offloading on a GPU mesh,
+    ``dp_mesh_dims``, and embeddings with ``sparse=True`` (ignore them, and ``replicate``)."""
     if getattr(module, "_devmesh_fsdp", None) is not None:
         raise ParallelizeError(f"fully_shard was already applied to this {type(module).__name__}")
     mesh = mesh if mesh is not None else world_mesh()
@@ -600,3 +600,12 @@ def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
     if ignored_params is not None and not all(isinstance(p, torch.Tensor)
                                               for p in ignored_params):
         raise ParallelizeError("ignored_params must be a set of the module's parameters")
+    ignored = {id(p) for p in ignored_params or ()}
+    for name, sub in module.named_modules():
+        if (isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
+                and any(id(p) not in ignored for p in sub.parameters(recurse=False))):
+            raise ParallelizeError(
+                f"fully_shard cannot shard {name or type(sub).__name__}: an embedding with "
+                "sparse=True gives sparse gradients, which cannot be reduce-scattered into "
+                "shards; use sparse=False, or keep it out of the unit (ignored_params) and "
+                "replicate it (replicate all-reduces sparse gradients)")

@@ -11,6 +11,11 @@ all accumulated, its all-reduce (averaging over the flattened group of the mesh'
 asynchronously, overlapping the rest of backward. At the end of backward every bucket is
 waited on and copied back into ``param.grad``.
 
+Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are
+all-reduced as sparse tensors at the end of backward, one collective each, and stay sparse
+(as in DDP, which gives those parameters buckets of their own): ``torch.optim.SparseAdam``
+and SGD take them as in single-process training.
+
 Parameters already sharded by tensor parallelism keep their layout: DDP replicates over the
 given (data-parallel) mesh only.
 """
@@ -77,6 +82,10 @@ class DataParallelState:
         self._cap = int(bucket_cap_mb * 2**20)
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]  # averaged while they require gradients
+        # DDP's rule for which gradients come sparse: the weights of sparse embeddings
+        self._sparse = {id(p) for m in module.modules()
+                        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
+                        for p in m.parameters(recurse=False)}
         self._hooked: set[int] = set()  # parameters with our gradient hook (it stays)
         self._bucket(tuple(p.requires_grad for p in self._params))
 
@@ -87,8 +96,10 @@ class DataParallelState:
         buckets: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
         size = 0
+        self.sparse_params = [p for p, t in zip(self._params, trainable)
+                              if t and id(p) in self._sparse]
         for p, t in zip(reversed(self._params), reversed(trainable)):
-            if not t:
+            if not t or id(p) in self._sparse:
                 continue
             current.append(p)
             size += p.numel() * p.element_size()
@@ -105,7 +116,8 @@ class DataParallelState:
         # module -> param uncollectable, keeping the model and its mesh's process groups
         # alive forever; the module holds the state, the hook only a weak reference to it
         on_grad = weakref.WeakMethod(self._on_grad)
-        for p in (p for b in self.buckets for p in b.params if id(p) not in self._hooked):
+        hooked = [p for b in self.buckets for p in b.params] + self.sparse_params
+        for p in (p for p in hooked if id(p) not in self._hooked):
             p.register_post_accumulate_grad_hook(lambda param: _call(on_grad, param))
             self._hooked.add(id(p))
         for p in self._params:
@@ -178,7 +190,9 @@ class DataParallelState:
         if not self._callback_queued:
             self._callback_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._finish)
-        bucket = self.bucket_of[id(param)]
+        bucket = self.bucket_of.get(id(param))
+        if bucket is None:  # a sparse gradient: reduced at the end of backward
+            return
         bucket.ready += 1
         if bucket.ready == len(bucket.params):
             self._launch(bucket)
@@ -188,6 +202,12 @@ class DataParallelState:
         # computed a gradient for keeps none (as in DDP and single-process training), so
         # optimizers skip it rather than moving it with a zero gradient
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
+        sparse = [p for p, g in zip(bucket.params, grads) if g.is_sparse]
+        if sparse:  # the same parameters on every rank: all raise, none waits
+            raise ParallelizeError(
+                f"replicate: a parameter of shape {tuple(sparse[0].shape)} got a sparse "
+                "gradient, but only the weights of nn.Embedding/nn.EmbeddingBag with "
+                "sparse=True are reduced as sparse (as in DDP); make its gradient dense")
         used = torch.tensor([float(p.grad is not None) for p in bucket.params],
                             dtype=grads[0].dtype, device=grads[0].device)
         bucket.buffer = torch.cat([g.reshape(-1) for g in grads] + [used])
@@ -198,6 +218,7 @@ class DataParallelState:
         for bucket in self.buckets:
             if bucket.pending is None:  # some parameter got no gradient: reduce anyway
                 self._launch(bucket)
+        sparse = [self._launch_sparse(p) for p in self.sparse_params]
         for bucket in self.buckets:
             assert bucket.pending is not None and bucket.buffer is not None
             flat = bucket.pending.wait()
@@ -213,6 +234,25 @@ class DataParallelState:
                 else:
                     p.grad.copy_(chunk)
             bucket.pending, bucket.buffer, bucket.ready = None, None, 0
+        for p, pending in zip(self.sparse_params, sparse):
+            grad = pending.wait()
+            if p.grad is not None or grad._nnz() > 0:  # none where no rank used it
+                p.grad = grad
+
+    def _launch_sparse(self, param: nn.Parameter) -> comm.Pending:
+        """Start averaging one sparse gradient (an embedding's: its rows are the sparse
+        dim); a rank that did not use the parameter contributes no rows."""
+        grad = param.grad
+        if grad is None:
+            grad = torch.sparse_coo_tensor(
+                torch.empty((1, 0), dtype=torch.long, device=param.device),
+                torch.empty((0, *param.shape[1:]), dtype=param.dtype, device=param.device),
+                param.shape, check_invariants=True, is_coalesced=True)
+        elif not grad.is_sparse:
+            raise ParallelizeError(
+                f"replicate: the weight of a sparse embedding (shape {tuple(param.shape)}) "
+                "got a dense gradient; every rank must give it sparse ones")
+        return comm.all_reduce_async(grad.coalesce(), self.mesh, self.dims, "avg")
 
 
 def _call(method: weakref.WeakMethod, param: nn.Parameter) -> None:
