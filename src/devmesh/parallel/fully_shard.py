@@ -34,6 +34,7 @@ from torch import nn
 
 from devmesh.distributed import comm, groups
 from devmesh.mesh import DeviceMesh
+from devmesh.parallel.conversion import KeepsLayouts
 from devmesh.parallel.param import (
     ParallelizeError,
     combined_mesh,
@@ -187,6 +188,24 @@ class FSDPUnit:
         spec = ShardingSpec(mesh.shape, tp.spec.global_shape, tuple(dim_map),
                             mesh_dim_names=mesh.mesh_dim_names)
         return mesh, spec
+
+    def follow(self, replaced: dict[int, torch.Tensor]) -> None:
+        """``model.to_empty()`` / ``.to()`` made new parameter objects (see
+        :mod:`devmesh.parallel.conversion`): hold those, in every place (tied weights stay
+        one), and forget anything gathered from the old ones."""
+        for p in self.params:
+            new = replaced.get(id(p.sharded))
+            if new is None:
+                continue
+            assert isinstance(new, nn.Parameter)
+            p.sharded = new
+            for module, name in p.places:
+                module._parameters[name] = new
+        self._kept = self._full = self._accumulated = None
+        for pending in (self._prefetched, self._regather_pending):
+            if pending is not None:
+                pending.wait()
+        self._prefetched = self._regather_pending = None
 
     # -- communication ---------------------------------------------------------------------
     def _gather_dtypes(self) -> list[torch.dtype]:
@@ -497,7 +516,7 @@ class _Unshard(torch.autograd.Function):
         return (None, *ctx.unit.reduce_grads(list(grads)))
 
 
-class FSDPModule(GradientSyncControl):
+class FSDPModule(GradientSyncControl, KeepsLayouts):
     """What ``fully_shard`` adds to a module (torch FSDP2's names), for gradient accumulation:
 
     * ``set_requires_gradient_sync(False)``: backward adds each unit's gradients to its

@@ -170,15 +170,37 @@ _MIXED: dict[tuple[type, type], type] = {}
 def with_methods(module: nn.Module, mixin: type) -> None:
     """Give ``module`` the methods of ``mixin`` by changing its class to a subclass of both
     (``FSDPLinear`` for a Linear), as torch's FSDP2 does: ``isinstance(m, nn.Linear)`` still
-    holds and the module's own methods are untouched."""
-    cls = type(module)
-    if isinstance(module, mixin):
-        return
+    holds and the module's own methods are untouched. The class is named after the mixin
+    (its ``_devmesh_prefix``, else its name without ``Module``) and the module's class; a
+    module so changed still pickles (``torch.save(model)``), as its class is made again
+    from the same recipe when loaded."""
+    if not isinstance(module, mixin):
+        module.__class__ = _mixed_class(type(module), mixin)
+
+
+def _mixed_class(cls: type, mixin: type) -> type:
     key = (cls, mixin)
     if key not in _MIXED:
-        _MIXED[key] = type(f"{mixin.__name__.removesuffix('Module')}{cls.__name__}",
-                           (mixin, cls), {"__module__": cls.__module__})
-    module.__class__ = _MIXED[key]
+        prefix = mixin.__dict__.get("_devmesh_prefix", mixin.__name__.removesuffix("Module"))
+        recipe = cls.__dict__.get("_devmesh_recipe", (cls,)) + (mixin,)
+        _MIXED[key] = type(f"{prefix}{cls.__name__}", (mixin, cls),
+                           {"__module__": cls.__module__, "_devmesh_recipe": recipe,
+                            "__reduce_ex__": _reduce_mixed})
+    return _MIXED[key]
+
+
+def _reduce_mixed(module: nn.Module, protocol: int):
+    """Pickle a module whose class ``with_methods`` made: by its recipe (the original class
+    and the mixins), since the made class cannot be found by name."""
+    _, _, *rest = object.__reduce_ex__(module, max(protocol, 2))
+    return (_new_mixed, (type(module).__dict__["_devmesh_recipe"],), *rest)
+
+
+def _new_mixed(recipe: tuple[type, ...]) -> nn.Module:
+    cls = recipe[0]
+    for mixin in recipe[1:]:
+        cls = _mixed_class(cls, mixin)
+    return cls.__new__(cls)
 
 
 class GradientSyncControl:

@@ -31,6 +31,7 @@ from torch import nn
 
 from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
+from devmesh.parallel.conversion import KeepsLayouts
 from devmesh.parallel.param import (
     ParallelizeError,
     describe_tensors,
@@ -72,8 +73,12 @@ class DataParallelState:
         self._ignored = [t for t in list(module.parameters()) + list(module.buffers())
                          if id(t) in ignored]
         # DDP's broadcast_buffers=False leaves even the first broadcast to the parameters
-        self._broadcast((list(module.parameters()) if init_params else [])
-                        + (list(module.buffers()) if init_buffers else []))
+        first = ((list(module.parameters()) if init_params else [])
+                 + (list(module.buffers()) if init_buffers else []))
+        # a model built on the meta device has no values yet (to_empty and initialization
+        # come later): its replicas are made equal before its first forward instead
+        self._first_broadcast = first if any(t.is_meta for t in first) else []
+        self._broadcast(first)
         # DDP's rule: sync before a forward unless the previous forward was without
         # gradients or without gradient sync (evaluation, no_sync)
         self.forward_sync_buffers = forward_sync_buffers
@@ -150,15 +155,32 @@ class DataParallelState:
         memo[id(self)] = new
         new._ignored = [copy.deepcopy(t, memo) for t in self._ignored]
         new._params = [copy.deepcopy(p, memo) for p in self._params]
+        new._sparse = {id(c) for p, c in zip(self._params, new._params) if id(p) in self._sparse}
+        new._first_broadcast = [copy.deepcopy(t, memo) for t in self._first_broadcast]
         new._hooked = set()
         new._bucket(self._trainable)
         return new
+
+    def follow(self, replaced: dict[int, torch.Tensor]) -> None:
+        """``model.to_empty()`` / ``.to()`` made new parameter and buffer objects (see
+        :mod:`devmesh.parallel.conversion`): average the new parameters' gradients (they get
+        their own hooks) and keep the ignored ones ignored."""
+        def new(t):
+            return replaced.get(id(t), t)
+
+        self._sparse = {id(new(p)) for p in self._params if id(p) in self._sparse}
+        self._hooked = {id(p) for p in self._params
+                        if id(p) in self._hooked and id(p) not in replaced}  # the new: none
+        self._params = [new(p) for p in self._params]
+        self._ignored = [new(t) for t in self._ignored]
+        self._first_broadcast = [new(t) for t in self._first_broadcast]
+        self._bucket(self._trainable)
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
         """Give ``tensors`` (those not ignored) the mesh's first rank's values: one broadcast
         per dtype, so integers (BatchNorm's batch counter) arrive exactly."""
         ignored = {id(t) for t in self._ignored}
-        tensors = [t for t in tensors if id(t) not in ignored]
+        tensors = [t for t in tensors if id(t) not in ignored and not t.is_meta]
         if not tensors or self.mesh.size() == 1:
             return
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -177,6 +199,9 @@ class DataParallelState:
 
     def before_forward(self, module: nn.Module) -> None:
         """DDP's buffer sync: broadcast the buffers if the previous forward trained."""
+        if self._first_broadcast:  # built on meta: the start every replica takes
+            self._first_broadcast, first = [], self._first_broadcast
+            self._broadcast(first)
         self._follow_requires_grad()
         if self.forward_sync_buffers and self._sync_buffers_next:
             self._broadcast(list(module.buffers()))
@@ -269,7 +294,7 @@ def _after_forward(module: nn.Module, args: tuple, output: object) -> None:
     module._devmesh_ddp.after_forward()  # type: ignore[attr-defined]
 
 
-class ReplicateModule(GradientSyncControl):
+class ReplicateModule(GradientSyncControl, KeepsLayouts):
     """What ``replicate`` adds to a module, for gradient accumulation as in DDP:
     ``no_sync()`` (a context) or ``set_requires_gradient_sync(False)`` lets gradients
     accumulate in ``param.grad`` without communication; the first backward with sync on

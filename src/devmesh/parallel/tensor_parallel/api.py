@@ -16,7 +16,8 @@ from torch import nn
 
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.param import get_layout, place_parameter, sharded_parameter
+from devmesh.parallel.conversion import KeepsLayouts
+from devmesh.parallel.param import get_layout, place_parameter, sharded_parameter, with_methods
 from devmesh.parallel.tensor_parallel.styles import ParallelStyle
 from devmesh.tensor import Placement, ShardingSpec, distribute_tensor
 
@@ -122,6 +123,8 @@ def parallelize_module(
         style.apply(target, mesh, distribute)
         if style.distributes_parameters:
             setattr(target, _APPLIED, style)
+    # model.to_empty() / .to() keep the split parameters split (meta-device construction)
+    with_methods(module, KeepsLayouts)
     return module
 
 
