@@ -82,9 +82,11 @@ def reference():
     return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def parallel_run(case: str, library: str):
+def parallel_run(case: str, library: str, compile_backend: str | None = None):
     """Train torch's Transformer under ``case`` with devmesh's (or torch's) parallelisms;
-    return this rank's losses, its dp index and the full parameters."""
+    return this rank's losses, its dp index and the full parameters. ``compile_backend``:
+    each block and the whole model compiled with it (``nn.Module.compile``, torchtitan's
+    way) after parallelizing."""
     from torch.testing._internal.distributed._tensor import common_dtensor
 
     if library == "devmesh":
@@ -119,6 +121,10 @@ def parallel_run(case: str, library: str):
         dp_index = 0
         for n in dp_names:
             dp_index = dp_index * mesh.size(n) + mesh.get_local_rank(n)
+    if compile_backend is not None:
+        for layer in model.layers:
+            layer.compile(backend=compile_backend)
+        model.compile(backend=compile_backend)
     per = BATCH // dp_size
     losses, norms = _train(model, slice(dp_index * per, (dp_index + 1) * per), clip_grad_norm_)
     if library == "devmesh":
@@ -161,6 +167,20 @@ def test_torch_transformer_matches_single_process(mesh_pool, single_process, cas
         assert r["tied"], "output.weight and tok_embeddings.weight must stay one parameter"
         assert r["count"] == len(list(_model().parameters()))
         assert set(r["full"]) == set(ref_state)  # alias keys included, as nn.Module gives
+        for key, value in ref_state.items():
+            torch.testing.assert_close(r["full"][key], value, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["fsdp_tp", "hsdp_tp_sp"])
+def test_torch_transformer_compiled_matches_single_process(mesh_pool, single_process, case):
+    """Under torch.compile (AOT autograd, as inductor traces it, without its C++ build),
+    devmesh's hooks and collectives run eagerly between compiled regions: same training."""
+    ref_losses, ref_norms, ref_state = single_process
+    results = mesh_pool.run(parallel_run, _WORLD[case], case, "devmesh", "aot_eager",
+                            timeout=300)
+    assert _mean_losses(results) == pytest.approx(ref_losses, abs=1e-10, rel=1e-10)
+    for r in results:
+        assert r["tied"]
         for key, value in ref_state.items():
             torch.testing.assert_close(r["full"][key], value, atol=1e-10, rtol=1e-10)
 

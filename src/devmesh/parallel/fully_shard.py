@@ -336,6 +336,7 @@ class FSDPUnit:
             self._regather_pending = None
 
     # -- hooks -----------------------------------------------------------------------------
+    @torch._dynamo.disable  # collectives on devmesh's mesh: eager under torch.compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         root = _ORDER.active is None  # this unit starts the forward
         _ORDER.enter(self)
@@ -370,6 +371,7 @@ class FSDPUnit:
             torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
             (args, kwargs))
 
+    @torch._dynamo.disable
     def post_forward(self, module: nn.Module, args, output):
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)

@@ -286,10 +286,12 @@ def _call(method: weakref.WeakMethod, param: nn.Parameter) -> None:
         bound(param)
 
 
+@torch._dynamo.disable  # collectives on devmesh's mesh: eager under torch.compile
 def _before_forward(module: nn.Module, args: tuple) -> None:
     module._devmesh_ddp.before_forward(module)  # type: ignore[attr-defined]
 
 
+@torch._dynamo.disable
 def _after_forward(module: nn.Module, args: tuple, output: object) -> None:
     module._devmesh_ddp.after_forward()  # type: ignore[attr-defined]
 

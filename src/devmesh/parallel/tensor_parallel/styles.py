@@ -40,6 +40,10 @@ __all__ = [
 Distribute = Callable[[nn.Module, str, Placement], None]
 """Replaces ``module.<name>`` (and every tied alias of it) by this rank's block of it."""
 
+# The functions below run in a module's forward and call collectives on devmesh's meshes:
+# under torch.compile they run eagerly, between compiled regions, rather than be traced
+_eager = torch._dynamo.disable
+
 
 def _placement(value: object, what: str) -> Placement:
     try:
@@ -126,6 +130,7 @@ class ColwiseParallel(ParallelStyle):
         return module
 
 
+@_eager
 def _colwise_input(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Module, args):
     if not args:
         return None
@@ -136,6 +141,7 @@ def _colwise_input(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Module, 
     return (x, *args[1:])
 
 
+@_eager
 def _colwise_output(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Module, args, y):
     return A.finish_output(y, Shard(-1), style.output_layouts, mesh, style.use_local_output)
 
@@ -175,6 +181,7 @@ class RowwiseParallel(ParallelStyle):
         return PF.reduce_from_parallel(y, mesh)
 
 
+@_eager
 def _rowwise_linear(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear, x):
     x = A.sharded_input(x, style.input_layouts, Shard(-1), mesh)
     y = style.reduce(F.linear(x, module.weight), mesh)
@@ -187,6 +194,7 @@ def _rowwise_linear(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear,
     return A.finish_output(y, out, out, mesh, style.use_local_output)
 
 
+@_eager
 def _rowwise_embedding(style: RowwiseParallel, mesh: DeviceMesh, start: int,
                        module: nn.Embedding, ids):
     ids = _ids(ids, style.input_layouts, mesh)
@@ -226,6 +234,7 @@ class SequenceParallel(ParallelStyle):
 _SAVED = "_devmesh_sequence_parallel_saved"
 
 
+@_eager
 def _sequence_input(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module, args):
     seq = Shard(style.sequence_dim)
     saved = {}
@@ -239,6 +248,7 @@ def _sequence_input(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module
     return (A.sharded_input(args[0], seq, seq, mesh), *args[1:])
 
 
+@_eager
 def _sequence_output(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module, args, y):
     module._parameters.update(getattr(module, _SAVED, {}))
     setattr(module, _SAVED, {})
@@ -305,6 +315,7 @@ class PrepareModuleInput(ParallelStyle):
         return A.convert(x, have, want or have, mesh, use_local_output=self.use_local_output)
 
 
+@_eager
 def _prepare_input(style: PrepareModuleInput, mesh: DeviceMesh, module: nn.Module, args,
                    kwargs):
     args = list(args)
@@ -344,6 +355,7 @@ class PrepareModuleOutput(ParallelStyle):
         return module
 
 
+@_eager
 def _prepare_output(style: PrepareModuleOutput, mesh: DeviceMesh, module: nn.Module, args,
                     outputs):
     single = not isinstance(outputs, tuple)
