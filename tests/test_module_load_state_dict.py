@@ -1,8 +1,9 @@
 """``model.load_state_dict(...)`` — nn.Module's own method, the one every training script
 calls to load pretrained weights — on a model devmesh sharded: it takes the full tensors (a
-single-process ``state_dict()``) and keeps this rank's block, takes this rank's blocks
-(``model.state_dict()`` of the same rank) as they are, and names both shapes when a tensor
-is neither. A 0-d parameter keeps its shape through ``fully_shard`` in every state dict."""
+single-process ``state_dict()``) and keeps this rank's block, takes this rank's blocks as
+plain tensors as they are, takes ``model.state_dict()``'s DTensors, and names both shapes
+when a tensor is neither. A 0-d parameter keeps its shape through ``fully_shard`` in every
+state dict."""
 
 from __future__ import annotations
 
@@ -56,15 +57,20 @@ def load_both_ways(strategy: str):
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
         fully_shard(model, mesh=mesh["dp"])
-    own_blocks = {k: v.clone() for k, v in model.state_dict().items()}
+    own = model.state_dict()  # DTensors for the split parameters
+    own_blocks = {k: _local(v).clone() for k, v in own.items()}
+    own_dtensors = {k: v.clone() for k, v in own.items()}
     full = pretrained()
     model.load_state_dict(full)
     after_full = state_dict(model, full=True)
     copied = copy.deepcopy(model)  # the hook travels with a copy
     copied.load_state_dict(own_blocks)
     after_blocks = state_dict(copied, full=True)
+    copied = copy.deepcopy(model)
+    copied.load_state_dict(own_dtensors)
+    after_dtensors = state_dict(copied, full=True)
     model.load_state_dict(own_blocks)
-    round_trip = {k: v.clone() for k, v in model.state_dict().items()}
+    round_trip = {k: _local(v).clone() for k, v in model.state_dict().items()}
     wrong = dict(full, **{"up.weight": torch.zeros(3, 3)})
     try:
         model.load_state_dict(wrong)
@@ -74,7 +80,14 @@ def load_both_ways(strategy: str):
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
     model.load_state_dict(full)
     shown = describe(model)
-    return after_full, after_blocks, round_trip, own_blocks, error, model(x).detach(), shown
+    return (after_full, after_blocks, after_dtensors, round_trip, own_blocks, error,
+            model(x).detach(), shown)
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return value.to_local() if isinstance(value, DTensor) else value
 
 
 @pytest.mark.parametrize("strategy, world", [("fsdp", 2), ("tp", 2), ("tp+fsdp", 4)])
@@ -84,12 +97,13 @@ def test_load_state_dict_takes_full_tensors_and_own_blocks(mesh_pool, strategy, 
     untrained = {k: v.clone() for k, v in reference.state_dict().items()}
     reference.load_state_dict(full)
     x = torch.randn(5, 4, generator=torch.Generator().manual_seed(2))
-    for after_full, after_blocks, round_trip, own, error, out, shown in mesh_pool.run(
-            load_both_ways, world, strategy):
+    for after_full, after_blocks, after_dtensors, round_trip, own, error, out, shown in (
+            mesh_pool.run(load_both_ways, world, strategy)):
         for key, value in full.items():
             assert after_full[key].shape == value.shape, key  # () for temperature
             assert torch.equal(after_full[key], value), key
             assert torch.equal(after_blocks[key], untrained[key]), key
+            assert torch.equal(after_dtensors[key], untrained[key]), key
         assert all(torch.equal(round_trip[k], v) for k, v in own.items())
         assert "up.weight is sharded by devmesh" in error and "(8, 4)" in error
         torch.testing.assert_close(out, reference(x).detach())

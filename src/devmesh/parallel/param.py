@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from devmesh.distributed.env import read_launch_env
-from devmesh.errors import ParallelizeError  # noqa: F401 - re-exported
+from devmesh.errors import DevmeshError, ParallelizeError  # noqa: F401 - re-exported
 from devmesh.mesh import DeviceMesh, init_device_mesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
@@ -80,18 +80,50 @@ def sharded_parameter(local: torch.Tensor, requires_grad: bool, mesh: DeviceMesh
 
 
 def place_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """Register ``param`` (laid out on a mesh) as ``module.<name>``. ``module.load_state_dict``
-    then also takes the full tensor for it — a pretrained checkpoint, a single-process
-    ``state_dict()`` — and keeps this rank's block, as ``devmesh.parallel.load_state_dict``
-    does; a tensor of this rank's block shape (``module.state_dict()`` of the same rank) is
-    loaded as it is."""
+    """Register ``param`` (laid out on a mesh) as ``module.<name>``.
+
+    ``module.state_dict()`` then gives it as a torch ``DTensor`` on its mesh (this rank's
+    block, not copied), as torch's FSDP2 and TP do, so ``torch.distributed.checkpoint``
+    saves and loads it by its global layout (given the block as a plain tensor, DCP would
+    take it for a replicated tensor and keep rank 0's block only). ``module.load_state_dict``
+    takes such a DTensor, the full tensor — a pretrained checkpoint, a single-process
+    ``state_dict()`` — keeping this rank's block, as ``devmesh.parallel.load_state_dict``
+    does, or a tensor of this rank's block shape as it is."""
     module._parameters[name] = param
     if not getattr(module, _TAKES_FULL, False):
         module.register_load_state_dict_pre_hook(_take_local_blocks)
+        module.register_state_dict_post_hook(_give_dtensors)
         setattr(module, _TAKES_FULL, True)
+    if split_layout(param) is not None:
+        from devmesh.parallel.optim_state import watch_optimizers
+
+        watch_optimizers()  # and their states as DTensors too
 
 
 _TAKES_FULL = "_devmesh_takes_full_tensors"
+
+
+def split_layout(param: torch.Tensor | None) -> ParamLayout | None:
+    """The layout of ``param`` if it is split on its mesh (not whole on every rank, and not a
+    0-d parameter, which FSDP keeps as one element on one rank)."""
+    layout = get_layout(param) if param is not None else None
+    if layout is None or layout.shape is not None:
+        return None
+    return layout if any(layout.spec.dim_map) else None
+
+
+def as_dtensor(block: torch.Tensor, param: torch.Tensor):
+    """``block`` (this rank's block of a tensor laid out as ``param``, e.g. the parameter or
+    an optimizer state of it) as a torch DTensor, sharing its storage."""
+    layout = get_layout(param)
+    assert layout is not None
+    return ShardedTensor(block.detach(), layout.mesh, layout.spec).to_dtensor()
+
+
+def _give_dtensors(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    for name, param in module._parameters.items():
+        if prefix + name in state and split_layout(param) is not None:
+            state[prefix + name] = as_dtensor(param, param)
 
 
 def _take_local_blocks(module: nn.Module, state: dict, prefix: str, local_metadata: dict,
@@ -99,18 +131,39 @@ def _take_local_blocks(module: nn.Module, state: dict, prefix: str, local_metada
     for name, param in module._parameters.items():
         layout = get_layout(param) if param is not None else None
         value = state.get(prefix + name)
-        if layout is None or type(value) is not torch.Tensor or value.shape == param.shape:
+        if layout is None or not isinstance(value, torch.Tensor) or value.shape == param.shape:
             continue
-        full = layout.full_shape
-        if tuple(value.shape) == full:
-            block = local_block(param, value.reshape(layout.spec.global_shape))
-            state[prefix + name] = block.reshape(param.shape)
-        else:
-            errors.append(
-                f"{prefix + name} is sharded by devmesh: pass its full tensor (shape {full}) "
-                f"or this rank's block (shape {tuple(param.shape)}), not shape "
-                f"{tuple(value.shape)}"
-            )
+        try:
+            state[prefix + name] = block_of(value, param, prefix + name)
+        except ParallelizeError as exc:
+            errors.append(str(exc))
+
+
+def block_of(value: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
+    """This rank's block of ``value`` for ``param`` (laid out on a mesh): a tensor of the
+    block's shape as it is; a DTensor laid out as ``param`` is (``model.state_dict()`` of a
+    model like this one), its local tensor; any other DTensor is gathered — a collective on
+    its mesh, which loading runs on every rank — and, like a full tensor, cut."""
+    from torch.distributed.tensor import DTensor
+
+    layout = get_layout(param)
+    assert layout is not None
+    if isinstance(value, DTensor):
+        try:
+            mine = ShardedTensor.from_dtensor(value)
+            if mine.spec == layout.spec and mine.device_mesh == layout.mesh:
+                return mine.to_local()
+        except DevmeshError:
+            pass  # a layout devmesh does not describe: take the whole
+        value = value.full_tensor()
+    if value.shape == param.shape:
+        return value
+    if tuple(value.shape) != layout.full_shape:
+        raise ParallelizeError(
+            f"{name} is sharded by devmesh: pass its full tensor (shape {layout.full_shape}) "
+            f"or this rank's block (shape {tuple(param.shape)}), not shape "
+            f"{tuple(value.shape)}")
+    return local_block(param, value.reshape(layout.spec.global_shape)).reshape(param.shape)
 
 
 def local_block(param: torch.Tensor, full: torch.Tensor, name: str = "tensor") -> torch.Tensor:
