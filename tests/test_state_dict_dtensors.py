@@ -146,3 +146,30 @@ def test_torch_dcp_saves_and_loads_the_optimizer(mesh_pool, tmp_path, saved_as, 
             # another layout sums in another order (~5e-7 here); a moment from another
             # rank's block would move a weight by about the learning rate (0.05)
             torch.testing.assert_close(resumed[key], value, rtol=0, atol=1e-5, msg=key)
+
+
+def _between_libraries():
+    from devmesh.parallel import load_state_dict
+
+    ours = _parallelize(MLP(seed=0), "fsdp")
+    theirs = _parallelize(MLP(seed=1), "fsdp", "torch")
+    other_layout = _parallelize(MLP(seed=2), "tp+fsdp")
+    load_state_dict(other_layout, ours.state_dict())  # devmesh's own loader, another layout
+    after_devmesh = state_dict(other_layout, full=True)
+    theirs_full = {k: v.full_tensor() for k, v in theirs.state_dict().items()}
+    ours.load_state_dict(theirs.state_dict())  # torch FSDP2's DTensors into devmesh
+    after_from_torch = state_dict(ours, full=True)
+    mine = _parallelize(MLP(seed=3), "fsdp")
+    theirs.load_state_dict(mine.state_dict())  # and devmesh's into torch FSDP2
+    return (state_dict(_parallelize(MLP(seed=0), "fsdp"), full=True), after_devmesh,
+            theirs_full, after_from_torch, state_dict(mine, full=True),
+            {k: v.full_tensor() for k, v in theirs.state_dict().items()})
+
+
+def test_state_dicts_load_between_devmesh_and_torch(mesh_pool):
+    for (first, after_devmesh, torchs, after_from_torch, mine,
+         torch_after) in mesh_pool.run(_between_libraries, 4):
+        for key in first:
+            assert torch.equal(after_devmesh[key], first[key]), key
+            assert torch.equal(after_from_torch[key], torchs[key]), key
+            assert torch.equal(torch_after[key], mine[key]), key

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from devmesh.errors import StateDictError
@@ -76,8 +77,8 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name in sorted(expected & set(state)):
         value = state[name]
-        if isinstance(value, ShardedTensor):
-            value = value.full_tensor()
+        if isinstance(value, (ShardedTensor, DTensor)):
+            value = value.full_tensor()  # a collective: loading runs on every rank
         if not isinstance(value, torch.Tensor):
             problems.append(f"{name} is a {type(value).__name__}, not a tensor")
             continue
@@ -110,8 +111,9 @@ def apply_load(writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 def load_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
                     ) -> _IncompatibleKeys:
     """Load full tensors (as ``state_dict(full=True)`` returns, or a plain single-process
-    ``state_dict()``) or ShardedTensors into a parallelized model: every rank copies its own
-    block, no communication. All or nothing: parameters and buffers are all checked (names,
+    ``state_dict()``), ShardedTensors or DTensors (``model.state_dict()`` of a parallelized
+    model, devmesh's or torch's) into a parallelized model: every rank copies its own block
+    (no communication for full tensors; a sharded value is gathered first). All or nothing: parameters and buffers are all checked (names,
     exact shapes) before the first copy. ``strict=False`` loads what matches and returns
     the missing and unexpected keys, as ``nn.Module.load_state_dict`` does."""
     writes, incompatible = prepare_load(model, state, strict=strict)
