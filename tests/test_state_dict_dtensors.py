@@ -173,3 +173,38 @@ def test_state_dicts_load_between_devmesh_and_torch(mesh_pool):
             assert torch.equal(after_devmesh[key], first[key]), key
             assert torch.equal(after_from_torch[key], torchs[key]), key
             assert torch.equal(torch_after[key], mine[key]), key
+
+
+def _optimizer_through_torch_save(path: str):
+    """Each rank ``torch.save``s its optimizer's ``state_dict()`` (DTensor moments) and a
+    fresh optimizer ``load_state_dict``s it before its first step: training goes on as the
+    uninterrupted run."""
+    import torch.distributed as dist
+
+    def step(model, opt, seed):
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(seed))
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    model = _parallelize(MLP(seed=0), "tp+fsdp")
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    step(model, opt, 0)
+    own = f"{path}-rank{dist.get_rank()}.pt"
+    torch.save(opt.state_dict(), own)
+    fresh = torch.optim.Adam(model.parameters(), lr=0.05)
+    fresh.load_state_dict(torch.load(own, weights_only=False))
+    twin = _parallelize(MLP(seed=0), "tp+fsdp")  # the uninterrupted run
+    twin_opt = torch.optim.Adam(twin.parameters(), lr=0.05)
+    step(twin, twin_opt, 0)
+    for seed in (1, 2):
+        step(model, fresh, seed)
+        step(twin, twin_opt, seed)
+    return state_dict(model, full=True), state_dict(twin, full=True)
+
+
+def test_an_optimizer_state_saved_per_rank_loads_before_the_first_step(mesh_pool, tmp_path):
+    for resumed, uninterrupted in mesh_pool.run(_optimizer_through_torch_save, 4,
+                                                str(tmp_path / "optim")):
+        for key, value in uninterrupted.items():
+            assert torch.equal(resumed[key], value), key

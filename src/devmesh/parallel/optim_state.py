@@ -9,7 +9,8 @@ states. Here every optimizer that steps a devmesh-split parameter gets two hooks
 parameters (this rank's block, not copied), and ``optimizer.load_state_dict`` takes DTensors
 back (this rank's block of them; another layout is gathered and cut). The optimizer is found
 at its first step (torch's ``get_optimizer_state_dict`` takes one before loading), through
-torch's global step hook, registered once when devmesh first splits a parameter.
+torch's global step hook, registered once when devmesh first splits a parameter; DTensor
+states loaded before that step become blocks at it.
 """
 
 from __future__ import annotations
@@ -40,9 +41,24 @@ def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if optimizer in _seen:
         return
     _seen.add(optimizer)
-    if any(split_layout(p) is not None for p in _params(optimizer)):
+    split = [p for p in _params(optimizer) if split_layout(p) is not None]
+    if split:
         optimizer.register_state_dict_post_hook(_states_as_dtensors)
         optimizer.register_load_state_dict_pre_hook(_states_as_blocks)
+        _blocks_of_loaded_states(optimizer, split)
+
+
+def _blocks_of_loaded_states(optimizer: torch.optim.Optimizer, split: list) -> None:
+    """States given as DTensors by ``load_state_dict`` before this first step (before the
+    hooks existed: ``opt.load_state_dict(torch.load(...))`` of a saved ``state_dict()``)
+    become this rank's blocks now."""
+    from torch.distributed.tensor import DTensor
+
+    for param in split:
+        values = optimizer.state.get(param, {})
+        for key, value in list(values.items()):
+            if isinstance(value, DTensor):
+                values[key] = block_of(value, param, f"optimizer state {key}")
 
 
 def _params(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
