@@ -17,13 +17,14 @@ from devmesh.parallel.tensor_parallel import (
     parallelize_module,
 )
 from devmesh.parallel.grads import clip_grad_norm_
+from devmesh.parallel.grad_scaler import GradScaler
 from devmesh.parallel.state_dict import load_state_dict, state_dict
 
 __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "replicate",
     "ReplicateModule", "parallelize_module",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "clip_grad_norm_", "state_dict", "load_state_dict", "describe",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict", "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",
 ]
 

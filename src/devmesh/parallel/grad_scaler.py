@@ -1,0 +1,40 @@
+"""``GradScaler``: torch's loss scaler for float16 training, agreeing on every rank.
+
+torch's ``torch.amp.GradScaler`` checks the gradients for inf/nan on each rank and skips the
+optimizer step (and halves the scale) where it finds one. Under torch's FSDP2 and TP the
+gradients are DTensors, whose dispatcher makes that check agree across the mesh. devmesh's
+gradients are this rank's blocks as plain tensors, so with torch's scaler an overflow in one
+rank's block skips the step on that rank only: the others update their blocks, and the ranks'
+scales part ways — silently (reproduced under ``fully_shard``). This scaler takes torch's
+arguments and behaviour and makes the check one decision for all ranks (one all-reduce of a
+flag per step, over the default process group, as torch's FSDP1 ``ShardedGradScaler`` does).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["GradScaler"]
+
+
+class GradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose inf/nan check is the same on every rank: a rank skips
+    the step exactly when some rank found an inf or nan in its gradients."""
+
+    def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
+                        found_inf: torch.Tensor, allow_fp16: bool
+                        ) -> dict[torch.device, torch.Tensor]:
+        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+            return per_device
+        anywhere = found_inf.new_zeros(())  # on the scaler's device
+        for flag in per_device.values():
+            anywhere = torch.maximum(anywhere, flag.to(anywhere.device).reshape(()))
+        anywhere = anywhere.reshape(1)
+        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+        if not per_device:  # no gradient here: the decision still has to reach step()
+            per_device[found_inf.device] = found_inf
+        for device, flag in per_device.items():
+            flag.copy_(anywhere.to(device).reshape(flag.shape))
+        return per_device
