@@ -80,8 +80,12 @@ def _parallel(library: str, overflow: bool):
 
 @pytest.mark.parametrize("overflow", [True, False])
 def test_grad_scaler_agrees_on_every_rank_as_under_torchs_fsdp2(mesh_pool, overflow):
+    from devmesh.launching.launcher import launch
+
     ours = mesh_pool.run(_parallel, 2, "devmesh", overflow)
-    theirs = mesh_pool.run(_parallel, 2, "torch", overflow)
+    # torch's run in processes of its own: torch's FSDP2 with its GradScaler leaves gloo
+    # threads (process groups) behind in the process, which would pollute the shared pool
+    theirs = launch(_parallel, 2, "torch", overflow)
     single = _model()
     single_scales = _train(single, torch.amp.GradScaler("cpu", init_scale=2.0**16),
                            slice(None), overflow)
