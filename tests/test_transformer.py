@@ -171,7 +171,7 @@ def test_torch_transformer_matches_single_process(mesh_pool, single_process, cas
             torch.testing.assert_close(r["full"][key], value, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("case", ["fsdp_tp", "hsdp_tp_sp"])
+@pytest.mark.parametrize("case", ["hsdp_tp_sp"])  # FSDP's, TP's and SP's hooks all at once
 def test_torch_transformer_compiled_matches_single_process(mesh_pool, single_process, case):
     """Under torch.compile (AOT autograd, as inductor traces it, without its C++ build),
     devmesh's hooks and collectives run eagerly between compiled regions: same training."""

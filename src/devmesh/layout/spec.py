@@ -14,6 +14,7 @@ redistribution, and drawing a sharding, need no running mesh.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -38,6 +39,23 @@ def chunk_bounds(length: int, parts: int, index: int) -> tuple[int, int]:
     step = -(-length // parts)
     start = min(index * step, length)
     return start, min(step, length - start)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _block_bounds(mesh_shape: tuple[int, ...], global_shape: tuple[int, ...],
+                  dim_map: tuple[tuple[int, ...], ...],
+                  coordinate: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    """:meth:`ShardingSpec.local_bounds`, memoized: the planner asks for the same few specs'
+    blocks at every coordinate over and over (traffic counting, candidate plans), through
+    specs rebuilt by ``dataclasses.replace``, so the memo is keyed by value, not by object."""
+    bounds = []
+    for size, dims in zip(global_shape, dim_map):
+        start = 0
+        for m in dims:
+            offset, size = chunk_bounds(size, mesh_shape[m], coordinate[m])
+            start += offset
+        bounds.append((start, size))
+    return tuple(bounds)
 
 
 @dataclass(frozen=True)
@@ -195,14 +213,7 @@ class ShardingSpec:
 
     def local_bounds(self, coordinate: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """``(start, size)`` per tensor dim of the block held at mesh ``coordinate``."""
-        bounds = []
-        for d, dims in enumerate(self.dim_map):
-            start, size = 0, self.global_shape[d]
-            for m in dims:
-                offset, size = chunk_bounds(size, self.mesh_shape[m], coordinate[m])
-                start += offset
-            bounds.append((start, size))
-        return tuple(bounds)
+        return _block_bounds(self.mesh_shape, self.global_shape, self.dim_map, tuple(coordinate))
 
     def local_shape(self, coordinate: Sequence[int]) -> tuple[int, ...]:
         return tuple(size for _, size in self.local_bounds(coordinate))

@@ -17,21 +17,14 @@ effect for the user is the same).
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
 from devmesh.parallel.param import ShardedParameter, get_layout, set_layout
 
-__all__ = ["KeepsLayouts", "FollowsReplacements"]
+__all__ = ["KeepsLayouts"]
 
 _STATES = ("_devmesh_fsdp", "_devmesh_ddp")  # module attributes holding devmesh states
-
-
-class FollowsReplacements(Protocol):
-    def follow(self, replaced: dict[int, torch.Tensor]) -> None:
-        """Use ``replaced[id(old)]`` wherever ``old`` (a parameter or buffer) was held."""
 
 
 class KeepsLayouts:
