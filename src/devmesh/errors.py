@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "StateDictError",
     "TopologyWarning",
+    "BlockwiseOptimizerWarning",
     "rank_prefix",
     "is_peer_gone",
 ]
@@ -178,6 +179,11 @@ class TopologyError(DevmeshError, RuntimeError):
 
 class TopologyWarning(UserWarning):
     """A bandwidth-heavy mesh dim crosses hosts: its traffic goes over the network."""
+
+
+class BlockwiseOptimizerWarning(UserWarning):
+    """An optimizer devmesh does not know steps split parameters (this rank's blocks): right
+    if its update of an element reads only that element, wrong if it reads across them."""
 
 
 def is_peer_gone(error: BaseException | str) -> bool:

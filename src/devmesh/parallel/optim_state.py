@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from devmesh.parallel.optim_check import check_optimizer
 from devmesh.parallel.param import as_dtensor, block_of, split_layout
 
 __all__ = ["watch_optimizers"]
@@ -40,8 +41,10 @@ def watch_optimizers() -> None:
 def _on_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if optimizer in _seen:
         return
-    _seen.add(optimizer)
     split = [p for p in _params(optimizer) if split_layout(p) is not None]
+    if split:
+        check_optimizer(optimizer, split)  # raises at every step of a refused optimizer
+    _seen.add(optimizer)
     if split:
         optimizer.register_state_dict_post_hook(_states_as_dtensors)
         optimizer.register_load_state_dict_pre_hook(_states_as_blocks)
