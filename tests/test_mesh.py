@@ -394,3 +394,16 @@ def test_backend_override_as_torch(mesh_pool):
         assert "not backend options" in r["errors"][1]
         assert "not a backend this torch build has" in r["errors"][2]
         assert "names dim 1 twice" in r["errors"][3]
+
+
+def _mesh_under_meta_device():
+    with torch.device("meta"):  # where large models are built; torch's mesh works here too
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        device, ranks = mesh.mesh.device.type, mesh.mesh.tolist()
+    return device, ranks, _sum_of_ranks(mesh.get_group("tp"))
+
+
+def test_a_mesh_is_made_inside_a_meta_device_context(mesh_pool):
+    for rank, (device, ranks, tp_sum) in enumerate(mesh_pool.run(_mesh_under_meta_device, 4)):
+        assert device == "cpu" and ranks == [[0, 1], [2, 3]]
+        assert tp_sum == (1 if rank < 2 else 5)

@@ -67,6 +67,8 @@ def _parallel(how: str, start: dict[str, torch.Tensor] | None):
     if how == "tp+fsdp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
         dp = mesh["dp"]
+    elif how == "hsdp":  # replicated over dp, sharded over shard
+        dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "shard"))
     else:
         dp = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     with torch.device("meta"):
@@ -83,19 +85,19 @@ def _parallel(how: str, start: dict[str, torch.Tensor] | None):
     if start is not None:  # pretrained weights, full tensors: each rank keeps its block
         model.load_state_dict(start)
     else:  # initialized in place, differently on each rank: DDP starts from the first rank's
-        torch.manual_seed(dp.get_local_rank())
+        torch.manual_seed(dp.get_rank())
         for module in model.modules():
             if hasattr(module, "reset_parameters"):
                 module.reset_parameters()
-    rank = dp.get_local_rank()
-    _train(model, slice(2 * rank, 2 * rank + 2))
+    rank, rows = dp.get_rank() if how == "hsdp" else dp.get_local_rank(), 4 // dp.size()
+    _train(model, slice(rows * rank, rows * rank + rows))
     return tied, state_dict(model, full=True)
 
 
-@pytest.mark.parametrize("how", ["fsdp", "ddp", "tp+fsdp"])
+@pytest.mark.parametrize("how", ["fsdp", "ddp", "tp+fsdp", "hsdp"])
 def test_a_model_built_on_meta_trains_as_single_process(mesh_pool, how):
     start, expected = _single()
-    world = 4 if how == "tp+fsdp" else 2
+    world = 4 if how in ("tp+fsdp", "hsdp") else 2
     for tied, full in mesh_pool.run(_parallel, world, how, start):
         assert tied
         assert full.keys() == expected.keys()

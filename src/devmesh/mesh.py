@@ -193,8 +193,10 @@ class DeviceMesh(TorchDeviceMesh):
             for d in range(len(shape) - 2, -1, -1):
                 strides[d] = strides[d + 1] * shape[d + 1]
             self._root_strides = tuple(strides)
+            # on the CPU whatever the default device (torch's mesh works inside
+            # ``with torch.device("meta"):``, where models too large to build are built)
             self._rank_map = torch.tensor(self._mesh_layout.ranks.reshape(-1),
-                                             dtype=torch.int).contiguous()
+                                          dtype=torch.int, device="cpu").contiguous()
             self._flatten_rank_map = tuple(self._rank_map.tolist())
         else:
             self._rank_map = root._rank_map
@@ -276,7 +278,7 @@ class DeviceMesh(TorchDeviceMesh):
     @property
     def mesh(self) -> torch.Tensor:
         """The global ranks as an integer tensor of the mesh's shape."""
-        return torch.tensor(self._mesh_layout.ranks, dtype=torch.int)
+        return torch.tensor(self._mesh_layout.ranks, dtype=torch.int, device="cpu")
 
     @property
     def mesh_dim_names(self) -> tuple[str, ...] | None:

@@ -128,4 +128,23 @@ def local_module(stages: Mapping[int, nn.Module]) -> nn.Module:
                                      "each stage the whole model's names (split_sequential "
                                      "does)")
             children[name] = child
-    return nn.Sequential(OrderedDict(children))
+    return _JoinedStages(OrderedDict(children), [stages[s] for s in sorted(stages)])
+
+
+class _JoinedStages(nn.Sequential):
+    """Several stages' children under one module. Conversions (``to_empty`` after building on
+    the meta device, ``.to()``, ``.double()``) go through each stage, so a stage that
+    ``fully_shard`` or ``replicate`` made keeps its parameters laid out and its state
+    following the new tensors (:mod:`devmesh.parallel.conversion`); converting the children
+    directly would bypass the stage and leave its units holding the old tensors."""
+
+    def __init__(self, children: OrderedDict, stages: list[nn.Module]) -> None:
+        super().__init__(children)
+        self._stages = stages  # a plain list: not submodules, so names stay the children's
+
+    def _apply(self, fn, recurse: bool = True):  # noqa: ANN001 - torch's signature
+        if not recurse:
+            return super()._apply(fn, recurse)
+        for stage in self._stages:
+            stage._apply(fn)
+        return self
