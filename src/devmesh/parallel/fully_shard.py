@@ -387,7 +387,7 @@ class FSDPUnit:
             torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output)
 
     def _pack(self, t: torch.Tensor, storages: dict[int, int]):
-        index = storages.get(t.untyped_storage().data_ptr()) if t.device.type != "meta" else None
+        index = storages.get(_storage_address(t))
         if index is None:
             return t
         return (_HANDLE, index, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
@@ -630,3 +630,16 @@ def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
                 "sparse=True gives sparse gradients, which cannot be reduce-scattered into "
                 "shards; use sparse=False, or keep it out of the unit (ignored_params) and "
                 "replicate it (replicate all-reduces sparse gradients)")
+
+
+def _storage_address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s data lives, or ``None`` for a tensor without storage of its own: a meta
+    tensor, or a wrapper subclass — a DTensor or devmesh's ShardedTensor activation (TP
+    styles with ``use_local_output=False``), whose storage is invalid to touch; such a tensor
+    is never a view of a gathered parameter, so autograd keeps it as it is."""
+    if t.device.type == "meta":
+        return None
+    try:
+        return t.untyped_storage().data_ptr()
+    except RuntimeError:  # "Attempted to access the data pointer on an invalid python storage"
+        return None
