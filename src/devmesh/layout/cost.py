@@ -3,7 +3,7 @@
 Pure, so the planner can compare candidate plans without a mesh. The time model is the
 textbook one for ring and pairwise collectives (as in nccl-tests' bus bandwidth):
 
-    collective seconds = (n - 1) * latency[op] + bytes received per rank / bandwidth[op]
+    collective seconds = (n - 1) * latency[op] + bytes received per rank / bandwidth[op, size]
     copy seconds       = bytes copied / copy_bandwidth
 
 where ``n`` is the group size. Bytes received per rank are ``(n-1)/n`` of the gathered output
@@ -11,7 +11,9 @@ where ``n`` is the group size. Bytes received per rank are ``(n-1)/n`` of the ga
 the algorithm factors ``devmesh bench`` applies. Counting the hops is what makes one all-gather
 over 8 ranks cost more than a gather over 2 followed by one over 4 of the same bytes, and
 counting copies is what makes a merged gather that must be reordered afterwards lose to two
-gathers that land in place.
+gathers that land in place. Bandwidth depends on the collective's buffer size where it was
+measured at several (``bandwidth_by_size``): past the caches it falls by up to half here, and one
+constant predicted 64 MB redistributions at less than half their time.
 
 The constants come from ``devmesh bench --json`` (:meth:`CostModel.from_bench`, or the file
 named by ``DEVMESH_COST_MODEL``); without a measurement, :data:`DEFAULT_COST_MODEL` holds
@@ -21,6 +23,7 @@ values fitted on a 2-core CPU machine with 8 gloo ranks.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -50,13 +53,31 @@ class CostModel:
     bandwidth: tuple[tuple[str, float], ...]
     copy_bandwidth: float
     source: str = "default"
+    # per op, (collective buffer bytes, bandwidth) points: bandwidth falls once buffers
+    # outgrow the caches (here 64 MB all-gathers move bytes at half their 8 MB rate), which
+    # one constant cannot say; interpolated in log bytes, the nearest point outside them
+    bandwidth_by_size: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
 
     def collective_seconds(self, op: str, group_size: int, wire: float) -> float:
         """Predicted time of one collective over ``group_size`` ranks in which a rank
         receives ``wire`` bytes from the others (:func:`wire_bytes`)."""
         if group_size <= 1:
             return 0.0
-        return (group_size - 1) * dict(self.latency)[op] + wire / dict(self.bandwidth)[op]
+        nbytes = wire / wire_bytes(op, group_size, 1)  # the collective's buffer
+        return (group_size - 1) * dict(self.latency)[op] + wire / self.op_bandwidth(op, nbytes)
+
+    def op_bandwidth(self, op: str, nbytes: float) -> float:
+        """Bytes/s a rank receives in ``op`` on a collective buffer of ``nbytes``."""
+        points = dict(self.bandwidth_by_size).get(op)
+        if not points:
+            return dict(self.bandwidth)[op]
+        if nbytes <= points[0][0]:
+            return points[0][1]
+        for (b0, w0), (b1, w1) in zip(points, points[1:]):
+            if nbytes <= b1:
+                share = math.log(nbytes / b0) / math.log(b1 / b0)
+                return w0 * (w1 / w0) ** share  # geometric: bandwidth varies by factors
+        return points[-1][1]
 
     def copy_seconds(self, nbytes: int) -> float:
         return nbytes / self.copy_bandwidth
@@ -76,6 +97,7 @@ class CostModel:
             solved = _least_squares(points)
             if solved is not None:
                 latency[op], bandwidth[op] = solved
+        by_size = _bandwidth_by_size(rows, latency)
         copy_bandwidth = DEFAULT_COST_MODEL.copy_bandwidth
         # the largest copy measured: redistribution copies are large, and small ones fit
         # in cache and would flatter the machine
@@ -85,7 +107,7 @@ class CostModel:
             nbytes, seconds = max(timed)
             copy_bandwidth = nbytes / seconds
         return cls(tuple(sorted(latency.items())), tuple(sorted(bandwidth.items())),
-                   copy_bandwidth, source)
+                   copy_bandwidth, source, by_size)
 
     @classmethod
     def from_bench(cls, path: str) -> CostModel:
@@ -100,8 +122,42 @@ class CostModel:
     def __str__(self) -> str:
         lat = ", ".join(f"{op} {s * 1e6:.0f} us" for op, s in self.latency)
         bw = ", ".join(f"{op} {b / 1e9:.2f} GB/s" for op, b in self.bandwidth)
+        curves = "; ".join(
+            f"{op} " + ", ".join(f"{b / 1e9:.2f} GB/s at {_size(n)}" for n, b in points)
+            for op, points in self.bandwidth_by_size)
         return (f"cost model ({self.source}): latency per hop {lat}; bandwidth {bw}; "
-                f"copy {self.copy_bandwidth / 1e9:.1f} GB/s")
+                f"copy {self.copy_bandwidth / 1e9:.1f} GB/s"
+                + (f"; bandwidth by buffer size: {curves}" if curves else ""))
+
+
+def _size(nbytes: int) -> str:
+    for unit, shift in (("MB", 20), ("KB", 10)):
+        if nbytes >= 1 << shift:
+            return f"{nbytes / (1 << shift):g} {unit}"
+    return f"{nbytes} B"
+
+
+def _bandwidth_by_size(rows: Iterable[Mapping], latency: Mapping[str, float]
+                       ) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
+    """Per op and buffer size, the bandwidth that best explains the measured times over every
+    group size once the hops' latency is taken off (least squares in relative error). Buffers
+    under 1 MB, and times mostly latency, tell little about bandwidth and give no point."""
+    sums: dict[tuple[str, int], list[float]] = {}
+    for row in rows:
+        op, n, nbytes = row["op"], int(row["ranks"]), int(row["bytes"])
+        seconds = float(row["time_us"]) * 1e-6
+        transfer = seconds - (n - 1) * latency.get(op, 0.0)
+        if n <= 1 or nbytes < 1 << 20 or seconds <= 0 or transfer < 0.5 * seconds:
+            continue
+        w = wire_bytes(op, n, nbytes) / seconds
+        acc = sums.setdefault((op, nbytes), [0.0, 0.0])
+        acc[0] += w * w
+        acc[1] += w * transfer / seconds
+    curve: dict[str, list[tuple[int, float]]] = {}
+    for (op, nbytes), (ww, wt) in sorted(sums.items()):
+        if wt > 0:
+            curve.setdefault(op, []).append((nbytes, ww / wt))
+    return tuple((op, tuple(points)) for op, points in sorted(curve.items()) if len(points) > 1)
 
 
 def _least_squares(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -133,6 +189,15 @@ DEFAULT_COST_MODEL = CostModel(
     bandwidth=(("all_gather", 0.30e9), ("all_reduce", 0.63e9), ("all_to_all", 0.30e9),
                ("reduce_scatter", 0.18e9)),
     copy_bandwidth=2.6e9,
+    # beyond 8 MB: the constants above times the fall from 8 to 64 MB buffers measured with
+    # `devmesh bench -n 8 --mesh 2,4 --sizes 64K,1M,8M,64M` on the same machine (all-gather
+    # 0.47, all-reduce 0.94, all-to-all 0.66, reduce-scatter 0.81); up to 8 MB unchanged
+    bandwidth_by_size=(
+        ("all_gather", ((8 << 20, 0.30e9), (64 << 20, 0.14e9))),
+        ("all_reduce", ((8 << 20, 0.63e9), (64 << 20, 0.59e9))),
+        ("all_to_all", ((8 << 20, 0.30e9), (64 << 20, 0.20e9))),
+        ("reduce_scatter", ((8 << 20, 0.18e9), (64 << 20, 0.146e9))),
+    ),
 )
 
 _chosen: list[CostModel] = []
