@@ -3,17 +3,17 @@
 Pure, so the planner can compare candidate plans without a mesh. The time model is the
 textbook one for ring and pairwise collectives (as in nccl-tests' bus bandwidth):
 
-    collective seconds = (n - 1) * latency[op] + bytes received per rank / bandwidth[op, size]
-    copy seconds       = bytes copied / copy_bandwidth
+    collective seconds = (n - 1) * latency[op] + bytes received / (bandwidth[op] * f(size))
+    copy seconds       = bytes copied / (copy_bandwidth * f(size))
 
 where ``n`` is the group size. Bytes received per rank are ``(n-1)/n`` of the gathered output
 (all-gather), of the input (reduce-scatter, all-to-all) and ``2 (n-1)/n`` of it (all-reduce):
 the algorithm factors ``devmesh bench`` applies. Counting the hops is what makes one all-gather
 over 8 ranks cost more than a gather over 2 followed by one over 4 of the same bytes, and
 counting copies is what makes a merged gather that must be reordered afterwards lose to two
-gathers that land in place. Bandwidth depends on the collective's buffer size where it was
-measured at several (``bandwidth_by_size``): past the caches it falls by up to half here, and one
-constant predicted 64 MB redistributions at less than half their time.
+gathers that land in place. Bandwidth depends on the buffer size where it was measured at
+several (``size_factor``): past the caches it falls by up to half here, and one constant
+predicted 64 MB redistributions at less than half their time.
 
 The constants come from ``devmesh bench --json`` (:meth:`CostModel.from_bench`, or the file
 named by ``DEVMESH_COST_MODEL``); without a measurement, :data:`DEFAULT_COST_MODEL` holds
@@ -53,10 +53,15 @@ class CostModel:
     bandwidth: tuple[tuple[str, float], ...]
     copy_bandwidth: float
     source: str = "default"
-    # per op, (collective buffer bytes, bandwidth) points: bandwidth falls once buffers
-    # outgrow the caches (here 64 MB all-gathers move bytes at half their 8 MB rate), which
-    # one constant cannot say; interpolated in log bytes, the nearest point outside them
-    bandwidth_by_size: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    # (bytes, factor) points: every bandwidth, collective and copy, times the factor at that
+    # many bytes (a collective's buffer, a copy's size). Bandwidth falls once buffers outgrow
+    # the caches — here a 64 MB all-gather moves bytes at half its 8 MB rate — which one
+    # constant cannot say. One factor for all, not a curve per collective: curves per op
+    # fitted here ranked a 64 MB all-to-all above an all-gather that ran 1.5x faster (the
+    # copies around it fall too), so the planner chose worse; a shared factor keeps the
+    # constants' ranking and corrects the time. Interpolated in log bytes, the nearest point
+    # outside them.
+    size_factor: tuple[tuple[int, float], ...] = ()
 
     def collective_seconds(self, op: str, group_size: int, wire: float) -> float:
         """Predicted time of one collective over ``group_size`` ranks in which a rank
@@ -64,23 +69,24 @@ class CostModel:
         if group_size <= 1:
             return 0.0
         nbytes = wire / wire_bytes(op, group_size, 1)  # the collective's buffer
-        return (group_size - 1) * dict(self.latency)[op] + wire / self.op_bandwidth(op, nbytes)
+        return ((group_size - 1) * dict(self.latency)[op]
+                + wire / (dict(self.bandwidth)[op] * self.factor(nbytes)))
 
-    def op_bandwidth(self, op: str, nbytes: float) -> float:
-        """Bytes/s a rank receives in ``op`` on a collective buffer of ``nbytes``."""
-        points = dict(self.bandwidth_by_size).get(op)
+    def factor(self, nbytes: float) -> float:
+        """How much of its bandwidth a transfer or copy of ``nbytes`` gets (1: all)."""
+        points = self.size_factor
         if not points:
-            return dict(self.bandwidth)[op]
+            return 1.0
         if nbytes <= points[0][0]:
             return points[0][1]
-        for (b0, w0), (b1, w1) in zip(points, points[1:]):
+        for (b0, f0), (b1, f1) in zip(points, points[1:]):
             if nbytes <= b1:
                 share = math.log(nbytes / b0) / math.log(b1 / b0)
-                return w0 * (w1 / w0) ** share  # geometric: bandwidth varies by factors
+                return f0 * (f1 / f0) ** share  # geometric: bandwidth varies by factors
         return points[-1][1]
 
     def copy_seconds(self, nbytes: int) -> float:
-        return nbytes / self.copy_bandwidth
+        return nbytes / (self.copy_bandwidth * self.factor(nbytes)) if nbytes else 0.0
 
     @classmethod
     def fit(cls, rows: Iterable[Mapping], memcpy: Iterable[Mapping] = (),
@@ -97,7 +103,7 @@ class CostModel:
             solved = _least_squares(points)
             if solved is not None:
                 latency[op], bandwidth[op] = solved
-        by_size = _bandwidth_by_size(rows, latency)
+        by_size = _size_factor(rows, latency, bandwidth)
         copy_bandwidth = DEFAULT_COST_MODEL.copy_bandwidth
         # the largest copy measured: redistribution copies are large, and small ones fit
         # in cache and would flatter the machine
@@ -122,12 +128,10 @@ class CostModel:
     def __str__(self) -> str:
         lat = ", ".join(f"{op} {s * 1e6:.0f} us" for op, s in self.latency)
         bw = ", ".join(f"{op} {b / 1e9:.2f} GB/s" for op, b in self.bandwidth)
-        curves = "; ".join(
-            f"{op} " + ", ".join(f"{b / 1e9:.2f} GB/s at {_size(n)}" for n, b in points)
-            for op, points in self.bandwidth_by_size)
+        factors = ", ".join(f"{f:.2f} at {_size(n)}" for n, f in self.size_factor)
         return (f"cost model ({self.source}): latency per hop {lat}; bandwidth {bw}; "
                 f"copy {self.copy_bandwidth / 1e9:.1f} GB/s"
-                + (f"; bandwidth by buffer size: {curves}" if curves else ""))
+                + (f"; bandwidth times {factors}" if factors else ""))
 
 
 def _size(nbytes: int) -> str:
@@ -137,11 +141,13 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
-def _bandwidth_by_size(rows: Iterable[Mapping], latency: Mapping[str, float]
-                       ) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
-    """Per op and buffer size, the bandwidth that best explains the measured times over every
-    group size once the hops' latency is taken off (least squares in relative error). Buffers
-    under 1 MB, and times mostly latency, tell little about bandwidth and give no point."""
+def _size_factor(rows: Iterable[Mapping], latency: Mapping[str, float],
+                 bandwidth: Mapping[str, float]) -> tuple[tuple[int, float], ...]:
+    """Per buffer size, the share of the fitted bandwidth the collectives got: for each op,
+    the bandwidth that best explains its times at that size over every group size once the
+    hops' latency is taken off (least squares in relative error), over the op's constant;
+    the geometric mean over ops. Buffers under 1 MB, and times mostly latency, tell little
+    about bandwidth and give no point."""
     sums: dict[tuple[str, int], list[float]] = {}
     for row in rows:
         op, n, nbytes = row["op"], int(row["ranks"]), int(row["bytes"])
@@ -153,11 +159,12 @@ def _bandwidth_by_size(rows: Iterable[Mapping], latency: Mapping[str, float]
         acc = sums.setdefault((op, nbytes), [0.0, 0.0])
         acc[0] += w * w
         acc[1] += w * transfer / seconds
-    curve: dict[str, list[tuple[int, float]]] = {}
-    for (op, nbytes), (ww, wt) in sorted(sums.items()):
-        if wt > 0:
-            curve.setdefault(op, []).append((nbytes, ww / wt))
-    return tuple((op, tuple(points)) for op, points in sorted(curve.items()) if len(points) > 1)
+    logs: dict[int, list[float]] = {}
+    for (op, nbytes), (ww, wt) in sums.items():
+        if wt > 0 and op in bandwidth:
+            logs.setdefault(nbytes, []).append(math.log(ww / wt / bandwidth[op]))
+    points = tuple((nbytes, math.exp(sum(v) / len(v))) for nbytes, v in sorted(logs.items()))
+    return points if len(points) > 1 else ()
 
 
 def _least_squares(points: list[tuple[float, float, float]]) -> tuple[float, float] | None:
@@ -189,15 +196,11 @@ DEFAULT_COST_MODEL = CostModel(
     bandwidth=(("all_gather", 0.30e9), ("all_reduce", 0.63e9), ("all_to_all", 0.30e9),
                ("reduce_scatter", 0.18e9)),
     copy_bandwidth=2.6e9,
-    # beyond 8 MB: the constants above times the fall from 8 to 64 MB buffers measured with
-    # `devmesh bench -n 8 --mesh 2,4 --sizes 64K,1M,8M,64M` on the same machine (all-gather
-    # 0.47, all-reduce 0.94, all-to-all 0.66, reduce-scatter 0.81); up to 8 MB unchanged
-    bandwidth_by_size=(
-        ("all_gather", ((8 << 20, 0.30e9), (64 << 20, 0.14e9))),
-        ("all_reduce", ((8 << 20, 0.63e9), (64 << 20, 0.59e9))),
-        ("all_to_all", ((8 << 20, 0.30e9), (64 << 20, 0.20e9))),
-        ("reduce_scatter", ((8 << 20, 0.18e9), (64 << 20, 0.146e9))),
-    ),
+    # beyond 8 MB the constants above fall as measured with `devmesh bench -n 8 --mesh 2,4
+    # --sizes 64K,1M,8M,64M` on the same machine (the geometric mean over the collectives of
+    # their 64 MB / 8 MB bandwidth: all-gather 0.47, all-reduce 0.94, all-to-all 0.66,
+    # reduce-scatter 0.81); up to 8 MB unchanged
+    size_factor=((8 << 20, 1.0), (64 << 20, 0.7)),
 )
 
 _chosen: list[CostModel] = []
