@@ -95,6 +95,14 @@ def test_use_local_output_false_gives_dtensors_and_kwargs_are_prepared(mesh_pool
         assert scale == [0.0, 0.0, 1.0, 1.0]
 
 
+class _TorchStyleOfMyOwn(__import__("torch.distributed.tensor.parallel",
+                                    fromlist=["x"]).ParallelStyle):
+    """A style written for torch's parallelize_module (torchtitan's expert styles are)."""
+
+    def _apply(self, module, device_mesh):
+        return module
+
+
 def deepcopy_and_refusals():
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     model = _mlp()
@@ -114,6 +122,8 @@ def deepcopy_and_refusals():
         "torch_style": caught(lambda: parallelize_module(
             _mlp(), mesh, {"0": __import__("torch.distributed.tensor.parallel",
                                            fromlist=["x"]).ColwiseParallel()})),
+        "own_torch_style": caught(lambda: parallelize_module(_mlp(), mesh,
+                                                             {"0": _TorchStyleOfMyOwn()})),
     }
     return out
 
@@ -124,6 +134,8 @@ def test_deepcopy_styles_twice_and_bad_arguments(mesh_pool):
         assert r["twice"][0] == "ParallelizeError" and "already applied" in r["twice"][1]
         assert r["bad_placement"][0] == "ParallelizeError"
         assert "torch's style" in r["torch_style"][1]
+        assert "_TorchStyleOfMyOwn" in r["own_torch_style"][1]
+        assert "torch's parallelize_module on the devmesh mesh" in r["own_torch_style"][1]
 
 
 def replicas_that_differ(case: str):

@@ -67,9 +67,7 @@ def _resolve_plan(module: nn.Module, plan) -> list[tuple[str, nn.Module, Paralle
     entries = []
     for pattern, style in plan.items():
         if not isinstance(style, ParallelStyle):
-            origin = type(style).__module__
-            hint = (" — that is torch's style; import the styles from devmesh.parallel with "
-                    "devmesh's parallelize_module" if origin.startswith("torch.") else "")
+            hint = _torch_style_hint(style)
             raise ParallelizeError(
                 f"parallelize_plan[{pattern!r}] is a {type(style).__name__}, not a devmesh "
                 f"ParallelStyle{hint}"
@@ -83,6 +81,21 @@ def _resolve_plan(module: nn.Module, plan) -> list[tuple[str, nn.Module, Paralle
             )
         entries += [(name, names[name], style) for name in matches]
     return entries
+
+
+def _torch_style_hint(style: object) -> str:
+    """Why a torch ``ParallelStyle`` is refused, and what to do instead."""
+    from torch.distributed.tensor.parallel import ParallelStyle as TorchParallelStyle
+
+    if not isinstance(style, TorchParallelStyle):
+        return ""
+    if type(style).__module__.startswith("torch.distributed"):
+        return (" — that is torch's style; import the styles from devmesh.parallel with "
+                "devmesh's parallelize_module")
+    return (" — it subclasses torch's ParallelStyle, which makes torch DTensor parameters "
+            "(devmesh's are plain blocks with a layout): apply it with torch's "
+            "parallelize_module on the devmesh mesh (a torch DeviceMesh), or write it as a "
+            "devmesh style (devmesh.parallel.ParallelStyle)")
 
 
 def parallelize_module(
