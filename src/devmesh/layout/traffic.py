@@ -15,6 +15,7 @@ an all-reduce or a local chunk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 from collections.abc import Iterator, Sequence
@@ -151,6 +152,14 @@ def _coordinates(step: Step) -> list[tuple[int, ...]]:
 
 def with_traffic(step: Step, itemsize: int) -> Step:
     """``step`` with its group size, bytes received and bytes copied on the worst rank."""
+    group, wire, copied, nbytes = _traffic(step, itemsize)
+    return dataclasses.replace(step, group_size=group, wire=wire, copied=copied, nbytes=nbytes)
+
+
+@functools.lru_cache(maxsize=1 << 14)
+def _traffic(step: Step, itemsize: int) -> tuple[int, int, int, int]:
+    """Memoized by value (names aside: they only print): candidate plans of different
+    redistributions share most of their steps."""
     traffic = _TRAFFIC.get(step.kind, _local)
     wire = copied = sent = 0
     for coord in _coordinates(step):
@@ -160,4 +169,4 @@ def with_traffic(step: Step, itemsize: int) -> Step:
             sent = max(sent, c - itemsize * math.prod(step.after.local_shape(coord)))
     group = math.prod(step.before.mesh_shape[m] for m in step.mesh_dims) if step.is_collective else 1
     nbytes = sent if step.kind == "permute" else step.nbytes
-    return dataclasses.replace(step, group_size=group, wire=wire, copied=copied, nbytes=nbytes)
+    return group, wire, copied, nbytes
