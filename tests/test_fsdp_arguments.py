@@ -70,6 +70,12 @@ def side_by_side(library: str):
     fully_shard(model[2], ignored_params=ignored, offload_policy=OffloadPolicy(), **world)
     fully_shard(model, ignored_params=ignored,
                 mp_policy=MixedPrecisionPolicy(output_dtype=torch.float64), **world)
+    # FSDPModule's setters as torchtitan calls them: layer 2's gradients summed over the 4
+    # ranks, not averaged (that unit only); the others change no value
+    model[2].set_gradient_divide_factor(1.0)
+    model[2].set_force_sum_reduction_for_comms(True)  # torch's needs it on gloo
+    model.set_reshard_after_forward(True)
+    model.set_is_last_backward(True)
     losses = _train(model)
     params = _params(model)
     with torch.no_grad():  # after training: torch's root would otherwise keep its unsharded
@@ -105,8 +111,11 @@ def gathers_per_step(reshard):
 
     mesh = init_device_mesh("cpu", (2,))
     model = make_model()
-    fully_shard(model[2], mesh=mesh, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+    later = reshard == "set False later"
+    fully_shard(model[2], mesh=mesh, reshard_after_forward=True if later else reshard)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True if later else reshard)
+    if later:
+        model.set_reshard_after_forward(False)
     x, y = _batch(0)
     with comm_stats() as stats:
         F.cross_entropy(model(x), y).backward()
@@ -119,6 +128,7 @@ def test_reshard_after_forward_none_keeps_only_the_root(mesh_pool):
     assert mesh_pool.run(gathers_per_step, 2, True)[0] == 4
     assert mesh_pool.run(gathers_per_step, 2, None)[0] == 3
     assert mesh_pool.run(gathers_per_step, 2, False)[0] == 2
+    assert mesh_pool.run(gathers_per_step, 2, "set False later")[0] == 2
 
 
 def refusals():

@@ -107,6 +107,7 @@ class FSDPUnit:
         # here until a backward with sync reduces them once
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
+        self.gradient_divide_factor: float | None = None  # None: the mean over the data ranks
         self._accumulated: list[torch.Tensor | None] | None = None
         self._kept: list[torch.Tensor] | None = None  # full parameters kept between backwards
         self._prefetched: comm.Pending | None = None  # started by the previous unit
@@ -307,9 +308,12 @@ class FSDPUnit:
                     grad.narrow(0, start, size))
                 target[size * row:].zero_()
             offset += p.padded_numel
-        mine = comm.reduce_scatter(stacked, self.mesh, (self.shard_dim,), "avg")
+        op = "avg" if self.gradient_divide_factor is None else "sum"
+        mine = comm.reduce_scatter(stacked, self.mesh, (self.shard_dim,), op)
         if self.replicate_dims:
-            comm.all_reduce(mine, self.mesh, self.replicate_dims, "avg")
+            comm.all_reduce(mine, self.mesh, self.replicate_dims, op)
+        if self.gradient_divide_factor is not None:
+            mine[:total].div_(self.gradient_divide_factor)
         used = mine[total:].tolist()
         out: list[torch.Tensor | None] = []
         offset = 0
@@ -527,7 +531,14 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
     * ``set_reshard_after_backward(False)``: while gradients are not synchronized, a unit
       keeps its gathered parameters after backward, so the next micro-batch needs no
       all-gather (memory: one full copy of the unit's parameters);
-    * ``no_sync()``: a context with sync off, as DDP's.
+    * ``no_sync()``: a context with sync off, as DDP's;
+    * ``set_reshard_after_forward(bool)``: as the ``fully_shard`` argument, changed later;
+    * ``set_gradient_divide_factor(f)``: this unit's gradients are summed over the
+      data-parallel ranks and divided by ``f`` instead of averaged (this module's unit only,
+      as torch's; torchtitan sets it on expert modules);
+    * ``set_is_last_backward(bool)``: accepted; devmesh finishes every backward's reductions
+      at its end, so there is nothing left for the last one to wait for;
+      ``set_force_sum_reduction_for_comms(bool)``: accepted; devmesh never uses PreMulSum.
 
     Each applies to every unit in the module's subtree (``recurse=False``: this one only)."""
 
@@ -546,6 +557,29 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
             unit.reshard_after_backward = bool(reshard_after_backward)
             if reshard_after_backward:
                 unit._kept = None
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True
+                                  ) -> None:
+        if not isinstance(reshard_after_forward, bool):
+            raise ParallelizeError(f"set_reshard_after_forward takes True or False, got "
+                                   f"{reshard_after_forward!r}")
+        for unit in self._units(recurse):
+            unit.reshard_after_forward = reshard_after_forward
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        if not factor > 0:
+            raise ParallelizeError(f"set_gradient_divide_factor takes a positive number, got "
+                                   f"{factor!r}")
+        for unit in self._units(False):  # this unit only, as torch's
+            unit.gradient_divide_factor = float(factor)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        """Accepted for torch's FSDP2 code: nothing is pending after a devmesh backward."""
+
+    def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
+        """Accepted for torch's FSDP2 code: devmesh's reductions are sums or averages, with a
+        divide factor a sum then a division, never NCCL's PreMulSum (which gloo lacks:
+        torch's FSDP2 needs this switch for ``set_gradient_divide_factor`` on CPU)."""
 
 
 def fully_shard(
