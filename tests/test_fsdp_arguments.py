@@ -331,3 +331,28 @@ def test_inputs_in_tuples_and_keywords_are_cast_as_torchs_fsdp2(mesh_pool):
         for ours, theirs in zip(grads, torch_grads):
             torch.testing.assert_close(ours, theirs.to_local() if hasattr(theirs, "to_local")
                                        else theirs)
+
+
+def hsdp_with_divide_factor(factor):
+    from devmesh.parallel import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "shard"))
+    model = make_model()
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    if factor is not None:  # each unit's own: the root's and layer 2's
+        model.set_gradient_divide_factor(factor)
+        model[2].set_gradient_divide_factor(factor)
+    _train(model)
+    return _params(model)
+
+
+def test_a_divide_factor_under_hsdp_sums_over_both_dims(mesh_pool):
+    """Dividing the sum over all 4 data ranks (reduce-scatter over shard, all-reduce over dp)
+    by 4 is the default mean; by 2 it is twice the mean's step."""
+    mean = mesh_pool.run(hsdp_with_divide_factor, 4, None)[0]
+    by_four = mesh_pool.run(hsdp_with_divide_factor, 4, 4.0)[0]
+    by_two = mesh_pool.run(hsdp_with_divide_factor, 4, 2.0)[0]
+    for key, value in mean.items():
+        torch.testing.assert_close(by_four[key], value, rtol=1e-6, atol=1e-7, msg=key)
+    assert any(not torch.allclose(by_two[k], v, atol=1e-4) for k, v in mean.items())

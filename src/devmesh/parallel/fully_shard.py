@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from devmesh.distributed import comm, groups
 from devmesh.mesh import DeviceMesh
@@ -668,12 +669,9 @@ def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
 
 def _storage_address(t: torch.Tensor) -> int | None:
     """Where ``t``'s data lives, or ``None`` for a tensor without storage of its own: a meta
-    tensor, or a wrapper subclass — a DTensor or devmesh's ShardedTensor activation (TP
-    styles with ``use_local_output=False``), whose storage is invalid to touch; such a tensor
-    is never a view of a gathered parameter, so autograd keeps it as it is."""
-    if t.device.type == "meta":
+    tensor, or a wrapper subclass such as the DTensor activations TP styles hand on with
+    ``use_local_output=False`` (touching its storage raises "invalid python storage"); such
+    a tensor is never a view of a gathered parameter, so autograd keeps it as it is."""
+    if t.device.type == "meta" or is_traceable_wrapper_subclass(t):
         return None
-    try:
-        return t.untyped_storage().data_ptr()
-    except RuntimeError:  # "Attempted to access the data pointer on an invalid python storage"
-        return None
+    return t.untyped_storage().data_ptr()
