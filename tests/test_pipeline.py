@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from devmesh import comm_stats, init_device_mesh
 from devmesh.parallel import state_dict
@@ -315,6 +316,21 @@ def block_model() -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(16, 4))
 
 
+class MatmulWork(TorchDispatchMode):
+    """Counts the multiply-adds of matrix products run under it (torch's FlopCounterMode
+    also tracks modules with hooks that refuse ``autograd.grad`` on a leaf)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+            a, b = args[-2:]
+            self.flops += a.shape[0] * a.shape[1] * b.shape[1]
+        return func(*args, **(kwargs or {}))
+
+
 def train_composed(name: str, composition: str, steps: int = 2):
     """PP x FSDP x TP on (pp, dp, tp) = (2, 2, 2), or PP x DDP on (pp, dp) = (2, 4): each
     stage parallelized on the (dp, tp) slice, each data-parallel replica its own pipeline."""
@@ -352,20 +368,22 @@ def train_composed(name: str, composition: str, steps: int = 2):
     runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
     opt = torch.optim.SGD([p for s in stages.values() for p in s.parameters()], lr=0.1)
     dp_index, dp_size = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    losses = []
+    losses, flops = [], 0
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
         x, y = x.chunk(dp_size)[dp_index], y.chunk(dp_size)[dp_index]
-        loss = runner.step(x if 0 in stages else None,
-                           y if schedule.stages - 1 in stages else None)
+        with MatmulWork() as counter:
+            loss = runner.step(x if 0 in stages else None,
+                               y if schedule.stages - 1 in stages else None)
+        flops += counter.flops
         opt.step()
         opt.zero_grad()
         losses.append(None if loss is None else loss.item())
     full = {}
     for stage in stages.values():  # the stages keep the whole model's names
         full.update(state_dict(stage, full=True))
-    return full, losses
+    return full, losses, flops
 
 
 @pytest.mark.parametrize("name, composition", [(n, "fsdp+tp") for n in SCHEDULES]
@@ -373,7 +391,7 @@ def train_composed(name: str, composition: str, steps: int = 2):
 def test_pipeline_composes_with_fsdp_tp_and_ddp(mesh_pool, name, composition):
     ref_state, ref_losses = reference(block_model, batch=32)
     full, replica_losses = {}, []
-    for state, losses in mesh_pool.run(train_composed, 8, name, composition):
+    for state, losses, _ in mesh_pool.run(train_composed, 8, name, composition):
         full.update(state)
         if losses[0] is not None:
             replica_losses.append(losses)
@@ -382,6 +400,18 @@ def test_pipeline_composes_with_fsdp_tp_and_ddp(mesh_pool, name, composition):
         torch.testing.assert_close(full[key], value.detach(), rtol=1e-5, atol=1e-6)
     mean = [sum(step) / len(replica_losses) for step in zip(*replica_losses)]
     assert mean == pytest.approx(ref_losses, rel=1e-5)
+
+
+def test_zero_bubble_split_backward_computes_no_more_than_one_backward(mesh_pool):
+    """Zero-bubble splits each backward into the input gradient (I) and the weight gradients
+    (W); W must start from the gradients I kept, not recompute the input-gradient chain (it
+    did: 1.25x the matmul work of 1F1B on this model). Counted under FSDP x TP, where W also
+    runs FSDP's reduce-scatter node and TP's split layers."""
+    per_rank = {name: [flops for _, _, flops in mesh_pool.run(train_composed, 8, name,
+                                                               "fsdp+tp")]
+                for name in ("1f1b", "zero-bubble")}
+    assert min(per_rank["1f1b"]) > 0
+    assert per_rank["zero-bubble"] == per_rank["1f1b"]
 
 
 def batches_of_two_sizes():
@@ -441,6 +471,60 @@ class _PairOnce(nn.Module):
 
     def forward(self, x: torch.Tensor):
         return (x, x) if self.pair else x
+
+
+def shapes_across_steps(name: str):
+    """Steps of 16, a failing step (stage 1 fails before it can announce a shape), then 8,
+    8 and 16 samples: each step's first message on a link either lands in the receive
+    posted in advance in the previous step's shape, or fills it and follows on its own tag."""
+    model = make_model()
+    model.insert(4, _PairOnce())
+    model[4].pair = False
+    virtual = 2 if name == "interleaved-1f1b" else 1
+    schedule = build_schedule(name, 4 // virtual, 4, virtual)
+    mesh = init_device_mesh("cpu", (4 // virtual,), mesh_dim_names=("pp",))
+    parts = split_sequential(model, 4, starts=["2", "5", "7"])
+    me = mesh.get_coordinate()[0]
+    stages = {s: parts[s] for s in range(4) if schedule.rank_of(s) == me}
+    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    opt = torch.optim.SGD([p for part in stages.values() for p in part.parameters()], lr=0.1)
+    losses = []
+    for step, batch in enumerate((16, 16, 8, 8, 16)):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(batch, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+        model[4].pair = step == 1
+        try:
+            loss = runner.step(x if 0 in stages else None, y if 3 in stages else None)
+        except PipelineError:
+            loss = "failed"
+        else:
+            opt.step()
+        opt.zero_grad()
+        losses.append(loss if loss in (None, "failed") else loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b"])
+def test_shapes_that_change_or_fail_between_steps(mesh_pool, name):
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    for step, batch in enumerate((16, 16, 8, 8, 16)):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(batch, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
+        if step == 1:
+            expected.append("failed")
+            continue
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    results = mesh_pool.run(shapes_across_steps, 4 // (2 if name == "interleaved-1f1b" else 1),
+                            name)
+    assert all(r[1] == "failed" for r in results)
+    last = results[-1]
+    assert last[:1] + last[2:] == pytest.approx(expected[:1] + expected[2:], rel=1e-5)
 
 
 def failing_stages(case: str):

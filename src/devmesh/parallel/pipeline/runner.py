@@ -47,6 +47,7 @@ from devmesh.mesh import DeviceMesh
 from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
 from devmesh.parallel.pipeline.messages import StageLinks
 from devmesh.parallel.pipeline.split import PipelineError
+from devmesh.parallel.pipeline.split_backward import SplitBackward
 from devmesh.parallel.pipeline.tied import TiedCopies, ties_of
 from devmesh.parallel.pipeline.whole_model import (
     full_state_dict,
@@ -191,11 +192,11 @@ class PipelineRunner:
             step.chunks = self._micro_batches(inputs, targets)
         except PipelineError as exc:  # the other stages hear of it at the end of the step
             step.fail(exc)
-        self._links.forget_shapes()  # each step's first messages announce the shapes
+        actions = self.schedule.actions[self.index]
+        self._links.start_step(actions)  # each step's first messages announce the shapes
         self.compute_seconds = step.compute  # compute of each action, messages excluded
         play = {"F": self._forward, "B": self._backward, "I": self._backward,
                 "W": self._weight_grads}
-        actions = self.schedule.actions[self.index]
         for position, action in enumerate(actions):
             if position + 1 < len(actions):
                 self._links.prefetch(actions[position + 1])
@@ -273,9 +274,10 @@ class PipelineRunner:
                     if entry["out"].requires_grad:
                         torch.autograd.backward(entry["out"], grad)
                     input_grad = entry["x"].grad if s > 0 else None
-                elif s > 0:
-                    (input_grad,) = torch.autograd.grad(entry["out"], entry["x"], grad,
-                                                        retain_graph=True)
+                elif s > 0:  # the weight-side gradients kept for W
+                    entry["split"] = SplitBackward(entry["out"], grad, entry["x"],
+                                                   list(self.stages[s].parameters()))
+                    input_grad = entry["split"].input_grad()
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
                 step.fail(exc, f"stage {s}, backward of micro-batch {mb}")
                 input_grad = None
@@ -292,7 +294,9 @@ class PipelineRunner:
         params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
         start = time.perf_counter()
         try:
-            if params:
+            if "split" in entry:  # I kept what W needs: no input gradient computed again
+                entry["split"].weight_grads()
+            elif params:  # the first stage: I had nothing to do, W is the whole backward
                 torch.autograd.backward(entry["out"], entry["grad"], inputs=params)
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
             step.fail(exc, f"stage {action.stage}, weight gradients of micro-batch "

@@ -1,0 +1,139 @@
+"""Zero-bubble's split backward: the stage's input gradient now (``I``), its weight gradients
+later (``W``), without computing the input-gradient chain twice.
+
+Why: ``I`` is on the critical path (the previous stage waits for it) and ``W`` fills the
+bubbles. The obvious split, ``autograd.grad(out, x)`` and later ``autograd.backward(out,
+inputs=params)``, is correct but walks the whole chain again in ``W``: to reach the first
+layer's weight it recomputes every later layer's input gradient, so ``I + W`` costs up to twice
+``B``.
+
+How: the stage's autograd graph splits into the *input path* (nodes from which the stage's
+input is reachable: ``I`` runs them) and the *weight side* (everything else; it only leads to
+parameters and never back to the input path). An input-path node with edges into the weight
+side is a *boundary*. ``I`` keeps the gradient that arrives at each boundary (a node pre-hook).
+``W`` then (1) asks each boundary for its weight-side outputs only, seeded with the kept
+gradient — autograd computes just the outputs on the way to what it is asked for, so a
+Linear's ``AddmmBackward`` computes the weight and bias gradients and not the input's again —
+and (2) runs the whole weight side once, from those edges into the parameters, with
+``autograd.backward``: gradients accumulate in ``.grad`` and the hooks on the way fire as in an
+ordinary backward (``replicate``'s buckets; ``fully_shard``'s gather node, which
+reduce-scatters the unit once).
+
+Step (1) asks one boundary at a time; that is only exact when no boundary's weight-side edge
+can be reached from another one (autograd would walk the input path down to it, recomputing
+and counting it twice). A parameter used directly by two layers of a stage (not through a
+per-use ``t()`` or ``view``) is such a case; the split then falls back to the obvious
+(correct, slower) ``W``. Torch's ``torch.distributed.pipelining`` splits the same way (its
+``stage_backward_input``/``stage_backward_weight``); this is written from the idea.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+class SplitBackward:
+    """One micro-batch's backward through one stage, in two parts: :meth:`input_grad`, then
+    :meth:`weight_grads` (once each, in that order)."""
+
+    def __init__(self, output: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor,
+                 params: Sequence[torch.Tensor]) -> None:
+        self.output, self.grad, self.stage_input = output, grad, stage_input
+        self.params = [p for p in params if p.requires_grad]
+        # boundary node -> its weight-side edges; None when the fast split is not exact
+        self._boundaries: dict[Node, list[tuple[Node, int]]] | None = None
+        self._kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+
+    def input_grad(self) -> torch.Tensor | None:
+        """The gradient of the stage's input; the graph is kept for :meth:`weight_grads`."""
+        self._boundaries = _boundaries(self.output.grad_fn,
+                                       get_gradient_edge(self.stage_input).node)
+        handles = [node.register_prehook(self._keeper(node)) for node in self._boundaries or ()]
+        try:
+            (grad,) = torch.autograd.grad(self.output, self.stage_input, self.grad,
+                                          retain_graph=True, allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return grad
+
+    def _keeper(self, node: Node):
+        def keep(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            self._kept[node] = tuple(grad_outputs)
+        return keep
+
+    def weight_grads(self) -> None:
+        """Accumulate the parameters' gradients of this micro-batch into their ``.grad``."""
+        if not self.params:
+            return
+        if self._boundaries is None:  # not exact one boundary at a time: the whole backward
+            torch.autograd.backward(self.output, self.grad, inputs=self.params)
+            return
+        edges, grads = [], []
+        for node, weight_edges in self._boundaries.items():
+            kept = self._kept.get(node, ())
+            seeds = [(GradientEdge(node, i), g) for i, g in enumerate(kept) if g is not None]
+            if not seeds or not weight_edges:
+                continue
+            wanted = [GradientEdge(n, nr) for n, nr in weight_edges]
+            found = torch.autograd.grad([e for e, _ in seeds], wanted,
+                                        [g for _, g in seeds], allow_unused=True)
+            for edge, g in zip(wanted, found):
+                if g is not None:
+                    edges.append(edge)
+                    grads.append(g)
+        self._kept.clear()
+        if edges:
+            torch.autograd.backward(edges, grads, inputs=self.params)
+
+
+def _boundaries(root: Node | None, stage_input: Node) -> dict[Node, list[tuple[Node, int]]] | None:
+    """Each input-path node with edges into the weight side, and those edges; ``None`` if
+    two of these edges lead into each other (or into one node), so that asking boundaries
+    one at a time would not be exact."""
+    if root is None:
+        return {}
+    consumers: dict[Node, list[Node]] = {}  # node -> the nodes with an edge into it
+    seen, queue = {root}, deque([root])
+    while queue:
+        node = queue.popleft()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            consumers.setdefault(nxt, []).append(node)
+            if nxt not in seen:
+                seen.add(nxt)
+                queue.append(nxt)
+    input_path = {stage_input}
+    queue = deque([stage_input])
+    while queue:
+        for consumer in consumers.get(queue.popleft(), ()):
+            if consumer not in input_path:
+                input_path.add(consumer)
+                queue.append(consumer)
+    boundaries: dict[Node, list[tuple[Node, int]]] = {}
+    for node in input_path:
+        weight_side = [(n, nr) for n, nr in node.next_functions
+                       if n is not None and n not in input_path]
+        if weight_side:
+            boundaries[node] = weight_side
+    entry_nodes = [n for edges in boundaries.values() for n, _ in edges]
+    entries = set(entry_nodes)
+    if root not in input_path or len(entries) != len(entry_nodes):
+        return None  # the output does not depend on the input; one node fed by two edges
+    # does any weight-side path lead from one entry to another? (from all entries at once)
+    reached: set[Node] = set()
+    queue = deque(nxt for entry in entries for nxt, _ in entry.next_functions
+                  if nxt is not None)
+    while queue:
+        node = queue.popleft()
+        if node in entries:
+            return None
+        if node not in reached:
+            reached.add(node)
+            queue.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return boundaries
