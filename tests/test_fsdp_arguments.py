@@ -356,3 +356,108 @@ def test_a_divide_factor_under_hsdp_sums_over_both_dims(mesh_pool):
     for key, value in mean.items():
         torch.testing.assert_close(by_four[key], value, rtol=1e-6, atol=1e-7, msg=key)
     assert any(not torch.allclose(by_two[k], v, atol=1e-4) for k, v in mean.items())
+
+
+def explicit_prefetch(library: str, explicit: bool = True):
+    """The FSDP2 tutorial's explicit prefetching: the root gathered by ``unshard(async_op=
+    True)`` before each forward, layer 0's forward starting layer 2's all-gather, layer 2's
+    backward starting layer 0's, and ``reshard()`` at the end."""
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    model = make_model()
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    if explicit:
+        model[0].set_modules_to_forward_prefetch([model[2]])
+        model[2].set_modules_to_backward_prefetch([model[0]])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, gathers = [], []
+    for step in range(3):
+        x, y = _batch(dist.get_rank() + step)
+        with comm_stats() as stats:
+            if explicit:
+                model.unshard(async_op=True).wait()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        gathers.append(stats.by_collective().get("all_gather", (0,))[0])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if explicit:
+        model.reshard()
+    return {"losses": losses, "params": _params(model), "gathers": gathers}
+
+
+def test_explicit_prefetching_as_torchs_fsdp2_tutorial(mesh_pool):
+    from devmesh.launching.launcher import launch
+
+    ours = mesh_pool.run(explicit_prefetch, 2, "devmesh")
+    theirs = launch(explicit_prefetch, 2, "torch")
+    for a, b in zip(ours, theirs):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+        for key in b["params"]:
+            torch.testing.assert_close(a["params"][key], b["params"][key], rtol=1e-6,
+                                       atol=1e-6, msg=key)
+    # 3 all-gathers in forward, 1 in backward (layer 2's; layer 0's backward needs no
+    # weights, and the root keeps its own); the backward prefetch of layer 0 gathers it in
+    # the first step, and not once its backward is known to need none
+    plain = mesh_pool.run(explicit_prefetch, 2, "devmesh", False)
+    assert plain[0]["gathers"] == [4, 4, 4]
+    assert ours[0]["gathers"] == [5, 4, 4]
+
+
+def prefetch_misuse():
+    from devmesh.parallel import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = make_model()
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return caught(lambda: model.set_modules_to_forward_prefetch([model[0]]))
+
+
+def test_prefetching_a_module_without_fully_shard_names_the_fix(mesh_pool):
+    error = mesh_pool.run(prefetch_misuse, 2)[0]
+    assert "Linear is not a module devmesh's fully_shard was applied to" in error[1]
+
+
+def hsdp_accumulation(library: str, defer_all_reduce: bool):
+    """Two micro-batches per step on a (dp, shard) = (2, 2) mesh; with ``defer_all_reduce``
+    the first reduce-scatters but leaves the all-reduce to the second."""
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "shard"))
+    model = make_model()
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    early_all_reduces = 0
+    for step in range(2):
+        for micro in range(2):
+            if defer_all_reduce:
+                model.set_requires_all_reduce(micro == 1)
+            x, y = _batch(4 * step + 2 * dist.get_rank() + micro)
+            with comm_stats() as stats:
+                F.cross_entropy(model(x), y).backward()
+            if micro == 0:
+                early_all_reduces += stats.by_collective().get("all_reduce", (0,))[0]
+        opt.step()
+        opt.zero_grad()
+    return _params(model), early_all_reduces
+
+
+def test_hsdp_accumulation_without_the_all_reduce_as_torchs(mesh_pool):
+    from devmesh.launching.launcher import launch
+
+    deferred, early = mesh_pool.run(hsdp_accumulation, 4, "devmesh", True)[0]
+    every_time, early_default = mesh_pool.run(hsdp_accumulation, 4, "devmesh", False)[0]
+    theirs = launch(hsdp_accumulation, 4, "torch", True)[0][0]
+    assert early == 0 and early_default == 4  # 2 units x 2 steps
+    for key, value in every_time.items():
+        torch.testing.assert_close(deferred[key], value, rtol=1e-6, atol=1e-7, msg=key)
+        torch.testing.assert_close(deferred[key], theirs[key], rtol=1e-6, atol=1e-7, msg=key)

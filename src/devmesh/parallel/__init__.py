@@ -2,7 +2,13 @@
 stages, gradient clipping, state dicts and sharded checkpoints."""
 
 from devmesh.parallel.checkpoint import load_checkpoint, save_checkpoint
-from devmesh.parallel.fully_shard import FSDPModule, FSDPUnit, MixedPrecisionPolicy, fully_shard
+from devmesh.parallel.fully_shard import (
+    FSDPModule,
+    FSDPUnit,
+    MixedPrecisionPolicy,
+    UnshardHandle,
+    fully_shard,
+)
 from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
 from devmesh.parallel.replicate import ReplicateModule, replicate
 from devmesh.parallel.tensor_parallel import (
@@ -21,7 +27,7 @@ from devmesh.parallel.grad_scaler import GradScaler
 from devmesh.parallel.state_dict import load_state_dict, state_dict
 
 __all__ = [
-    "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "replicate",
+    "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle", "replicate",
     "ReplicateModule", "parallelize_module",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict", "load_state_dict", "describe",

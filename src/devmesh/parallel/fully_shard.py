@@ -50,7 +50,7 @@ from devmesh.parallel.param import (
 from devmesh.tensor import ShardingSpec
 from devmesh.layout.spec import chunk_bounds
 
-__all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule"]
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle"]
 
 
 @dataclass(frozen=True)
@@ -110,10 +110,18 @@ class FSDPUnit:
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None  # None: the mean over the data ranks
         self._accumulated: list[torch.Tensor | None] | None = None
+        # HSDP accumulation (set_requires_all_reduce(False)): this rank's reduce-scattered
+        # gradients summed here until a backward with the all-reduce adds them in
+        self.requires_all_reduce = True
+        self._partial: torch.Tensor | None = None
+        # torch's explicit prefetching: units to gather when this one gathers
+        self.forward_prefetch: list[FSDPUnit] = []
+        self.backward_prefetch: list[FSDPUnit] = []
         self._kept: list[torch.Tensor] | None = None  # full parameters kept between backwards
         self._prefetched: comm.Pending | None = None  # started by the previous unit
         self._regather_pending: comm.Pending | None = None  # backward prefetch, by the next unit
         self._needed_regather = False  # backward re-gathered this unit in the previous step
+        self._backward_ran = False  # so the flag above means something
         self._regathered_now = False
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._order: _ForwardOrder | None = None  # the record the last forward used
@@ -270,6 +278,24 @@ class FSDPUnit:
         if self._prefetched is None and self._kept is None and self.params:
             self._prefetched = self.start_gather([p.sharded for p in self.params])
 
+    def prefetch_for_backward(self) -> None:
+        """Start re-gathering this unit's parameters for its backward (unless they are there
+        or on their way, or its backward did not need them in the previous step)."""
+        if self._backward_ran and not self._needed_regather:
+            return
+        if (self.params and self._full is None and self._kept is None
+                and self._regather_pending is None):
+            self._regather_pending = self.start_gather([p.sharded for p in self.params])
+
+    def drop_prefetched(self) -> None:
+        """Wait for and drop gathers started ahead that were not used: parameters gathered
+        before an optimizer step must never reach a later forward or backward."""
+        for attr in ("_prefetched", "_regather_pending"):
+            pending = getattr(self, attr)
+            if pending is not None:
+                pending.wait()
+                setattr(self, attr, None)
+
     def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Reduce-scatter (average) all gradients of the unit in one collective; HSDP adds one
         all-reduce over the replicate dims. Without gradient sync, add them to the unit's
@@ -284,6 +310,7 @@ class FSDPUnit:
         # float64 ones are averaged exactly and rounded once, back into their own dtype)
         dtype = self.mp.reduce_dtype or self.mp.param_dtype or functools.reduce(
             torch.promote_types, (p.sharded.dtype for p in self.params))
+        self._backward_ran = True
         if self._accumulated is not None:
             grads = [_add(a, g, dtype) for a, g in zip(self._accumulated, grads)]
             self._accumulated = None
@@ -312,6 +339,13 @@ class FSDPUnit:
         op = "avg" if self.gradient_divide_factor is None else "sum"
         mine = comm.reduce_scatter(stacked, self.mesh, (self.shard_dim,), op)
         if self.replicate_dims:
+            if self._partial is not None:
+                mine += self._partial
+                self._partial = None
+            if not self.requires_all_reduce:  # HSDP accumulation: all-reduce the sum later
+                self._partial = mine
+                self._drop_backward_state(keep=False)
+                return [None] * len(self.params)
             comm.all_reduce(mine, self.mesh, self.replicate_dims, op)
         if self.gradient_divide_factor is not None:
             mine[:total].div_(self.gradient_divide_factor)
@@ -352,6 +386,8 @@ class FSDPUnit:
             return cast
         fulls = _Unshard.apply(self, *shards)
         self._order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
+        for other in self.forward_prefetch:  # torch's explicit list, the same on every rank
+            other.prefetch()
         for p, full in zip(self.params, fulls):
             for module, name in p.places:
                 module._parameters[name] = full.view(p.shape)
@@ -412,6 +448,8 @@ class FSDPUnit:
             self._regathered_now = True
             if self._order is not None:
                 self._order.prefetch_backward_before(self)
+            for other in self.backward_prefetch:  # torch's explicit list
+                other.prefetch_for_backward()
         return self._full[index].as_strided(shape, stride, offset)
 
 
@@ -437,6 +475,10 @@ class _ForwardOrder:
             self.recording = [] if not self.order or self.order[0] is not unit else None
             for other in self.order:  # what backward needed last step predicts this step
                 other._needed_regather, other._regathered_now = other._regathered_now, False
+            for other in self._prefetch_targets():  # a backward prefetch its unit never used
+                if other._regather_pending is not None:
+                    other._regather_pending.wait()
+                    other._regather_pending = None
         self.depth += 1
         if self.recording is not None:
             self.recording.append(unit)
@@ -466,10 +508,16 @@ class _ForwardOrder:
             if self.recording is not None:  # a forward that raised records nothing
                 self.order = [] if failed else self.recording
                 self.recording = None
-            for other in self.order:
+            for other in self._prefetch_targets():
                 if other._prefetched is not None:
                     other._prefetched.wait()
                     other._prefetched = None
+
+    def _prefetch_targets(self) -> list[FSDPUnit]:
+        """The recorded units and those their explicit prefetch lists name."""
+        named = [u for unit in self.order for u in unit.forward_prefetch + unit.backward_prefetch
+                 if u not in self.order]
+        return self.order + list(dict.fromkeys(named))
 
 
 class _Orders:
@@ -577,10 +625,88 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
     def set_is_last_backward(self, is_last_backward: bool) -> None:
         """Accepted for torch's FSDP2 code: nothing is pending after a devmesh backward."""
 
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True
+                                ) -> None:
+        """Under HSDP, ``False`` reduce-scatters each backward's gradients over the shard dim
+        but leaves the all-reduce over the replicate dims (and the ``.grad`` update) to the
+        next backward with it on, which adds the kept sum in: gradient accumulation with one
+        all-reduce, as torch's. Without replicate dims it changes nothing."""
+        for unit in self._units(recurse):
+            unit.requires_all_reduce = bool(requires_all_reduce)
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """Start gathering this module's own unit now (torch's explicit prefetch before a
+        forward): the next forward uses these parameters and does not all-gather again.
+        ``async_op=True`` returns a handle to ``wait()`` on; else this waits. Unlike torch's,
+        the module's parameters stay this rank's shards until that forward: call it just
+        before the forward, as torch's docs do (an optimizer step in between would leave the
+        gathered copies stale)."""
+        unit = _unit_of(self, "unshard")
+        unit.prefetch()
+        handle = UnshardHandle(unit._prefetched)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Drop this module's gathered parameters (from ``unshard()``, or kept between
+        micro-batches by ``set_reshard_after_backward(False)``), freeing their memory."""
+        unit = _unit_of(self, "reshard")
+        unit.drop_prefetched()
+        unit._kept = None
+
+    def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """When this module gathers in forward, also start the all-gathers of ``modules``
+        (``fully_shard`` modules), in this order, on every rank alike. devmesh already
+        prefetches the next unit by the recorded order; this adds to it, as torch's."""
+        _unit_of(self, "set_modules_to_forward_prefetch").forward_prefetch = _units_named(
+            modules, "set_modules_to_forward_prefetch")
+
+    def set_modules_to_backward_prefetch(self, modules: list[FSDPModule]) -> None:
+        """When this module re-gathers in backward, also start re-gathering ``modules``
+        (``fully_shard`` modules) for their backward. A prefetch a module's backward does not
+        use is dropped by the next forward (never used across an optimizer step)."""
+        _unit_of(self, "set_modules_to_backward_prefetch").backward_prefetch = _units_named(
+            modules, "set_modules_to_backward_prefetch")
+
     def set_force_sum_reduction_for_comms(self, enable: bool) -> None:
         """Accepted for torch's FSDP2 code: devmesh's reductions are sums or averages, with a
         divide factor a sum then a division, never NCCL's PreMulSum (which gloo lacks:
         torch's FSDP2 needs this switch for ``set_gradient_divide_factor`` on CPU)."""
+
+
+class UnshardHandle:
+    """What ``unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, pending: comm.Pending | None) -> None:
+        self._pending = pending
+
+    def wait(self) -> None:
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+
+
+def _unit_of(module: nn.Module, method: str) -> FSDPUnit:
+    unit = getattr(module, "_devmesh_fsdp", None)
+    if unit is None:  # a copy of the class without the unit, say
+        raise ParallelizeError(f"{method}: this {type(module).__name__} has no fully_shard "
+                               "unit of its own")
+    return unit
+
+
+def _units_named(modules, method: str) -> list[FSDPUnit]:
+    units = []
+    for module in modules:
+        unit = getattr(module, "_devmesh_fsdp", None)
+        if unit is None:
+            raise ParallelizeError(
+                f"{method}: {type(module).__name__} is not a module devmesh's fully_shard was "
+                "applied to (torch's fully_shard modules and plain modules cannot be "
+                "prefetched by devmesh): pass modules from devmesh.parallel.fully_shard")
+        units.append(unit)
+    return units
 
 
 def fully_shard(
