@@ -572,7 +572,8 @@ class _Unshard(torch.autograd.Function):
 
 
 class FSDPModule(GradientSyncControl, KeepsLayouts):
-    """What ``fully_shard`` adds to a module (torch FSDP2's names), for gradient accumulation:
+    """What ``fully_shard`` adds to a module (torch FSDP2's names), for gradient accumulation
+    and prefetching:
 
     * ``set_requires_gradient_sync(False)``: backward adds each unit's gradients to its
       unsharded accumulated gradients (memory: one full gradient per unit, as FSDP2) and
@@ -587,9 +588,14 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
       as torch's; torchtitan sets it on expert modules);
     * ``set_is_last_backward(bool)``: accepted; devmesh finishes every backward's reductions
       at its end, so there is nothing left for the last one to wait for;
-      ``set_force_sum_reduction_for_comms(bool)``: accepted; devmesh never uses PreMulSum.
+      ``set_force_sum_reduction_for_comms(bool)``: accepted; devmesh never uses PreMulSum;
+    * ``set_requires_all_reduce(False)``: HSDP accumulation, the all-reduce left to the last
+      micro-batch;
+    * ``unshard()`` / ``reshard()`` and ``set_modules_to_forward_prefetch`` /
+      ``set_modules_to_backward_prefetch``: torch's explicit prefetching (this module's unit).
 
-    Each applies to every unit in the module's subtree (``recurse=False``: this one only)."""
+    Those with a ``recurse`` argument apply to every unit in the module's subtree
+    (``recurse=False``: this one only); the others to this module's unit, as torch's."""
 
     def _units(self, recurse: bool) -> list[FSDPUnit]:
         modules = self.modules() if recurse else [self]  # type: ignore[attr-defined]
