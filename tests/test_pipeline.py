@@ -599,3 +599,15 @@ def test_torch_schedule_arguments_devmesh_does_not_support_are_refused():
         PipelineStage(nn.Linear(2, 2), 0, 2, torch.device("cuda", 0))
     with pytest.raises(PipelineError, match="stage_index 2"):
         PipelineStage(nn.Linear(2, 2), 2, 2, "cpu")
+
+
+def test_torch_pipelining_names_devmesh_lacks_say_what_to_use():
+    """Code whose imports were switched from torch's pipelining gets the alternative, not a
+    bare "cannot import name"."""
+    with pytest.raises(ImportError, match="zero-bubble schedule runs one stage per rank"):
+        from devmesh.parallel.pipeline import ScheduleInterleavedZeroBubble  # noqa: F401
+    with pytest.raises(ImportError, match="does not trace models: split an nn.Sequential"):
+        from devmesh.parallel.pipeline import pipeline  # noqa: F401
+    with pytest.raises(AttributeError):
+        devmesh_pipeline = __import__("devmesh.parallel.pipeline", fromlist=["x"])
+        devmesh_pipeline.no_such_name  # noqa: B018

@@ -26,3 +26,29 @@ __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boun
            "Schedule", "Action", "ScheduleError", "SCHEDULES", "build_schedule", "gpipe",
            "one_f_one_b", "interleaved_1f1b", "zero_bubble", "PipelineStage", "ScheduleGPipe",
            "Schedule1F1B", "ScheduleInterleaved1F1B"]
+
+# torch.distributed.pipelining names devmesh does not provide: code whose imports were
+# switched to devmesh learns what to use instead of a bare "cannot import name"
+_NOT_PROVIDED = {
+    "ScheduleInterleavedZeroBubble": "devmesh's zero-bubble schedule runs one stage per rank:"
+    " PipelineRunner(stages, mesh, build_schedule('zero-bubble', ranks, microbatches), loss)",
+    "ScheduleZBVZeroBubble": "devmesh's zero-bubble schedule runs one stage per rank: "
+    "PipelineRunner(stages, mesh, build_schedule('zero-bubble', ranks, microbatches), loss)",
+    "ScheduleDualPipeV": "devmesh has no DualPipeV; its zero-bubble schedule is "
+    "build_schedule('zero-bubble', ranks, microbatches)",
+    "ScheduleLoopedBFS": "ScheduleInterleaved1F1B runs several stages per rank",
+    "pipeline": "devmesh does not trace models: split an nn.Sequential with split_sequential",
+    "Pipe": "devmesh does not trace models: split an nn.Sequential with split_sequential",
+    "pipe_split": "devmesh does not trace models: split an nn.Sequential with split_sequential",
+    "SplitPoint": "devmesh does not trace models: split_sequential(model, n, starts=[...])",
+    "build_stage": "build a PipelineStage from the stage's module",
+}
+
+
+def __getattr__(name: str):
+    if name in _NOT_PROVIDED:
+        raise ImportError(
+            f"devmesh.parallel.pipeline has no {name} (torch.distributed.pipelining's): "
+            f"{_NOT_PROVIDED[name]}; or keep torch's pipelining on the devmesh mesh's group "
+            "(mesh.get_group('pp'))", name=name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
