@@ -3,6 +3,7 @@ and every schedule trained on 4 real pipeline ranks equal to single-process trai
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -611,3 +612,65 @@ def test_torch_pipelining_names_devmesh_lacks_say_what_to_use():
     with pytest.raises(AttributeError):
         devmesh_pipeline = __import__("devmesh.parallel.pipeline", fromlist=["x"])
         devmesh_pipeline.no_such_name  # noqa: B018
+
+
+class _Residual(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm, self.fc = nn.LayerNorm(16), nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(self.norm(x)).relu()
+
+
+class _ScaleUsedTwice(nn.Module):
+    """A parameter used directly by two operations: the split's exact fast path does not
+    apply, and W falls back to a whole backward over the parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.scale = nn.Linear(16, 16), nn.Parameter(torch.randn(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (self.fc(x) * self.scale).tanh() * self.scale
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
+
+
+@pytest.mark.parametrize("build, extra_work", [
+    (lambda: nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4)]),
+     0),
+    (lambda: nn.Sequential(_Residual(), _Residual()), 0),
+    (_ScaleUsedTwice, 0),
+    # W re-runs each checkpointed block's forward once (I dropped its recomputed tensors)
+    (lambda: nn.Sequential(_Checkpointed(), _Checkpointed()), 4 * 8 * 16 * 16),
+])
+def test_split_backward_gives_one_backwards_gradients_for_one_backwards_work(build, extra_work):
+    from devmesh.parallel.pipeline.split_backward import SplitBackward
+
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    x, grad = torch.randn(8, 16), torch.randn(8, 16)
+    x_ref = x.clone().requires_grad_()
+    out = reference(x_ref)
+    with MatmulWork() as whole:
+        out.backward(grad)
+    x_split = x.clone().requires_grad_()
+    split = SplitBackward(model(x_split), grad, x_split, list(model.parameters()))
+    with MatmulWork() as input_part:
+        input_grad = split.input_grad()
+    assert all(p.grad is None for p in model.parameters())  # I touches no parameter
+    with MatmulWork() as weight_part:
+        split.weight_grads()
+    torch.testing.assert_close(input_grad, x_ref.grad)
+    for ours, theirs in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad)
+    assert input_part.flops + weight_part.flops == whole.flops + extra_work
