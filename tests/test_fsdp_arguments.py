@@ -409,6 +409,37 @@ def test_explicit_prefetching_as_torchs_fsdp2_tutorial(mesh_pool):
     assert ours[0]["gathers"] == [5, 4, 4]
 
 
+def backward_prefetch_out_of_order(library: str):
+    """Layer 0's backward (which re-gathers: the input requires grad) prefetches layer 2's,
+    whose backward already ran: that re-gather goes unused, and must not reach layer 2's
+    backward in the next step, after the optimizer changed its parameters."""
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+    model = make_model()
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    model[0].set_modules_to_backward_prefetch([model[2]])
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    for step in range(3):
+        x, y = _batch(dist.get_rank() + step)
+        F.cross_entropy(model(x.requires_grad_()), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return _params(model)
+
+
+def test_an_unused_backward_prefetch_never_reaches_a_later_step(mesh_pool):
+    from devmesh.launching.launcher import launch
+
+    ours = mesh_pool.run(backward_prefetch_out_of_order, 2, "devmesh")[0]
+    theirs = launch(backward_prefetch_out_of_order, 2, "torch")[0]
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value, rtol=1e-6, atol=1e-6, msg=key)
+
+
 def prefetch_misuse():
     from devmesh.parallel import fully_shard
 

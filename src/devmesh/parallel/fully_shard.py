@@ -475,10 +475,11 @@ class _ForwardOrder:
             self.recording = [] if not self.order or self.order[0] is not unit else None
             for other in self.order:  # what backward needed last step predicts this step
                 other._needed_regather, other._regathered_now = other._regathered_now, False
-            for other in self._prefetch_targets():  # a backward prefetch its unit never used
-                if other._regather_pending is not None:
-                    other._regather_pending.wait()
-                    other._regather_pending = None
+            if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+                for other in self._explicit_backward_targets():  # a prefetch never used
+                    if other._regather_pending is not None:
+                        other._regather_pending.wait()
+                        other._regather_pending = None
         self.depth += 1
         if self.recording is not None:
             self.recording.append(unit)
@@ -514,10 +515,15 @@ class _ForwardOrder:
                     other._prefetched = None
 
     def _prefetch_targets(self) -> list[FSDPUnit]:
-        """The recorded units and those their explicit prefetch lists name."""
-        named = [u for unit in self.order for u in unit.forward_prefetch + unit.backward_prefetch
-                 if u not in self.order]
+        """The recorded units and those their explicit forward prefetch lists name."""
+        named = [u for unit in self.order for u in unit.forward_prefetch if u not in self.order]
         return self.order + list(dict.fromkeys(named))
+
+    def _explicit_backward_targets(self) -> list[FSDPUnit]:
+        """The units the recorded units' explicit backward prefetch lists name: a unit whose
+        backward did not run (its output unused) would otherwise keep a re-gather started
+        before the optimizer step for its next backward."""
+        return list(dict.fromkeys(u for unit in self.order for u in unit.backward_prefetch))
 
 
 class _Orders:
