@@ -415,6 +415,45 @@ def test_zero_bubble_split_backward_computes_no_more_than_one_backward(mesh_pool
     assert per_rank["zero-bubble"] == per_rank["1f1b"]
 
 
+class _CountingRunner(PipelineRunner):
+    """Counts the matrix-product work of each action kind on each stage."""
+
+    def _counted(self, step, action, inner) -> None:
+        with MatmulWork() as counter:
+            inner(step, action)
+        key = (action.stage, action.kind)
+        self.work[key] = self.work.get(key, 0) + counter.flops
+
+    def _backward(self, step, action) -> None:
+        self._counted(step, action, super()._backward)
+
+    def _weight_grads(self, step, action) -> None:
+        self._counted(step, action, super()._weight_grads)
+
+
+def zero_bubble_work():
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    parts = split_sequential(make_model(), 2)
+    me = mesh.get_coordinate()[0]
+    runner = _CountingRunner({me: parts[me]}, mesh, build_schedule("zero-bubble", 2, 4),
+                             F.cross_entropy)
+    runner.work = {}
+    x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    runner.step(x if me == 0 else None, y if me == 1 else None)
+    return runner.work
+
+
+def test_zero_bubbles_first_stage_splits_at_its_first_layer(mesh_pool):
+    """The first stage's input needs no gradient; its I computes the gradients down to its
+    first child's output, so I and W share its backward as on the other stages (before, I
+    did nothing and W was the whole backward)."""
+    first, last = mesh_pool.run(zero_bubble_work, 2)
+    assert first[(0, "I")] > 0 and first[(0, "W")] > 0
+    # stage 0 (4 blocks): I has 3 layers' input gradients, W 4 layers' weight gradients
+    assert first[(0, "I")] * 4 == first[(0, "W")] * 3
+    assert last[(1, "I")] > 0 and last[(1, "W")] > 0
+
+
 def batches_of_two_sizes():
     """A full batch, then a smaller last one: the stages exchange shapes again."""
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))

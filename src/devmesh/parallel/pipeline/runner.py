@@ -110,6 +110,9 @@ class PipelineRunner:
             for s in stages}
         self._syncable = {s: [m for m in stages[s].modules()
                               if hasattr(m, "set_requires_gradient_sync")] for s in stages}
+        self._first_child_output: list[torch.Tensor] | None = None  # a list while watching
+        if 0 in stages and any(a.kind == "I" for a in actions):
+            self._watch_first_child(stages[0])
 
     @functools.cached_property
     def module(self) -> nn.Module:
@@ -214,6 +217,18 @@ class PipelineRunner:
         self.microbatch_outputs = [step.outputs[mb] for mb in sorted(step.outputs)]
         return torch.stack(step.losses).sum() if step.losses else None
 
+    def _watch_first_child(self, stage: nn.Module) -> None:
+        """The first stage's input needs no gradient, so its ``I`` would have nothing to do
+        and its ``W`` would be a whole backward: the stage's share of the split would lean
+        on ``W``. Split it at its first child's output instead (an ``nn.Sequential`` stage,
+        as ``split_sequential`` makes): ``I`` then computes the gradients down to there."""
+        children = list(stage.children()) if isinstance(stage, nn.Sequential) else []
+        if len(children) >= 2:
+            def keep(module, args, output) -> None:
+                if self._first_child_output is not None:  # the runner's own forward only
+                    self._first_child_output.append(output)
+            children[0].register_forward_hook(keep)
+
     def _raise_if_any_stage_failed(self, step: _Step) -> None:
         try:
             self._agree_or_raise(step.error, "pipeline step failed")
@@ -233,7 +248,14 @@ class PipelineRunner:
             try:
                 if s > 0:
                     x.requires_grad_(True)
-                out = _one_tensor(self.stages[s](x), f"stage {s}")
+                self._first_child_output = [] if s == 0 else None
+                try:
+                    out = _one_tensor(self.stages[s](x), f"stage {s}")
+                finally:
+                    seen, self._first_child_output = self._first_child_output, None
+                if seen and len(seen) == 1 and isinstance(seen[0], torch.Tensor) \
+                        and seen[0].requires_grad:
+                    step.saved_split_points[mb] = seen[0]
                 if s == self.last:
                     loss = _one_tensor(self.loss_fn(out, step.chunks["targets"][mb]),
                                        "the loss function")
@@ -274,10 +296,12 @@ class PipelineRunner:
                     if entry["out"].requires_grad:
                         torch.autograd.backward(entry["out"], grad)
                     input_grad = entry["x"].grad if s > 0 else None
-                elif s > 0:  # the weight-side gradients kept for W
-                    entry["split"] = SplitBackward(entry["out"], grad, entry["x"],
+                elif s > 0 or mb in step.saved_split_points:  # weight-side gradients kept
+                    split_at = entry["x"] if s > 0 else step.saved_split_points.pop(mb)
+                    entry["split"] = SplitBackward(entry["out"], grad, split_at,
                                                    list(self.stages[s].parameters()))
-                    input_grad = entry["split"].input_grad()
+                    gradient = entry["split"].input_grad()
+                    input_grad = gradient if s > 0 else None
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
                 step.fail(exc, f"stage {s}, backward of micro-batch {mb}")
                 input_grad = None
@@ -327,6 +351,7 @@ class _Step:
 
     chunks: dict[str, tuple[torch.Tensor, ...]]
     saved: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> tensors
+    saved_split_points: dict[int, torch.Tensor] = field(default_factory=dict)  # stage 0's, by mb
     losses: list[torch.Tensor] = field(default_factory=list)
     outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     compute: dict[Action, float] = field(default_factory=dict)

@@ -49,7 +49,8 @@ class SplitBackward:
         self._kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
 
     def input_grad(self) -> torch.Tensor | None:
-        """The gradient of the stage's input; the graph is kept for :meth:`weight_grads`."""
+        """The gradient of the stage's input (or of the tensor the split is made at: any
+        tensor of the stage's graph); the graph is kept for :meth:`weight_grads`."""
         self._boundaries = _boundaries(self.output.grad_fn,
                                        get_gradient_edge(self.stage_input).node)
         handles = [node.register_prehook(self._keeper(node)) for node in self._boundaries or ()]
@@ -59,6 +60,11 @@ class SplitBackward:
         finally:
             for handle in handles:
                 handle.remove()
+        edge = get_gradient_edge(self.stage_input)
+        if self._boundaries and edge.node in self._boundaries and grad is not None:
+            # an input computed inside the stage (the first stage splits at its first
+            # child's output): autograd stopped at it, so its node's gradient is this one
+            self._kept.setdefault(edge.node, (None,) * edge.output_nr + (grad,))
         return grad
 
     def _keeper(self, node: Node):
