@@ -713,3 +713,36 @@ def test_split_backward_gives_one_backwards_gradients_for_one_backwards_work(bui
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad)
     assert input_part.flops + weight_part.flops == whole.flops + extra_work
+
+
+class _ChunkKeepingTheOtherHalf(nn.Module):
+    """A first layer whose output is one half of a chunk, the other half used later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        half, self.other = self.fc(x).chunk(2, dim=1)
+        return half
+
+
+def test_split_at_one_output_of_a_chunk_stays_exact():
+    """Splitting at a tensor made inside the stage (the first stage's first child output)
+    by an operation with several outputs would keep one output's gradient only; the split
+    then leaves W the whole backward (before this guard: wrong weight gradients)."""
+    from devmesh.parallel.pipeline.split_backward import SplitBackward
+
+    torch.manual_seed(0)
+    first, rest = _ChunkKeepingTheOtherHalf(), nn.Linear(16, 16)
+    ref_first, ref_rest = copy.deepcopy(first), copy.deepcopy(rest)
+    x, grad = torch.randn(8, 16), torch.randn(8, 16)
+    (ref_rest(ref_first(x)) + ref_first.other).backward(grad)
+    half = first(x)
+    split = SplitBackward(rest(half) + first.other, grad, half,
+                          [*first.parameters(), *rest.parameters()])
+    split.input_grad()
+    split.weight_grads()
+    for ours, theirs in zip([*first.parameters(), *rest.parameters()],
+                            [*ref_first.parameters(), *ref_rest.parameters()]):
+        torch.testing.assert_close(ours.grad, theirs.grad)

@@ -51,8 +51,11 @@ class SplitBackward:
     def input_grad(self) -> torch.Tensor | None:
         """The gradient of the stage's input (or of the tensor the split is made at: any
         tensor of the stage's graph); the graph is kept for :meth:`weight_grads`."""
-        self._boundaries = _boundaries(self.output.grad_fn,
-                                       get_gradient_edge(self.stage_input).node)
+        node = get_gradient_edge(self.stage_input).node
+        # an input computed in the stage by an operation with several outputs (a chunk)
+        # would keep the gradient of this output only: not exact, so W does it all
+        several = len(getattr(node, "_input_metadata", ())) > 1
+        self._boundaries = None if several else _boundaries(self.output.grad_fn, node)
         handles = [node.register_prehook(self._keeper(node)) for node in self._boundaries or ()]
         try:
             (grad,) = torch.autograd.grad(self.output, self.stage_input, self.grad,
