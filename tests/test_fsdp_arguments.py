@@ -358,10 +358,9 @@ def test_a_divide_factor_under_hsdp_sums_over_both_dims(mesh_pool):
     assert any(not torch.allclose(by_two[k], v, atol=1e-4) for k, v in mean.items())
 
 
-def explicit_prefetch(library: str, explicit: bool = True):
-    """The FSDP2 tutorial's explicit prefetching: the root gathered by ``unshard(async_op=
-    True)`` before each forward, layer 0's forward starting layer 2's all-gather, layer 2's
-    backward starting layer 0's, and ``reshard()`` at the end."""
+def _three_units(library: str) -> nn.Sequential:
+    """``make_model`` with layer 0, layer 2 and the root (layer 4) each a unit, sharded by
+    devmesh's or torch's ``fully_shard`` over the world."""
     if library == "devmesh":
         from devmesh.parallel import fully_shard
     else:
@@ -370,6 +369,14 @@ def explicit_prefetch(library: str, explicit: bool = True):
     model = make_model()
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh)
+    return model
+
+
+def explicit_prefetch(library: str, explicit: bool = True):
+    """The FSDP2 tutorial's explicit prefetching: the root gathered by ``unshard(async_op=
+    True)`` before each forward, layer 0's forward starting layer 2's all-gather, layer 2's
+    backward starting layer 0's, and ``reshard()`` at the end."""
+    model = _three_units(library)
     if explicit:
         model[0].set_modules_to_forward_prefetch([model[2]])
         model[2].set_modules_to_backward_prefetch([model[0]])
@@ -413,14 +420,7 @@ def backward_prefetch_out_of_order(library: str):
     """Layer 0's backward (which re-gathers: the input requires grad) prefetches layer 2's,
     whose backward already ran: that re-gather goes unused, and must not reach layer 2's
     backward in the next step, after the optimizer changed its parameters."""
-    if library == "devmesh":
-        from devmesh.parallel import fully_shard
-    else:
-        from torch.distributed.fsdp import fully_shard
-    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
-    model = make_model()
-    for layer in (model[0], model[2], model):
-        fully_shard(layer, mesh=mesh)
+    model = _three_units(library)
     model[0].set_modules_to_backward_prefetch([model[2]])
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     for step in range(3):

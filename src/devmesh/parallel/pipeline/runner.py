@@ -242,7 +242,7 @@ class PipelineRunner:
             x = step.chunks["inputs"][mb] if "inputs" in step.chunks else None
         else:
             x = self._links.recv_activation(s, mb)
-        out = None
+        out = split_at = None  # split_at: stage 0's first child output, where I stops
         if x is not None and step.error is None:
             start = time.perf_counter()
             try:
@@ -253,9 +253,7 @@ class PipelineRunner:
                     out = _one_tensor(self.stages[s](x), f"stage {s}")
                 finally:
                     seen, self._first_child_output = self._first_child_output, None
-                if seen and len(seen) == 1 and isinstance(seen[0], torch.Tensor) \
-                        and seen[0].requires_grad:
-                    step.saved_split_points[mb] = seen[0]
+                split_at = seen[0] if seen and len(seen) == 1 else None
                 if s == self.last:
                     loss = _one_tensor(self.loss_fn(out, step.chunks["targets"][mb]),
                                        "the loss function")
@@ -279,6 +277,8 @@ class PipelineRunner:
                 step.error = problem
         if out is not None:
             step.saved[(s, mb)] = {"x": x, "out": out}
+            if s == 0 and isinstance(split_at, torch.Tensor) and split_at.requires_grad:
+                step.saved[(s, mb)]["split_at"] = split_at
 
     def _backward(self, step: _Step, action: Action) -> None:
         """``B``: the whole backward; ``I``: the input gradient only (``W`` does the rest)."""
@@ -296,12 +296,12 @@ class PipelineRunner:
                     if entry["out"].requires_grad:
                         torch.autograd.backward(entry["out"], grad)
                     input_grad = entry["x"].grad if s > 0 else None
-                elif s > 0 or mb in step.saved_split_points:  # weight-side gradients kept
-                    split_at = entry["x"] if s > 0 else step.saved_split_points.pop(mb)
-                    entry["split"] = SplitBackward(entry["out"], grad, split_at,
+                elif s > 0 or "split_at" in entry:  # weight-side gradients kept for W
+                    entry["split"] = SplitBackward(entry["out"], grad,
+                                                   entry["x"] if s > 0 else entry["split_at"],
                                                    list(self.stages[s].parameters()))
                     gradient = entry["split"].input_grad()
-                    input_grad = gradient if s > 0 else None
+                    input_grad = gradient if s > 0 else None  # stage 0 sends nothing
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
                 step.fail(exc, f"stage {s}, backward of micro-batch {mb}")
                 input_grad = None
@@ -320,7 +320,7 @@ class PipelineRunner:
         try:
             if "split" in entry:  # I kept what W needs: no input gradient computed again
                 entry["split"].weight_grads()
-            elif params:  # the first stage: I had nothing to do, W is the whole backward
+            elif params:  # a first stage not split (no single first child): all of it here
                 torch.autograd.backward(entry["out"], entry["grad"], inputs=params)
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
             step.fail(exc, f"stage {action.stage}, weight gradients of micro-batch "
@@ -351,7 +351,6 @@ class _Step:
 
     chunks: dict[str, tuple[torch.Tensor, ...]]
     saved: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> tensors
-    saved_split_points: dict[int, torch.Tensor] = field(default_factory=dict)  # stage 0's, by mb
     losses: list[torch.Tensor] = field(default_factory=list)
     outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     compute: dict[Action, float] = field(default_factory=dict)
