@@ -12,3 +12,35 @@ def caught(fn):
     except DevmeshError as exc:
         return type(exc).__name__, str(exc)
     return None
+
+
+def _each(calls):
+    """This rank's result of every ``(fn, args)`` in turn."""
+    return [fn(*args) for fn, args in calls]
+
+
+class TorchRuns:
+    """torch's own runs of a test module (its FSDP2, DDP, ...), to compare devmesh with.
+
+    They need fresh processes: torch's sharded models keep their process groups (and gloo's
+    threads) alive after a task, so they cannot run on the shared worker pool. A launch costs
+    every rank a torch import (seconds here), so all of a module's runs of one world size go
+    in one launch, made when a test first asks for one of them; each test then reads its own.
+    """
+
+    def __init__(self, calls: dict[int, list[tuple]]) -> None:
+        self._calls = calls
+        self._results: dict[int, list[list]] = {}
+
+    def __call__(self, world_size: int, fn, *args) -> list:
+        """Every rank's result of ``fn(*args)``, which must be one of the registered runs."""
+        from devmesh.launching.launcher import launch
+
+        calls = self._calls.get(world_size, [])
+        if (fn, args) not in calls:
+            raise LookupError(f"{fn.__name__}{args} on {world_size} ranks is not among this "
+                              "module's torch runs: add it to the module's TorchRuns")
+        if world_size not in self._results:
+            self._results[world_size] = launch(_each, world_size, calls, timeout=600)
+        index = calls.index((fn, args))
+        return [per_rank[index] for per_rank in self._results[world_size]]

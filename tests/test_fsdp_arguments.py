@@ -14,7 +14,19 @@ from torch import nn
 
 from devmesh import comm_stats, init_device_mesh
 
-from helpers import caught
+from helpers import TorchRuns, caught
+
+
+@pytest.fixture(scope="module")
+def torch_runs() -> TorchRuns:
+    """torch's FSDP2 / DDP side of this module's comparisons: one fresh launch per world size."""
+    return TorchRuns({
+        2: [(keyword_inputs, ("torch",)), (explicit_prefetch, ("torch",)),
+            (backward_prefetch_out_of_order, ("torch",))],
+        3: [(ddp_arguments, ("torch", True)), (ddp_arguments, ("torch", False)),
+            *((batchnorm_buffers, ("torch", args)) for args in _BUFFER_ARGS)],
+        4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True))],
+    })
 
 
 def make_model() -> nn.Sequential:
@@ -85,13 +97,9 @@ def side_by_side(library: str):
                                 and tuple(model[4].weight.shape) == (5, 14)}
 
 
-def test_torchs_fsdp2_arguments_give_torchs_result(mesh_pool):
-    from devmesh.launching.launcher import launch
-
+def test_torchs_fsdp2_arguments_give_torchs_result(mesh_pool, torch_runs):
     ours = mesh_pool.run(side_by_side, 4, "devmesh")
-    # fresh processes for torch's FSDP2: each model it shards stays alive, with its process
-    # groups, after the pool worker's task (3 gloo threads per task)
-    theirs = launch(side_by_side, 4, "torch")
+    theirs = torch_runs(4, side_by_side, "torch")
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert a["out_dtype"] == b["out_dtype"] == torch.float64  # output_dtype honoured
         assert a["ignored_is_plain"] and b["ignored_is_plain"]
@@ -176,12 +184,9 @@ def ddp_arguments(library: str, init_sync: bool = True):
 
 
 @pytest.mark.parametrize("init_sync", [True, False])
-def test_replicate_takes_torchs_ddp_arguments(mesh_pool, init_sync):
-    from devmesh.launching.launcher import launch
-
+def test_replicate_takes_torchs_ddp_arguments(mesh_pool, torch_runs, init_sync):
     ours = mesh_pool.run(ddp_arguments, 3, "devmesh", init_sync)
-    # fresh processes for torch's DDP-based replicate: its models stay alive as FSDP2's do
-    theirs = launch(ddp_arguments, 3, "torch", init_sync)
+    theirs = torch_runs(3, ddp_arguments, "torch", init_sync)
     if not init_sync:  # each rank kept its own start, and trained on averaged gradients
         assert not torch.equal(ours[0][1]["0.weight"], ours[1][1]["0.weight"])
     for (losses, params), (their_losses, their_params) in zip(ours, theirs):
@@ -259,18 +264,14 @@ def batchnorm_buffers(library: str, buffer_args: dict):
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, outputs
 
 
-@pytest.mark.parametrize("buffer_args", [{}, {"forward_sync_buffers": False},
-                                         {"broadcast_buffers": False}],
+_BUFFER_ARGS = [{}, {"forward_sync_buffers": False}, {"broadcast_buffers": False}]
+
+
+@pytest.mark.parametrize("buffer_args", _BUFFER_ARGS,
                          ids=["default", "forward_sync_buffers=False", "broadcast_buffers=False"])
-def test_replicate_syncs_buffers_as_torchs_ddp(mesh_pool, buffer_args):
-    import warnings
-
-    from devmesh.launching.launcher import launch
-
+def test_replicate_syncs_buffers_as_torchs_ddp(mesh_pool, torch_runs, buffer_args):
     ours = mesh_pool.run(batchnorm_buffers, 3, "devmesh", buffer_args)
-    with warnings.catch_warnings():  # torch deprecates broadcast_buffers
-        warnings.simplefilter("ignore", FutureWarning)
-        theirs = launch(batchnorm_buffers, 3, "torch", buffer_args)
+    theirs = torch_runs(3, batchnorm_buffers, "torch", buffer_args)
     for (state, outputs), (their_state, their_outputs) in zip(ours, theirs):
         assert state.keys() == their_state.keys()
         for key, value in their_state.items():
@@ -320,13 +321,11 @@ def keyword_inputs(library: str):
     return loss.item(), [param.grad.clone() for param in model.parameters()]
 
 
-def test_inputs_in_tuples_and_keywords_are_cast_as_torchs_fsdp2(mesh_pool):
+def test_inputs_in_tuples_and_keywords_are_cast_as_torchs_fsdp2(mesh_pool, torch_runs):
     """``param_dtype`` casts every floating-point input — keyword arguments and tensors
     inside tuples and dicts too — as FSDP2 does (devmesh cast positional tensors only)."""
-    from devmesh.launching.launcher import launch
-
     for (loss, grads), (torch_loss, torch_grads) in zip(
-            mesh_pool.run(keyword_inputs, 2, "devmesh"), launch(keyword_inputs, 2, "torch")):
+            mesh_pool.run(keyword_inputs, 2, "devmesh"), torch_runs(2, keyword_inputs, "torch")):
         assert loss == torch_loss
         for ours, theirs in zip(grads, torch_grads):
             torch.testing.assert_close(ours, theirs.to_local() if hasattr(theirs, "to_local")
@@ -398,11 +397,9 @@ def explicit_prefetch(library: str, explicit: bool = True):
     return {"losses": losses, "params": _params(model), "gathers": gathers}
 
 
-def test_explicit_prefetching_as_torchs_fsdp2_tutorial(mesh_pool):
-    from devmesh.launching.launcher import launch
-
+def test_explicit_prefetching_as_torchs_fsdp2_tutorial(mesh_pool, torch_runs):
     ours = mesh_pool.run(explicit_prefetch, 2, "devmesh")
-    theirs = launch(explicit_prefetch, 2, "torch")
+    theirs = torch_runs(2, explicit_prefetch, "torch")
     for a, b in zip(ours, theirs):
         assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
         for key in b["params"]:
@@ -431,11 +428,9 @@ def backward_prefetch_out_of_order(library: str):
     return _params(model)
 
 
-def test_an_unused_backward_prefetch_never_reaches_a_later_step(mesh_pool):
-    from devmesh.launching.launcher import launch
-
+def test_an_unused_backward_prefetch_never_reaches_a_later_step(mesh_pool, torch_runs):
     ours = mesh_pool.run(backward_prefetch_out_of_order, 2, "devmesh")[0]
-    theirs = launch(backward_prefetch_out_of_order, 2, "torch")[0]
+    theirs = torch_runs(2, backward_prefetch_out_of_order, "torch")[0]
     for key, value in theirs.items():
         torch.testing.assert_close(ours[key], value, rtol=1e-6, atol=1e-6, msg=key)
 
@@ -482,12 +477,10 @@ def hsdp_accumulation(library: str, defer_all_reduce: bool):
     return _params(model), early_all_reduces
 
 
-def test_hsdp_accumulation_without_the_all_reduce_as_torchs(mesh_pool):
-    from devmesh.launching.launcher import launch
-
+def test_hsdp_accumulation_without_the_all_reduce_as_torchs(mesh_pool, torch_runs):
     deferred, early = mesh_pool.run(hsdp_accumulation, 4, "devmesh", True)[0]
     every_time, early_default = mesh_pool.run(hsdp_accumulation, 4, "devmesh", False)[0]
-    theirs = launch(hsdp_accumulation, 4, "torch", True)[0][0]
+    theirs = torch_runs(4, hsdp_accumulation, "torch", True)[0][0]
     assert early == 0 and early_default == 4  # 2 units x 2 steps
     for key, value in every_time.items():
         torch.testing.assert_close(deferred[key], value, rtol=1e-6, atol=1e-7, msg=key)

@@ -12,6 +12,8 @@ from torch import nn
 
 from devmesh import init_device_mesh
 
+from helpers import TorchRuns
+
 STEPS = 3
 
 
@@ -78,14 +80,16 @@ def _parallel(library: str, overflow: bool):
     return scales, full
 
 
-@pytest.mark.parametrize("overflow", [True, False])
-def test_grad_scaler_agrees_on_every_rank_as_under_torchs_fsdp2(mesh_pool, overflow):
-    from devmesh.launching.launcher import launch
+@pytest.fixture(scope="module")
+def torch_runs() -> TorchRuns:
+    """torch's FSDP2 with its GradScaler, both cases in one fresh launch (see TorchRuns)."""
+    return TorchRuns({2: [(_parallel, ("torch", True)), (_parallel, ("torch", False))]})
 
+
+@pytest.mark.parametrize("overflow", [True, False])
+def test_grad_scaler_agrees_on_every_rank_as_under_torchs_fsdp2(mesh_pool, torch_runs, overflow):
     ours = mesh_pool.run(_parallel, 2, "devmesh", overflow)
-    # torch's run in processes of its own: torch's FSDP2 with its GradScaler leaves gloo
-    # threads (process groups) behind in the process, which would pollute the shared pool
-    theirs = launch(_parallel, 2, "torch", overflow)
+    theirs = torch_runs(2, _parallel, "torch", overflow)
     single = _model()
     single_scales = _train(single, torch.amp.GradScaler("cpu", init_scale=2.0**16),
                            slice(None), overflow)

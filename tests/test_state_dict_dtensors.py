@@ -20,6 +20,15 @@ from devmesh.parallel import (
     state_dict,
 )
 
+from helpers import TorchRuns
+
+
+@pytest.fixture(scope="module")
+def torch_runs() -> TorchRuns:
+    """The runs with torch's FSDP2 / TP, in one fresh launch (see ``TorchRuns``)."""
+    return TorchRuns({4: [*((_placements_of, (layout, "torch")) for layout in _LAYOUTS),
+                          (_between_libraries, ())]})
+
 
 class MLP(nn.Module):
     def __init__(self, seed: int = 0) -> None:
@@ -95,14 +104,13 @@ def _placements_of(layout: str, library: str):
             for k, v in sd.items() if isinstance(v, DTensor)}
 
 
-@pytest.mark.parametrize("layout", ["fsdp", "hsdp", "tp+fsdp"])
-def test_state_dict_placements_are_torchs(mesh_pool, layout):
-    from devmesh.launching.launcher import launch
+_LAYOUTS = ["fsdp", "hsdp", "tp+fsdp"]
 
+
+@pytest.mark.parametrize("layout", _LAYOUTS)
+def test_state_dict_placements_are_torchs(mesh_pool, torch_runs, layout):
     ours = mesh_pool.run(_placements_of, 4, layout, "devmesh")
-    theirs = launch(_placements_of, 4, layout, "torch")  # torch's FSDP2 in processes of
-    # its own: it leaves process groups alive in the process after the task
-    assert ours == theirs
+    assert ours == torch_runs(4, _placements_of, layout, "torch")
 
 
 def _optimizer_save_then_load(path: str, saved_as: str, loaded_as: str):
@@ -169,11 +177,9 @@ def _between_libraries():
             {k: v.full_tensor() for k, v in theirs.state_dict().items()})
 
 
-def test_state_dicts_load_between_devmesh_and_torch():
-    from devmesh.launching.launcher import launch
-
+def test_state_dicts_load_between_devmesh_and_torch(torch_runs):
     for (first, after_devmesh, torchs, after_from_torch, mine,
-         torch_after) in launch(_between_libraries, 4):  # fresh processes, as above
+         torch_after) in torch_runs(4, _between_libraries):
         for key in first:
             assert torch.equal(after_devmesh[key], first[key]), key
             assert torch.equal(after_from_torch[key], torchs[key]), key
