@@ -683,11 +683,28 @@ class _Checkpointed(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False)
 
 
+class _OneFlatParameter(nn.Module):
+    """Two layers whose weights are views of one flat parameter, as ``fully_shard``'s gather
+    gives them: the layers' weight sides meet in one node, which must run once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flat = nn.Parameter(torch.randn(2 * 16 * 16) / 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = self.flat.view(2, 16, 16).unbind(0)
+        return F.linear(F.linear(x, first).relu(), second)
+
+
+def _mlp_stage() -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4)])
+
+
 @pytest.mark.parametrize("build, extra_work", [
-    (lambda: nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4)]),
-     0),
+    (_mlp_stage, 0),
     (lambda: nn.Sequential(_Residual(), _Residual()), 0),
     (_ScaleUsedTwice, 0),
+    (_OneFlatParameter, 0),
     # W re-runs each checkpointed block's forward once (I dropped its recomputed tensors)
     (lambda: nn.Sequential(_Checkpointed(), _Checkpointed()), 4 * 8 * 16 * 16),
 ])
@@ -713,6 +730,26 @@ def test_split_backward_gives_one_backwards_gradients_for_one_backwards_work(bui
     for ours, theirs in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(ours.grad, theirs.grad)
     assert input_part.flops + weight_part.flops == whole.flops + extra_work
+
+
+def test_weight_gradients_go_straight_into_grad_where_layers_weights_are_apart():
+    """W runs each layer's weight side on its own, straight into its parameters' ``.grad``
+    (keeping each weight gradient in between made W 1.4x the weight half of a backward);
+    where the layers' weight sides meet (one flat parameter), they run together, once."""
+    from devmesh.parallel.pipeline.split_backward import SplitBackward, _own_parameters
+
+    def own_parameters(model: nn.Module):
+        x = torch.randn(8, 16, requires_grad=True)
+        split = SplitBackward(model(x), torch.randn(8, 16), x, list(model.parameters()))
+        split.input_grad()
+        return _own_parameters(split._boundaries, split.params)
+
+    mlp = _mlp_stage()
+    own = own_parameters(mlp)
+    layers = [{id(p) for p in block.parameters()} for block in mlp]
+    assert sorted(({id(p) for p in params} for params in own.values()), key=min) == \
+        sorted(layers, key=min)
+    assert own_parameters(_OneFlatParameter()) is None
 
 
 class _ChunkKeepingTheOtherHalf(nn.Module):

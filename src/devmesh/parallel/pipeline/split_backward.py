@@ -17,7 +17,11 @@ Linear's ``AddmmBackward`` computes the weight and bias gradients and not the in
 and (2) runs the whole weight side once, from those edges into the parameters, with
 ``autograd.backward``: gradients accumulate in ``.grad`` and the hooks on the way fire as in an
 ordinary backward (``replicate``'s buckets; ``fully_shard``'s gather node, which
-reduce-scatters the unit once).
+reduce-scatters the unit once). Where no weight-side node is reached from two boundaries (a
+plain stage: each layer's weights are its own), ``W`` skips (1) and seeds each boundary with
+its kept gradient, asking for that boundary's own parameters only: autograd then computes the
+weight-side outputs straight into ``.grad`` (keeping every weight gradient as a tensor between
+(1) and (2) made ``W`` 1.4x the weight half of a backward, 8.6 vs 6.0 ms on 8 Linear(512, 512)).
 
 Step (1) asks one boundary at a time; that is only exact when no boundary's weight-side edge
 can be reached from another one (autograd would walk the input path down to it, recomputing
@@ -81,6 +85,16 @@ class SplitBackward:
             return
         if self._boundaries is None:  # not exact one boundary at a time: the whole backward
             torch.autograd.backward(self.output, self.grad, inputs=self.params)
+            return
+        own = _own_parameters(self._boundaries, self.params)
+        if own is not None:  # weight sides apart: each boundary's straight into its .grad
+            for node, params in own.items():
+                seeds = [(GradientEdge(node, i), g)
+                         for i, g in enumerate(self._kept.get(node, ())) if g is not None]
+                if seeds and params:
+                    torch.autograd.backward([e for e, _ in seeds], [g for _, g in seeds],
+                                            inputs=params)
+            self._kept.clear()
             return
         edges, grads = [], []
         for node, weight_edges in self._boundaries.items():
@@ -146,3 +160,29 @@ def _boundaries(root: Node | None, stage_input: Node) -> dict[Node, list[tuple[N
             reached.add(node)
             queue.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
     return boundaries
+
+
+def _own_parameters(boundaries: dict[Node, list[tuple[Node, int]]], params: Sequence[torch.Tensor]
+                    ) -> dict[Node, list[torch.Tensor]] | None:
+    """Each boundary's parameters, when no weight-side node is reached from two boundaries
+    (a plain stage: every layer's weight side is its own); ``None`` when one is (``fully_shard``
+    gathers a unit's parameters in one node, which must run once, with every layer's
+    gradient)."""
+    wanted = {id(p) for p in params}
+    owner: dict[Node, Node] = {}  # weight-side node -> the boundary that reaches it
+    own: dict[Node, list[torch.Tensor]] = {}
+    for boundary, weight_edges in boundaries.items():
+        mine = own[boundary] = []
+        queue = deque(node for node, _ in weight_edges)
+        while queue:
+            node = queue.popleft()
+            if node in owner:
+                if owner[node] is not boundary:
+                    return None
+                continue
+            owner[node] = boundary
+            leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf tensor
+            if leaf is not None and id(leaf) in wanted:
+                mine.append(leaf)
+            queue.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return own
