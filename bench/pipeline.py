@@ -12,7 +12,7 @@ kind (as if every stage cost the same), "replayed" with every action's own measu
 and the measured message time (a ping-pong of one activation between ranks 0 and 1 before
 the run) — the gap between "replayed" and "measured" is the runner's own overhead.
 
-    .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3] [--ranks 4]
+    .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3] [--ranks 4] [--default-malloc]
     .venv/bin/python bench/pipeline.py --breakdown [--ranks 2]
 
 ``--breakdown`` runs devmesh's schedules only and splits each rank's step time into compute,
@@ -22,17 +22,29 @@ the rest (the runner's own Python), with timers around the runner's message call
 With 4 ranks on a 2-core machine the ranks time-share the cores, so idle and compute time
 blur; ``--ranks 2`` gives each rank a core and is the fair check of the predicted bubble.
 
+glibc's malloc: by default the bench runs both libraries with glibc's thresholds for returning
+memory to the system raised (``MALLOC_MMAP_THRESHOLD_``, ``MALLOC_TRIM_THRESHOLD_``, set in the
+environment the ranks inherit; ``--default-malloc`` leaves them alone). With the defaults, a
+schedule that keeps more activations alive at once (zero-bubble keeps each micro-batch's graph
+from ``I`` to ``W``) has its freed memory handed back and faulted in again, which slowed every
+action of zero-bubble by 10-25 % here (forward included) and 1F1B not measurably; on a GPU
+torch's caching allocator keeps freed blocks, and on CPU PyTorch's tuning guide recommends
+jemalloc or tcmalloc for the same reason. The bench measures schedules, not glibc.
+
 Each round launches devmesh's run and torch's run one after the other; the printed time is
 the median over rounds (4 ranks share this machine's cores, so one run alone is noisy).
-"ratio" is the whole training step (schedule + optimizer step); "schedule only" the ratio of
-the pipeline schedule alone (``runner.step`` / ``schedule.step``), since on 2 cores the
-optimizer steps of ranks that finish together contend for the CPU (devmesh's end-of-step
-failure check makes the ranks finish together; on separate devices they would not contend).
+"ratio" is the median over rounds of each round's devmesh / torch (a round's two runs are back
+to back, so the machine's speed drifting between rounds cancels): the whole training step
+(schedule + optimizer step); "schedule only" the same ratio for the pipeline schedule alone
+(``runner.step`` / ``schedule.step``), since on 2 cores the optimizer steps of ranks that
+finish together contend for the CPU (devmesh's end-of-step failure check makes the ranks
+finish together; on separate devices they would not contend).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 import warnings
@@ -237,7 +249,12 @@ def main() -> None:
                         help="pipeline ranks (stages); 2 gives each rank a core of its own here")
     parser.add_argument("--breakdown", action="store_true",
                         help="devmesh only: where each rank's step time goes")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="keep glibc malloc's default thresholds (see the module's doc)")
     args = parser.parse_args()
+    if not args.default_malloc:  # read by glibc at process start: the ranks inherit it
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
     if args.breakdown:
         print_breakdown(args.steps, args.ranks)
         return
@@ -247,7 +264,8 @@ def main() -> None:
     ranks = args.ranks
     print(f"{ranks} pipeline ranks (gloo), {MICRO} micro-batches of {BATCH // MICRO}, "
           f"median over {args.rounds} rounds of the slowest rank's median of {args.steps} "
-          "steps")
+          "steps; glibc malloc " + ("defaults" if args.default_malloc else
+                                    "keeping freed memory (see --default-malloc)"))
     print(f"{'schedule':<18}{'devmesh':>10}{'torch':>10}{'ratio':>8}{'schedule only':>15}"
           f"{'bubble measured':>18}{'predicted':>11}{'replayed':>10}")
     latencies = []
@@ -276,9 +294,11 @@ def main() -> None:
         latencies.append(ours[0]["latency"])
         torch_time = statistics.median(t["time"] for t in theirs) if theirs else None
         torch_text = f"{torch_time * 1e3:>8.1f}ms" if theirs else f"{'-':>10}"
-        ratio = f"{step / torch_time:>8.2f}" if theirs else f"{'-':>8}"
-        only = (f"{ours[0]['schedule'] / statistics.median(t['schedule'] for t in theirs):>15.2f}"
-                if theirs else f"{'-':>15}")
+
+        def paired(key: str) -> float:  # each round's pair ran back to back: drift cancels
+            return statistics.median(r[0][key] / t[key] for r, t in zip(rounds, theirs))
+        ratio = f"{paired('time'):>8.2f}" if theirs else f"{'-':>8}"
+        only = f"{paired('schedule'):>15.2f}" if theirs else f"{'-':>15}"
         print(f"{name:<18}{step * 1e3:>8.1f}ms{torch_text}{ratio}{only}{measured:>18.1%}"
               f"{predicted:>11.1%}{replayed:>10.1%}")
     print("predicted: the schedule simulated with the median compute per action kind (stages "
