@@ -182,8 +182,8 @@ def test_pipeline_errors_name_the_fix(mesh_pool):
         # only rank 0 sees the data; every rank says why it was refused, none waits forever
         assert "pipeline step failed — rank 0: 4 micro-batches do not divide the batch of 10 " \
                "inputs" in error[1], error[1]
-        assert "rank 0: the inputs must be one tensor with a batch dim, got a tuple" \
-               in error[2], error[2]
+        assert "rank 0: the inputs must be tensors with a batch dim, got a dict: the first " \
+               "stage takes a tensor or a tuple of tensors" in error[2], error[2]
 
 
 def pipeline_errors():
@@ -203,8 +203,8 @@ def pipeline_errors():
                     torch.zeros(12, dtype=torch.long) if me == 3 else None)
     except PipelineError as exc:
         out.append(str(exc))
-    try:  # two inputs as a tuple, on the first stage only
-        runner.step((torch.randn(8, 16), torch.randn(8, 16)) if me == 0 else None,
+    try:  # inputs in a dict, on the first stage only (a tensor or a tuple of them is taken)
+        runner.step({"x": torch.randn(8, 16)} if me == 0 else None,
                     torch.zeros(8, dtype=torch.long) if me == 3 else None)
     except PipelineError as exc:
         out.append(str(exc))
@@ -502,15 +502,16 @@ class _ShrinksOnThirdCall(nn.Module):
         return x[:, :-1] if self.calls == 3 else x
 
 
-class _PairOnce(nn.Module):
-    """Returns ``(x, x)`` until ``pair`` is switched off: a stage whose output is a tuple."""
+class _DictOnce(nn.Module):
+    """Returns ``{"x": x}`` until ``wrapped`` is switched off: a stage whose output cannot
+    cross a boundary (a tensor or a tuple of tensors can)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.pair = True
+        self.wrapped = True
 
     def forward(self, x: torch.Tensor):
-        return (x, x) if self.pair else x
+        return {"x": x} if self.wrapped else x
 
 
 def shapes_across_steps(name: str):
@@ -518,8 +519,8 @@ def shapes_across_steps(name: str):
     8 and 16 samples: each step's first message on a link either lands in the receive
     posted in advance in the previous step's shape, or fills it and follows on its own tag."""
     model = make_model()
-    model.insert(4, _PairOnce())
-    model[4].pair = False
+    model.insert(4, _DictOnce())
+    model[4].wrapped = False
     virtual = 2 if name == "interleaved-1f1b" else 1
     schedule = build_schedule(name, 4 // virtual, 4, virtual)
     mesh = init_device_mesh("cpu", (4 // virtual,), mesh_dim_names=("pp",))
@@ -532,7 +533,7 @@ def shapes_across_steps(name: str):
     for step, batch in enumerate((16, 16, 8, 8, 16)):
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randn(batch, 16, generator=gen), torch.randint(0, 4, (batch,), generator=gen)
-        model[4].pair = step == 1
+        model[4].wrapped = step == 1
         try:
             loss = runner.step(x if 0 in stages else None, y if 3 in stages else None)
         except PipelineError:
@@ -577,10 +578,10 @@ def failing_stages(case: str):
         model.insert(4, _ShrinksOnThirdCall())  # the last layer of stage 1 (children 2-4)
         starts = ["2", "5", "7"]
         model_fix = lambda: setattr(model[4], "calls", 10)  # noqa: E731
-    elif case == "a stage returns a tuple":
-        model.insert(4, _PairOnce())
+    elif case == "a stage returns a dict":
+        model.insert(4, _DictOnce())
         starts = ["2", "5", "7"]
-        model_fix = lambda: setattr(model[4], "pair", False)  # noqa: E731
+        model_fix = lambda: setattr(model[4], "wrapped", False)  # noqa: E731
     elif case == "a loss per sample":
         reduction[0], starts = "none", ["2", "4", "6"]
         model_fix = lambda: reduction.__setitem__(0, "mean")  # noqa: E731
@@ -609,9 +610,9 @@ def failing_stages(case: str):
 @pytest.mark.parametrize("case, culprit, says", [
     ("shape changes within a step", 1, "stage 1's output for micro-batch 2 is (4, 15)"),
     ("wrong input shape", 2, "stage 2, forward of micro-batch 0 on an input of (4, 16)"),
-    ("a stage returns a tuple", 1, "stage 1, forward of micro-batch 0 on an input of (4, 16) "
-                                   "torch.float32: PipelineError: stage 1 returned a tuple, "
-                                   "not a tensor"),
+    ("a stage returns a dict", 1, "stage 1, forward of micro-batch 0 on an input of (4, 16) "
+                                  "torch.float32: PipelineError: stage 1 returned a dict: a "
+                                  "pipeline stage passes a tensor, or a tuple of 1 to 8 tensors"),
     ("a loss per sample", 3, "stage 3, forward of micro-batch 0 on an input of (4, 16) "
                              "torch.float32: PipelineError: the loss function returned a "
                              "tensor of shape (4,)"),

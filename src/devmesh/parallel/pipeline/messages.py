@@ -18,6 +18,12 @@ one the data lands in. When it changed (or the sender failed), the sender first 
 of the old shape to fill the receive posted in advance, and the data follows on a tag of its
 own; both sides know the old shape, so they agree without asking.
 
+A stage may pass several tensors to the next (a tuple: hidden states and a mask, say), as
+torch's pipelining allows. They cross as one message: a single tensor as it is, several packed
+into one byte buffer (each part 8-byte aligned, so the receiver's parts are views of it, no
+copy); the header lists every part. The gradient message answers the floating-point parts only
+(a mask or token ids get no gradient), packed the same way.
+
 A stage that fails part-way through a step must not leave its neighbours waiting for a
 message that never comes: it keeps every message flowing, zeros of the announced shape in
 place of what it could not compute, or — when it failed before it could announce a shape —
@@ -33,14 +39,72 @@ from devmesh.distributed import comm
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 
-__all__ = ["StageLinks", "Shape"]
+__all__ = ["StageLinks", "Shape", "Layout", "layout_of", "gradient_layout", "describe",
+           "MAX_TENSORS"]
 
 Shape = tuple[tuple[int, ...], torch.dtype]
+Layout = tuple[Shape, ...]  # the tensors one stage passes to the next, in order
 
 _DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64,
-           torch.int32]
-_HEADER = 10  # ndim (-1: the sender failed first), dtype code, up to 8 sizes
+           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool]
+_MAX_DIMS = 8
+MAX_TENSORS = 8  # per boundary
+_PART = 2 + _MAX_DIMS  # ndim, dtype code, sizes
+_HEADER = 1 + MAX_TENSORS * _PART  # the part count (-1: the sender failed first), the parts
 _FAILED = -1
+_ALIGN = 8  # bytes: every packed part starts at a multiple, so it is viewed in place
+
+
+def layout_of(tensors: tuple[torch.Tensor, ...]) -> Layout:
+    return tuple((tuple(t.shape), t.dtype) for t in tensors)
+
+
+def gradient_layout(layout: Layout) -> Layout:
+    """The parts of ``layout`` that get a gradient back: the floating-point ones."""
+    return tuple(part for part in layout if part[1].is_floating_point)
+
+
+def _nbytes(part: Shape) -> int:
+    count = 1
+    for size in part[0]:
+        count *= size
+    return count * torch.empty((), dtype=part[1]).element_size()
+
+
+def _offsets(layout: Layout) -> tuple[list[int], int]:
+    """Where each part starts in the packed buffer, and the buffer's size."""
+    offsets, end = [], 0
+    for part in layout:
+        offsets.append(end)
+        end += -(-_nbytes(part) // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def _wire(layout: Layout) -> Shape:
+    """What one message of ``layout`` is on the wire: the tensor itself, or packed bytes."""
+    if len(layout) == 1:
+        return layout[0]
+    return (_offsets(layout)[1],), torch.uint8
+
+
+def _pack(tensors: tuple[torch.Tensor, ...], device: torch.device) -> torch.Tensor:
+    if len(tensors) == 1:
+        return tensors[0]
+    offsets, size = _offsets(layout_of(tensors))
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
+    for tensor, start in zip(tensors, offsets):
+        nbytes = tensor.numel() * tensor.element_size()
+        buffer[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1)
+                                           .view(torch.uint8))
+    return buffer
+
+
+def _unpack(buffer: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
+    if len(layout) == 1:
+        return (buffer,)
+    offsets, _ = _offsets(layout)
+    return tuple(buffer[start:start + _nbytes(part)].view(part[1]).view(part[0])
+                 for part, start in zip(layout, offsets))
 
 
 def _header_tag(stage: int) -> int:
@@ -55,23 +119,23 @@ def _reshaped(tag: int) -> int:
 
 class StageLinks:
     """This rank's messages to and from the neighbouring stages' ranks along the pipeline
-    dim, and the shapes announced on them."""
+    dim, and the layouts announced on them."""
 
     def __init__(self, mesh: DeviceMesh, dim: int, schedule: Schedule) -> None:
         self.mesh, self.dim, self.schedule = mesh, dim, schedule
         self.device = comm.mesh_device(mesh)  # NCCL carries only the device's tensors
-        self.received: dict[int, Shape | None] = {}  # stage -> its input, as announced here
-        self.announced: dict[int, Shape | None] = {}  # stage -> its input, as this rank said
-        # the same for the previous step: the receives posted in advance expect these shapes
-        self.received_before: dict[int, Shape | None] = {}
-        self.announced_before: dict[int, Shape | None] = {}
+        self.received: dict[int, Layout | None] = {}  # stage -> its input, as announced here
+        self.announced: dict[int, Layout | None] = {}  # stage -> its input, as this rank said
+        # the same for the previous step: the receives posted in advance expect these
+        self.received_before: dict[int, Layout | None] = {}
+        self.announced_before: dict[int, Layout | None] = {}
         self.sends: list[comm.Pending] = []
         self._posted: dict[tuple[int, int], comm.Pending] = {}  # (peer stage, tag) -> receive
 
     def start_step(self, actions: tuple[Action, ...]) -> None:
-        """Announce every shape again (each step may bring a new micro-batch shape), and post
-        the receives of each incoming link's header and first activation (the latter in the
-        previous step's shape) for this rank's ``actions``."""
+        """Announce every layout again (each step may bring a new micro-batch shape), and
+        post the receives of each incoming link's header and first activation (the latter in
+        the previous step's layout) for this rank's ``actions``."""
         self.received_before, self.received = self.received, {}
         self.announced_before, self.announced = self.announced, {}
         first = {}  # stage -> the micro-batch of its first forward this step
@@ -79,123 +143,166 @@ class StageLinks:
             if action.kind == "F" and action.stage > 0:
                 first.setdefault(action.stage, action.microbatch)
         for stage, microbatch in first.items():
-            self._post(((_HEADER,), torch.int64), stage - 1, _header_tag(stage))
+            self._post(_HEADER_WIRE, stage - 1, _header_tag(stage))
             before = self.received_before.get(stage)
             if before is not None:
-                self._post(before, stage - 1, self._tag(stage, microbatch, False))
+                self._post(_wire(before), stage - 1, self._tag(stage, microbatch, False))
 
     def _tag(self, stage: int, microbatch: int, backward: bool) -> int:
         return (stage * self.schedule.microbatches + microbatch) * 2 + int(backward)
 
-    def _post(self, shape: Shape, stage: int, tag: int) -> None:
+    def _post(self, wire: Shape, stage: int, tag: int) -> None:
         """Post the receive of message ``tag`` from ``stage``'s rank (once)."""
         if (stage, tag) not in self._posted:
             self._posted[(stage, tag)] = comm.recv_async(
-                shape[0], shape[1], self.mesh, self.dim, self.schedule.rank_of(stage), tag,
+                wire[0], wire[1], self.mesh, self.dim, self.schedule.rank_of(stage), tag,
                 self.device)
 
     def _send(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
         peer = self.schedule.rank_of(stage)
         self.sends.append(comm.send_async(tensor, self.mesh, self.dim, peer, tag))
 
-    def _recv(self, shape: Shape, stage: int, tag: int) -> torch.Tensor:
+    def _recv(self, wire: Shape, stage: int, tag: int) -> torch.Tensor:
         posted = self._posted.pop((stage, tag), None)
         if posted is not None:
             return posted.wait()
-        return comm.recv(shape[0], shape[1], self.mesh, self.dim, self.schedule.rank_of(stage),
+        return comm.recv(wire[0], wire[1], self.mesh, self.dim, self.schedule.rank_of(stage),
                          tag, self.device)
 
     def prefetch(self, action: Action) -> None:
-        """Post the receive ``action`` will wait for, when its shape is already known, so
+        """Post the receive ``action`` will wait for, when its layout is already known, so
         that its data lands while this rank computes the action before it."""
         s, mb = action.stage, action.microbatch
         if action.kind == "F" and s > 0:
-            shape, peer, tag = self.received.get(s), s - 1, self._tag(s, mb, False)
+            layout, peer, tag = self.received.get(s), s - 1, self._tag(s, mb, False)
         elif action.kind in ("B", "I") and s < self.schedule.stages - 1:
-            shape, peer, tag = self.announced.get(s + 1), s + 1, self._tag(s, mb, True)
+            layout = self.announced.get(s + 1)
+            layout = gradient_layout(layout) if layout is not None else None
+            peer, tag = s + 1, self._tag(s, mb, True)
         else:
             return
-        if shape is not None:
-            self._post(shape, peer, tag)
+        if layout:
+            self._post(_wire(layout), peer, tag)
 
     # -- forward ----------------------------------------------------------------------------
-    def send_activation(self, out: torch.Tensor | None, stage: int, microbatch: int
-                        ) -> str | None:
-        """Send ``stage - 1``'s output for ``microbatch`` to ``stage`` (``None``: the sender
-        failed; zeros of the announced shape go instead). Returns what is wrong with ``out``
-        if it does not fit the announced shape or cannot cross a boundary (zeros go then)."""
-        problem = None
-        if out is not None and (out.ndim > _HEADER - 2 or out.dtype not in _DTYPES):
-            problem = (f"stage {stage - 1}'s output ({tuple(out.shape)}, {out.dtype}) cannot "
-                       f"cross a pipeline boundary: at most {_HEADER - 2} dims, dtype one of "
-                       f"{[str(d) for d in _DTYPES]}")
+    def send_activation(self, out: tuple[torch.Tensor, ...] | None, stage: int,
+                        microbatch: int) -> str | None:
+        """Send ``stage - 1``'s output tensors for ``microbatch`` to ``stage`` (``None``: the
+        sender failed; zeros of the announced layout go instead). Returns what is wrong with
+        ``out`` if it does not fit the announced layout or cannot cross a boundary (zeros go
+        then)."""
+        problem = _unsendable(out, stage) if out is not None else None
+        if problem:
             out = None
         tag = self._tag(stage, microbatch, False)
         if stage not in self.announced:
             fields = [_FAILED] + [0] * (_HEADER - 1)
             if out is not None:
-                fields[:2 + out.ndim] = [out.ndim, _DTYPES.index(out.dtype), *out.shape]
+                fields[0] = len(out)
+                for i, t in enumerate(out):
+                    start = 1 + i * _PART
+                    fields[start:start + 2 + t.ndim] = [t.ndim, _DTYPES.index(t.dtype), *t.shape]
             header = torch.tensor(fields, dtype=torch.int64, device=self.device)
             self._send(header, stage, _header_tag(stage))
-            new = None if out is None else (tuple(out.shape), out.dtype)
+            new = None if out is None else layout_of(out)
             self.announced[stage] = new
             before = self.announced_before.get(stage)
             if before is not None and before != new:  # fill the receive posted in advance
-                self._send(self._zeros(before), stage, tag)
+                self._send(self._zeros(_wire(before)), stage, tag)
                 tag = _reshaped(tag)
         announced = self.announced[stage]
         if announced is None:
             return problem
-        if out is not None and (tuple(out.shape), out.dtype) != announced:
+        if out is not None and layout_of(out) != announced:
             problem = (f"stage {stage - 1}'s output for micro-batch {microbatch} is "
-                       f"{tuple(out.shape)} {out.dtype}, but it was {announced[0]} "
-                       f"{announced[1]} for the step's first micro-batch: every micro-batch "
-                       "of a step must give the same shape (pad data-dependent sizes)")
+                       f"{describe(layout_of(out))}, but it was {describe(announced)} for "
+                       "the step's first micro-batch: every micro-batch of a step must give "
+                       "the same shapes (pad data-dependent sizes)")
             out = None
-        self._send(out if out is not None else self._zeros(announced), stage, tag)
+        wire = _pack(out, self.device) if out is not None else self._zeros(_wire(announced))
+        self._send(wire, stage, tag)
         return problem
 
-    def recv_activation(self, stage: int, microbatch: int) -> torch.Tensor | None:
-        """``stage``'s input for ``microbatch``; ``None`` if the previous stage failed before
-        it could announce a shape (no data comes then)."""
+    def recv_activation(self, stage: int, microbatch: int) -> tuple[torch.Tensor, ...] | None:
+        """``stage``'s input tensors for ``microbatch``; ``None`` if the previous stage failed
+        before it could announce a layout (no data comes then)."""
         tag = self._tag(stage, microbatch, False)
         if stage not in self.received:
-            header = self._recv(((_HEADER,), torch.int64), stage - 1,
-                                _header_tag(stage)).tolist()
-            ndim = header[0]
-            new = None if ndim == _FAILED else (tuple(header[2: 2 + ndim]), _DTYPES[header[1]])
+            header = self._recv(_HEADER_WIRE, stage - 1, _header_tag(stage)).tolist()
+            new = None if header[0] == _FAILED else _parse(header)
             self.received[stage] = new
             before = self.received_before.get(stage)
             if before is not None and before != new:  # the sender filled the posted receive
-                self._recv(before, stage - 1, tag)
+                self._recv(_wire(before), stage - 1, tag)
                 tag = _reshaped(tag)
-        shape = self.received[stage]
-        if shape is None:
+        layout = self.received[stage]
+        if layout is None:
             return None
-        return self._recv(shape, stage - 1, tag)
+        return _unpack(self._recv(_wire(layout), stage - 1, tag), layout)
 
     # -- backward ---------------------------------------------------------------------------
-    def recv_gradient(self, stage: int, microbatch: int) -> torch.Tensor | None:
-        """The gradient of ``stage``'s output for ``microbatch``, from ``stage + 1``; ``None``
-        if this rank announced a failure instead of that output."""
-        shape = self.announced.get(stage + 1)
-        if shape is None:
+    def recv_gradient(self, stage: int, microbatch: int) -> tuple[torch.Tensor, ...] | None:
+        """The gradients of ``stage``'s floating-point outputs for ``microbatch``, from
+        ``stage + 1``; ``None`` if this rank announced a failure instead of that output."""
+        layout = self.announced.get(stage + 1)
+        if layout is None:
             return None
-        return self._recv(shape, stage + 1, self._tag(stage, microbatch, True))
+        layout = gradient_layout(layout)
+        if not layout:  # nothing differentiable crossed: no message
+            return ()
+        wire = self._recv(_wire(layout), stage + 1, self._tag(stage, microbatch, True))
+        return _unpack(wire, layout)
 
-    def send_gradient(self, grad: torch.Tensor | None, stage: int, microbatch: int) -> None:
-        """Send the gradient of ``stage``'s input back to ``stage - 1`` (``None``: zeros of
-        the input's shape, as the sender failed; nothing if no input shape was announced)."""
-        shape = self.received.get(stage)
-        if shape is None:
+    def send_gradient(self, grads: tuple[torch.Tensor | None, ...] | None, stage: int,
+                      microbatch: int) -> None:
+        """Send the gradients of ``stage``'s floating-point inputs back to ``stage - 1``
+        (``None`` entries, or ``None`` for all: zeros, as when the sender failed; nothing if
+        no input layout was announced, or no input is floating-point)."""
+        layout = self.received.get(stage)
+        if layout is None:
             return
-        self._send(grad if grad is not None else self._zeros(shape), stage - 1,
-                   self._tag(stage - 1, microbatch, True))
+        layout = gradient_layout(layout)
+        if not layout:
+            return
+        grads = grads if grads is not None else (None,) * len(layout)
+        parts = tuple(g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device)
+                      for g, (shape, dtype) in zip(grads, layout))
+        self._send(_pack(parts, self.device), stage - 1, self._tag(stage - 1, microbatch, True))
 
-    def _zeros(self, shape: Shape) -> torch.Tensor:
-        return torch.zeros(shape[0], dtype=shape[1], device=self.device)
+    def _zeros(self, wire: Shape) -> torch.Tensor:
+        return torch.zeros(wire[0], dtype=wire[1], device=self.device)
 
     def wait_sends(self) -> None:
         for pending in self.sends:
             pending.wait()
         self.sends.clear()
+
+
+_HEADER_WIRE: Shape = ((_HEADER,), torch.int64)
+
+
+def _parse(header: list[int]) -> Layout:
+    parts = []
+    for i in range(header[0]):
+        ndim, code, *sizes = header[1 + i * _PART: 1 + (i + 1) * _PART]
+        parts.append((tuple(sizes[:ndim]), _DTYPES[code]))
+    return tuple(parts)
+
+
+def describe(layout: Layout) -> str:
+    """A layout in words, for error messages."""
+    text = ", ".join(f"{shape} {dtype}" for shape, dtype in layout)
+    return text if len(layout) == 1 else f"({text})"
+
+
+def _unsendable(out: tuple[torch.Tensor, ...], stage: int) -> str | None:
+    """Why ``out`` cannot cross the boundary into ``stage``, if it cannot."""
+    if not out or len(out) > MAX_TENSORS:
+        return (f"stage {stage - 1} returned {len(out)} tensors: a stage passes 1 to "
+                f"{MAX_TENSORS} tensors to the next")
+    for t in out:
+        if t.ndim > _MAX_DIMS or t.dtype not in _DTYPES:
+            return (f"stage {stage - 1}'s output ({tuple(t.shape)}, {t.dtype}) cannot cross a "
+                    f"pipeline boundary: at most {_MAX_DIMS} dims, dtype one of "
+                    f"{[str(d) for d in _DTYPES]}")
+    return None

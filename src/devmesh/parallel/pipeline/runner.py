@@ -45,7 +45,7 @@ from devmesh.errors import rank_prefix
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
-from devmesh.parallel.pipeline.messages import StageLinks
+from devmesh.parallel.pipeline.messages import MAX_TENSORS, StageLinks, describe, layout_of
 from devmesh.parallel.pipeline.split import PipelineError
 from devmesh.parallel.pipeline.split_backward import SplitBackward
 from devmesh.parallel.pipeline.tied import TiedCopies, ties_of
@@ -160,32 +160,42 @@ class PipelineRunner:
             module.set_requires_gradient_sync(sync)
 
     # -- one step ---------------------------------------------------------------------------
-    def _micro_batches(self, inputs: torch.Tensor | None, targets: torch.Tensor | None
-                       ) -> dict[str, tuple[torch.Tensor, ...]]:
+    def _micro_batches(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
+                       targets: torch.Tensor | None) -> dict[str, tuple]:
+        """Each micro-batch's inputs (a tuple of tensors: the first stage's positional
+        arguments) and targets, cut along dim 0."""
         m = self.schedule.microbatches
-        chunks = {}
+        chunks: dict[str, tuple] = {}
         for name, batch in (("inputs", inputs), ("targets", targets)):
-            if batch is not None:
-                if not isinstance(batch, torch.Tensor) or batch.ndim == 0:
-                    raise PipelineError(
-                        f"the {name} must be one tensor with a batch dim, got "
-                        f"{_kind(batch)}: a pipeline's first stage takes one input tensor "
-                        "(put several inputs into one tensor, or compute them in stage 0)")
-                if batch.shape[0] % m:
+            if batch is None:
+                continue
+            several = name == "inputs" and isinstance(batch, (tuple, list))
+            parts = tuple(batch) if several else (batch,)
+            if not parts or not all(isinstance(t, torch.Tensor) and t.ndim > 0 for t in parts):
+                raise PipelineError(
+                    f"the {name} must be {'tensors' if name == 'inputs' else 'one tensor'} "
+                    f"with a batch dim, got {_kind(batch)}"
+                    + (": the first stage takes a tensor or a tuple of tensors (its forward's "
+                       "positional arguments)" if name == "inputs" else ""))
+            for part in parts:
+                if part.shape[0] % m:
                     raise PipelineError(f"{m} micro-batches do not divide the batch of "
-                                        f"{batch.shape[0]} {name}: use a batch that is a "
+                                        f"{part.shape[0]} {name}: use a batch that is a "
                                         f"multiple of {m}, or another micro-batch count")
-                chunks[name] = batch.chunk(m)
+            cut = [part.chunk(m) for part in parts]
+            chunks[name] = tuple(zip(*cut)) if name == "inputs" else cut[0]
         if 0 in self.stages and "inputs" not in chunks:
             raise PipelineError("the first stage's rank needs the inputs: step(inputs, ...)")
         if self.last in self.stages and "targets" not in chunks:
             raise PipelineError("the last stage's rank needs the targets: step(..., targets)")
         return chunks
 
-    def step(self, inputs: torch.Tensor | None = None, targets: torch.Tensor | None = None
-             ) -> torch.Tensor | None:
+    def step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+             targets: torch.Tensor | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch, split into the schedule's micro-batches:
-        ``inputs`` are needed on the first stage's rank, ``targets`` on the last's. Gradients
+        ``inputs`` (a tensor, or a tuple of tensors for a first stage whose forward takes
+        several) are needed on the first stage's rank, ``targets`` on the last's. A stage
+        may return a tuple of tensors: they are the next stage's positional arguments. Gradients
         accumulate in the stages' parameters (call the optimizer after). Returns the batch's
         loss on the last stage's rank, ``None`` elsewhere. If any stage fails, every rank
         raises :class:`PipelineError` at the end of the step (the step's gradients are then
@@ -239,18 +249,20 @@ class PipelineRunner:
     def _forward(self, step: _Step, action: Action) -> None:
         s, mb = action.stage, action.microbatch
         if s == 0:
-            x = step.chunks["inputs"][mb] if "inputs" in step.chunks else None
+            xs = step.chunks["inputs"][mb] if "inputs" in step.chunks else None
         else:
-            x = self._links.recv_activation(s, mb)
-        out = split_at = None  # split_at: stage 0's first child output, where I stops
-        if x is not None and step.error is None:
+            xs = self._links.recv_activation(s, mb)
+        outs = split_at = None  # split_at: stage 0's first child output, where I stops
+        if xs is not None and step.error is None:
             start = time.perf_counter()
             try:
                 if s > 0:
-                    x.requires_grad_(True)
+                    for x in xs:
+                        if x.is_floating_point():
+                            x.requires_grad_(True)
                 self._first_child_output = [] if s == 0 else None
                 try:
-                    out = _one_tensor(self.stages[s](x), f"stage {s}")
+                    out = self.stages[s](*xs)
                 finally:
                     seen, self._first_child_output = self._first_child_output, None
                 split_at = seen[0] if seen and len(seen) == 1 else None
@@ -262,54 +274,58 @@ class PipelineRunner:
                             f"the loss function returned a tensor of shape {tuple(loss.shape)}; "
                             "it must return one number per micro-batch (a reduction of "
                             "'mean' or 'sum')")
-                    step.outputs[mb] = (out.detach(), loss.detach())
-                    out = loss / self.schedule.microbatches
-                    step.losses.append(out.detach())
+                    step.outputs[mb] = (_detached(out), loss.detach())
+                    outs = (loss / self.schedule.microbatches,)
+                    step.losses.append(outs[0].detach())
+                else:
+                    outs = _tensors(out, f"stage {s}")
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
                 step.fail(exc, f"stage {s}, forward of micro-batch {mb} on an input of "
-                               f"{tuple(x.shape)} {x.dtype}")
-                out = None
+                               f"{describe(layout_of(xs))}")
+                outs = None
             step.compute[action] = time.perf_counter() - start
         if s != self.last:
-            problem = self._links.send_activation(None if out is None else out.detach(),
-                                                  s + 1, mb)
+            problem = self._links.send_activation(
+                None if outs is None else tuple(o.detach() for o in outs), s + 1, mb)
             if problem and step.error is None:
                 step.error = problem
-        if out is not None:
-            step.saved[(s, mb)] = {"x": x, "out": out}
+        if outs is not None:
+            step.saved[(s, mb)] = {"x": xs, "out": outs}
             if s == 0 and isinstance(split_at, torch.Tensor) and split_at.requires_grad:
                 step.saved[(s, mb)]["split_at"] = split_at
 
     def _backward(self, step: _Step, action: Action) -> None:
         """``B``: the whole backward; ``I``: the input gradient only (``W`` does the rest)."""
         s, mb = action.stage, action.microbatch
-        grad = None if s == self.last else self._links.recv_gradient(s, mb)
+        grads = None if s == self.last else self._links.recv_gradient(s, mb)
         entry = step.saved.get((s, mb))
-        input_grad = None
+        input_grads = None
         if entry is not None and step.error is None:
-            entry["grad"] = grad
+            outputs, seeds = _differentiable(entry["out"], grads)
+            entry["outputs"], entry["seeds"] = outputs, seeds
+            inputs = [x for x in entry["x"] if x.is_floating_point()] if s > 0 else []
             start = time.perf_counter()
             try:
                 if action.kind == "B":
                     # a first stage with every parameter frozen (fine-tuning the top of
                     # a model) has nothing to compute, as in single-process training
-                    if entry["out"].requires_grad:
-                        torch.autograd.backward(entry["out"], grad)
-                    input_grad = entry["x"].grad if s > 0 else None
-                elif s > 0 or "split_at" in entry:  # weight-side gradients kept for W
-                    entry["split"] = SplitBackward(entry["out"], grad,
-                                                   entry["x"] if s > 0 else entry["split_at"],
+                    if outputs:
+                        torch.autograd.backward(outputs, seeds)
+                    input_grads = tuple(x.grad for x in inputs)
+                elif outputs and (s > 0 or "split_at" in entry):  # weight side kept for W
+                    entry["split"] = SplitBackward(outputs, seeds,
+                                                   inputs if s > 0 else [entry["split_at"]],
                                                    list(self.stages[s].parameters()))
-                    gradient = entry["split"].input_grad()
-                    input_grad = gradient if s > 0 else None  # stage 0 sends nothing
+                    gradients = entry["split"].input_grad()
+                    input_grads = gradients if s > 0 else None  # stage 0 sends nothing
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
                 step.fail(exc, f"stage {s}, backward of micro-batch {mb}")
-                input_grad = None
+                input_grads = None
             step.compute[action] = time.perf_counter() - start
         if action.kind == "B":
             step.saved.pop((s, mb), None)
         if s > 0:
-            self._links.send_gradient(input_grad, s, mb)
+            self._links.send_gradient(input_grads, s, mb)
 
     def _weight_grads(self, step: _Step, action: Action) -> None:
         entry = step.saved.pop((action.stage, action.microbatch), None)
@@ -320,12 +336,47 @@ class PipelineRunner:
         try:
             if "split" in entry:  # I kept what W needs: no input gradient computed again
                 entry["split"].weight_grads()
-            elif params:  # a first stage not split (no single first child): all of it here
-                torch.autograd.backward(entry["out"], entry["grad"], inputs=params)
+            elif params and entry.get("outputs"):  # a first stage not split: all of it here
+                torch.autograd.backward(entry["outputs"], entry["seeds"], inputs=params)
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
             step.fail(exc, f"stage {action.stage}, weight gradients of micro-batch "
                            f"{action.microbatch}")
         step.compute[action] = time.perf_counter() - start
+
+
+def _differentiable(outs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...] | None
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+    """The outputs a backward starts from, with their gradients: the last stage's loss
+    (``grads`` is ``None``: no gradient comes), or each floating-point output that requires
+    grad, with the gradient the next stage sent for it."""
+    if grads is None:
+        return [o for o in outs if o.requires_grad], [None for o in outs if o.requires_grad]
+    floats = [o for o in outs if o.is_floating_point()]
+    pairs = [(o, g) for o, g in zip(floats, grads) if o.requires_grad]
+    return [o for o, _ in pairs], [g for _, g in pairs]
+
+
+def _detached(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, (tuple, list)):
+        return type(value)(_detached(v) for v in value)
+    return value
+
+
+def _tensors(value: object, what: str) -> tuple[torch.Tensor, ...]:
+    """A stage's output as the tensors that go to the next stage: one tensor, or a tuple
+    or list of tensors (passed on as the next stage's positional arguments)."""
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor)
+                                                            for v in value):
+        return tuple(value)
+    raise PipelineError(
+        f"{what} returned {_kind(value)}: a pipeline stage passes a tensor, or a tuple of "
+        f"1 to {MAX_TENSORS} tensors, to the next stage (the next stage's forward takes "
+        "them as its positional arguments); compute other values in the stage that uses "
+        "them")
 
 
 def _kind(value: object) -> str:
@@ -335,14 +386,11 @@ def _kind(value: object) -> str:
 
 
 def _one_tensor(value: object, what: str) -> torch.Tensor:
-    """``value`` if it is a tensor; a stage passes one tensor to the next (and the loss
-    function returns one), so anything else is refused with the fix."""
+    """``value`` if it is a tensor (the loss function's result), else refused with the fix."""
     if isinstance(value, torch.Tensor):
         return value
-    raise PipelineError(
-        f"{what} returned a {type(value).__name__}, not a tensor: a pipeline stage passes "
-        "exactly one tensor to the next stage (concatenate several into one, or keep the "
-        "module that makes them and the one that uses them in the same stage)")
+    raise PipelineError(f"{what} returned {_kind(value)}, not a tensor: it must return one "
+                        "number per micro-batch (a reduction of 'mean' or 'sum')")
 
 
 @dataclass

@@ -42,37 +42,52 @@ from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 class SplitBackward:
     """One micro-batch's backward through one stage, in two parts: :meth:`input_grad`, then
-    :meth:`weight_grads` (once each, in that order)."""
+    :meth:`weight_grads` (once each, in that order).
 
-    def __init__(self, output: torch.Tensor, grad: torch.Tensor | None, stage_input: torch.Tensor,
+    A stage with several outputs or inputs (tensors in a tuple) is split the obvious way:
+    ``I`` is ``autograd.grad`` over them and ``W`` the whole backward over the parameters
+    (correct; the fast split is written for one of each, the common case)."""
+
+    def __init__(self, output: torch.Tensor | Sequence[torch.Tensor],
+                 grad: torch.Tensor | None | Sequence[torch.Tensor | None],
+                 stage_input: torch.Tensor | Sequence[torch.Tensor],
                  params: Sequence[torch.Tensor]) -> None:
-        self.output, self.grad, self.stage_input = output, grad, stage_input
+        self.single_input = isinstance(stage_input, torch.Tensor)
+        self.outputs = [output] if isinstance(output, torch.Tensor) else list(output)
+        self.grads = [grad] if grad is None or isinstance(grad, torch.Tensor) else list(grad)
+        self.inputs = [stage_input] if self.single_input else list(stage_input)
         self.params = [p for p in params if p.requires_grad]
         # boundary node -> its weight-side edges; None when the fast split is not exact
         self._boundaries: dict[Node, list[tuple[Node, int]]] | None = None
         self._kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
 
-    def input_grad(self) -> torch.Tensor | None:
+    def input_grad(self) -> torch.Tensor | None | tuple[torch.Tensor | None, ...]:
         """The gradient of the stage's input (or of the tensor the split is made at: any
-        tensor of the stage's graph); the graph is kept for :meth:`weight_grads`."""
-        node = get_gradient_edge(self.stage_input).node
+        tensor of the stage's graph), a tuple of them for several inputs; the graph is kept
+        for :meth:`weight_grads`."""
+        if len(self.outputs) != 1 or len(self.inputs) != 1:
+            grads = torch.autograd.grad(self.outputs, self.inputs, self.grads,
+                                        retain_graph=True, allow_unused=True)
+            return grads[0] if self.single_input else tuple(grads)
+        output, stage_input = self.outputs[0], self.inputs[0]
+        node = get_gradient_edge(stage_input).node
         # an input computed in the stage by an operation with several outputs (a chunk)
         # would keep the gradient of this output only: not exact, so W does it all
         several = len(getattr(node, "_input_metadata", ())) > 1
-        self._boundaries = None if several else _boundaries(self.output.grad_fn, node)
+        self._boundaries = None if several else _boundaries(output.grad_fn, node)
         handles = [node.register_prehook(self._keeper(node)) for node in self._boundaries or ()]
         try:
-            (grad,) = torch.autograd.grad(self.output, self.stage_input, self.grad,
+            (grad,) = torch.autograd.grad(output, stage_input, self.grads[0],
                                           retain_graph=True, allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()
-        edge = get_gradient_edge(self.stage_input)
+        edge = get_gradient_edge(stage_input)
         if self._boundaries and edge.node in self._boundaries and grad is not None:
             # an input computed inside the stage (the first stage splits at its first
             # child's output): autograd stopped at it, so its node's gradient is this one
             self._kept.setdefault(edge.node, (None,) * edge.output_nr + (grad,))
-        return grad
+        return grad if self.single_input else (grad,)
 
     def _keeper(self, node: Node):
         def keep(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
@@ -84,7 +99,7 @@ class SplitBackward:
         if not self.params:
             return
         if self._boundaries is None:  # not exact one boundary at a time: the whole backward
-            torch.autograd.backward(self.output, self.grad, inputs=self.params)
+            torch.autograd.backward(self.outputs, self.grads, inputs=self.params)
             return
         own = _own_parameters(self._boundaries, self.params)
         if own is not None:  # weight sides apart: each boundary's straight into its .grad

@@ -1,0 +1,196 @@
+"""Stages that pass several tensors to the next (a tuple: hidden states, a mask, token ids),
+as torch's ``torch.distributed.pipelining`` allows: every schedule trains as one process does,
+only the floating-point tensors get gradients back, and a first stage may take several
+inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh import comm_stats, init_device_mesh
+from devmesh.layout.schedule import build_schedule
+from devmesh.parallel.pipeline import PipelineRunner
+
+
+class _Embed(nn.Module):
+    """Takes the features and a per-sample scale (two inputs); gives the hidden states, a
+    bool mask and a skip connection that later stages use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor):
+        h = self.fc(x) * scale
+        return h, x[:, :1] > 0, h * 0.5
+
+
+class _Masked(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, skip: torch.Tensor):
+        return torch.tanh(self.fc(h)) * mask + skip, mask, skip
+
+
+class _ToIds(nn.Module):
+    """Uses the skip connection for the last time; passes the mask on as integers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor, skip: torch.Tensor):
+        return torch.tanh(self.fc(h) + skip), mask.to(torch.int64)
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, h: torch.Tensor, ids: torch.Tensor):
+        return self.fc(h) + ids
+
+
+def _parts() -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [_Embed(), _Masked(), _ToIds(), _Head()]
+
+
+def _through(parts: list[nn.Module], *inputs: torch.Tensor) -> torch.Tensor:
+    out = inputs
+    for part in parts:
+        out = part(*out) if isinstance(out, tuple) else part(out)
+    return out
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return (torch.randn(16, 16, generator=gen), torch.rand(16, 1, generator=gen) + 0.5,
+            torch.randint(0, 4, (16,), generator=gen))
+
+
+def _train_pipelined(name: str):
+    virtual = 2 if name == "interleaved-1f1b" else 1
+    schedule = build_schedule(name, 4 // virtual, 4, virtual)
+    mesh = init_device_mesh("cpu", (4 // virtual,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    parts = _parts()
+    stages = {s: parts[s] for s in range(4) if schedule.rank_of(s) == me}
+    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    opt = torch.optim.SGD([p for part in stages.values() for p in part.parameters()], lr=0.1)
+    losses = []
+    for step in range(2):
+        x, scale, y = _batch(step)
+        with comm_stats() as stats:
+            loss = runner.step((x, scale) if 0 in stages else None, y if 3 in stages else None)
+        opt.step()
+        opt.zero_grad()
+        losses.append(None if loss is None else loss.item())
+    return losses, {s: part.state_dict() for s, part in stages.items()}, stats.by_collective()
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
+def test_stages_passing_tuples_train_as_one_process(mesh_pool, name):
+    parts = _parts()
+    opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
+    expected = []
+    for step in range(2):
+        x, scale, y = _batch(step)
+        loss = F.cross_entropy(_through(parts, x, scale), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    results = mesh_pool.run(_train_pipelined, 4 // (2 if name == "interleaved-1f1b" else 1),
+                            name)
+    losses = [loss for rank_losses, _, _ in results for loss in rank_losses if loss is not None]
+    assert losses == pytest.approx(expected, rel=1e-5)
+    for _, states, _ in results:
+        for s, state in states.items():
+            for key, value in state.items():
+                torch.testing.assert_close(value, parts[s].state_dict()[key], rtol=1e-5,
+                                           atol=1e-6, msg=f"stage {s} {key}")
+    if name == "1f1b":  # one message per activation and per gradient, whatever it carries:
+        # 3 boundaries x 4 micro-batches each way, plus one header per boundary and step
+        sends = sum(stats["send"][0] for _, _, stats in results)
+        assert sends == 3 * 4 * 2 + 3
+
+
+def _wrong_layouts():
+    """A stage whose second micro-batch gives a tuple of another length: refused with both
+    layouts named, on every rank."""
+    from devmesh.parallel.pipeline import PipelineError
+
+    class Flaky(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fc, self.calls = nn.Linear(16, 16), 0
+
+        def forward(self, x: torch.Tensor):
+            self.calls += 1
+            h = self.fc(x)
+            return (h, h) if self.calls == 2 else (h,)
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    stages = {0: Flaky()} if me == 0 else {1: nn.Linear(16, 4)}
+    runner = PipelineRunner(stages, mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
+    x, _, y = _batch(0)
+    try:
+        runner.step(x if me == 0 else None, y if me == 1 else None)
+    except PipelineError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_tuple_that_changes_within_a_step_is_named_on_every_rank(mesh_pool):
+    for error in mesh_pool.run(_wrong_layouts, 2):
+        assert error is not None and "stage 0's output for micro-batch 1 is ((8, 16) " \
+            "torch.float32, (8, 16) torch.float32), but it was (8, 16) torch.float32" in error
+
+
+def _torch_pipelining_code(library: str):
+    """torch's pipelining code for the tuple-passing model, run by torch's classes or, with
+    its imports switched, devmesh's."""
+    if library == "torch":
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import Schedule1F1B
+    else:
+        from devmesh.parallel.pipeline import PipelineStage, Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    part = _parts()[me]
+    stage = PipelineStage(part, me, 4, torch.device("cpu"), group=mesh.get_group("pp"))
+    schedule = Schedule1F1B(stage, 4, loss_fn=F.cross_entropy)
+    opt = torch.optim.SGD(part.parameters(), lr=0.1)
+    losses, outputs = [], []
+    for step in range(2):
+        x, scale, y = _batch(step)
+        if me == 0:
+            schedule.step(x, scale)
+        elif me == 3:
+            outputs.append(schedule.step(target=y, losses=losses))
+        else:
+            schedule.step()
+        opt.step()
+        opt.zero_grad()
+    return part.state_dict(), [float(loss) for loss in losses], outputs
+
+
+def test_tuples_between_stages_as_torchs_pipelining(mesh_pool):
+    theirs = mesh_pool.run(_torch_pipelining_code, 4, "torch")
+    ours = mesh_pool.run(_torch_pipelining_code, 4, "devmesh")
+    for (state, losses, outputs), (t_state, t_losses, t_outputs) in zip(ours, theirs):
+        for key, value in t_state.items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
+        assert losses == pytest.approx(t_losses, rel=1e-5)
+        for out, t_out in zip(outputs, t_outputs):
+            torch.testing.assert_close(out, t_out, rtol=1e-5, atol=1e-6)
+    assert len(ours[3][1]) == 4 and len(ours[3][2]) == 2
