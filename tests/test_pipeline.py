@@ -431,25 +431,54 @@ class _CountingRunner(PipelineRunner):
         self._counted(step, action, super()._weight_grads)
 
 
-def zero_bubble_work():
+class _BlocksThenEmbed(nn.Module):
+    """A first stage that registers its blocks before the embedding its forward calls first
+    (a custom module, not an ``nn.Sequential``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+                                    for _ in range(3))
+        self.embed = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+def zero_bubble_work(custom_first_stage: bool):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     parts = split_sequential(make_model(), 2)
+    if custom_first_stage:
+        parts[0] = _BlocksThenEmbed()
     me = mesh.get_coordinate()[0]
     runner = _CountingRunner({me: parts[me]}, mesh, build_schedule("zero-bubble", 2, 4),
                              F.cross_entropy)
     runner.work = {}
     x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
     runner.step(x if me == 0 else None, y if me == 1 else None)
+    if me == 0:  # the gradients of one plain backward through the same stage and head
+        stage, rest = copy.deepcopy(parts[0]), copy.deepcopy(split_sequential(make_model(), 2)[1])
+        for p in stage.parameters():
+            p.grad = None
+        F.cross_entropy(rest(stage(x)), y).backward()
+        for ours, theirs in zip(parts[0].parameters(), stage.parameters()):
+            torch.testing.assert_close(ours.grad, theirs.grad)
     return runner.work
 
 
-def test_zero_bubbles_first_stage_splits_at_its_first_layer(mesh_pool):
-    """The first stage's input needs no gradient; its I computes the gradients down to its
-    first child's output, so I and W share its backward as on the other stages (before, I
-    did nothing and W was the whole backward)."""
-    first, last = mesh_pool.run(zero_bubble_work, 2)
+@pytest.mark.parametrize("custom_first_stage", [False, True], ids=["sequential", "custom"])
+def test_zero_bubbles_first_stage_splits_at_its_first_layer(mesh_pool, custom_first_stage):
+    """The first stage's input needs no gradient; its I computes the gradients down to the
+    output of the first child it calls, so I and W share its backward as on the other
+    stages (before, I did nothing and W was the whole backward; then only an nn.Sequential
+    stage was split)."""
+    first, last = mesh_pool.run(zero_bubble_work, 2, custom_first_stage)
     assert first[(0, "I")] > 0 and first[(0, "W")] > 0
-    # stage 0 (4 blocks): I has 3 layers' input gradients, W 4 layers' weight gradients
+    # stage 0 (4 layers of 16 x 16): I has 3 layers' input gradients, W 4 layers' weights'
     assert first[(0, "I")] * 4 == first[(0, "W")] * 3
     assert last[(1, "I")] > 0 and last[(1, "W")] > 0
 

@@ -230,14 +230,20 @@ class PipelineRunner:
     def _watch_first_child(self, stage: nn.Module) -> None:
         """The first stage's input needs no gradient, so its ``I`` would have nothing to do
         and its ``W`` would be a whole backward: the stage's share of the split would lean
-        on ``W``. Split it at its first child's output instead (an ``nn.Sequential`` stage,
-        as ``split_sequential`` makes): ``I`` then computes the gradients down to there."""
-        children = list(stage.children()) if isinstance(stage, nn.Sequential) else []
-        if len(children) >= 2:
-            def keep(module, args, output) -> None:
-                if self._first_child_output is not None:  # the runner's own forward only
-                    self._first_child_output.append(output)
-            children[0].register_forward_hook(keep)
+        on ``W``. Split it at the output of the first child it calls instead (an embedding,
+        the first block of an ``nn.Sequential``): ``I`` then computes the gradients down to
+        there. Every direct child is watched, since the order a custom module registers its
+        children need not be the order its forward calls them in."""
+        children = list(stage.children())
+        if len(children) < 2:  # the only child's output is (nearly) the stage's own
+            return
+
+        def keep(module, args, output) -> None:
+            watching = self._first_child_output  # a list only in the runner's own forward
+            if watching is not None and not watching:  # the first child called
+                watching.append(output)
+        for child in children:
+            child.register_forward_hook(keep)
 
     def _raise_if_any_stage_failed(self, step: _Step) -> None:
         try:
@@ -265,7 +271,7 @@ class PipelineRunner:
                     out = self.stages[s](*xs)
                 finally:
                     seen, self._first_child_output = self._first_child_output, None
-                split_at = seen[0] if seen and len(seen) == 1 else None
+                split_at = seen[0] if seen else None
                 if s == self.last:
                     loss = _one_tensor(self.loss_fn(out, step.chunks["targets"][mb]),
                                        "the loss function")
