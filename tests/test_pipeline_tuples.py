@@ -194,3 +194,39 @@ def test_tuples_between_stages_as_torchs_pipelining(mesh_pool):
         for out, t_out in zip(outputs, t_outputs):
             torch.testing.assert_close(out, t_out, rtol=1e-5, atol=1e-6)
     assert len(ours[3][1]) == 4 and len(ours[3][2]) == 2
+
+
+def _train_sharded_pipeline(style: str):
+    """Zero-bubble on (pp, dp) = (4, 2), each stage under ``fully_shard`` or ``replicate``
+    over ``dp``, each dp rank on its half of the batch."""
+    from devmesh.parallel import fully_shard, replicate, state_dict
+
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("pp", "dp"))
+    me, dp = mesh.get_coordinate()
+    stage = _parts()[me]
+    (fully_shard if style == "fsdp" else replicate)(stage, mesh=mesh["dp"])
+    runner = PipelineRunner({me: stage}, mesh, build_schedule("zero-bubble", 4, 4),
+                            F.cross_entropy)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    for step in range(2):
+        x, scale, y = _batch(step)
+        half = slice(8 * dp, 8 * dp + 8)
+        runner.step((x[half], scale[half]) if me == 0 else None, y[half] if me == 3 else None)
+        opt.step()
+        opt.zero_grad()
+    return me, state_dict(stage, full=True)
+
+
+@pytest.mark.parametrize("style", ["fsdp", "ddp"])
+def test_tuples_between_sharded_stages_train_as_one_process(mesh_pool, style):
+    parts = _parts()
+    opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
+    for step in range(2):
+        x, scale, y = _batch(step)
+        F.cross_entropy(_through(parts, x, scale), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for stage, state in mesh_pool.run(_train_sharded_pipeline, 8, style):
+        for key, value in state.items():
+            torch.testing.assert_close(value, parts[stage].state_dict()[key], rtol=1e-5,
+                                       atol=1e-6, msg=f"stage {stage} {key}")
