@@ -184,6 +184,8 @@ def test_pipeline_errors_name_the_fix(mesh_pool):
                "inputs" in error[1], error[1]
         assert "rank 0: the inputs must be tensors with a batch dim, got a dict: the first " \
                "stage takes a tensor or a tuple of tensors" in error[2], error[2]
+        assert "rank 0: 4 micro-batches do not divide the keyword input 'mask' of shape " \
+               "(10, 1) along dim 0" in error[3], error[3]
 
 
 def pipeline_errors():
@@ -206,6 +208,12 @@ def pipeline_errors():
     try:  # inputs in a dict, on the first stage only (a tensor or a tuple of them is taken)
         runner.step({"x": torch.randn(8, 16)} if me == 0 else None,
                     torch.zeros(8, dtype=torch.long) if me == 3 else None)
+    except PipelineError as exc:
+        out.append(str(exc))
+    try:  # a keyword input whose batch the micro-batches do not divide
+        runner.step(torch.randn(8, 16) if me == 0 else None,
+                    torch.zeros(8, dtype=torch.long) if me == 3 else None,
+                    input_kwargs={"mask": torch.ones(10, 1)} if me == 0 else None)
     except PipelineError as exc:
         out.append(str(exc))
     return out

@@ -1,7 +1,7 @@
 """Stages that pass several tensors to the next (a tuple: hidden states, a mask, token ids),
 as torch's ``torch.distributed.pipelining`` allows: every schedule trains as one process does,
 only the floating-point tensors get gradients back, and a first stage may take several
-inputs."""
+inputs, positional or keyword."""
 
 from __future__ import annotations
 
@@ -155,9 +155,9 @@ def test_a_tuple_that_changes_within_a_step_is_named_on_every_rank(mesh_pool):
             "torch.float32, (8, 16) torch.float32), but it was (8, 16) torch.float32" in error
 
 
-def _torch_pipelining_code(library: str):
+def _torch_pipelining_code(library: str, keyword: bool):
     """torch's pipelining code for the tuple-passing model, run by torch's classes or, with
-    its imports switched, devmesh's."""
+    its imports switched, devmesh's; the first stage's second input positional or keyword."""
     if library == "torch":
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import Schedule1F1B
@@ -174,7 +174,7 @@ def _torch_pipelining_code(library: str):
     for step in range(2):
         x, scale, y = _batch(step)
         if me == 0:
-            schedule.step(x, scale)
+            schedule.step(x, scale=scale) if keyword else schedule.step(x, scale)
         elif me == 3:
             outputs.append(schedule.step(target=y, losses=losses))
         else:
@@ -184,9 +184,10 @@ def _torch_pipelining_code(library: str):
     return part.state_dict(), [float(loss) for loss in losses], outputs
 
 
-def test_tuples_between_stages_as_torchs_pipelining(mesh_pool):
-    theirs = mesh_pool.run(_torch_pipelining_code, 4, "torch")
-    ours = mesh_pool.run(_torch_pipelining_code, 4, "devmesh")
+@pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
+def test_tuples_between_stages_as_torchs_pipelining(mesh_pool, keyword):
+    theirs = mesh_pool.run(_torch_pipelining_code, 4, "torch", keyword)
+    ours = mesh_pool.run(_torch_pipelining_code, 4, "devmesh", keyword)
     for (state, losses, outputs), (t_state, t_losses, t_outputs) in zip(ours, theirs):
         for key, value in t_state.items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)

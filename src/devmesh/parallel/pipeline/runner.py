@@ -161,9 +161,10 @@ class PipelineRunner:
 
     # -- one step ---------------------------------------------------------------------------
     def _micro_batches(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
-                       targets: torch.Tensor | None) -> dict[str, tuple]:
+                       targets: torch.Tensor | None,
+                       input_kwargs: Mapping[str, Any] | None = None) -> dict[str, tuple]:
         """Each micro-batch's inputs (a tuple of tensors: the first stage's positional
-        arguments) and targets, cut along dim 0."""
+        arguments), keyword inputs and targets, cut along dim 0."""
         m = self.schedule.microbatches
         chunks: dict[str, tuple] = {}
         for name, batch in (("inputs", inputs), ("targets", targets)):
@@ -184,6 +185,15 @@ class PipelineRunner:
                                         f"multiple of {m}, or another micro-batch count")
             cut = [part.chunk(m) for part in parts]
             chunks[name] = tuple(zip(*cut)) if name == "inputs" else cut[0]
+        if input_kwargs:  # tensors cut along dim 0 as the inputs; other values go to all
+            for key, value in input_kwargs.items():
+                if isinstance(value, torch.Tensor) and (value.ndim == 0 or value.shape[0] % m):
+                    raise PipelineError(f"{m} micro-batches do not divide the keyword input "
+                                        f"{key!r} of shape {tuple(value.shape)} along dim 0: "
+                                        f"give it a batch dim that is a multiple of {m}")
+            cut = {k: v.chunk(m) if isinstance(v, torch.Tensor) else (v,) * m
+                   for k, v in input_kwargs.items()}
+            chunks["kwargs"] = tuple({k: v[mb] for k, v in cut.items()} for mb in range(m))
         if 0 in self.stages and "inputs" not in chunks:
             raise PipelineError("the first stage's rank needs the inputs: step(inputs, ...)")
         if self.last in self.stages and "targets" not in chunks:
@@ -191,18 +201,21 @@ class PipelineRunner:
         return chunks
 
     def step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
-             targets: torch.Tensor | None = None) -> torch.Tensor | None:
+             targets: torch.Tensor | None = None, *,
+             input_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch, split into the schedule's micro-batches:
         ``inputs`` (a tensor, or a tuple of tensors for a first stage whose forward takes
-        several) are needed on the first stage's rank, ``targets`` on the last's. A stage
-        may return a tuple of tensors: they are the next stage's positional arguments. Gradients
+        several; ``input_kwargs`` its keyword arguments — tensors are cut along dim 0, other
+        values given to every micro-batch, as torch's ``schedule.step(x, **kwargs)``) are
+        needed on the first stage's rank, ``targets`` on the last's. A stage may return a
+        tuple of tensors: they are the next stage's positional arguments. Gradients
         accumulate in the stages' parameters (call the optimizer after). Returns the batch's
         loss on the last stage's rank, ``None`` elsewhere. If any stage fails, every rank
         raises :class:`PipelineError` at the end of the step (the step's gradients are then
         partial: zero them before the next step)."""
         step = _Step({})
         try:
-            step.chunks = self._micro_batches(inputs, targets)
+            step.chunks = self._micro_batches(inputs, targets, input_kwargs)
         except PipelineError as exc:  # the other stages hear of it at the end of the step
             step.fail(exc)
         actions = self.schedule.actions[self.index]
@@ -267,8 +280,9 @@ class PipelineRunner:
                         if x.is_floating_point():
                             x.requires_grad_(True)
                 self._first_child_output = [] if s == 0 else None
+                keywords = step.chunks["kwargs"][mb] if s == 0 and "kwargs" in step.chunks else {}
                 try:
-                    out = self.stages[s](*xs)
+                    out = self.stages[s](*xs, **keywords)
                 finally:
                     seen, self._first_child_output = self._first_child_output, None
                 split_at = seen[0] if seen else None

@@ -108,18 +108,16 @@ class _Schedule:
 
     def step(self, *args: torch.Tensor, target: torch.Tensor | None = None,
              losses: list | None = None, **kwargs: Any) -> torch.Tensor | None:
-        """One training step over the batch: ``args`` (the first stage's input tensors) on
-        the first stage's rank, ``target`` on the last's. Fills ``losses`` with each
-        micro-batch's loss and returns the model's output for the whole batch on the last
-        stage's rank (``None`` elsewhere; a tuple when the last stage returns one), as torch's
-        ``step``."""
-        if kwargs:
-            raise PipelineError("the first stage takes positional input tensors only (no "
-                                "keyword inputs): pass them as positional arguments")
+        """One training step over the batch: ``args`` and ``kwargs`` (the first stage's
+        inputs; tensors cut into micro-batches along dim 0) on the first stage's rank,
+        ``target`` on the last's. Fills ``losses`` with each micro-batch's loss and returns
+        the model's output for the whole batch on the last stage's rank (``None``
+        elsewhere; a tuple when the last stage returns one), as torch's ``step``."""
         if self._runner is None:
             self._runner = self._build()
         runner = self._runner
-        runner.step((args[0] if len(args) == 1 else args) if args else None, target)
+        runner.step((args[0] if len(args) == 1 else args) if args else None, target,
+                    input_kwargs=kwargs)
         if not runner.microbatch_outputs:
             return None
         if losses is not None:  # this step's losses only, as torch (which clears the list)
