@@ -231,3 +231,43 @@ def test_tuples_between_sharded_stages_train_as_one_process(mesh_pool, style):
         for key, value in state.items():
             torch.testing.assert_close(value, parts[stage].state_dict()[key], rtol=1e-5,
                                        atol=1e-6, msg=f"stage {stage} {key}")
+
+
+class _MaskOnly(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x > 0
+
+
+class _FromMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(16, 4)
+
+    def forward(self, mask: torch.Tensor) -> torch.Tensor:
+        return self.fc(mask.float())
+
+
+def _boolean_boundary():
+    """Stage 0 passes a bool tensor only: nothing differentiable crosses, so no gradient
+    message comes back (and stage 0, without parameters, has nothing to compute)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    stages = {0: _MaskOnly()} if me == 0 else {1: _FromMask()}
+    runner = PipelineRunner(stages, mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
+    x, _, y = _batch(0)
+    with comm_stats() as stats:
+        loss = runner.step(x if me == 0 else None, y if me == 1 else None)
+    sends = stats.by_collective().get("send", (0,))[0]
+    if me == 0:
+        return sends, None, None
+    reference = _FromMask()
+    F.cross_entropy(reference(x > 0), y).backward()
+    return sends, loss.item(), torch.allclose(stages[1].fc.weight.grad, reference.fc.weight.grad,
+                                              rtol=1e-5, atol=1e-7)
+
+
+def test_a_boundary_without_floating_point_tensors_sends_no_gradient(mesh_pool):
+    (first_sends, _, _), (last_sends, loss, same_grads) = mesh_pool.run(_boolean_boundary, 2)
+    assert first_sends == 2 + 1 and last_sends == 0  # 2 activations and a header; no gradient
+    assert loss is not None and same_grads

@@ -56,6 +56,7 @@ _ALIGN = 8  # bytes: every packed part starts at a multiple, so it is viewed in 
 
 
 def layout_of(tensors: tuple[torch.Tensor, ...]) -> Layout:
+    """The shapes and dtypes of the tensors one stage passes to the next."""
     return tuple((tuple(t.shape), t.dtype) for t in tensors)
 
 
@@ -68,7 +69,7 @@ def _nbytes(part: Shape) -> int:
     count = 1
     for size in part[0]:
         count *= size
-    return count * torch.empty((), dtype=part[1]).element_size()
+    return count * part[1].itemsize
 
 
 def _offsets(layout: Layout) -> tuple[list[int], int]:
