@@ -75,7 +75,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             torch.randint(0, 4, (16,), generator=gen))
 
 
-def _train_pipelined(name: str):
+def _pipeline(name: str) -> tuple[dict[int, nn.Module], PipelineRunner, torch.optim.SGD]:
+    """This rank's stages of the 4-stage model under schedule ``name`` (interleaved: 2
+    ranks, 2 stages each; else 4 ranks), its runner and optimizer."""
     virtual = 2 if name == "interleaved-1f1b" else 1
     schedule = build_schedule(name, 4 // virtual, 4, virtual)
     mesh = init_device_mesh("cpu", (4 // virtual,), mesh_dim_names=("pp",))
@@ -84,6 +86,11 @@ def _train_pipelined(name: str):
     stages = {s: parts[s] for s in range(4) if schedule.rank_of(s) == me}
     runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
     opt = torch.optim.SGD([p for part in stages.values() for p in part.parameters()], lr=0.1)
+    return stages, runner, opt
+
+
+def _train_pipelined(name: str):
+    stages, runner, opt = _pipeline(name)
     losses = []
     for step in range(2):
         x, scale, y = _batch(step)
@@ -277,13 +284,7 @@ def _batches_of_several_sizes():
     """Interleaved on 2 ranks, 16, 8, 8, 16 and 4 samples: each step's first packed message
     lands in the receive posted in the previous step's layout, or fills it and follows on a
     tag of its own."""
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    schedule = build_schedule("interleaved-1f1b", 2, 4, 2)
-    me = mesh.get_coordinate()[0]
-    parts = _parts()
-    stages = {s: parts[s] for s in range(4) if schedule.rank_of(s) == me}
-    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
-    opt = torch.optim.SGD([p for part in stages.values() for p in part.parameters()], lr=0.1)
+    stages, runner, opt = _pipeline("interleaved-1f1b")
     losses = []
     for step, size in enumerate(_SIZES):
         x, scale, y = (t[:size] for t in _batch(step))
