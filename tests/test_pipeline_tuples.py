@@ -311,3 +311,62 @@ def test_tuples_whose_batch_changes_between_steps(mesh_pool):
         expected.append(loss.item())
     last_rank = mesh_pool.run(_batches_of_several_sizes, 2)[1]  # holds stage 3
     assert last_rank == pytest.approx(expected, rel=1e-5)
+
+
+class _SameTensorTwice(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor):
+        h = self.fc(x)
+        return h, h
+
+
+class _Join(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.a, self.b = nn.Linear(16, 4), nn.Linear(16, 4)
+
+    def forward(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        return self.a(p) + self.b(q.tanh())
+
+
+class _NineTensors(nn.Module):
+    def forward(self, x: torch.Tensor):
+        return (x,) * 9
+
+
+def _two_stage_run(first: str, name: str):
+    """Stage 0 returns the same tensor twice (its two gradients must add) or nine tensors
+    (one too many: refused on every rank)."""
+    from devmesh.parallel.pipeline import PipelineError
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    stage = (_SameTensorTwice() if first == "twice" else _NineTensors()) if me == 0 else _Join()
+    runner = PipelineRunner({me: stage}, mesh, build_schedule(name, 2, 2), F.cross_entropy)
+    x, _, y = _batch(0)
+    try:
+        runner.step(x if me == 0 else None, y if me == 1 else None)
+    except PipelineError as exc:
+        return str(exc)
+    return [p.grad for p in stage.parameters()]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zero-bubble"])
+def test_the_same_tensor_passed_twice_gets_both_gradients(mesh_pool, name):
+    first, last = _SameTensorTwice(), _Join()
+    x, _, y = _batch(0)
+    F.cross_entropy(last(*first(x)), y).backward()
+    ours = mesh_pool.run(_two_stage_run, 2, "twice", name)
+    for grads, reference in zip(ours, (first, last)):
+        for grad, param in zip(grads, reference.parameters()):
+            torch.testing.assert_close(grad, param.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_more_tensors_than_a_boundary_carries_are_refused_on_every_rank(mesh_pool):
+    for error in mesh_pool.run(_two_stage_run, 2, "nine", "1f1b"):
+        assert "rank 0: stage 0 returned 9 tensors: a stage passes 1 to 8 tensors" in error
