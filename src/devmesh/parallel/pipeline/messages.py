@@ -266,12 +266,11 @@ class StageLinks:
         if not layout:
             return
         grads = grads if grads is not None else (None,) * len(layout)
-        parts = tuple(g if g is not None else torch.zeros(shape, dtype=dtype, device=self.device)
-                      for g, (shape, dtype) in zip(grads, layout))
+        parts = tuple(g if g is not None else self._zeros(part) for g, part in zip(grads, layout))
         self._send(_pack(parts, self.device), stage - 1, self._tag(stage - 1, microbatch, True))
 
-    def _zeros(self, wire: Shape) -> torch.Tensor:
-        return torch.zeros(wire[0], dtype=wire[1], device=self.device)
+    def _zeros(self, shape: Shape) -> torch.Tensor:
+        return torch.zeros(shape[0], dtype=shape[1], device=self.device)
 
     def wait_sends(self) -> None:
         for pending in self.sends:

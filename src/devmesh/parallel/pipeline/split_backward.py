@@ -94,6 +94,11 @@ class SplitBackward:
             self._kept[node] = tuple(grad_outputs)
         return keep
 
+    def _seeds(self, node: Node) -> list[tuple[GradientEdge, torch.Tensor]]:
+        """The gradients ``I`` kept at boundary ``node``, one per output that got one."""
+        return [(GradientEdge(node, i), g) for i, g in enumerate(self._kept.get(node, ()))
+                if g is not None]
+
     def weight_grads(self) -> None:
         """Accumulate the parameters' gradients of this micro-batch into their ``.grad``."""
         if not self.params:
@@ -104,8 +109,7 @@ class SplitBackward:
         own = _own_parameters(self._boundaries, self.params)
         if own is not None:  # weight sides apart: each boundary's straight into its .grad
             for node, params in own.items():
-                seeds = [(GradientEdge(node, i), g)
-                         for i, g in enumerate(self._kept.get(node, ())) if g is not None]
+                seeds = self._seeds(node)
                 if seeds and params:
                     torch.autograd.backward([e for e, _ in seeds], [g for _, g in seeds],
                                             inputs=params)
@@ -113,8 +117,7 @@ class SplitBackward:
             return
         edges, grads = [], []
         for node, weight_edges in self._boundaries.items():
-            kept = self._kept.get(node, ())
-            seeds = [(GradientEdge(node, i), g) for i, g in enumerate(kept) if g is not None]
+            seeds = self._seeds(node)
             if not seeds or not weight_edges:
                 continue
             wanted = [GradientEdge(n, nr) for n, nr in weight_edges]
