@@ -668,8 +668,7 @@ def test_torch_schedule_arguments_devmesh_does_not_support_are_refused():
     from devmesh.parallel.pipeline import PipelineStage, Schedule1F1B
 
     stage = PipelineStage(nn.Linear(2, 2), 0, 2, "cpu")
-    for kwargs, words in (({}, "give loss_fn"), ({"loss_fn": F.mse_loss, "scale_grads": False},
-                                                  "scale_grads=False"),
+    for kwargs, words in (({"loss_fn": F.mse_loss, "scale_grads": False}, "scale_grads=False"),
                           ({"loss_fn": F.mse_loss, "args_chunk_spec": (0,)}, "chunk")):
         with pytest.raises(PipelineError, match=words):
             Schedule1F1B(stage, 4, **kwargs)

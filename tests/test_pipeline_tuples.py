@@ -162,20 +162,28 @@ def test_a_tuple_that_changes_within_a_step_is_named_on_every_rank(mesh_pool):
             "torch.float32, (8, 16) torch.float32), but it was (8, 16) torch.float32" in error
 
 
-def _torch_pipelining_code(library: str, keyword: bool):
-    """torch's pipelining code for the tuple-passing model, run by torch's classes or, with
-    its imports switched, devmesh's; the first stage's second input positional or keyword."""
+def _pipelining_stage(library: str):
+    """This rank's stage of the 4-stage model on 4 ranks, built by torch's ``PipelineStage``
+    or devmesh's (the same code, imports switched), and the library's pipelining module."""
     if library == "torch":
+        import torch.distributed.pipelining.schedules as classes
         from torch.distributed.pipelining import PipelineStage
-        from torch.distributed.pipelining.schedules import Schedule1F1B
     else:
-        from devmesh.parallel.pipeline import PipelineStage, Schedule1F1B
+        import devmesh.parallel.pipeline as classes
+        from devmesh.parallel.pipeline import PipelineStage
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
     me = mesh.get_coordinate()[0]
     part = _parts()[me]
-    stage = PipelineStage(part, me, 4, torch.device("cpu"), group=mesh.get_group("pp"))
-    schedule = Schedule1F1B(stage, 4, loss_fn=F.cross_entropy)
+    return me, part, PipelineStage(part, me, 4, torch.device("cpu"),
+                                   group=mesh.get_group("pp")), classes
+
+
+def _torch_pipelining_code(library: str, keyword: bool):
+    """torch's pipelining code for the tuple-passing model, run by torch's classes or, with
+    its imports switched, devmesh's; the first stage's second input positional or keyword."""
+    me, part, stage, classes = _pipelining_stage(library)
+    schedule = classes.Schedule1F1B(stage, 4, loss_fn=F.cross_entropy)
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
     losses, outputs = [], []
     for step in range(2):

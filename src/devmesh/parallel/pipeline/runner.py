@@ -66,7 +66,7 @@ class PipelineRunner:
     where ``pp`` is the size of the mesh's ``pp_dim``."""
 
     def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh, schedule: Schedule,
-                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                 loss_fn: Callable[..., torch.Tensor] | None, *,
                  pp_dim: str = "pp") -> None:
         if mesh.device_type != "cpu":
             raise PipelineError(
@@ -101,7 +101,9 @@ class PipelineRunner:
         self.last = schedule.stages - 1
         self._links = StageLinks(mesh, self.dim, schedule)
         self.compute_seconds: dict[Action, float] = {}
-        self.microbatch_outputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # the last stage's (output, loss) per micro-batch of the last step; loss None when
+        # evaluate() had no targets
+        self.microbatch_outputs: list[tuple[Any, torch.Tensor | None]] = []
         # a stage under replicate / fully_shard reduces its gradients once per step: at its
         # last action that computes weight gradients (the others accumulate without sync)
         actions = schedule.actions[self.index]
@@ -162,7 +164,8 @@ class PipelineRunner:
     # -- one step ---------------------------------------------------------------------------
     def _micro_batches(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
                        targets: torch.Tensor | None,
-                       input_kwargs: Mapping[str, Any] | None = None) -> dict[str, tuple]:
+                       input_kwargs: Mapping[str, Any] | None, training: bool
+                       ) -> dict[str, tuple]:
         """Each micro-batch's inputs (a tuple of tensors: the first stage's positional
         arguments), keyword inputs and targets, cut along dim 0."""
         m = self.schedule.microbatches
@@ -196,29 +199,83 @@ class PipelineRunner:
             chunks["kwargs"] = tuple({k: v[mb] for k, v in cut.items()} for mb in range(m))
         if 0 in self.stages and "inputs" not in chunks:
             raise PipelineError("the first stage's rank needs the inputs: step(inputs, ...)")
-        if self.last in self.stages and "targets" not in chunks:
+        if self.last in self.stages and "targets" not in chunks and training:
             raise PipelineError("the last stage's rank needs the targets: step(..., targets)")
+        if "targets" in chunks and self.loss_fn is None:
+            raise PipelineError("targets were given, but the runner has no loss function: "
+                                "build it with one (PipelineRunner(..., loss_fn))")
         return chunks
 
     def step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
              targets: torch.Tensor | None = None, *,
-             input_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
+             input_kwargs: Mapping[str, Any] | None = None,
+             loss_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch, split into the schedule's micro-batches:
         ``inputs`` (a tensor, or a tuple of tensors for a first stage whose forward takes
         several; ``input_kwargs`` its keyword arguments — tensors are cut along dim 0, other
         values given to every micro-batch, as torch's ``schedule.step(x, **kwargs)``) are
-        needed on the first stage's rank, ``targets`` on the last's. A stage may return a
-        tuple of tensors: they are the next stage's positional arguments. Gradients
-        accumulate in the stages' parameters (call the optimizer after). Returns the batch's
-        loss on the last stage's rank, ``None`` elsewhere. If any stage fails, every rank
-        raises :class:`PipelineError` at the end of the step (the step's gradients are then
-        partial: zero them before the next step)."""
-        step = _Step({})
+        needed on the first stage's rank, ``targets`` on the last's (``loss_kwargs``: more
+        keyword arguments of the loss function, as torch's). A stage may return a tuple of
+        tensors: they are the next stage's positional arguments. Gradients accumulate in the
+        stages' parameters (call the optimizer after). Returns the batch's loss (the mean of
+        the micro-batches' losses) on the last stage's rank, ``None`` elsewhere. If any
+        stage fails, every rank raises :class:`PipelineError` at the end of the step (the
+        step's gradients are then partial: zero them before the next step)."""
+        step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=True)
+        if not torch.is_grad_enabled():  # a rank that cannot train still plays its part
+            step.fail(PipelineError("step() computes gradients, but gradients are off here "
+                                    "(torch.no_grad() or inference_mode): call evaluate() "
+                                    "for a forward-only pass"))
+        if self.loss_fn is None:
+            step.fail(PipelineError("step() trains, and the runner has no loss function: "
+                                    "build it with one, or call evaluate() for a forward-only "
+                                    "pass"))
+        actions = self.schedule.actions[self.index]
+        self._play(step, actions)
+        for stage in self.stages:
+            if self._syncable[stage]:
+                self._set_sync(stage, True)
+        return self._finish(step)
+
+    def evaluate(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
+                 targets: torch.Tensor | None = None, *,
+                 input_kwargs: Mapping[str, Any] | None = None,
+                 loss_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
+        """Forward only, for validation or inference: the schedule's forwards in its order,
+        no graph kept (run under ``torch.no_grad``), no gradient messages, the parameters'
+        gradients untouched. Inputs as :meth:`step`; ``targets`` are optional: with them the
+        last stage's rank returns the batch's loss, as :meth:`step` does, and without them
+        ``None``. The model's output is :meth:`output` on the last stage's rank (torch's
+        ``schedule.eval``; put dropout and batch norm in eval mode with ``module.eval()``
+        yourself, as for any model)."""
+        step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=False)
+        forwards = tuple(a for a in self.schedule.actions[self.index] if a.kind == "F")
+        with torch.no_grad():
+            self._play(step, forwards)
+        return self._finish(step)
+
+    def output(self) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
+        """The last stage's output for the whole batch of the last :meth:`step` or
+        :meth:`evaluate` (the micro-batches' outputs joined along dim 0; a tuple when the
+        stage returns one), on the last stage's rank; ``None`` elsewhere."""
+        outputs = [out for out, _ in self.microbatch_outputs]
+        if not outputs:
+            return None
+        if isinstance(outputs[0], torch.Tensor):
+            return torch.cat(outputs)
+        return type(outputs[0])(torch.cat(parts) for parts in zip(*outputs))
+
+    def _start(self, inputs, targets, input_kwargs, loss_kwargs, *, training: bool) -> _Step:
+        step = _Step({}, training=training, loss_kwargs=dict(loss_kwargs or {}))
         try:
-            step.chunks = self._micro_batches(inputs, targets, input_kwargs)
+            step.chunks = self._micro_batches(inputs, targets, input_kwargs, training)
         except PipelineError as exc:  # the other stages hear of it at the end of the step
             step.fail(exc)
-        actions = self.schedule.actions[self.index]
+        return step
+
+    def _play(self, step: _Step, actions: tuple[Action, ...]) -> None:
+        """Run ``actions`` in order; every message this rank owes is sent even after a
+        failure (zeros), so no neighbour waits forever."""
         self._links.start_step(actions)  # each step's first messages announce the shapes
         self.compute_seconds = step.compute  # compute of each action, messages excluded
         play = {"F": self._forward, "B": self._backward, "I": self._backward,
@@ -231,14 +288,17 @@ class PipelineRunner:
                                position == self._final_weight_grads[action.stage])
             play[action.kind](step, action)
         self._links.wait_sends()
-        for stage in self.stages:
-            if self._syncable[stage]:
-                self._set_sync(stage, True)
+
+    def _finish(self, step: _Step) -> torch.Tensor | None:
+        """Raise on every rank if any stage failed; else the step's results."""
         self._raise_if_any_stage_failed(step)
-        self._ties.add_gradients()
+        if step.training:
+            self._ties.add_gradients()
         # the last stage's model output and (unscaled) loss of each micro-batch, in order
         self.microbatch_outputs = [step.outputs[mb] for mb in sorted(step.outputs)]
-        return torch.stack(step.losses).sum() if step.losses else None
+        if not step.losses:
+            return None
+        return torch.stack(step.losses).sum()
 
     def _watch_first_child(self, stage: nn.Module) -> None:
         """The first stage's input needs no gradient, so its ``I`` would have nothing to do
@@ -262,6 +322,8 @@ class PipelineRunner:
         try:
             self._agree_or_raise(step.error, "pipeline step failed")
         except PipelineError as exc:
+            if not step.training:
+                raise PipelineError(str(exc), with_rank=False) from step.exception
             raise PipelineError(f"{exc}. The step's gradients are partial: zero them before "
                                 "the next step", with_rank=False) from step.exception
 
@@ -275,7 +337,7 @@ class PipelineRunner:
         if xs is not None and step.error is None:
             start = time.perf_counter()
             try:
-                if s > 0:
+                if s > 0 and step.training:
                     for x in xs:
                         if x.is_floating_point():
                             x.requires_grad_(True)
@@ -287,16 +349,12 @@ class PipelineRunner:
                     seen, self._first_child_output = self._first_child_output, None
                 split_at = seen[0] if seen else None
                 if s == self.last:
-                    loss = _one_tensor(self.loss_fn(out, step.chunks["targets"][mb]),
-                                       "the loss function")
-                    if loss.ndim != 0:
-                        raise PipelineError(
-                            f"the loss function returned a tensor of shape {tuple(loss.shape)}; "
-                            "it must return one number per micro-batch (a reduction of "
-                            "'mean' or 'sum')")
-                    step.outputs[mb] = (_detached(out), loss.detach())
-                    outs = (loss / self.schedule.microbatches,)
-                    step.losses.append(outs[0].detach())
+                    loss = None
+                    if "targets" in step.chunks:
+                        loss = self._loss(out, step.chunks["targets"][mb], step.loss_kwargs)
+                        outs = (loss / self.schedule.microbatches,)
+                        step.losses.append(outs[0].detach())
+                    step.outputs[mb] = (_detached(out), None if loss is None else loss.detach())
                 else:
                     outs = _tensors(out, f"stage {s}")
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
@@ -309,10 +367,19 @@ class PipelineRunner:
                 None if outs is None else tuple(o.detach() for o in outs), s + 1, mb)
             if problem and step.error is None:
                 step.error = problem
-        if outs is not None:
+        if outs is not None and step.training:
             step.saved[(s, mb)] = {"x": xs, "out": outs}
             if s == 0 and isinstance(split_at, torch.Tensor) and split_at.requires_grad:
                 step.saved[(s, mb)]["split_at"] = split_at
+
+    def _loss(self, output: object, target: torch.Tensor, keywords: dict[str, Any]
+              ) -> torch.Tensor:
+        loss = _one_tensor(self.loss_fn(output, target, **keywords), "the loss function")
+        if loss.ndim != 0:
+            raise PipelineError(
+                f"the loss function returned a tensor of shape {tuple(loss.shape)}; it must "
+                "return one number per micro-batch (a reduction of 'mean' or 'sum')")
+        return loss
 
     def _backward(self, step: _Step, action: Action) -> None:
         """``B``: the whole backward; ``I``: the input gradient only (``W`` does the rest)."""
@@ -418,9 +485,11 @@ class _Step:
     """What one step keeps between actions."""
 
     chunks: dict[str, tuple[torch.Tensor, ...]]
+    training: bool = True  # False: forward only (evaluate), nothing kept for a backward
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
     saved: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> tensors
     losses: list[torch.Tensor] = field(default_factory=list)
-    outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[int, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
     compute: dict[Action, float] = field(default_factory=dict)
     error: str | None = None  # the first failure on this rank; then nothing more is computed
     exception: BaseException | None = None

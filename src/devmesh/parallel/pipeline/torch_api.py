@@ -8,12 +8,14 @@ pipelining code written for torch runs with only its imports switched::
     schedule.step(x)                              # first stage
     schedule.step(target=y, losses=losses)        # last stage: per-micro-batch losses
     schedule.step()                               # the stages between
+    schedule.eval(x_val) / schedule.eval(target=y_val, losses=val_losses) / schedule.eval()
 
 The schedule's :class:`~devmesh.parallel.pipeline.PipelineRunner` is built at the first
 ``step`` (it agrees on the stages with its peers, which torch's constructors do not), on a
-1-D ``pp`` mesh over the stage's ``group`` (the world when none is given). What devmesh
-does not do — chunk specs, unscaled gradients, schedules without a loss — is refused when
-the schedule is built, with the fix.
+1-D ``pp`` mesh over the stage's ``group`` (the world when none is given). ``eval`` runs
+forward only (validation), as does ``step`` on a schedule built without ``loss_fn``, as in
+torch. What devmesh does not do — chunk specs, unscaled gradients — is refused when the
+schedule is built, with the fix.
 """
 
 from __future__ import annotations
@@ -69,9 +71,6 @@ class _Schedule:
                  output_merge_spec: Any = None, scale_grads: bool = True, **options: Any
                  ) -> None:
         self._stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
-        if loss_fn is None:
-            raise PipelineError("devmesh's pipeline schedules train: give loss_fn (a schedule "
-                                "without one only runs forward in torch)")
         if (args_chunk_spec, kwargs_chunk_spec, output_merge_spec) != (None, None, None):
             raise PipelineError("chunk and merge specs are not supported: the batch is split "
                                 "into micro-batches along dim 0, and outputs joined along it")
@@ -106,26 +105,50 @@ class _Schedule:
                                 "ScheduleInterleaved1F1B for several stages per rank)")
         return {}
 
-    def step(self, *args: torch.Tensor, target: torch.Tensor | None = None,
-             losses: list | None = None, **kwargs: Any) -> torch.Tensor | None:
+    def step(self, *args: Any, target: torch.Tensor | None = None,
+             losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
         """One training step over the batch: ``args`` and ``kwargs`` (the first stage's
         inputs; tensors cut into micro-batches along dim 0) on the first stage's rank,
-        ``target`` on the last's. Fills ``losses`` with each micro-batch's loss and returns
-        the model's output for the whole batch on the last stage's rank (``None``
-        elsewhere; a tuple when the last stage returns one), as torch's ``step``."""
+        ``target`` on the last's, ``loss_kwargs`` passed to the loss function. Fills
+        ``losses`` with each micro-batch's loss and returns the model's output for the whole
+        batch on the last stage's rank (``None`` elsewhere, or with
+        ``return_outputs=False``; a tuple when the last stage returns one), as torch's
+        ``step``. A schedule built without ``loss_fn`` runs forward only, as torch's."""
+        if self._loss_fn is None:
+            return self.eval(*args, target=target, losses=losses, **kwargs)
+        runner = self._get_runner()
+        runner.step(*self._inputs(args), target, input_kwargs=kwargs,
+                    loss_kwargs=loss_kwargs)
+        return self._results(runner, losses, return_outputs)
+
+    def eval(self, *args: Any, target: torch.Tensor | None = None,
+             losses: list | None = None, **kwargs: Any) -> Any:
+        """Forward only over the batch (validation), as torch's ``schedule.eval``: no
+        gradients, no graph kept. With a ``target`` (and a ``loss_fn``) the last stage's
+        rank fills ``losses``; returns the model's output there, ``None`` elsewhere."""
+        runner = self._get_runner()
+        runner.evaluate(*self._inputs(args), target if self._loss_fn is not None else None,
+                        input_kwargs=kwargs)
+        return self._results(runner, losses, True)
+
+    def _get_runner(self) -> PipelineRunner:
         if self._runner is None:
             self._runner = self._build()
-        runner = self._runner
-        runner.step((args[0] if len(args) == 1 else args) if args else None, target,
-                    input_kwargs=kwargs)
-        if not runner.microbatch_outputs:
+        return self._runner
+
+    @staticmethod
+    def _inputs(args: tuple) -> tuple:
+        """The runner's ``inputs`` argument: one tensor, a tuple of several, or none."""
+        return ((args[0] if len(args) == 1 else args) if args else None,)
+
+    @staticmethod
+    def _results(runner: PipelineRunner, losses: list | None, return_outputs: bool) -> Any:
+        if not runner.microbatch_outputs:  # not the last stage's rank
             return None
-        if losses is not None:  # this step's losses only, as torch (which clears the list)
-            losses[:] = [loss for _, loss in runner.microbatch_outputs]
-        outputs = [out for out, _ in runner.microbatch_outputs]
-        if isinstance(outputs[0], torch.Tensor):
-            return torch.cat(outputs)
-        return type(outputs[0])(torch.cat(parts) for parts in zip(*outputs))
+        if losses is not None and runner.microbatch_outputs[0][1] is not None:
+            losses[:] = [loss for _, loss in runner.microbatch_outputs]  # this step's only
+        return runner.output() if return_outputs else None
 
 
 class ScheduleGPipe(_Schedule):
