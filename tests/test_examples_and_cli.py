@@ -154,6 +154,7 @@ def test_demo_pp_trains_digits_pipelined_like_single_process():
     assert result.returncode == 0, result.stderr[-2000:]
     assert "the pipeline matches single-process training" in result.stdout
     assert "rank 0: F0@0 F1@0 B0@0" in result.stdout  # the 1F1B schedule it runs
+    assert "epoch 1: test accuracy" in result.stdout and "runner.evaluate" in result.stdout
 
 
 def _pipelined_digits_agree(results, world_size, second_stage_words):
@@ -162,6 +163,11 @@ def _pipelined_digits_agree(results, world_size, second_stage_words):
         gap = max(abs(a - b) for a, b in zip(result.losses, result.reference_losses))
         assert len(result.losses) == 3 and gap <= 1e-5, (result.losses, result.reference_losses)
         assert result.max_param_diff <= 1e-5
+        # forward-only through the pipeline: the single process's predictions (one image's
+        # slack for a near-tie, out of the 288 or 296 test images)
+        assert len(result.accuracies) == len(result.reference_accuracies) == 1
+        assert abs(result.accuracies[0] - result.reference_accuracies[0]) <= 1 / 288
+        assert 0.05 < result.accuracies[0] <= 1
     assert second_stage_words in results[world_size // 2].describe, results[world_size // 2].describe
 
 

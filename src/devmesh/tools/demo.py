@@ -141,6 +141,11 @@ def run_pipeline_demo(plain: bool = False, epochs: int = 1, mesh_text: str | Non
     result = results[0]
     gap = max(abs(a - b) for a, b in zip(result.losses, result.reference_losses))
     matches = gap <= 1e-5 and (result.max_param_diff or 0.0) <= 1e-5
+    for epoch, (accuracy, expected) in enumerate(zip(result.accuracies,
+                                                     result.reference_accuracies)):
+        console.out(f"epoch {epoch + 1}: test accuracy {100 * accuracy:.1f}% (a forward-only "
+                    f"pass through the pipeline, runner.evaluate; single process "
+                    f"{100 * expected:.1f}%)", highlight=False)
     console.out(
         f"{len(result.losses)} steps, last loss {result.losses[-1]:.4f}: largest loss "
         f"difference vs single-process training {gap:.1e}, largest parameter difference "

@@ -138,6 +138,7 @@ class Result:
     max_param_diff: float | None = None
     describe: str = ""
     mesh: str = ""
+    reference_accuracies: list[float] = field(default_factory=list)  # single-process, per epoch
 
 
 def train(mesh_text: str = "dp=2,shard=2,tp=2", *, epochs: int = 3, batch_size: int = 64,

@@ -104,7 +104,7 @@ def train_pipelined(mesh_text: str = DEFAULT_MESH, *, epochs: int = 1, batch_siz
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr)
     first, last = 0 in stages, 1 in stages
     result = Result(describe=describe(runner), mesh=repr(mesh))
-    (x_train, y_train), _ = load_data()
+    (x_train, y_train), test = load_data()
     data_size, data_index = _data_rank(mesh)
     if batch_size % (data_size * microbatches):
         raise ValueError(f"batch size {batch_size} must be divisible by the data-parallel "
@@ -129,11 +129,38 @@ def train_pipelined(mesh_text: str = DEFAULT_MESH, *, epochs: int = 1, batch_siz
             ref_opt.step()
             ref_opt.zero_grad()
             result.reference_losses.append(ref_loss.item())
+        accuracy, expected = _test_accuracy(runner, reference, test, data_size, data_index)
+        result.accuracies.append(accuracy)
+        result.reference_accuracies.append(expected)
     expected = nn.Sequential(reference.flatten, *reference.linear_relu_stack).state_dict()
     trained = runner.state_dict(full=True)  # the whole model, every stage, on every rank
     assert trained.keys() == expected.keys()
     diff = max((trained[k] - v).abs().max().item() for k, v in expected.items())
     worst = torch.tensor([diff])
     dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-    return Result(result.losses, result.reference_losses, [], worst.item(), result.describe,
-                  result.mesh)
+    result.max_param_diff = worst.item()
+    return result
+
+
+def _test_accuracy(runner, reference: nn.Module, test, data_size: int, data_index: int
+                   ) -> tuple[float, float]:
+    """The share of test images the pipelined network classifies right (a forward-only
+    pass through the pipeline, :meth:`~devmesh.parallel.pipeline.PipelineRunner.evaluate`,
+    each data-parallel rank on its part), and the single-process network's on the same
+    images: the first ones that the data-parallel ranks and micro-batches divide evenly."""
+    x_test, y_test = test
+    unit = data_size * runner.schedule.microbatches
+    count = len(y_test) - len(y_test) % unit
+    per_rank = count // data_size
+    mine = slice(data_index * per_rank, (data_index + 1) * per_rank)
+    first, last = 0 in runner.stages, runner.last in runner.stages
+    runner.evaluate(x_test[mine] if first else None)
+    correct = torch.zeros(1)
+    if last:
+        correct += (runner.output().argmax(1) == y_test[mine]).sum()
+    dist.all_reduce(correct)
+    names = runner.mesh.mesh_dim_names
+    copies = runner.mesh["tp"].size() if "tp" in names else 1  # tp ranks hold the same output
+    with torch.no_grad():
+        expected = (reference(x_test[:count]).argmax(1) == y_test[:count]).float().mean()
+    return correct.item() / copies / count, expected.item()
