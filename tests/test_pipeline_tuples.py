@@ -378,3 +378,75 @@ def test_the_same_tensor_passed_twice_gets_both_gradients(mesh_pool, name):
 def test_more_tensors_than_a_boundary_carries_are_refused_on_every_rank(mesh_pool):
     for error in mesh_pool.run(_two_stage_run, 2, "nine", "1f1b"):
         assert "rank 0: stage 0 returned 9 tensors: a stage passes 1 to 8 tensors" in error
+
+
+class _TwoWays(nn.Module):
+    """Two inputs and two outputs, each output reached from both inputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor):
+        mixed = torch.tanh(self.a(h) + self.b(skip))
+        return self.c(mixed), mixed * 0.5 + skip
+
+
+class _PassesSkipOn(nn.Module):
+    """The second input leaves unchanged as the second output (the same tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor):
+        return torch.tanh(self.fc(h) + skip), skip
+
+
+class _TableOutput(nn.Module):
+    """A second output made from a parameter alone (a learned table), not from the inputs:
+    no input-path node leads to its weight side, so W runs the whole backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.table = nn.Linear(16, 16), nn.Parameter(torch.randn(8, 16))
+
+    def forward(self, h: torch.Tensor, skip: torch.Tensor):
+        return self.fc(h) + skip, self.table * 2
+
+
+@pytest.mark.parametrize("build, fast", [(_TwoWays, True), (_PassesSkipOn, True),
+                                         (_TableOutput, False)])
+def test_zero_bubbles_split_of_a_tuple_stage_is_one_backward(build, fast):
+    """Zero-bubble's I + W on a stage taking and giving two tensors: one backward's
+    gradients for one backward's matrix work (the fast split; before, W ran the whole
+    backward over the parameters again for tuples, recomputing every input gradient on the
+    way to the first layers' weights), or, where the split would not be exact, that whole
+    backward in W (here no more work: the table's layer is the stage's last)."""
+    import copy
+
+    from devmesh.parallel.pipeline.split_backward import SplitBackward
+    from test_pipeline import MatmulWork
+
+    torch.manual_seed(0)
+    model = build()
+    reference = copy.deepcopy(model)
+    inputs = [torch.randn(8, 16) for _ in range(2)]
+    grads = [torch.randn(8, 16) for _ in range(2)]
+    ref_inputs = [x.clone().requires_grad_() for x in inputs]
+    ref_outputs = reference(*ref_inputs)
+    with MatmulWork() as whole:
+        torch.autograd.backward(ref_outputs, grads)
+    ours = [x.clone().requires_grad_() for x in inputs]
+    split = SplitBackward(model(*ours), grads, ours, list(model.parameters()))
+    with MatmulWork() as input_part:
+        input_grads = split.input_grad()
+    assert all(p.grad is None for p in model.parameters())
+    with MatmulWork() as weight_part:
+        split.weight_grads()
+    assert (split._boundaries is not None) == fast
+    for got, x in zip(input_grads, ref_inputs):
+        torch.testing.assert_close(got, x.grad)
+    for got, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(got.grad, expected.grad)
+    assert input_part.flops + weight_part.flops == whole.flops

@@ -44,9 +44,9 @@ class SplitBackward:
     """One micro-batch's backward through one stage, in two parts: :meth:`input_grad`, then
     :meth:`weight_grads` (once each, in that order).
 
-    A stage with several outputs or inputs (tensors in a tuple) is split the obvious way:
-    ``I`` is ``autograd.grad`` over them and ``W`` the whole backward over the parameters
-    (correct; the fast split is written for one of each, the common case)."""
+    A stage may have several outputs and inputs (tensors in a tuple): ``I`` asks for every
+    input's gradient at once, and the input path is the nodes from which any input is
+    reachable."""
 
     def __init__(self, output: torch.Tensor | Sequence[torch.Tensor],
                  grad: torch.Tensor | None | Sequence[torch.Tensor | None],
@@ -65,29 +65,26 @@ class SplitBackward:
         """The gradient of the stage's input (or of the tensor the split is made at: any
         tensor of the stage's graph), a tuple of them for several inputs; the graph is kept
         for :meth:`weight_grads`."""
-        if len(self.outputs) != 1 or len(self.inputs) != 1:
-            grads = torch.autograd.grad(self.outputs, self.inputs, self.grads,
-                                        retain_graph=True, allow_unused=True)
-            return grads[0] if self.single_input else tuple(grads)
-        output, stage_input = self.outputs[0], self.inputs[0]
-        node = get_gradient_edge(stage_input).node
+        nodes = [get_gradient_edge(x).node for x in self.inputs]
         # an input computed in the stage by an operation with several outputs (a chunk)
         # would keep the gradient of this output only: not exact, so W does it all
-        several = len(getattr(node, "_input_metadata", ())) > 1
-        self._boundaries = None if several else _boundaries(output.grad_fn, node)
+        several = any(len(getattr(node, "_input_metadata", ())) > 1 for node in nodes)
+        roots = [o.grad_fn for o in self.outputs if o.grad_fn is not None]
+        self._boundaries = None if several else _boundaries(roots, nodes)
         handles = [node.register_prehook(self._keeper(node)) for node in self._boundaries or ()]
         try:
-            (grad,) = torch.autograd.grad(output, stage_input, self.grads[0],
-                                          retain_graph=True, allow_unused=True)
+            grads = torch.autograd.grad(self.outputs, self.inputs, self.grads,
+                                        retain_graph=True, allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()
-        edge = get_gradient_edge(stage_input)
-        if self._boundaries and edge.node in self._boundaries and grad is not None:
-            # an input computed inside the stage (the first stage splits at its first
-            # child's output): autograd stopped at it, so its node's gradient is this one
-            self._kept.setdefault(edge.node, (None,) * edge.output_nr + (grad,))
-        return grad if self.single_input else (grad,)
+        for x, grad in zip(self.inputs, grads):
+            edge = get_gradient_edge(x)
+            if self._boundaries and edge.node in self._boundaries and grad is not None:
+                # an input computed inside the stage (the first stage splits at its first
+                # child's output): autograd stopped at it, so its node's gradient is this one
+                self._kept.setdefault(edge.node, (None,) * edge.output_nr + (grad,))
+        return grads[0] if self.single_input else tuple(grads)
 
     def _keeper(self, node: Node):
         def keep(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
@@ -132,14 +129,16 @@ class SplitBackward:
             torch.autograd.backward(edges, grads, inputs=self.params)
 
 
-def _boundaries(root: Node | None, stage_input: Node) -> dict[Node, list[tuple[Node, int]]] | None:
+def _boundaries(roots: Sequence[Node], stage_inputs: Sequence[Node]
+                ) -> dict[Node, list[tuple[Node, int]]] | None:
     """Each input-path node with edges into the weight side, and those edges; ``None`` if
-    two of these edges lead into each other (or into one node), so that asking boundaries
-    one at a time would not be exact."""
-    if root is None:
+    an output does not depend on any input (its weight side would be reached from no
+    boundary), or two of these edges lead into each other (or into one node), so that asking
+    boundaries one at a time would not be exact."""
+    if not roots:
         return {}
     consumers: dict[Node, list[Node]] = {}  # node -> the nodes with an edge into it
-    seen, queue = {root}, deque([root])
+    seen, queue = set(roots), deque(roots)
     while queue:
         node = queue.popleft()
         for nxt, _ in node.next_functions:
@@ -149,8 +148,8 @@ def _boundaries(root: Node | None, stage_input: Node) -> dict[Node, list[tuple[N
             if nxt not in seen:
                 seen.add(nxt)
                 queue.append(nxt)
-    input_path = {stage_input}
-    queue = deque([stage_input])
+    input_path = set(stage_inputs)
+    queue = deque(input_path)
     while queue:
         for consumer in consumers.get(queue.popleft(), ()):
             if consumer not in input_path:
@@ -164,8 +163,8 @@ def _boundaries(root: Node | None, stage_input: Node) -> dict[Node, list[tuple[N
             boundaries[node] = weight_side
     entry_nodes = [n for edges in boundaries.values() for n, _ in edges]
     entries = set(entry_nodes)
-    if root not in input_path or len(entries) != len(entry_nodes):
-        return None  # the output does not depend on the input; one node fed by two edges
+    if any(root not in input_path for root in roots) or len(entries) != len(entry_nodes):
+        return None  # an output does not depend on the inputs; one node fed by two edges
     # does any weight-side path lead from one entry to another? (from all entries at once)
     reached: set[Node] = set()
     queue = deque(nxt for entry in entries for nxt, _ in entry.next_functions
