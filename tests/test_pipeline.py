@@ -820,3 +820,47 @@ def test_split_at_one_output_of_a_chunk_stays_exact():
     for ours, theirs in zip([*first.parameters(), *rest.parameters()],
                             [*ref_first.parameters(), *ref_rest.parameters()]):
         torch.testing.assert_close(ours.grad, theirs.grad)
+
+
+def _two_steps_per_update(style: str, name: str):
+    """Gradient accumulation across pipeline steps: two ``runner.step`` calls, then one
+    optimizer step, on ``(pp, dp) = (2, 2)`` with each stage under ``replicate`` or
+    ``fully_shard`` (each step reduces its gradients once; the second adds to the first)."""
+    from devmesh.parallel import fully_shard, replicate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp, dp = mesh.get_coordinate()
+    stage = split_sequential(block_model(), 2)[pp]
+    (fully_shard if style == "fsdp" else replicate)(stage, mesh=mesh["dp"])
+    runner = PipelineRunner({pp: stage}, mesh, build_schedule(name, 2, 4), F.cross_entropy)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    for update in range(2):
+        for half in range(2):
+            x, y = _accumulation_batch(update, half)
+            mine = slice(8 * dp, 8 * dp + 8)
+            runner.step(x[mine] if pp == 0 else None, y[mine] if pp == 1 else None)
+        opt.step()
+        opt.zero_grad()
+    return pp, state_dict(stage, full=True)
+
+
+def _accumulation_batch(update: int, half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(10 * update + half)
+    return torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+
+
+@pytest.mark.parametrize("style, name", [("ddp", "1f1b"), ("fsdp", "zero-bubble")])
+def test_gradients_accumulate_across_pipeline_steps(mesh_pool, style, name):
+    model = block_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for update in range(2):
+        for half in range(2):
+            x, y = _accumulation_batch(update, half)
+            F.cross_entropy(model(x), y).backward()  # the sum of the two batches' means
+        opt.step()
+        opt.zero_grad()
+    expected = model.state_dict()
+    for pp, state in mesh_pool.run(_two_steps_per_update, 4, style, name):
+        assert state and all(key in expected for key in state)
+        for key, value in state.items():
+            torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
