@@ -310,3 +310,50 @@ def test_devmesh_run_names_a_hung_rank(tmp_path):
     assert "ranks [2] never entered it" in output, "\n".join(
         line for line in output.splitlines() if "devmesh" in line or "Error" in line)[-6000:]
     assert time.monotonic() - start < 40
+
+
+def a_pipeline_stage_hangs_in_its_forward():
+    """4 pipeline ranks (1F1B); stage 2's forward sticks in its second step for longer than
+    the others' 3 s timeout and their reports. Returns each rank's error."""
+    import torch
+    import torch.nn.functional as F
+    from torch import nn
+
+    from devmesh import init_device_mesh
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel.pipeline import PipelineRunner
+
+    class Stuck(nn.Linear):
+        calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            if self.calls == 6:  # the second step's second micro-batch
+                time.sleep(10)
+            return super().forward(x)
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",), timeout=3)
+    me = mesh.get_coordinate()[0]
+    stage = Stuck(8, 8) if me == 2 else nn.Linear(8, 8)
+    runner = PipelineRunner({me: stage}, mesh, build_schedule("1f1b", 4, 4), F.mse_loss)
+    x = torch.randn(8, 8)
+    try:
+        for _ in range(3):
+            runner.step(x if me == 0 else None, x if me == 3 else None)
+    except RuntimeError as exc:
+        return type(exc).__name__, getattr(exc, "missing", None), str(exc)
+    return None
+
+
+def test_a_pipeline_stage_stuck_in_its_code_is_named_by_every_other_rank(mesh_pool):
+    """Before, every rank of a pipeline whose stage hung raised torch's bare 'Timed out
+    waiting 3000ms for recv' (the stage's neighbours and the ranks waiting on them down the
+    chain alike); now each names the stuck rank, whichever message it waited for."""
+    results = mesh_pool.run(a_pipeline_stage_hangs_in_its_forward, 4, timeout=90)
+    for rank in (0, 1, 3):
+        kind, missing, text = results[rank]
+        assert kind == "CollectiveTimeoutError" and missing == [2], text
+        assert "pipeline step over pp" in text and "ranks [2] never timed out waiting for " \
+            "a message — they are stuck in their own code" in text, text
+    assert results[2] is not None  # the stuck rank fails too, once it wakes: no one is left
+    assert mesh_pool.run(lambda: 5, 4) == [5, 5, 5, 5]

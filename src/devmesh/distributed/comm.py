@@ -171,6 +171,19 @@ def _watch(collective: str, mesh: DeviceMesh, dims: Sequence[int], g: _Group) ->
     return Watch(collective, g.ranks, lambda: "+".join(mesh.layout.dim_name(d) for d in dims))
 
 
+def exchange_watch(what: str, mesh: DeviceMesh, dim: int) -> Watch:
+    """A watch over a run of point-to-point messages in which every rank along ``dim`` takes
+    part (a pipeline step): each rank makes one per run, in the same order, and passes it to
+    :func:`send_async` / :func:`recv_async` (and guards the run's closing collective with
+    it). A message that times out then names the ranks that never timed out themselves: the
+    one stuck in its own code (a stage's forward, say) or dead, not the neighbour that
+    waited for it — every other rank ends up waiting, directly or down the chain."""
+    g = _group(mesh, (dim,))
+    return Watch(what, g.ranks, lambda: mesh.layout.dim_name(dim),
+                 absent="never timed out waiting for a message — they are stuck in their own "
+                        "code (a stage's forward or backward, the loss), or dead")
+
+
 class Pending:
     """An asynchronous collective in flight; ``wait()`` returns its result (once computed)."""
 
@@ -486,31 +499,35 @@ def _peer(mesh: DeviceMesh, dim: int, index: int) -> int:
     return _group(mesh, (dim,)).ranks[index]  # cached: a pipeline sends many messages
 
 
-def send_async(tensor: torch.Tensor, mesh: DeviceMesh, dim: int, peer_index: int, tag: int
-               ) -> Pending:
+def send_async(tensor: torch.Tensor, mesh: DeviceMesh, dim: int, peer_index: int, tag: int,
+               watch: Watch | None = None) -> Pending:
     """Start sending ``tensor`` to the ``peer_index``-th rank along mesh dim ``dim``; the
-    caller keeps ``tensor`` alive until ``wait()``."""
+    caller keeps ``tensor`` alive until ``wait()``. ``watch``: see :func:`exchange_watch`."""
     g = _group(mesh, (dim,))
     tensor = tensor.contiguous()
-    work = dist.isend(tensor, dst=_peer(mesh, dim, peer_index), group=g.group, tag=tag)
+    with watch.guard() if watch else contextlib.nullcontext():
+        work = dist.isend(tensor, dst=_peer(mesh, dim, peer_index), group=g.group, tag=tag)
     _record("send", mesh, (dim,), tensor.numel() * tensor.element_size())
-    return Pending(work, lambda: tensor)
+    return Pending(work, lambda: tensor, watch)
 
 
 def recv_async(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, dim: int,
-               peer_index: int, tag: int, device: torch.device | str = "cpu") -> Pending:
+               peer_index: int, tag: int, device: torch.device | str = "cpu",
+               watch: Watch | None = None) -> Pending:
     """Start receiving a tensor of ``shape`` and ``dtype`` on ``device`` (the sender's
     device type: NCCL sends CUDA tensors only) from the ``peer_index``-th rank along ``dim``;
-    ``wait()`` returns it."""
+    ``wait()`` returns it. ``watch``: see :func:`exchange_watch`."""
     g = _group(mesh, (dim,))
     buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
-    work = dist.irecv(buffer, src=_peer(mesh, dim, peer_index), group=g.group, tag=tag)
+    with watch.guard() if watch else contextlib.nullcontext():
+        work = dist.irecv(buffer, src=_peer(mesh, dim, peer_index), group=g.group, tag=tag)
     _record("recv", mesh, (dim,), buffer.numel() * buffer.element_size())
-    return Pending(work, lambda: buffer)
+    return Pending(work, lambda: buffer, watch)
 
 
 def recv(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, dim: int,
-         peer_index: int, tag: int, device: torch.device | str = "cpu") -> torch.Tensor:
+         peer_index: int, tag: int, device: torch.device | str = "cpu",
+         watch: Watch | None = None) -> torch.Tensor:
     """Receive a tensor of ``shape`` and ``dtype`` from the ``peer_index``-th rank along
     ``dim`` (blocking)."""
-    return recv_async(shape, dtype, mesh, dim, peer_index, tag, device).wait()
+    return recv_async(shape, dtype, mesh, dim, peer_index, tag, device, watch).wait()

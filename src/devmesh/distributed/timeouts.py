@@ -42,8 +42,11 @@ class Watch:
     """One collective about to run on the group ``ranks``: its number, and what to raise if
     it times out."""
 
-    def __init__(self, collective: str, ranks: Sequence[int], label: Callable[[], str]) -> None:
+    def __init__(self, collective: str, ranks: Sequence[int], label: Callable[[], str], *,
+                 absent: str = "never entered it — they are stuck elsewhere in their code, or "
+                               "dead") -> None:
         self.collective, self.ranks, self.label = collective, tuple(ranks), label
+        self.absent = absent  # what the ranks that never said they waited did, in words
         numbers = groups.world_cache()  # a new world numbers from 1 again
         key = ("timeouts.sequence", self.ranks)
         self.number = numbers[key] = numbers.get(key, 0) + 1
@@ -83,8 +86,7 @@ class Watch:
         return CollectiveTimeoutError(
             f"{self.collective} over {self.label()} (collective #{self.number} on ranks "
             f"{list(self.ranks)}) {'timed out' if timed_out else 'broke off'}: ranks "
-            f"{missing} never entered it — they are stuck "
-            f"elsewhere in their code, or dead; ranks {waited} waited. Look at rank "
+            f"{missing} {self.absent}; ranks {waited} waited. Look at rank "
             f"{missing[0]}'s stack (py-spy dump, or faulthandler). torch's error: {exc}",
             missing=missing, waited=waited)
 

@@ -36,6 +36,7 @@ from __future__ import annotations
 import torch
 
 from devmesh.distributed import comm
+from devmesh.distributed.timeouts import Watch
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 
@@ -132,11 +133,13 @@ class StageLinks:
         self.announced_before: dict[int, Layout | None] = {}
         self.sends: list[comm.Pending] = []
         self._posted: dict[tuple[int, int], comm.Pending] = {}  # (peer stage, tag) -> receive
+        self.watch: Watch | None = None  # this step's: a timeout names the stuck rank
 
     def start_step(self, actions: tuple[Action, ...]) -> None:
         """Announce every layout again (each step may bring a new micro-batch shape), and
         post the receives of each incoming link's header and first activation (the latter in
         the previous step's layout) for this rank's ``actions``."""
+        self.watch = comm.exchange_watch("pipeline step", self.mesh, self.dim)
         self.received_before, self.received = self.received, {}
         self.announced_before, self.announced = self.announced, {}
         first = {}  # stage -> the micro-batch of its first forward this step
@@ -157,18 +160,18 @@ class StageLinks:
         if (stage, tag) not in self._posted:
             self._posted[(stage, tag)] = comm.recv_async(
                 wire[0], wire[1], self.mesh, self.dim, self.schedule.rank_of(stage), tag,
-                self.device)
+                self.device, self.watch)
 
     def _send(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
         peer = self.schedule.rank_of(stage)
-        self.sends.append(comm.send_async(tensor, self.mesh, self.dim, peer, tag))
+        self.sends.append(comm.send_async(tensor, self.mesh, self.dim, peer, tag, self.watch))
 
     def _recv(self, wire: Shape, stage: int, tag: int) -> torch.Tensor:
         posted = self._posted.pop((stage, tag), None)
         if posted is not None:
             return posted.wait()
         return comm.recv(wire[0], wire[1], self.mesh, self.dim, self.schedule.rank_of(stage),
-                         tag, self.device)
+                         tag, self.device, self.watch)
 
     def prefetch(self, action: Action) -> None:
         """Post the receive ``action`` will wait for, when its layout is already known, so

@@ -320,7 +320,8 @@ class PipelineRunner:
 
     def _raise_if_any_stage_failed(self, step: _Step) -> None:
         try:
-            self._agree_or_raise(step.error, "pipeline step failed")
+            with self._links.watch.guard():  # a rank stuck in its code is named here too
+                self._agree_or_raise(step.error, "pipeline step failed")
         except PipelineError as exc:
             if not step.training:
                 raise PipelineError(str(exc), with_rank=False) from step.exception
