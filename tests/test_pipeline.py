@@ -108,6 +108,82 @@ def test_splits_by_name_and_by_parameter_count():
         split_sequential(nn.Linear(2, 2), 2)
 
 
+def nested_model() -> nn.Sequential:
+    """``Sequential(embed, blocks, head)``, the blocks in a nested ``nn.Sequential``."""
+    from collections import OrderedDict
+
+    torch.manual_seed(0)
+    blocks = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6)])
+    return nn.Sequential(OrderedDict(embed=nn.Linear(16, 16), blocks=blocks,
+                                     head=nn.Linear(16, 4)))
+
+
+def test_splits_inside_a_nested_sequential_by_dotted_names():
+    """``starts=["blocks.2"]`` (torch's ``split_spec`` names split points this way): each
+    stage holds its part of ``blocks`` under the model's names; a container held whole stays
+    the model's own module."""
+    model = nested_model()
+    parts = split_sequential(model, 3, starts=["blocks.2", "blocks.5"])
+    assert [[n for n, _ in part.named_children()] for part in parts] == \
+        [["embed", "blocks"], ["blocks"], ["blocks", "head"]]
+    assert [list(part.blocks._modules) for part in parts] == [["0", "1"], ["2", "3", "4"], ["5"]]
+    assert parts[1].blocks[0] is model.blocks[2] and parts[2].head is model.head
+    keys = [k for part in parts for k in part.state_dict()]
+    assert sorted(keys) == sorted(model.state_dict()) and len(keys) == len(set(keys))
+    x = torch.randn(4, 16)
+    out = x
+    for part in parts:
+        out = part(out)
+    torch.testing.assert_close(out, model(x), rtol=0, atol=0)
+    whole = split_sequential(model, 2, starts=["blocks"])
+    assert whole[1].blocks is model.blocks  # no split inside: the model's own container
+    with pytest.raises(PipelineError, match="'blocks.9' is not a child of the model"):
+        split_sequential(model, 2, starts=["blocks.9"])
+    with pytest.raises(PipelineError, match="inside 'embed', a Linear: a split point may lie "
+                                            "inside an nn.Sequential only"):
+        split_sequential(model, 2, starts=["embed.weight"])
+    with pytest.raises(PipelineError, match="increasing order"):
+        split_sequential(model, 3, starts=["blocks.4", "blocks.2"])
+
+
+def _train_nested(steps: int = 2):
+    """Interleaved 1F1B on 2 ranks, 4 stages split inside ``blocks``: rank 0 holds blocks
+    0-1 and 4, rank 1 blocks 2-3 and 5 with the head."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    schedule = build_schedule("interleaved-1f1b", 2, 4, 2)
+    parts = split_sequential(nested_model(), 4, starts=["blocks.2", "blocks.4", "blocks.5"])
+    me = mesh.get_coordinate()[0]
+    stages = {s: parts[s] for s in range(4) if schedule.rank_of(s) == me}
+    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    opt = torch.optim.SGD(runner.module.parameters(), lr=0.1)
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        runner.step(x if me == 0 else None, y if me == 1 else None)
+        opt.step()
+        opt.zero_grad()
+    return sorted(runner.module.state_dict()), runner.state_dict(full=True)
+
+
+def test_a_model_split_inside_a_nested_sequential_trains_as_one_process(mesh_pool):
+    model = nested_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    results = mesh_pool.run(_train_nested, 2)
+    # each rank's two parts of blocks joined under one "blocks" (its optimizer, checkpoints)
+    assert results[0][0] == sorted(f"{k}.{w}" for k in ("blocks.0.0", "blocks.1.0",
+                                   "blocks.4.0", "embed") for w in ("bias", "weight"))
+    for _, full in results:
+        assert sorted(full) == sorted(model.state_dict())
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
 def train_pipelined(name: str, microbatches: int, steps: int = 2):
     """Train on 4 pipeline ranks; return this rank's stage parameters, losses and P2P counts."""
     import torch.distributed as dist

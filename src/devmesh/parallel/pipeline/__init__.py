@@ -40,7 +40,8 @@ _NOT_PROVIDED = {
     "pipeline": "devmesh does not trace models: split an nn.Sequential with split_sequential",
     "Pipe": "devmesh does not trace models: split an nn.Sequential with split_sequential",
     "pipe_split": "devmesh does not trace models: split an nn.Sequential with split_sequential",
-    "SplitPoint": "devmesh does not trace models: split_sequential(model, n, starts=[...])",
+    "SplitPoint": "devmesh does not trace models: split_sequential(model, n, starts=[...]) "
+    "takes split_spec's names (a dotted name splits inside a nested nn.Sequential)",
     "build_stage": "build a PipelineStage from the stage's module",
 }
 

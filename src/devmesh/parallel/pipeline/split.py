@@ -56,8 +56,12 @@ def split_sequential(model: nn.Module, stages: int, *, starts: Sequence[str] | N
                      ) -> list[nn.Sequential]:
     """``model``'s children in ``stages`` contiguous runs, each an ``nn.Sequential`` of the
     model's own modules under the model's names. ``starts`` names the child that begins each
-    stage after the first (``["4", "8", "12"]`` for 4 stages); without it, stages are balanced
-    by parameter count.
+    stage after the first (``["4", "8", "12"]`` for 4 stages); a dotted name splits inside a
+    nested ``nn.Sequential`` (``"blocks.4"`` for ``Sequential(embed, blocks, head)``, as
+    torch's ``split_spec`` names split points): each stage then holds the part of ``blocks``
+    it runs, as an ``nn.Sequential`` under the same names (a container a stage holds whole
+    stays the model's own module). Without ``starts``, stages are balanced by parameter count
+    over the top-level children.
 
     A parameter used by several stages (an embedding tied to the output head) is recorded on
     the stages (:mod:`~devmesh.parallel.pipeline.tied`): the runner keeps its copies on
@@ -66,30 +70,79 @@ def split_sequential(model: nn.Module, stages: int, *, starts: Sequence[str] | N
         raise PipelineError(
             f"pipeline stages are runs of an nn.Sequential's children; got a "
             f"{type(model).__name__}. Build the model as nn.Sequential(embedding, *blocks, head)")
-    names = [name for name, _ in model.named_children()]
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise PipelineError(f"the number of stages must be a positive integer, got {stages!r}")
-    if len(names) < stages:
+    units = _units(model, starts or ())
+    if len(units) < stages:
         raise PipelineError(
-            f"the model has {len(names)} layers (children) for {stages} pipeline stages: every "
-            f"stage needs at least one; use at most {len(names)} stages, or split the layers")
+            f"the model has {len(units)} layers (children) for {stages} pipeline stages: every "
+            f"stage needs at least one; use at most {len(units)} stages, or split the layers")
     if starts is not None:
         if len(starts) != stages - 1:
             raise PipelineError(f"starts names {len(starts)} children; {stages} stages need "
                                 f"{stages - 1} (the first child of every stage after the first)")
-        unknown = [s for s in starts if s not in names]
-        if unknown:
-            raise PipelineError(f"starts {unknown} are not children of the model "
-                                f"(children: {names})")
-        index = [0] + [names.index(s) for s in starts]
+        index = [0] + [_first_unit(units, name) for name in starts]
         if index != sorted(set(index)):
             raise PipelineError(f"starts {list(starts)} must name children in increasing order, "
                                 "after the first")
     else:
-        weights = [sum(p.numel() for p in child.parameters()) for child in model.children()]
+        weights = [sum(p.numel() for p in child.parameters()) for _, child in units]
         index = balanced_boundaries([max(w, 1) for w in weights], stages)
-    children = list(model.named_children())
-    bounds = index + [len(children)]
-    parts = [nn.Sequential(OrderedDict(children[a:b])) for a, b in zip(bounds, bounds[1:])]
+    bounds = index + [len(units)]
+    parts = [_assemble(model, units[a:b]) for a, b in zip(bounds, bounds[1:])]
     mark_ties(parts)
     return parts
+
+
+def _units(model: nn.Module, starts: Sequence[str]) -> list[tuple[tuple[str, ...], nn.Module]]:
+    """The modules a split runs over, in order, with their paths: the model's children, with
+    each nested ``nn.Sequential`` that a dotted name in ``starts`` splits inside replaced by
+    its own children."""
+    inside = {tuple(name.split("."))[:i] for name in starts for i in range(1, name.count(".") + 1)}
+
+    def walk(module: nn.Module, path: tuple[str, ...]):
+        for name, child in module.named_children():
+            here = path + (name,)
+            if here not in inside:
+                yield here, child
+                continue
+            if type(child).forward is not nn.Sequential.forward:
+                raise PipelineError(
+                    f"starts split inside {'.'.join(here)!r}, a {type(child).__name__}: a "
+                    "split point may lie inside an nn.Sequential only (its forward runs its "
+                    f"children in order); name a child of the model, or of an nn.Sequential")
+            yield from walk(child, here)
+    return list(walk(model, ()))
+
+
+def _first_unit(units: Sequence[tuple[tuple[str, ...], nn.Module]], name: str) -> int:
+    """The index of the first unit at or inside the module named ``name``."""
+    path = tuple(name.split("."))
+    for i, (unit, _) in enumerate(units):
+        if unit[:len(path)] == path:
+            return i
+    known = [".".join(unit) for unit, _ in units]
+    raise PipelineError(f"starts {name!r} is not a child of the model (children: {known}; a "
+                        "dotted name splits inside a nested nn.Sequential)")
+
+
+def _assemble(model: nn.Module, run: Sequence[tuple[tuple[str, ...], nn.Module]]
+              ) -> nn.Sequential:
+    """One stage: the units of ``run`` under their names, each container the run holds only
+    part of rebuilt as an ``nn.Sequential`` of that part (same names, same modules)."""
+    tree: OrderedDict = OrderedDict()  # name -> module, or a subtree for a split container
+    for path, module in run:
+        node = tree
+        for name in path[:-1]:
+            node = node.setdefault(name, OrderedDict())
+        node[path[-1]] = module
+
+    def build(container: nn.Module, subtree: OrderedDict) -> nn.Module:
+        children = OrderedDict()
+        for name, sub in subtree.items():
+            children[name] = build(container._modules[name], sub) if isinstance(
+                sub, OrderedDict) else sub
+        whole = list(children) == list(container._modules) and all(
+            children[n] is container._modules[n] for n in children)
+        return container if whole and container is not model else nn.Sequential(children)
+    return build(model, tree)

@@ -123,12 +123,22 @@ def local_module(stages: Mapping[int, nn.Module]) -> nn.Module:
                                  "module): the stages of one rank cannot be joined into one "
                                  "module; use split_sequential's stages")
         for name, child in stages[s].named_children():
-            if name in children:
-                raise StateDictError(f"stages of this rank share the child name {name!r}: give "
-                                     "each stage the whole model's names (split_sequential "
-                                     "does)")
-            children[name] = child
+            children[name] = _join(name, children[name], child) if name in children else child
     return _JoinedStages(OrderedDict(children), [stages[s] for s in sorted(stages)])
+
+
+def _join(name: str, first: nn.Module, second: nn.Module) -> nn.Module:
+    """Two stages' parts of one container of the model (``split_sequential`` at a dotted
+    name, interleaved: ``blocks.0-3`` and ``blocks.8-11`` on one rank) as one container
+    under its name; anything else under one name on two stages is refused."""
+    if not (type(first) is type(second) is nn.Sequential):
+        raise StateDictError(f"stages of this rank share the child name {name!r}: give each "
+                             "stage the whole model's names (split_sequential does)")
+    children: dict[str, nn.Module] = dict(first.named_children())
+    for key, child in second.named_children():
+        children[key] = _join(f"{name}.{key}", children[key], child) if key in children \
+            else child
+    return nn.Sequential(OrderedDict(children))
 
 
 class _JoinedStages(nn.Sequential):
