@@ -146,9 +146,11 @@ def test_splits_inside_a_nested_sequential_by_dotted_names():
         split_sequential(model, 3, starts=["blocks.4", "blocks.2"])
 
 
-def _train_nested(steps: int = 2):
+def _train_nested(path: str, steps: int = 2):
     """Interleaved 1F1B on 2 ranks, 4 stages split inside ``blocks``: rank 0 holds blocks
-    0-1 and 4, rank 1 blocks 2-3 and 5 with the head."""
+    0-1 and 4, rank 1 blocks 2-3 and 5 with the head; saved to ``path`` after training."""
+    from devmesh.parallel import save_checkpoint
+
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     schedule = build_schedule("interleaved-1f1b", 2, 4, 2)
     parts = split_sequential(nested_model(), 4, starts=["blocks.2", "blocks.4", "blocks.5"])
@@ -162,10 +164,13 @@ def _train_nested(steps: int = 2):
         runner.step(x if me == 0 else None, y if me == 1 else None)
         opt.step()
         opt.zero_grad()
+    save_checkpoint(path, runner.module)
     return sorted(runner.module.state_dict()), runner.state_dict(full=True)
 
 
-def test_a_model_split_inside_a_nested_sequential_trains_as_one_process(mesh_pool):
+def test_a_model_split_inside_a_nested_sequential_trains_as_one_process(mesh_pool, tmp_path):
+    from devmesh.parallel import load_checkpoint
+
     model = nested_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(2):
@@ -174,11 +179,13 @@ def test_a_model_split_inside_a_nested_sequential_trains_as_one_process(mesh_poo
         F.cross_entropy(model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    results = mesh_pool.run(_train_nested, 2)
+    results = mesh_pool.run(_train_nested, 2, str(tmp_path / "ckpt"))
     # each rank's two parts of blocks joined under one "blocks" (its optimizer, checkpoints)
     assert results[0][0] == sorted(f"{k}.{w}" for k in ("blocks.0.0", "blocks.1.0",
                                    "blocks.4.0", "embed") for w in ("bias", "weight"))
-    for _, full in results:
+    plain = nested_model()  # the checkpoint of the pipelined run, loaded in one process
+    load_checkpoint(str(tmp_path / "ckpt"), plain)
+    for full in [full for _, full in results] + [plain.state_dict()]:
         assert sorted(full) == sorted(model.state_dict())
         for key, value in model.state_dict().items():
             torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=key)
