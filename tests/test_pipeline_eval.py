@@ -210,6 +210,10 @@ def _step_without_gradients():
         bare.step(x if me == 0 else None, y if me == 1 else None)
     except PipelineError as exc:
         errors.append(str(exc))
+    try:  # a batch the micro-batches do not divide, on the first stage's rank only
+        bare.evaluate(x[:3] if me == 0 else None)
+    except PipelineError as exc:
+        errors.append(str(exc))
     bare.evaluate(x if me == 0 else None)  # forward only needs no loss function
     return errors, bare.output()
 
@@ -217,8 +221,10 @@ def _step_without_gradients():
 def test_step_without_gradients_or_loss_is_named_on_every_rank(mesh_pool):
     results = mesh_pool.run(_step_without_gradients, 2)
     for rank, (errors, output) in enumerate(results):
-        assert len(errors) == 2, errors
+        assert len(errors) == 3, errors
         assert "gradients are off here" in errors[0] and "call evaluate()" in errors[0]
         assert "no loss function" in errors[1]
+        assert "rank 0: 2 micro-batches do not divide the batch of 3" in errors[2]
+        assert "zero them" not in errors[2] and errors[2].count("[rank") == 1  # no gradients
         assert (output is None) == (rank == 0)
     assert results[1][1].shape == (16, 4)
