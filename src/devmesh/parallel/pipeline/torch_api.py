@@ -116,7 +116,8 @@ class _Schedule:
         ``return_outputs=False``; a tuple when the last stage returns one), as torch's
         ``step``. A schedule built without ``loss_fn`` runs forward only, as torch's."""
         if self._loss_fn is None:
-            return self.eval(*args, target=target, losses=losses, **kwargs)
+            output = self.eval(*args, target=target, losses=losses, **kwargs)
+            return output if return_outputs else None
         runner = self._get_runner()
         runner.step(*self._inputs(args), target, input_kwargs=kwargs,
                     loss_kwargs=loss_kwargs)
