@@ -4,14 +4,19 @@ Every transition redistributes the same tensor in both libraries on the same mes
 mesh *is* a torch mesh, so they share process groups): single-dim transitions, 2-D ones
 including the swap ``[S(0),S(1)] -> [S(1),S(0)]``, the nested FSDP-over-TP ``full_tensor``
 (torch: ``_StridedShard``), a 3-D mesh, uneven sizes and bf16, at 64 KB, 8 MB and 64 MB.
-Prints the slowest rank's median time, devmesh / torch, collective counts, the bytes a rank
-receives (devmesh: its plan, checked against ``comm_stats`` by tests/test_sharded.py; torch:
-counted from its functional collectives), and the plan's predicted time.
+Prints the median over repeats of the slowest rank's time, devmesh / torch (the median of
+each repeat's pair: the two run back to back, so the machine's drift cancels), collective
+counts, the bytes a rank receives (devmesh: its plan, checked against ``comm_stats`` by
+tests/test_sharded.py; torch: counted from its functional collectives), and the plan's
+predicted time. "A/A" times torch's own call a second time in each repeat: its ratio to the
+first is what this machine's noise alone makes of two identical runs, so a devmesh / torch
+ratio inside that spread is a tie.
 
 ``--candidates`` also times every candidate plan devmesh considered, to compare the cost
 model's ranking with the measured one.
 
     .venv/bin/python bench/redistribute.py [--repeats 5] [--sizes 64K,8M,64M] [--candidates]
+        [--only "[S(0),S(1)]->R" --only swap]
 
 Set DEVMESH_COST_MODEL to a ``devmesh bench -n 8 --mesh 2,4 --json`` file to plan with this
 machine's measured constants.
@@ -115,7 +120,7 @@ class _TorchWire:
         raise NotImplementedError(f"torch issued {name}; count its bytes here")
 
 
-def bench_rank(sizes, repeats: int, candidates: bool):
+def bench_rank(sizes, repeats: int, candidates: bool, only=()):
     import logging
 
     import torch
@@ -132,17 +137,22 @@ def bench_rank(sizes, repeats: int, candidates: bool):
     meshes = {}
 
     def timed(*fns):
-        """Alternate the functions so that machine noise hits all alike; medians."""
+        """Each function's time in every repeat (this rank's). The functions alternate so
+        that machine noise hits all alike, and their order flips every repeat: ranks leave a
+        barrier at different moments, and whichever runs first after it absorbs that spread
+        (timing one 8 MB all-gather against itself on 8 ranks, the one always run first
+        took 1.05-1.12x the other; with the order flipping, 0.90-1.06x)."""
         for fn in fns:
             fn()  # warm-up: plan caches, lazy buffers
         times = [[] for _ in fns]
-        for _ in range(repeats):
-            for fn, out in zip(fns, times):
+        for repeat in range(repeats):
+            order = list(zip(fns, times))
+            for fn, out in order if repeat % 2 == 0 else reversed(order):
                 dist.barrier()
                 start = time.perf_counter()
                 fn()
                 out.append(time.perf_counter() - start)
-        return [statistics.median(t) for t in times]
+        return times
 
     meshes[(2, 4)] = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
     for _ in range(20):  # warm the machine and the connections up
@@ -150,6 +160,8 @@ def bench_rank(sizes, repeats: int, candidates: bool):
     results = {}
     for name, mesh_shape, shape, dtype, (src_map, src_partial), (dst_map, dst_partial) in _cases(
             sizes):
+        if only and not any(part in name for part in only):
+            continue
         names = ("a", "b", "c") if len(mesh_shape) == 3 else ("dp", "tp")
         if mesh_shape not in meshes:
             meshes[mesh_shape] = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
@@ -161,8 +173,11 @@ def bench_rank(sizes, repeats: int, candidates: bool):
         ours = full.redistribute(src) if not src.partial else _partial(full, src)
         theirs = ours.to_dtensor()
         target = ShardedTensor(x, mesh, dst.replicated()).redistribute(dst).to_dtensor().placements
-        t_ours, t_theirs = timed(lambda: ours.redistribute(dst),
-                                 lambda: theirs.redistribute(theirs.device_mesh, target))
+        # torch timed twice: the spread of torch / torch is this run's noise floor
+        t_ours, t_theirs, t_again = timed(
+            lambda: ours.redistribute(dst),
+            lambda: theirs.redistribute(theirs.device_mesh, target),
+            lambda: theirs.redistribute(theirs.device_mesh, target))
         with comm_stats() as stats:
             result = ours.redistribute(dst)
         wire = _TorchWire()
@@ -170,7 +185,7 @@ def bench_rank(sizes, repeats: int, candidates: bool):
             expected = theirs.redistribute(theirs.device_mesh, target)
         assert torch.equal(result.to_local(), expected.to_local()), name
         plan = plan_redistribute(src, dst, x.element_size())
-        row = {"ours": t_ours, "theirs": t_theirs, "calls": stats.calls,
+        row = {"ours": t_ours, "theirs": t_theirs, "again": t_again, "calls": stats.calls,
                "torch_calls": debug.get_total_counts(), "wire": plan.wire,
                "torch_wire": wire.wire, "predicted": plan.seconds, "strategy": plan.strategy}
         if candidates:
@@ -203,6 +218,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--sizes", default="64K,8M,64M",
                         help=f"tensor sizes for the 2-D transitions, from {','.join(SIZES)}")
+    parser.add_argument("--only", action="append", default=[],
+                        help="run the transitions whose name contains this (repeatable; "
+                             "default: all)")
     parser.add_argument("--candidates", action="store_true",
                         help="also time every candidate plan (predicted vs measured ranking)")
     args = parser.parse_args()
@@ -213,25 +231,41 @@ def main() -> None:
 
     from devmesh.launching.launcher import launch
 
-    per_rank = launch(bench_rank, 8, sizes, args.repeats, args.candidates, timeout=3000)
-    print(f"redistribute on 8 gloo ranks; slowest rank, median of {args.repeats}; "
-          "wire = bytes one rank receives")
-    print(f"{'transition':<32}{'devmesh':>10}{'torch':>10}{'ratio':>7}{'colls':>6}{'torch':>6}"
-          f"{'wire MB':>9}{'torch':>8}{'predicted':>11}  plan")
-    ratios = []
+    only = tuple(args.only)
+    per_rank = launch(bench_rank, 8, sizes, args.repeats, args.candidates, only, timeout=3000)
+    print(f"redistribute on 8 gloo ranks; median over {args.repeats} repeats of the slowest "
+          "rank's time; ratio: median of each repeat's devmesh / torch pair (run back to "
+          "back); wire = bytes one rank receives")
+    print(f"{'transition':<32}{'devmesh':>10}{'torch':>10}{'ratio':>7}{'A/A':>6}{'colls':>6}"
+          f"{'torch':>6}{'wire MB':>9}{'torch':>8}{'predicted':>11}  plan")
+    ratios, controls = [], []
     for name, row in per_rank[0].items():
-        ours = max(r[name]["ours"] for r in per_rank)
-        theirs = max(r[name]["theirs"] for r in per_rank)
+        ours = _slowest(per_rank, name, "ours")
+        theirs = _slowest(per_rank, name, "theirs")
+        # each repeat ran devmesh and torch back to back: the ratio of a repeat's pair
+        # cancels the machine's drift between repeats
+        ratio = statistics.median(o / t for o, t in zip(ours, theirs))
+        again = _slowest(per_rank, name, "again")
+        control = statistics.median(a / t for a, t in zip(again, theirs))
+        controls.append(control)
+        ours, theirs = statistics.median(ours), statistics.median(theirs)
         wire = max(r[name]["wire"] for r in per_rank)
         torch_wire = max(r[name]["torch_wire"] for r in per_rank)
-        ratios.append(ours / theirs)
-        print(f"{name:<32}{ours * 1e3:>8.2f}ms{theirs * 1e3:>8.2f}ms{ours / theirs:>7.2f}"
+        ratios.append(ratio)
+        print(f"{name:<32}{ours * 1e3:>8.2f}ms{theirs * 1e3:>8.2f}ms{ratio:>7.2f}{control:>6.2f}"
               f"{row['calls']:>6}{row['torch_calls']:>6}{wire / 2**20:>9.2f}"
               f"{torch_wire / 2**20:>8.2f}{row['predicted'] * 1e3:>9.2f}ms  {row['strategy']}")
     print(f"devmesh / torch: median {statistics.median(ratios):.2f}, worst {max(ratios):.2f}, "
           f"geometric mean {math.exp(statistics.fmean(math.log(r) for r in ratios)):.2f}")
+    print(f"A/A (torch's same call timed twice, the noise floor): from {min(controls):.2f} "
+          f"to {max(controls):.2f}, median {statistics.median(controls):.2f}")
     if args.candidates:
         _print_candidates(per_rank)
+
+
+def _slowest(per_rank, name: str, key: str) -> list[float]:
+    """Per repeat, the slowest rank's time (a collective ends when its last rank does)."""
+    return [max(times) for times in zip(*(r[name][key] for r in per_rank))]
 
 
 def _print_candidates(per_rank) -> None:
@@ -240,7 +274,9 @@ def _print_candidates(per_rank) -> None:
     print("\ncandidate plans: predicted vs measured (slowest rank, median)")
     for name in rows:
         plans = rows[name]["candidates"]
-        measured = [max(r[name]["candidates"][i][2] for r in per_rank) for i in range(len(plans))]
+        measured = [statistics.median(map(max, zip(*(r[name]["candidates"][i][2]
+                                                      for r in per_rank))))
+                    for i in range(len(plans))]
         best_measured = min(range(len(plans)), key=lambda i: measured[i])
         agree += best_measured == 0
         print(f"{name}:")
