@@ -110,6 +110,9 @@ class PipelineRunner:
         self._final_weight_grads = {
             s: max(i for i, a in enumerate(actions) if a.stage == s and a.kind in ("B", "W"))
             for s in stages}
+        # where a stage's backward cannot be split (SplitBackward.whole), its I computes the
+        # weight gradients, and its last I reduces them
+        self._final_input_grads = {a.stage: a for a in actions if a.kind == "I"}
         self._syncable = {s: [m for m in stages[s].modules()
                               if hasattr(m, "set_requires_gradient_sync")] for s in stages}
         self._first_child_output: list[torch.Tensor] | None = None  # a list while watching
@@ -401,10 +404,12 @@ class PipelineRunner:
                         torch.autograd.backward(outputs, seeds)
                     input_grads = tuple(x.grad for x in inputs)
                 elif outputs and (s > 0 or "split_at" in entry):  # weight side kept for W
-                    entry["split"] = SplitBackward(outputs, seeds,
-                                                   inputs if s > 0 else [entry["split_at"]],
-                                                   list(self.stages[s].parameters()))
-                    gradients = entry["split"].input_grad()
+                    split = entry["split"] = SplitBackward(
+                        outputs, seeds, inputs if s > 0 else [entry["split_at"]],
+                        list(self.stages[s].parameters()))
+                    if split.whole and self._syncable[s]:  # this I is a whole backward
+                        self._set_sync(s, action == self._final_input_grads[s])
+                    gradients = split.input_grad()
                     input_grads = gradients if s > 0 else None  # stage 0 sends nothing
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
                 step.fail(exc, f"stage {s}, backward of micro-batch {mb}")

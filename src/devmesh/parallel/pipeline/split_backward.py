@@ -29,15 +29,27 @@ and counting it twice). A parameter used directly by two layers of a stage (not 
 per-use ``t()`` or ``view``) is such a case; the split then falls back to the obvious
 (correct, slower) ``W``. Torch's ``torch.distributed.pipelining`` splits the same way (its
 ``stage_backward_input``/``stage_backward_weight``); this is written from the idea.
+
+Some nodes run their backward as one piece that cannot be kept for a second call: a
+``torch.compile``d region (its saved buffers are donated to its backward, so torch raises if
+the graph is retained) and reentrant activation checkpointing (its backward re-runs the
+forward and refuses ``autograd.grad``). Such a node computes its weight gradients with its
+input gradient anyway, so splitting around it saves nothing: where the stage's graph holds
+one, ``I`` does the whole backward and ``W`` nothing (:attr:`SplitBackward.whole`) — where
+torch's zero-bubble schedules fail on compiled stages.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+# nodes whose backward runs as one piece and cannot be kept for another call (see above)
+_INDIVISIBLE = frozenset({"CompiledFunctionBackward", "CheckpointFunctionBackward"})
 
 
 class SplitBackward:
@@ -57,6 +69,12 @@ class SplitBackward:
         self.grads = [grad] if grad is None or isinstance(grad, torch.Tensor) else list(grad)
         self.inputs = [stage_input] if self.single_input else list(stage_input)
         self.params = [p for p in params if p.requires_grad]
+        self._roots = [o.grad_fn for o in self.outputs if o.grad_fn is not None]
+        self._consumers = _consumers(self._roots)
+        #: ``I`` does the whole backward and ``W`` nothing: the graph holds a node that
+        #: cannot be split around (a compiled region, reentrant checkpointing; see above)
+        self.whole = any(node.name() in _INDIVISIBLE
+                         for node in itertools.chain(self._roots, self._consumers))
         # boundary node -> its weight-side edges; None when the fast split is not exact
         self._boundaries: dict[Node, list[tuple[Node, int]]] | None = None
         self._kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
@@ -64,13 +82,18 @@ class SplitBackward:
     def input_grad(self) -> torch.Tensor | None | tuple[torch.Tensor | None, ...]:
         """The gradient of the stage's input (or of the tensor the split is made at: any
         tensor of the stage's graph), a tuple of them for several inputs; the graph is kept
-        for :meth:`weight_grads`."""
+        for :meth:`weight_grads` (unless :attr:`whole`: then the parameters' gradients are
+        accumulated too, and the graph freed)."""
+        if self.whole:
+            torch.autograd.backward(self.outputs, self.grads)
+            grads = tuple(x.grad if x.is_leaf else None for x in self.inputs)
+            return grads[0] if self.single_input else grads
         nodes = [get_gradient_edge(x).node for x in self.inputs]
         # an input computed in the stage by an operation with several outputs (a chunk)
         # would keep the gradient of this output only: not exact, so W does it all
         several = any(len(getattr(node, "_input_metadata", ())) > 1 for node in nodes)
-        roots = [o.grad_fn for o in self.outputs if o.grad_fn is not None]
-        self._boundaries = None if several else _boundaries(roots, nodes)
+        self._boundaries = None if several else _boundaries(self._roots, nodes,
+                                                              self._consumers)
         handles = [node.register_prehook(self._keeper(node)) for node in self._boundaries or ()]
         try:
             grads = torch.autograd.grad(self.outputs, self.inputs, self.grads,
@@ -98,7 +121,7 @@ class SplitBackward:
 
     def weight_grads(self) -> None:
         """Accumulate the parameters' gradients of this micro-batch into their ``.grad``."""
-        if not self.params:
+        if not self.params or self.whole:  # whole: input_grad did it
             return
         if self._boundaries is None:  # not exact one boundary at a time: the whole backward
             torch.autograd.backward(self.outputs, self.grads, inputs=self.params)
@@ -129,15 +152,10 @@ class SplitBackward:
             torch.autograd.backward(edges, grads, inputs=self.params)
 
 
-def _boundaries(roots: Sequence[Node], stage_inputs: Sequence[Node]
-                ) -> dict[Node, list[tuple[Node, int]]] | None:
-    """Each input-path node with edges into the weight side, and those edges; ``None`` if
-    an output does not depend on any input (its weight side would be reached from no
-    boundary), or two of these edges lead into each other (or into one node), so that asking
-    boundaries one at a time would not be exact."""
-    if not roots:
-        return {}
-    consumers: dict[Node, list[Node]] = {}  # node -> the nodes with an edge into it
+def _consumers(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """Every node reached from ``roots`` (the roots only where reached again), each with the
+    nodes that have an edge into it."""
+    consumers: dict[Node, list[Node]] = {}
     seen, queue = set(roots), deque(roots)
     while queue:
         node = queue.popleft()
@@ -148,6 +166,18 @@ def _boundaries(roots: Sequence[Node], stage_inputs: Sequence[Node]
             if nxt not in seen:
                 seen.add(nxt)
                 queue.append(nxt)
+    return consumers
+
+
+def _boundaries(roots: Sequence[Node], stage_inputs: Sequence[Node],
+                consumers: dict[Node, list[Node]]) -> dict[Node, list[tuple[Node, int]]] | None:
+    """Each input-path node with edges into the weight side, and those edges; ``None`` if
+    an output does not depend on any input (its weight side would be reached from no
+    boundary), or two of these edges lead into each other (or into one node), so that asking
+    boundaries one at a time would not be exact. ``consumers``: :func:`_consumers` of
+    ``roots``."""
+    if not roots:
+        return {}
     input_path = set(stage_inputs)
     queue = deque(input_path)
     while queue:
