@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from devmesh import init_device_mesh
+from devmesh.parallel import state_dict
 from devmesh.layout.schedule import build_schedule
 from devmesh.parallel.pipeline import PipelineRunner, split_sequential
 from devmesh.parallel.pipeline.split_backward import SplitBackward
@@ -65,12 +66,13 @@ def reference(steps: int = 2) -> dict[str, torch.Tensor]:
 
 
 def train(case: str, steps: int = 2):
-    """Zero-bubble on 2 pipeline ranks (on (pp, dp) = (2, 2) with replicated stages for
-    ``compiled-replicate``); this rank's stage parameters under the plain model's names, and
-    whether every split this rank made was whole."""
-    from devmesh.parallel import replicate
+    """Zero-bubble on 2 pipeline ranks (on (pp, dp) = (2, 2) with replicated or sharded
+    stages for ``compiled-replicate`` / ``compiled-fsdp``); this rank's stage parameters
+    under the plain model's names (whole), and whether each split this rank made was
+    whole."""
+    from devmesh.parallel import fully_shard, replicate
 
-    data_parallel = case == "compiled-replicate"
+    data_parallel = case in ("compiled-replicate", "compiled-fsdp")
     mesh = init_device_mesh("cpu", (2, 2) if data_parallel else (2,),
                             mesh_dim_names=("pp", "dp") if data_parallel else ("pp",))
     schedule = build_schedule("zero-bubble", 2, 4)
@@ -85,7 +87,9 @@ def train(case: str, steps: int = 2):
         for block in stage:  # torchtitan's way: each block compiled, then the stage wrapped
             if isinstance(block, Block):
                 block.compile()
-        replicate(stage, mesh=mesh["dp"])
+                if case == "compiled-fsdp":
+                    fully_shard(block, mesh=mesh["dp"])
+        (fully_shard if case == "compiled-fsdp" else replicate)(stage, mesh=mesh["dp"])
     runner = PipelineRunner({me: run}, mesh, schedule, F.cross_entropy)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     whole = []
@@ -108,14 +112,15 @@ def train(case: str, steps: int = 2):
     finally:
         SplitBackward.input_grad = original
     owned = {n for n, _ in stage.named_children()}
-    return {k: v.detach().clone() for k, v in model.state_dict().items()
-            if k.split(".")[0] in owned}, whole
+    full = state_dict(stage, full=True) if case == "compiled-fsdp" else stage.state_dict()
+    return {k: v.detach().clone() for k, v in full.items() if k.split(".")[0] in owned}, whole
 
 
-@pytest.mark.parametrize("case", ["compiled", "compiled-replicate", "reentrant"])
+@pytest.mark.parametrize("case", ["compiled", "compiled-replicate", "compiled-fsdp",
+                                  "reentrant"])
 def test_zero_bubble_trains_stages_whose_backward_cannot_be_split(mesh_pool, case):
     expected = reference()
-    ranks = 4 if case == "compiled-replicate" else 2
+    ranks = 4 if case in ("compiled-replicate", "compiled-fsdp") else 2
     trained, splits = {}, []
     for params, whole in mesh_pool.run(train, ranks, case):
         trained.update(params)
