@@ -4,6 +4,7 @@ and every schedule trained on 4 real pipeline ranks equal to single-process trai
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 
 import pytest
@@ -320,10 +321,11 @@ def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
 
 
 def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
-                                library: str = "torch"):
+                                library: str = "torch", scale_grads: bool = True):
     """The same model, split and schedule run by torch.distributed.pipelining (the anchor),
     or — ``library="devmesh"`` — the same code with only its imports switched to devmesh's
-    classes of the same names."""
+    classes of the same names. ``scale_grads=False``: torch's argument, with a loss that
+    sums."""
     if library == "torch":
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import (
@@ -348,11 +350,14 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
     mine = [s for s in range(4 * virtual) if s % 4 == me]
     stages = [PipelineStage(parts[s], s, 4 * virtual, torch.device("cpu"), group=group)
               for s in mine]
+    loss_fn = F.cross_entropy if scale_grads else functools.partial(F.cross_entropy,
+                                                                    reduction="sum")
     if name == "interleaved-1f1b":
-        schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=F.cross_entropy)
+        schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn,
+                                           scale_grads=scale_grads)
     else:
         kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-        schedule = kind(stages[0], microbatches, loss_fn=F.cross_entropy)
+        schedule = kind(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
     params = [p for s in mine for p in parts[s].parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     losses, outputs = [], []
@@ -400,6 +405,34 @@ def test_torch_pipelining_code_runs_on_devmesh_with_its_imports_switched(mesh_po
             torch.testing.assert_close(params[key], t_params[key], rtol=1e-5, atol=1e-6)
         assert losses == pytest.approx(t_losses, rel=1e-5) and shapes == t_shapes
     assert len(ours[3][1]) == 8 and ours[3][2] == [(16, 4), (16, 4)]  # the last rank
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b"])
+def test_unscaled_gradients_with_a_summing_loss_as_torch(mesh_pool, name):
+    """torch's ``scale_grads=False`` (a loss that sums, or torchtitan's own scaling): each
+    micro-batch's loss is not divided, so the gradients are the micro-batches' sum — the
+    same parameters and losses as torch's run, and as one process summing over the batch."""
+    theirs = mesh_pool.run(train_with_torch_pipelining, 4, name, 8, 2, "torch", False)
+    ours = mesh_pool.run(train_with_torch_pipelining, 4, name, 8, 2, "devmesh", False)
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sums = []
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sums.append(loss.item())
+    single = dict(model.named_parameters())
+    for (params, losses, _), (t_params, t_losses, _) in zip(ours, theirs):
+        for key in params:
+            torch.testing.assert_close(params[key], t_params[key], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(params[key], single[key].detach(), rtol=1e-5, atol=1e-5)
+        assert losses == pytest.approx(t_losses, rel=1e-5)
+    last = ours[3][1]  # the last stage's rank: the last step's 8 micro-batch losses
+    assert len(last) == 8 and sum(last) == pytest.approx(sums[1], rel=1e-5)
 
 
 def block_model() -> nn.Sequential:
@@ -751,8 +784,7 @@ def test_torch_schedule_arguments_devmesh_does_not_support_are_refused():
     from devmesh.parallel.pipeline import PipelineStage, Schedule1F1B
 
     stage = PipelineStage(nn.Linear(2, 2), 0, 2, "cpu")
-    for kwargs, words in (({"loss_fn": F.mse_loss, "scale_grads": False}, "scale_grads=False"),
-                          ({"loss_fn": F.mse_loss, "args_chunk_spec": (0,)}, "chunk")):
+    for kwargs, words in (({"loss_fn": F.mse_loss, "args_chunk_spec": (0,)}, "chunk"),):
         with pytest.raises(PipelineError, match=words):
             Schedule1F1B(stage, 4, **kwargs)
     with pytest.raises(PipelineError, match="runs on CPU"):

@@ -23,7 +23,9 @@ the same order on both sides, or they deadlock. Untested here (no GPUs), so refu
 
 Every micro-batch's loss is divided by the number of micro-batches, so gradients accumulate
 to exactly those of the whole batch: training equals single-process training on the same
-batch. A stage that is itself data parallel (``replicate``) or sharded (``fully_shard``, over
+batch (for a loss that averages; ``scale_grads=False``, torch's argument, leaves the losses
+as they are: gradients are then the micro-batches' sum, for a loss that sums or that the
+caller scales itself, as torchtitan does). A stage that is itself data parallel (``replicate``) or sharded (``fully_shard``, over
 TP or not) accumulates its gradients without synchronization and reduces them once, at its
 last backward of the step.
 """
@@ -63,11 +65,14 @@ class PipelineRunner:
     """This rank's stages of a pipelined model, and the schedule they follow.
 
     ``stages[s]`` must be given for every stage ``s`` this rank holds (``s % pp == coord``),
-    where ``pp`` is the size of the mesh's ``pp_dim``."""
+    where ``pp`` is the size of the mesh's ``pp_dim``. ``scale_grads`` (torch's argument):
+    divide each micro-batch's loss by the number of micro-batches (a loss that averages:
+    the whole batch's gradients); ``False`` leaves them whole (a loss that sums, or one the
+    caller scales)."""
 
     def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh, schedule: Schedule,
                  loss_fn: Callable[..., torch.Tensor] | None, *,
-                 pp_dim: str = "pp") -> None:
+                 pp_dim: str = "pp", scale_grads: bool = True) -> None:
         if mesh.device_type != "cpu":
             raise PipelineError(
                 f"PipelineRunner runs on 'cpu' meshes (gloo) only so far, got a "
@@ -98,6 +103,7 @@ class PipelineRunner:
         self.stages = stages
         self.schedule = schedule
         self.loss_fn = loss_fn
+        self.scale_grads = scale_grads  # divide each micro-batch's loss by their number
         self.last = schedule.stages - 1
         self._links = StageLinks(mesh, self.dim, schedule)
         self.compute_seconds: dict[Action, float] = {}
@@ -221,7 +227,8 @@ class PipelineRunner:
         keyword arguments of the loss function, as torch's). A stage may return a tuple of
         tensors: they are the next stage's positional arguments. Gradients accumulate in the
         stages' parameters (call the optimizer after). Returns the batch's loss (the mean of
-        the micro-batches' losses) on the last stage's rank, ``None`` elsewhere. If any
+        the micro-batches' losses; their sum with ``scale_grads=False``) on the last stage's
+        rank, ``None`` elsewhere. If any
         stage fails, every rank raises :class:`PipelineError` at the end of the step (the
         step's gradients are then partial: zero them before the next step)."""
         step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=True)
@@ -356,7 +363,8 @@ class PipelineRunner:
                     loss = None
                     if "targets" in step.chunks:
                         loss = self._loss(out, step.chunks["targets"][mb], step.loss_kwargs)
-                        outs = (loss / self.schedule.microbatches,)
+                        outs = (loss / self.schedule.microbatches if self.scale_grads
+                                else loss,)
                         step.losses.append(outs[0].detach())
                     step.outputs[mb] = (_detached(out), None if loss is None else loss.detach())
                 else:

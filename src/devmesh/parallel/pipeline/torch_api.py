@@ -14,8 +14,9 @@ The schedule's :class:`~devmesh.parallel.pipeline.PipelineRunner` is built at th
 ``step`` (it agrees on the stages with its peers, which torch's constructors do not), on a
 1-D ``pp`` mesh over the stage's ``group`` (the world when none is given). ``eval`` runs
 forward only (validation), as does ``step`` on a schedule built without ``loss_fn``, as in
-torch. What devmesh does not do — chunk specs, unscaled gradients — is refused when the
-schedule is built, with the fix.
+torch. What devmesh does not do — chunk specs — is refused when the schedule is built, with
+the fix. ``scale_grads=False`` leaves each micro-batch's loss unscaled, as torch's (a loss
+that sums, or torchtitan's own scaling).
 """
 
 from __future__ import annotations
@@ -74,15 +75,13 @@ class _Schedule:
         if (args_chunk_spec, kwargs_chunk_spec, output_merge_spec) != (None, None, None):
             raise PipelineError("chunk and merge specs are not supported: the batch is split "
                                 "into micro-batches along dim 0, and outputs joined along it")
-        if not scale_grads:
-            raise PipelineError("scale_grads=False is not supported: devmesh divides each "
-                                "micro-batch's loss by the number of micro-batches")
         unknown = {k for k, v in options.items() if v is not None and k != "use_full_backward"}
         if unknown:
             raise PipelineError(f"{type(self).__name__} options {sorted(unknown)} are not "
                                 "supported by devmesh")
         self._n_microbatches = n_microbatches
         self._loss_fn = loss_fn
+        self._scale_grads = scale_grads
         self._runner: PipelineRunner | None = None
 
     def _build(self) -> PipelineRunner:
@@ -96,7 +95,8 @@ class _Schedule:
         schedule = build_schedule(self.schedule_name, ranks, self._n_microbatches,
                                   **self._virtual(num_stages.pop(), ranks))
         stages = {s.stage_index: s.submod for s in self._stages}
-        return PipelineRunner(stages, mesh, schedule, self._loss_fn)
+        return PipelineRunner(stages, mesh, schedule, self._loss_fn,
+                              scale_grads=self._scale_grads)
 
     def _virtual(self, num_stages: int, ranks: int) -> dict[str, int]:
         if num_stages != ranks:
