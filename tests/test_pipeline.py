@@ -329,16 +329,14 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
     if library == "torch":
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import (
-            Schedule1F1B,
-            ScheduleGPipe,
-            ScheduleInterleaved1F1B,
+            PipelineScheduleMulti,
+            get_schedule_class,
         )
     else:
         from devmesh.parallel.pipeline import (
+            PipelineScheduleMulti,
             PipelineStage,
-            Schedule1F1B,
-            ScheduleGPipe,
-            ScheduleInterleaved1F1B,
+            get_schedule_class,
         )
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
@@ -352,12 +350,12 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
               for s in mine]
     loss_fn = F.cross_entropy if scale_grads else functools.partial(F.cross_entropy,
                                                                     reduction="sum")
-    if name == "interleaved-1f1b":
-        schedule = ScheduleInterleaved1F1B(stages, microbatches, loss_fn=loss_fn,
-                                           scale_grads=scale_grads)
-    else:
-        kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
-        schedule = kind(stages[0], microbatches, loss_fn=loss_fn, scale_grads=scale_grads)
+    # torchtitan's way: the class by name, looped schedules told apart by their base class
+    kind = get_schedule_class({"gpipe": "GPipe", "1f1b": "1F1B",
+                               "interleaved-1f1b": "Interleaved1F1B"}[name])
+    looped = issubclass(kind, PipelineScheduleMulti)
+    schedule = kind(stages if looped else stages[0], n_microbatches=microbatches,
+                    loss_fn=loss_fn, scale_grads=scale_grads)
     params = [p for s in mine for p in parts[s].parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     losses, outputs = [], []
@@ -791,6 +789,30 @@ def test_torch_schedule_arguments_devmesh_does_not_support_are_refused():
         PipelineStage(nn.Linear(2, 2), 0, 2, torch.device("cuda", 0))
     with pytest.raises(PipelineError, match="stage_index 2"):
         PipelineStage(nn.Linear(2, 2), 2, 2, "cpu")
+
+
+def test_schedule_classes_by_name_as_torch():
+    from torch.distributed.pipelining import schedules as torchs
+
+    from devmesh.parallel.pipeline import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        get_schedule_class,
+    )
+
+    for name, ours in (("1f1b", Schedule1F1B), ("GPipe", ScheduleGPipe),
+                       ("INTERLEAVED1F1B", ScheduleInterleaved1F1B)):
+        assert get_schedule_class(name) is ours
+        looped = issubclass(torchs.get_schedule_class(name), torchs.PipelineScheduleMulti)
+        assert issubclass(ours, PipelineScheduleMulti) == looped
+        assert issubclass(ours, PipelineScheduleSingle) != looped
+    with pytest.raises(ValueError, match="Unknown schedule name 'bogus'"):
+        get_schedule_class("bogus")
+    with pytest.raises(PipelineError, match="no ZBVZeroBubble schedule.*zero-bubble"):
+        get_schedule_class("zbvzerobubble")
 
 
 def test_torch_pipelining_names_devmesh_lacks_say_what_to_use():

@@ -16,16 +16,20 @@ from devmesh.layout.schedule import (
 from devmesh.parallel.pipeline.runner import PipelineRunner
 from devmesh.parallel.pipeline.split import PipelineError, balanced_boundaries, split_sequential
 from devmesh.parallel.pipeline.torch_api import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
     PipelineStage,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    get_schedule_class,
 )
 
 __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boundaries",
            "Schedule", "Action", "ScheduleError", "SCHEDULES", "build_schedule", "gpipe",
            "one_f_one_b", "interleaved_1f1b", "zero_bubble", "PipelineStage", "ScheduleGPipe",
-           "Schedule1F1B", "ScheduleInterleaved1F1B"]
+           "Schedule1F1B", "ScheduleInterleaved1F1B", "PipelineScheduleSingle",
+           "PipelineScheduleMulti", "get_schedule_class"]
 
 # torch.distributed.pipelining names devmesh does not provide: code whose imports were
 # switched to devmesh learns what to use instead of a bare "cannot import name"

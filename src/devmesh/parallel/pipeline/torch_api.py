@@ -33,7 +33,8 @@ from devmesh.mesh import DeviceMesh
 from devmesh.parallel.pipeline.runner import PipelineRunner
 from devmesh.parallel.pipeline.split import PipelineError
 
-__all__ = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B"]
+__all__ = ["PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe",
+           "Schedule1F1B", "ScheduleInterleaved1F1B", "get_schedule_class"]
 
 
 class PipelineStage:
@@ -152,19 +153,28 @@ class _Schedule:
         return runner.output() if return_outputs else None
 
 
-class ScheduleGPipe(_Schedule):
+class PipelineScheduleSingle(_Schedule):
+    """The schedules with one stage per rank (torch's base class of the same name: code
+    such as torchtitan's tells the two kinds apart with ``issubclass``)."""
+
+
+class PipelineScheduleMulti(_Schedule):
+    """The schedules with several stages per rank (torch's base class of the same name)."""
+
+
+class ScheduleGPipe(PipelineScheduleSingle):
     """All forwards, then all backwards (torch's ``ScheduleGPipe``)."""
 
     schedule_name = "gpipe"
 
 
-class Schedule1F1B(_Schedule):
+class Schedule1F1B(PipelineScheduleSingle):
     """One forward, one backward in the steady state (torch's ``Schedule1F1B``)."""
 
     schedule_name = "1f1b"
 
 
-class ScheduleInterleaved1F1B(_Schedule):
+class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     """1F1B over several stages per rank, stage ``s`` on rank ``s % ranks`` (torch's
     ``ScheduleInterleaved1F1B``)."""
 
@@ -175,3 +185,31 @@ class ScheduleInterleaved1F1B(_Schedule):
             raise PipelineError(f"ScheduleInterleaved1F1B needs several stages per rank: "
                                 f"{num_stages} stages on {ranks} ranks")
         return {"virtual": num_stages // ranks}
+
+
+_BY_NAME = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
+            "Interleaved1F1B": ScheduleInterleaved1F1B}
+_ELSEWHERE = {  # torch's other names: what devmesh has instead
+    "ZBVZeroBubble": "build_schedule('zero-bubble', ranks, microbatches) with PipelineRunner",
+    "InterleavedZeroBubble": "build_schedule('zero-bubble', ranks, microbatches) with "
+                             "PipelineRunner",
+    "DualPipeV": "build_schedule('zero-bubble', ranks, microbatches) with PipelineRunner",
+    "LoopedBFS": "Interleaved1F1B",
+    "PipelineScheduleSingle": "a schedule's name: GPipe or 1F1B",
+    "PipelineScheduleMulti": "a schedule's name: Interleaved1F1B",
+}
+
+
+def get_schedule_class(schedule_name: str) -> type[_Schedule]:
+    """The schedule class called ``schedule_name`` (any case), as torch's
+    ``get_schedule_class``: ``GPipe``, ``1F1B`` or ``Interleaved1F1B``. torch's other names
+    raise a ``ValueError`` naming devmesh's alternative; unknown ones torch's phrase."""
+    by_lower = {name.lower(): name for name in (*_BY_NAME, *_ELSEWHERE)}
+    name = by_lower.get(str(schedule_name).lower())
+    if name in _BY_NAME:
+        return _BY_NAME[name]
+    if name is not None:
+        raise PipelineError(f"devmesh's pipelining adapter has no {name} schedule: use "
+                            f"{_ELSEWHERE[name]}")
+    raise PipelineError(f"Unknown schedule name '{schedule_name}'. The valid options are "
+                        f"{list(_BY_NAME)}")
