@@ -1,9 +1,10 @@
 """Zero-bubble over stages whose backward cannot be split into I and W: a ``torch.compile``d
 stage or block (one autograd node; inductor donates its saved buffers to the backward, so
 the graph cannot be kept for W — torch's own zero-bubble schedules fail there, pytorch#161904)
-and reentrant activation checkpointing (its backward refuses ``autograd.grad``). Such a
-stage's I does the whole backward and its W nothing; training equals one process's, also
-when the stage is data parallel (its gradients then reduce at its last I)."""
+and reentrant activation checkpointing (its backward refuses ``autograd.grad``); and a stage
+under torch's own FSDP2, which reduces its gradients in I, before W. Such a stage's I does
+the whole backward and its W nothing; training equals one process's, also when the stage is
+data parallel (its gradients then reduce at its last I)."""
 
 from __future__ import annotations
 
@@ -21,13 +22,13 @@ from devmesh.parallel.pipeline.split_backward import SplitBackward
 
 
 class Block(nn.Module):
-    """``tanh(Linear(x))``, under reentrant activation checkpointing if asked. (A custom
+    """``Linear(tanh(Linear(x)))``, under reentrant activation checkpointing if asked. (A custom
     module, not an ``nn.Sequential``: ``nn.Sequential.compile()`` compiles nothing in torch
     2.13 — its output keeps eager autograd nodes — while a custom module's does.)"""
 
     def __init__(self, reentrant: bool = False) -> None:
         super().__init__()
-        self.lin = nn.Linear(16, 16)
+        self.up, self.down = nn.Linear(16, 32), nn.Linear(32, 16)
         self.reentrant = reentrant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -36,14 +37,17 @@ class Block(nn.Module):
         return self._run(x)
 
     def _run(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.tanh(self.lin(x))
+        return self.down(torch.tanh(self.up(x)))
 
 
 def make_model(case: str = "plain") -> nn.Sequential:
     torch.manual_seed(0)
-    # the first block plain: reentrant checkpointing of a block whose input needs no
-    # gradient gives its parameters none (torch warns), and none after it either
-    blocks = [Block(reentrant=case == "reentrant" and i > 0) for i in range(6)]
+    if case == "torch-fsdp":  # the same layers as Blocks, in nn.Sequential blocks
+        blocks = [nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))
+                  for _ in range(6)]
+    else:  # the first block plain: reentrant checkpointing of a block whose input needs no
+        # gradient gives its parameters none (torch warns), and none after it either
+        blocks = [Block(reentrant=case == "reentrant" and i > 0) for i in range(6)]
     return nn.Sequential(*blocks, nn.Linear(16, 4))
 
 
@@ -52,10 +56,10 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
 
 
-def reference(steps: int = 2) -> dict[str, torch.Tensor]:
-    """Single-process training of the plain model (compiling and checkpointing change no
+def reference(case: str, steps: int = 2) -> dict[str, torch.Tensor]:
+    """Single-process training of the model, plain (compiling and checkpointing change no
     value)."""
-    model = make_model()
+    model = make_model("torch-fsdp" if case == "torch-fsdp" else "plain")
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         x, y = batch(step)
@@ -70,9 +74,11 @@ def train(case: str, steps: int = 2):
     stages for ``compiled-replicate`` / ``compiled-fsdp``); this rank's stage parameters
     under the plain model's names (whole), and whether each split this rank made was
     whole."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
     from devmesh.parallel import fully_shard, replicate
 
-    data_parallel = case in ("compiled-replicate", "compiled-fsdp")
+    data_parallel = case in ("compiled-replicate", "compiled-fsdp", "torch-fsdp")
     mesh = init_device_mesh("cpu", (2, 2) if data_parallel else (2,),
                             mesh_dim_names=("pp", "dp") if data_parallel else ("pp",))
     schedule = build_schedule("zero-bubble", 2, 4)
@@ -83,13 +89,18 @@ def train(case: str, steps: int = 2):
     run = stage
     if case == "compiled":  # inductor, the default: the whole stage one compiled region
         run = torch.compile(stage)
-    elif data_parallel:
+    elif case in ("compiled-replicate", "compiled-fsdp"):
         for block in stage:  # torchtitan's way: each block compiled, then the stage wrapped
             if isinstance(block, Block):
                 block.compile()
                 if case == "compiled-fsdp":
                     fully_shard(block, mesh=mesh["dp"])
         (fully_shard if case == "compiled-fsdp" else replicate)(stage, mesh=mesh["dp"])
+    elif case == "torch-fsdp":  # torch's own FSDP2 on each block and the stage
+        for block in stage:
+            if isinstance(block, nn.Sequential):  # the head stays in the stage's own unit
+                torch_fully_shard(block, mesh=mesh["dp"])
+        torch_fully_shard(stage, mesh=mesh["dp"])
     runner = PipelineRunner({me: run}, mesh, schedule, F.cross_entropy)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     whole = []
@@ -113,16 +124,30 @@ def train(case: str, steps: int = 2):
         SplitBackward.input_grad = original
     owned = {n for n, _ in stage.named_children()}
     full = state_dict(stage, full=True) if case == "compiled-fsdp" else stage.state_dict()
+    full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in full.items()}
     return {k: v.detach().clone() for k, v in full.items() if k.split(".")[0] in owned}, whole
 
 
 @pytest.mark.parametrize("case", ["compiled", "compiled-replicate", "compiled-fsdp",
                                   "reentrant"])
 def test_zero_bubble_trains_stages_whose_backward_cannot_be_split(mesh_pool, case):
-    expected = reference()
-    ranks = 4 if case in ("compiled-replicate", "compiled-fsdp") else 2
+    _check(mesh_pool.run(train, 4 if case.endswith(("replicate", "fsdp")) else 2, case), case)
+
+
+def test_zero_bubble_trains_stages_under_torchs_fully_shard():
+    """torch's FSDP2 reduce-scatters a unit's gradients when the backward reaches the unit's
+    inputs: in I, before W made the weight gradients (devmesh's split gave parameters 5e-3
+    off). Such stages now do their whole backward in I. Fresh processes: torch's sharded
+    models keep their process groups alive, so they stay off the shared pool."""
+    from devmesh.launching.launcher import launch
+
+    _check(launch(train, 4, "torch-fsdp", timeout=300), "torch-fsdp")
+
+
+def _check(results, case: str) -> None:
+    expected = reference(case)
     trained, splits = {}, []
-    for params, whole in mesh_pool.run(train, ranks, case):
+    for params, whole in results:
         trained.update(params)
         splits += whole
     assert trained.keys() == expected.keys()

@@ -36,7 +36,10 @@ the graph is retained) and reentrant activation checkpointing (its backward re-r
 forward and refuses ``autograd.grad``). Such a node computes its weight gradients with its
 input gradient anyway, so splitting around it saves nothing: where the stage's graph holds
 one, ``I`` does the whole backward and ``W`` nothing (:attr:`SplitBackward.whole`) — where
-torch's zero-bubble schedules fail on compiled stages.
+torch's zero-bubble schedules fail on compiled stages. The same goes for a stage under
+torch's own ``fully_shard`` (FSDP2): it reduces a unit's gradients when the backward reaches
+the unit's inputs — in ``I``, before ``W`` made the weight gradients — so a split backward
+would reduce too early (devmesh's ``fully_shard`` reduces on the weight side, in ``W``).
 """
 
 from __future__ import annotations
@@ -48,8 +51,12 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-# nodes whose backward runs as one piece and cannot be kept for another call (see above)
-_INDIVISIBLE = frozenset({"CompiledFunctionBackward", "CheckpointFunctionBackward"})
+# nodes whose backward runs as one piece and cannot be kept for another call (see above),
+# and torch's fully_shard's node on a unit's inputs: its backward reduce-scatters the unit's
+# gradients, which must all be there by then (torch's own pipelining calls FSDP's private
+# post-backward by hand after W instead)
+_INDIVISIBLE = frozenset({"CompiledFunctionBackward", "CheckpointFunctionBackward",
+                          "RegisterPostBackwardFunctionBackward"})
 
 
 class SplitBackward:
