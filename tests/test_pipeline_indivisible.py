@@ -69,7 +69,7 @@ def reference(case: str, steps: int = 2) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
-def train(case: str, steps: int = 2):
+def train(case: str, name: str = "zero-bubble", steps: int = 2):
     """Zero-bubble on 2 pipeline ranks (on (pp, dp) = (2, 2) with replicated or sharded
     stages for ``compiled-replicate`` / ``compiled-fsdp``); this rank's stage parameters
     under the plain model's names (whole), and whether each split this rank made was
@@ -81,7 +81,7 @@ def train(case: str, steps: int = 2):
     data_parallel = case in ("compiled-replicate", "compiled-fsdp", "torch-fsdp")
     mesh = init_device_mesh("cpu", (2, 2) if data_parallel else (2,),
                             mesh_dim_names=("pp", "dp") if data_parallel else ("pp",))
-    schedule = build_schedule("zero-bubble", 2, 4)
+    schedule = build_schedule(name, 2, 4)
     model = make_model(case)
     parts = split_sequential(model, 2)
     me = mesh.get_coordinate()[0]
@@ -134,17 +134,19 @@ def test_zero_bubble_trains_stages_whose_backward_cannot_be_split(mesh_pool, cas
     _check(mesh_pool.run(train, 4 if case.endswith(("replicate", "fsdp")) else 2, case), case)
 
 
-def test_zero_bubble_trains_stages_under_torchs_fully_shard():
+@pytest.mark.parametrize("name", ["zero-bubble", "1f1b"])
+def test_stages_under_torchs_fully_shard_train_as_one_process(name):
     """torch's FSDP2 reduce-scatters a unit's gradients when the backward reaches the unit's
     inputs: in I, before W made the weight gradients (devmesh's split gave parameters 5e-3
     off). Such stages now do their whole backward in I. Fresh processes: torch's sharded
-    models keep their process groups alive, so they stay off the shared pool."""
+    models keep their process groups alive, so they stay off the shared pool. 1F1B (no split)
+    drives FSDP2 by its set_requires_gradient_sync alone."""
     from devmesh.launching.launcher import launch
 
-    _check(launch(train, 4, "torch-fsdp", timeout=300), "torch-fsdp")
+    _check(launch(train, 4, "torch-fsdp", name, timeout=300), "torch-fsdp", split=name != "1f1b")
 
 
-def _check(results, case: str) -> None:
+def _check(results, case: str, split: bool = True) -> None:
     expected = reference(case)
     trained, splits = {}, []
     for params, whole in results:
@@ -154,4 +156,4 @@ def _check(results, case: str) -> None:
     for key, value in expected.items():
         torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6)
     # the last stage's I actions saw the indivisible node and did the whole backward
-    assert splits and any(splits)
+    assert not split or (splits and any(splits))
