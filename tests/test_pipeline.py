@@ -220,8 +220,9 @@ def train_pipelined(name: str, microbatches: int, steps: int = 2):
     return {index[id(p)]: p.detach().clone() for p in params}, losses, sends, dist.get_rank()
 
 
-def reference(make=None, batch: int = 16, steps: int = 2):
-    """Single-process training of ``make()`` on the same batches: parameters and losses."""
+def reference(make=None, batch: int = 16, steps: int = 2, reduction: str = "mean"):
+    """Single-process training of ``make()`` on the same batches: parameters and losses
+    (``reduction``: the cross entropy's)."""
     model = (make or make_model)()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
@@ -229,7 +230,7 @@ def reference(make=None, batch: int = 16, steps: int = 2):
         gen = torch.Generator().manual_seed(step)
         x = torch.randn(batch, 16, generator=gen)
         y = torch.randint(0, 4, (batch,), generator=gen)
-        loss = F.cross_entropy(model(x), y)
+        loss = F.cross_entropy(model(x), y, reduction=reduction)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -446,18 +447,7 @@ def test_unscaled_gradients_with_a_summing_loss_as_torch(mesh_pool, name):
     same parameters and losses as torch's run, and as one process summing over the batch."""
     theirs = mesh_pool.run(train_with_torch_pipelining, 4, name, 8, 2, "torch", False)
     ours = mesh_pool.run(train_with_torch_pipelining, 4, name, 8, 2, "devmesh", False)
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sums = []
-    for step in range(2):
-        gen = torch.Generator().manual_seed(step)
-        x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
-        loss = F.cross_entropy(model(x), y, reduction="sum")
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sums.append(loss.item())
-    single = dict(model.named_parameters())
+    single, sums = reference(reduction="sum")
     for (params, losses, _), (t_params, t_losses, _) in zip(ours, theirs):
         for key in params:
             torch.testing.assert_close(params[key], t_params[key], rtol=1e-5, atol=1e-6)
