@@ -25,9 +25,11 @@ Every micro-batch's loss is divided by the number of micro-batches, so gradients
 to exactly those of the whole batch: training equals single-process training on the same
 batch (for a loss that averages; ``scale_grads=False``, torch's argument, leaves the losses
 as they are: gradients are then the micro-batches' sum, for a loss that sums or that the
-caller scales itself, as torchtitan does). A stage that is itself data parallel (``replicate``) or sharded (``fully_shard``, over
-TP or not) accumulates its gradients without synchronization and reduces them once, at its
-last backward of the step.
+caller scales itself, as torchtitan does). A stage that is itself data parallel
+(``replicate``) or sharded (``fully_shard``, devmesh's or torch's, over TP or not)
+accumulates its gradients without synchronization and reduces them once, at its last
+backward of the step; torch's ``DistributedDataParallel`` is refused (its reducer expects
+each forward's backward before the next forward).
 """
 
 from __future__ import annotations
@@ -228,9 +230,9 @@ class PipelineRunner:
         tensors: they are the next stage's positional arguments. Gradients accumulate in the
         stages' parameters (call the optimizer after). Returns the batch's loss (the mean of
         the micro-batches' losses; their sum with ``scale_grads=False``) on the last stage's
-        rank, ``None`` elsewhere. If any
-        stage fails, every rank raises :class:`PipelineError` at the end of the step (the
-        step's gradients are then partial: zero them before the next step)."""
+        rank, ``None`` elsewhere. If any stage fails, every rank raises
+        :class:`PipelineError` at the end of the step (the step's gradients are then partial:
+        zero them before the next step)."""
         step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=True)
         if not torch.is_grad_enabled():  # a rank that cannot train still plays its part
             step.fail(PipelineError("step() computes gradients, but gradients are off here "

@@ -79,7 +79,8 @@ class SplitBackward:
         self._roots = [o.grad_fn for o in self.outputs if o.grad_fn is not None]
         self._consumers = _consumers(self._roots)
         #: ``I`` does the whole backward and ``W`` nothing: the graph holds a node that
-        #: cannot be split around (a compiled region, reentrant checkpointing; see above)
+        #: cannot be split around (a compiled region, reentrant checkpointing, torch's
+        #: FSDP2; see above)
         self.whole = any(node.name() in _INDIVISIBLE
                          for node in itertools.chain(self._roots, self._consumers))
         # boundary node -> its weight-side edges; None when the fast split is not exact
