@@ -122,6 +122,10 @@ def train(case: str, name: str = "zero-bubble", steps: int = 2):
             opt.zero_grad()
     finally:
         SplitBackward.input_grad = original
+    if case == "compiled":  # the whole model under its own names (no "_orig_mod.")
+        whole_model = runner.state_dict(full=True)
+        assert sorted(whole_model) == sorted(model.state_dict()), sorted(whole_model)
+        assert sorted(runner.module.state_dict()) == sorted(stage.state_dict())
     owned = {n for n, _ in stage.named_children()}
     full = state_dict(stage, full=True) if case == "compiled-fsdp" else stage.state_dict()
     full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in full.items()}

@@ -10,6 +10,7 @@ the same among themselves. What travels is bytes and JSON, never pickles.
 from __future__ import annotations
 
 import json
+import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -47,7 +48,8 @@ def full_state_dict(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     pipeline index broadcasts its bytes to the others (one broadcast per index)."""
     mine: list[tuple[int, str, torch.Tensor]] = []
     for s in sorted(runner.stages):
-        mine += [(s, k, v) for k, v in state_dict(runner.stages[s], full=True).items()]
+        mine += [(s, k, v) for k, v in state_dict(_uncompiled(runner.stages[s]),
+                                                  full=True).items()]
     listing = json.dumps([[s, k, dtype_name(v.dtype), list(v.shape)] for s, k, v in mine])
     listings = [json.loads(t) for t in comm.gather_texts(listing, _pp_group(runner))]
     keys = [k for entries in listings for _, k, _, _ in entries]
@@ -112,7 +114,10 @@ def load_full_state_dict(runner: PipelineRunner, state: Mapping[str, Any], *,
 
 def local_module(stages: Mapping[int, nn.Module]) -> nn.Module:
     """This rank's stages as one module, under the whole model's names: the stage itself
-    when there is one, else an ``nn.Sequential`` of the stages' children in stage order."""
+    when there is one, else an ``nn.Sequential`` of the stages' children in stage order. A
+    ``torch.compile``d stage counts as the module it compiled, so names carry no
+    ``_orig_mod.`` (as torch's DCP state dicts of compiled models)."""
+    stages = {s: _uncompiled(stage) for s, stage in stages.items()}
     if len(stages) == 1:
         return next(iter(stages.values()))
     children: dict[str, nn.Module] = {}
@@ -125,6 +130,15 @@ def local_module(stages: Mapping[int, nn.Module]) -> nn.Module:
         for name, child in stages[s].named_children():
             children[name] = _join(name, children[name], child) if name in children else child
     return _JoinedStages(OrderedDict(children), [stages[s] for s in sorted(stages)])
+
+
+def _uncompiled(stage: nn.Module) -> nn.Module:
+    """The module a ``torch.compile(stage)`` wrapper compiled, else ``stage``. (No
+    compiled module exists unless torch's dynamo was imported: no import here.)"""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is not None and isinstance(stage, eval_frame.OptimizedModule):
+        return stage._orig_mod
+    return stage
 
 
 def _join(name: str, first: nn.Module, second: nn.Module) -> nn.Module:
