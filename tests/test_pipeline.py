@@ -273,40 +273,6 @@ def test_pipeline_errors_name_the_fix(mesh_pool):
                "(10, 1) along dim 0" in error[3], error[3]
 
 
-def torch_ddp_stage(wrapper: str):
-    """A pipeline whose stage (pp rank 1's) is under torch's DDP or its composable replicate,
-    on (pp, dp) = (2, 2): the error each rank gets building it."""
-    from torch.distributed._composable import replicate as torch_replicate
-
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    me = mesh.get_coordinate()[0]
-    stage = split_sequential(make_model(), 2)[me]
-    if me == 1 and wrapper == "ddp":
-        stage = nn.parallel.DistributedDataParallel(stage, process_group=mesh.get_group("dp"))
-    elif me == 1:
-        torch_replicate(stage[0], device_mesh=mesh["dp"])
-    try:
-        PipelineRunner({me: stage}, mesh, build_schedule("1f1b", 2, 4), F.cross_entropy)
-    except PipelineError as exc:
-        return str(exc)
-    return None
-
-
-@pytest.mark.parametrize("wrapper", ["ddp", "composable replicate"])
-def test_a_stage_under_torchs_ddp_is_refused_on_every_rank(wrapper):
-    """torch's DDP reducer expects each forward's backward before the next forward; under a
-    pipeline's micro-batches it reduced the wrong gradients, silently (1.6e-4 off after two
-    1F1B steps). Refused when the pipeline is built, on every rank, naming the way out.
-    Fresh processes: torch's DDP keeps its process groups alive."""
-    from devmesh.launching.launcher import launch
-
-    for rank, error in enumerate(launch(torch_ddp_stage, 4, wrapper, timeout=120)):
-        # each pipeline (a dp index) names its own stage-1 rank: 0 and 2 rank 2, 1 and 3 rank 3
-        culprit = 2 + rank % 2
-        assert f"rank {culprit}: stage 1" in error, error
-        assert "use devmesh.parallel.replicate" in error, error
-
-
 def pipeline_errors():
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     out = []

@@ -26,10 +26,10 @@ to exactly those of the whole batch: training equals single-process training on 
 batch (for a loss that averages; ``scale_grads=False``, torch's argument, leaves the losses
 as they are: gradients are then the micro-batches' sum, for a loss that sums or that the
 caller scales itself, as torchtitan does). A stage that is itself data parallel
-(``replicate``) or sharded (``fully_shard``, devmesh's or torch's, over TP or not)
-accumulates its gradients without synchronization and reduces them once, at its last
-backward of the step; torch's ``DistributedDataParallel`` is refused (its reducer expects
-each forward's backward before the next forward).
+(``replicate``, devmesh's or torch's ``DistributedDataParallel`` and composable ``replicate``)
+or sharded (``fully_shard``, devmesh's or torch's, over TP or not) accumulates its gradients
+without synchronization and reduces them once, at its last backward of the step
+(:mod:`~devmesh.parallel.pipeline.grad_sync`).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ from devmesh.errors import rank_prefix
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
+from devmesh.parallel.pipeline.grad_sync import StageGradSync
 from devmesh.parallel.pipeline.messages import MAX_TENSORS, StageLinks, describe, layout_of
 from devmesh.parallel.pipeline.split import PipelineError
 from devmesh.parallel.pipeline.split_backward import SplitBackward
@@ -98,7 +99,7 @@ class PipelineRunner:
         if set(stages) != mine:
             problem = (f"pp index {self.index} holds stages {sorted(mine)} of this schedule, "
                        f"got modules for {sorted(stages)}")
-        self._agree_or_raise(problem or _under_torch_ddp(stages), "cannot build the pipeline")
+        self._agree_or_raise(problem, "cannot build the pipeline")
         self._ties = TiedCopies(stages, ties_of(stages), mesh, self.dim, schedule)
         self._agree_or_raise(self._ties.check_and_share_values(),
                              "the stages' copies of tied parameters differ")
@@ -112,17 +113,14 @@ class PipelineRunner:
         # the last stage's (output, loss) per micro-batch of the last step; loss None when
         # evaluate() had no targets
         self.microbatch_outputs: list[tuple[Any, torch.Tensor | None]] = []
-        # a stage under replicate / fully_shard reduces its gradients once per step: at its
-        # last action that computes weight gradients (the others accumulate without sync)
+        # a data-parallel stage reduces its gradients once per step: at its last action that
+        # computes weight gradients (the others accumulate without sync)
         actions = schedule.actions[self.index]
-        self._final_weight_grads = {
-            s: max(i for i, a in enumerate(actions) if a.stage == s and a.kind in ("B", "W"))
-            for s in stages}
-        # where a stage's backward cannot be split (SplitBackward.whole), its I computes the
-        # weight gradients, and its last I reduces them
+        self._final_weight_grads = {a.stage: a for a in actions if a.kind in ("B", "W")}
+        # where a stage's backward cannot be split (SplitBackward.whole, or DDP's reducer),
+        # its I computes the weight gradients, and its last I reduces them
         self._final_input_grads = {a.stage: a for a in actions if a.kind == "I"}
-        self._syncable = {s: [m for m in stages[s].modules()
-                              if hasattr(m, "set_requires_gradient_sync")] for s in stages}
+        self._sync = {s: StageGradSync(stages[s]) for s in stages}
         self._first_child_output: list[torch.Tensor] | None = None  # a list while watching
         if 0 in stages and any(a.kind == "I" for a in actions):
             self._watch_first_child(stages[0])
@@ -167,10 +165,6 @@ class PipelineRunner:
         power = reduce_norm_power(grad_norm_power(counted, norm_type), self.mesh,
                                   (self.dim,), norm_type)
         return clip_by_norm(params, power, float(max_norm), norm_type, error_if_nonfinite)
-
-    def _set_sync(self, stage: int, sync: bool) -> None:
-        for module in self._syncable[stage]:
-            module.set_requires_gradient_sync(sync)
 
     # -- one step ---------------------------------------------------------------------------
     def _micro_batches(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
@@ -243,10 +237,11 @@ class PipelineRunner:
                                     "build it with one, or call evaluate() for a forward-only "
                                     "pass"))
         actions = self.schedule.actions[self.index]
-        self._play(step, actions)
-        for stage in self.stages:
-            if self._syncable[stage]:
-                self._set_sync(stage, True)
+        try:
+            self._play(step, actions)
+        finally:
+            for sync in self._sync.values():
+                sync.end_step()
         return self._finish(step)
 
     def evaluate(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
@@ -295,9 +290,6 @@ class PipelineRunner:
         for position, action in enumerate(actions):
             if position + 1 < len(actions):
                 self._links.prefetch(actions[position + 1])
-            if action.kind in ("B", "W") and self._syncable[action.stage]:
-                self._set_sync(action.stage,
-                               position == self._final_weight_grads[action.stage])
             play[action.kind](step, action)
         self._links.wait_sends()
 
@@ -357,7 +349,8 @@ class PipelineRunner:
                 self._first_child_output = [] if s == 0 else None
                 keywords = step.chunks["kwargs"][mb] if s == 0 and "kwargs" in step.chunks else {}
                 try:
-                    out = self.stages[s](*xs, **keywords)
+                    with self._sync[s].forward():
+                        out = self.stages[s](*xs, **keywords)
                 finally:
                     seen, self._first_child_output = self._first_child_output, None
                 split_at = seen[0] if seen else None
@@ -405,20 +398,25 @@ class PipelineRunner:
             outputs, seeds = _differentiable(entry["out"], grads)
             entry["outputs"], entry["seeds"] = outputs, seeds
             inputs = [x for x in entry["x"] if x.is_floating_point()] if s > 0 else []
+            sync = self._sync[s]
             start = time.perf_counter()
             try:
-                if action.kind == "B":
+                if action.kind == "B" or sync.whole:  # whole: DDP reduces in one backward
+                    final = self._final_weight_grads if action.kind == "B" else \
+                        self._final_input_grads
+                    sync.before_backward(action == final[s], outputs)
                     # a first stage with every parameter frozen (fine-tuning the top of
                     # a model) has nothing to compute, as in single-process training
                     if outputs:
                         torch.autograd.backward(outputs, seeds)
                     input_grads = tuple(x.grad for x in inputs)
+                    entry["done"] = True  # W has nothing left
                 elif outputs and (s > 0 or "split_at" in entry):  # weight side kept for W
                     split = entry["split"] = SplitBackward(
                         outputs, seeds, inputs if s > 0 else [entry["split_at"]],
                         list(self.stages[s].parameters()))
-                    if split.whole and self._syncable[s]:  # this I is a whole backward
-                        self._set_sync(s, action == self._final_input_grads[s])
+                    if split.whole:  # this I is a whole backward: it reduces at the last I
+                        sync.before_backward(action == self._final_input_grads[s], outputs)
                     gradients = split.input_grad()
                     input_grads = gradients if s > 0 else None  # stage 0 sends nothing
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
@@ -432,9 +430,11 @@ class PipelineRunner:
 
     def _weight_grads(self, step: _Step, action: Action) -> None:
         entry = step.saved.pop((action.stage, action.microbatch), None)
-        if entry is None or step.error is not None:
+        if entry is None or entry.get("done") or step.error is not None:
             return
         params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
+        self._sync[action.stage].before_backward(
+            action == self._final_weight_grads[action.stage], entry.get("outputs", ()))
         start = time.perf_counter()
         try:
             if "split" in entry:  # I kept what W needs: no input gradient computed again
@@ -445,32 +445,6 @@ class PipelineRunner:
             step.fail(exc, f"stage {action.stage}, weight gradients of micro-batch "
                            f"{action.microbatch}")
         step.compute[action] = time.perf_counter() - start
-
-
-def _under_torch_ddp(stages: Mapping[int, nn.Module]) -> str | None:
-    """Why a stage cannot run here if torch's ``DistributedDataParallel`` (or its DDP-based
-    composable ``replicate``) wraps a part of it: DDP's reducer expects each forward to be
-    followed by that forward's backward; a pipeline runs several micro-batches' forwards
-    first, and DDP then reduces the wrong gradients, silently (measured: 1.6e-4 off after two
-    1F1B steps, 0.015 under zero-bubble). torch's own pipelining reaches into DDP's reducer
-    to make it work; devmesh's ``replicate`` has DDP's semantics and accumulates over the
-    micro-batches by design."""
-    from torch.distributed._composable.contract import _get_registry
-    from torch.distributed.fsdp import FSDPModule
-
-    for s, stage in stages.items():
-        for name, module in stage.named_modules():
-            composable = "replicate" in (_get_registry(module) or {})
-            if isinstance(module, nn.parallel.DistributedDataParallel) or (
-                    composable and not isinstance(module, FSDPModule)):
-                where = f"stage {s}" + (f" ({name!r})" if name else "")
-                return (f"{where} is wrapped in torch's DistributedDataParallel (or its "
-                        "composable replicate), whose reducer expects each forward's backward "
-                        "before the next forward, so a pipeline's micro-batches would reduce "
-                        "the wrong gradients: use devmesh.parallel.replicate (DDP's "
-                        "semantics, gradients reduced once per step) or a fully_shard "
-                        "(devmesh's or torch's)")
-    return None
 
 
 def _differentiable(outs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...] | None

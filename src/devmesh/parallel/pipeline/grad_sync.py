@@ -1,0 +1,105 @@
+"""When a data-parallel pipeline stage reduces its gradients: once per step, at its last
+backward, after every micro-batch's gradients have accumulated locally.
+
+A stage may be data parallel in one of three ways, each with its own switch:
+
+- modules with ``set_requires_gradient_sync`` read at *backward* time (devmesh's
+  ``replicate`` and ``fully_shard``, torch's FSDP2 ``fully_shard``): the runner turns sync on
+  for the stage's last backward action and off for the others;
+- torch's ``DistributedDataParallel``: its reducer is armed by the *forward*
+  (``prepare_for_backward`` at the end of a forward outside ``no_sync``) and expects that
+  forward's backward next. A pipeline runs several forwards before their backwards, so every
+  forward runs under ``no_sync()`` (nothing armed: the backwards accumulate locally), and the
+  reducer is armed by hand just before the stage's last backward, which then reduces the
+  accumulated gradients in DDP's buckets (with the user's comm hook, if any) — as torch's
+  pipelining does for a DDP stage, here also for a DDP module inside a stage;
+- torch's DDP-based composable ``replicate``: the same reducer, switched through its
+  ``set_requires_gradient_sync``, which its forward hook reads; off for the step's forwards.
+
+DDP's reducer reduces when autograd accumulates into ``.grad`` and must see every gradient of
+the step in one backward, so a zero-bubble ``I``/``W`` split cannot spread a DDP stage's
+weight gradients over several calls: such a stage does its whole backward in ``I``
+(:attr:`StageGradSync.whole`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+__all__ = ["StageGradSync"]
+
+
+class StageGradSync:
+    """The data-parallel switches of one pipeline stage (none for a plain stage)."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        self._ddp: list[DistributedDataParallel] = []
+        self._composable: list[nn.Module] = []  # torch's DDP-based composable replicate
+        self._switches: list[nn.Module] = []  # set_requires_gradient_sync read in backward
+        for module in stage.modules():
+            if isinstance(module, DistributedDataParallel):
+                self._ddp.append(module)
+            elif _is_composable_ddp(module):
+                self._composable.append(module)
+            elif hasattr(module, "set_requires_gradient_sync"):
+                self._switches.append(module)
+
+    @property
+    def any(self) -> bool:
+        """Whether the stage has anything to reduce at all."""
+        return bool(self._ddp or self._composable or self._switches)
+
+    @property
+    def whole(self) -> bool:
+        """A zero-bubble ``I`` must do this stage's whole backward (DDP's reducer, above)."""
+        return bool(self._ddp or self._composable)
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        """Around each of the stage's forwards: DDP's reducer left unarmed."""
+        with contextlib.ExitStack() as stack:
+            for module in self._ddp:
+                stack.enter_context(module.no_sync())
+            for module in self._composable:
+                module.set_requires_gradient_sync(False)
+            yield
+
+    def before_backward(self, final: bool, outputs: Sequence[torch.Tensor]) -> None:
+        """Before a backward action that computes weight gradients: ``final`` is the step's
+        last one for this stage (it reduces), ``outputs`` what it starts from."""
+        for module in self._switches:
+            module.set_requires_gradient_sync(final)
+        if final:
+            for ddp in self._reducers():
+                # DDP's own forward does this when not under no_sync; with find_unused_parameters
+                # it finds the parameters this backward will not reach from the outputs
+                ddp.reducer.prepare_for_backward(
+                    list(outputs) if ddp.find_unused_parameters else [])
+
+    def end_step(self) -> None:
+        """After the step: every switch back on, as outside a pipeline."""
+        for module in (*self._switches, *self._composable):
+            module.set_requires_gradient_sync(True)
+
+    def _reducers(self) -> list[DistributedDataParallel]:
+        from torch.distributed._composable import replicate
+
+        reducers = list(self._ddp)
+        for module in self._composable:
+            ddp = getattr(replicate.state(module), "_ddp", None)
+            if ddp is not None:  # built at the module's first forward
+                reducers.append(ddp)
+        return reducers
+
+
+def _is_composable_ddp(module: nn.Module) -> bool:
+    """torch's DDP-based composable ``replicate`` (not the FSDP-based one, an FSDPModule)."""
+    from torch.distributed._composable.contract import _get_registry
+    from torch.distributed.fsdp import FSDPModule
+
+    return "replicate" in (_get_registry(module) or {}) and not isinstance(module, FSDPModule)
