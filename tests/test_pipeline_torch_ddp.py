@@ -1,7 +1,8 @@
 """Pipeline stages under torch's own ``DistributedDataParallel`` (the whole stage, as torch's
 pipelining supports, or a module inside it), with ``find_unused_parameters``, and under its
 DDP-based composable ``replicate``: every schedule trains as one process on the whole batch,
-and DDP reduces once per step (through the user's comm hook), not once per micro-batch.
+and DDP reduces once per step (through the user's comm hook), not once per micro-batch. DDP's
+``static_graph=True`` is refused on every rank when the pipeline is built.
 
 Before, such stages trained silently wrong (1.6e-4 off after two 1F1B steps, 0.015 under
 zero-bubble): DDP's reducer, armed by each forward, reduced the first micro-batch's
@@ -16,7 +17,7 @@ from torch import nn
 
 from devmesh import init_device_mesh
 from devmesh.layout.schedule import build_schedule
-from devmesh.parallel.pipeline import PipelineRunner, split_sequential
+from devmesh.parallel.pipeline import PipelineError, PipelineRunner, split_sequential
 
 CASES = ("ddp", "ddp-unused", "ddp-inside", "composable")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -117,6 +118,20 @@ def train_all() -> dict[tuple[str, str], tuple[dict[str, torch.Tensor], list[int
                     for key, value in child.state_dict().items():
                         trained[f"{child_name}.{key}"] = value.detach().clone()
             results[(case, name)] = (trained, calls, ddps)
+    refusals = []  # DDP's static graph: its reducer asserted in the first backward
+    for wrapper in ("ddp", "composable"):
+        part = split_sequential(make_model(), 2)[me]
+        if wrapper == "ddp":
+            part = nn.parallel.DistributedDataParallel(part, process_group=dp_group,
+                                                       static_graph=True)
+        else:
+            torch_replicate(part, device_mesh=mesh["dp"], static_graph=True)
+        try:
+            PipelineRunner({me: part}, mesh, build_schedule("1f1b", 2, MICRO), F.cross_entropy)
+            refusals.append(None)
+        except PipelineError as exc:
+            refusals.append(str(exc))
+    results["static_graph"] = refusals
     return results
 
 
@@ -125,6 +140,12 @@ def test_stages_under_torchs_ddp_train_as_one_process_and_reduce_once_per_step()
 
     expected = reference()
     per_rank = launch(train_all, 4, timeout=600)
+    for rank, results in enumerate(per_rank):  # refused on every rank, naming each culprit
+        for error in results["static_graph"]:
+            assert error and "static_graph=True" in error, error
+            # each pipeline (a dp index) names its own ranks: 0 and 2, or 1 and 3
+            assert f"rank {rank % 2}: stage 0" in error, error
+            assert f"rank {2 + rank % 2}: stage 1" in error, error
     for case in CASES:
         for name in SCHEDULES:
             trained = {}

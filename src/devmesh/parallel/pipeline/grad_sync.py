@@ -49,10 +49,21 @@ class StageGradSync:
             elif hasattr(module, "set_requires_gradient_sync"):
                 self._switches.append(module)
 
-    @property
-    def any(self) -> bool:
-        """Whether the stage has anything to reduce at all."""
-        return bool(self._ddp or self._composable or self._switches)
+    def problem(self, where: str) -> str | None:
+        """Why this stage cannot run in a pipeline, if it cannot: DDP's ``static_graph``
+        replays the first iteration's one-backward-per-forward order (measured: its reducer
+        asserts in the first backward)."""
+        from torch.distributed._composable import replicate
+
+        # a composable replicate builds its DDP at its first forward, from these arguments
+        pending = [replicate.state(m)._init_kwargs for m in self._composable]
+        if any(ddp.static_graph for ddp in self._reducers()) or any(
+                kwargs.get("static_graph") for kwargs in pending):
+            return (f"{where} is under torch's DistributedDataParallel with "
+                    "static_graph=True, whose reducer expects each forward's backward "
+                    "before the next forward: build it without static_graph (the default) "
+                    "or use devmesh.parallel.replicate")
+        return None
 
     @property
     def whole(self) -> bool:

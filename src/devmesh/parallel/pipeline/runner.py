@@ -99,6 +99,9 @@ class PipelineRunner:
         if set(stages) != mine:
             problem = (f"pp index {self.index} holds stages {sorted(mine)} of this schedule, "
                        f"got modules for {sorted(stages)}")
+        self._sync = {s: StageGradSync(stages[s]) for s in stages}
+        problem = problem or next(filter(None, (sync.problem(f"stage {s}")
+                                                for s, sync in self._sync.items())), None)
         self._agree_or_raise(problem, "cannot build the pipeline")
         self._ties = TiedCopies(stages, ties_of(stages), mesh, self.dim, schedule)
         self._agree_or_raise(self._ties.check_and_share_values(),
@@ -120,7 +123,6 @@ class PipelineRunner:
         # where a stage's backward cannot be split (SplitBackward.whole, or DDP's reducer),
         # its I computes the weight gradients, and its last I reduces them
         self._final_input_grads = {a.stage: a for a in actions if a.kind == "I"}
-        self._sync = {s: StageGradSync(stages[s]) for s in stages}
         self._first_child_output: list[torch.Tensor] | None = None  # a list while watching
         if 0 in stages and any(a.kind == "I" for a in actions):
             self._watch_first_child(stages[0])
