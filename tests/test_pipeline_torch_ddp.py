@@ -117,7 +117,9 @@ def train_all() -> dict[tuple[str, str], tuple[dict[str, torch.Tensor], list[int
                         child = child.module
                     for key, value in child.state_dict().items():
                         trained[f"{child_name}.{key}"] = value.detach().clone()
-            results[(case, name)] = (trained, calls, ddps)
+            # the whole model under its own names (no DDP "module."), on every rank
+            whole = runner.state_dict(full=True) if case == "ddp" else None
+            results[(case, name)] = (trained, calls, ddps, whole)
     refusals = []  # DDP's static graph: its reducer asserted in the first backward
     for wrapper in ("ddp", "composable"):
         part = split_sequential(make_model(), 2)[me]
@@ -150,8 +152,12 @@ def test_stages_under_torchs_ddp_train_as_one_process_and_reduce_once_per_step()
         for name in SCHEDULES:
             trained = {}
             for results in per_rank:
-                params, calls, ddps = results[(case, name)]
+                params, calls, ddps, whole = results[(case, name)]
                 trained.update(params)
+                if whole is not None:
+                    assert whole.keys() == expected.keys(), sorted(whole)
+                    for key, value in expected.items():
+                        torch.testing.assert_close(whole[key], value, rtol=1e-5, atol=1e-6)
                 if case != "composable":  # (its DDP is built inside; no hook registered)
                     # one bucket per DDP module: one reduction per step, whatever the number of
                     # micro-batches (interleaved: two stages, each its own DDP, on each rank)

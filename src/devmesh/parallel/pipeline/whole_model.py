@@ -48,7 +48,7 @@ def full_state_dict(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     pipeline index broadcasts its bytes to the others (one broadcast per index)."""
     mine: list[tuple[int, str, torch.Tensor]] = []
     for s in sorted(runner.stages):
-        mine += [(s, k, v) for k, v in state_dict(_uncompiled(runner.stages[s]),
+        mine += [(s, k, v) for k, v in state_dict(_unwrapped(runner.stages[s]),
                                                   full=True).items()]
     listing = json.dumps([[s, k, dtype_name(v.dtype), list(v.shape)] for s, k, v in mine])
     listings = [json.loads(t) for t in comm.gather_texts(listing, _pp_group(runner))]
@@ -115,9 +115,8 @@ def load_full_state_dict(runner: PipelineRunner, state: Mapping[str, Any], *,
 def local_module(stages: Mapping[int, nn.Module]) -> nn.Module:
     """This rank's stages as one module, under the whole model's names: the stage itself
     when there is one, else an ``nn.Sequential`` of the stages' children in stage order. A
-    ``torch.compile``d stage counts as the module it compiled, so names carry no
-    ``_orig_mod.`` (as torch's DCP state dicts of compiled models)."""
-    stages = {s: _uncompiled(stage) for s, stage in stages.items()}
+    ``torch.compile``d or DDP-wrapped stage counts as the module inside (:func:`_unwrapped`)."""
+    stages = {s: _unwrapped(stage) for s, stage in stages.items()}
     if len(stages) == 1:
         return next(iter(stages.values()))
     children: dict[str, nn.Module] = {}
@@ -132,13 +131,19 @@ def local_module(stages: Mapping[int, nn.Module]) -> nn.Module:
     return _JoinedStages(OrderedDict(children), [stages[s] for s in sorted(stages)])
 
 
-def _uncompiled(stage: nn.Module) -> nn.Module:
-    """The module a ``torch.compile(stage)`` wrapper compiled, else ``stage``. (No
-    compiled module exists unless torch's dynamo was imported: no import here.)"""
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is not None and isinstance(stage, eval_frame.OptimizedModule):
-        return stage._orig_mod
-    return stage
+def _unwrapped(stage: nn.Module) -> nn.Module:
+    """The module inside the wrappers a whole stage may come in — ``torch.compile(stage)``,
+    torch's ``DistributedDataParallel(stage)``, either in the other — else ``stage``: names
+    then carry no ``_orig_mod.`` or ``module.``, as torch's DCP state dicts of such models.
+    (No compiled module exists unless torch's dynamo was imported: no import here.)"""
+    while True:
+        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+        if eval_frame is not None and isinstance(stage, eval_frame.OptimizedModule):
+            stage = stage._orig_mod
+        elif isinstance(stage, nn.parallel.DistributedDataParallel):
+            stage = stage.module
+        else:
+            return stage
 
 
 def _join(name: str, first: nn.Module, second: nn.Module) -> nn.Module:
