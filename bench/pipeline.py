@@ -115,12 +115,15 @@ def run(library: str, name: str, steps: int, ranks: int):
             runner.step(x if first else None, y if last else None)
 
     latency = _message_latency(mesh) if library == "devmesh" else 0.0
-    times, schedule_times, computes = [], [], []
+    spent = _install_timers() if library == "devmesh" else {}
+    times, schedule_times, computes, overheads = [], [], [], []
     for i in range(steps + 2):
         gen = torch.Generator().manual_seed(i)
         x, y = torch.randn(BATCH, 512, generator=gen), torch.randint(0, 10, (BATCH,),
                                                                      generator=gen)
         dist.barrier()
+        if spent:
+            spent.clear()
         start = time.perf_counter()
         step(x, y)
         scheduled = time.perf_counter() - start
@@ -133,6 +136,10 @@ def run(library: str, name: str, steps: int, ranks: int):
             schedule_times.append(elapsed[1].item())
             if library == "devmesh":
                 computes.append(dict(runner.compute_seconds))
+                # this rank's own work that is neither compute nor blocked on a message or
+                # on the end-of-step check: the runner's Python and the sends it starts
+                overheads.append(scheduled - sum(runner.compute_seconds.values())
+                                 - spent["wait"] - spent["check"])
     result = {"time": statistics.median(times), "schedule": statistics.median(schedule_times),
               "latency": latency}
     if library == "devmesh":
@@ -143,6 +150,7 @@ def run(library: str, name: str, steps: int, ranks: int):
                 by_kind.setdefault(action.kind, []).append(seconds)
         result["costs"] = {k: statistics.median(v) for k, v in by_kind.items()}
         result["actions"] = {a: statistics.median(c[a] for c in computes) for a in computes[0]}
+        result["overhead"] = statistics.median(overheads) / len(computes[0])  # per action
     return result
 
 
@@ -171,21 +179,12 @@ _TIMED = {"recv_activation": "wait", "recv_gradient": "wait", "send_activation":
           "_raise_if_any_stage_failed": "check"}
 
 
-def breakdown(name: str, steps: int, ranks: int) -> dict[str, float]:
-    """One rank's median step split by where the time went (see the module's doc)."""
+def _install_timers():
+    """Time the runner's message calls (:data:`_TIMED`) in this process: the returned
+    counter sums the seconds per part until cleared."""
     import collections
-    import logging
 
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-
-    warnings.filterwarnings("ignore")
-    logging.disable(logging.WARNING)
-    torch.set_num_threads(1)
-    from devmesh import init_device_mesh
-    from devmesh.layout.schedule import build_schedule
-    from devmesh.parallel.pipeline import PipelineRunner, split_sequential
+    from devmesh.parallel.pipeline import PipelineRunner
     from devmesh.parallel.pipeline.messages import StageLinks
 
     spent: collections.Counter = collections.Counter()
@@ -203,6 +202,25 @@ def breakdown(name: str, steps: int, ranks: int) -> dict[str, float]:
 
     for attr, part in _TIMED.items():
         timed(PipelineRunner if attr.startswith("_") else StageLinks, attr, part)
+    return spent
+
+
+def breakdown(name: str, steps: int, ranks: int) -> dict[str, float]:
+    """One rank's median step split by where the time went (see the module's doc)."""
+    import logging
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    warnings.filterwarnings("ignore")
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    from devmesh import init_device_mesh
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel.pipeline import PipelineRunner, split_sequential
+
+    spent = _install_timers()
     mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("pp",))
     me = mesh.get_coordinate()[0]
     virtual = 2 if name == "interleaved-1f1b" else 1
@@ -267,7 +285,7 @@ def main() -> None:
           "steps; glibc malloc " + ("defaults" if args.default_malloc else
                                     "keeping freed memory (see --default-malloc)"))
     print(f"{'schedule':<18}{'devmesh':>10}{'torch':>10}{'ratio':>8}{'schedule only':>15}"
-          f"{'bubble measured':>18}{'predicted':>11}{'replayed':>10}")
+          f"{'bubble measured':>18}{'predicted':>11}{'replayed':>10}{'+runner':>10}")
     latencies = []
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
         rounds, theirs = [], []
@@ -291,6 +309,11 @@ def main() -> None:
         predicted = plan.bubble(costs)
         each_action = {a: t for r in ours for a, t in r["actions"].items()}
         replayed = plan.bubble(each_action, ours[0]["latency"])
+        # the same with each action also taking its rank's runner overhead per action: the
+        # ranks' compute over the schedule's simulated length
+        with_runner = {a: t + r["overhead"] for r in ours for a, t in r["actions"].items()}
+        makespan = max(t.end for t in plan.simulate(with_runner, ours[0]["latency"]))
+        runner_replayed = 1 - sum(each_action.values()) / (ranks * makespan)
         latencies.append(ours[0]["latency"])
         torch_time = statistics.median(t["time"] for t in theirs) if theirs else None
         torch_text = f"{torch_time * 1e3:>8.1f}ms" if theirs else f"{'-':>10}"
@@ -300,11 +323,13 @@ def main() -> None:
         ratio = f"{paired('time'):>8.2f}" if theirs else f"{'-':>8}"
         only = f"{paired('schedule'):>15.2f}" if theirs else f"{'-':>15}"
         print(f"{name:<18}{step * 1e3:>8.1f}ms{torch_text}{ratio}{only}{measured:>18.1%}"
-              f"{predicted:>11.1%}{replayed:>10.1%}")
+              f"{predicted:>11.1%}{replayed:>10.1%}{runner_replayed:>10.1%}")
     print("predicted: the schedule simulated with the median compute per action kind (stages "
           "alike);\nreplayed: with each action's own measured compute (stages as they are) "
           "and each message between\nranks taking the measured ping-pong time "
-          f"({statistics.median(latencies) * 1e3:.2f} ms one way)")
+          f"({statistics.median(latencies) * 1e3:.2f} ms one way); +runner: also each action "
+          "taking its rank's\nmeasured runner time per action (sends, posting receives, "
+          "Python: the step less compute,\nwaits and the end check)")
 
 if __name__ == "__main__":
     main()

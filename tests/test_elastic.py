@@ -27,6 +27,7 @@ def _train(tmp_path, name: str, n: int, *extra: str, ckpt: str | None = None) ->
                 SCRIPT, *args])
     proc = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    _train.stderr = proc.stderr  # why a run restarted when none should have
     steps: dict[int, str] = {}
     lines = losses.read_text().split("\n")
     for line in filter(None, lines):
@@ -46,7 +47,7 @@ def test_a_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
     shutil.copytree(tmp_path / "killed-ckpt", smaller)
     shutil.copytree(tmp_path / "killed-ckpt", plain)
     on_four, order = _train(tmp_path, "four", 4, "--steps", "10", ckpt=smaller)
-    assert order == [6, 7, 8, 9]
+    assert order == [6, 7, 8, 9], _train.stderr[-3000:]  # (one run restarted after step 9)
     alone, _ = _train(tmp_path, "alone", 1, "--steps", "10", ckpt=plain)
     values = {k: float(v) for k, v in on_four.items()}
     assert values == pytest.approx({k: float(v) for k, v in alone.items()}, rel=1e-6)
