@@ -10,7 +10,10 @@ rank's median step time, the ratio devmesh / torch, and for devmesh the measured
 prediction: "predicted" simulates the schedule with the median measured cost of each action
 kind (as if every stage cost the same), "replayed" with every action's own measured compute
 and the measured message time (a ping-pong of one activation between ranks 0 and 1 before
-the run) — the gap between "replayed" and "measured" is the runner's own overhead.
+the run), "+runner" also charging each action its rank's measured runner time per action
+(the step less compute, message waits and the end-of-step check: starting sends, posting
+receives, the runner's Python). "+runner" against "measured" checks the schedule's model of
+time; "predicted" against "+runner" shows what the per-message costs of this machine add.
 
     .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3] [--ranks 4] [--default-malloc]
     .venv/bin/python bench/pipeline.py --breakdown [--ranks 2]
