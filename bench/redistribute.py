@@ -20,12 +20,20 @@ model's ranking with the measured one.
 
 Set DEVMESH_COST_MODEL to a ``devmesh bench -n 8 --mesh 2,4 --json`` file to plan with this
 machine's measured constants.
+
+glibc's malloc: as in bench/pipeline.py, the ranks of both libraries run with glibc's
+thresholds for returning memory to the system raised (``--default-malloc`` leaves them
+alone). With the defaults every 8 MB buffer is mapped and faulted in again at each call, and
+which plan paid that depended on the order plans were timed in: a merged gather measured
+67 ms timed among other candidates and 28 ms on its own, and torch's own call against itself
+(A/A) spread 0.84-1.18; with the thresholds raised, 1.00-1.03.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import time
 import warnings
@@ -223,7 +231,12 @@ def main() -> None:
                              "default: all)")
     parser.add_argument("--candidates", action="store_true",
                         help="also time every candidate plan (predicted vs measured ranking)")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="keep glibc malloc's default thresholds (see the module's doc)")
     args = parser.parse_args()
+    if not args.default_malloc:  # read by glibc at process start: the ranks inherit it
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
+        os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
     sizes = [s for s in args.sizes.split(",") if s]
     unknown = [s for s in sizes if s not in SIZES]
     if unknown:

@@ -62,6 +62,20 @@ class CostModel:
     # constants' ranking and corrects the time. Interpolated in log bytes, the nearest point
     # outside them.
     size_factor: tuple[tuple[int, float], ...] = ()
+    # (op, group size, latency per hop, bandwidth): constants fitted for one group size,
+    # used for it instead of the op's. Where ranks share cores (or groups differ in links),
+    # time does not follow the hops and bytes of the textbook: here an 8 MB all-gather took
+    # 15, 22 and 18 ms over 2, 4 and 8 ranks, so one merged gather over 8 ranks beat a
+    # gather over 4 then one over 2 (26 vs 45 ms), which the op's constants ranked the
+    # other way. Group sizes not listed use the op's constants.
+    groups: tuple[tuple[str, int, float, float], ...] = ()
+
+    def constants(self, op: str, group_size: int) -> tuple[float, float]:
+        """Latency per hop and bandwidth of ``op`` over ``group_size`` ranks."""
+        for name, n, latency, bandwidth in self.groups:
+            if name == op and n == group_size:
+                return latency, bandwidth
+        return dict(self.latency)[op], dict(self.bandwidth)[op]
 
     def collective_seconds(self, op: str, group_size: int, wire: float) -> float:
         """Predicted time of one collective over ``group_size`` ranks in which a rank
@@ -69,8 +83,8 @@ class CostModel:
         if group_size <= 1:
             return 0.0
         nbytes = wire / wire_bytes(op, group_size, 1)  # the collective's buffer
-        return ((group_size - 1) * dict(self.latency)[op]
-                + wire / (dict(self.bandwidth)[op] * self.factor(nbytes)))
+        latency, bandwidth = self.constants(op, group_size)
+        return (group_size - 1) * latency + wire / (bandwidth * self.factor(nbytes))
 
     def factor(self, nbytes: float) -> float:
         """How much of its bandwidth a transfer or copy of ``nbytes`` gets (1: all)."""
@@ -94,6 +108,7 @@ class CostModel:
         """Least-squares latency and bandwidth per collective from ``devmesh bench`` rows
         (``op``, ``ranks``, ``bytes``, ``time_us``): time = (n-1) * latency + wire / bw."""
         latency, bandwidth = dict(DEFAULT_COST_MODEL.latency), dict(DEFAULT_COST_MODEL.bandwidth)
+        rows = list(rows)
         by_op: dict[str, list[tuple[float, float, float]]] = {}
         for row in rows:
             n = int(row["ranks"])
@@ -103,7 +118,8 @@ class CostModel:
             solved = _least_squares(points)
             if solved is not None:
                 latency[op], bandwidth[op] = solved
-        by_size = _size_factor(rows, latency, bandwidth)
+        groups = _fit_groups(rows)
+        by_size = _size_factor(rows, latency, bandwidth, groups)
         copy_bandwidth = DEFAULT_COST_MODEL.copy_bandwidth
         # the largest copy measured: redistribution copies are large, and small ones fit
         # in cache and would flatter the machine
@@ -113,7 +129,7 @@ class CostModel:
             nbytes, seconds = max(timed)
             copy_bandwidth = nbytes / seconds
         return cls(tuple(sorted(latency.items())), tuple(sorted(bandwidth.items())),
-                   copy_bandwidth, source, by_size)
+                   copy_bandwidth, source, by_size, groups)
 
     @classmethod
     def from_bench(cls, path: str) -> CostModel:
@@ -129,9 +145,12 @@ class CostModel:
         lat = ", ".join(f"{op} {s * 1e6:.0f} us" for op, s in self.latency)
         bw = ", ".join(f"{op} {b / 1e9:.2f} GB/s" for op, b in self.bandwidth)
         factors = ", ".join(f"{f:.2f} at {_size(n)}" for n, f in self.size_factor)
+        groups = ", ".join(f"{op} over {n}: {a * 1e6:.0f} us, {b / 1e9:.2f} GB/s"
+                           for op, n, a, b in self.groups)
         return (f"cost model ({self.source}): latency per hop {lat}; bandwidth {bw}; "
                 f"copy {self.copy_bandwidth / 1e9:.1f} GB/s"
-                + (f"; bandwidth times {factors}" if factors else ""))
+                + (f"; bandwidth times {factors}" if factors else "")
+                + (f"; by group size: {groups}" if groups else ""))
 
 
 def _size(nbytes: int) -> str:
@@ -141,28 +160,57 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _fit_groups(rows: list[Mapping]) -> tuple[tuple[str, int, float, float], ...]:
+    """Latency per hop and bandwidth per (op, group size), fitted on buffers up to 8 MB
+    (beyond, the size factor takes over), where at least two sizes were measured."""
+    points: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
+    for row in rows:
+        op, n, nbytes = row["op"], int(row["ranks"]), int(row["bytes"])
+        if n > 1 and nbytes <= _GROUP_FIT_LIMIT:
+            points.setdefault((op, n), []).append(
+                (n - 1, wire_bytes(op, n, nbytes), float(row["time_us"]) * 1e-6))
+    groups = []
+    for (op, n), measured in sorted(points.items()):
+        if len({w for _, w, _ in measured}) < 2:
+            continue
+        solved = _least_squares(measured)
+        if solved is not None:
+            groups.append((op, n, solved[0], solved[1]))
+    return tuple(groups)
+
+
+_GROUP_FIT_LIMIT = 8 << 20
+
+
 def _size_factor(rows: Iterable[Mapping], latency: Mapping[str, float],
-                 bandwidth: Mapping[str, float]) -> tuple[tuple[int, float], ...]:
+                 bandwidth: Mapping[str, float],
+                 groups: tuple[tuple[str, int, float, float], ...] = ()
+                 ) -> tuple[tuple[int, float], ...]:
     """Per buffer size, the share of the fitted bandwidth the collectives got: for each op,
     the bandwidth that best explains its times at that size over every group size once the
     hops' latency is taken off (least squares in relative error), over the op's constant;
     the geometric mean over ops. Buffers under 1 MB, and times mostly latency, tell little
     about bandwidth and give no point."""
+    fitted = {(op, n): (lat, bw) for op, n, lat, bw in groups}
     sums: dict[tuple[str, int], list[float]] = {}
     for row in rows:
         op, n, nbytes = row["op"], int(row["ranks"]), int(row["bytes"])
+        if op not in bandwidth:
+            continue
+        hop, bw = fitted.get((op, n), (latency.get(op, 0.0), bandwidth[op]))
         seconds = float(row["time_us"]) * 1e-6
-        transfer = seconds - (n - 1) * latency.get(op, 0.0)
+        transfer = seconds - (n - 1) * hop
         if n <= 1 or nbytes < 1 << 20 or seconds <= 0 or transfer < 0.5 * seconds:
             continue
-        w = wire_bytes(op, n, nbytes) / seconds
+        # the rate this row achieved, over the rate its constants promise
+        w = wire_bytes(op, n, nbytes) / seconds / bw
         acc = sums.setdefault((op, nbytes), [0.0, 0.0])
         acc[0] += w * w
         acc[1] += w * transfer / seconds
     logs: dict[int, list[float]] = {}
     for (op, nbytes), (ww, wt) in sums.items():
-        if wt > 0 and op in bandwidth:
-            logs.setdefault(nbytes, []).append(math.log(ww / wt / bandwidth[op]))
+        if wt > 0:
+            logs.setdefault(nbytes, []).append(math.log(ww / wt))
     points = tuple((nbytes, math.exp(sum(v) / len(v))) for nbytes, v in sorted(logs.items()))
     return points if len(points) > 1 else ()
 
@@ -201,6 +249,15 @@ DEFAULT_COST_MODEL = CostModel(
     # their 64 MB / 8 MB bandwidth: all-gather 0.47, all-reduce 0.94, all-to-all 0.66,
     # reduce-scatter 0.81); up to 8 MB unchanged
     size_factor=((8 << 20, 1.0), (64 << 20, 0.7)),
+    # per group size (mesh (2, 4): 2 and 4 are its dims, 8 both), fitted the same way on the
+    # median of three runs of `devmesh bench -n 8 --mesh 2,4 --sizes 64K,1M,8M,64M --iters 9`
+    # (session 14): an 8-rank group moves bytes 2.5x as fast as a 2- or 4-rank one here
+    groups=(("all_gather", 2, 1.37e-3, 0.32e9), ("all_gather", 4, 1.53e-3, 0.36e9),
+            ("all_gather", 8, 1.46e-3, 0.91e9), ("all_reduce", 2, 2.90e-3, 0.45e9),
+            ("all_reduce", 4, 2.89e-3, 0.70e9), ("all_reduce", 8, 2.17e-3, 1.27e9),
+            ("all_to_all", 2, 1.74e-3, 0.22e9), ("all_to_all", 4, 0.92e-3, 0.39e9),
+            ("all_to_all", 8, 0.61e-3, 0.33e9), ("reduce_scatter", 2, 2.98e-3, 0.17e9),
+            ("reduce_scatter", 4, 2.86e-3, 0.23e9), ("reduce_scatter", 8, 2.66e-3, 0.40e9)),
 )
 
 _chosen: list[CostModel] = []
