@@ -69,6 +69,12 @@ class CostModel:
     # gather over 4 then one over 2 (26 vs 45 ms), which the op's constants ranked the
     # other way. Group sizes not listed use the op's constants.
     groups: tuple[tuple[str, int, float, float], ...] = ()
+    # (bytes, factor) points for local copies alone (empty: ``size_factor``). A copy falls
+    # off the caches harder than a collective: one process's memcpy ran at 14.8 GB/s for
+    # 8 MB and 3.0 GB/s for 32 MB here, and with 8 ranks sharing 2 cores a 64 MB reorder
+    # copy took ~150 ms (0.4 GB/s), so a merged gather that must reorder 64 MB lost to two
+    # gathers landing in place (606 vs 450 ms) while the shared factor predicted it faster.
+    copy_size_factor: tuple[tuple[int, float], ...] = ()
 
     def constants(self, op: str, group_size: int) -> tuple[float, float]:
         """Latency per hop and bandwidth of ``op`` over ``group_size`` ranks."""
@@ -86,9 +92,11 @@ class CostModel:
         latency, bandwidth = self.constants(op, group_size)
         return (group_size - 1) * latency + wire / (bandwidth * self.factor(nbytes))
 
-    def factor(self, nbytes: float) -> float:
-        """How much of its bandwidth a transfer or copy of ``nbytes`` gets (1: all)."""
-        points = self.size_factor
+    def factor(self, nbytes: float, points: tuple[tuple[int, float], ...] | None = None
+               ) -> float:
+        """How much of its bandwidth a transfer of ``nbytes`` gets (1: all), on the curve
+        ``points`` (default: ``size_factor``)."""
+        points = self.size_factor if points is None else points
         if not points:
             return 1.0
         if nbytes <= points[0][0]:
@@ -100,7 +108,8 @@ class CostModel:
         return points[-1][1]
 
     def copy_seconds(self, nbytes: int) -> float:
-        return nbytes / (self.copy_bandwidth * self.factor(nbytes)) if nbytes else 0.0
+        curve = self.copy_size_factor or self.size_factor
+        return nbytes / (self.copy_bandwidth * self.factor(nbytes, curve)) if nbytes else 0.0
 
     @classmethod
     def fit(cls, rows: Iterable[Mapping], memcpy: Iterable[Mapping] = (),
@@ -258,6 +267,7 @@ DEFAULT_COST_MODEL = CostModel(
             ("all_to_all", 2, 1.74e-3, 0.22e9), ("all_to_all", 4, 0.92e-3, 0.39e9),
             ("all_to_all", 8, 0.61e-3, 0.33e9), ("reduce_scatter", 2, 2.98e-3, 0.17e9),
             ("reduce_scatter", 4, 2.86e-3, 0.23e9), ("reduce_scatter", 8, 2.66e-3, 0.40e9)),
+    copy_size_factor=((8 << 20, 1.0), (64 << 20, 0.16)),
 )
 
 _chosen: list[CostModel] = []
