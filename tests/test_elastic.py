@@ -32,7 +32,8 @@ def _train(tmp_path, name: str, n: int, *extra: str, ckpt: str | None = None) ->
     lines = losses.read_text().split("\n")
     for line in filter(None, lines):
         step, loss = line.split()
-        steps[int(step)] = loss
+        # a step run again after a restart gives the same loss, bit for bit
+        assert steps.setdefault(int(step), loss) == loss, (step, steps[int(step)], loss)
     return steps, [int(line.split()[0]) for line in filter(None, lines)]
 
 
@@ -47,7 +48,12 @@ def test_a_killed_rank_restarts_and_resumes_bit_for_bit(tmp_path):
     shutil.copytree(tmp_path / "killed-ckpt", smaller)
     shutil.copytree(tmp_path / "killed-ckpt", plain)
     on_four, order = _train(tmp_path, "four", 4, "--steps", "10", ckpt=smaller)
-    assert order == [6, 7, 8, 9], _train.stderr[-3000:]  # (one run restarted after step 9)
+    # from step 6 to the end, in order. A run may go on past that: torch's gloo sometimes
+    # aborts in the interpreter's C++ teardown after the script finished ("terminate called
+    # without an active exception", no Python frame; about 1 run in 7 of this 4-rank job
+    # here, as in pytorch#190489), torchrun restarts the job, and it resumes from the last
+    # checkpoint and runs step 9 again (with the same loss, checked above)
+    assert order[:4] == [6, 7, 8, 9] and set(order) == {6, 7, 8, 9}, _train.stderr[-3000:]
     alone, _ = _train(tmp_path, "alone", 1, "--steps", "10", ckpt=plain)
     values = {k: float(v) for k, v in on_four.items()}
     assert values == pytest.approx({k: float(v) for k, v in alone.items()}, rel=1e-6)
