@@ -115,7 +115,9 @@ class CostModel:
     def fit(cls, rows: Iterable[Mapping], memcpy: Iterable[Mapping] = (),
             source: str = "measured") -> CostModel:
         """Least-squares latency and bandwidth per collective from ``devmesh bench`` rows
-        (``op``, ``ranks``, ``bytes``, ``time_us``): time = (n-1) * latency + wire / bw."""
+        (``op``, ``ranks``, ``bytes``, ``time_us``): time = (n-1) * latency + wire / bw;
+        the same per (collective, group size) where two sizes up to 8 MB were measured
+        (``groups``), and the size factor against those."""
         latency, bandwidth = dict(DEFAULT_COST_MODEL.latency), dict(DEFAULT_COST_MODEL.bandwidth)
         rows = list(rows)
         by_op: dict[str, list[tuple[float, float, float]]] = {}
@@ -169,6 +171,9 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+_GROUP_FIT_LIMIT = 8 << 20  # bytes: beyond, the size factor describes the fall-off
+
+
 def _fit_groups(rows: list[Mapping]) -> tuple[tuple[str, int, float, float], ...]:
     """Latency per hop and bandwidth per (op, group size), fitted on buffers up to 8 MB
     (beyond, the size factor takes over), where at least two sizes were measured."""
@@ -188,17 +193,14 @@ def _fit_groups(rows: list[Mapping]) -> tuple[tuple[str, int, float, float], ...
     return tuple(groups)
 
 
-_GROUP_FIT_LIMIT = 8 << 20
-
-
 def _size_factor(rows: Iterable[Mapping], latency: Mapping[str, float],
                  bandwidth: Mapping[str, float],
                  groups: tuple[tuple[str, int, float, float], ...] = ()
                  ) -> tuple[tuple[int, float], ...]:
     """Per buffer size, the share of the fitted bandwidth the collectives got: for each op,
     the bandwidth that best explains its times at that size over every group size once the
-    hops' latency is taken off (least squares in relative error), over the op's constant;
-    the geometric mean over ops. Buffers under 1 MB, and times mostly latency, tell little
+    hops' latency is taken off (least squares in relative error), over the constant for its
+    op and group size (``groups``, else the op's); the geometric mean over ops. Buffers under 1 MB, and times mostly latency, tell little
     about bandwidth and give no point."""
     fitted = {(op, n): (lat, bw) for op, n, lat, bw in groups}
     sums: dict[tuple[str, int], list[float]] = {}
