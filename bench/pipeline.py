@@ -178,7 +178,7 @@ def _message_latency(mesh, rounds: int = 20) -> float:
 
 
 _TIMED = {"recv_activation": "wait", "recv_gradient": "wait", "send_activation": "send",
-          "send_gradient": "send", "wait_sends": "send", "prefetch": "post",
+          "send_gradient": "send", "wait_sends": "send", "advance": "post",
           "_raise_if_any_stage_failed": "check"}
 
 
@@ -257,8 +257,8 @@ def print_breakdown(steps: int, ranks: int) -> None:
         for rank, row in enumerate(launch(breakdown, ranks, name, steps, ranks, timeout=1800)):
             print(f"{name:<18}{rank:>5}" + "".join(f"{row.get(c, 0.0) * 1e3:>9.1f}"
                                                    for c in columns))
-    print("wait: blocked in a receive; send: starting sends and waiting for them at the end; "
-          "post: posting the\nnext action's receive; check: the end-of-step failure check "
+    print("wait: blocked in a receive; send: packing sends and waiting for them at the end; "
+          "post: starting an\naction's sends and the next actions' receives (one batch); check: the end-of-step failure check "
           "(waits for the slowest rank);\nother: the runner's own Python around them")
 
 

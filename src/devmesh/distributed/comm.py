@@ -17,6 +17,7 @@ broadcast.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import math
 from collections import defaultdict
@@ -53,6 +54,7 @@ __all__ = [
     "small_tensor_device",
     "send_async",
     "recv",
+    "batch_p2p",
 ]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
@@ -523,6 +525,46 @@ def recv_async(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, dim: 
         work = dist.irecv(buffer, src=_peer(mesh, dim, peer_index), group=g.group, tag=tag)
     _record("recv", mesh, (dim,), buffer.numel() * buffer.element_size())
     return Pending(work, lambda: buffer, watch)
+
+
+def batch_p2p(ops: Sequence[tuple[str, torch.Tensor, int]], mesh: DeviceMesh, dim: int,
+              watch: Watch | None = None) -> list[Pending]:
+    """Start ``ops`` — ``("send", tensor, peer)`` or ``("recv", buffer, peer)``, ``peer`` an
+    index along mesh dim ``dim`` — as one batch (``batch_isend_irecv``: NCCL runs a batch's
+    messages together, which two ranks that send to each other need; gloo starts them one by
+    one). Every message has tag 0: between two ranks, the ``k``-th receive gets the ``k``-th
+    send, on every backend (NCCL ignores tags). ``wait()`` on a receive returns its buffer;
+    the caller keeps each sent tensor alive until its ``wait()``."""
+    g = _group(mesh, (dim,))
+    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor,
+                      peer=_peer(mesh, dim, peer), group=g.group)
+           for kind, tensor, peer in ops]
+    with watch.guard() if watch else contextlib.nullcontext():
+        works = dist.batch_isend_irecv(p2p)
+    for kind, tensor, _ in ops:
+        _record(kind, mesh, (dim,), tensor.numel() * tensor.element_size())
+    if len(works) == len(ops):  # one work per message (gloo)
+        return [Pending(work, functools.partial(_same, tensor), watch)
+                for work, (_, tensor, _) in zip(works, ops)]
+    together = _AllOf(works)  # NCCL: one work for the whole batch
+    return [Pending(together, functools.partial(_same, tensor), watch) for _, tensor, _ in ops]
+
+
+def _same(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor
+
+
+class _AllOf:
+    """Works that finish together (a coalesced batch), waited as one."""
+
+    def __init__(self, works) -> None:
+        self._works = list(works)
+
+    def wait(self) -> bool:
+        for work in self._works:
+            work.wait()
+        self._works.clear()
+        return True
 
 
 def recv(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, dim: int,

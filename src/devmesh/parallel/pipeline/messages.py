@@ -37,6 +37,16 @@ import torch
 
 from devmesh.distributed import comm
 from devmesh.distributed.timeouts import Watch
+from devmesh.layout.pipeline_messages import (
+    READY,
+    SKIP,
+    SPECULATE,
+    UNKNOWN,
+    Message,
+    ReceiveOrder,
+    forward_only,
+    upcoming,
+)
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 
@@ -109,84 +119,125 @@ def _unpack(buffer: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
                  for part, start in zip(layout, offsets))
 
 
-def _header_tag(stage: int) -> int:
-    return 1 << 30 | stage
-
-
-def _reshaped(tag: int) -> int:
-    """The tag of a step's first activation on a link whose shape changed (the usual tag
-    went to the zeros that filled the receive posted in advance)."""
-    return 1 << 29 | tag
-
-
 class StageLinks:
     """This rank's messages to and from the neighbouring stages' ranks along the pipeline
-    dim, and the layouts announced on them."""
+    dim, and the layouts announced on them.
+
+    Sends are queued as the actions make them and started in batches: after each action,
+    its sends together with the receives the next actions wait for (:func:`~devmesh.layout.
+    pipeline_messages.upcoming`: two actions ahead on gloo, fused with the last send before
+    them on NCCL). Receives are posted in each peer's order of sending
+    (:class:`~devmesh.layout.pipeline_messages.ReceiveOrder`) with one tag, so they match on
+    order alone, as NCCL matches them."""
 
     def __init__(self, mesh: DeviceMesh, dim: int, schedule: Schedule) -> None:
         self.mesh, self.dim, self.schedule = mesh, dim, schedule
         self.device = comm.mesh_device(mesh)  # NCCL carries only the device's tensors
+        self.policy = "ahead" if self.device.type == "cpu" else "fused"
+        index = mesh.get_coordinate()[dim]
+        self._schedules = {True: schedule, False: forward_only(schedule)}
+        self._orders = {training: ReceiveOrder(plan, index)
+                        for training, plan in self._schedules.items()}
+        self.order = self._orders[True]
+        self.plan, self.actions = schedule, schedule.actions[index]
         self.received: dict[int, Layout | None] = {}  # stage -> its input, as announced here
         self.announced: dict[int, Layout | None] = {}  # stage -> its input, as this rank said
         # the same for the previous step: the receives posted in advance expect these
         self.received_before: dict[int, Layout | None] = {}
         self.announced_before: dict[int, Layout | None] = {}
         self.sends: list[comm.Pending] = []
-        self._posted: dict[tuple[int, int], comm.Pending] = {}  # (peer stage, tag) -> receive
+        self._fillers: list[comm.Pending] = []  # receives the sender filled with zeros
+        self._posted: dict[Message, comm.Pending] = {}
+        self._queue: list[tuple[str, torch.Tensor, int, Message | None]] = []
         self.watch: Watch | None = None  # this step's: a timeout names the stuck rank
 
-    def start_step(self, actions: tuple[Action, ...]) -> None:
+    def start_step(self, actions: tuple[Action, ...], training: bool = True) -> None:
         """Announce every layout again (each step may bring a new micro-batch shape), and
-        post the receives of each incoming link's header and first activation (the latter in
-        the previous step's layout) for this rank's ``actions``."""
+        post the receives of the step's first ``actions``."""
         self.watch = comm.exchange_watch("pipeline step", self.mesh, self.dim)
         self.received_before, self.received = self.received, {}
         self.announced_before, self.announced = self.announced, {}
-        first = {}  # stage -> the micro-batch of its first forward this step
-        for action in actions:
-            if action.kind == "F" and action.stage > 0:
-                first.setdefault(action.stage, action.microbatch)
-        for stage, microbatch in first.items():
-            self._post(_HEADER_WIRE, stage - 1, _header_tag(stage))
-            before = self.received_before.get(stage)
-            if before is not None:
-                self._post(_wire(before), stage - 1, self._tag(stage, microbatch, False))
+        self.plan, self.order, self.actions = (self._schedules[training],
+                                               self._orders[training], actions)
+        self.order.restart()
+        self._post_due(upcoming(self.plan, actions, 0, self.policy), wait=False)
+        self.flush()
 
-    def _tag(self, stage: int, microbatch: int, backward: bool) -> int:
-        return (stage * self.schedule.microbatches + microbatch) * 2 + int(backward)
+    def advance(self, position: int) -> None:
+        """The action at ``position`` is done: start its sends, with the receives of the
+        actions after it."""
+        self._post_due(upcoming(self.plan, self.actions, position + 1, self.policy),
+                       wait=False)
+        self.flush()
 
-    def _post(self, wire: Shape, stage: int, tag: int) -> None:
-        """Post the receive of message ``tag`` from ``stage``'s rank (once)."""
-        if (stage, tag) not in self._posted:
-            self._posted[(stage, tag)] = comm.recv_async(
-                wire[0], wire[1], self.mesh, self.dim, self.schedule.rank_of(stage), tag,
-                self.device, self.watch)
+    def _state(self, message: Message) -> str:
+        """What this rank knows of ``message``'s layout (see ``ReceiveOrder``)."""
+        if message.kind == "header":
+            return READY
+        if message.kind == "activation":
+            if message.stage in self.received:
+                return READY if self.received[message.stage] is not None else SKIP
+            speculate = (self.order.is_first(message)
+                         and self.received_before.get(message.stage) is not None)
+            return SPECULATE if speculate else UNKNOWN
+        if message.stage + 1 not in self.announced:
+            return UNKNOWN
+        layout = self.announced[message.stage + 1]
+        return READY if layout is not None and gradient_layout(layout) else SKIP
 
-    def _send(self, tensor: torch.Tensor, stage: int, tag: int) -> None:
-        peer = self.schedule.rank_of(stage)
-        self.sends.append(comm.send_async(tensor, self.mesh, self.dim, peer, tag, self.watch))
+    def _wire_of(self, message: Message) -> Shape:
+        if message.kind == "header":
+            return _HEADER_WIRE
+        if message.kind == "activation":
+            layout = self.received.get(message.stage) or self.received_before[message.stage]
+            return _wire(layout)
+        return _wire(gradient_layout(self.announced[message.stage + 1]))
 
-    def _recv(self, wire: Shape, stage: int, tag: int) -> torch.Tensor:
-        posted = self._posted.pop((stage, tag), None)
-        if posted is not None:
-            return posted.wait()
-        return comm.recv(wire[0], wire[1], self.mesh, self.dim, self.schedule.rank_of(stage),
-                         tag, self.device, self.watch)
+    def _post_due(self, wanted: list[Message], wait: bool) -> None:
+        """Queue the receives that ``wanted`` needs, in order; with ``wait``, read the headers
+        on the way (blocking) until every wanted message has its receive."""
+        while True:
+            posts, header = self.order.due(wanted, self._state)
+            for message in posts:
+                sender = self.order.sender[message]
+                wire = self._wire_of(message)
+                buffer = torch.empty(wire[0], dtype=wire[1], device=self.device)
+                self._queue.append(("recv", buffer, sender, message))
+            if header is None or not wait:
+                return
+            self.flush()
+            self._read_header(header.stage)
 
-    def prefetch(self, action: Action) -> None:
-        """Post the receive ``action`` will wait for, when its layout is already known, so
-        that its data lands while this rank computes the action before it."""
-        s, mb = action.stage, action.microbatch
-        if action.kind == "F" and s > 0:
-            layout, peer, tag = self.received.get(s), s - 1, self._tag(s, mb, False)
-        elif action.kind in ("B", "I") and s < self.schedule.stages - 1:
-            layout = self.announced.get(s + 1)
-            layout = gradient_layout(layout) if layout is not None else None
-            peer, tag = s + 1, self._tag(s, mb, True)
-        else:
+    def _read_header(self, stage: int) -> None:
+        fields = self._posted.pop(Message("header", stage)).wait().tolist()
+        new = None if fields[0] == _FAILED else _parse(fields)
+        self.received[stage] = new
+        before = self.received_before.get(stage)
+        if self.order.header_read(stage, shape_held=before is not None and before == new):
+            # the sender filled the receive posted in the old layout; the data comes next
+            first = Message("activation", stage, self.order.first_activation[stage])
+            self._fillers.append(self._posted.pop(first))
+
+    def flush(self) -> None:
+        """Start the queued sends and receives as one batch."""
+        if not self._queue:
             return
-        if layout:
-            self._post(_wire(layout), peer, tag)
+        queue, self._queue = self._queue, []
+        pending = comm.batch_p2p([(kind, tensor, peer) for kind, tensor, peer, _ in queue],
+                                 self.mesh, self.dim, self.watch)
+        for (kind, _, _, message), started in zip(queue, pending):
+            if kind == "send":
+                self.sends.append(started)
+            else:
+                self._posted[message] = started
+
+    def _send(self, tensor: torch.Tensor, stage: int) -> None:
+        self._queue.append(("send", tensor.contiguous(), self.schedule.rank_of(stage), None))
+
+    def _receive(self, message: Message) -> torch.Tensor:
+        self._post_due([message], wait=True)
+        self.flush()
+        return self._posted.pop(message).wait()
 
     # -- forward ----------------------------------------------------------------------------
     def send_activation(self, out: tuple[torch.Tensor, ...] | None, stage: int,
@@ -198,7 +249,6 @@ class StageLinks:
         problem = _unsendable(out, stage) if out is not None else None
         if problem:
             out = None
-        tag = self._tag(stage, microbatch, False)
         if stage not in self.announced:
             fields = [_FAILED] + [0] * (_HEADER - 1)
             if out is not None:
@@ -206,14 +256,12 @@ class StageLinks:
                 for i, t in enumerate(out):
                     start = 1 + i * _PART
                     fields[start:start + 2 + t.ndim] = [t.ndim, _DTYPES.index(t.dtype), *t.shape]
-            header = torch.tensor(fields, dtype=torch.int64, device=self.device)
-            self._send(header, stage, _header_tag(stage))
+            self._send(torch.tensor(fields, dtype=torch.int64, device=self.device), stage)
             new = None if out is None else layout_of(out)
             self.announced[stage] = new
             before = self.announced_before.get(stage)
             if before is not None and before != new:  # fill the receive posted in advance
-                self._send(self._zeros(_wire(before)), stage, tag)
-                tag = _reshaped(tag)
+                self._send(self._zeros(_wire(before)), stage)
         announced = self.announced[stage]
         if announced is None:
             return problem
@@ -224,25 +272,19 @@ class StageLinks:
                        "the same shapes (pad data-dependent sizes)")
             out = None
         wire = _pack(out, self.device) if out is not None else self._zeros(_wire(announced))
-        self._send(wire, stage, tag)
+        self._send(wire, stage)
         return problem
 
     def recv_activation(self, stage: int, microbatch: int) -> tuple[torch.Tensor, ...] | None:
         """``stage``'s input tensors for ``microbatch``; ``None`` if the previous stage failed
         before it could announce a layout (no data comes then)."""
-        tag = self._tag(stage, microbatch, False)
-        if stage not in self.received:
-            header = self._recv(_HEADER_WIRE, stage - 1, _header_tag(stage)).tolist()
-            new = None if header[0] == _FAILED else _parse(header)
-            self.received[stage] = new
-            before = self.received_before.get(stage)
-            if before is not None and before != new:  # the sender filled the posted receive
-                self._recv(_wire(before), stage - 1, tag)
-                tag = _reshaped(tag)
+        message = Message("activation", stage, microbatch)
+        self._post_due([message], wait=True)
+        self.flush()
         layout = self.received[stage]
         if layout is None:
             return None
-        return _unpack(self._recv(_wire(layout), stage - 1, tag), layout)
+        return _unpack(self._posted.pop(message).wait(), layout)
 
     # -- backward ---------------------------------------------------------------------------
     def recv_gradient(self, stage: int, microbatch: int) -> tuple[torch.Tensor, ...] | None:
@@ -254,8 +296,7 @@ class StageLinks:
         layout = gradient_layout(layout)
         if not layout:  # nothing differentiable crossed: no message
             return ()
-        wire = self._recv(_wire(layout), stage + 1, self._tag(stage, microbatch, True))
-        return _unpack(wire, layout)
+        return _unpack(self._receive(Message("gradient", stage, microbatch)), layout)
 
     def send_gradient(self, grads: tuple[torch.Tensor | None, ...] | None, stage: int,
                       microbatch: int) -> None:
@@ -270,15 +311,18 @@ class StageLinks:
             return
         grads = grads if grads is not None else (None,) * len(layout)
         parts = tuple(g if g is not None else self._zeros(part) for g, part in zip(grads, layout))
-        self._send(_pack(parts, self.device), stage - 1, self._tag(stage - 1, microbatch, True))
+        self._send(_pack(parts, self.device), stage - 1)
 
     def _zeros(self, shape: Shape) -> torch.Tensor:
         return torch.zeros(shape[0], dtype=shape[1], device=self.device)
 
     def wait_sends(self) -> None:
-        for pending in self.sends:
+        """End of step: every send delivered, every filled receive done."""
+        self.flush()
+        for pending in self.sends + self._fillers:
             pending.wait()
         self.sends.clear()
+        self._fillers.clear()
 
 
 _HEADER_WIRE: Shape = ((_HEADER,), torch.int64)

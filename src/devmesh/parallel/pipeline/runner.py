@@ -285,14 +285,14 @@ class PipelineRunner:
     def _play(self, step: _Step, actions: tuple[Action, ...]) -> None:
         """Run ``actions`` in order; every message this rank owes is sent even after a
         failure (zeros), so no neighbour waits forever."""
-        self._links.start_step(actions)  # each step's first messages announce the shapes
+        # each step's first messages announce the shapes
+        self._links.start_step(actions, training=step.training)
         self.compute_seconds = step.compute  # compute of each action, messages excluded
         play = {"F": self._forward, "B": self._backward, "I": self._backward,
                 "W": self._weight_grads}
         for position, action in enumerate(actions):
-            if position + 1 < len(actions):
-                self._links.prefetch(actions[position + 1])
             play[action.kind](step, action)
+            self._links.advance(position)  # its sends, with the next actions' receives
         self._links.wait_sends()
 
     def _finish(self, step: _Step) -> torch.Tensor | None:

@@ -1,0 +1,355 @@
+"""The messages of a pipeline schedule, in the order they cross each pair of ranks.
+
+NCCL ignores message tags: between two ranks, the ``k``-th receive one posts gets the ``k``-th
+message the other sends. So a pipeline that runs on NCCL must post its receives from each peer
+in the order that peer sends, and this module says what that order is: a rank sends in the
+order of its own actions (a forward's activation to the next stage, preceded on each link's
+first micro-batch of the step by a small header announcing its shapes; a backward's gradient
+to the previous stage), and :func:`fifo_problem` checks that every receiver *uses* them in
+that order too (true of every built-in schedule, for any size; a hand-made schedule may not).
+devmesh's runner posts every pipeline message with one tag on every backend, so that gloo
+matches them the way NCCL does and the CPU tests exercise the order GPUs depend on.
+
+Order is not enough on NCCL: its sends and receives run on one stream per rank, each batch
+(``batch_isend_irecv``) only once the one before has finished, and a send finishes only when
+its receiver's batch is running. A rank that posts a receive ahead of a send its peer needs
+first deadlocks both. :func:`nccl_deadlock` plays a schedule under those rules, with the
+receives posted exactly as the runner posts them (:class:`ReceiveOrder`, ``lookahead``
+actions ahead), and names the ranks that would wait forever. With ``lookahead=1`` — each
+action's sends batched with the next action's receives, as torch's pipelining fuses them — no
+built-in schedule deadlocks; with the receives posted two actions ahead (what the runner does
+on gloo, whose sends never wait, so the data of the next message lands while this rank
+computes) 1F1B does, which is why the runner posts one action ahead on NCCL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from devmesh.layout.schedule import Action, Schedule
+
+__all__ = ["Message", "sent_by", "needed_by", "sequences", "fifo_problem", "ReceiveOrder",
+           "forward_only", "upcoming", "sent_by_action", "nccl_deadlock"]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One message between stages: ``stage`` is the stage that receives it. A ``header``
+    (``microbatch`` -1) announces the shapes of a link's activations for the step."""
+
+    kind: str  # "header", "activation" or "gradient"
+    stage: int
+    microbatch: int = -1
+
+    def __str__(self) -> str:
+        if self.kind == "header":
+            return f"header@{self.stage}"
+        return f"{self.kind[0]}{self.microbatch}@{self.stage}"
+
+
+def forward_only(schedule: Schedule) -> Schedule:
+    """The schedule's forwards alone, in its order (what an evaluation pass plays)."""
+    return Schedule(schedule.name, schedule.ranks, schedule.stages, schedule.microbatches,
+                    tuple(tuple(a for a in actions if a.kind == "F")
+                          for actions in schedule.actions))
+
+
+def _first_forwards(actions: Iterable[Action]) -> dict[int, int]:
+    """stage -> the micro-batch of its first forward in ``actions``."""
+    first: dict[int, int] = {}
+    for a in actions:
+        if a.kind == "F":
+            first.setdefault(a.stage, a.microbatch)
+    return first
+
+
+def sent_by_action(schedule: Schedule, action: Action) -> tuple[Message, ...]:
+    """The data messages ``action`` sends (headers aside)."""
+    s, m = action.stage, action.microbatch
+    if action.kind == "F" and s < schedule.stages - 1:
+        return (Message("activation", s + 1, m),)
+    if action.kind in ("B", "I") and s > 0:
+        return (Message("gradient", s - 1, m),)
+    return ()
+
+
+def sent_by(schedule: Schedule, rank: int) -> list[tuple[int, tuple[Message, ...]]]:
+    """Per action of ``rank``, in order: the peer rank and the messages the action sends
+    (empty when it sends none)."""
+    first = _first_forwards(schedule.actions[rank])
+    out = []
+    for a in schedule.actions[rank]:
+        s, m = a.stage, a.microbatch
+        if a.kind == "F" and s < schedule.stages - 1:
+            head = (Message("header", s + 1),) if first[s] == m else ()
+            out.append((schedule.rank_of(s + 1), head + (Message("activation", s + 1, m),)))
+        elif a.kind in ("B", "I") and s > 0:
+            out.append((schedule.rank_of(s - 1), (Message("gradient", s - 1, m),)))
+        else:
+            out.append((-1, ()))
+    return out
+
+
+def needed_by(schedule: Schedule, action: Action) -> tuple[int, Message] | None:
+    """The peer rank and the message ``action`` waits for, if any."""
+    s, m = action.stage, action.microbatch
+    if action.kind == "F" and s > 0:
+        return schedule.rank_of(s - 1), Message("activation", s, m)
+    if action.kind in ("B", "I") and s < schedule.stages - 1:
+        return schedule.rank_of(s + 1), Message("gradient", s, m)
+    return None
+
+
+def sequences(schedule: Schedule) -> dict[tuple[int, int], tuple[Message, ...]]:
+    """(sender, receiver) -> every message the sender sends the receiver in a step, in the
+    order it sends them."""
+    out: dict[tuple[int, int], list[Message]] = {}
+    for rank in range(schedule.ranks):
+        for peer, messages in sent_by(schedule, rank):
+            if messages:
+                out.setdefault((rank, peer), []).extend(messages)
+    return {pair: tuple(messages) for pair, messages in out.items()}
+
+
+def fifo_problem(schedule: Schedule) -> str | None:
+    """Why ``schedule`` cannot run with messages matched in order, if it cannot: some rank
+    uses a peer's messages in another order than the peer sends them."""
+    for (sender, receiver), sent in sequences(schedule).items():
+        data = [m for m in sent if m.kind != "header"]
+        used = [need[1] for a in schedule.actions[receiver]
+                if (need := needed_by(schedule, a)) is not None and need[0] == sender]
+        if data != used:
+            at = next(i for i, (x, y) in enumerate(zip(data, used)) if x != y)
+            return (f"rank {receiver} uses rank {sender}'s messages in another order than "
+                    f"rank {sender} sends them (message {at}: sent {data[at]}, used "
+                    f"{used[at]}); messages between two ranks are matched in order (NCCL "
+                    "ignores tags), so reorder the schedule's actions")
+    return None
+
+
+def upcoming(schedule: Schedule, actions: tuple[Action, ...], start: int, policy: str
+             ) -> list[Message]:
+    """The messages whose receives a rank posts before ``actions[start]`` (with the sends of
+    the action before it, in one batch). ``"ahead"``: those the next two actions wait for,
+    so each message's receive is posted while the action before it computes (gloo: its data
+    lands meanwhile; gloo's sends never wait for their receive). ``"fused"``: the next
+    message any action waits for, as long as no action before that one sends — a receive
+    then goes in the batch of the last send before it, never ahead of a send (NCCL: a send
+    waits for its receiver, and a batch for the one before it)."""
+    if policy == "ahead":
+        return [need[1] for a in actions[start:start + 2]
+                if (need := needed_by(schedule, a)) is not None]
+    if policy != "fused":
+        raise ValueError(f"policy must be 'ahead' or 'fused', got {policy!r}")
+    for a in actions[start:]:
+        need = needed_by(schedule, a)
+        if need is not None:
+            return [need[1]]
+        if any(sent_by_action(schedule, a)):
+            return []
+    return []
+
+
+# -- which receives a rank posts when ------------------------------------------------------
+READY, SKIP, SPECULATE, UNKNOWN = "ready", "skip", "speculate", "unknown"
+
+
+class ReceiveOrder:
+    """Where a rank stands in each peer's sequence of messages to it within a step: its
+    receives are posted in that order, one peer at a time, never skipping ahead.
+
+    What can be posted depends on what the rank knows of each message's shape (the caller's
+    ``state``): ``READY`` (post it), ``SKIP`` (it will not come: its link failed, or nothing
+    differentiable crossed), ``SPECULATE`` (a link's first activation, shape not yet
+    announced this step: post it in the previous step's shape, and post nothing more from
+    that peer until the header says whether the shape held — if not, the sender fills that
+    receive with zeros and sends the data next, which the caller then posts again), or
+    ``UNKNOWN`` (the header must be read first)."""
+
+    def __init__(self, schedule: Schedule, rank: int) -> None:
+        self.rank = rank
+        self.incoming = {sender: sent for (sender, receiver), sent in
+                         sequences(schedule).items() if receiver == rank}
+        self.sender = {m: sender for sender, sent in self.incoming.items() for m in sent}
+        self.first_activation = {s: m for s, m in
+                                 _first_forwards(schedule.actions[rank]).items() if s > 0}
+        self.position = dict.fromkeys(self.incoming, 0)
+        self.speculated: set[Message] = set()  # posted in an old shape, header not yet read
+
+    def restart(self) -> None:
+        """A new step: every sequence from its start."""
+        self.position = dict.fromkeys(self.incoming, 0)
+        self.speculated.clear()
+
+    def is_first(self, message: Message) -> bool:
+        return (message.kind == "activation"
+                and self.first_activation.get(message.stage) == message.microbatch)
+
+    def due(self, wanted: Iterable[Message], state: Callable[[Message], str]
+            ) -> tuple[list[Message], Message | None]:
+        """The receives to post now so that every ``wanted`` message has one, in each
+        peer's order: the list, and the header that must be read before going further (or
+        ``None`` when every wanted message is covered). A message already passed is not
+        posted again."""
+        posts: list[Message] = []
+        for target in wanted:
+            sender = self.sender.get(target)
+            if sender is None:
+                continue
+            sent = self.incoming[sender]
+            index = sent.index(target)
+            while self.position[sender] <= index:
+                message = sent[self.position[sender]]
+                status = state(message)
+                if message in self.speculated:  # still waiting on its header
+                    return posts, Message("header", message.stage)
+                if status == SKIP:
+                    self.position[sender] += 1
+                elif status == READY:
+                    posts.append(message)
+                    self.position[sender] += 1
+                elif status == SPECULATE:
+                    posts.append(message)
+                    self.speculated.add(message)
+                    return posts, Message("header", message.stage)
+                else:
+                    return posts, Message("header", message.stage)
+        return posts, None
+
+    def header_read(self, stage: int, shape_held: bool) -> bool:
+        """The header of ``stage``'s link was read; returns whether its first activation's
+        receive was posted speculatively and must be posted again (the shape changed, or the
+        sender failed: the posted receive gets zeros). The sequence goes on past it only if
+        the shape held."""
+        first = Message("activation", stage, self.first_activation.get(stage, -1))
+        if first not in self.speculated:
+            return False
+        self.speculated.discard(first)
+        if shape_held:
+            self.position[self.sender[first]] += 1
+            return False
+        return True
+
+
+# -- NCCL's stream rules ------------------------------------------------------------------
+def nccl_deadlock(schedule: Schedule, policy: str = "fused", shapes: str = "held"
+                  ) -> str | None:
+    """Play one step of ``schedule`` as devmesh's runner posts it on NCCL (every shape as in
+    the step before, no failure): each rank's batches of sends and receives run one after
+    another on its communication stream, each after the compute enqueued before it (its
+    sends' data); a batch finishes once every peer batch holding its messages' other ends
+    has started; an action computes once its message's batch has finished. ``shapes``: every
+    link's shapes ``"held"`` from the step before (receives posted ahead in them), are
+    ``"new"`` (the first step: each link's first activation waits for its header), or
+    ``"changed"`` (the receive posted ahead gets zeros, the data follows). Returns which
+    ranks would wait forever and on what, or ``None``."""
+    if shapes not in ("held", "new", "changed"):
+        raise ValueError(f"shapes must be 'held', 'new' or 'changed', got {shapes!r}")
+    ranks = schedule.ranks
+    programs = [_program(schedule, rank, policy, shapes) for rank in range(ranks)]
+    # match the i-th send from a to b with the i-th receive b posts from a
+    where: dict[tuple[str, int, int, int], tuple[int, int]] = {}  # -> (rank, batch index)
+    counts: dict[tuple[str, int, int], int] = {}
+    for rank, program in enumerate(programs):
+        for index, (kind, ops) in enumerate(program):
+            if kind != "batch":
+                continue
+            for direction, peer in ops:
+                pair = (rank, peer) if direction == "send" else (peer, rank)
+                n = counts.get((direction, *pair), 0)
+                counts[(direction, *pair)] = n + 1
+                where[(direction, *pair, n)] = (rank, index)
+    partners: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for (direction, a, b, n), node in where.items():
+        other = where.get(("recv" if direction == "send" else "send", a, b, n))
+        if other is None:
+            return f"rank {node[0]}'s {direction} #{n} between ranks {a} and {b} is never matched"
+        partners.setdefault(node, set()).add(other)
+    # each node waits for the nodes it depends on: a batch for the batch before it on the
+    # stream and the compute enqueued before it (its sends' data); a compute for the compute
+    # before it and the batches holding its messages
+    deps: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for rank, program in enumerate(programs):
+        last = {"batch": None, "compute": None}
+        for index, (kind, ops) in enumerate(program):
+            stream = "batch" if kind == "batch" else "compute"
+            before = [last[stream]] + ([last["compute"]] if stream == "batch" else [])
+            deps[(rank, index)] = [n for n in before if n is not None] + (
+                [] if stream == "batch" else list(ops))
+            last[stream] = (rank, index)
+    started: set[tuple[int, int]] = set()
+    finished: set[tuple[int, int]] = set()
+    progressed = True
+    while progressed:
+        progressed = False
+        for node, needs in deps.items():
+            if node in finished or not all(n in finished for n in needs):
+                continue
+            started.add(node)
+            if programs[node[0]][node[1]][0] == "batch" and not all(
+                    p in started for p in partners.get(node, ())):
+                continue
+            finished.add(node)
+            progressed = True
+    stuck: dict[int, str] = {}
+    for rank, program in enumerate(programs):
+        for index, (kind, ops) in enumerate(program):
+            if (rank, index) not in finished and rank not in stuck:
+                stuck[rank] = (f"a batch of {len(ops)} messages" if kind == "batch"
+                               else f"action {kind}")
+    if not stuck:
+        return None
+    return "deadlock on NCCL: " + "; ".join(f"rank {rank} waits at {what}"
+                                            for rank, what in sorted(stuck.items()))
+
+
+def _program(schedule: Schedule, rank: int, policy: str, shapes: str) -> list[tuple]:
+    """``rank``'s step as the runner enqueues it: ``("batch", [(direction, peer), ...])``
+    and ``(str(action), [nodes it waits for])``, in order."""
+    actions = schedule.actions[rank]
+    order = ReceiveOrder(schedule, rank)
+    read: set[int] = set()  # links whose header this rank has read
+
+    def state(message: Message) -> str:
+        if message.kind == "activation" and message.stage not in read:
+            return SPECULATE if order.is_first(message) and shapes != "new" else UNKNOWN
+        return READY
+
+    program: list[tuple] = []
+    batch_of: dict[Message, int] = {}
+
+    def post(messages: list[Message], sends: list[int] = ()) -> None:
+        ops = [("send", peer) for peer in sends]
+        ops += [("recv", order.sender[m]) for m in messages]
+        for m in messages:
+            batch_of[m] = len(program)
+        if ops:
+            program.append(("batch", ops))
+
+    def wanted(start: int) -> list[Message]:
+        return upcoming(schedule, actions, start, policy)
+
+    post(order.due(wanted(0), state)[0])
+    sends = sent_by(schedule, rank)
+    for k, action in enumerate(actions):
+        need = needed_by(schedule, action)
+        waits = []
+        if need is not None:
+            message = need[1]
+            while True:  # the runner blocks on the header, then posts the rest
+                posts, header = order.due([message], state)
+                post(posts)
+                if header is None:
+                    break
+                waits.append((rank, batch_of[header]))
+                read.add(header.stage)
+                order.header_read(header.stage, shape_held=shapes != "changed")
+            waits.append((rank, batch_of[message]))
+        program.append((str(action), waits))
+        peer, messages = sends[k]
+        count = len(messages) + (shapes == "changed"
+                                 and any(m.kind == "header" for m in messages))
+        posts, _ = order.due(wanted(k + 1), state)  # the zeros filling the old shape: +1
+        post(posts, [peer] * count)
+    return program
