@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from devmesh import comm_stats, init_device_mesh
 from devmesh.parallel import state_dict
-from devmesh.layout.schedule import SCHEDULES, ScheduleError, build_schedule
+from devmesh.layout.schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
 from devmesh.parallel.pipeline import (
     PipelineError,
     PipelineRunner,
@@ -192,8 +192,9 @@ def test_a_model_split_inside_a_nested_sequential_trains_as_one_process(mesh_poo
             torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def train_pipelined(name: str, microbatches: int, steps: int = 2):
-    """Train on 4 pipeline ranks; return this rank's stage parameters, losses and P2P counts."""
+def train_pipelined(name: str, microbatches: int, steps: int = 2, policy: str = "ahead"):
+    """Train on 4 pipeline ranks; return this rank's stage parameters, losses and P2P counts
+    (``policy``: when the receives are posted — gloo's default, or NCCL's order)."""
     import torch.distributed as dist
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
@@ -203,6 +204,7 @@ def train_pipelined(name: str, microbatches: int, steps: int = 2):
     me = mesh.get_coordinate()[0]
     stages = {s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == me}
     runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    runner._links.policy = policy
     params = [p for s in stages.values() for p in s.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     losses, sends = [], []
@@ -238,11 +240,14 @@ def reference(make=None, batch: int = 16, steps: int = 2, reduction: str = "mean
     return dict(model.named_parameters()), losses
 
 
-@pytest.mark.parametrize("name", list(SCHEDULES))
-def test_every_schedule_trains_like_one_process(mesh_pool, name):
+@pytest.mark.parametrize("name, policy", [(name, "ahead") for name in SCHEDULES]
+                         + [(name, "fused") for name in SCHEDULES])
+def test_every_schedule_trains_like_one_process(mesh_pool, name, policy):
+    # "fused": the receives posted as on NCCL (with the last send before them), all messages
+    # matched by order alone (one tag) — gloo runs the order NCCL depends on
     ref_params, ref_losses = reference()
     microbatches = 8
-    results = mesh_pool.run(train_pipelined, 4, name, microbatches)
+    results = mesh_pool.run(train_pipelined, 4, name, microbatches, 2, policy)
     owned = {}
     schedule = build_schedule(name, 4, microbatches)
     boundaries = sum(1 for s in range(schedule.stages - 1)
@@ -264,6 +269,12 @@ def test_every_schedule_trains_like_one_process(mesh_pool, name):
 def test_pipeline_errors_name_the_fix(mesh_pool):
     for error in mesh_pool.run(pipeline_errors, 4):
         assert error[0] == "no 'pp' dim"
+        # every rank refuses it alike, without a collective: the schedule is the same on all
+        assert "cannot run schedule 'swapped': rank 2 uses rank 1's messages in another " \
+               "order than rank 1 sends them (message 0: sent a0@2, used a1@2); messages " \
+               "between two ranks are matched in order (NCCL ignores tags), so reorder the " \
+               "schedule's actions" in error[1], error[1]
+        error = error[:1] + error[2:]
         # only rank 0 sees the data; every rank says why it was refused, none waits forever
         assert "pipeline step failed — rank 0: 4 micro-batches do not divide the batch of 10 " \
                "inputs" in error[1], error[1]
@@ -283,6 +294,14 @@ def pipeline_errors():
     pp = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
     parts = split_sequential(make_model(), 4)
     me = pp.get_coordinate()[0]
+    gpipe = build_schedule("gpipe", 4, 2)
+    swapped = list(gpipe.actions)  # rank 2 takes rank 1's activations in the other order
+    swapped[2] = (swapped[2][1], swapped[2][0]) + swapped[2][2:]
+    try:
+        PipelineRunner({me: parts[me]}, pp, Schedule("swapped", 4, 4, 2, tuple(swapped)),
+                       F.cross_entropy)
+    except PipelineError as exc:
+        out.append(str(exc))
     runner = PipelineRunner({me: parts[me]}, pp, build_schedule("1f1b", 4, 4), F.cross_entropy)
     try:  # only the first stage has inputs (of a bad size), only the last has targets: the
         # middle stages must not wait for a message that never comes
@@ -655,10 +674,11 @@ class _DictOnce(nn.Module):
         return {"x": x} if self.wrapped else x
 
 
-def shapes_across_steps(name: str):
+def shapes_across_steps(name: str, policy: str = "ahead"):
     """Steps of 16, a failing step (stage 1 fails before it can announce a shape), then 8,
     8 and 16 samples: each step's first message on a link either lands in the receive
-    posted in advance in the previous step's shape, or fills it and follows on its own tag."""
+    posted in advance in the previous step's shape, or zeros fill that receive and the data
+    follows (``policy``: when receives are posted, see ``train_pipelined``)."""
     model = make_model()
     model.insert(4, _DictOnce())
     model[4].wrapped = False
@@ -669,6 +689,7 @@ def shapes_across_steps(name: str):
     me = mesh.get_coordinate()[0]
     stages = {s: parts[s] for s in range(4) if schedule.rank_of(s) == me}
     runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    runner._links.policy = policy
     opt = torch.optim.SGD([p for part in stages.values() for p in part.parameters()], lr=0.1)
     losses = []
     for step, batch in enumerate((16, 16, 8, 8, 16)):
@@ -686,8 +707,9 @@ def shapes_across_steps(name: str):
     return losses
 
 
-@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b"])
-def test_shapes_that_change_or_fail_between_steps(mesh_pool, name):
+@pytest.mark.parametrize("name, policy", [("1f1b", "ahead"), ("interleaved-1f1b", "ahead"),
+                                          ("1f1b", "fused"), ("zero-bubble", "fused")])
+def test_shapes_that_change_or_fail_between_steps(mesh_pool, name, policy):
     model = make_model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     expected = []
@@ -703,7 +725,7 @@ def test_shapes_that_change_or_fail_between_steps(mesh_pool, name):
         opt.zero_grad()
         expected.append(loss.item())
     results = mesh_pool.run(shapes_across_steps, 4 // (2 if name == "interleaved-1f1b" else 1),
-                            name)
+                            name, policy)
     assert all(r[1] == "failed" for r in results)
     last = results[-1]
     assert last[:1] + last[2:] == pytest.approx(expected[:1] + expected[2:], rel=1e-5)

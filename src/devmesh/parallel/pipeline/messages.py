@@ -1,8 +1,10 @@
 """The messages between pipeline stages: activations forward, gradients backward.
 
-Each message is tagged by (stage, micro-batch, direction), so a receive names exactly the
-message it waits for, whatever order the schedule plays; the receive of the next action is
-posted before the current action computes, so its data arrives meanwhile. The shape and dtype
+Messages are matched by order, as NCCL matches them (it ignores tags): every message has one
+tag, and each rank posts its receives from a peer in the order the peer sends
+(:mod:`devmesh.layout.pipeline_messages`). An action's sends start after it, in one batch
+with the receives of the next actions (two ahead on gloo, so a message's receive is posted
+while the action before it computes and its data lands meanwhile). The shape and dtype
 of a stage's input are announced once per step, in a small header before the step's first
 activation (so the shape may change from one step to the next without any collective); later
 messages of the step carry only data, and a gradient has the shape of the activation it
@@ -15,8 +17,9 @@ pipeline where every stage waits for it. So at the start of a step each rank pos
 stage it receives activations for, the header's receive and the first activation's receive in
 the shape of the previous step. When the shape stays (the common case), that receive is the
 one the data lands in. When it changed (or the sender failed), the sender first sends zeros
-of the old shape to fill the receive posted in advance, and the data follows on a tag of its
-own; both sides know the old shape, so they agree without asking.
+of the old shape to fill the receive posted in advance, and the data follows; the receiver
+posts nothing more from that peer until it has read the header, so the data is next in line.
+Both sides know the old shape, so they agree without asking.
 
 A stage may pass several tensors to the next (a tuple: hidden states and a mask, say), as
 torch's pipelining allows. They cross as one message: a single tensor as it is, several packed

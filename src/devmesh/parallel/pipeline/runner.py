@@ -17,9 +17,14 @@ stage, action and error. (Within a stage parallelized over other dims, the error
 same on the stage's data- and tensor-parallel copies — as a shape error is — or those copies
 wait in their gradient reduction until the collective timeout names the rank.)
 
-CPU meshes (gloo) only, so far: NCCL ignores tags, and a rank's send to and receive from the
-same peer share one NCCL stream, so they must be posted together (``batch_isend_irecv``) in
-the same order on both sides, or they deadlock. Untested here (no GPUs), so refused.
+Messages are matched by order, not by tag (NCCL ignores tags): each rank posts its receives
+in the order its peers send (:mod:`~devmesh.layout.pipeline_messages`; a schedule whose ranks
+would use a peer's messages in another order is refused), and starts an action's sends
+together with the next actions' receives as one batch (``batch_isend_irecv``). CPU meshes
+(gloo) only, so far: on NCCL a send also waits for its receive and batches run one after
+another, and :func:`~devmesh.layout.pipeline_messages.nccl_deadlock` shows the order the
+runner would use there is free of deadlock for GPipe, 1F1B and zero-bubble but not yet for
+interleaved 1F1B with more micro-batches than ranks; with no GPU to run it on, refused.
 
 Every micro-batch's loss is divided by the number of micro-batches, so gradients accumulate
 to exactly those of the whole batch: training equals single-process training on the same
@@ -46,6 +51,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from devmesh.distributed import comm
 from devmesh.errors import rank_prefix
+from devmesh.layout.pipeline_messages import fifo_problem
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
@@ -94,6 +100,9 @@ class PipelineRunner:
         if schedule.ranks != self.pp:
             raise PipelineError(f"the schedule is for {schedule.ranks} pipeline ranks, the "
                                 f"mesh's {pp_dim!r} dim has {self.pp}")
+        out_of_order = fifo_problem(schedule)
+        if out_of_order:  # the schedule is the same on every rank: each raises alike
+            raise PipelineError(f"cannot run schedule {schedule.name!r}: {out_of_order}")
         mine = {s for s in range(schedule.stages) if schedule.rank_of(s) == self.index}
         problem = None
         if set(stages) != mine:

@@ -1,0 +1,103 @@
+"""The order pipeline messages cross each pair of ranks, and NCCL's stream rules played on it
+(issue 11: P2P batched where possible, matched as NCCL matches them). No processes: the
+runner's use of this order over gloo is checked in test_pipeline.py (policy "fused")."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from devmesh.layout.pipeline_messages import (
+    READY,
+    SPECULATE,
+    UNKNOWN,
+    Message,
+    ReceiveOrder,
+    fifo_problem,
+    forward_only,
+    nccl_deadlock,
+    sequences,
+)
+from devmesh.layout.schedule import SCHEDULES, Action, Schedule, build_schedule
+
+
+def _all_schedules(names=tuple(SCHEDULES), ranks=(2, 3, 4, 8), most=12):
+    for name, p, m in itertools.product(names, ranks, range(1, most + 1)):
+        if name == "interleaved-1f1b" and m % p:
+            continue
+        yield name, p, m, build_schedule(name, p, m)
+
+
+def test_messages_cross_a_pair_in_the_order_the_sender_makes_them():
+    a = lambda s, m: Message("activation", s, m)  # noqa: E731
+    g = lambda s, m: Message("gradient", s, m)  # noqa: E731
+    assert sequences(build_schedule("1f1b", 2, 3)) == {
+        (0, 1): (Message("header", 1), a(1, 0), a(1, 1), a(1, 2)),
+        (1, 0): (g(0, 0), g(0, 1), g(0, 2))}
+    # interleaved on 2 ranks: both links and the gradients share the pair, in rank 0's order
+    seq = sequences(build_schedule("interleaved-1f1b", 2, 2))[(0, 1)]
+    assert seq[:5] == (Message("header", 1), a(1, 0), a(1, 1), Message("header", 3), a(3, 0))
+    assert g(1, 0) in seq and seq.index(g(1, 0)) > seq.index(a(3, 0))
+
+
+def test_every_built_in_schedule_uses_each_peers_messages_in_the_order_sent():
+    for name, p, m, schedule in _all_schedules():
+        assert fifo_problem(schedule) is None, (name, p, m)
+        assert fifo_problem(forward_only(schedule)) is None, (name, p, m)
+
+
+def test_a_schedule_using_messages_out_of_order_is_named():
+    gpipe = build_schedule("gpipe", 2, 2)
+    ranks = list(gpipe.actions)
+    ranks[1] = (Action("F", 1, 1), Action("F", 1, 0)) + ranks[1][2:]
+    problem = fifo_problem(Schedule("swapped", 2, 2, 2, tuple(ranks)))
+    assert problem is not None and "rank 1 uses rank 0's messages in another order" in problem
+    assert "sent a0@1, used a1@1" in problem
+
+
+def test_receives_wait_for_a_header_after_a_first_activation_posted_in_the_old_shape():
+    schedule = build_schedule("gpipe", 2, 3)
+    order = ReceiveOrder(schedule, 1)
+    read: set[int] = set()
+
+    def state(message):
+        if message.kind == "activation" and message.stage not in read:
+            return SPECULATE if order.is_first(message) else UNKNOWN
+        return READY
+
+    a = lambda m: Message("activation", 1, m)  # noqa: E731
+    posts, header = order.due([a(0), a(1)], state)
+    # the header, then the first activation in the old shape; nothing past it until the
+    # header says whether that shape held
+    assert posts == [Message("header", 1), a(0)] and header == Message("header", 1)
+    assert order.due([a(1)], state) == ([], Message("header", 1))
+    read.add(1)
+    assert order.header_read(1, shape_held=False)  # changed: the zeros filled it, post again
+    assert order.due([a(1)], state) == ([a(0), a(1)], None)
+    order.restart()
+    read.clear()
+    order.due([a(0)], state)
+    read.add(1)
+    assert not order.header_read(1, shape_held=True)  # held: the data is in that receive
+    assert order.due([a(2)], state) == ([a(1), a(2)], None)
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "zero-bubble"])
+def test_nccl_order_never_deadlocks_for_these_schedules(name):
+    for _, p, m, schedule in _all_schedules((name,)):
+        for shapes, plan in itertools.product(("held", "new", "changed"),
+                                              (schedule, forward_only(schedule))):
+            assert nccl_deadlock(plan, "fused", shapes) is None, (p, m, shapes)
+
+
+def test_receives_posted_ahead_of_a_send_deadlock_on_nccl():
+    # gloo's order (receives two actions ahead) on NCCL's rules: the first stage posts the
+    # receive of its gradient before the batch sending its activation, which the last stage
+    # needs before it can make that gradient — the model must see the cycle
+    found = nccl_deadlock(build_schedule("1f1b", 2, 1), "ahead")
+    assert found is not None and found.startswith("deadlock on NCCL: rank 0 waits")
+    assert nccl_deadlock(build_schedule("1f1b", 2, 1), "fused") is None
+    # the case left open: interleaved 1F1B with more micro-batches than ranks
+    assert nccl_deadlock(build_schedule("interleaved-1f1b", 2, 2), "fused") is None
+    assert nccl_deadlock(build_schedule("interleaved-1f1b", 2, 4), "fused") is not None
