@@ -6,20 +6,23 @@ in the order that peer sends, and this module says what that order is: a rank se
 order of its own actions (a forward's activation to the next stage, preceded on each link's
 first micro-batch of the step by a small header announcing its shapes; a backward's gradient
 to the previous stage), and :func:`fifo_problem` checks that every receiver *uses* them in
-that order too (true of every built-in schedule, for any size; a hand-made schedule may not).
+that order too (true of every built-in schedule at every size tested; a hand-made one
+may not be).
 devmesh's runner posts every pipeline message with one tag on every backend, so that gloo
 matches them the way NCCL does and the CPU tests exercise the order GPUs depend on.
 
 Order is not enough on NCCL: its sends and receives run on one stream per rank, each batch
 (``batch_isend_irecv``) only once the one before has finished, and a send finishes only when
-its receiver's batch is running. A rank that posts a receive ahead of a send its peer needs
+its receiver's batch is running (the strict case: NCCL may finish a small send into its
+peer's buffer early, which only removes waits). A rank that posts a receive ahead of a send its peer needs
 first deadlocks both. :func:`nccl_deadlock` plays a schedule under those rules, with the
-receives posted exactly as the runner posts them (:class:`ReceiveOrder`, ``lookahead``
-actions ahead), and names the ranks that would wait forever. With ``lookahead=1`` — each
-action's sends batched with the next action's receives, as torch's pipelining fuses them — no
-built-in schedule deadlocks; with the receives posted two actions ahead (what the runner does
-on gloo, whose sends never wait, so the data of the next message lands while this rank
-computes) 1F1B does, which is why the runner posts one action ahead on NCCL.
+receives posted exactly as the runner posts them (:class:`ReceiveOrder`, :func:`upcoming`),
+and names the ranks that would wait forever. With the ``"fused"`` policy — a receive goes in
+the batch of the last send before it, as torch's pipelining fuses a forward's send with a
+backward's receive — GPipe, 1F1B and zero-bubble never deadlock; with ``"ahead"`` (what the
+runner does on gloo, whose sends never wait: the next two actions' receives, so each message
+lands while the rank computes) 1F1B does. Interleaved 1F1B with more micro-batches than ranks
+deadlocks under both: some receive would have to go ahead of a later send.
 """
 
 from __future__ import annotations
@@ -201,9 +204,9 @@ class ReceiveOrder:
             index = sent.index(target)
             while self.position[sender] <= index:
                 message = sent[self.position[sender]]
-                status = state(message)
                 if message in self.speculated:  # still waiting on its header
                     return posts, Message("header", message.stage)
+                status = state(message)
                 if status == SKIP:
                     self.position[sender] += 1
                 elif status == READY:
@@ -235,8 +238,8 @@ class ReceiveOrder:
 # -- NCCL's stream rules ------------------------------------------------------------------
 def nccl_deadlock(schedule: Schedule, policy: str = "fused", shapes: str = "held"
                   ) -> str | None:
-    """Play one step of ``schedule`` as devmesh's runner posts it on NCCL (every shape as in
-    the step before, no failure): each rank's batches of sends and receives run one after
+    """Play one step of ``schedule`` as devmesh's runner posts it with ``policy`` (see
+    :func:`upcoming`; NCCL's is ``"fused"``), no stage failing, under NCCL's rules: each rank's batches of sends and receives run one after
     another on its communication stream, each after the compute enqueued before it (its
     sends' data); a batch finishes once every peer batch holding its messages' other ends
     has started; an action computes once its message's batch has finished. ``shapes``: every
