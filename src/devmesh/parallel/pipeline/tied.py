@@ -36,7 +36,7 @@ from devmesh.parallel.param import get_layout
 __all__ = ["Tie", "find_ties", "TiedCopies"]
 
 _ATTR = "pipeline_ties"  # set on every stage split_sequential returns
-_TAG = 1 << 29  # above every activation/gradient tag, below the header tags (1 << 30)
+_TAG = 1 << 29  # apart from the pipeline messages (tag 0), which never overlap these in time
 
 
 @dataclass(frozen=True)
