@@ -17,6 +17,8 @@ from devmesh.layout.pipeline_messages import (
     fifo_problem,
     forward_only,
     nccl_deadlock,
+    nccl_placement,
+    nccl_problem,
     sequences,
 )
 from devmesh.layout.schedule import SCHEDULES, Action, Schedule, build_schedule
@@ -98,6 +100,25 @@ def test_receives_posted_ahead_of_a_send_deadlock_on_nccl():
     found = nccl_deadlock(build_schedule("1f1b", 2, 1), "ahead")
     assert found is not None and found.startswith("deadlock on NCCL: rank 0 waits")
     assert nccl_deadlock(build_schedule("1f1b", 2, 1), "fused") is None
-    # the case left open: interleaved 1F1B with more micro-batches than ranks
+    # interleaved 1F1B with more micro-batches than ranks: "fused" alone deadlocks ...
     assert nccl_deadlock(build_schedule("interleaved-1f1b", 2, 2), "fused") is None
     assert nccl_deadlock(build_schedule("interleaved-1f1b", 2, 4), "fused") is not None
+
+
+def test_interleaved_1f1b_posts_some_receives_early_and_then_never_deadlocks_on_nccl():
+    # ... until the placement moves the receives that must go ahead of a later send
+    for ranks, virtual in itertools.product((2, 3, 4), (2, 3)):
+        for microbatches in (ranks, 2 * ranks, 4 * ranks):
+            schedule = build_schedule("interleaved-1f1b", ranks, microbatches, virtual)
+            for plan in (schedule, forward_only(schedule)):
+                early = nccl_placement(plan)
+                assert early is not None, (ranks, virtual, microbatches)
+                for shapes in ("held", "new", "changed"):
+                    assert nccl_deadlock(plan, "fused", shapes, early) is None
+            moved = sum(len(m) for by_boundary in nccl_placement(schedule).values()
+                        for m in by_boundary.values())
+            assert (moved > 0) == (microbatches > ranks)  # only where "fused" deadlocks
+    assert nccl_problem(build_schedule("interleaved-1f1b", 8, 32)) is None
+    # two stages on one rank (messages to itself): no placement helps, and it is named
+    problem = nccl_problem(build_schedule("interleaved-1f1b", 1, 2))
+    assert problem is not None and "would deadlock on NCCL" in problem

@@ -27,13 +27,15 @@ deadlocks under both: some receive would have to go ahead of a later send.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import functools
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from devmesh.layout.schedule import Action, Schedule
 
 __all__ = ["Message", "sent_by", "needed_by", "sequences", "fifo_problem", "ReceiveOrder",
-           "forward_only", "upcoming", "sent_by_action", "nccl_deadlock"]
+           "forward_only", "upcoming", "sent_by_action", "nccl_deadlock", "nccl_placement",
+           "nccl_problem"]
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ def needed_by(schedule: Schedule, action: Action) -> tuple[int, Message] | None:
     return None
 
 
+@functools.cache  # a schedule is immutable; the runner and nccl_placement ask often
 def sequences(schedule: Schedule) -> dict[tuple[int, int], tuple[Message, ...]]:
     """(sender, receiver) -> every message the sender sends the receiver in a step, in the
     order it sends them."""
@@ -131,27 +134,29 @@ def fifo_problem(schedule: Schedule) -> str | None:
     return None
 
 
-def upcoming(schedule: Schedule, actions: tuple[Action, ...], start: int, policy: str
-             ) -> list[Message]:
+def upcoming(schedule: Schedule, actions: tuple[Action, ...], start: int, policy: str,
+             early: Mapping[int, tuple[Message, ...]] | None = None) -> list[Message]:
     """The messages whose receives a rank posts before ``actions[start]`` (with the sends of
     the action before it, in one batch). ``"ahead"``: those the next two actions wait for,
     so each message's receive is posted while the action before it computes (gloo: its data
     lands meanwhile; gloo's sends never wait for their receive). ``"fused"``: the next
     message any action waits for, as long as no action before that one sends — a receive
     then goes in the batch of the last send before it, never ahead of a send (NCCL: a send
-    waits for its receiver, and a batch for the one before it)."""
+    waits for its receiver, and a batch for the one before it). ``early``: receives moved
+    ahead to the boundary before ``actions[start]`` (:func:`nccl_placement`)."""
+    extra = list((early or {}).get(start, ()))
     if policy == "ahead":
         return [need[1] for a in actions[start:start + 2]
-                if (need := needed_by(schedule, a)) is not None]
+                if (need := needed_by(schedule, a)) is not None] + extra
     if policy != "fused":
         raise ValueError(f"policy must be 'ahead' or 'fused', got {policy!r}")
     for a in actions[start:]:
         need = needed_by(schedule, a)
         if need is not None:
-            return [need[1]]
+            return [need[1]] + extra
         if any(sent_by_action(schedule, a)):
-            return []
-    return []
+            break
+    return extra
 
 
 # -- which receives a rank posts when ------------------------------------------------------
@@ -175,6 +180,7 @@ class ReceiveOrder:
         self.incoming = {sender: sent for (sender, receiver), sent in
                          sequences(schedule).items() if receiver == rank}
         self.sender = {m: sender for sender, sent in self.incoming.items() for m in sent}
+        self.index = {m: i for sent in self.incoming.values() for i, m in enumerate(sent)}
         self.first_activation = {s: m for s, m in
                                  _first_forwards(schedule.actions[rank]).items() if s > 0}
         self.position = dict.fromkeys(self.incoming, 0)
@@ -201,7 +207,7 @@ class ReceiveOrder:
             if sender is None:
                 continue
             sent = self.incoming[sender]
-            index = sent.index(target)
+            index = self.index[target]
             while self.position[sender] <= index:
                 message = sent[self.position[sender]]
                 if message in self.speculated:  # still waiting on its header
@@ -235,11 +241,19 @@ class ReceiveOrder:
         return True
 
 
+_sent_by = functools.cache(sent_by)
+
+
 # -- NCCL's stream rules ------------------------------------------------------------------
-def nccl_deadlock(schedule: Schedule, policy: str = "fused", shapes: str = "held"
-                  ) -> str | None:
+Placement = dict[int, tuple[Message, ...]]  # boundary (index of the next action) -> receives
+
+
+def nccl_deadlock(schedule: Schedule, policy: str = "fused", shapes: str = "held",
+                  early: Mapping[int, Placement] | None = None) -> str | None:
     """Play one step of ``schedule`` as devmesh's runner posts it with ``policy`` (see
-    :func:`upcoming`; NCCL's is ``"fused"``), no stage failing, under NCCL's rules: each rank's batches of sends and receives run one after
+    :func:`upcoming`; NCCL's is ``"fused"``, with ``early[rank]`` the receives each rank
+    moves ahead, :func:`nccl_placement`), no stage failing, under NCCL's rules: each rank's
+    batches of sends and receives run one after
     another on its communication stream, each after the compute enqueued before it (its
     sends' data); a batch finishes once every peer batch holding its messages' other ends
     has started; an action computes once its message's batch has finished. ``shapes``: every
@@ -247,69 +261,191 @@ def nccl_deadlock(schedule: Schedule, policy: str = "fused", shapes: str = "held
     ``"new"`` (the first step: each link's first activation waits for its header), or
     ``"changed"`` (the receive posted ahead gets zeros, the data follows). Returns which
     ranks would wait forever and on what, or ``None``."""
-    if shapes not in ("held", "new", "changed"):
-        raise ValueError(f"shapes must be 'held', 'new' or 'changed', got {shapes!r}")
-    ranks = schedule.ranks
-    programs = [_program(schedule, rank, policy, shapes) for rank in range(ranks)]
-    # match the i-th send from a to b with the i-th receive b posts from a
-    where: dict[tuple[str, int, int, int], tuple[int, int]] = {}  # -> (rank, batch index)
-    counts: dict[tuple[str, int, int], int] = {}
-    for rank, program in enumerate(programs):
-        for index, (kind, ops) in enumerate(program):
-            if kind != "batch":
-                continue
-            for direction, peer in ops:
-                pair = (rank, peer) if direction == "send" else (peer, rank)
-                n = counts.get((direction, *pair), 0)
-                counts[(direction, *pair)] = n + 1
-                where[(direction, *pair, n)] = (rank, index)
-    partners: dict[tuple[int, int], set[tuple[int, int]]] = {}
-    for (direction, a, b, n), node in where.items():
-        other = where.get(("recv" if direction == "send" else "send", a, b, n))
-        if other is None:
-            return f"rank {node[0]}'s {direction} #{n} between ranks {a} and {b} is never matched"
-        partners.setdefault(node, set()).add(other)
-    # each node waits for the nodes it depends on: a batch for the batch before it on the
-    # stream and the compute enqueued before it (its sends' data); a compute for the compute
-    # before it and the batches holding its messages
-    deps: dict[tuple[int, int], list[tuple[int, int]]] = {}
-    for rank, program in enumerate(programs):
-        last = {"batch": None, "compute": None}
-        for index, (kind, ops) in enumerate(program):
-            stream = "batch" if kind == "batch" else "compute"
-            before = [last[stream]] + ([last["compute"]] if stream == "batch" else [])
-            deps[(rank, index)] = [n for n in before if n is not None] + (
-                [] if stream == "batch" else list(ops))
-            last[stream] = (rank, index)
-    started: set[tuple[int, int]] = set()
-    finished: set[tuple[int, int]] = set()
-    progressed = True
-    while progressed:
-        progressed = False
-        for node, needs in deps.items():
-            if node in finished or not all(n in finished for n in needs):
-                continue
-            started.add(node)
-            if programs[node[0]][node[1]][0] == "batch" and not all(
-                    p in started for p in partners.get(node, ())):
-                continue
-            finished.add(node)
-            progressed = True
+    play = _play(schedule, policy, shapes, early or {})
+    if play.unmatched:
+        return play.unmatched
     stuck: dict[int, str] = {}
-    for rank, program in enumerate(programs):
-        for index, (kind, ops) in enumerate(program):
-            if (rank, index) not in finished and rank not in stuck:
-                stuck[rank] = (f"a batch of {len(ops)} messages" if kind == "batch"
-                               else f"action {kind}")
+    for rank, program in enumerate(play.programs):
+        for index, node in enumerate(program):
+            if (rank, index) not in play.finished and rank not in stuck:
+                stuck[rank] = (f"a batch of {len(node.ops)} messages" if node.kind == "batch"
+                               else f"action {node.kind}")
     if not stuck:
         return None
     return "deadlock on NCCL: " + "; ".join(f"rank {rank} waits at {what}"
                                             for rank, what in sorted(stuck.items()))
 
 
-def _program(schedule: Schedule, rank: int, policy: str, shapes: str) -> list[tuple]:
-    """``rank``'s step as the runner enqueues it: ``("batch", [(direction, peer), ...])``
-    and ``(str(action), [nodes it waits for])``, in order."""
+@functools.cache
+def nccl_placement(schedule: Schedule) -> dict[int, Placement] | None:
+    """Per rank, the receives to post earlier than ``"fused"`` would, so that no step of
+    ``schedule`` deadlocks on NCCL (shapes held, new or changed); ``None`` if none found.
+    Found by repair: play the step; where a rank's batch waits on a receive its peer would
+    post only after a batch of its own that cannot finish, move that receive into the
+    peer's stuck batch (a receive posted earlier only waits longer; nothing else changes),
+    and play again. Interleaved 1F1B needs this: a rank sends a gradient, then needs its
+    peer's gradient, whose receive ``"fused"`` posts only with the rank's next send."""
+    early: dict[int, Placement] = {}
+    for _ in range(sum(map(len, schedule.actions)) + 1):
+        for shapes in ("held", "new", "changed"):
+            play = _play(schedule, "fused", shapes, early)
+            if play.unmatched:
+                return None
+            moves = play.repairs()
+            if moves:
+                break
+        else:
+            return early
+        changed = False
+        for rank, boundary, message in moves:
+            placed = early.setdefault(rank, {})
+            if message not in placed.get(boundary, ()):
+                placed[boundary] = placed.get(boundary, ()) + (message,)
+                changed = True
+        if not changed:
+            return None  # moving them did not help: give up rather than loop
+    return None
+
+
+def nccl_problem(schedule: Schedule) -> str | None:
+    """Why the runner cannot run ``schedule`` on NCCL without deadlock, if it cannot: no
+    placement of its receives (training or forward-only) passes :func:`nccl_deadlock`."""
+    for plan, what in ((schedule, "a training step"), (forward_only(schedule), "evaluate()")):
+        if nccl_placement(plan) is None:
+            found = next(filter(None, (nccl_deadlock(plan, "fused", shapes)
+                                       for shapes in ("held", "new", "changed"))), "")
+            return (f"schedule {schedule.name!r} ({schedule.stages} stages on "
+                    f"{schedule.ranks} ranks, {schedule.microbatches} micro-batches) would "
+                    f"deadlock on NCCL in {what}, however its receives are placed"
+                    + (f" ({found})" if found else "")
+                    + ": use another schedule or size, or a CPU mesh (gloo)")
+    return None
+
+
+@dataclass
+class _Node:
+    kind: str  # "batch", or the action's name
+    ops: list  # a batch's (direction, peer, message); an action's nodes it waits for
+    boundary: int = 0  # where a batch is posted: before actions[boundary]
+
+
+@dataclass
+class _Play:
+    """One step played under NCCL's rules: each rank's nodes, and which ran to the end."""
+
+    programs: list[list[_Node]]
+    finished: set = None
+    started: set = None
+    partner: dict = None  # (rank, index, op index) -> (rank, index) of the other end
+    unmatched: str | None = None
+
+    def repairs(self) -> list[tuple[int, int, Message]]:
+        """The receives to move ahead, as (rank, boundary, message): one for each send
+        that waits on a batch its peer has not started."""
+        moves = []
+        for rank, program in enumerate(self.programs):
+            for index, node in enumerate(program):
+                here = (rank, index)
+                if node.kind != "batch" or here in self.finished or here not in self.started:
+                    continue
+                for op_index, (direction, peer, _) in enumerate(node.ops):
+                    other = self.partner[(rank, index, op_index)]
+                    if direction != "send" or other in self.started:
+                        continue
+                    # the receive waits in a batch the peer has not started: move it into
+                    # the peer's first batch that has not finished
+                    target = next(i for i, n in enumerate(self.programs[other[0]])
+                                  if n.kind == "batch" and (other[0], i) not in self.finished)
+                    message = next(m for d, p, m in self.programs[other[0]][other[1]].ops
+                                   if d == "recv" and self.partner_of(other, m) == here)
+                    moves.append((other[0], self.programs[other[0]][target].boundary,
+                                  message))
+        return list(dict.fromkeys(moves))
+
+    def partner_of(self, node: tuple[int, int], message: Message) -> tuple[int, int]:
+        ops = self.programs[node[0]][node[1]].ops
+        op_index = next(i for i, (d, _, m) in enumerate(ops) if d == "recv" and m == message)
+        return self.partner[(*node, op_index)]
+
+
+def _play(schedule: Schedule, policy: str, shapes: str,
+          early: Mapping[int, Placement]) -> _Play:
+    if shapes not in ("held", "new", "changed"):
+        raise ValueError(f"shapes must be 'held', 'new' or 'changed', got {shapes!r}")
+    programs = [_program(schedule, rank, policy, shapes, early.get(rank, {}))
+                for rank in range(schedule.ranks)]
+    play = _Play(programs)
+    # the i-th send from a to b meets the i-th receive b posts from a
+    where: dict[tuple[str, int, int, int], tuple[int, int, int]] = {}
+    counts: dict[tuple[str, int, int], int] = {}
+    for rank, program in enumerate(programs):
+        for index, node in enumerate(program):
+            if node.kind != "batch":
+                continue
+            for op_index, (direction, peer, _) in enumerate(node.ops):
+                pair = (rank, peer) if direction == "send" else (peer, rank)
+                n = counts.get((direction, *pair), 0)
+                counts[(direction, *pair)] = n + 1
+                where[(direction, *pair, n)] = (rank, index, op_index)
+    play.partner = {}
+    partners: dict[tuple[int, int], set[tuple[int, int]]] = {}
+    for (direction, a, b, n), op in where.items():
+        other = where.get(("recv" if direction == "send" else "send", a, b, n))
+        if other is None:
+            play.unmatched = (f"rank {op[0]}'s {direction} #{n} between ranks {a} and {b} is "
+                              "never matched")
+            return play
+        play.partner[op] = other[:2]
+        partners.setdefault(op[:2], set()).add(other[:2])
+    # each node waits for the nodes it depends on: a batch for the batch before it on the
+    # stream and the compute enqueued before it (its sends' data); a compute for the compute
+    # before it and the batches holding its messages
+    deps: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for rank, program in enumerate(programs):
+        last = {"batch": None, "compute": None}
+        for index, node in enumerate(program):
+            stream = "batch" if node.kind == "batch" else "compute"
+            before = [last[stream]] + ([last["compute"]] if stream == "batch" else [])
+            deps[(rank, index)] = [n for n in before if n is not None] + (
+                [] if stream == "batch" else list(node.ops))
+            last[stream] = (rank, index)
+    started: set[tuple[int, int]] = set()
+    finished: set[tuple[int, int]] = set()
+    waiting_on = {node: len(needs) for node, needs in deps.items()}
+    dependents: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for node, needs in deps.items():
+        for need in needs:
+            dependents.setdefault(need, []).append(node)
+    absent: dict[tuple[int, int], int] = {}  # a started batch -> partners not yet started
+    ready = [node for node, count in waiting_on.items() if count == 0]
+    while ready:  # start every node whose dependencies finished; finish what can
+        node = ready.pop()
+        started.add(node)
+        done = [node]
+        if programs[node[0]][node[1]].kind == "batch":
+            absent[node] = sum(p not in started for p in partners.get(node, ()))
+            done = [node] if absent[node] == 0 else []
+            for p in partners.get(node, ()):
+                if p in absent and p not in finished and p != node:
+                    absent[p] -= 1
+                    if absent[p] == 0:
+                        done.append(p)
+        for finishing in done:
+            if finishing in finished:
+                continue
+            finished.add(finishing)
+            for dependent in dependents.get(finishing, ()):
+                waiting_on[dependent] -= 1
+                if waiting_on[dependent] == 0:
+                    ready.append(dependent)
+    play.started, play.finished = started, finished
+    return play
+
+
+def _program(schedule: Schedule, rank: int, policy: str, shapes: str,
+             early: Mapping[int, tuple[Message, ...]]) -> list[_Node]:
+    """``rank``'s step as the runner enqueues it: batches of messages and computes, in
+    order."""
     actions = schedule.actions[rank]
     order = ReceiveOrder(schedule, rank)
     read: set[int] = set()  # links whose header this rank has read
@@ -319,22 +455,22 @@ def _program(schedule: Schedule, rank: int, policy: str, shapes: str) -> list[tu
             return SPECULATE if order.is_first(message) and shapes != "new" else UNKNOWN
         return READY
 
-    program: list[tuple] = []
+    program: list[_Node] = []
     batch_of: dict[Message, int] = {}
 
-    def post(messages: list[Message], sends: list[int] = ()) -> None:
-        ops = [("send", peer) for peer in sends]
-        ops += [("recv", order.sender[m]) for m in messages]
+    def post(messages: list[Message], boundary: int, sends: list[int] = ()) -> None:
+        ops = [("send", peer, None) for peer in sends]
+        ops += [("recv", order.sender[m], m) for m in messages]
         for m in messages:
             batch_of[m] = len(program)
         if ops:
-            program.append(("batch", ops))
+            program.append(_Node("batch", ops, boundary))
 
     def wanted(start: int) -> list[Message]:
-        return upcoming(schedule, actions, start, policy)
+        return upcoming(schedule, actions, start, policy, early)
 
-    post(order.due(wanted(0), state)[0])
-    sends = sent_by(schedule, rank)
+    post(order.due(wanted(0), state)[0], 0)
+    sends = _sent_by(schedule, rank)
     for k, action in enumerate(actions):
         need = needed_by(schedule, action)
         waits = []
@@ -342,17 +478,17 @@ def _program(schedule: Schedule, rank: int, policy: str, shapes: str) -> list[tu
             message = need[1]
             while True:  # the runner blocks on the header, then posts the rest
                 posts, header = order.due([message], state)
-                post(posts)
+                post(posts, k)
                 if header is None:
                     break
                 waits.append((rank, batch_of[header]))
                 read.add(header.stage)
                 order.header_read(header.stage, shape_held=shapes != "changed")
             waits.append((rank, batch_of[message]))
-        program.append((str(action), waits))
+        program.append(_Node(str(action), waits))
         peer, messages = sends[k]
         count = len(messages) + (shapes == "changed"
                                  and any(m.kind == "header" for m in messages))
         posts, _ = order.due(wanted(k + 1), state)  # the zeros filling the old shape: +1
-        post(posts, [peer] * count)
+        post(posts, k + 1, [peer] * count)
     return program

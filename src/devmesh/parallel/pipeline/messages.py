@@ -48,6 +48,7 @@ from devmesh.layout.pipeline_messages import (
     Message,
     ReceiveOrder,
     forward_only,
+    nccl_placement,
     upcoming,
 )
 from devmesh.layout.schedule import Action, Schedule
@@ -152,6 +153,7 @@ class StageLinks:
         self._fillers: list[comm.Pending] = []  # receives the sender filled with zeros
         self._posted: dict[Message, comm.Pending] = {}
         self._queue: list[tuple[str, torch.Tensor, int, Message | None]] = []
+        self._early: dict[int, tuple[Message, ...]] = {}  # receives posted early (NCCL)
         self.watch: Watch | None = None  # this step's: a timeout names the stuck rank
 
     def start_step(self, actions: tuple[Action, ...], training: bool = True) -> None:
@@ -163,14 +165,17 @@ class StageLinks:
         self.plan, self.order, self.actions = (self._schedules[training],
                                                self._orders[training], actions)
         self.order.restart()
-        self._post_due(upcoming(self.plan, actions, 0, self.policy), wait=False)
+        self._early = {}
+        if self.policy == "fused":  # NCCL's: the receives some schedules must post early
+            self._early = (nccl_placement(self.plan) or {}).get(self.order.rank, {})
+        self._post_due(upcoming(self.plan, actions, 0, self.policy, self._early), wait=False)
         self.flush()
 
     def advance(self, position: int) -> None:
         """The action at ``position`` is done: start its sends, with the receives of the
         actions after it."""
-        self._post_due(upcoming(self.plan, self.actions, position + 1, self.policy),
-                       wait=False)
+        self._post_due(upcoming(self.plan, self.actions, position + 1, self.policy,
+                                self._early), wait=False)
         self.flush()
 
     def _state(self, message: Message) -> str:

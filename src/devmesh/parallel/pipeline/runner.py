@@ -20,11 +20,13 @@ wait in their gradient reduction until the collective timeout names the rank.)
 Messages are matched by order, not by tag (NCCL ignores tags): each rank posts its receives
 in the order its peers send (:mod:`~devmesh.layout.pipeline_messages`; a schedule whose ranks
 would use a peer's messages in another order is refused), and starts an action's sends
-together with the next actions' receives as one batch (``batch_isend_irecv``). CPU meshes
-(gloo) only, so far: on NCCL a send also waits for its receive and batches run one after
-another, and :func:`~devmesh.layout.pipeline_messages.nccl_deadlock` shows the order the
-runner would use there is free of deadlock for GPipe, 1F1B and zero-bubble but not yet for
-interleaved 1F1B with more micro-batches than ranks; with no GPU to run it on, refused.
+together with the next actions' receives as one batch (``batch_isend_irecv``). On gloo the
+receives go two actions ahead; on NCCL, where a send waits for its receive and a rank's
+batches run one after another, each receive goes with the last send before it, or earlier
+where :func:`~devmesh.layout.pipeline_messages.nccl_placement` finds it must (interleaved
+1F1B); a schedule with no deadlock-free placement is refused on a GPU mesh. The NCCL path has
+not run on a GPU yet (none lent to this project): the order and the placement run over gloo
+in the tests, and their freedom from deadlock is shown by a model of NCCL's streams.
 
 Every micro-batch's loss is divided by the number of micro-batches, so gradients accumulate
 to exactly those of the whole batch: training equals single-process training on the same
@@ -51,7 +53,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from devmesh.distributed import comm
 from devmesh.errors import rank_prefix
-from devmesh.layout.pipeline_messages import fifo_problem
+from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
@@ -82,12 +84,10 @@ class PipelineRunner:
     def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh, schedule: Schedule,
                  loss_fn: Callable[..., torch.Tensor] | None, *,
                  pp_dim: str = "pp", scale_grads: bool = True) -> None:
-        if mesh.device_type != "cpu":
-            raise PipelineError(
-                f"PipelineRunner runs on 'cpu' meshes (gloo) only so far, got a "
-                f"{mesh.device_type!r} mesh: its messages are matched by tag, which NCCL "
-                "ignores, and NCCL needs each send and receive between two ranks batched "
-                "together or they deadlock. On GPUs use torch.distributed.pipelining for now")
+        if mesh.device_type != "cpu":  # the schedule is the same on every rank: all raise
+            problem = nccl_problem(schedule)
+            if problem:
+                raise PipelineError(problem)
         names = mesh.mesh_dim_names or ()
         if pp_dim not in names:
             raise PipelineError(

@@ -47,9 +47,6 @@ class PipelineStage:
         if not 0 <= stage_index < num_stages:
             raise PipelineError(f"stage_index {stage_index} is not one of the {num_stages} "
                                 "stages (0..num_stages-1)")
-        if torch.device(device).type != "cpu":
-            raise PipelineError(f"devmesh's pipeline runs on CPU (gloo) so far, got device "
-                                f"{device!r}: on GPUs keep torch.distributed.pipelining")
         if dw_builder is not None:
             raise PipelineError("dw_builder is not supported: devmesh's zero-bubble schedule "
                                 "splits the backward itself")
@@ -91,7 +88,11 @@ class _Schedule:
         if len(groups) != 1 or len(num_stages) != 1:
             raise PipelineError("this rank's stages must share one group and one num_stages")
         group = self._stages[0].group or dist.group.WORLD
-        mesh = DeviceMesh.from_group(group, "cpu", mesh_dim_names=("pp",))
+        devices = {s.device.type for s in self._stages}
+        if len(devices) != 1:
+            raise PipelineError(f"this rank's stages must share one device type, got "
+                                f"{sorted(devices)}")
+        mesh = DeviceMesh.from_group(group, devices.pop(), mesh_dim_names=("pp",))
         ranks = mesh.size()
         schedule = build_schedule(self.schedule_name, ranks, self._n_microbatches,
                                   **self._virtual(num_stages.pop(), ranks))
