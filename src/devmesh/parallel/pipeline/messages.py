@@ -13,10 +13,9 @@ answers.
 The header must not delay the first activation: over gloo, a receive posted after its
 message was sent, while the sender is busy computing, waited 1-5 ms (measured: half of the
 first messages of a step, against 0.4 ms for a receive posted in advance), at the head of the
-pipeline where every stage waits for it. So at the start of a step each rank posts, for each
-stage it receives activations for, the header's receive and the first activation's receive in
-the shape of the previous step. When the shape stays (the common case), that receive is the
-one the data lands in. When it changed (or the sender failed), the sender first sends zeros
+pipeline where every stage waits for it. So the header's receive and the first activation's
+receive are posted ahead like any other message's, the latter in the shape of the previous
+step. When the shape stays (the common case), that receive is the one the data lands in. When it changed (or the sender failed), the sender first sends zeros
 of the old shape to fill the receive posted in advance, and the data follows; the receiver
 posts nothing more from that peer until it has read the header, so the data is next in line.
 Both sides know the old shape, so they agree without asking.
