@@ -44,3 +44,27 @@ class TorchRuns:
             self._results[world_size] = launch(_each, world_size, calls, timeout=600)
         index = calls.index((fn, args))
         return [per_rank[index] for per_rank in self._results[world_size]]
+
+
+def seeded_batch(step: int, size: int = 16, features: int = 16, classes: int = 4):
+    """The inputs and class targets of ``step``, the same in every process."""
+    import torch
+
+    gen = torch.Generator().manual_seed(step)
+    return (torch.randn(size, features, generator=gen),
+            torch.randint(0, classes, (size,), generator=gen))
+
+
+def train_alone(model, steps: int, batch=seeded_batch) -> dict:
+    """Single-process training of ``model`` (SGD, lr 0.1, cross entropy) on ``batch(step)``:
+    the reference a parallel run must equal. Returns the trained state dict, copied."""
+    import torch
+    import torch.nn.functional as F
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = batch(step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}

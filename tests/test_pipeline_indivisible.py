@@ -21,6 +21,7 @@ from devmesh.parallel import state_dict
 from devmesh.layout.schedule import build_schedule
 from devmesh.parallel.pipeline import PipelineRunner, split_sequential
 from devmesh.parallel.pipeline.split_backward import SplitBackward
+from helpers import seeded_batch, train_alone
 
 # inductor (torch.compile's default, whose donated buffers made zero-bubble fail) builds C++
 # with g++; a machine without one still checks the path with AOT autograd's eager backend
@@ -58,22 +59,13 @@ def make_model(case: str = "plain") -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(16, 4))
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    return torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+batch = seeded_batch
 
 
 def reference(case: str, steps: int = 2) -> dict[str, torch.Tensor]:
     """Single-process training of the model, plain (compiling and checkpointing change no
     value)."""
-    model = make_model("torch-fsdp" if case == "torch-fsdp" else "plain")
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(steps):
-        x, y = batch(step)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_alone(make_model("torch-fsdp" if case == "torch-fsdp" else "plain"), steps)
 
 
 def train(case: str, name: str = "zero-bubble", steps: int = 2):

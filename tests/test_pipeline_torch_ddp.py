@@ -18,6 +18,7 @@ from torch import nn
 from devmesh import init_device_mesh
 from devmesh.layout.schedule import build_schedule
 from devmesh.parallel.pipeline import PipelineError, PipelineRunner, split_sequential
+from helpers import seeded_batch, train_alone
 
 CASES = ("ddp", "ddp-unused", "ddp-inside", "composable")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
@@ -41,20 +42,11 @@ class WithSpare(nn.Module):
         return self.stage(x)
 
 
-def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    return torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
+batch = seeded_batch
 
 
 def reference() -> dict[str, torch.Tensor]:
-    model = make_model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    for step in range(STEPS):
-        x, y = batch(step)
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return train_alone(make_model(), STEPS)
 
 
 def train_all() -> dict[tuple[str, str], tuple[dict[str, torch.Tensor], list[int]]]:

@@ -153,6 +153,7 @@ class StageLinks:
         self._posted: dict[Message, comm.Pending] = {}
         self._queue: list[tuple[str, torch.Tensor, int, Message | None]] = []
         self._early: dict[int, tuple[Message, ...]] = {}  # receives posted early (NCCL)
+        self._placements: dict[bool, dict[int, tuple[Message, ...]]] = {}  # per training
         self.watch: Watch | None = None  # this step's: a timeout names the stuck rank
 
     def start_step(self, actions: tuple[Action, ...], training: bool = True) -> None:
@@ -166,7 +167,10 @@ class StageLinks:
         self.order.restart()
         self._early = {}
         if self.policy == "fused":  # NCCL's: the receives some schedules must post early
-            self._early = (nccl_placement(self.plan) or {}).get(self.order.rank, {})
+            if training not in self._placements:
+                found = nccl_placement(self.plan) or {}
+                self._placements[training] = found.get(self.order.rank, {})
+            self._early = self._placements[training]
         self._post_due(upcoming(self.plan, actions, 0, self.policy, self._early), wait=False)
         self.flush()
 
