@@ -20,7 +20,9 @@ time; "predicted" against "+runner" shows what the per-message costs of this mac
 
 ``--breakdown`` runs devmesh's schedules only and splits each rank's step time into compute,
 waiting for a message, sending, posting receives ahead, the end-of-step failure check and
-the rest (the runner's own Python), with timers around the runner's message calls.
+the rest (the runner's own Python), with timers around the runner's message calls; and how
+long one ``batch_isend_irecv`` call takes in a step (median and slowest) against the same
+call with the ranks idle — gloo's threads share the cores with the ranks' compute.
 
 With 4 ranks on a 2-core machine the ranks time-share the cores, so idle and compute time
 blur; ``--ranks 2`` gives each rank a core and is the fair check of the predicted bubble.
@@ -226,6 +228,8 @@ def breakdown(name: str, steps: int, ranks: int) -> dict[str, float]:
     spent = _install_timers()
     mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("pp",))
     me = mesh.get_coordinate()[0]
+    calls = _time_p2p_calls()
+    alone = _p2p_call_alone(mesh, calls)
     virtual = 2 if name == "interleaved-1f1b" else 1
     parts = split_sequential(build_model(), ranks * virtual)
     mine = [s for s in range(ranks * virtual) if s % ranks == me]
@@ -238,25 +242,77 @@ def breakdown(name: str, steps: int, ranks: int) -> dict[str, float]:
                                                                      generator=gen)
         spent.clear()
         dist.barrier()
+        calls.clear()
         start = time.perf_counter()
         runner.step(x if 0 in mine else None, y if ranks * virtual - 1 in mine else None)
         row = {"step": time.perf_counter() - start,
                "compute": sum(runner.compute_seconds.values()), **spent}
         row["other"] = row["step"] - sum(v for k, v in row.items() if k != "step")
+        row["call"], row["slowest"] = statistics.median(calls), max(calls)
         rows.append(row)
-    return {k: statistics.median(r.get(k, 0.0) for r in rows[2:]) for k in rows[-1]}
+    result = {k: statistics.median(r.get(k, 0.0) for r in rows[2:]) for k in rows[-1]}
+    return {**result, "alone": alone}
+
+
+def _time_p2p_calls() -> list[float]:
+    """Record how long each ``batch_isend_irecv`` call (posting, not waiting) takes in this
+    process; the returned list fills until cleared."""
+    import torch.distributed as dist
+
+    calls: list[float] = []
+    inner = dist.batch_isend_irecv
+
+    def timed(ops):
+        start = time.perf_counter()
+        try:
+            return inner(ops)
+        finally:
+            calls.append(time.perf_counter() - start)
+    dist.batch_isend_irecv = timed
+    return calls
+
+
+def _p2p_call_alone(mesh, calls: list[float], rounds: int = 50) -> float:
+    """The median posting time of one activation's send and receive in one batch, with the
+    ranks doing nothing else (rank ``r`` pairs with ``r ^ 1``): what a call costs when no
+    compute competes with gloo's threads for the cores."""
+    import torch
+    import torch.distributed as dist
+
+    me, group = mesh.get_coordinate()[0], mesh.get_group("pp")
+    peer = me ^ 1
+    if peer >= mesh.size():
+        dist.barrier()
+        return 0.0
+    message, into = torch.zeros(BATCH // MICRO, 512), torch.empty(BATCH // MICRO, 512)
+    calls.clear()
+    for _ in range(rounds):
+        works = dist.batch_isend_irecv([
+            dist.P2POp(dist.isend, message, dist.get_global_rank(group, peer), group),
+            dist.P2POp(dist.irecv, into, dist.get_global_rank(group, peer), group)])
+        for work in works:
+            work.wait()
+    dist.barrier()
+    return statistics.median(calls)
 
 
 def print_breakdown(steps: int, ranks: int) -> None:
     from devmesh.launching.launcher import launch
 
-    columns = ("step", "compute", "wait", "send", "post", "check", "other")
+    columns = ("step", "compute", "wait", "send", "post", "check", "other", "call",
+               "slowest")
     print(f"{ranks} pipeline ranks, devmesh only, median of {steps} steps, ms per step")
     print(f"{'schedule':<18}{'rank':>5}" + "".join(f"{c:>9}" for c in columns))
+    alone = []
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
         for rank, row in enumerate(launch(breakdown, ranks, name, steps, ranks, timeout=1800)):
-            print(f"{name:<18}{rank:>5}" + "".join(f"{row.get(c, 0.0) * 1e3:>9.1f}"
+            alone.append(row["alone"])
+            print(f"{name:<18}{rank:>5}" + "".join(f"{row.get(c, 0.0) * 1e3:>9.2f}"
                                                    for c in columns))
+    print(f"call: the median time to post one batch of messages (batch_isend_irecv) in a "
+          f"step; slowest: the step's\nslowest such call; the same call with the ranks idle: "
+          f"{statistics.median(a for a in alone if a) * 1e3:.2f} ms (a send and a receive "
+          "of one activation)")
     print("wait: blocked in a receive; send: packing sends and waiting for them at the end; "
           "post: starting an\naction's sends and the next actions' receives (one batch); check: the end-of-step failure check "
           "(waits for the slowest rank);\nother: the runner's own Python around them")

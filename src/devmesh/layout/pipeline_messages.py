@@ -146,7 +146,7 @@ def upcoming(schedule: Schedule, actions: tuple[Action, ...], start: int, policy
     ahead to the boundary before ``actions[start]`` (:func:`nccl_placement`)."""
     extra = list((early or {}).get(start, ()))
     if policy == "ahead":
-        return [need[1] for a in actions[start:start + 2]
+        return [need[1] for a in actions[start:start + AHEAD]
                 if (need := needed_by(schedule, a)) is not None] + extra
     if policy != "fused":
         raise ValueError(f"policy must be 'ahead' or 'fused', got {policy!r}")
@@ -160,6 +160,7 @@ def upcoming(schedule: Schedule, actions: tuple[Action, ...], start: int, policy
 
 
 # -- which receives a rank posts when ------------------------------------------------------
+AHEAD = 2  # "ahead": receives posted for the next two actions (gloo)
 READY, SKIP, SPECULATE, UNKNOWN = "ready", "skip", "speculate", "unknown"
 
 
