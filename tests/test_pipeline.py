@@ -346,6 +346,16 @@ def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
                           "--microbatches", "4", "--schedule", "interleaved-1f1b"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "use 6 micro-batches" in bad.stderr
+    # the messages each rank starts, batch by batch, and NCCL's verdict, without a process
+    messages = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--pp", "2",
+                               "--microbatches", "4", "--schedule", "interleaved-1f1b",
+                               "--messages", "nccl"], capture_output=True, text=True,
+                              timeout=120)
+    assert messages.returncode == 0, messages.stderr
+    # rank 0 sends a gradient and posts the next one's receive in the same batch: early
+    assert "B0@2 {>g0@1 <g1@2} F3@0" in messages.stdout, messages.stdout
+    assert "no deadlock under NCCL's rules" in messages.stdout
+    assert "8 receives posted early" in messages.stdout
 
 
 def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,

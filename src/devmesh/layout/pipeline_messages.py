@@ -35,7 +35,7 @@ from devmesh.layout.schedule import Action, Schedule
 
 __all__ = ["Message", "sent_by", "needed_by", "sequences", "fifo_problem", "ReceiveOrder",
            "forward_only", "upcoming", "sent_by_action", "nccl_deadlock", "nccl_placement",
-           "nccl_problem"]
+           "nccl_problem", "message_plan"]
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,13 @@ class Message:
     """One message between stages: ``stage`` is the stage that receives it. A ``header``
     (``microbatch`` -1) announces the shapes of a link's activations for the step."""
 
-    kind: str  # "header", "activation" or "gradient"
+    kind: str  # "header", "activation" or "gradient" ("zeros": a filler, in the model only)
     stage: int
     microbatch: int = -1
 
     def __str__(self) -> str:
-        if self.kind == "header":
-            return f"header@{self.stage}"
+        if self.kind in ("header", "zeros"):
+            return f"{self.kind}@{self.stage}"
         return f"{self.kind[0]}{self.microbatch}@{self.stage}"
 
 
@@ -323,6 +323,35 @@ def nccl_problem(schedule: Schedule) -> str | None:
     return None
 
 
+def message_plan(schedule: Schedule, backend: str = "nccl") -> str:
+    """Each rank's step as the runner plays it on ``backend`` ("gloo" or "nccl"), shapes as
+    in the step before: its actions, and between them each batch of messages it starts
+    (``{>a0@1 <g0@0}``: send the activation of micro-batch 0 to stage 1, receive the
+    gradient for stage 0, in one ``batch_isend_irecv``); for NCCL, whether the step is free
+    of deadlock and how many receives go early. ``devmesh plan --messages`` prints it."""
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend must be 'gloo' or 'nccl', got {backend!r}")
+    policy = "fused" if backend == "nccl" else "ahead"
+    early = (nccl_placement(schedule) or {}) if backend == "nccl" else {}
+    lines = [f"{schedule.name} on {backend}: each rank's actions and, between them, the "
+             "messages it starts in one batch (> send, < receive)"]
+    for rank in range(schedule.ranks):
+        parts = []
+        for node in _program(schedule, rank, policy, "held", early.get(rank, {})):
+            if node.kind == "batch":
+                parts.append("{" + " ".join(f"{'>' if d == 'send' else '<'}{m}"
+                                            for d, _, m in node.ops) + "}")
+            else:
+                parts.append(node.kind)
+        lines.append(f"rank {rank}: " + " ".join(parts))
+    if backend == "nccl":
+        problem = nccl_problem(schedule)
+        moved = sum(len(m) for placed in early.values() for m in placed.values())
+        lines.append(problem or "no deadlock under NCCL's rules (shapes held, new or changed; "
+                     f"training and forward-only); {moved} receives posted early")
+    return "\n".join(lines)
+
+
 @dataclass
 class _Node:
     kind: str  # "batch", or the action's name
@@ -459,8 +488,9 @@ def _program(schedule: Schedule, rank: int, policy: str, shapes: str,
     program: list[_Node] = []
     batch_of: dict[Message, int] = {}
 
-    def post(messages: list[Message], boundary: int, sends: list[int] = ()) -> None:
-        ops = [("send", peer, None) for peer in sends]
+    def post(messages: list[Message], boundary: int,
+             sends: list[tuple[int, Message]] = ()) -> None:
+        ops = [("send", peer, m) for peer, m in sends]
         ops += [("recv", order.sender[m], m) for m in messages]
         for m in messages:
             batch_of[m] = len(program)
@@ -488,8 +518,9 @@ def _program(schedule: Schedule, rank: int, policy: str, shapes: str,
             waits.append((rank, batch_of[message]))
         program.append(_Node(str(action), waits))
         peer, messages = sends[k]
-        count = len(messages) + (shapes == "changed"
-                                 and any(m.kind == "header" for m in messages))
-        posts, _ = order.due(wanted(k + 1), state)  # the zeros filling the old shape: +1
-        post(posts, k + 1, [peer] * count)
+        if shapes == "changed" and messages and messages[0].kind == "header":
+            # the zeros filling the receive posted in the old shape, before the data
+            messages = (messages[0], Message("zeros", messages[0].stage)) + messages[1:]
+        posts, _ = order.due(wanted(k + 1), state)
+        post(posts, k + 1, [(peer, m) for m in messages])
     return program

@@ -119,6 +119,10 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     print(schedule)
     print(f"bubble: {bubble:.1%} of rank-time idle (forward = 1, backward = 2, or 1 + 1 when "
           "split into input and weight gradients)")
+    if args.messages:
+        from devmesh.layout.pipeline_messages import message_plan
+
+        print(message_plan(schedule, args.messages))
     if args.png:
         from devmesh.inspect.schedule_png import draw_schedule
 
@@ -362,6 +366,9 @@ def _add_plan(sub) -> None:
     plan.add_argument("--virtual", type=int, default=2,
                       help="stages per rank for interleaved-1f1b")
     plan.add_argument("--png", default=None, help="with --schedule: draw its timeline")
+    plan.add_argument("--messages", choices=("gloo", "nccl"), default=None,
+                      help="with --schedule: the batches of sends and receives each rank "
+                           "starts on that backend, and for nccl whether it can deadlock")
     plan.set_defaults(handler=_cmd_plan)
 
 
