@@ -122,3 +122,16 @@ def test_interleaved_1f1b_posts_some_receives_early_and_then_never_deadlocks_on_
     # two stages on one rank (messages to itself): no placement helps, and it is named
     problem = nccl_problem(build_schedule("interleaved-1f1b", 1, 2))
     assert problem is not None and "would deadlock on NCCL" in problem
+
+
+def test_the_model_posts_what_the_runner_posts():
+    # the runner asks upcoming() at each boundary; the model computes every boundary's
+    # "fused" receive at once — they must agree, or the model checks another order
+    from devmesh.layout.pipeline_messages import _fused_receives, upcoming
+
+    for _, _, _, schedule in _all_schedules(ranks=(2, 4), most=8):
+        for actions in schedule.actions:
+            fused = _fused_receives(schedule, actions)
+            for start in range(len(actions) + 1):
+                expected = [fused[start]] if fused[start] is not None else []
+                assert upcoming(schedule, actions, start, "fused") == expected

@@ -30,6 +30,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from devmesh.layout.schedule import Action, Schedule
 
@@ -38,8 +39,7 @@ __all__ = ["Message", "sent_by", "needed_by", "sequences", "fifo_problem", "Rece
            "nccl_problem", "message_plan"]
 
 
-@dataclass(frozen=True)
-class Message:
+class Message(NamedTuple):  # a tuple: hashed in C, as the placement search does often
     """One message between stages: ``stage`` is the stage that receives it. A ``header``
     (``microbatch`` -1) announces the shapes of a link's activations for the step."""
 
@@ -154,9 +154,24 @@ def upcoming(schedule: Schedule, actions: tuple[Action, ...], start: int, policy
         need = needed_by(schedule, a)
         if need is not None:
             return [need[1]] + extra
-        if any(sent_by_action(schedule, a)):
+        if sent_by_action(schedule, a):
             break
     return extra
+
+
+def _fused_receives(schedule: Schedule, actions: tuple[Action, ...]
+                    ) -> tuple[Message | None, ...]:
+    """:func:`upcoming`'s ``"fused"`` receive for every start at once (the model asks for
+    each boundary): the message of the first action from there on that waits for one, or
+    ``None`` if an action that sends comes first, or none waits."""
+    out: list[Message | None] = [None] * (len(actions) + 1)
+    for k in range(len(actions) - 1, -1, -1):
+        need = needed_by(schedule, actions[k])
+        if need is not None:
+            out[k] = need[1]
+        elif not sent_by_action(schedule, actions[k]):
+            out[k] = out[k + 1]
+    return tuple(out)
 
 
 # -- which receives a rank posts when ------------------------------------------------------
@@ -497,8 +512,12 @@ def _program(schedule: Schedule, rank: int, policy: str, shapes: str,
         if ops:
             program.append(_Node("batch", ops, boundary))
 
+    fused = _fused_receives(schedule, actions) if policy == "fused" else None
+
     def wanted(start: int) -> list[Message]:
-        return upcoming(schedule, actions, start, policy, early)
+        if fused is None:
+            return upcoming(schedule, actions, start, policy, early)
+        return ([fused[start]] if fused[start] is not None else []) + list(early.get(start, ()))
 
     post(order.due(wanted(0), state)[0], 0)
     sends = _sent_by(schedule, rank)
