@@ -87,7 +87,8 @@ def test_a_gpu_mesh_refuses_only_a_schedule_that_would_deadlock_on_nccl():
 
     # two stages on one rank send to itself; no placement of its receives avoids a deadlock
     # under NCCL's rules, so a GPU mesh refuses it on every rank, before any message
-    gpu_mesh = SimpleNamespace(device_type="cuda", mesh_dim_names=("pp",))
+    gpu_mesh = SimpleNamespace(device_type="cuda", mesh_dim_names=("pp",), shape=(1,),
+                               get_coordinate=lambda: [0])
     with pytest.raises(PipelineError, match="would deadlock on NCCL in a training step.*CPU "
                                             "mesh"):
         PipelineRunner({}, gpu_mesh, build_schedule("interleaved-1f1b", 1, 2), F.cross_entropy)

@@ -84,10 +84,6 @@ class PipelineRunner:
     def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh, schedule: Schedule,
                  loss_fn: Callable[..., torch.Tensor] | None, *,
                  pp_dim: str = "pp", scale_grads: bool = True) -> None:
-        if mesh.device_type != "cpu":  # the schedule is the same on every rank: all raise
-            problem = nccl_problem(schedule)
-            if problem:
-                raise PipelineError(problem)
         names = mesh.mesh_dim_names or ()
         if pp_dim not in names:
             raise PipelineError(
@@ -103,6 +99,10 @@ class PipelineRunner:
         out_of_order = fifo_problem(schedule)
         if out_of_order:  # the schedule is the same on every rank: each raises alike
             raise PipelineError(f"cannot run schedule {schedule.name!r}: {out_of_order}")
+        if mesh.device_type != "cpu":  # NCCL's stream rules: the same verdict on every rank
+            problem = nccl_problem(schedule)
+            if problem:
+                raise PipelineError(problem)
         mine = {s for s in range(schedule.stages) if schedule.rank_of(s) == self.index}
         problem = None
         if set(stages) != mine:
