@@ -83,16 +83,15 @@ def sent_by(schedule: Schedule, rank: int) -> list[tuple[int, tuple[Message, ...
     """Per action of ``rank``, in order: the peer rank and the messages the action sends
     (empty when it sends none)."""
     first = _first_forwards(schedule.actions[rank])
-    out = []
+    out: list[tuple[int, tuple[Message, ...]]] = []
     for a in schedule.actions[rank]:
-        s, m = a.stage, a.microbatch
-        if a.kind == "F" and s < schedule.stages - 1:
-            head = (Message("header", s + 1),) if first[s] == m else ()
-            out.append((schedule.rank_of(s + 1), head + (Message("activation", s + 1, m),)))
-        elif a.kind in ("B", "I") and s > 0:
-            out.append((schedule.rank_of(s - 1), (Message("gradient", s - 1, m),)))
-        else:
+        messages = sent_by_action(schedule, a)
+        if not messages:
             out.append((-1, ()))
+            continue
+        if a.kind == "F" and first[a.stage] == a.microbatch:  # the link's first: its header
+            messages = (Message("header", a.stage + 1),) + messages
+        out.append((schedule.rank_of(messages[-1].stage), messages))
     return out
 
 
@@ -126,7 +125,11 @@ def fifo_problem(schedule: Schedule) -> str | None:
         used = [need[1] for a in schedule.actions[receiver]
                 if (need := needed_by(schedule, a)) is not None and need[0] == sender]
         if data != used:
-            at = next(i for i, (x, y) in enumerate(zip(data, used)) if x != y)
+            at = next((i for i, (x, y) in enumerate(zip(data, used)) if x != y), None)
+            if at is None:
+                return (f"rank {sender} sends rank {receiver} {len(data)} messages in a step, "
+                        f"and rank {receiver} uses {len(used)}: every forward and backward "
+                        "must appear once in the schedule (Schedule.simulate() checks it)")
             return (f"rank {receiver} uses rank {sender}'s messages in another order than "
                     f"rank {sender} sends them (message {at}: sent {data[at]}, used "
                     f"{used[at]}); messages between two ranks are matched in order (NCCL "
