@@ -24,7 +24,7 @@ from devmesh.layout.pipeline_messages import (
 from devmesh.layout.schedule import SCHEDULES, Action, Schedule, build_schedule
 
 
-def _all_schedules(names=tuple(SCHEDULES), ranks=(2, 3, 4, 8), most=12):
+def _all_schedules(names=tuple(SCHEDULES), ranks=range(2, 9), most=12):
     for name, p, m in itertools.product(names, ranks, range(1, most + 1)):
         if name == "interleaved-1f1b" and m % p:
             continue
