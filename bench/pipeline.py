@@ -5,9 +5,10 @@ Same model (16 blocks of Linear(512, 512) -> ReLU, and a Linear head), same spli
 by parameter count), same schedule, 4 pipeline ranks over gloo (``--ranks``), 8 micro-batches
 of 64, SGD; GPipe, 1F1B and interleaved 1F1B (2 stages per rank) run by both, zero-bubble by
 devmesh only (torch's zero-bubble schedules need its own graph splitting). Prints the slowest
-rank's median step time, the ratio devmesh / torch, and for devmesh the measured bubble
-(1 - compute time summed over ranks / (ranks x schedule time)) next to the schedule's
-prediction: "predicted" simulates the schedule with the median measured cost of each action
+rank's median step time, the ratio devmesh / torch, the measured bubble (1 - compute time
+summed over ranks / (ranks x schedule time)) of devmesh and of torch (its stages' forward,
+loss and backward timed as devmesh's runner times its own: the same machine's message costs
+land in both), and next to devmesh's the schedule's prediction: "predicted" simulates the schedule with the median measured cost of each action
 kind (as if every stage cost the same), "replayed" with every action's own measured compute
 and the measured message time (a ping-pong of one activation between ranks 0 and 1 before
 the run), "+runner" also charging each action its rank's measured runner time per action
@@ -15,8 +16,15 @@ the run), "+runner" also charging each action its rank's measured runner time pe
 receives, the runner's Python). "+runner" against "measured" checks the schedule's model of
 time; "predicted" against "+runner" shows what the per-message costs of this machine add.
 
-    .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3] [--ranks 4] [--default-malloc]
-    .venv/bin/python bench/pipeline.py --breakdown [--ranks 2]
+    .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3] [--ranks 4] [--depth 16]
+                                       [--default-malloc]
+    .venv/bin/python bench/pipeline.py --breakdown [--ranks 2] [--depth 16]
+
+``--depth`` sets the number of blocks (default 16): each message between stages stays one
+micro-batch's 64 x 512 activation while the compute per stage grows with it, so deeper
+models show how much of the measured bubble is the per-message cost of gloo on this machine
+rather than the schedule (on a GPU a stage computes for milliseconds per micro-batch while
+an activation crosses NVLink in microseconds: the deep end is the realistic one).
 
 ``--breakdown`` runs devmesh's schedules only and splits each rank's step time into compute,
 waiting for a message, sending, posting receives ahead, the end-of-step failure check and
@@ -57,16 +65,16 @@ import warnings
 MICRO, BATCH = 8, 512
 
 
-def build_model():
+def build_model(depth: int = 16):
     import torch
     from torch import nn
 
     torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(16)]
+    blocks = [nn.Sequential(nn.Linear(512, 512), nn.ReLU()) for _ in range(depth)]
     return nn.Sequential(*blocks, nn.Linear(512, 10))
 
 
-def run(library: str, name: str, steps: int, ranks: int):
+def run(library: str, name: str, steps: int, ranks: int, depth: int = 16):
     import logging
 
     import torch
@@ -84,7 +92,7 @@ def run(library: str, name: str, steps: int, ranks: int):
     me = mesh.get_coordinate()[0]
     virtual = 2 if name == "interleaved-1f1b" else 1
     stages_total = ranks * virtual
-    parts = split_sequential(build_model(), stages_total)
+    parts = split_sequential(build_model(depth), stages_total)
     mine = [s for s in range(stages_total) if s % ranks == me]
     params = [p for s in mine for p in parts[s].parameters()]
     opt = torch.optim.SGD(params, lr=0.01)
@@ -105,6 +113,8 @@ def run(library: str, name: str, steps: int, ranks: int):
             kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
             schedule = kind(stages[0], MICRO, loss_fn=F.cross_entropy)
 
+        torch_compute = _time_torch_compute(stages, schedule)
+
         def step(x, y):
             if first:
                 schedule.step(x)
@@ -118,7 +128,7 @@ def run(library: str, name: str, steps: int, ranks: int):
 
         def step(x, y):
             runner.step(x if first else None, y if last else None)
-
+        torch_compute = None
     latency = _message_latency(mesh) if library == "devmesh" else 0.0
     spent = _install_timers() if library == "devmesh" else {}
     times, schedule_times, computes, overheads = [], [], [], []
@@ -129,6 +139,8 @@ def run(library: str, name: str, steps: int, ranks: int):
         dist.barrier()
         if spent:
             spent.clear()
+        if torch_compute is not None:
+            torch_compute.clear()
         start = time.perf_counter()
         step(x, y)
         scheduled = time.perf_counter() - start
@@ -139,6 +151,8 @@ def run(library: str, name: str, steps: int, ranks: int):
         if i >= 2:
             times.append(elapsed[0].item())
             schedule_times.append(elapsed[1].item())
+            if torch_compute is not None:
+                computes.append(sum(torch_compute))
             if library == "devmesh":
                 computes.append(dict(runner.compute_seconds))
                 # this rank's own work that is neither compute nor blocked on a message or
@@ -147,6 +161,8 @@ def run(library: str, name: str, steps: int, ranks: int):
                                  - spent["wait"] - spent["check"])
     result = {"time": statistics.median(times), "schedule": statistics.median(schedule_times),
               "latency": latency}
+    if library == "torch":
+        result["compute"] = statistics.median(computes)
     if library == "devmesh":
         result["compute"] = statistics.median(sum(c.values()) for c in computes)
         by_kind: dict[str, list[float]] = {}
@@ -157,6 +173,36 @@ def run(library: str, name: str, steps: int, ranks: int):
         result["actions"] = {a: statistics.median(c[a] for c in computes) for a in computes[0]}
         result["overhead"] = statistics.median(overheads) / len(computes[0])  # per action
     return result
+
+
+def _idle_share(ranks_results: list[dict]) -> float:
+    """The measured bubble of one run: 1 - compute summed over ranks / (ranks x the
+    slowest rank's schedule time)."""
+    return 1 - (sum(r["compute"] for r in ranks_results)
+                / (len(ranks_results) * ranks_results[0]["schedule"]))
+
+
+def _time_torch_compute(stages, schedule) -> list[float]:
+    """Time torch's compute as devmesh's runner times its own (a stage's forward with the
+    loss, its backward; messages excluded): the returned list gets each call's seconds."""
+    spent: list[float] = []
+
+    def timed(owner, attr: str) -> None:
+        inner = getattr(owner, attr)
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                spent.append(time.perf_counter() - start)
+        setattr(owner, attr, wrapper)
+
+    for stage in stages:
+        timed(stage, "forward_one_chunk")
+        timed(stage, "backward_one_chunk")
+    timed(schedule, "_maybe_compute_loss")
+    return spent
 
 
 def _message_latency(mesh, rounds: int = 20) -> float:
@@ -210,7 +256,7 @@ def _install_timers():
     return spent
 
 
-def breakdown(name: str, steps: int, ranks: int) -> dict[str, float]:
+def breakdown(name: str, steps: int, ranks: int, depth: int = 16) -> dict[str, float]:
     """One rank's median step split by where the time went (see the module's doc)."""
     import logging
 
@@ -231,7 +277,7 @@ def breakdown(name: str, steps: int, ranks: int) -> dict[str, float]:
     calls = _time_p2p_calls()
     alone = _p2p_call_alone(mesh, calls)
     virtual = 2 if name == "interleaved-1f1b" else 1
-    parts = split_sequential(build_model(), ranks * virtual)
+    parts = split_sequential(build_model(depth), ranks * virtual)
     mine = [s for s in range(ranks * virtual) if s % ranks == me]
     runner = PipelineRunner({s: parts[s] for s in mine}, mesh,
                             build_schedule(name, ranks, MICRO, virtual), F.cross_entropy)
@@ -296,7 +342,7 @@ def _p2p_call_alone(mesh, calls: list[float], rounds: int = 50) -> float:
     return statistics.median(calls)
 
 
-def print_breakdown(steps: int, ranks: int) -> None:
+def print_breakdown(steps: int, ranks: int, depth: int) -> None:
     from devmesh.launching.launcher import launch
 
     columns = ("step", "compute", "wait", "send", "post", "check", "other", "call",
@@ -305,7 +351,8 @@ def print_breakdown(steps: int, ranks: int) -> None:
     print(f"{'schedule':<18}{'rank':>5}" + "".join(f"{c:>9}" for c in columns))
     alone = []
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
-        for rank, row in enumerate(launch(breakdown, ranks, name, steps, ranks, timeout=1800)):
+        for rank, row in enumerate(launch(breakdown, ranks, name, steps, ranks, depth,
+                                                   timeout=1800)):
             alone.append(row["alone"])
             print(f"{name:<18}{rank:>5}" + "".join(f"{row.get(c, 0.0) * 1e3:>9.2f}"
                                                    for c in columns))
@@ -324,6 +371,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--ranks", type=int, default=4,
                         help="pipeline ranks (stages); 2 gives each rank a core of its own here")
+    parser.add_argument("--depth", type=int, default=16,
+                        help="Linear(512, 512) blocks in the model: more compute per message")
     parser.add_argument("--breakdown", action="store_true",
                         help="devmesh only: where each rank's step time goes")
     parser.add_argument("--default-malloc", action="store_true",
@@ -333,31 +382,33 @@ def main() -> None:
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
     if args.breakdown:
-        print_breakdown(args.steps, args.ranks)
+        print_breakdown(args.steps, args.ranks, args.depth)
         return
     from devmesh.launching.launcher import launch
     from devmesh.layout.schedule import build_schedule
 
     ranks = args.ranks
-    print(f"{ranks} pipeline ranks (gloo), {MICRO} micro-batches of {BATCH // MICRO}, "
+    print(f"{ranks} pipeline ranks (gloo), {args.depth} blocks, {MICRO} micro-batches of {BATCH // MICRO}, "
           f"median over {args.rounds} rounds of the slowest rank's median of {args.steps} "
           "steps; glibc malloc " + ("defaults" if args.default_malloc else
                                     "keeping freed memory (see --default-malloc)"))
     print(f"{'schedule':<18}{'devmesh':>10}{'torch':>10}{'ratio':>8}{'schedule only':>15}"
-          f"{'bubble measured':>18}{'predicted':>11}{'replayed':>10}{'+runner':>10}")
+          f"{'bubble measured':>18}{'predicted':>11}{'replayed':>10}{'+runner':>10}"
+          f"{'torch measured':>16}")
     latencies = []
     for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
         rounds, theirs = [], []
         for _ in range(args.rounds):  # alternate, so that load changes hit both alike
-            rounds.append(launch(run, ranks, "devmesh", name, args.steps, ranks,
+            rounds.append(launch(run, ranks, "devmesh", name, args.steps, ranks, args.depth,
                                  timeout=1800))
             if name != "zero-bubble":
-                theirs.append(launch(run, ranks, "torch", name, args.steps, ranks,
-                                     timeout=1800)[0])
+                theirs.append(launch(run, ranks, "torch", name, args.steps, ranks, args.depth,
+                                     timeout=1800))
         ours = sorted(rounds, key=lambda r: r[0]["time"])[len(rounds) // 2]  # median round
         step = ours[0]["time"]
-        # idle share of the schedule itself (the optimizer step is outside the pipeline)
-        measured = 1 - sum(r["compute"] for r in ours) / (ranks * ours[0]["schedule"])
+        # idle share of the schedule itself (the optimizer step is outside the pipeline),
+        # the median over rounds
+        measured = statistics.median(map(_idle_share, rounds))
         # the same schedule with the costs each kind measured (median over ranks)
         costs = {k: statistics.median(r["costs"][k] for r in ours if k in r["costs"])
                  for k in ours[0]["costs"]}
@@ -374,21 +425,25 @@ def main() -> None:
         makespan = max(t.end for t in plan.simulate(with_runner, ours[0]["latency"]))
         runner_replayed = 1 - sum(each_action.values()) / (ranks * makespan)
         latencies.append(ours[0]["latency"])
-        torch_time = statistics.median(t["time"] for t in theirs) if theirs else None
+        torch_time = statistics.median(t[0]["time"] for t in theirs) if theirs else None
         torch_text = f"{torch_time * 1e3:>8.1f}ms" if theirs else f"{'-':>10}"
 
         def paired(key: str) -> float:  # each round's pair ran back to back: drift cancels
-            return statistics.median(r[0][key] / t[key] for r, t in zip(rounds, theirs))
+            return statistics.median(r[0][key] / t[0][key] for r, t in zip(rounds, theirs))
         ratio = f"{paired('time'):>8.2f}" if theirs else f"{'-':>8}"
         only = f"{paired('schedule'):>15.2f}" if theirs else f"{'-':>15}"
+        torch_idle = (f"{statistics.median(map(_idle_share, theirs)):>16.1%}" if theirs
+                      else f"{'-':>16}")
         print(f"{name:<18}{step * 1e3:>8.1f}ms{torch_text}{ratio}{only}{measured:>18.1%}"
-              f"{predicted:>11.1%}{replayed:>10.1%}{runner_replayed:>10.1%}")
+              f"{predicted:>11.1%}{replayed:>10.1%}{runner_replayed:>10.1%}{torch_idle}")
     print("predicted: the schedule simulated with the median compute per action kind (stages "
           "alike);\nreplayed: with each action's own measured compute (stages as they are) "
           "and each message between\nranks taking the measured ping-pong time "
           f"({statistics.median(latencies) * 1e3:.2f} ms one way); +runner: also each action "
           "taking its rank's\nmeasured runner time per action (sends, posting receives, "
-          "Python: the step less compute,\nwaits and the end check)")
+          "Python: the step less compute,\nwaits and the end check); torch measured: the "
+          "same measured bubble of torch's schedule (its stages'\nforward, loss and backward "
+          "timed alike)")
 
 if __name__ == "__main__":
     main()
