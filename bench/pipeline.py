@@ -186,23 +186,24 @@ def _time_torch_compute(stages, schedule) -> list[float]:
     """Time torch's compute as devmesh's runner times its own (a stage's forward with the
     loss, its backward; messages excluded): the returned list gets each call's seconds."""
     spent: list[float] = []
-
-    def timed(owner, attr: str) -> None:
-        inner = getattr(owner, attr)
-
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent.append(time.perf_counter() - start)
-        setattr(owner, attr, wrapper)
-
     for stage in stages:
-        timed(stage, "forward_one_chunk")
-        timed(stage, "backward_one_chunk")
-    timed(schedule, "_maybe_compute_loss")
+        _time_calls(stage, "forward_one_chunk", spent.append)
+        _time_calls(stage, "backward_one_chunk", spent.append)
+    _time_calls(schedule, "_maybe_compute_loss", spent.append)
     return spent
+
+
+def _time_calls(owner, attr: str, record) -> None:
+    """Replace ``owner.attr`` by a wrapper that calls ``record(seconds)`` after each call."""
+    inner = getattr(owner, attr)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            record(time.perf_counter() - start)
+    setattr(owner, attr, wrapper)
 
 
 def _message_latency(mesh, rounds: int = 20) -> float:
@@ -240,19 +241,13 @@ def _install_timers():
 
     spent: collections.Counter = collections.Counter()
 
-    def timed(cls, attr: str, part: str) -> None:
-        inner = getattr(cls, attr)
-
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return inner(*args, **kwargs)
-            finally:
-                spent[part] += time.perf_counter() - start
-        setattr(cls, attr, wrapper)
+    def adder(part: str):
+        def add(seconds: float) -> None:
+            spent[part] += seconds
+        return add
 
     for attr, part in _TIMED.items():
-        timed(PipelineRunner if attr.startswith("_") else StageLinks, attr, part)
+        _time_calls(PipelineRunner if attr.startswith("_") else StageLinks, attr, adder(part))
     return spent
 
 
@@ -306,15 +301,7 @@ def _time_p2p_calls() -> list[float]:
     import torch.distributed as dist
 
     calls: list[float] = []
-    inner = dist.batch_isend_irecv
-
-    def timed(ops):
-        start = time.perf_counter()
-        try:
-            return inner(ops)
-        finally:
-            calls.append(time.perf_counter() - start)
-    dist.batch_isend_irecv = timed
+    _time_calls(dist, "batch_isend_irecv", calls.append)
     return calls
 
 

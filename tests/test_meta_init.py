@@ -18,6 +18,7 @@ from devmesh.parallel import (
     ColwiseParallel,
     RowwiseParallel,
     fully_shard,
+    load_state_dict,
     parallelize_module,
     replicate,
     state_dict,
@@ -101,6 +102,42 @@ def test_a_model_built_on_meta_trains_as_single_process(mesh_pool, how):
     for tied, full in mesh_pool.run(_parallel, world, how, start):
         assert tied
         assert full.keys() == expected.keys()
+        for name, value in expected.items():
+            torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _children_materialized_one_by_one(how: str, start: dict[str, torch.Tensor]):
+    mesh = init_device_mesh("cpu", (2, 2) if how == "hsdp" else (2,))
+    with torch.device("meta"):
+        model = TiedModel()
+    if how == "ddp":
+        replicate(model, mesh=mesh)
+    else:
+        fully_shard(model.up, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    for child in model.children():  # plain modules inside the units: torch's classes
+        child.to_empty(device="cpu")
+    if how == "hsdp":  # devmesh's own loader, before any forward, sees the blocks too
+        load_state_dict(model, start)
+    else:
+        model.load_state_dict(start)
+    rows = 4 // mesh.size()
+    _train(model, slice(rows * mesh.get_rank(), rows * mesh.get_rank() + rows))
+    return model.head.weight is model.embed.weight, state_dict(model, full=True)
+
+
+@pytest.mark.parametrize("how", ["fsdp", "hsdp", "ddp"])
+def test_children_materialized_one_by_one_train_as_single_process(mesh_pool, how):
+    # to_empty on each child rather than on the model: the children are torch's own
+    # modules, so devmesh's conversion does not run on them. Before, FSDP refused the
+    # load ("size mismatch for embed.weight": the new parameters had no layout) and DDP
+    # trained the replicas apart silently (the new parameters had no gradient hook); the
+    # tied embedding and head came apart in both. Now each unit takes the new parameters
+    # (as torch's FSDP2 re-reads its own by name) and ties them again.
+    start, expected = _single()
+    for tied, full in mesh_pool.run(_children_materialized_one_by_one, 4 if how == "hsdp"
+                                    else 2, how, start):
+        assert tied
         for name, value in expected.items():
             torch.testing.assert_close(full[name], value, rtol=1e-5, atol=1e-6, msg=name)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from devmesh.parallel.param import ShardedParameter, get_layout, set_layout
+from devmesh.parallel.param import keep_layout
 
 __all__ = ["KeepsLayouts"]
 
@@ -62,13 +62,6 @@ class KeepsLayouts:
 
 def _with_layout_of(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
     """``new`` (torch's plain parameter) as the same kind of parameter as ``old``, with its
-    layout (and gradient)."""
-    layout = get_layout(old)
-    if layout is None:
-        return new
-    if isinstance(old, ShardedParameter) and not isinstance(new, ShardedParameter):
-        kept = ShardedParameter(new.data, new.requires_grad)
-        kept.grad = new.grad
-        new = kept
-    set_layout(new, layout.mesh, layout.spec, layout.shape)
+    layout: the same object (:func:`~devmesh.parallel.param.keep_layout`)."""
+    keep_layout(old, new)
     return new

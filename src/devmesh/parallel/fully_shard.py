@@ -41,6 +41,7 @@ from devmesh.parallel.param import (
     combined_mesh,
     describe_tensors,
     get_layout,
+    keep_layout,
     place_parameter,
     sharded_parameter,
     world_mesh,
@@ -276,6 +277,7 @@ class FSDPUnit:
     def prefetch(self) -> None:
         """Start gathering this unit's parameters now, to overlap with the running unit."""
         if self._prefetched is None and self._kept is None and self.params:
+            self.adopt_replaced()
             self._prefetched = self.start_gather([p.sharded for p in self.params])
 
     def prefetch_for_backward(self) -> None:
@@ -376,8 +378,24 @@ class FSDPUnit:
 
     # -- hooks -----------------------------------------------------------------------------
     @torch._dynamo.disable  # collectives on devmesh's mesh: eager under torch.compile
+    def adopt_replaced(self) -> None:
+        """Take the parameters torch's conversion put in this unit's places without devmesh
+        (``child.to_empty()`` on a plain child module): torch's FSDP2 re-reads its parameters
+        by name the same way. A tied weight replaced in one place only is tied again."""
+        replaced: dict[int, torch.Tensor] = {}
+        for p in self.params:
+            for module, name in p.places:
+                new = module._parameters.get(name)
+                if (isinstance(new, nn.Parameter) and new is not p.sharded
+                        and id(p.sharded) not in replaced):
+                    keep_layout(p.sharded, new)
+                    replaced[id(p.sharded)] = new
+        if replaced:
+            self.follow(replaced)
+
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         root = _ORDER.active is None  # this unit starts the forward
+        self.adopt_replaced()
         _ORDER.enter(self)
         shards = [p.sharded for p in self.params]
         cast = self._cast_inputs(args, kwargs)

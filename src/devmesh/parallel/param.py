@@ -90,6 +90,7 @@ def place_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
     ``state_dict()`` — keeping this rank's block, as ``devmesh.parallel.load_state_dict``
     does, or a tensor of this rank's block shape as it is."""
     module._parameters[name] = param
+    module.__dict__.setdefault(_PLACED, {})[name] = param
     if not getattr(module, _TAKES_FULL, False):
         module.register_load_state_dict_pre_hook(_take_local_blocks)
         module.register_state_dict_post_hook(_give_dtensors)
@@ -101,6 +102,36 @@ def place_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
 
 
 _TAKES_FULL = "_devmesh_takes_full_tensors"
+_PLACED = "_devmesh_placed"  # module attribute: name -> the parameter devmesh placed there
+
+
+def keep_layout(old: torch.Tensor, new: torch.Tensor) -> None:
+    """Give ``new`` (a parameter torch made in place of ``old``) ``old``'s layout and kind,
+    keeping the object: an optimizer already holding ``new`` steps the parameter the model
+    trains."""
+    layout = get_layout(old)
+    if layout is None or get_layout(new) is not None:
+        return
+    if isinstance(old, ShardedParameter) and type(new) is nn.Parameter:
+        new.__class__ = ShardedParameter
+    set_layout(new, layout.mesh, layout.spec, layout.shape)
+
+
+def adopt_replaced_parameters(module: nn.Module) -> None:
+    """Lay out the parameters that torch's conversions run on ``module`` itself replaced.
+
+    ``child.to_empty(device=...)`` on a module inside an FSDP unit (or under ``replicate``)
+    makes new, plain parameters in the child's slots: the child's class is torch's, so
+    devmesh's conversion (:mod:`devmesh.parallel.conversion`) did not run. Each such slot's
+    new parameter takes the layout of the one devmesh placed there, so loading a state dict
+    into it cuts this rank's block; the unit holding the parameter takes the new objects at
+    its next forward, as torch's FSDP2 re-reads its parameters by name."""
+    placed = module.__dict__.get(_PLACED)
+    for name, old in (placed or {}).items():
+        new = module._parameters.get(name)
+        if isinstance(new, nn.Parameter) and new is not old:
+            keep_layout(old, new)
+            placed[name] = new
 
 
 def split_layout(param: torch.Tensor | None) -> ParamLayout | None:
@@ -121,6 +152,7 @@ def as_dtensor(block: torch.Tensor, param: torch.Tensor):
 
 
 def _give_dtensors(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    adopt_replaced_parameters(module)
     for name, param in module._parameters.items():
         if prefix + name in state and split_layout(param) is not None:
             state[prefix + name] = as_dtensor(param, param)
@@ -128,6 +160,7 @@ def _give_dtensors(module: nn.Module, state: dict, prefix: str, local_metadata: 
 
 def _take_local_blocks(module: nn.Module, state: dict, prefix: str, local_metadata: dict,
                        strict: bool, missing: list, unexpected: list, errors: list) -> None:
+    adopt_replaced_parameters(module)
     for name, param in module._parameters.items():
         layout = get_layout(param) if param is not None else None
         value = state.get(prefix + name)

@@ -36,6 +36,7 @@ from devmesh.parallel.param import (
     ParallelizeError,
     describe_tensors,
     get_layout,
+    keep_layout,
     set_layout,
     world_mesh,
     GradientSyncControl,
@@ -87,6 +88,11 @@ class DataParallelState:
         self._cap = int(bucket_cap_mb * 2**20)
         self._names = [n for n, _ in named]
         self._params = [p for _, p in named]  # averaged while they require gradients
+        # every module slot holding one of them (a tied weight has several): where a
+        # conversion run on a child alone (child.to_empty()) leaves its new parameters
+        self._places = [(m, name, p) for m in module.modules()
+                        for name, p in m._parameters.items()
+                        if p is not None and id(p) not in ignored]
         # DDP's rule for which gradients come sparse: the weights of sparse embeddings
         self._sparse = {id(p) for m in module.modules()
                         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
@@ -172,6 +178,7 @@ class DataParallelState:
         self._hooked = {id(p) for p in self._params
                         if id(p) in self._hooked and id(p) not in replaced}  # the new: none
         self._params = [new(p) for p in self._params]
+        self._places = [(m, name, new(p)) for m, name, p in self._places]
         self._ignored = [new(t) for t in self._ignored]
         self._first_broadcast = [new(t) for t in self._first_broadcast]
         self._bucket(self._trainable)
@@ -197,8 +204,27 @@ class DataParallelState:
                     t.copy_(flat[offset: offset + t.numel()].view_as(t))
                     offset += t.numel()
 
+    def adopt_replaced(self) -> None:
+        """Take the parameters a conversion run on a child module alone put in place of
+        ours (``child.to_empty()``: torch's class, so devmesh's conversion did not run):
+        average their gradients from now on and tie again what was tied. Without this the
+        replicas trained apart, silently (their new parameters had no gradient hook)."""
+        replaced: dict[int, torch.Tensor] = {}
+        for module, name, old in self._places:
+            new = module._parameters.get(name)
+            if isinstance(new, nn.Parameter) and new is not old:
+                keep_layout(old, new)
+                replaced.setdefault(id(old), new)
+        if not replaced:
+            return
+        for module, name, old in self._places:  # a tie replaced in one place: one again
+            if id(old) in replaced:
+                module._parameters[name] = replaced[id(old)]
+        self.follow(replaced)
+
     def before_forward(self, module: nn.Module) -> None:
         """DDP's buffer sync: broadcast the buffers if the previous forward trained."""
+        self.adopt_replaced()
         if self._first_broadcast:  # built on meta: the start every replica takes
             self._first_broadcast, first = [], self._first_broadcast
             self._broadcast(first)

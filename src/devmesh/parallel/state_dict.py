@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from devmesh.errors import StateDictError
-from devmesh.parallel.param import as_sharded, get_layout, local_block
+from devmesh.parallel.param import adopt_replaced_parameters, as_sharded, get_layout, local_block
 from devmesh.tensor import ShardedTensor
 
 __all__ = ["state_dict", "load_state_dict", "prepare_load", "apply_load", "local_block"]
@@ -28,6 +28,7 @@ __all__ = ["state_dict", "load_state_dict", "prepare_load", "apply_load", "local
 def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor | ShardedTensor]:
     """Parameters and buffers by name: full tensors (``full=True``) or ShardedTensors. A tied
     parameter appears under every name it has, as in ``nn.Module.state_dict()``."""
+    _adopt_replaced(model)
     out: dict[str, torch.Tensor | ShardedTensor] = {}
     done: dict[int, torch.Tensor | ShardedTensor] = {}  # tied parameters: gathered once
     for name, p in model.named_parameters(remove_duplicate=False):
@@ -47,6 +48,13 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
     return out
 
 
+def _adopt_replaced(model: nn.Module) -> None:
+    """Parameters a conversion of a plain child made (``child.to_empty()``) take their
+    layouts first, so they are saved and loaded as the blocks they are."""
+    for module in model.modules():
+        adopt_replaced_parameters(module)
+
+
 def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     """The buffers ``nn.Module.state_dict()`` saves (non-persistent ones excluded)."""
     out = {}
@@ -64,6 +72,7 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
     tensor with the value to copy into it. Raises :class:`StateDictError` (torch's wording)
     on a missing or unexpected key (``strict``), a shape that differs (exactly: no reshaping)
     or a value that is not a tensor."""
+    _adopt_replaced(model)
     params = dict(model.named_parameters(remove_duplicate=False))
     buffers = persistent_buffers(model)
     expected = set(params) | set(buffers)
