@@ -377,7 +377,6 @@ class FSDPUnit:
             self._regather_pending = None
 
     # -- hooks -----------------------------------------------------------------------------
-    @torch._dynamo.disable  # collectives on devmesh's mesh: eager under torch.compile
     def adopt_replaced(self) -> None:
         """Take the parameters torch's conversion put in this unit's places without devmesh
         (``child.to_empty()`` on a plain child module): torch's FSDP2 re-reads its parameters
@@ -393,6 +392,7 @@ class FSDPUnit:
         if replaced:
             self.follow(replaced)
 
+    @torch._dynamo.disable  # collectives on devmesh's mesh: eager under torch.compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         root = _ORDER.active is None  # this unit starts the forward
         self.adopt_replaced()
