@@ -353,10 +353,11 @@ def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
                                "--messages", "nccl"], capture_output=True, text=True,
                               timeout=120)
     assert messages.returncode == 0, messages.stderr
-    # rank 0 sends a gradient and posts the next one's receive in the same batch: early
-    assert "B0@2 {>g0@1 <g1@2} F3@0" in messages.stdout, messages.stdout
+    # rank 0 sends an activation and posts, in the same batch, the receive of a gradient
+    # its peer sends next ("fused" alone would post it only with rank 0's next send: early)
+    assert "F3@0 {>a3@1 <g1@2 <a2@2} B1@2" in messages.stdout, messages.stdout
     assert "no deadlock under NCCL's rules" in messages.stdout
-    assert "8 receives posted early" in messages.stdout
+    assert "10 receives posted early" in messages.stdout
 
 
 def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
