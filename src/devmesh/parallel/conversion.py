@@ -18,7 +18,6 @@ effect for the user is the same).
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from devmesh.parallel.param import keep_layout
 
@@ -47,9 +46,8 @@ class KeepsLayouts:
             if id(old) in replaced:  # a tied weight torch converted twice: one again
                 slots[name] = replaced[id(old)]
                 continue
-            if kind == "_parameters":
-                new = _with_layout_of(old, new)
-                slots[name] = new
+            if kind == "_parameters":  # laid out as before, the same object kept
+                keep_layout(old, new)
             replaced[id(old)] = new
         if replaced:
             for module in self.modules():  # type: ignore[attr-defined]
@@ -59,9 +57,3 @@ class KeepsLayouts:
                         state.follow(replaced)
         return result
 
-
-def _with_layout_of(old: nn.Parameter, new: nn.Parameter) -> nn.Parameter:
-    """``new`` (torch's plain parameter) as the same kind of parameter as ``old``, with its
-    layout: the same object (:func:`~devmesh.parallel.param.keep_layout`)."""
-    keep_layout(old, new)
-    return new

@@ -41,8 +41,8 @@ from devmesh.parallel.param import (
     combined_mesh,
     describe_tensors,
     get_layout,
-    keep_layout,
     place_parameter,
+    replaced_parameters,
     sharded_parameter,
     world_mesh,
     GradientSyncControl,
@@ -381,14 +381,8 @@ class FSDPUnit:
         """Take the parameters torch's conversion put in this unit's places without devmesh
         (``child.to_empty()`` on a plain child module): torch's FSDP2 re-reads its parameters
         by name the same way. A tied weight replaced in one place only is tied again."""
-        replaced: dict[int, torch.Tensor] = {}
-        for p in self.params:
-            for module, name in p.places:
-                new = module._parameters.get(name)
-                if (isinstance(new, nn.Parameter) and new is not p.sharded
-                        and id(p.sharded) not in replaced):
-                    keep_layout(p.sharded, new)
-                    replaced[id(p.sharded)] = new
+        replaced = replaced_parameters((module, name, p.sharded) for p in self.params
+                                       for module, name in p.places)
         if replaced:
             self.follow(replaced)
 

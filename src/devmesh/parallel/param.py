@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -117,6 +117,21 @@ def keep_layout(old: torch.Tensor, new: torch.Tensor) -> None:
     set_layout(new, layout.mesh, layout.spec, layout.shape)
 
 
+def replaced_parameters(places: Iterable[tuple[nn.Module, str, torch.Tensor]]
+                        ) -> dict[int, nn.Parameter]:
+    """``places``: (module, name, the parameter devmesh holds there). For each slot where a
+    conversion devmesh did not see (``child.to_empty()``) left another parameter: ``{id(held):
+    the new one}``, the new one laid out as the held one (the first found, where a tied
+    weight was replaced in several places)."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module, name, held in places:
+        new = module._parameters.get(name)
+        if isinstance(new, nn.Parameter) and new is not held and id(held) not in replaced:
+            keep_layout(held, new)
+            replaced[id(held)] = new
+    return replaced
+
+
 def adopt_replaced_parameters(module: nn.Module) -> None:
     """Lay out the parameters that torch's conversions run on ``module`` itself replaced.
 
@@ -126,12 +141,10 @@ def adopt_replaced_parameters(module: nn.Module) -> None:
     new parameter takes the layout of the one devmesh placed there, so loading a state dict
     into it cuts this rank's block; the unit holding the parameter takes the new objects at
     its next forward, as torch's FSDP2 re-reads its parameters by name."""
-    placed = module.__dict__.get(_PLACED)
-    for name, old in (placed or {}).items():
-        new = module._parameters.get(name)
-        if isinstance(new, nn.Parameter) and new is not old:
-            keep_layout(old, new)
-            placed[name] = new
+    placed = module.__dict__.get(_PLACED, {})
+    replaced = replaced_parameters((module, name, held) for name, held in placed.items())
+    for name, held in placed.items():
+        placed[name] = replaced.get(id(held), held)
 
 
 def split_layout(param: torch.Tensor | None) -> ParamLayout | None:

@@ -36,7 +36,7 @@ from devmesh.parallel.param import (
     ParallelizeError,
     describe_tensors,
     get_layout,
-    keep_layout,
+    replaced_parameters,
     set_layout,
     world_mesh,
     GradientSyncControl,
@@ -209,12 +209,7 @@ class DataParallelState:
         ours (``child.to_empty()``: torch's class, so devmesh's conversion did not run):
         average their gradients from now on and tie again what was tied. Without this the
         replicas trained apart, silently (their new parameters had no gradient hook)."""
-        replaced: dict[int, torch.Tensor] = {}
-        for module, name, old in self._places:
-            new = module._parameters.get(name)
-            if isinstance(new, nn.Parameter) and new is not old:
-                keep_layout(old, new)
-                replaced.setdefault(id(old), new)
+        replaced = replaced_parameters(self._places)
         if not replaced:
             return
         for module, name, old in self._places:  # a tie replaced in one place: one again
