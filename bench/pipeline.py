@@ -8,10 +8,10 @@ devmesh only (torch's zero-bubble schedules need its own graph splitting). Print
 rank's median step time, the ratio devmesh / torch, the measured bubble (1 - compute time
 summed over ranks / (ranks x schedule time)) of devmesh and of torch (its stages' forward,
 loss and backward timed as devmesh's runner times its own: the same machine's message costs
-land in both), and next to devmesh's the schedule's prediction: "predicted" simulates the schedule with the median measured cost of each action
-kind (as if every stage cost the same), "replayed" with every action's own measured compute
-and the measured message time (a ping-pong of one activation between ranks 0 and 1 before
-the run), "+runner" also charging each action its rank's measured runner time per action
+land in both), and next to devmesh's the schedule's prediction: "predicted" simulates the
+schedule with the median measured cost of each action kind (as if every stage cost the
+same), "replayed" with every action's own measured compute and the measured message time (a
+ping-pong of one activation between ranks 0 and 1 before the run), "+runner" also charging each action its rank's measured runner time per action
 (the step less compute, message waits and the end-of-step check: starting sends, posting
 receives, the runner's Python). "+runner" against "measured" checks the schedule's model of
 time; "predicted" against "+runner" shows what the per-message costs of this machine add.
@@ -128,6 +128,7 @@ def run(library: str, name: str, steps: int, ranks: int, depth: int = 16):
 
         def step(x, y):
             runner.step(x if first else None, y if last else None)
+
         torch_compute = None
     latency = _message_latency(mesh) if library == "devmesh" else 0.0
     spent = _install_timers() if library == "devmesh" else {}
