@@ -71,13 +71,63 @@ def test_measured_costs_per_action_replace_the_costs_per_kind():
     assert timeline[Action("B", 1, 0)] == (4.0, 6.0)
 
 
-def test_a_schedule_that_waits_on_itself_is_refused():
-    from devmesh.layout.schedule import Action, Schedule
+def _hand_written(*ranks: str, stages: int = 2, microbatches: int = 1, pp: int | None = None
+                  ) -> Schedule:
+    """A schedule from one string of actions per rank (as ``str(schedule)`` prints them) for
+    ``pp`` ranks (default: one per string)."""
+    from devmesh.layout.schedule import Action
 
-    backwards_first = Schedule("bad", 2, 2, 1, ((Action("B", 0, 0), Action("F", 0, 0)),
-                                                 (Action("F", 1, 0), Action("B", 1, 0))))
-    with pytest.raises(ScheduleError, match="cannot proceed"):
-        backwards_first.simulate()
+    def parse(text: str) -> Action:
+        head, stage = text.split("@")
+        return Action(head[0], int(stage), int(head[1:]))
+
+    return Schedule("hand-written", pp or len(ranks), stages, microbatches,
+                    tuple(tuple(map(parse, r.split())) for r in ranks))
+
+
+@pytest.mark.parametrize("ranks, microbatches, problem", [
+    (["F0@0 F1@0 B0@0", "F0@1 B0@1 F1@1 B1@1"], 2,
+     "micro-batch 1 of stage 0 has no backward (B1@0, or I1@0 and W1@0): its gradients would "
+     "be left out of the step"),
+    (["F0@0 F1@0", "F0@1 F1@1"], 2, None),  # forward only: what an evaluation plays
+    (["F0@0 F0@1 B0@1 B0@0", ""], 1, "F0@1 is in rank 0's list, but stage 1 lives on rank 1"),
+    (["F0@0 F0@0 B0@0", "F0@1 B0@1"], 1, "F0@0 appears twice in rank 0's list"),
+    (["F0@0 B0@0 W0@0", "F0@1 B0@1"], 1, "has a whole backward (B) and a split one (I, W)"),
+    (["F0@0 I0@0", "F0@1 B0@1"], 1, "micro-batch 0 of stage 0 has no W0@0"),
+    (["F0@0 B0@0", "B0@1"], 1, "micro-batch 0 of stage 1 has no forward (F0@1)"),
+    (["F0@0 B0@0", "F0@1 B0@1 F1@1 B1@1"], 1, "F1@1 names micro-batch 1, outside 0..0"),
+    (["F0@0 B0@0", "F0@1 X0@1 B0@1"], 1, "X0@1 has kind 'X'"),
+    (["F0@0 B0@0"], 1, "actions holds 1 lists for 2 ranks"),
+    (["B0@0 F0@0", "F0@1 B0@1"], 1, "cannot proceed: each rank waits for an input that comes "
+     "later ({0: 'B0@0', 1: 'F0@1'})"),
+    (["F0@0 W0@0 I0@0", "F0@1 B0@1"], 1, "cannot proceed"),
+])
+def test_a_hand_written_schedule_is_checked_when_built(ranks, microbatches, problem):
+    # a micro-batch left without a backward would train on part of the batch, silently; one
+    # that waits on itself would hang every rank: both are refused before anything runs
+    if problem is None:
+        assert _hand_written(*ranks, microbatches=microbatches).microbatches == microbatches
+        return
+    with pytest.raises(ScheduleError, match="schedule 'hand-written'") as refused:
+        _hand_written(*ranks, microbatches=microbatches, pp=2)
+    assert problem in str(refused.value)
+
+
+def test_a_hand_written_schedule_trains_like_one_process(mesh_pool):
+    # GPipe with each rank's backwards in the reverse order of its forwards (last in, first
+    # out, as activation memory would suggest): any schedule the checks accept runs exactly
+    mine = _hand_written(*[" ".join([f"F{m}@{r}" for m in range(4)]
+                                    + [f"B{m}@{r}" for m in reversed(range(4))])
+                           for r in range(4)], stages=4, microbatches=4)
+    ref_params, ref_losses = reference()
+    owned = {}
+    for params, losses, sends, _ in mesh_pool.run(train_pipelined, 4, mine, 4):
+        owned.update(params)
+        if losses[0] is not None:
+            assert losses == pytest.approx(ref_losses, rel=1e-5)
+    assert owned.keys() == ref_params.keys()
+    for key, value in owned.items():
+        torch.testing.assert_close(value, ref_params[key].detach(), rtol=1e-5, atol=1e-6)
 
 
 def test_a_gpu_mesh_refuses_only_a_schedule_that_would_deadlock_on_nccl():
@@ -88,7 +138,7 @@ def test_a_gpu_mesh_refuses_only_a_schedule_that_would_deadlock_on_nccl():
     # two stages on one rank send to itself; no placement of its receives avoids a deadlock
     # under NCCL's rules, so a GPU mesh refuses it on every rank, before any message
     gpu_mesh = SimpleNamespace(device_type="cuda", mesh_dim_names=("pp",), shape=(1,),
-                               get_coordinate=lambda: [0])
+                               get_coordinate=lambda: [0], get_group=lambda dim: None)
     with pytest.raises(PipelineError, match="would deadlock on NCCL in a training step.*CPU "
                                             "mesh"):
         PipelineRunner({}, gpu_mesh, build_schedule("interleaved-1f1b", 1, 2), F.cross_entropy)
@@ -201,13 +251,15 @@ def test_a_model_split_inside_a_nested_sequential_trains_as_one_process(mesh_poo
             torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def train_pipelined(name: str, microbatches: int, steps: int = 2, policy: str = "ahead"):
-    """Train on 4 pipeline ranks; return this rank's stage parameters, losses and P2P counts
-    (``policy``: when the receives are posted — gloo's default, or NCCL's order)."""
+def train_pipelined(name: str | Schedule, microbatches: int, steps: int = 2,
+                    policy: str = "ahead"):
+    """Train on 4 pipeline ranks with the schedule ``name`` (or a Schedule); return this
+    rank's stage parameters, losses and P2P counts (``policy``: when the receives are posted
+    — gloo's default, or NCCL's order)."""
     import torch.distributed as dist
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
-    schedule = build_schedule(name, 4, microbatches)
+    schedule = name if isinstance(name, Schedule) else build_schedule(name, 4, microbatches)
     model = make_model()
     parts = split_sequential(model, schedule.stages)  # balanced by parameter count
     me = mesh.get_coordinate()[0]
@@ -291,6 +343,11 @@ def test_pipeline_errors_name_the_fix(mesh_pool):
                "stage takes a tensor or a tuple of tensors" in error[2], error[2]
         assert "rank 0: 4 micro-batches do not divide the keyword input 'mask' of shape " \
                "(10, 1) along dim 0" in error[3], error[3]
+        # micro-batches counted from each rank's own data: every rank refuses, none hangs
+        assert "the pipeline ranks hold different schedules (ranks [0, 1]: gpipe: 4 stages " \
+               "on 4 ranks, 2 micro-batches; ranks [2, 3]: gpipe: 4 stages on 4 ranks, 4 " \
+               "micro-batches" in error[4], error[4]
+        assert "build the same schedule on every rank" in error[4]
 
 
 def pipeline_errors():
@@ -327,6 +384,11 @@ def pipeline_errors():
         runner.step(torch.randn(8, 16) if me == 0 else None,
                     torch.zeros(8, dtype=torch.long) if me == 3 else None,
                     input_kwargs={"mask": torch.ones(10, 1)} if me == 0 else None)
+    except PipelineError as exc:
+        out.append(str(exc))
+    try:
+        PipelineRunner({me: parts[me]}, pp, build_schedule("gpipe", 4, 2 if me < 2 else 4),
+                       F.cross_entropy)
     except PipelineError as exc:
         out.append(str(exc))
     return out

@@ -56,6 +56,15 @@ class Schedule:
     microbatches: int
     actions: tuple[tuple[Action, ...], ...]
 
+    def __post_init__(self) -> None:
+        """A schedule is data a user may write by hand: refuse one the runner would play
+        wrongly (a micro-batch's backward missing: its gradients silently left out) or not
+        at all (an action waiting for one that comes after it: every rank would hang)."""
+        problem = _structure_problem(self)
+        if problem:
+            raise ScheduleError(f"schedule {self.name!r}: {problem}")
+        self.simulate()  # raises ScheduleError naming the actions that wait on each other
+
     def rank_of(self, stage: int) -> int:
         return stage % self.ranks
 
@@ -131,6 +140,58 @@ class Schedule:
         for r, actions in enumerate(self.actions):
             lines.append(f"rank {r}: " + " ".join(map(str, actions)))
         return "\n".join(lines)
+
+
+def _structure_problem(schedule: Schedule) -> str | None:
+    """What makes ``schedule`` not a schedule, if anything: each forward once, on the rank
+    that holds its stage, and either no backward at all (forward only, as an evaluation
+    plays) or one per forward — a ``B``, or an ``I`` and a ``W``."""
+    for name in ("ranks", "stages", "microbatches"):
+        value = getattr(schedule, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            return f"{name} must be a positive integer, got {value!r}"
+    if len(schedule.actions) != schedule.ranks:
+        return (f"actions holds {len(schedule.actions)} lists for {schedule.ranks} ranks: "
+                "give one list of actions per rank")
+    seen: dict[Action, int] = {}
+    for rank, actions in enumerate(schedule.actions):
+        for action in actions:
+            if not isinstance(action, Action):
+                return f"rank {rank} has {action!r}: actions are Action(kind, stage, microbatch)"
+            if action.kind not in DEFAULT_COSTS:
+                return f"{action} has kind {action.kind!r}: use 'F', 'B', 'I' or 'W'"
+            if not 0 <= action.stage < schedule.stages:
+                return (f"{action} names stage {action.stage}, outside 0..{schedule.stages - 1}")
+            if not 0 <= action.microbatch < schedule.microbatches:
+                return (f"{action} names micro-batch {action.microbatch}, outside "
+                        f"0..{schedule.microbatches - 1}")
+            if schedule.rank_of(action.stage) != rank:
+                return (f"{action} is in rank {rank}'s list, but stage {action.stage} lives on "
+                        f"rank {schedule.rank_of(action.stage)} (stage s on rank s % ranks)")
+            if action in seen:
+                return f"{action} appears twice in rank {rank}'s list: each action runs once"
+            seen[action] = rank
+    trains = any(a.kind != "F" for a in seen)
+    for stage in range(schedule.stages):
+        for m in range(schedule.microbatches):
+            has = {kind for kind in DEFAULT_COSTS if Action(kind, stage, m) in seen}
+            unit = f"micro-batch {m} of stage {stage}"
+            if "F" not in has:
+                return f"{unit} has no forward (F{m}@{stage}): every stage runs every micro-batch"
+            if not trains:
+                continue
+            if "B" in has and has & {"I", "W"}:
+                return (f"{unit} has a whole backward (B) and a split one (I, W): give it one "
+                        "or the other")
+            if has == {"F"}:
+                return (f"{unit} has no backward (B{m}@{stage}, or I{m}@{stage} and "
+                        f"W{m}@{stage}): its gradients would be left out of the step (a "
+                        "schedule has a backward for every forward, or none at all)")
+            if has in ({"F", "I"}, {"F", "W"}):
+                missing = "W" if "I" in has else "I"
+                return (f"{unit} has no {missing}{m}@{stage}: a split backward needs its "
+                        "input-gradient half (I) and its weight-gradient half (W)")
+    return None
 
 
 def _check(ranks: int, microbatches: int, virtual: int = 1) -> None:

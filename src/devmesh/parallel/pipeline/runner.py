@@ -93,6 +93,14 @@ class PipelineRunner:
         self.dim = names.index(pp_dim)
         self.pp = mesh.shape[self.dim]
         self.index = mesh.get_coordinate()[self.dim]
+        held = comm.differing(str(schedule), mesh.get_group(self.dim))
+        if held:  # every check below depends on the schedule: agree on it first
+            which = "; ".join(f"ranks {ranks}: {text.splitlines()[0]}"
+                              for text, ranks in held.items())
+            raise PipelineError(
+                f"the pipeline ranks hold different schedules ({which}; where these agree, "
+                "the actions' order differs): build the same schedule on every rank, e.g. "
+                "from the global batch's micro-batch count, not a rank's own data")
         if schedule.ranks != self.pp:
             raise PipelineError(f"the schedule is for {schedule.ranks} pipeline ranks, the "
                                 f"mesh's {pp_dim!r} dim has {self.pp}")
