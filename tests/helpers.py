@@ -68,3 +68,23 @@ def train_alone(model, steps: int, batch=seeded_batch) -> dict:
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def hand_written_schedule(*ranks: str, stages: int = 2, microbatches: int = 1,
+                          pp: int | None = None):
+    """A schedule from one string of actions per rank, as ``str(schedule)`` prints them
+    (``"F0@0 I0@0 W0@0"``), for ``pp`` ranks (default: one per string)."""
+    from devmesh.layout.schedule import Action, Schedule
+
+    def parse(text: str) -> Action:
+        head, stage = text.split("@")
+        return Action(head[0], int(stage), int(head[1:]))
+
+    return Schedule("hand-written", pp or len(ranks), stages, microbatches,
+                    tuple(tuple(map(parse, r.split())) for r in ranks))
+
+
+# on 2 ranks, 4 micro-batches: whole and split backwards mixed on each stage, a whole one
+# after a split one's W ("I1@0 B2@0 W1@0") and after its I alone ("I2@1 W0@1 F3@1 B3@1")
+MIXED_BACKWARDS = ("F0@0 F1@0 F2@0 F3@0 I0@0 W0@0 I1@0 B2@0 W1@0 B3@0",
+                   "F0@1 I0@1 F1@1 B1@1 F2@1 I2@1 W0@1 F3@1 B3@1 W2@1")

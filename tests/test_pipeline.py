@@ -22,6 +22,7 @@ from devmesh.parallel.pipeline import (
     balanced_boundaries,
     split_sequential,
 )
+from helpers import hand_written_schedule
 
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
@@ -71,20 +72,6 @@ def test_measured_costs_per_action_replace_the_costs_per_kind():
     assert timeline[Action("B", 1, 0)] == (4.0, 6.0)
 
 
-def _hand_written(*ranks: str, stages: int = 2, microbatches: int = 1, pp: int | None = None
-                  ) -> Schedule:
-    """A schedule from one string of actions per rank (as ``str(schedule)`` prints them) for
-    ``pp`` ranks (default: one per string)."""
-    from devmesh.layout.schedule import Action
-
-    def parse(text: str) -> Action:
-        head, stage = text.split("@")
-        return Action(head[0], int(stage), int(head[1:]))
-
-    return Schedule("hand-written", pp or len(ranks), stages, microbatches,
-                    tuple(tuple(map(parse, r.split())) for r in ranks))
-
-
 @pytest.mark.parametrize("ranks, microbatches, problem", [
     (["F0@0 F1@0 B0@0", "F0@1 B0@1 F1@1 B1@1"], 2,
      "micro-batch 1 of stage 0 has no backward (B1@0, or I1@0 and W1@0): its gradients would "
@@ -106,17 +93,17 @@ def test_a_hand_written_schedule_is_checked_when_built(ranks, microbatches, prob
     # a micro-batch left without a backward would train on part of the batch, silently; one
     # that waits on itself would hang every rank: both are refused before anything runs
     if problem is None:
-        assert _hand_written(*ranks, microbatches=microbatches).microbatches == microbatches
+        assert hand_written_schedule(*ranks, microbatches=microbatches).microbatches == microbatches
         return
     with pytest.raises(ScheduleError, match="schedule 'hand-written'") as refused:
-        _hand_written(*ranks, microbatches=microbatches, pp=2)
+        hand_written_schedule(*ranks, microbatches=microbatches, pp=2)
     assert problem in str(refused.value)
 
 
 def test_a_hand_written_schedule_trains_like_one_process(mesh_pool):
     # GPipe with each rank's backwards in the reverse order of its forwards (last in, first
     # out, as activation memory would suggest): any schedule the checks accept runs exactly
-    mine = _hand_written(*[" ".join([f"F{m}@{r}" for m in range(4)]
+    mine = hand_written_schedule(*[" ".join([f"F{m}@{r}" for m in range(4)]
                                     + [f"B{m}@{r}" for m in reversed(range(4))])
                            for r in range(4)], stages=4, microbatches=4)
     ref_params, ref_losses = reference()

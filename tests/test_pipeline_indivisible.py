@@ -21,7 +21,7 @@ from devmesh.parallel import state_dict
 from devmesh.layout.schedule import build_schedule
 from devmesh.parallel.pipeline import PipelineRunner, split_sequential
 from devmesh.parallel.pipeline.split_backward import SplitBackward
-from helpers import seeded_batch, train_alone
+from helpers import MIXED_BACKWARDS, hand_written_schedule, seeded_batch, train_alone
 
 # inductor (torch.compile's default, whose donated buffers made zero-bubble fail) builds C++
 # with g++; a machine without one still checks the path with AOT autograd's eager backend
@@ -80,7 +80,8 @@ def train(case: str, name: str = "zero-bubble", steps: int = 2):
     data_parallel = case in ("compiled-replicate", "compiled-fsdp", "torch-fsdp")
     mesh = init_device_mesh("cpu", (2, 2) if data_parallel else (2,),
                             mesh_dim_names=("pp", "dp") if data_parallel else ("pp",))
-    schedule = build_schedule(name, 2, 4)
+    schedule = (hand_written_schedule(*MIXED_BACKWARDS, microbatches=4) if name == "mixed"
+                else build_schedule(name, 2, 4))
     model = make_model(case)
     parts = split_sequential(model, 2)
     me = mesh.get_coordinate()[0]
@@ -131,13 +132,19 @@ def train(case: str, name: str = "zero-bubble", steps: int = 2):
     return {k: v.detach().clone() for k, v in full.items() if k.split(".")[0] in owned}, whole
 
 
-@pytest.mark.parametrize("case", ["compiled", "compiled-replicate", "compiled-fsdp",
-                                  "reentrant"])
-def test_zero_bubble_trains_stages_whose_backward_cannot_be_split(mesh_pool, case):
-    _check(mesh_pool.run(train, 4 if case.endswith(("replicate", "fsdp")) else 2, case), case)
+@pytest.mark.parametrize("case, name", [
+    ("compiled", "zero-bubble"), ("compiled-replicate", "zero-bubble"),
+    ("compiled-fsdp", "zero-bubble"), ("reentrant", "zero-bubble"),
+    # whole and split backwards mixed on a stage whose I turns out whole: the gradients
+    # reduce once, at the stage's last B or I (they reduced at its last I and again at a B
+    # after it, or never for a B before its W)
+    ("compiled-replicate", "mixed"), ("compiled-fsdp", "mixed")])
+def test_zero_bubble_trains_stages_whose_backward_cannot_be_split(mesh_pool, case, name):
+    _check(mesh_pool.run(train, 4 if case.endswith(("replicate", "fsdp")) else 2, case, name),
+           case)
 
 
-@pytest.mark.parametrize("name", ["zero-bubble", "1f1b"])
+@pytest.mark.parametrize("name", ["zero-bubble", "1f1b", "mixed"])
 def test_stages_under_torchs_fully_shard_train_as_one_process(name):
     """torch's FSDP2 reduce-scatters a unit's gradients when the backward reaches the unit's
     inputs: in I, before W made the weight gradients (devmesh's split gave parameters 1.7e-5

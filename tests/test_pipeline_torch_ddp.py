@@ -18,10 +18,10 @@ from torch import nn
 from devmesh import init_device_mesh
 from devmesh.layout.schedule import build_schedule
 from devmesh.parallel.pipeline import PipelineError, PipelineRunner, split_sequential
-from helpers import seeded_batch, train_alone
+from helpers import MIXED_BACKWARDS, hand_written_schedule, seeded_batch, train_alone
 
 CASES = ("ddp", "ddp-unused", "ddp-inside", "composable")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "mixed")
 STEPS, MICRO = 2, 4
 
 
@@ -88,8 +88,9 @@ def train_all() -> dict[tuple[str, str], tuple[dict[str, torch.Tensor], list[int
                 else:
                     wrapped = torch_replicate(part, device_mesh=mesh["dp"])
                 stages[s] = wrapped
-            runner = PipelineRunner(stages, mesh, build_schedule(name, 2, MICRO, virtual),
-                                    F.cross_entropy)
+            schedule = (hand_written_schedule(*MIXED_BACKWARDS, microbatches=MICRO)
+                        if name == "mixed" else build_schedule(name, 2, MICRO, virtual))
+            runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
             opt = torch.optim.SGD([p for m in stages.values() for p in m.parameters()], lr=0.1)
             ddps = sum(isinstance(m, nn.parallel.DistributedDataParallel)
                        for stage in stages.values() for m in stage.modules())

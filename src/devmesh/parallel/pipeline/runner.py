@@ -134,12 +134,13 @@ class PipelineRunner:
         # evaluate() had no targets
         self.microbatch_outputs: list[tuple[Any, torch.Tensor | None]] = []
         # a data-parallel stage reduces its gradients once per step: at its last action that
-        # computes weight gradients (the others accumulate without sync)
+        # computes weight gradients (the others accumulate without sync) — its last B or W;
+        # where its backward cannot be split (SplitBackward.whole, or DDP's reducer) an I
+        # computes them and W nothing: its last B or I. A schedule may mix whole and split
+        # backwards on a stage; a B before the stage's first I is final in neither case
         actions = schedule.actions[self.index]
-        self._final_weight_grads = {a.stage: a for a in actions if a.kind in ("B", "W")}
-        # where a stage's backward cannot be split (SplitBackward.whole, or DDP's reducer),
-        # its I computes the weight gradients, and its last I reduces them
-        self._final_input_grads = {a.stage: a for a in actions if a.kind == "I"}
+        self._final_split = {a.stage: a for a in actions if a.kind in ("B", "W")}
+        self._final_whole = {a.stage: a for a in actions if a.kind in ("B", "I")}
         self._first_child_output: list[torch.Tensor] | None = None  # a list while watching
         if 0 in stages and any(a.kind == "I" for a in actions):
             self._watch_first_child(stages[0])
@@ -421,8 +422,8 @@ class PipelineRunner:
             start = time.perf_counter()
             try:
                 if action.kind == "B" or sync.whole:  # whole: DDP reduces in one backward
-                    final = self._final_weight_grads if action.kind == "B" else \
-                        self._final_input_grads
+                    whole = sync.whole or s in step.whole_stages
+                    final = self._final_whole if whole else self._final_split
                     sync.before_backward(action == final[s], outputs)
                     # a first stage with every parameter frozen (fine-tuning the top of
                     # a model) has nothing to compute, as in single-process training
@@ -434,8 +435,9 @@ class PipelineRunner:
                     split = entry["split"] = SplitBackward(
                         outputs, seeds, inputs if s > 0 else [entry["split_at"]],
                         list(self.stages[s].parameters()))
-                    if split.whole:  # this I is a whole backward: it reduces at the last I
-                        sync.before_backward(action == self._final_input_grads[s], outputs)
+                    if split.whole:  # this I is a whole backward: its W has nothing left
+                        step.whole_stages.add(s)
+                        sync.before_backward(action == self._final_whole[s], outputs)
                     gradients = split.input_grad()
                     input_grads = gradients if s > 0 else None  # stage 0 sends nothing
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
@@ -453,7 +455,7 @@ class PipelineRunner:
             return
         params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
         self._sync[action.stage].before_backward(
-            action == self._final_weight_grads[action.stage], entry.get("outputs", ()))
+            action == self._final_split[action.stage], entry.get("outputs", ()))
         start = time.perf_counter()
         try:
             if "split" in entry:  # I kept what W needs: no input gradient computed again
@@ -526,6 +528,8 @@ class _Step:
     losses: list[torch.Tensor] = field(default_factory=list)
     outputs: dict[int, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
     compute: dict[Action, float] = field(default_factory=dict)
+    # stages whose I did a whole backward this step (SplitBackward.whole: a compiled stage)
+    whole_stages: set[int] = field(default_factory=set)
     error: str | None = None  # the first failure on this rank; then nothing more is computed
     exception: BaseException | None = None
 
