@@ -532,9 +532,10 @@ class MatmulWork(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def train_composed(name: str, composition: str, steps: int = 2):
-    """PP x FSDP x TP on (pp, dp, tp) = (2, 2, 2), or PP x DDP on (pp, dp) = (2, 4): each
-    stage parallelized on the (dp, tp) slice, each data-parallel replica its own pipeline."""
+def train_composed(name: str | Schedule, composition: str, steps: int = 2):
+    """PP x FSDP x TP on (pp, dp, tp) = (2, 2, 2), or PP x DDP on (pp, dp) = (2, 4), under
+    the schedule ``name`` (or a Schedule for 2 ranks, 4 micro-batches): each stage
+    parallelized on the (dp, tp) slice, each data-parallel replica its own pipeline."""
     from devmesh.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -547,7 +548,7 @@ def train_composed(name: str, composition: str, steps: int = 2):
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     else:
         mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
-    schedule = build_schedule(name, 2, 4)
+    schedule = name if isinstance(name, Schedule) else build_schedule(name, 2, 4)
     model = block_model()
     parts = split_sequential(model, schedule.stages)
     me = mesh.get_coordinate()[0]
