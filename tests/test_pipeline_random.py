@@ -19,7 +19,7 @@ from devmesh.layout.pipeline_messages import (
     nccl_placement,
     nccl_problem,
 )
-from devmesh.layout.schedule import Action, Schedule
+from devmesh.layout.schedule import Action, Schedule, ScheduleError
 from test_pipeline import block_model, reference, train_composed, train_pipelined
 
 
@@ -89,6 +89,35 @@ def test_every_runnable_order_has_a_deadlock_free_nccl_placement(ranks, virtual,
         early = nccl_placement(plan)
         for shapes in ("held", "new", "changed"):
             assert nccl_deadlock(plan, "fused", shapes, early) is None, (str(plan), shapes)
+
+
+@settings(max_examples=100, deadline=None)
+@given(ranks=st.integers(2, 4), virtual=st.integers(1, 2), microbatches=st.integers(1, 4),
+       seed=st.integers(0, 2**32), mutation=st.sampled_from(["drop", "repeat", "move"]),
+       pick=st.randoms(use_true_random=False))
+def test_a_schedule_missing_repeating_or_misplacing_an_action_is_refused(
+        ranks, virtual, microbatches, seed, mutation, pick):
+    # one action dropped (its micro-batch would lose a forward or gradients), repeated, or
+    # moved to another rank's list: refused when built, naming the action
+    schedule = random_schedule(ranks, virtual, microbatches, seed)
+    lists = [list(actions) for actions in schedule.actions]
+    rank = pick.randrange(ranks)
+    index = pick.randrange(len(lists[rank]))
+    action = lists[rank][index]
+    if mutation == "drop":
+        del lists[rank][index]
+        expected = f"of stage {action.stage} has no"
+    elif mutation == "repeat":
+        lists[rank].insert(pick.randrange(len(lists[rank]) + 1), action)
+        expected = f"{action} appears twice in rank {rank}'s list"
+    else:
+        del lists[rank][index]
+        other = (rank + pick.randrange(1, ranks)) % ranks
+        lists[other].insert(pick.randrange(len(lists[other]) + 1), action)
+        expected = f"{action} is in rank {other}'s list, but stage {action.stage} lives on rank"
+    with pytest.raises(ScheduleError) as refused:
+        Schedule("mutated", ranks, schedule.stages, microbatches, tuple(map(tuple, lists)))
+    assert expected in str(refused.value)
 
 
 @pytest.mark.parametrize("seed, policy", [(1, "ahead"), (2, "ahead"), (3, "fused"),
