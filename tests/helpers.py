@@ -74,14 +74,11 @@ def hand_written_schedule(*ranks: str, stages: int = 2, microbatches: int = 1,
                           pp: int | None = None):
     """A schedule from one string of actions per rank, as ``str(schedule)`` prints them
     (``"F0@0 I0@0 W0@0"``), for ``pp`` ranks (default: one per string)."""
-    from devmesh.layout.schedule import Action, Schedule
+    from devmesh.layout.schedule import parse_schedule
 
-    def parse(text: str) -> Action:
-        head, stage = text.split("@")
-        return Action(head[0], int(stage), int(head[1:]))
-
-    return Schedule("hand-written", pp or len(ranks), stages, microbatches,
-                    tuple(tuple(map(parse, r.split())) for r in ranks))
+    header = f"hand-written: {stages} stages on {pp or len(ranks)} ranks, {microbatches} micro-batches"
+    return parse_schedule("\n".join([header] + [f"rank {r}: {actions}"
+                                                for r, actions in enumerate(ranks)]))
 
 
 # on 2 ranks, 4 micro-batches: whole and split backwards mixed on each stage, a whole one

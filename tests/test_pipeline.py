@@ -84,7 +84,6 @@ def test_measured_costs_per_action_replace_the_costs_per_kind():
     (["F0@0 B0@0", "B0@1"], 1, "micro-batch 0 of stage 1 has no forward (F0@1)"),
     (["F0@0 B0@0", "F0@1 B0@1 F1@1 B1@1"], 1, "F1@1 names micro-batch 1, outside 0..0"),
     (["F0@0 B0@0", "F0@1 X0@1 B0@1"], 1, "X0@1 has kind 'X'"),
-    (["F0@0 B0@0"], 1, "actions holds 1 lists for 2 ranks"),
     (["B0@0 F0@0", "F0@1 B0@1"], 1, "cannot proceed: each rank waits for an input that comes "
      "later ({0: 'B0@0', 1: 'F0@1'})"),
     (["F0@0 W0@0 I0@0", "F0@1 B0@1"], 1, "cannot proceed"),
@@ -98,6 +97,30 @@ def test_a_hand_written_schedule_is_checked_when_built(ranks, microbatches, prob
     with pytest.raises(ScheduleError, match="schedule 'hand-written'") as refused:
         hand_written_schedule(*ranks, microbatches=microbatches, pp=2)
     assert problem in str(refused.value)
+
+
+def test_a_printed_schedule_reads_back_and_a_bad_line_is_named():
+    from devmesh.layout.schedule import parse_schedule
+
+    for name in SCHEDULES:
+        schedule = build_schedule(name, 3, 6)
+        assert parse_schedule(str(schedule)) == schedule
+    # without a first line: one rank per line, stages and micro-batches as named
+    plain = parse_schedule("rank 0: F0@0 F1@0 B0@0 B1@0\n\nrank 1: F0@1 B0@1 F1@1 B1@1 # ok")
+    assert (plain.ranks, plain.stages, plain.microbatches) == (2, 2, 2)
+    assert plain.bubble() == pytest.approx(build_schedule("1f1b", 2, 2).bubble())
+    for text, problem in [
+            ("rank 0: F0@0 B0@0\nrank 1: F0@1 Bx", "line 2: 'Bx' is not an action"),
+            ("rank 0: F0@0 B0@0\nrank 0: F0@1 B0@1", "line 2: rank 0 is listed twice"),
+            ("rank 0: F0@0 B0@0\nstage 1: F0@1", "line 2 ('stage 1: F0@1') is neither"),
+            ("x: 2 stages on 2 ranks, 1 micro-batches\nrank 0: F0@0 B0@0",
+             "needs lines for ranks 0..1; missing: [1]"),
+            ("# nothing", "no 'rank R: ...' line")]:
+        with pytest.raises(ScheduleError) as refused:
+            parse_schedule(text)
+        assert problem in str(refused.value)
+    with pytest.raises(ScheduleError, match="actions holds 1 lists for 2 ranks"):
+        Schedule("built", 2, 2, 1, (plain.actions[0],))
 
 
 def test_a_hand_written_schedule_trains_like_one_process(mesh_pool):
@@ -407,6 +430,24 @@ def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
     assert "F3@0 {>a3@1 <g1@2 <a2@2} B1@2" in messages.stdout, messages.stdout
     assert "no deadlock under NCCL's rules" in messages.stdout
     assert "10 receives posted early" in messages.stdout
+    # a schedule written in a file (one line per rank, as printed): checked, timed, drawn
+    mine = tmp_path / "mine.txt"
+    mine.write_text("# 1F1B, with rank 0's backwards split\n"
+                    "rank 0: F0@0 F1@0 I0@0 W0@0 I1@0 W1@0\n"
+                    "rank 1: F0@1 B0@1 F1@1 B1@1\n")
+    png = tmp_path / "mine.png"
+    written = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--schedule", str(mine),
+                              "--messages", "nccl", "--png", str(png)], capture_output=True,
+                             text=True, timeout=120)
+    assert written.returncode == 0, written.stderr
+    assert "hand-written: 2 stages on 2 ranks, 2 micro-batches" in written.stdout
+    assert "bubble: 33.3%" in written.stdout and "no deadlock" in written.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    mine.write_text("rank 0: F0@0 F1@0 I0@0 I1@0\nrank 1: F0@1 B0@1 F1@1 B1@1\n")
+    refused = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--schedule", str(mine)],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert "micro-batch 0 of stage 0 has no W0@0" in refused.stderr, refused.stderr
 
 
 def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,

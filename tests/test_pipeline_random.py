@@ -19,7 +19,7 @@ from devmesh.layout.pipeline_messages import (
     nccl_placement,
     nccl_problem,
 )
-from devmesh.layout.schedule import Action, Schedule, ScheduleError
+from devmesh.layout.schedule import Action, Schedule, ScheduleError, parse_schedule
 from test_pipeline import block_model, reference, train_composed, train_pipelined
 
 
@@ -83,6 +83,7 @@ def test_every_runnable_order_has_a_deadlock_free_nccl_placement(ranks, virtual,
     # what the checks accept, the runner can post on NCCL: a placement found for the step
     # and for evaluate(), and playing it under NCCL's stream rules finishes every rank
     schedule = random_schedule(ranks, virtual, microbatches, seed, split)
+    assert parse_schedule(str(schedule)) == schedule  # printed, it reads back the same
     assert fifo_problem(schedule) is None
     assert nccl_problem(schedule) is None
     for plan in (schedule, forward_only(schedule)):

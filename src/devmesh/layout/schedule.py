@@ -15,11 +15,12 @@ with. ``devmesh plan --pp`` prints and draws it without launching anything.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "zero_bubble", "SCHEDULES", "build_schedule"]
+           "zero_bubble", "SCHEDULES", "build_schedule", "parse_schedule"]
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -319,7 +320,69 @@ SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleave
 def build_schedule(name: str, ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
     """The schedule called ``name`` (one of :data:`SCHEDULES`)."""
     if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)}")
+        raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)} "
+                            "(or write your own: parse_schedule, Schedule)")
     if name == "interleaved-1f1b":
         return interleaved_1f1b(ranks, microbatches, virtual)
     return SCHEDULES[name](ranks, microbatches)
+
+
+_HEADER = re.compile(r"(?P<name>.+): (?P<stages>\d+) stages on (?P<ranks>\d+) ranks, "
+                     r"(?P<microbatches>\d+) micro-batch(es)?")
+_RANK_LINE = re.compile(r"rank (?P<rank>\d+):(?P<actions>.*)")
+_ACTION = re.compile(r"(?P<kind>[A-Za-z])(?P<microbatch>\d+)@(?P<stage>\d+)")
+
+
+def parse_schedule(text: str, name: str = "hand-written") -> Schedule:
+    """The schedule ``text`` writes as ``str(schedule)`` prints one, so that a schedule
+    written or edited by hand can be checked, drawn and run (``devmesh plan --schedule
+    FILE``): an optional first line ``NAME: S stages on R ranks, M micro-batches``, then one
+    line per rank, ``rank R: F0@0 F1@0 I0@0 W0@0 ...`` (kind, micro-batch, ``@`` stage).
+    Without the first line there are as many ranks as rank lines, and as many stages and
+    micro-batches as the largest named plus one. Blank lines and ``#`` comments are skipped.
+    Raises :class:`ScheduleError` naming the line that cannot be read, or what makes the
+    schedule wrong (:class:`Schedule`'s checks)."""
+    header = None
+    ranks: dict[int, tuple[Action, ...]] = {}
+    for number, raw in enumerate(text.splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        rank_line = _RANK_LINE.fullmatch(line)
+        if rank_line is None:
+            found = _HEADER.fullmatch(line)
+            if found is None or header is not None or ranks:
+                raise ScheduleError(
+                    f"line {number} ({line!r}) is neither a first line 'NAME: S stages on R "
+                    "ranks, M micro-batches' nor 'rank R: F0@0 B0@0 ...'")
+            header = found
+            continue
+        rank = int(rank_line["rank"])
+        if rank in ranks:
+            raise ScheduleError(f"line {number}: rank {rank} is listed twice")
+        actions = []
+        for token in rank_line["actions"].split():
+            action = _ACTION.fullmatch(token)
+            if action is None:
+                raise ScheduleError(f"line {number}: {token!r} is not an action: write KIND "
+                                    "MICROBATCH@STAGE, e.g. F0@1 (kinds F, B, I, W)")
+            actions.append(Action(action["kind"], int(action["stage"]),
+                                  int(action["microbatch"])))
+        ranks[rank] = tuple(actions)
+    if not ranks:
+        raise ScheduleError("no 'rank R: ...' line: write one line of actions per rank")
+    everything = [a for actions in ranks.values() for a in actions]
+    if header is None:
+        count = len(ranks)
+        sizes = (max((a.stage for a in everything), default=0) + 1,
+                 max((a.microbatch for a in everything), default=0) + 1)
+    else:
+        name, count = header["name"], int(header["ranks"])
+        sizes = (int(header["stages"]), int(header["microbatches"]))
+    missing = sorted(set(range(count)) - set(ranks))
+    extra = sorted(set(ranks) - set(range(count)))
+    if missing or extra:
+        raise ScheduleError(f"the schedule has {count} ranks, so it needs lines for ranks "
+                            f"0..{count - 1}" + (f"; missing: {missing}" if missing else "")
+                            + (f"; beyond them: {extra}" if extra else ""))
+    return Schedule(name, count, sizes[0], sizes[1], tuple(ranks[r] for r in range(count)))

@@ -107,11 +107,18 @@ def _cmd_show(args: argparse.Namespace) -> int:
 
 
 def _cmd_schedule(args: argparse.Namespace) -> int:
-    from devmesh.layout.schedule import ScheduleError, build_schedule
+    from devmesh.layout.schedule import SCHEDULES, ScheduleError, build_schedule, parse_schedule
 
     microbatches = args.microbatches if args.microbatches is not None else 2 * args.pp
     try:
-        schedule = build_schedule(args.schedule, args.pp, microbatches, args.virtual)
+        if args.schedule not in SCHEDULES and os.path.isfile(args.schedule):
+            with open(args.schedule, encoding="utf-8") as file:  # text, never unpickled
+                schedule = parse_schedule(file.read())
+            if args.pp not in (1, schedule.ranks):
+                raise ScheduleError(f"--pp {args.pp}, but {args.schedule} lists "
+                                    f"{schedule.ranks} ranks")
+        else:
+            schedule = build_schedule(args.schedule, args.pp, microbatches, args.virtual)
         bubble = schedule.bubble()
     except ScheduleError as exc:
         print(f"devmesh plan: error: {exc}", file=sys.stderr)
@@ -360,7 +367,9 @@ def _add_plan(sub) -> None:
     plan.add_argument("--layers", type=int, default=None)
     plan.add_argument("--schedule", default=None,
                       help="instead: print a pipeline schedule for --pp ranks (gpipe, 1f1b, "
-                           "interleaved-1f1b, zero-bubble) with its bubble")
+                           "interleaved-1f1b, zero-bubble) with its bubble, or check one "
+                           "written in a file (one 'rank R: F0@0 B0@0 ...' line per rank, "
+                           "as printed)")
     plan.add_argument("--microbatches", type=int, default=None,
                       help="micro-batches per step (with --schedule; default 2 x --pp)")
     plan.add_argument("--virtual", type=int, default=2,

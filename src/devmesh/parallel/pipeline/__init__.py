@@ -11,6 +11,7 @@ from devmesh.layout.schedule import (
     gpipe,
     interleaved_1f1b,
     one_f_one_b,
+    parse_schedule,
     zero_bubble,
 )
 from devmesh.parallel.pipeline.runner import PipelineRunner
@@ -26,7 +27,8 @@ from devmesh.parallel.pipeline.torch_api import (
 )
 
 __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boundaries",
-           "Schedule", "Action", "ScheduleError", "SCHEDULES", "build_schedule", "gpipe",
+           "Schedule", "Action", "ScheduleError", "SCHEDULES", "build_schedule", "parse_schedule",
+           "gpipe",
            "one_f_one_b", "interleaved_1f1b", "zero_bubble", "PipelineStage", "ScheduleGPipe",
            "Schedule1F1B", "ScheduleInterleaved1F1B", "PipelineScheduleSingle",
            "PipelineScheduleMulti", "get_schedule_class"]
