@@ -19,12 +19,16 @@ time; "predicted" against "+runner" shows what the per-message costs of this mac
     .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3] [--ranks 4] [--depth 16]
                                        [--default-malloc]
     .venv/bin/python bench/pipeline.py --breakdown [--ranks 2] [--depth 16]
+    .venv/bin/python bench/pipeline.py --posting --ranks 2 --depth 64 --rounds 9 --steps 6
 
 ``--depth`` sets the number of blocks (default 16): each message between stages stays one
 micro-batch's 64 x 512 activation while the compute per stage grows with it, so deeper
 models show how much of the measured bubble is the per-message cost of gloo on this machine
 rather than the schedule (on a GPU a stage computes for milliseconds per micro-batch while
 an activation crosses NVLink in microseconds: the deep end is the realistic one).
+
+``--posting`` runs interleaved 1F1B with devmesh's receives posted as on gloo and as on
+NCCL, each round beside torch's: whether the posting order costs step time here.
 
 ``--breakdown`` runs devmesh's schedules only and splits each rank's step time into compute,
 waiting for a message, sending, posting receives ahead, the end-of-step failure check and
@@ -74,7 +78,8 @@ def build_model(depth: int = 16):
     return nn.Sequential(*blocks, nn.Linear(512, 10))
 
 
-def run(library: str, name: str, steps: int, ranks: int, depth: int = 16):
+def run(library: str, name: str, steps: int, ranks: int, depth: int = 16,
+        posting: str | None = None):
     import logging
 
     import torch
@@ -125,6 +130,8 @@ def run(library: str, name: str, steps: int, ranks: int, depth: int = 16):
     else:
         plan = build_schedule(name, ranks, MICRO, virtual)
         runner = PipelineRunner({s: parts[s] for s in mine}, mesh, plan, F.cross_entropy)
+        if posting is not None:  # "ahead" (gloo's default) or "fused" (NCCL's, on gloo)
+            runner._links.policy = posting
 
         def step(x, y):
             runner.step(x if first else None, y if last else None)
@@ -353,6 +360,34 @@ def print_breakdown(steps: int, ranks: int, depth: int) -> None:
           "(waits for the slowest rank);\nother: the runner's own Python around them")
 
 
+def print_posting(steps: int, rounds: int, ranks: int, depth: int) -> None:
+    """Interleaved 1F1B with gloo's receive posting ("ahead": the next two actions'
+    receives) and with NCCL's ("fused": each receive with the last send before it, some
+    moved earlier by the timing placement), each round beside torch's, back to back."""
+    from devmesh.launching.launcher import launch
+
+    name = "interleaved-1f1b"
+    runs: dict[str, list[list[dict]]] = {"ahead": [], "fused": [], "torch": []}
+    for _ in range(rounds):
+        for kind, results in runs.items():
+            library = "torch" if kind == "torch" else "devmesh"
+            results.append(launch(run, ranks, library, name, steps, ranks, depth,
+                                  None if kind == "torch" else kind, timeout=1800))
+    print(f"{name} on {ranks} ranks, {depth} blocks: schedule time per round (ms), "
+          "bubble, and devmesh / torch per round")
+    for kind, results in runs.items():
+        times = [r[0]["schedule"] * 1e3 for r in results]
+        line = (f"{kind:<6} median {statistics.median(times):7.1f} ms  rounds "
+                + " ".join(f"{t:6.1f}" for t in times)
+                + f"  bubble {statistics.median(map(_idle_share, results)):.1%}")
+        if kind != "torch":
+            ratios = [r[0]["schedule"] / t[0]["schedule"] for r, t in zip(results,
+                                                                          runs["torch"])]
+            line += (f"  / torch median {statistics.median(ratios):.3f} (range "
+                     f"{min(ratios):.2f}-{max(ratios):.2f})")
+        print(line)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
@@ -363,12 +398,18 @@ def main() -> None:
                         help="Linear(512, 512) blocks in the model: more compute per message")
     parser.add_argument("--breakdown", action="store_true",
                         help="devmesh only: where each rank's step time goes")
+    parser.add_argument("--posting", action="store_true",
+                        help="interleaved only: gloo's receive posting against NCCL's, each "
+                             "beside torch")
     parser.add_argument("--default-malloc", action="store_true",
                         help="keep glibc malloc's default thresholds (see the module's doc)")
     args = parser.parse_args()
     if not args.default_malloc:  # read by glibc at process start: the ranks inherit it
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
+    if args.posting:
+        print_posting(args.steps, args.rounds, args.ranks, args.depth)
+        return
     if args.breakdown:
         print_breakdown(args.steps, args.ranks, args.depth)
         return
