@@ -154,7 +154,8 @@ def _structure_problem(schedule: Schedule) -> str | None:
     if len(schedule.actions) != schedule.ranks:
         return (f"actions holds {len(schedule.actions)} lists for {schedule.ranks} ranks: "
                 "give one list of actions per rank")
-    seen: dict[Action, int] = {}
+    seen: set[Action] = set()
+    kinds: dict[tuple[int, int], set[str]] = {}  # (stage, micro-batch) -> its action kinds
     for rank, actions in enumerate(schedule.actions):
         for action in actions:
             if not isinstance(action, Action):
@@ -171,11 +172,12 @@ def _structure_problem(schedule: Schedule) -> str | None:
                         f"rank {schedule.rank_of(action.stage)} (stage s on rank s % ranks)")
             if action in seen:
                 return f"{action} appears twice in rank {rank}'s list: each action runs once"
-            seen[action] = rank
+            seen.add(action)
+            kinds.setdefault((action.stage, action.microbatch), set()).add(action.kind)
     trains = any(a.kind != "F" for a in seen)
     for stage in range(schedule.stages):
         for m in range(schedule.microbatches):
-            has = {kind for kind in DEFAULT_COSTS if Action(kind, stage, m) in seen}
+            has = kinds.get((stage, m), set())
             unit = f"micro-batch {m} of stage {stage}"
             if "F" not in has:
                 return f"{unit} has no forward (F{m}@{stage}): every stage runs every micro-batch"
