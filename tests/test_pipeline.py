@@ -121,6 +121,11 @@ def test_a_printed_schedule_reads_back_and_a_bad_line_is_named():
         assert problem in str(refused.value)
     with pytest.raises(ScheduleError, match="actions holds 1 lists for 2 ranks"):
         Schedule("built", 2, 2, 1, (plain.actions[0],))
+    # lists, as a user writes them, are kept as tuples: the schedule stays hashable
+    from devmesh.layout.pipeline_messages import fifo_problem
+
+    listed = Schedule(plain.name, 2, 2, 2, [list(actions) for actions in plain.actions])
+    assert listed == plain and hash(listed) == hash(plain) and fifo_problem(listed) is None
 
 
 def test_a_hand_written_schedule_trains_like_one_process(mesh_pool):

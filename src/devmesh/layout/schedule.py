@@ -60,7 +60,13 @@ class Schedule:
     def __post_init__(self) -> None:
         """A schedule is data a user may write by hand: refuse one the runner would play
         wrongly (a micro-batch's backward missing: its gradients silently left out) or not
-        at all (an action waiting for one that comes after it: every rank would hang)."""
+        at all (an action waiting for one that comes after it: every rank would hang).
+        Lists of actions are kept as tuples: a schedule is immutable and hashable."""
+        if not isinstance(self.actions, (list, tuple)) or not all(
+                isinstance(actions, (list, tuple)) for actions in self.actions):
+            raise ScheduleError(f"schedule {self.name!r}: actions must be one list of actions "
+                                "per rank")
+        object.__setattr__(self, "actions", tuple(map(tuple, self.actions)))
         problem = _structure_problem(self)
         if problem:
             raise ScheduleError(f"schedule {self.name!r}: {problem}")
