@@ -453,6 +453,11 @@ def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
                              capture_output=True, text=True, timeout=120)
     assert refused.returncode == 2
     assert "micro-batch 0 of stage 0 has no W0@0" in refused.stderr, refused.stderr
+    mine.write_bytes(b"\x80\x04\x95 not a schedule")  # a pickle's first bytes: never loaded
+    binary = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--schedule", str(mine)],
+                            capture_output=True, text=True, timeout=120)
+    assert binary.returncode == 2 and "cannot read" in binary.stderr and "as text" in \
+        binary.stderr, binary.stderr
 
 
 def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,

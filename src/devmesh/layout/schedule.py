@@ -166,6 +166,10 @@ def _structure_problem(schedule: Schedule) -> str | None:
         for action in actions:
             if not isinstance(action, Action):
                 return f"rank {rank} has {action!r}: actions are Action(kind, stage, microbatch)"
+            if not all(isinstance(v, int) and not isinstance(v, bool)
+                       for v in (action.stage, action.microbatch)):
+                return (f"rank {rank} has {action!r}: its stage and micro-batch must be "
+                        "integers")
             if action.kind not in DEFAULT_COSTS:
                 return f"{action} has kind {action.kind!r}: use 'F', 'B', 'I' or 'W'"
             if not 0 <= action.stage < schedule.stages:
@@ -347,8 +351,8 @@ def parse_schedule(text: str, name: str = "hand-written") -> Schedule:
     FILE``): an optional first line ``NAME: S stages on R ranks, M micro-batches``, then one
     line per rank, ``rank R: F0@0 F1@0 I0@0 W0@0 ...`` (kind, micro-batch, ``@`` stage).
     Without the first line there are as many ranks as rank lines, and as many stages and
-    micro-batches as the largest named plus one. Blank lines and ``#`` comments are skipped.
-    Raises :class:`ScheduleError` naming the line that cannot be read, or what makes the
+    micro-batches as the largest named plus one, and the schedule is called ``name``. Blank
+    lines and ``#`` comments are skipped. Raises :class:`ScheduleError` naming the line that cannot be read, or what makes the
     schedule wrong (:class:`Schedule`'s checks)."""
     header = None
     ranks: dict[int, tuple[Action, ...]] = {}

@@ -112,8 +112,12 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     microbatches = args.microbatches if args.microbatches is not None else 2 * args.pp
     try:
         if args.schedule not in SCHEDULES and os.path.isfile(args.schedule):
-            with open(args.schedule, encoding="utf-8") as file:  # text, never unpickled
-                schedule = parse_schedule(file.read())
+            try:
+                with open(args.schedule, encoding="utf-8") as file:  # text, never unpickled
+                    text = file.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ScheduleError(f"cannot read {args.schedule} as text: {exc}") from None
+            schedule = parse_schedule(text)
             if args.pp not in (1, schedule.ranks):
                 raise ScheduleError(f"--pp {args.pp}, but {args.schedule} lists "
                                     f"{schedule.ranks} ranks")

@@ -27,9 +27,9 @@ from devmesh.parallel.pipeline.torch_api import (
 )
 
 __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boundaries",
-           "Schedule", "Action", "ScheduleError", "SCHEDULES", "build_schedule", "parse_schedule",
-           "gpipe",
-           "one_f_one_b", "interleaved_1f1b", "zero_bubble", "PipelineStage", "ScheduleGPipe",
+           "Schedule", "Action", "ScheduleError", "SCHEDULES", "build_schedule",
+           "parse_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble",
+           "PipelineStage", "ScheduleGPipe",
            "Schedule1F1B", "ScheduleInterleaved1F1B", "PipelineScheduleSingle",
            "PipelineScheduleMulti", "get_schedule_class"]
 
