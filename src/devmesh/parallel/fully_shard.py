@@ -23,6 +23,7 @@ spec records dim 0 as split by ``("tp", "dp")``, so ``full_tensor()`` reassemble
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -124,6 +125,10 @@ class FSDPUnit:
         self._needed_regather = False  # backward re-gathered this unit in the previous step
         self._backward_ran = False  # so the flag above means something
         self._regathered_now = False
+        # _full outlives its backward only for a pipeline's weight-gradient half (W) to come;
+        # else the end of the backward drops it (see _release_after_backward)
+        self._full_for_weight_grads = False
+        self._release_task = -1  # the backward whose end is set to drop _full
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._order: _ForwardOrder | None = None  # the record the last forward used
         self._root_order: _ForwardOrder | None = None  # owned when this unit is the root
@@ -371,10 +376,50 @@ class FSDPUnit:
             self._kept = self._full
         if not keep:
             self._kept = None
+        self._release_full()
+
+    def _release_full(self) -> None:
+        """Drop the parameters gathered for a backward, and a re-gather started for one."""
         self._full = None
+        self._full_for_weight_grads = False
         if self._regather_pending is not None:  # prefetched but not needed this time
             self._regather_pending.wait()
             self._regather_pending = None
+
+    def _release_after_backward(self) -> None:
+        """Drop ``_full`` when the running backward ends, if its reduction did not (torch's
+        FSDP2 reshards every group still unsharded at the end of a backward): a unit whose
+        parameters are all frozen, or a backward that does not reach them (gradients of the
+        inputs only), never reduces, and its gathered copy would otherwise serve the next
+        backward after the values changed (an optimizer step, a load) — wrong gradients for
+        the layers before it. Kept while a pipeline's ``W`` is to follow."""
+        task = torch._C._current_graph_task_id()
+        if task == self._release_task:
+            return
+        self._release_task = task
+
+        def at_end() -> None:
+            self._release_task = -1
+            if self._full is not None:
+                if _WEIGHT_GRADS_LATER[0]:
+                    self._full_for_weight_grads = True
+                    _KEPT_FOR_WEIGHT_GRADS.append(self)
+                else:
+                    self._release_full()
+
+        torch.autograd.Variable._execution_engine.queue_callback(at_end)
+
+    def reset(self) -> None:
+        """Forget every gathered copy and every gradient held back for a later reduction:
+        after an exception aborted a forward or backward (torch's ``reset_iter_state``)."""
+        for attr in ("_prefetched", "_regather_pending"):
+            pending = getattr(self, attr)
+            if pending is not None:
+                pending.wait()
+                setattr(self, attr, None)
+        self._full = self._kept = self._accumulated = self._partial = None
+        self._full_for_weight_grads = False
+        self._release_task = -1
 
     # -- hooks -----------------------------------------------------------------------------
     def adopt_replaced(self) -> None:
@@ -389,6 +434,9 @@ class FSDPUnit:
     @torch._dynamo.disable  # collectives on devmesh's mesh: eager under torch.compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         root = _ORDER.active is None  # this unit starts the forward
+        if (self._full is not None and not self._full_for_weight_grads
+                and torch._C._current_graph_task_id() == -1):
+            self._release_full()  # left by a backward that raised before its end
         self.adopt_replaced()
         _ORDER.enter(self)
         shards = [p.sharded for p in self.params]
@@ -462,10 +510,38 @@ class FSDPUnit:
                 self._order.prefetch_backward_before(self)
             for other in self.backward_prefetch:  # torch's explicit list
                 other.prefetch_for_backward()
+        self._release_after_backward()
         return self._full[index].as_strided(shape, stride, offset)
 
 
 _HANDLE = object()
+# set while a pipeline computes input gradients only (zero-bubble's I): the weight-gradient
+# half (W) follows later and may need the units' gathered parameters again
+_WEIGHT_GRADS_LATER = [False]
+
+
+_KEPT_FOR_WEIGHT_GRADS: list[FSDPUnit] = []
+
+
+@contextlib.contextmanager
+def weight_gradients_follow():
+    """Around a backward of the input gradients alone whose weight gradients a later
+    backward computes: units keep what they gathered for it until that one reduces, or
+    until :func:`release_weight_gradient_gathers`."""
+    before, _WEIGHT_GRADS_LATER[0] = _WEIGHT_GRADS_LATER[0], True
+    try:
+        yield
+    finally:
+        _WEIGHT_GRADS_LATER[0] = before
+
+
+def release_weight_gradient_gathers() -> None:
+    """Drop what units kept for weight gradients still to come (a pipeline step's end: a
+    unit whose parameters are frozen has no ``W`` that would reduce and drop it)."""
+    while _KEPT_FOR_WEIGHT_GRADS:
+        unit = _KEPT_FOR_WEIGHT_GRADS.pop()
+        if unit._full_for_weight_grads:
+            unit._release_full()
 _SHARDED_BY = "_devmesh_sharded_by"  # on an original parameter: the unit that replaced it
 
 
@@ -610,7 +686,18 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
     * ``set_requires_all_reduce(False)``: HSDP accumulation, the all-reduce left to the last
       micro-batch;
     * ``unshard()`` / ``reshard()`` and ``set_modules_to_forward_prefetch`` /
-      ``set_modules_to_backward_prefetch``: torch's explicit prefetching (this module's unit).
+      ``set_modules_to_backward_prefetch``: torch's explicit prefetching (this module's unit);
+    * ``reset_iter_state()``: after a failed iteration, drop every gathered copy and held
+      back gradient in the subtree; ``set_unshard_in_backward(bool)``: accepted (devmesh
+      gathers in backward only what the backward uses); ``set_reduce_scatter_divide_factor``:
+      torch's older name of ``set_gradient_divide_factor``.
+
+    Not here: torch's CUDA stream and memory switches (``set_post_optim_event``,
+    ``set_symm_mem_for_comm``, ``set_allocate_memory_from_process_group_for_comm``,
+    ``set_reduce_scatter_max_input_buffers``), custom collectives
+    (``set_custom_all_gather``, ``set_custom_reduce_scatter``,
+    ``set_separate_reduce_scatter_group``), ``set_all_reduce_hook`` and
+    ``set_reduce_scatter_unused_params``.
 
     Those with a ``recurse`` argument apply to every unit in the module's subtree
     (``recurse=False``: this one only); the others to this module's unit, as torch's."""
@@ -679,6 +766,31 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
         unit = _unit_of(self, "reshard")
         unit.drop_prefetched()
         unit._kept = None
+
+    def reset_iter_state(self) -> None:
+        """After an exception aborted a forward or backward (torch's recovery call): drop
+        every gathered copy (prefetched, kept between micro-batches by
+        ``set_reshard_after_backward(False)``, re-gathered for a backward) and the gradients
+        held back for a later reduction (``set_requires_gradient_sync(False)``,
+        ``set_requires_all_reduce(False)``), in every unit of this module's subtree: treat
+        the failed iteration's micro-batches as lost and restart them, as torch's docs say.
+        devmesh needs it less than torch: a forward that raises leaves the parameters
+        sharded, and a backward that raised leaves no gathered copy for the next one; call
+        it on the root (torch requires that; devmesh takes any ``fully_shard`` module)."""
+        for unit in self._units(True):
+            unit.reset()
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """Accepted for torch's FSDP2 code: devmesh gathers a unit's parameters in backward
+        only when the backward uses them (an embedding's does not), so there is nothing to
+        switch off."""
+        if not isinstance(unshard_in_backward, bool):
+            raise ParallelizeError(f"set_unshard_in_backward takes True or False, got "
+                                   f"{unshard_in_backward!r}")
+
+    def set_reduce_scatter_divide_factor(self, factor: float) -> None:
+        """torch's older name of :meth:`set_gradient_divide_factor`."""
+        self.set_gradient_divide_factor(factor)
 
     def set_modules_to_forward_prefetch(self, modules: list[FSDPModule]) -> None:
         """When this module gathers in forward, also start the all-gathers of ``modules``

@@ -56,6 +56,7 @@ from devmesh.errors import rank_prefix
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
+from devmesh.parallel.fully_shard import release_weight_gradient_gathers
 from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
 from devmesh.parallel.pipeline.grad_sync import StageGradSync
 from devmesh.parallel.pipeline.messages import MAX_TENSORS, StageLinks, describe, layout_of
@@ -312,6 +313,7 @@ class PipelineRunner:
             play[action.kind](step, action)
             self._links.advance(position)  # its sends, with the next actions' receives
         self._links.wait_sends()
+        release_weight_gradient_gathers()  # every W of the step has run
 
     def _finish(self, step: _Step) -> torch.Tensor | None:
         """Raise on every rank if any stage failed; else the step's results."""

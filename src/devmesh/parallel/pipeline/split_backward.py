@@ -51,6 +51,8 @@ from collections.abc import Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
+from devmesh.parallel.fully_shard import weight_gradients_follow
+
 # nodes whose backward runs as one piece and cannot be kept for another call (see above),
 # and torch's fully_shard's node on a unit's inputs: its backward reduce-scatters the unit's
 # gradients, which must all be there by then (torch's own pipelining calls FSDP's private
@@ -104,8 +106,9 @@ class SplitBackward:
                                                               self._consumers)
         handles = [node.register_prehook(self._keeper(node)) for node in self._boundaries or ()]
         try:
-            grads = torch.autograd.grad(self.outputs, self.inputs, self.grads,
-                                        retain_graph=True, allow_unused=True)
+            with weight_gradients_follow():  # fully_shard units keep their gathers for W
+                grads = torch.autograd.grad(self.outputs, self.inputs, self.grads,
+                                            retain_graph=True, allow_unused=True)
         finally:
             for handle in handles:
                 handle.remove()
@@ -186,12 +189,16 @@ def _boundaries(roots: Sequence[Node], stage_inputs: Sequence[Node],
     ``roots``."""
     if not roots:
         return {}
-    input_path = set(stage_inputs)
+    # a dict, not a set: the boundaries come in the order they are found, the same on every
+    # rank (a set of nodes iterates by address, which differs between processes; W then ran
+    # the units' all-gathers and reduce-scatters in different orders on a stage's
+    # data-parallel ranks: crossed data between units of one size, or a hang)
+    input_path = dict.fromkeys(stage_inputs)
     queue = deque(input_path)
     while queue:
         for consumer in consumers.get(queue.popleft(), ()):
             if consumer not in input_path:
-                input_path.add(consumer)
+                input_path[consumer] = None
                 queue.append(consumer)
     boundaries: dict[Node, list[tuple[Node, int]]] = {}
     for node in input_path:
