@@ -87,7 +87,9 @@ def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, case: str) -> Non
         opt.zero_grad()
 
 
-def _train_sharded(case: str):
+def _sharded_model_and_half_batch():
+    """The model with each layer and the whole under ``fully_shard`` on 2 ranks, and this
+    rank's half of the batch."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model = _model()
     for i in (0, 2, 3):
@@ -95,7 +97,12 @@ def _train_sharded(case: str):
     fully_shard(model, mesh=mesh)
     x, y = _batch()
     half = mesh.get_local_rank()
-    _train(model, x.chunk(2)[half], y.chunk(2)[half], case)
+    return model, x.chunk(2)[half], y.chunk(2)[half]
+
+
+def _train_sharded(case: str):
+    model, x, y = _sharded_model_and_half_batch()
+    _train(model, x, y, case)
     return {k: v.clone() for k, v in state_dict(model, full=True).items()}
 
 
@@ -115,14 +122,7 @@ def _train_accumulating(reset: bool):
     """A step of two micro-batches whose second fails in backward after the first kept its
     gathered parameters and unsharded gradients (``set_reshard_after_backward(False)``,
     sync off); the values are reloaded (here: scaled), then two good steps."""
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-    model = _model()
-    for i in (0, 2, 3):
-        fully_shard(model[i], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    x, y = _batch()
-    half = mesh.get_local_rank()
-    x, y = x.chunk(2)[half], y.chunk(2)[half]
+    model, x, y = _sharded_model_and_half_batch()
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     model.set_requires_gradient_sync(False)
     model.set_reshard_after_backward(False)
