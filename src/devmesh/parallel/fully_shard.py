@@ -515,12 +515,11 @@ class FSDPUnit:
 
 
 _HANDLE = object()
+_SHARDED_BY = "_devmesh_sharded_by"  # on an original parameter: the unit that replaced it
 # set while a pipeline computes input gradients only (zero-bubble's I): the weight-gradient
 # half (W) follows later and may need the units' gathered parameters again
 _WEIGHT_GRADS_LATER = [False]
-
-
-_KEPT_FOR_WEIGHT_GRADS: list[FSDPUnit] = []
+_KEPT_FOR_WEIGHT_GRADS: list[FSDPUnit] = []  # units keeping a gather for a W to come
 
 
 @contextlib.contextmanager
@@ -542,7 +541,6 @@ def release_weight_gradient_gathers() -> None:
         unit = _KEPT_FOR_WEIGHT_GRADS.pop()
         if unit._full_for_weight_grads:
             unit._release_full()
-_SHARDED_BY = "_devmesh_sharded_by"  # on an original parameter: the unit that replaced it
 
 
 class _ForwardOrder:
