@@ -61,6 +61,16 @@ def _scale_middle(model: nn.Module) -> None:
             p.mul_(0.5)
 
 
+def _failing_backward(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> None:
+    """A forward and a backward that raises in the middle unit, the error caught."""
+    model[2].fail = True
+    try:
+        F.cross_entropy(model(x), y).backward()
+    except RuntimeError:
+        pass
+    model[2].fail = False
+
+
 def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, case: str) -> None:
     """Three steps of ``case``; the middle unit (``model[2]``) is what each case tests."""
     if case == "frozen":
@@ -71,12 +81,7 @@ def _train(model: nn.Module, x: torch.Tensor, y: torch.Tensor, case: str) -> Non
         if case == "frozen" and step == 1:
             _scale_middle(model)
         if case == "aborted" and step == 1:  # fail, reload (here: scale), go on
-            model[2].fail = True
-            try:
-                F.cross_entropy(model(x), y).backward()
-            except RuntimeError:
-                pass
-            model[2].fail = False
+            _failing_backward(model, x, y)
             opt.zero_grad()
             _scale_middle(model)
         F.cross_entropy(model(x), y).backward()
@@ -127,12 +132,7 @@ def _train_accumulating(reset: bool):
     model.set_requires_gradient_sync(False)
     model.set_reshard_after_backward(False)
     F.cross_entropy(model(x), y).backward()
-    model[2].fail = True
-    try:
-        F.cross_entropy(model(x), y).backward()
-    except RuntimeError:
-        pass
-    model[2].fail = False
+    _failing_backward(model, x, y)
     if reset:
         model.reset_iter_state()
     model.set_requires_gradient_sync(True)

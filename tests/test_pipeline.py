@@ -642,15 +642,23 @@ def train_composed(name: str | Schedule, composition: str, steps: int = 2):
 @pytest.mark.parametrize("name, composition", [(n, "fsdp+tp") for n in SCHEDULES]
                          + [("1f1b", "ddp")])
 def test_pipeline_composes_with_fsdp_tp_and_ddp(mesh_pool, name, composition):
+    check_composed_like_one_process(mesh_pool, name, composition)
+
+
+def check_composed_like_one_process(mesh_pool, schedule: str | Schedule, composition: str
+                                    ) -> None:
+    """:func:`train_composed` on 8 ranks equals single-process training: every parameter,
+    and the replicas' mean loss."""
     ref_state, ref_losses = reference(block_model, batch=32)
     full, replica_losses = {}, []
-    for state, losses, _ in mesh_pool.run(train_composed, 8, name, composition):
+    for state, losses, _ in mesh_pool.run(train_composed, 8, schedule, composition):
         full.update(state)
         if losses[0] is not None:
             replica_losses.append(losses)
     assert full.keys() == ref_state.keys()
     for key, value in ref_state.items():
-        torch.testing.assert_close(full[key], value.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(full[key], value.detach(), rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{key} under {schedule}: {m}")
     mean = [sum(step) / len(replica_losses) for step in zip(*replica_losses)]
     assert mean == pytest.approx(ref_losses, rel=1e-5)
 

@@ -20,7 +20,7 @@ from devmesh.layout.pipeline_messages import (
     nccl_problem,
 )
 from devmesh.layout.schedule import Action, Schedule, ScheduleError, parse_schedule
-from test_pipeline import block_model, reference, train_composed, train_pipelined
+from test_pipeline import check_composed_like_one_process, reference, train_pipelined
 
 
 def random_schedule(ranks: int, virtual: int, microbatches: int, seed: int,
@@ -148,15 +148,4 @@ def test_random_schedules_train_sharded_and_replicated_stages_like_one_process(
     # random order places anywhere, after whole or split backwards
     schedule = random_schedule(2, 2, 4, seed)
     assert {a.kind for actions in schedule.actions for a in actions} == {"F", "B", "I", "W"}
-    ref_state, ref_losses = reference(block_model, batch=32)
-    full, replica_losses = {}, []
-    for state, losses, _ in mesh_pool.run(train_composed, 8, schedule, composition):
-        full.update(state)
-        if losses[0] is not None:
-            replica_losses.append(losses)
-    assert full.keys() == ref_state.keys()
-    for key, value in ref_state.items():
-        torch.testing.assert_close(full[key], value.detach(), rtol=1e-5, atol=1e-6,
-                                   msg=f"{key} under {schedule}")
-    mean = [sum(step) / len(replica_losses) for step in zip(*replica_losses)]
-    assert mean == pytest.approx(ref_losses, rel=1e-5)
+    check_composed_like_one_process(mesh_pool, schedule, composition)
