@@ -209,15 +209,10 @@ def _pipeline_batch():
 
 
 @pytest.mark.parametrize("name", ["zero-bubble", "1f1b"])
-def test_pipelined_units_with_a_frozen_block_train_as_one_process(name):
+def test_pipelined_units_with_a_frozen_block_train_as_one_process(mesh_pool, name):
     """zero-bubble's W re-gathers units after I: every data-parallel rank in the same order
     (the order came from a set of autograd nodes, by address: crossed gathers of same-sized
-    units, then a hang); the frozen block's gathers end with each step. Fresh processes: a
-    pipeline of sharded stages leaves its last step's graph, and with it the process groups,
-    alive after the runner is dropped (known, not fixed; it would fail the shared pool's
-    check that a task leaves no group behind)."""
-    from devmesh.launching.launcher import launch
-
+    units, then a hang); the frozen block's gathers end with each step."""
     model = _pipelined_blocks()
     for p in model[3].parameters():
         p.requires_grad_(False)
@@ -234,7 +229,7 @@ def test_pipelined_units_with_a_frozen_block_train_as_one_process(name):
         opt.zero_grad()
     expected = model.state_dict()
     trained = {}
-    for state in launch(_train_pipelined_blocks, 4, name, timeout=300):
+    for state in mesh_pool.run(_train_pipelined_blocks, 4, name):
         trained.update(state)
     assert trained.keys() == expected.keys()
     for key, value in expected.items():
