@@ -11,6 +11,11 @@ were, two of autograd's guarantees were lost:
   step leaked by the small model here; a pool worker kept a pipeline's gloo threads);
 - a saved tensor changed in place before backward was used as changed (wrong gradients)
   where autograd refuses it.
+
+And only one pair of hooks applies at a time, the innermost: a unit's own replaced any
+around it, so activation checkpointing around a unit recomputed nothing (and kept every
+activation) and ``save_on_cpu`` or a user's hooks saw 2 of the 11 tensors saved. Compared
+here with torch's FSDP2 on the same mesh.
 """
 
 from __future__ import annotations
@@ -168,3 +173,84 @@ def test_a_pipeline_of_sharded_stages_leaves_nothing_behind(mesh_pool, name):
     # part no pass frees (the input path) was kept alive by the cycle: its units, their
     # meshes and process groups (a pool worker's gloo threads) with it
     assert mesh_pool.run(_pipeline_leaves_nothing, 4, name) == [(0, False)] * 4
+
+
+class _Counted(nn.Module):
+    """A block that counts its forwards (a recomputation runs it again)."""
+
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Counted.calls += 1
+        return self.l2(torch.tanh(self.l1(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([_Counted(), _Counted()])
+        self.head = nn.Linear(8, 2)
+        self.checkpointed = True
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=False) if self.checkpointed else block(h)
+        return self.head(h)
+
+
+def _hooks_around_units(kind: str) -> dict[str, object]:
+    """Block forwards with a checkpoint around each unit, the shapes a user's hooks around
+    the whole forward are given, and the parameters after a step on both backwards."""
+    model = _Net()
+    if kind != "one process":
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        if kind == "torch":
+            from torch.distributed.fsdp import fully_shard as shard
+        else:
+            shard = fully_shard
+        for block in model.blocks:
+            shard(block, mesh=mesh)
+        shard(model, mesh=mesh)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    _Counted.calls = 0
+    model(x).sum().backward()
+    forwards = _Counted.calls
+    model.checkpointed = False
+    packed = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        packed.append(tuple(t.shape))
+        return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model(x).sum()
+    loss.backward()
+    torch.optim.SGD(model.parameters(), lr=1.0).step()  # both backwards' gradients
+    params = {name: p.full_tensor() if hasattr(p, "full_tensor") else p
+              for name, p in model.state_dict().items()}
+    if kind == "devmesh":
+        from devmesh.parallel import state_dict
+
+        params = state_dict(model, full=True)
+    return {"block forwards": forwards, "packed": sorted(packed),
+            "params": {k: v.detach().clone() for k, v in params.items()}}
+
+
+def test_hooks_around_a_unit_apply_inside_it_as_under_torchs_fsdp(mesh_pool):
+    expected = _hooks_around_units("one process")
+    assert expected["block forwards"] == 4  # 2 forwards, 2 recomputations
+    assert len(expected["packed"]) == 11
+    for kind in ("torch", "devmesh"):
+        for result in mesh_pool.run(_hooks_around_units, 2, kind):
+            assert result["block forwards"] == 4, kind
+            assert result["packed"] == expected["packed"], kind
+            for key, value in expected["params"].items():
+                torch.testing.assert_close(result["params"][key], value, rtol=1e-5,
+                                           atol=1e-6, msg=lambda m: f"{kind} {key}: {m}")

@@ -454,7 +454,7 @@ class FSDPUnit:
         reshard = self.reshard_after_forward
         if reshard is None:  # torch's default: the root's backward starts at once, keep it
             reshard = not root
-        if reshard and torch.is_grad_enabled():
+        if reshard and torch.is_grad_enabled() and not _users_saved_tensor_hooks():
             storages = {f.untyped_storage().data_ptr(): i for i, f in enumerate(fulls)}
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: self._pack(t, storages), self._unpack)
@@ -517,6 +517,18 @@ class FSDPUnit:
 
 
 _HANDLE = object()
+
+
+def _users_saved_tensor_hooks() -> bool:
+    """Are saved-tensor hooks other than a unit's own active: activation checkpointing
+    around this unit (``checkpoint(block, x)``), ``torch.autograd.graph.save_on_cpu()``, a
+    user's own? Only one pair applies at a time (the innermost), so a unit's own would
+    replace them for everything its forward saves: the checkpoint would recompute nothing
+    and keep every activation, the offload would copy none. With them active the unit sets
+    none, and they save its gathered parameters too (as under torch's FSDP2): a checkpoint
+    gathers them again to recompute, an offload copies them."""
+    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return top is not None and getattr(top[1], "__func__", None) is not FSDPUnit._unpack
 
 
 class _SavedActivation:
