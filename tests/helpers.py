@@ -85,3 +85,34 @@ def hand_written_schedule(*ranks: str, stages: int = 2, microbatches: int = 1,
 # after a split one's W ("I1@0 B2@0 W1@0") and after its I alone ("I2@1 W0@1 F3@1 B3@1")
 MIXED_BACKWARDS = ("F0@0 F1@0 F2@0 F3@0 I0@0 W0@0 I1@0 B2@0 W1@0 B3@0",
                    "F0@1 I0@1 F1@1 B1@1 F2@1 I2@1 W0@1 F3@1 B3@1 W2@1")
+
+
+def shard_blocks_and_root(model, kind: str):
+    """``fully_shard`` — torch's FSDP2 (``kind == "torch"``) or devmesh's — on each of
+    ``model.blocks`` and then the root, over every rank as ``dp``; ``model`` unchanged for
+    ``"one process"``."""
+    if kind == "one process":
+        return model
+    from devmesh import init_device_mesh
+
+    if kind == "torch":
+        from torch.distributed.fsdp import fully_shard
+    else:
+        from devmesh.parallel import fully_shard
+    import os
+
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),), mesh_dim_names=("dp",))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_params(model, kind: str) -> dict:
+    """The model's state as full tensors, whichever ``fully_shard`` sharded it."""
+    if kind == "devmesh":
+        from devmesh.parallel import state_dict
+
+        return state_dict(model, full=True)
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in model.state_dict().items()}

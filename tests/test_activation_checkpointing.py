@@ -1,8 +1,17 @@
-"""Activation checkpointing (``torch.utils.checkpoint``) inside ``fully_shard`` units and
-under ``replicate``, as torchtitan-style training does: the recomputation in backward runs
-the units' hooks again, and training must still equal single-process training."""
+"""Activation checkpointing (``torch.utils.checkpoint``) with ``fully_shard`` units and under
+``replicate``: training must equal single-process training, and the checkpoint must
+recompute (not silently keep every activation).
+
+Both orders: a checkpoint around a unit (its recomputation runs the unit's hooks again), and
+torchtitan's, a unit around a checkpoint (``checkpoint_wrapper`` first, ``fully_shard`` on
+the wrapper): its recomputation runs the wrapped block alone, in backward, where devmesh's
+parameters were the shards — ``CheckpointError`` (metadata differ) or a shape mismatch
+(reentrant) until the block's modules were given the gathered parameters there, as torch's
+FSDP2 has them unsharded for a unit's whole backward."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -10,8 +19,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from devmesh import init_device_mesh
+from devmesh import comm_stats, init_device_mesh
 from devmesh.parallel import fully_shard, replicate, state_dict
+from helpers import TorchRuns, full_params, shard_blocks_and_root
 
 
 class Block(nn.Module):
@@ -28,10 +38,15 @@ class Net(nn.Module):
         super().__init__()
         torch.manual_seed(0)
         self.reentrant = reentrant
+        # a layer before the blocks: reentrant checkpointing backpropagates through a block
+        # only if an input of it requires grad (else no block would train, here or in the
+        # reference, and the comparison would say nothing about them)
+        self.stem = nn.Linear(8, 8)
         self.blocks = nn.ModuleList([Block() for _ in range(3)])
         self.head = nn.Linear(8, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
         for block in self.blocks:
             x = checkpoint(block, x, use_reentrant=self.reentrant)
         return self.head(x)
@@ -82,3 +97,124 @@ def test_activation_checkpointing_matches_single_process(mesh_pool, strategy, re
     for params in mesh_pool.run(train, 4, strategy, reentrant):
         for key, value in expected.items():
             torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _wrapped_net(reentrant: bool) -> nn.Module:
+    """torchtitan's order: each block in torch's ``checkpoint_wrapper``, to be sharded."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    net = Net(reentrant)
+    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
+    net.blocks = nn.ModuleList([checkpoint_wrapper(b, checkpoint_impl=impl) for b in net.blocks])
+    net.forward = lambda x: net.head(functools.reduce(lambda h, b: b(h), net.blocks,
+                                                      net.stem(x)))
+    return net
+
+
+def _train_wrapped(kind: str, reentrant: bool):
+    """Three Adam steps; the blocks' forwards counted (a recomputation runs each again)."""
+    import torch.distributed as dist
+
+    model = shard_blocks_and_root(_wrapped_net(reentrant), kind)
+    rank, world = (0, 1) if kind == "one process" else (dist.get_rank(), dist.get_world_size())
+    calls = [0]
+    for block in model.blocks:
+        block._checkpoint_wrapped_module.l1.register_forward_hook(
+            lambda *_: calls.__setitem__(0, calls[0] + 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    counts = []
+    for step in range(3):
+        x, y = _batch(step)
+        per = 16 // world
+        rows = slice(rank * per, (rank + 1) * per)
+        with comm_stats() as stats:
+            F.cross_entropy(model(x[rows]), y[rows]).backward()
+        counts.append(stats.by_collective().get("all_gather", (0,))[0])
+        opt.step()
+        opt.zero_grad()
+    return {"params": full_params(model, kind), "forwards": calls[0], "all_gathers": counts}
+
+
+@pytest.fixture(scope="module")
+def torch_runs() -> TorchRuns:
+    """torch's FSDP2 side (fresh processes: its groups outlive a pool task)."""
+    return TorchRuns({2: [(_train_wrapped, ("torch", False)), (_train_wrapped, ("torch", True))]})
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+def test_a_unit_around_a_checkpoint_recomputes_and_trains_as_one_process(mesh_pool, torch_runs,
+                                                                        reentrant):
+    expected = _train_wrapped("one process", reentrant)
+    assert expected["forwards"] == 3 * 3 * 2  # 3 steps x 3 blocks x (forward + recompute)
+    for kind, results in (("torch", torch_runs(2, _train_wrapped, "torch", reentrant)),
+                          ("devmesh", mesh_pool.run(_train_wrapped, 2, "devmesh", reentrant))):
+        for result in results:
+            assert result["forwards"] == expected["forwards"], kind
+            for key, value in expected["params"].items():
+                torch.testing.assert_close(result["params"][key], value, rtol=1e-5,
+                                           atol=1e-6, msg=lambda m: f"{kind} {key}: {m}")
+            if kind == "devmesh":  # per step: the root's and each block's forward gather,
+                # and each block's one re-gather for its recomputation and backward
+                assert result["all_gathers"] == [1 + 3 * 2] * 3
+
+
+def _wrapped_and_compiled(wrapped: bool) -> nn.Module:
+    """Net with its blocks in torch's checkpoint wrapper and compiled (``_orig_mod``), or not."""
+    net = _wrapped_net(reentrant=False) if wrapped else Net(reentrant=False)
+    if wrapped:
+        for i, block in enumerate(net.blocks):
+            net.blocks[i] = torch.compile(block, backend="eager")
+    return net
+
+
+def _move_checkpoint(path: str, wrapped_first: bool):
+    """Train a step, save a checkpoint; load it into the other kind of model (wrapped and
+    compiled, or plain), train again; return the names and the loaded model's parameters."""
+    from devmesh.parallel import load_checkpoint, save_checkpoint
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    models = []
+    for wrapped in (wrapped_first, not wrapped_first):
+        model = _wrapped_and_compiled(wrapped)
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        models.append(model)
+    first, second = models
+    opt = torch.optim.AdamW(first.parameters(), lr=0.05)
+    x, y = _batch(0)
+    F.cross_entropy(first(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    save_checkpoint(path, first, opt)
+    opt2 = torch.optim.AdamW(second.parameters(), lr=0.05)
+    load_checkpoint(path, second, opt2)
+    for model, optimizer in ((first, opt), (second, opt2)):
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+    return {"names": [list(state_dict(m, full=True)) for m in models],
+            "params": [state_dict(m, full=True) for m in models]}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("wrapped_first", [True, False], ids=["wrapped-to-plain",
+                                                              "plain-to-wrapped"])
+def test_a_checkpoint_moves_between_wrapped_and_plain_models(mesh_pool, tmp_path,
+                                                             wrapped_first):
+    """State-dict names leave out what wrappers insert (``_checkpoint_wrapped_module``, as
+    ``nn.Module.state_dict()`` does; ``_orig_mod``, as torch's DCP does): a checkpoint saved
+    with activation checkpointing and compiled blocks loads into the plain model, and back
+    (before: every key missing)."""
+    plain = Net(reentrant=False)
+    wrapped = _wrapped_and_compiled(True)
+    assert list(wrapped.state_dict()) != list(plain.state_dict())  # _orig_mod is in torch's
+    path = str(tmp_path / "ckpt")
+    for result in mesh_pool.run(_move_checkpoint, 2, path, wrapped_first):
+        assert result["names"] == [list(plain.state_dict())] * 2
+        first, second = result["params"]  # one more step on the same state: the same values
+        for key, value in first.items():
+            torch.testing.assert_close(second[key], value, rtol=1e-6, atol=1e-7, msg=key)

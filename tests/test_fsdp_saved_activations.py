@@ -30,6 +30,7 @@ from torch import nn
 
 from devmesh import init_device_mesh
 from devmesh.parallel import fully_shard
+from helpers import TorchRuns, full_params, shard_blocks_and_root
 
 
 class _Block(nn.Module):
@@ -208,16 +209,7 @@ class _Net(nn.Module):
 def _hooks_around_units(kind: str) -> dict[str, object]:
     """Block forwards with a checkpoint around each unit, the shapes a user's hooks around
     the whole forward are given, and the parameters after a step on both backwards."""
-    model = _Net()
-    if kind != "one process":
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
-        if kind == "torch":
-            from torch.distributed.fsdp import fully_shard as shard
-        else:
-            shard = fully_shard
-        for block in model.blocks:
-            shard(block, mesh=mesh)
-        shard(model, mesh=mesh)
+    model = shard_blocks_and_root(_Net(), kind)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
     _Counted.calls = 0
     model(x).sum().backward()
@@ -233,22 +225,23 @@ def _hooks_around_units(kind: str) -> dict[str, object]:
         loss = model(x).sum()
     loss.backward()
     torch.optim.SGD(model.parameters(), lr=1.0).step()  # both backwards' gradients
-    params = {name: p.full_tensor() if hasattr(p, "full_tensor") else p
-              for name, p in model.state_dict().items()}
-    if kind == "devmesh":
-        from devmesh.parallel import state_dict
-
-        params = state_dict(model, full=True)
     return {"block forwards": forwards, "packed": sorted(packed),
-            "params": {k: v.detach().clone() for k, v in params.items()}}
+            "params": full_params(model, kind)}
 
 
-def test_hooks_around_a_unit_apply_inside_it_as_under_torchs_fsdp(mesh_pool):
+@pytest.fixture(scope="module")
+def torch_runs() -> TorchRuns:
+    """torch's FSDP2 side (fresh processes: its groups outlive a pool task)."""
+    return TorchRuns({2: [(_hooks_around_units, ("torch",))]})
+
+
+def test_hooks_around_a_unit_apply_inside_it_as_under_torchs_fsdp(mesh_pool, torch_runs):
     expected = _hooks_around_units("one process")
     assert expected["block forwards"] == 4  # 2 forwards, 2 recomputations
     assert len(expected["packed"]) == 11
-    for kind in ("torch", "devmesh"):
-        for result in mesh_pool.run(_hooks_around_units, 2, kind):
+    for kind, results in (("torch", torch_runs(2, _hooks_around_units, "torch")),
+                          ("devmesh", mesh_pool.run(_hooks_around_units, 2, "devmesh"))):
+        for result in results:
             assert result["block forwards"] == 4, kind
             assert result["packed"] == expected["packed"], kind
             for key, value in expected["params"].items():

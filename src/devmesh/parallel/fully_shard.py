@@ -130,6 +130,10 @@ class FSDPUnit:
         self._full_for_weight_grads = False
         self._release_task = -1  # the backward whose end is set to drop _full
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        # the gathered parameters a recomputation inside this backward uses (activation
+        # checkpointing inside the unit), with the backward's task id
+        self._recomputed: tuple[int, tuple[torch.Tensor, ...]] | None = None
+        self._recomputing: set[int] = set()  # ids of the modules holding them now
         self._order: _ForwardOrder | None = None  # the record the last forward used
         self._root_order: _ForwardOrder | None = None  # owned when this unit is the root
         ignored = [n for n, p in module.named_parameters() if id(p) in self._ignored]
@@ -400,6 +404,7 @@ class FSDPUnit:
 
         def at_end() -> None:
             self._release_task = -1
+            self._recomputed = None
             if self._full is not None:
                 if _WEIGHT_GRADS_LATER[0]:
                     self._full_for_weight_grads = True
@@ -420,6 +425,7 @@ class FSDPUnit:
         self._full = self._kept = self._accumulated = self._partial = None
         self._full_for_weight_grads = False
         self._release_task = -1
+        self._recomputed = None
 
     # -- hooks -----------------------------------------------------------------------------
     def adopt_replaced(self) -> None:
@@ -434,9 +440,10 @@ class FSDPUnit:
     @torch._dynamo.disable  # collectives on devmesh's mesh: eager under torch.compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         root = _ORDER.active is None  # this unit starts the forward
-        if (self._full is not None and not self._full_for_weight_grads
-                and torch._C._current_graph_task_id() == -1):
-            self._release_full()  # left by a backward that raised before its end
+        if torch._C._current_graph_task_id() == -1:
+            self._recomputed = None  # left by a backward that raised before its end
+            if self._full is not None and not self._full_for_weight_grads:
+                self._release_full()  # the same
         self.adopt_replaced()
         _ORDER.enter(self)
         shards = [p.sharded for p in self.params]
@@ -499,6 +506,11 @@ class FSDPUnit:
         if isinstance(packed, _SavedActivation):
             return packed.unpack()
         _, index, shape, stride, offset, dtype = packed
+        return self.full_for_backward()[index].as_strided(shape, stride, offset)
+
+    def full_for_backward(self) -> list[torch.Tensor]:
+        """The unit's parameters gathered for the running backward: kept, prefetched, or
+        gathered now (once per backward; dropped when it ends or reduces)."""
         if self._full is None and self._kept is not None:
             self._full = self._kept
         if self._full is None:
@@ -513,7 +525,50 @@ class FSDPUnit:
             for other in self.backward_prefetch:  # torch's explicit list
                 other.prefetch_for_backward()
         self._release_after_backward()
-        return self._full[index].as_strided(shape, stride, offset)
+        return self._full
+
+    # -- activation checkpointing inside the unit ------------------------------------------
+    def watch_recomputation(self, unit_module: nn.Module) -> None:
+        """Hook every module holding this unit's parameters (the unit's own module aside):
+        ``checkpoint(self.block, x)`` inside the unit's forward (torchtitan's order:
+        checkpointing applied first, then ``fully_shard`` on the wrapper) recomputes
+        ``block`` in backward, outside the unit's forward, where its parameters are the
+        shards. torch's FSDP2 has its parameters unsharded for the unit's whole backward."""
+        places: dict[nn.Module, list[tuple[int, str]]] = {}
+        for i, p in enumerate(self.params):
+            for module, name in p.places:
+                if module is not unit_module:
+                    places.setdefault(module, []).append((i, name))
+        for module, named in places.items():
+            module.register_forward_pre_hook(functools.partial(self._before_recompute, named))
+            module.register_forward_hook(functools.partial(self._after_recompute, named),
+                                         always_call=True)
+
+    def _before_recompute(self, named: list[tuple[int, str]], module: nn.Module, args) -> None:
+        """A forward inside a backward while the unit's parameters are the shards: a
+        recomputation. Give it the gathered parameters, through a node whose backward
+        reduces them, for reentrant checkpointing's backward through the recomputed graph
+        (a non-reentrant one keeps the recomputed values only)."""
+        task = torch._C._current_graph_task_id()
+        if task == -1:
+            return
+        if not any(module._parameters[name] is self.params[i].sharded for i, name in named):
+            return  # the unit's forward is running (a forward called inside a backward)
+        if self._recomputed is None or self._recomputed[0] != task:
+            shards = [p.sharded for p in self.params]
+            self._recomputed = (task, _Regather.apply(self, *shards))
+            self._release_after_backward()  # drops _recomputed at the backward's end
+        fulls = self._recomputed[1]
+        for i, name in named:
+            module._parameters[name] = fulls[i].view(self.params[i].shape)
+        self._recomputing.add(id(module))
+
+    def _after_recompute(self, named: list[tuple[int, str]], module: nn.Module, args,
+                         output) -> None:
+        if id(module) in self._recomputing:  # only what _before_recompute swapped
+            self._recomputing.discard(id(module))
+            for i, name in named:
+                module._parameters[name] = self.params[i].sharded
 
 
 _HANDLE = object()
@@ -705,6 +760,21 @@ class _Unshard(torch.autograd.Function):
         ctx.unit = unit
         ctx.set_materialize_grads(False)  # an unused parameter's gradient stays None
         return tuple(unit.gather(list(shards)))
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        return (None, *ctx.unit.reduce_grads(list(grads)))
+
+
+class _Regather(torch.autograd.Function):
+    """The unit's parameters as gathered for the running backward (a recomputation's), fresh
+    views; their gradients are reduced as the forward's are."""
+
+    @staticmethod
+    def forward(ctx, unit: FSDPUnit, *shards):  # type: ignore[override]
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)
+        return tuple(t.view(t.shape) for t in unit.full_for_backward())
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -924,6 +994,7 @@ def fully_shard(
     # gather before any other pre-hook of the module (a sequence-parallel style's, say)
     module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
     module.register_forward_hook(unit.post_forward, always_call=True)
+    unit.watch_recomputation(module)
     return module
 
 

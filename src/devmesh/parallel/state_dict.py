@@ -6,6 +6,11 @@ every rank copies its own block, all or nothing.
   appear under every name, as in ``nn.Module.state_dict()``;
 * ``load_state_dict(model, state, strict=True)``: checked in full (keys, exact shapes,
   buffers) before the first copy, torch's wording in the errors.
+
+Names are those of the model without its wrappers (:func:`state_dict_name`), as torch's
+``nn.Module.state_dict()`` writes them for activation-checkpointed blocks and torch's DCP
+(``get_model_state_dict``) for compiled ones: a checkpoint moves between a model with and
+without activation checkpointing or ``torch.compile``.
 """
 
 from __future__ import annotations
@@ -22,7 +27,29 @@ from devmesh.errors import StateDictError
 from devmesh.parallel.param import adopt_replaced_parameters, as_sharded, get_layout, local_block
 from devmesh.tensor import ShardedTensor
 
-__all__ = ["state_dict", "load_state_dict", "prepare_load", "apply_load", "local_block"]
+__all__ = ["state_dict", "load_state_dict", "prepare_load", "apply_load", "local_block",
+           "state_dict_name", "named_parameters"]
+
+# module names wrappers insert: torch's checkpoint_wrapper, torch.compile's OptimizedModule
+_WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def state_dict_name(name: str) -> str:
+    """``name`` without the parts wrappers insert (``_checkpoint_wrapped_module``,
+    ``_orig_mod``): ``layers.0._checkpoint_wrapped_module.attn.weight`` is saved as
+    ``layers.0.attn.weight``, the name the unwrapped model has."""
+    parts = name.split(".")
+    if _WRAPPER_NAMES.isdisjoint(parts):
+        return name
+    return ".".join(part for part in parts if part not in _WRAPPER_NAMES)
+
+
+def named_parameters(model: nn.Module, *, remove_duplicate: bool = False
+                     ) -> list[tuple[str, nn.Parameter]]:
+    """``model.named_parameters()`` under their state-dict names (:func:`state_dict_name`);
+    a tied parameter under each of its names unless ``remove_duplicate``."""
+    return [(state_dict_name(name), p)
+            for name, p in model.named_parameters(remove_duplicate=remove_duplicate)]
 
 
 def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor | ShardedTensor]:
@@ -31,7 +58,7 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
     _adopt_replaced(model)
     out: dict[str, torch.Tensor | ShardedTensor] = {}
     done: dict[int, torch.Tensor | ShardedTensor] = {}  # tied parameters: gathered once
-    for name, p in model.named_parameters(remove_duplicate=False):
+    for name, p in named_parameters(model):
         if id(p) in done:
             out[name] = done[id(p)]  # an alias key, as nn.Module.state_dict() lists it
             continue
@@ -44,7 +71,7 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
             out[name] = sharded
         done[id(p)] = out[name]
     for name, b in model.named_buffers():
-        out[name] = b.detach().clone()
+        out[state_dict_name(name)] = b.detach().clone()
     return out
 
 
@@ -61,7 +88,7 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     for prefix, module in model.named_modules(remove_duplicate=False):
         for name, buffer in module._buffers.items():
             if buffer is not None and name not in module._non_persistent_buffers_set:
-                out[f"{prefix}.{name}" if prefix else name] = buffer
+                out[state_dict_name(f"{prefix}.{name}" if prefix else name)] = buffer
     return out
 
 
@@ -73,7 +100,7 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
     on a missing or unexpected key (``strict``), a shape that differs (exactly: no reshaping)
     or a value that is not a tensor."""
     _adopt_replaced(model)
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = dict(named_parameters(model))
     buffers = persistent_buffers(model)
     expected = set(params) | set(buffers)
     missing = sorted(expected - set(state))

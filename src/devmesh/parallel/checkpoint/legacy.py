@@ -18,7 +18,7 @@ from torch import nn
 
 from devmesh.errors import CheckpointError, CheckpointNotFoundError
 from devmesh.parallel.param import get_layout
-from devmesh.parallel.state_dict import local_block, prepare_load
+from devmesh.parallel.state_dict import local_block, named_parameters, prepare_load
 
 __all__ = ["prepare", "FORMAT"]
 
@@ -26,7 +26,7 @@ FORMAT = "devmesh-checkpoint/1"
 
 
 def _names(model: nn.Module) -> dict[int, str]:
-    return {id(p): name for name, p in model.named_parameters()}
+    return {id(p): name for name, p in named_parameters(model, remove_duplicate=True)}
 
 
 def _read(path: str) -> dict[str, Any]:
@@ -69,7 +69,7 @@ def _prepare_optimizer(path: str, model: nn.Module, optimizer: torch.optim.Optim
                        saved: dict[str, Any]) -> dict[str, Any]:
     """The optimizer state dict this rank will load, checked against the optimizer."""
     names = _names(model)
-    by_name = dict(model.named_parameters())
+    by_name = dict(named_parameters(model, remove_duplicate=True))
     current = [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
     stored = [list(g.get("params", [])) for g in saved.get("param_groups", [])]
     if current != stored:

@@ -31,7 +31,7 @@ from devmesh.parallel.checkpoint.encoding import Malformed, decode
 from devmesh.parallel.checkpoint.format import CheckpointReader
 from devmesh.parallel.checkpoint.save import _raise_if_failed, wait_for_pending_save
 from devmesh.parallel.param import get_layout, local_block
-from devmesh.parallel.state_dict import persistent_buffers
+from devmesh.parallel.state_dict import named_parameters, persistent_buffers
 
 __all__ = ["load_checkpoint", "read_block"]
 
@@ -63,7 +63,7 @@ def read_block(reader: CheckpointReader, key: str, target: torch.Tensor,
 
 def _model_writes(reader: CheckpointReader, model: nn.Module
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    params = dict(model.named_parameters(remove_duplicate=False))
+    params = dict(named_parameters(model))
     buffers = persistent_buffers(model)
     expected = list(params) + list(buffers)
     saved = set(reader.model_keys)
@@ -93,8 +93,8 @@ def _optimizer_state(reader: CheckpointReader, model: nn.Module,
                      optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     if not isinstance(reader.optimizer, dict):
         raise CheckpointError(f"{reader.path} holds no optimizer state (saved without one)")
-    names = {id(p): name for name, p in model.named_parameters()}
-    by_name = dict(model.named_parameters())
+    names = {id(p): name for name, p in named_parameters(model, remove_duplicate=True)}
+    by_name = dict(named_parameters(model, remove_duplicate=True))
     saved_groups = decode(reader.optimizer.get("param_groups"), _no_tensor, "param_groups")
     current = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
     # the saved groups as far as this rank's model goes (a pipeline stage: its own layers)
@@ -157,7 +157,7 @@ def _load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer 
 
 def _unloaded(saved: list[str], model: nn.Module) -> list[str]:
     """The saved model names that no rank's model has: one all-reduce of a flag per name."""
-    mine = set(dict(model.named_parameters(remove_duplicate=False))) | set(
+    mine = set(dict(named_parameters(model))) | set(
         persistent_buffers(model))
     if not (dist.is_initialized() and dist.get_world_size() > 1 and len(saved)):
         return [name for name in saved if name not in mine]

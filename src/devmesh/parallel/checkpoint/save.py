@@ -42,7 +42,7 @@ from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
 from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data_file_name
 from devmesh.parallel.checkpoint.union import Listed, Merged, listed_json, merge_listings
 from devmesh.parallel.param import get_layout
-from devmesh.parallel.state_dict import persistent_buffers
+from devmesh.parallel.state_dict import named_parameters, persistent_buffers
 
 __all__ = ["save_checkpoint", "SaveHandle", "wait_for_pending_save"]
 
@@ -101,7 +101,7 @@ class _Contents:
         self.aliases: dict[str, str] = {}
         self.model_keys: list[str] = []
         seen: dict[int, str] = {}
-        for name, p in model.named_parameters(remove_duplicate=False):
+        for name, p in named_parameters(model):
             self.model_keys.append(name)
             if id(p) in seen:  # a tied parameter: its bytes once, under its first name
                 self.aliases[f"model.{name}"] = seen[id(p)]
@@ -119,7 +119,7 @@ class _Contents:
             self.extra = encode(extra, self._extra_tensor, "extra")
 
     def _optimizer(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        names = {id(p): name for name, p in model.named_parameters()}
+        names = {id(p): name for name, p in named_parameters(model, remove_duplicate=True)}
         state: dict[str, Any] = {}
         groups_ = []
         for group in optimizer.param_groups:

@@ -41,7 +41,7 @@ from devmesh.errors import CheckpointError
 from devmesh.parallel.checkpoint.format import METADATA, CheckpointReader
 from devmesh.parallel.checkpoint.save import wait_for_pending_save
 from devmesh.parallel.param import as_sharded, get_layout
-from devmesh.parallel.state_dict import persistent_buffers
+from devmesh.parallel.state_dict import named_parameters, persistent_buffers
 
 __all__ = ["DevmeshReader", "SafeFileSystemReader", "load_torch_dcp"]
 
@@ -170,7 +170,7 @@ def load_torch_dcp(path: str | os.PathLike, model: nn.Module, *, prefix: str = "
         raise error
     views: dict[str, torch.Tensor] = {}
     targets: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for name, p in model.named_parameters():
+    for name, p in named_parameters(model, remove_duplicate=True):
         layout = get_layout(p)
         if layout is None:
             view = p.detach()

@@ -22,7 +22,13 @@ from torch.nn.modules.module import _IncompatibleKeys
 from devmesh.distributed import comm
 from devmesh.errors import StateDictError
 from devmesh.parallel.checkpoint.encoding import dtype_name, dtype_of
-from devmesh.parallel.state_dict import apply_load, persistent_buffers, prepare_load, state_dict
+from devmesh.parallel.state_dict import (
+    apply_load,
+    named_parameters,
+    persistent_buffers,
+    prepare_load,
+    state_dict,
+)
 
 if TYPE_CHECKING:
     from devmesh.parallel.pipeline.runner import PipelineRunner
@@ -83,7 +89,7 @@ def load_full_state_dict(runner: PipelineRunner, state: Mapping[str, Any], *,
     ``strict``, a name no stage has is an error, as is a stage name the state lacks; every
     rank of the pipeline raises, and nothing is loaded anywhere."""
     module = runner.module
-    names = set(dict(module.named_parameters(remove_duplicate=False))) | set(
+    names = set(dict(named_parameters(module))) | set(
         persistent_buffers(module))
     union = {k for t in comm.gather_texts(json.dumps(sorted(names)), _pp_group(runner))
              for k in json.loads(t)}
