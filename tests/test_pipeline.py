@@ -586,7 +586,10 @@ class MatmulWork(TorchDispatchMode):
 def train_composed(name: str | Schedule, composition: str, steps: int = 2):
     """PP x FSDP x TP on (pp, dp, tp) = (2, 2, 2), or PP x DDP on (pp, dp) = (2, 4), under
     the schedule ``name`` (or a Schedule for 2 ranks, 4 micro-batches): each stage
-    parallelized on the (dp, tp) slice, each data-parallel replica its own pipeline."""
+    parallelized on the (dp, tp) slice, each data-parallel replica its own pipeline;
+    "fsdp+tp+ac": each block also in torch's ``checkpoint_wrapper`` before ``fully_shard``."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
     from devmesh.parallel import (
         ColwiseParallel,
         RowwiseParallel,
@@ -595,7 +598,7 @@ def train_composed(name: str | Schedule, composition: str, steps: int = 2):
         replicate,
     )
 
-    if composition == "fsdp+tp":
+    if composition.startswith("fsdp+tp"):
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     else:
         mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
@@ -608,11 +611,13 @@ def train_composed(name: str | Schedule, composition: str, steps: int = 2):
         if schedule.rank_of(s) != me:
             continue
         stage = parts[s]
-        if composition == "fsdp+tp":
-            for block in stage:
+        if composition.startswith("fsdp+tp"):
+            for i, block in enumerate(stage):
                 if isinstance(block, nn.Sequential):
                     parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(),
                                                            "2": RowwiseParallel()})
+                    if composition == "fsdp+tp+ac":  # torchtitan's order: TP, AC, FSDP
+                        block = stage[i] = checkpoint_wrapper(block)
                     fully_shard(block, mesh=mesh["dp"])
             fully_shard(stage, mesh=mesh["dp"])
         else:
@@ -640,8 +645,10 @@ def train_composed(name: str | Schedule, composition: str, steps: int = 2):
 
 
 @pytest.mark.parametrize("name, composition", [(n, "fsdp+tp") for n in SCHEDULES]
-                         + [("1f1b", "ddp")])
+                         + [("1f1b", "ddp"), ("1f1b", "fsdp+tp+ac"), ("zero-bubble", "fsdp+tp+ac")])
 def test_pipeline_composes_with_fsdp_tp_and_ddp(mesh_pool, name, composition):
+    """"fsdp+tp+ac": each block also in torch's checkpoint_wrapper (non-reentrant) between TP
+    and FSDP, torchtitan's stack: zero-bubble's W recomputes the blocks again."""
     check_composed_like_one_process(mesh_pool, name, composition)
 
 

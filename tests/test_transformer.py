@@ -82,11 +82,14 @@ def reference():
     return losses, norms, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def parallel_run(case: str, library: str, compile_backend: str | None = None):
+def parallel_run(case: str, library: str, compile_backend: str | None = None,
+                 checkpointed: str | None = None):
     """Train torch's Transformer under ``case`` with devmesh's (or torch's) parallelisms;
     return this rank's losses, its dp index and the full parameters. ``compile_backend``:
     each block and the whole model compiled with it (``nn.Module.compile``, torchtitan's
-    way) after parallelizing."""
+    way) after parallelizing. ``checkpointed`` ("reentrant" or "non-reentrant"): each block
+    in torch's ``checkpoint_wrapper`` after tensor parallelism and before ``fully_shard``,
+    torchtitan's order."""
     from torch.testing._internal.distributed._tensor import common_dtensor
 
     if library == "devmesh":
@@ -110,6 +113,16 @@ def parallel_run(case: str, library: str, compile_backend: str | None = None):
             # has no DTensor rule for scaled_dot_product_attention, for devmesh or torch alike
             model.parallelize(model, mesh["tp"], use_seq_parallel=case.endswith("_sp"),
                               local_output_for_attn=True)
+    if checkpointed is not None:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+            CheckpointImpl,
+            checkpoint_wrapper,
+        )
+
+        impl = (CheckpointImpl.REENTRANT if checkpointed == "reentrant"
+                else CheckpointImpl.NO_REENTRANT)
+        for i, layer in enumerate(model.layers):
+            model.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=impl)
     dp_names = [n for n in names if n != "tp"]
     dp_index, dp_size = 0, 1
     if dp_names:
@@ -167,6 +180,25 @@ def test_torch_transformer_matches_single_process(mesh_pool, single_process, cas
         assert r["tied"], "output.weight and tok_embeddings.weight must stay one parameter"
         assert r["count"] == len(list(_model().parameters()))
         assert set(r["full"]) == set(ref_state)  # alias keys included, as nn.Module gives
+        for key, value in ref_state.items():
+            torch.testing.assert_close(r["full"][key], value, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("case,checkpointed", [("fsdp", "reentrant"),
+                                               ("hsdp_tp_sp", "non-reentrant")])
+def test_torch_transformer_checkpointed_matches_single_process(mesh_pool, single_process, case,
+                                                               checkpointed):
+    """torchtitan's stack: tensor parallelism, each block in torch's ``checkpoint_wrapper``,
+    ``fully_shard`` on the wrappers. Each block recomputes in backward (its TP collectives
+    again) with its unit's gathered parameters; the state dict keeps the unwrapped names."""
+    ref_losses, ref_norms, ref_state = single_process
+    results = mesh_pool.run(parallel_run, _WORLD[case], case, "devmesh", None, checkpointed,
+                            timeout=300)
+    assert _mean_losses(results) == pytest.approx(ref_losses, abs=1e-10, rel=1e-10)
+    for r in results:
+        assert r["norms"] == pytest.approx(ref_norms, abs=1e-10, rel=1e-10)
+        assert r["tied"]
+        assert set(r["full"]) == set(ref_state)
         for key, value in ref_state.items():
             torch.testing.assert_close(r["full"][key], value, atol=1e-10, rtol=1e-10)
 

@@ -540,7 +540,10 @@ class FSDPUnit:
                 if module is not unit_module:
                     places.setdefault(module, []).append((i, name))
         for module, named in places.items():
-            module.register_forward_pre_hook(functools.partial(self._before_recompute, named))
+            # first in, last out: a sequence-parallel style's hooks (applied before
+            # fully_shard) then wrap the gathered parameters, as in the unit's forward
+            module.register_forward_pre_hook(functools.partial(self._before_recompute, named),
+                                             prepend=True)
             module.register_forward_hook(functools.partial(self._after_recompute, named),
                                          always_call=True)
 
