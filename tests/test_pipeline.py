@@ -670,6 +670,68 @@ def check_composed_like_one_process(mesh_pool, schedule: str | Schedule, composi
     assert mean == pytest.approx(ref_losses, rel=1e-5)
 
 
+def _accumulate_over_steps(name: str, composition: str):
+    """Two pipeline steps per optimizer step, gradient sync off for the first (torch's
+    ``set_requires_gradient_sync``); (pp, dp) = (2, 2); the reduce-scatters of each step."""
+    from devmesh import comm_stats
+    from devmesh.parallel import fully_shard, replicate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    me = mesh.get_coordinate()[0]
+    stage = split_sequential(block_model(), 2)[me]
+    if composition == "fsdp":
+        for block in stage:
+            if isinstance(block, nn.Sequential):
+                fully_shard(block, mesh=mesh["dp"])
+        fully_shard(stage, mesh=mesh["dp"])
+    else:
+        replicate(stage, mesh=mesh["dp"])
+    runner = PipelineRunner({me: stage}, mesh, build_schedule(name, 2, 4), F.cross_entropy)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    half = mesh["dp"].get_local_rank()
+    reduce_scatters = []
+    for step in range(2):
+        for part in range(2):
+            stage.set_requires_gradient_sync(part == 1)
+            gen = torch.Generator().manual_seed(10 * step + part)
+            x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+            with comm_stats() as stats:
+                runner.step(x.chunk(2)[half] if me == 0 else None,
+                            y.chunk(2)[half] if me == 1 else None)
+            reduce_scatters.append(stats.by_collective().get("reduce_scatter", (0,))[0])
+        opt.step()
+        opt.zero_grad()
+    return state_dict(stage, full=True), reduce_scatters
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zero-bubble"])
+@pytest.mark.parametrize("composition", ["fsdp", "ddp"])
+def test_gradients_accumulate_over_pipeline_steps_without_sync(mesh_pool, name, composition):
+    """Each optimizer step on two runner steps, the first without gradient sync: equal to
+    one process accumulating the same micro-batches, and under FSDP no reduce-scatter
+    before the last runner step (the units keep unsharded gradients meanwhile)."""
+    model = block_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        for part in range(2):
+            gen = torch.Generator().manual_seed(10 * step + part)
+            x, y = torch.randn(32, 16, generator=gen), torch.randint(0, 4, (32,), generator=gen)
+            # each replica: 16 rows in 4 micro-batches; the mean over micro-batches and replicas
+            losses = [F.cross_entropy(model(a), b) for a, b in zip(x.chunk(8), y.chunk(8))]
+            (sum(losses) / 8).backward()
+        opt.step()
+        opt.zero_grad()
+    full = {}
+    for state, reduce_scatters in mesh_pool.run(_accumulate_over_steps, 4, name, composition):
+        full.update(state)
+        if composition == "fsdp":
+            assert reduce_scatters[0] == reduce_scatters[2] == 0, reduce_scatters
+            assert reduce_scatters[1] > 0 and reduce_scatters[3] > 0, reduce_scatters
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name} {composition} {key}: {m}")
+
+
 def test_zero_bubble_split_backward_computes_no_more_than_one_backward(mesh_pool):
     """Zero-bubble splits each backward into the input gradient (I) and the weight gradients
     (W); W must start from the gradients I kept, not recompute the input-gradient chain (it

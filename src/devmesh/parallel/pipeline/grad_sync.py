@@ -5,7 +5,9 @@ A stage may be data parallel in one of three ways, each with its own switch:
 
 - modules with ``set_requires_gradient_sync`` read at *backward* time (devmesh's
   ``replicate`` and ``fully_shard``, torch's FSDP2 ``fully_shard``): the runner turns sync on
-  for the stage's last backward action and off for the others;
+  for the stage's last backward action and off for the others — unless the user turned a
+  devmesh module's sync off before the step (accumulating over several steps): then it stays
+  off for the whole step, and the step reduces nothing there;
 - torch's ``DistributedDataParallel``: its reducer is armed by the *forward*
   (``prepare_for_backward`` at the end of a forward outside ``no_sync``) and expects that
   forward's backward next. A pipeline runs several forwards before their backwards, so every
@@ -48,6 +50,7 @@ class StageGradSync:
                 self._composable.append(module)
             elif hasattr(module, "set_requires_gradient_sync"):
                 self._switches.append(module)
+        self._wanted = [True] * len(self._switches)  # the user's settings, read each step
 
     def problem(self, where: str) -> str | None:
         """Why this stage cannot run in a pipeline, if it cannot: DDP's ``static_graph``
@@ -80,11 +83,16 @@ class StageGradSync:
                 module.set_requires_gradient_sync(False)
             yield
 
+    def start_step(self) -> None:
+        """Before the step: read the user's sync setting of each switch."""
+        self._wanted = [_user_sync(module) for module in self._switches]
+
     def before_backward(self, final: bool, outputs: Sequence[torch.Tensor]) -> None:
         """Before a backward action that computes weight gradients: ``final`` is the step's
-        last one for this stage (it reduces), ``outputs`` what it starts from."""
-        for module in self._switches:
-            module.set_requires_gradient_sync(final)
+        last one for this stage (it reduces, if the user's setting lets it), ``outputs`` what
+        it starts from."""
+        for module, wanted in zip(self._switches, self._wanted):
+            module.set_requires_gradient_sync(final and wanted)
         if final:
             for ddp in self._reducers():
                 # DDP's own forward does this when not under no_sync; with find_unused_parameters
@@ -93,8 +101,12 @@ class StageGradSync:
                     list(outputs) if ddp.find_unused_parameters else [])
 
     def end_step(self) -> None:
-        """After the step: every switch back on, as outside a pipeline."""
-        for module in (*self._switches, *self._composable):
+        """After the step: every switch back as the user set it (torch's composable
+        replicate: on, as outside a pipeline). The modules come parent first, so a child
+        unit's own setting is the one it keeps."""
+        for module, wanted in zip(self._switches, self._wanted):
+            module.set_requires_gradient_sync(wanted)
+        for module in self._composable:
             module.set_requires_gradient_sync(True)
 
     def _reducers(self) -> list[DistributedDataParallel]:
@@ -106,6 +118,13 @@ class StageGradSync:
             if ddp is not None:  # built at the module's first forward
                 reducers.append(ddp)
         return reducers
+
+
+def _user_sync(module: nn.Module) -> bool:
+    """The gradient sync a devmesh ``fully_shard`` or ``replicate`` module is set to (on for
+    anything else: torch's FSDP2 has no public way to read it)."""
+    state = getattr(module, "_devmesh_fsdp", None) or getattr(module, "_devmesh_ddp", None)
+    return True if state is None else bool(state.requires_gradient_sync)
 
 
 def _is_composable_ddp(module: nn.Module) -> bool:

@@ -258,6 +258,8 @@ class PipelineRunner:
                                     "build it with one, or call evaluate() for a forward-only "
                                     "pass"))
         actions = self.schedule.actions[self.index]
+        for sync in self._sync.values():
+            sync.start_step()
         try:
             self._play(step, actions)
         finally:
