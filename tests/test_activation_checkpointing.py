@@ -99,26 +99,34 @@ def test_activation_checkpointing_matches_single_process(mesh_pool, strategy, re
             torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6, msg=key)
 
 
-def _wrapped_net(reentrant: bool) -> nn.Module:
-    """torchtitan's order: each block in torch's ``checkpoint_wrapper``, to be sharded."""
+def _wrapped_net(mode: str) -> nn.Module:
+    """torchtitan's order: each block in torch's ``checkpoint_wrapper``, to be sharded;
+    ``mode`` "reentrant", "non-reentrant" or "selective" (torch's selective checkpointing,
+    the matrix products saved: torchtitan's "op" mode)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
         CheckpointImpl,
         checkpoint_wrapper,
     )
 
-    net = Net(reentrant)
-    impl = CheckpointImpl.REENTRANT if reentrant else CheckpointImpl.NO_REENTRANT
-    net.blocks = nn.ModuleList([checkpoint_wrapper(b, checkpoint_impl=impl) for b in net.blocks])
+    net = Net(mode == "reentrant")
+    kwargs = {"checkpoint_impl": CheckpointImpl.REENTRANT if mode == "reentrant"
+              else CheckpointImpl.NO_REENTRANT}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(
+            create_selective_checkpoint_contexts, [torch.ops.aten.addmm.default])
+    net.blocks = nn.ModuleList([checkpoint_wrapper(b, **kwargs) for b in net.blocks])
     net.forward = lambda x: net.head(functools.reduce(lambda h, b: b(h), net.blocks,
                                                       net.stem(x)))
     return net
 
 
-def _train_wrapped(kind: str, reentrant: bool):
+def _train_wrapped(kind: str, mode: str):
     """Three Adam steps; the blocks' forwards counted (a recomputation runs each again)."""
     import torch.distributed as dist
 
-    model = shard_blocks_and_root(_wrapped_net(reentrant), kind)
+    model = shard_blocks_and_root(_wrapped_net(mode), kind)
     rank, world = (0, 1) if kind == "one process" else (dist.get_rank(), dist.get_world_size())
     calls = [0]
     for block in model.blocks:
@@ -141,17 +149,23 @@ def _train_wrapped(kind: str, reentrant: bool):
 @pytest.fixture(scope="module")
 def torch_runs() -> TorchRuns:
     """torch's FSDP2 side (fresh processes: its groups outlive a pool task)."""
-    return TorchRuns({2: [(_train_wrapped, ("torch", False)), (_train_wrapped, ("torch", True))]})
+    return TorchRuns({2: [(_train_wrapped, ("torch", mode)) for mode in _MODES]})
+
+
+_MODES = ("non-reentrant", "reentrant", "selective")
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-@pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])
+@pytest.mark.parametrize("mode", _MODES)
 def test_a_unit_around_a_checkpoint_recomputes_and_trains_as_one_process(mesh_pool, torch_runs,
-                                                                        reentrant):
-    expected = _train_wrapped("one process", reentrant)
+                                                                        mode):
+    """Selective checkpointing replays the forward's operations one for one: the gather for
+    the recomputation runs outside its dispatch mode (inside, it failed: "aten.empty
+    encountered during backward but not found in storage")."""
+    expected = _train_wrapped("one process", mode)
     assert expected["forwards"] == 3 * 3 * 2  # 3 steps x 3 blocks x (forward + recompute)
-    for kind, results in (("torch", torch_runs(2, _train_wrapped, "torch", reentrant)),
-                          ("devmesh", mesh_pool.run(_train_wrapped, 2, "devmesh", reentrant))):
+    for kind, results in (("torch", torch_runs(2, _train_wrapped, "torch", mode)),
+                          ("devmesh", mesh_pool.run(_train_wrapped, 2, "devmesh", mode))):
         for result in results:
             assert result["forwards"] == expected["forwards"], kind
             for key, value in expected["params"].items():
@@ -164,7 +178,7 @@ def test_a_unit_around_a_checkpoint_recomputes_and_trains_as_one_process(mesh_po
 
 def _wrapped_and_compiled(wrapped: bool) -> nn.Module:
     """Net with its blocks in torch's checkpoint wrapper and compiled (``_orig_mod``), or not."""
-    net = _wrapped_net(reentrant=False) if wrapped else Net(reentrant=False)
+    net = _wrapped_net("non-reentrant") if wrapped else Net(reentrant=False)
     if wrapped:
         for i, block in enumerate(net.blocks):
             net.blocks[i] = torch.compile(block, backend="eager")

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
 from devmesh.distributed import comm, groups
 from devmesh.mesh import DeviceMesh
@@ -557,13 +557,16 @@ class FSDPUnit:
             return
         if not any(module._parameters[name] is self.params[i].sharded for i, name in named):
             return  # the unit's forward is running (a forward called inside a backward)
-        if self._recomputed is None or self._recomputed[0] != task:
-            shards = [p.sharded for p in self.params]
-            self._recomputed = (task, _Regather.apply(self, *shards))
-            self._release_after_backward()  # drops _recomputed at the backward's end
-        fulls = self._recomputed[1]
-        for i, name in named:
-            module._parameters[name] = fulls[i].view(self.params[i].shape)
+        # outside any dispatch mode: selective checkpointing's replays the forward's
+        # operations one for one, and the forward gathered outside the checkpointed region
+        with _disable_current_modes():
+            if self._recomputed is None or self._recomputed[0] != task:
+                shards = [p.sharded for p in self.params]
+                self._recomputed = (task, _Regather.apply(self, *shards))
+                self._release_after_backward()  # drops _recomputed at the backward's end
+            fulls = self._recomputed[1]
+            for i, name in named:
+                module._parameters[name] = fulls[i].view(self.params[i].shape)
         self._recomputing.add(id(module))
 
     def _after_recompute(self, named: list[tuple[int, str]], module: nn.Module, args,
