@@ -204,12 +204,15 @@ def test_torch_transformer_checkpointed_matches_single_process(mesh_pool, single
 
 
 @pytest.mark.parametrize("case", ["hsdp_tp_sp"])  # FSDP's, TP's and SP's hooks all at once
-def test_torch_transformer_compiled_matches_single_process(mesh_pool, single_process, case):
+@pytest.mark.parametrize("checkpointed", [None, "non-reentrant"])
+def test_torch_transformer_compiled_matches_single_process(mesh_pool, single_process, case,
+                                                           checkpointed):
     """Under torch.compile (AOT autograd, as inductor traces it, without its C++ build),
-    devmesh's hooks and collectives run eagerly between compiled regions: same training."""
+    devmesh's hooks and collectives run eagerly between compiled regions: same training;
+    also with each block checkpointed first (torchtitan: TP, AC, compile, FSDP)."""
     ref_losses, ref_norms, ref_state = single_process
     results = mesh_pool.run(parallel_run, _WORLD[case], case, "devmesh", "aot_eager",
-                            timeout=300)
+                            checkpointed, timeout=300)
     assert _mean_losses(results) == pytest.approx(ref_losses, abs=1e-10, rel=1e-10)
     for r in results:
         assert r["tied"]
