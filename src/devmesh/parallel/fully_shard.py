@@ -49,6 +49,7 @@ from devmesh.parallel.param import (
     GradientSyncControl,
     with_methods,
 )
+from devmesh.parallel.saved_activation import SavedActivation
 from devmesh.tensor import ShardingSpec
 from devmesh.layout.spec import chunk_bounds
 
@@ -496,14 +497,15 @@ class FSDPUnit:
 
     def _pack(self, t: torch.Tensor, storages: dict[int, int]):
         """What autograd keeps for a tensor the unit's forward saves: a handle for a view of
-        a gathered parameter (backward gathers it again), any other tensor as it is."""
+        a gathered parameter (backward gathers it again), any other tensor as autograd keeps
+        it without hooks (:class:`SavedActivation`)."""
         index = storages.get(_storage_address(t))
         if index is None:
-            return _SavedActivation(t)
+            return SavedActivation(t)
         return (_HANDLE, index, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
 
     def _unpack(self, packed):
-        if isinstance(packed, _SavedActivation):
+        if isinstance(packed, SavedActivation):
             return packed.unpack()
         _, index, shape, stride, offset, dtype = packed
         return self.full_for_backward()[index].as_strided(shape, stride, offset)
@@ -592,38 +594,6 @@ def _users_saved_tensor_hooks() -> bool:
     return top is not None and getattr(top[1], "__func__", None) is not FSDPUnit._unpack
 
 
-class _SavedActivation:
-    """A tensor saved for backward inside a unit's forward, kept the way autograd keeps it
-    without hooks. Two things autograd does for a saved tensor stop once a saved-tensor hook
-    is set, so they are done here:
-
-    - no reference cycle: the tensor is kept detached. Kept as it is (with its ``grad_fn``), an
-      operation's own output saved by that operation (tanh, sigmoid, exp, softmax save theirs)
-      holds its node, which holds it: a cycle through C++ that the garbage collector cannot
-      see, so every graph not freed by a backward (a forward without backward, a
-      ``retain_graph=True`` backward, zero-bubble's input-gradient pass) stayed alive for
-      good, with its activations, units and process groups;
-    - the in-place check: a saved tensor changed in place before backward is refused, with
-      autograd's own message (without it, backward used the changed values: wrong gradients).
-    """
-
-    __slots__ = ("tensor", "version", "origin")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t.detach()  # shares t's data and version counter, not its graph
-        self.version = t._version
-        self.origin = f", which is output {t.output_nr} of {t.grad_fn.name()}" if t.grad_fn else ""
-
-    def unpack(self) -> torch.Tensor:
-        now = self.tensor._version
-        if now != self.version:
-            kind = f"{self.tensor.type()} {list(self.tensor.shape)}"
-            raise RuntimeError(
-                "one of the variables needed for gradient computation has been modified by an "
-                f"inplace operation: [{kind}]{self.origin}, is at version {now}; expected "
-                f"version {self.version} instead. Hint: change the tensor out of place (x = x + "
-                "y, not x += y), or clone it before changing it")
-        return self.tensor
 _SHARDED_BY = "_devmesh_sharded_by"  # on an original parameter: the unit that replaced it
 # set while a pipeline computes input gradients only (zero-bubble's I): the weight-gradient
 # half (W) follows later and may need the units' gathered parameters again
