@@ -232,3 +232,25 @@ def test_a_checkpoint_moves_between_wrapped_and_plain_models(mesh_pool, tmp_path
         first, second = result["params"]  # one more step on the same state: the same values
         for key, value in first.items():
             torch.testing.assert_close(second[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def _load_a_compiled_models_state(state: dict):
+    from devmesh.parallel import load_state_dict
+
+    model = shard_blocks_and_root(Net(reentrant=False), "devmesh")
+    load_state_dict(model, state)
+    return state_dict(model, full=True)
+
+
+def test_a_compiled_models_torch_state_dict_loads(mesh_pool):
+    """torch's ``state_dict()`` of a compiled model (keys with ``_orig_mod.``) loads into the
+    sharded plain model: keys are read without wrapper parts."""
+    source = _wrapped_and_compiled(True)
+    # other values than the target's (both start from Net's seed)
+    state = {k: v.detach() * 2 + 1 for k, v in source.state_dict().items()}
+    assert any("_orig_mod" in k for k in state)
+    for loaded in mesh_pool.run(_load_a_compiled_models_state, 2, state):
+        assert list(loaded) == list(Net(reentrant=False).state_dict())
+        for key, value in state.items():
+            name = key.replace("._orig_mod", "")
+            torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)

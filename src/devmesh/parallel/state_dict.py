@@ -98,8 +98,10 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
     changing nothing: ``(writes, incompatible keys)``, where ``writes`` pairs each target
     tensor with the value to copy into it. Raises :class:`StateDictError` (torch's wording)
     on a missing or unexpected key (``strict``), a shape that differs (exactly: no reshaping)
-    or a value that is not a tensor."""
+    or a value that is not a tensor. Keys may carry wrapper parts (a compiled model's
+    ``state_dict()`` has ``_orig_mod.``): they are read without them."""
     _adopt_replaced(model)
+    state = {state_dict_name(key): value for key, value in state.items()}
     params = dict(named_parameters(model))
     buffers = persistent_buffers(model)
     expected = set(params) | set(buffers)

@@ -28,6 +28,7 @@ from devmesh.parallel.state_dict import (
     persistent_buffers,
     prepare_load,
     state_dict,
+    state_dict_name,
 )
 
 if TYPE_CHECKING:
@@ -89,6 +90,7 @@ def load_full_state_dict(runner: PipelineRunner, state: Mapping[str, Any], *,
     ``strict``, a name no stage has is an error, as is a stage name the state lacks; every
     rank of the pipeline raises, and nothing is loaded anywhere."""
     module = runner.module
+    state = {state_dict_name(key): value for key, value in state.items()}  # as prepare_load
     names = set(dict(named_parameters(module))) | set(
         persistent_buffers(module))
     union = {k for t in comm.gather_texts(json.dumps(sorted(names)), _pp_group(runner))
