@@ -44,11 +44,13 @@ class Net(nn.Module):
         self.stem = nn.Linear(8, 8)
         self.blocks = nn.ModuleList([Block() for _ in range(3)])
         self.head = nn.Linear(8, 3)
+        self.checkpoint_blocks = True  # off: the blocks checkpoint themselves (wrapped)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.stem(x)
         for block in self.blocks:
-            x = checkpoint(block, x, use_reentrant=self.reentrant)
+            x = (checkpoint(block, x, use_reentrant=self.reentrant) if self.checkpoint_blocks
+                 else block(x))
         return self.head(x)
 
 
@@ -117,8 +119,7 @@ def _wrapped_net(mode: str) -> nn.Module:
         kwargs["context_fn"] = functools.partial(
             create_selective_checkpoint_contexts, [torch.ops.aten.addmm.default])
     net.blocks = nn.ModuleList([checkpoint_wrapper(b, **kwargs) for b in net.blocks])
-    net.forward = lambda x: net.head(functools.reduce(lambda h, b: b(h), net.blocks,
-                                                      net.stem(x)))
+    net.checkpoint_blocks = False
     return net
 
 
@@ -254,3 +255,28 @@ def test_a_compiled_models_torch_state_dict_loads(mesh_pool):
         for key, value in state.items():
             name = key.replace("._orig_mod", "")
             torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+
+
+def _copy_and_train():
+    """A deep copy of a checkpointed, sharded model (an EMA or a teacher): each recomputes
+    with its own units' parameters, and its gradients land in its own parameters."""
+    import copy
+
+    model = shard_blocks_and_root(_wrapped_net("non-reentrant"), "devmesh")
+    twin = copy.deepcopy(model)
+    x, y = _batch(0)
+    grads = []
+    for m in (model, twin):
+        F.cross_entropy(m(x[:8]), y[:8]).backward()
+        grads.append({n: p.grad for n, p in m.named_parameters()})
+    units = {id(m._devmesh_fsdp) for m in (*model.blocks, *twin.blocks)}
+    return grads, len(units)
+
+
+def test_a_copy_of_a_checkpointed_sharded_model_recomputes_with_its_own_units(mesh_pool):
+    for grads, units in mesh_pool.run(_copy_and_train, 2):
+        assert units == 6
+        mine, copied = grads
+        for name, grad in mine.items():
+            assert grad is not None and copied[name] is not None, name
+            torch.testing.assert_close(copied[name], grad, rtol=0, atol=0, msg=name)
