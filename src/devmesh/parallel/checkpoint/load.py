@@ -93,8 +93,9 @@ def _optimizer_state(reader: CheckpointReader, model: nn.Module,
                      optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     if not isinstance(reader.optimizer, dict):
         raise CheckpointError(f"{reader.path} holds no optimizer state (saved without one)")
-    names = {id(p): name for name, p in named_parameters(model, remove_duplicate=True)}
-    by_name = dict(named_parameters(model, remove_duplicate=True))
+    named = named_parameters(model, remove_duplicate=True)
+    names = {id(p): name for name, p in named}
+    by_name = dict(named)
     saved_groups = decode(reader.optimizer.get("param_groups"), _no_tensor, "param_groups")
     current = [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]
     # the saved groups as far as this rank's model goes (a pipeline stage: its own layers)
