@@ -462,7 +462,7 @@ class FSDPUnit:
         reshard = self.reshard_after_forward
         if reshard is None:  # torch's default: the root's backward starts at once, keep it
             reshard = not root
-        if reshard and torch.is_grad_enabled() and not _users_saved_tensor_hooks():
+        if reshard and torch.is_grad_enabled() and not users_saved_tensor_hooks():
             storages = {f.untyped_storage().data_ptr(): i for i, f in enumerate(fulls)}
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: self._pack(t, storages), self._unpack)
@@ -582,7 +582,7 @@ class FSDPUnit:
 _HANDLE = object()
 
 
-def _users_saved_tensor_hooks() -> bool:
+def users_saved_tensor_hooks() -> bool:
     """Are saved-tensor hooks other than a unit's own active: activation checkpointing
     around this unit (``checkpoint(block, x)``), ``torch.autograd.graph.save_on_cpu()``, a
     user's own? Only one pair applies at a time (the innermost), so a unit's own would

@@ -259,6 +259,13 @@ class DataParallelState:
         bucket.buffer = torch.cat([g.reshape(-1) for g in grads] + [used])
         bucket.pending = comm.all_reduce_async(bucket.buffer, self.mesh, self.dims, "avg")
 
+    def reduce_accumulated(self) -> None:
+        """Reduce the gradients accumulated without sync now, as the last backward with sync
+        on would have: for a backward done in several autograd calls (a pipeline's
+        zero-bubble ``W``), each of which would otherwise end in a reduction of every bucket
+        (right values, since averaging is linear, but one all-reduce per call)."""
+        self._finish()
+
     def _finish(self) -> None:
         self._callback_queued = False
         for bucket in self.buckets:

@@ -41,6 +41,7 @@ without synchronization and reduces them once, at its last backward of the step
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Mapping
@@ -60,6 +61,7 @@ from devmesh.parallel.fully_shard import release_weight_gradient_gathers
 from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
 from devmesh.parallel.pipeline.grad_sync import StageGradSync
 from devmesh.parallel.pipeline.messages import MAX_TENSORS, StageLinks, describe, layout_of
+from devmesh.parallel.pipeline.layer_cuts import LayerCuts
 from devmesh.parallel.pipeline.split import PipelineError
 from devmesh.parallel.pipeline.split_backward import SplitBackward
 from devmesh.parallel.pipeline.tied import TiedCopies, ties_of
@@ -142,9 +144,14 @@ class PipelineRunner:
         actions = schedule.actions[self.index]
         self._final_split = {a.stage: a for a in actions if a.kind in ("B", "W")}
         self._final_whole = {a.stage: a for a in actions if a.kind in ("B", "I")}
-        self._first_child_output: list[torch.Tensor] | None = None  # a list while watching
-        if 0 in stages and any(a.kind == "I" for a in actions):
-            self._watch_first_child(stages[0])
+        # micro-batches whose backward is split (zero-bubble's I and W), on stages whose
+        # graph is cut at the layers' outputs during those forwards (see layer_cuts)
+        self._split = {(a.stage, a.microbatch) for a in actions if a.kind == "I"}
+        self._cuts: dict[int, LayerCuts] = {}
+        for s in {a.stage for a in actions if a.kind == "I"}:
+            cut = not self._sync[s].whole and not _holds_torch_fsdp(stages[s])
+            if cut or s == 0:  # uncut, the first stage's I still stops at its first layer
+                self._cuts[s] = LayerCuts(stages[s], cut=cut)
 
     @functools.cached_property
     def module(self) -> nn.Module:
@@ -328,24 +335,6 @@ class PipelineRunner:
             return None
         return torch.stack(step.losses).sum()
 
-    def _watch_first_child(self, stage: nn.Module) -> None:
-        """The first stage's input needs no gradient, so its ``I`` would have nothing to do
-        and its ``W`` would be a whole backward: the stage's share of the split would lean
-        on ``W``. Split it at the output of the first child it calls instead (an embedding,
-        the first block of an ``nn.Sequential``): ``I`` then computes the gradients down to
-        there. Every direct child is watched, since the order a custom module registers its
-        children need not be the order its forward calls them in."""
-        children = list(stage.children())
-        if len(children) < 2:  # the only child's output is (nearly) the stage's own
-            return
-
-        def keep(module, args, output) -> None:
-            watching = self._first_child_output  # a list only in the runner's own forward
-            if watching is not None and not watching:  # the first child called
-                watching.append(output)
-        for child in children:
-            child.register_forward_hook(keep)
-
     def _raise_if_any_stage_failed(self, step: _Step) -> None:
         try:
             with self._links.watch.guard():  # a rank stuck in its code is named here too
@@ -362,7 +351,7 @@ class PipelineRunner:
             xs = step.chunks["inputs"][mb] if "inputs" in step.chunks else None
         else:
             xs = self._links.recv_activation(s, mb)
-        outs = split_at = None  # split_at: stage 0's first child output, where I stops
+        outs = None
         if xs is not None and step.error is None:
             start = time.perf_counter()
             try:
@@ -370,14 +359,11 @@ class PipelineRunner:
                     for x in xs:
                         if x.is_floating_point():
                             x.requires_grad_(True)
-                self._first_child_output = [] if s == 0 else None
                 keywords = step.chunks["kwargs"][mb] if s == 0 and "kwargs" in step.chunks else {}
-                try:
-                    with self._sync[s].forward():
-                        out = self.stages[s](*xs, **keywords)
-                finally:
-                    seen, self._first_child_output = self._first_child_output, None
-                split_at = seen[0] if seen else None
+                cutting = step.training and (s, mb) in self._split and s in self._cuts
+                with self._sync[s].forward(), (self._cuts[s].recording() if cutting
+                                               else contextlib.nullcontext([])) as cuts:
+                    out = self.stages[s](*xs, **keywords)
                 if s == self.last:
                     loss = None
                     if "targets" in step.chunks:
@@ -399,9 +385,7 @@ class PipelineRunner:
             if problem and step.error is None:
                 step.error = problem
         if outs is not None and step.training:
-            step.saved[(s, mb)] = {"x": xs, "out": outs}
-            if s == 0 and isinstance(split_at, torch.Tensor) and split_at.requires_grad:
-                step.saved[(s, mb)]["split_at"] = split_at
+            step.saved[(s, mb)] = {"x": xs, "out": outs, "cuts": cuts}
 
     def _loss(self, output: object, target: torch.Tensor, keywords: dict[str, Any]
               ) -> torch.Tensor:
@@ -435,14 +419,21 @@ class PipelineRunner:
                         torch.autograd.backward(outputs, seeds)
                     input_grads = tuple(x.grad for x in inputs)
                     entry["done"] = True  # W has nothing left
-                elif outputs and (s > 0 or "split_at" in entry):  # weight side kept for W
+                elif outputs and (s > 0 or entry["cuts"]):  # weight side kept for W
+                    # the first stage's input needs no gradient: its I runs down to its
+                    # first layer's output (a cut), or W does it all
+                    cuts = entry["cuts"]
+                    if cuts and not self._cuts[s].cut:  # the first layer's output only
+                        inputs, cuts = list(cuts[0].originals), ()
                     split = entry["split"] = SplitBackward(
-                        outputs, seeds, inputs if s > 0 else [entry["split_at"]],
-                        list(self.stages[s].parameters()))
+                        outputs, seeds, inputs, list(self.stages[s].parameters()), cuts)
                     if split.whole:  # this I is a whole backward: its W has nothing left
                         step.whole_stages.add(s)
                         sync.before_backward(action == self._final_whole[s], outputs)
-                    gradients = split.input_grad()
+                        entry["done"] = True
+                    # a whole backward of a cut graph is one autograd call per piece
+                    with sync.one_reduction() if split.whole else contextlib.nullcontext():
+                        gradients = split.input_grad()
                     input_grads = gradients if s > 0 else None  # stage 0 sends nothing
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
                 step.fail(exc, f"stage {s}, backward of micro-batch {mb}")
@@ -463,13 +454,23 @@ class PipelineRunner:
         start = time.perf_counter()
         try:
             if "split" in entry:  # I kept what W needs: no input gradient computed again
-                entry["split"].weight_grads()
+                with self._sync[action.stage].one_reduction():
+                    entry["split"].weight_grads()
             elif params and entry.get("outputs"):  # a first stage not split: all of it here
                 torch.autograd.backward(entry["outputs"], entry["seeds"], inputs=params)
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
             step.fail(exc, f"stage {action.stage}, weight gradients of micro-batch "
                            f"{action.microbatch}")
         step.compute[action] = time.perf_counter() - start
+
+
+def _holds_torch_fsdp(stage: nn.Module) -> bool:
+    """Does the stage hold torch's FSDP2 modules? They reduce at the end of each autograd
+    call that ran their backward, so their stage's graph is not cut into pieces (a whole
+    backward of a cut graph is several calls)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in stage.modules())
 
 
 def _differentiable(outs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...] | None

@@ -30,12 +30,25 @@ per-use ``t()`` or ``view``) is such a case; the split then falls back to the ob
 (correct, slower) ``W``. Torch's ``torch.distributed.pipelining`` splits the same way (its
 ``stage_backward_input``/``stage_backward_weight``); this is written from the idea.
 
+In pieces: the runner's forward cuts a stage's graph at its layers' outputs
+(:mod:`~devmesh.parallel.pipeline.layer_cuts`), since autograd walks everything below the
+node a call starts from and ``W``'s calls start at every layer. Each piece (from a cut's
+original tensors, or the stage's outputs, down to the stage inputs and earlier cuts' leaves
+it reaches) splits as above; ``I`` runs the pieces top down, seeding each with the gradients
+its leaves got from the pieces above; ``W`` gathers every piece's boundaries and decides
+once between the two ways above, so a ``fully_shard`` unit whose layers lie in several
+pieces still reduces once. A node two pieces reach (a later layer reading a tensor an
+earlier one kept in its state, past the cut) is a boundary of both: ``W`` sums its kept
+gradients and runs it once; ``I`` runs the nodes between for each piece's share (correct,
+linear; the extra input-gradient work of those nodes).
+
 Some nodes run their backward as one piece that cannot be kept for a second call: a
 ``torch.compile``d region (its saved buffers are donated to its backward, so torch raises if
 the graph is retained) and reentrant activation checkpointing (its backward re-runs the
 forward and refuses ``autograd.grad``). Such a node computes its weight gradients with its
 input gradient anyway, so splitting around it saves nothing: where the stage's graph holds
-one, ``I`` does the whole backward and ``W`` nothing (:attr:`SplitBackward.whole`) — where
+one, ``I`` does the whole backward (piece by piece) and ``W`` nothing
+(:attr:`SplitBackward.whole`) — where
 torch's zero-bubble schedules fail on compiled stages. The same goes for a stage under
 torch's own ``fully_shard`` (FSDP2): it reduces a unit's gradients when the backward reaches
 the unit's inputs — in ``I``, before ``W`` made the weight gradients — so a split backward
@@ -46,12 +59,13 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from devmesh.parallel.fully_shard import weight_gradients_follow
+from devmesh.parallel.pipeline.layer_cuts import Cut
 
 # nodes whose backward runs as one piece and cannot be kept for another call (see above),
 # and torch's fully_shard's node on a unit's inputs: its backward reduce-scatters the unit's
@@ -67,100 +81,215 @@ class SplitBackward:
 
     A stage may have several outputs and inputs (tensors in a tuple): ``I`` asks for every
     input's gradient at once, and the input path is the nodes from which any input is
-    reachable."""
+    reachable. ``cuts``: where the forward cut the stage's graph at its layers' outputs
+    (:mod:`~devmesh.parallel.pipeline.layer_cuts`), in the order made: the graph is then
+    one piece per layer, and ``I`` runs them top down."""
 
     def __init__(self, output: torch.Tensor | Sequence[torch.Tensor],
                  grad: torch.Tensor | None | Sequence[torch.Tensor | None],
                  stage_input: torch.Tensor | Sequence[torch.Tensor],
-                 params: Sequence[torch.Tensor]) -> None:
+                 params: Sequence[torch.Tensor], cuts: Sequence[Cut] = ()) -> None:
         self.single_input = isinstance(stage_input, torch.Tensor)
         self.outputs = [output] if isinstance(output, torch.Tensor) else list(output)
         self.grads = [grad] if grad is None or isinstance(grad, torch.Tensor) else list(grad)
         self.inputs = [stage_input] if self.single_input else list(stage_input)
         self.params = [p for p in params if p.requires_grad]
-        self._roots = [o.grad_fn for o in self.outputs if o.grad_fn is not None]
-        self._consumers = _consumers(self._roots)
+        self.cuts = list(cuts)
+        # where a piece's graph can end: the stage's inputs and the cuts' leaves, by node
+        ends: dict[Node, list[torch.Tensor]] = {}
+        for x in itertools.chain(self.inputs, (leaf for cut in self.cuts for leaf in cut.leaves)):
+            if x.requires_grad:
+                ends.setdefault(get_gradient_edge(x).node, []).append(x)
+        # the top piece (from the stage's outputs), then the cut pieces from the last made
+        self._pieces = [_Piece(self.outputs, ends)]
+        self._pieces += [_Piece(list(cut.originals), ends) for cut in reversed(self.cuts)]
         #: ``I`` does the whole backward and ``W`` nothing: the graph holds a node that
         #: cannot be split around (a compiled region, reentrant checkpointing, torch's
         #: FSDP2; see above)
-        self.whole = any(node.name() in _INDIVISIBLE
-                         for node in itertools.chain(self._roots, self._consumers))
-        # boundary node -> its weight-side edges; None when the fast split is not exact
-        self._boundaries: dict[Node, list[tuple[Node, int]]] | None = None
-        self._kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+        self.whole = any(piece.indivisible for piece in self._pieces)
 
     def input_grad(self) -> torch.Tensor | None | tuple[torch.Tensor | None, ...]:
         """The gradient of the stage's input (or of the tensor the split is made at: any
         tensor of the stage's graph), a tuple of them for several inputs; the graph is kept
         for :meth:`weight_grads` (unless :attr:`whole`: then the parameters' gradients are
         accumulated too, and the graph freed)."""
-        if self.whole:
-            torch.autograd.backward(self.outputs, self.grads)
-            grads = tuple(x.grad if x.is_leaf else None for x in self.inputs)
-            return grads[0] if self.single_input else grads
-        nodes = [get_gradient_edge(x).node for x in self.inputs]
-        # an input computed in the stage by an operation with several outputs (a chunk)
-        # would keep the gradient of this output only: not exact, so W does it all
-        several = any(len(getattr(node, "_input_metadata", ())) > 1 for node in nodes)
-        self._boundaries = None if several else _boundaries(self._roots, nodes,
-                                                              self._consumers)
-        handles = [node.register_prehook(self._keeper(node)) for node in self._boundaries or ()]
-        try:
-            with weight_gradients_follow():  # fully_shard units keep their gathers for W
-                grads = torch.autograd.grad(self.outputs, self.inputs, self.grads,
-                                            retain_graph=True, allow_unused=True)
-        finally:
-            for handle in handles:
-                handle.remove()
-        for x, grad in zip(self.inputs, grads):
-            edge = get_gradient_edge(x)
-            if self._boundaries and edge.node in self._boundaries and grad is not None:
-                # an input computed inside the stage (the first stage splits at its first
-                # child's output): autograd stopped at it, so its node's gradient is this one
-                self._kept.setdefault(edge.node, (None,) * edge.output_nr + (grad,))
-        return grads[0] if self.single_input else tuple(grads)
+        got: dict[int, torch.Tensor] = {}  # id(input or leaf) -> its gradient so far
+        for piece, seeds in zip(self._pieces, self._seeds_of_pieces(got)):
+            for tensor, grad in piece.run_input_grad(seeds, whole=self.whole):
+                if grad is not None:
+                    got[id(tensor)] = grad if id(tensor) not in got else got[id(tensor)] + grad
+        grads = tuple(got.get(id(x)) for x in self.inputs)
+        return grads[0] if self.single_input else grads
 
-    def _keeper(self, node: Node):
-        def keep(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
-            self._kept[node] = tuple(grad_outputs)
-        return keep
-
-    def _seeds(self, node: Node) -> list[tuple[GradientEdge, torch.Tensor]]:
-        """The gradients ``I`` kept at boundary ``node``, one per output that got one."""
-        return [(GradientEdge(node, i), g) for i, g in enumerate(self._kept.get(node, ()))
-                if g is not None]
+    def _seeds_of_pieces(self, got: dict[int, torch.Tensor]
+                         ) -> Iterator[list[torch.Tensor | None]]:
+        """Each piece's output gradients, top down: the stage's own, then each cut's leaves'
+        as the pieces above left them in ``got`` (read lazily, after those pieces ran)."""
+        yield self.grads
+        for cut in reversed(self.cuts):
+            yield [got.get(id(leaf)) for leaf in cut.leaves]
 
     def weight_grads(self) -> None:
         """Accumulate the parameters' gradients of this micro-batch into their ``.grad``."""
         if not self.params or self.whole:  # whole: input_grad did it
             return
-        if self._boundaries is None:  # not exact one boundary at a time: the whole backward
-            torch.autograd.backward(self.outputs, self.grads, inputs=self.params)
-            return
-        own = _own_parameters(self._boundaries, self.params)
-        if own is not None:  # weight sides apart: each boundary's straight into its .grad
-            for node, params in own.items():
-                seeds = self._seeds(node)
+        # fully_shard units keep their gathers through W's several calls (a Linear's
+        # AddmmBackward unpacks its weight even when asked for the weight gradient only):
+        # each unit reduces, and drops them, in the one call that reaches its gather node
+        with weight_gradients_follow():
+            self._weight_grads()
+
+    def _weight_grads(self) -> None:
+        entries = _merged([entry for piece in self._pieces for entry in piece.entries()])
+        own = _own_parameters(entries, self.params)
+        if own is not None:  # weight sides apart: each entry's straight into its .grad
+            for (seeds, _), params in zip(entries, own):
                 if seeds and params:
                     torch.autograd.backward([e for e, _ in seeds], [g for _, g in seeds],
                                             inputs=params)
-            self._kept.clear()
-            return
-        edges, grads = [], []
-        for node, weight_edges in self._boundaries.items():
-            seeds = self._seeds(node)
-            if not seeds or not weight_edges:
-                continue
-            wanted = [GradientEdge(n, nr) for n, nr in weight_edges]
-            found = torch.autograd.grad([e for e, _ in seeds], wanted,
-                                        [g for _, g in seeds], allow_unused=True)
-            for edge, g in zip(wanted, found):
-                if g is not None:
-                    edges.append(edge)
-                    grads.append(g)
-        self._kept.clear()
-        if edges:
-            torch.autograd.backward(edges, grads, inputs=self.params)
+        else:
+            edges, grads = [], []
+            for seeds, weight_edges in entries:
+                if weight_edges is _WHOLE:  # a piece not split: its roots go in as they are
+                    edges += [e for e, _ in seeds]
+                    grads += [g for _, g in seeds]
+                    continue
+                if not seeds or not weight_edges:
+                    continue
+                wanted = [GradientEdge(n, nr) for n, nr in weight_edges]
+                # kept: a piece W runs whole may pass through this node again
+                found = torch.autograd.grad([e for e, _ in seeds], wanted,
+                                            [g for _, g in seeds], allow_unused=True,
+                                            retain_graph=True)
+                for edge, g in zip(wanted, found):
+                    if g is not None:
+                        edges.append(edge)
+                        grads.append(g)
+            if edges:
+                torch.autograd.backward(edges, grads, inputs=self.params)
+        for piece in self._pieces:
+            piece.kept.clear()
+
+
+def _merged(entries: list[tuple[list[tuple[GradientEdge, torch.Tensor]],
+                               list[tuple[Node, int]]]]
+            ) -> list[tuple[list[tuple[GradientEdge, torch.Tensor]], list[tuple[Node, int]]]]:
+    """One entry per boundary node, its gradients summed: a node two pieces reach (a later
+    layer reading a tensor an earlier one kept, past the cut) is a boundary of both, and
+    runs once."""
+    by_node: dict[Node, tuple[dict[int, torch.Tensor], list[tuple[Node, int]]]] = {}
+    merged: list = []
+    for seeds, weight_edges in entries:
+        if weight_edges is _WHOLE or not seeds:
+            merged.append((seeds, weight_edges))
+            continue
+        node = seeds[0][0].node
+        if node not in by_node:
+            by_node[node] = ({}, weight_edges)
+            merged.append(node)
+        grads = by_node[node][0]
+        for edge, grad in seeds:
+            nr = edge.output_nr
+            grads[nr] = grad if nr not in grads else grads[nr] + grad
+    return [entry if not isinstance(entry, Node) else
+            ([(GradientEdge(entry, nr), g) for nr, g in sorted(by_node[entry][0].items())],
+             by_node[entry][1]) for entry in merged]
+
+
+# an entry's weight edges when its piece is not split: W runs the piece's whole backward
+# from the seeds (its roots) — exact, and only that piece's input chain computed again
+_WHOLE: list[tuple[Node, int]] = []
+
+
+class _Piece:
+    """One piece of a stage's graph: from ``outputs`` down to the stage inputs and earlier
+    cuts' leaves it reaches (or, without cuts, the whole stage)."""
+
+    def __init__(self, outputs: list[torch.Tensor], ends: dict[Node, list[torch.Tensor]]
+                 ) -> None:
+        self.outputs = outputs
+        self.roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
+        self.consumers = _consumers(self.roots)
+        self.indivisible = any(node.name() in _INDIVISIBLE
+                               for node in itertools.chain(self.roots, self.consumers))
+        #: the stage inputs and cut leaves this piece's graph reaches, each once (only
+        #: leaves of earlier cuts: a leaf is used only after its cut)
+        self.inputs = list({id(x): x for node in dict.fromkeys(
+            itertools.chain(self.roots, self.consumers)) for x in ends.get(node, ())}.values())
+        #: the outputs that are such tensors themselves (a skip connection passed on): their
+        #: gradient is their seed, besides what reaches them through the graph
+        self.passed = {id(o) for o in outputs if o.grad_fn is None and o.requires_grad
+                       and any(o is x for x in ends.get(get_gradient_edge(o).node, ()))}
+        # boundary node -> its weight-side edges; None when the fast split is not exact
+        self.boundaries: dict[Node, list[tuple[Node, int]]] | None = None
+        self.kept: dict[Node, tuple[torch.Tensor | None, ...]] = {}
+        self.seeds: list[tuple[GradientEdge, torch.Tensor]] = []  # for a piece W runs whole
+
+    def run_input_grad(self, grads: Sequence[torch.Tensor | None], *, whole: bool
+                       ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """This piece's part of ``I`` (``whole``: of the whole backward) from its outputs'
+        gradients ``grads``: the gradient reaching each of its inputs."""
+        pairs = [(o, g) for o, g in zip(self.outputs, grads)
+                 if o.requires_grad and (g is not None or o.numel() == 1)]
+        passed = [(o, g) for o, g in pairs if id(o) in self.passed]
+        pairs = [(o, g) for o, g in pairs if o.grad_fn is not None]
+        if not pairs:  # nothing flows (or the piece's outputs are leaves themselves)
+            return passed
+        outputs, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        inputs = self.inputs
+        if whole:
+            leaves = [x for x in inputs if x.grad_fn is None]
+            before = [x.grad for x in leaves]
+            for x in leaves:
+                x.grad = None
+            torch.autograd.backward(outputs, seeds)
+            got = [(x, x.grad) for x in leaves]
+            for x, grad in zip(leaves, before):
+                x.grad = grad
+            return passed + got
+        if not inputs:  # nothing of the input path here: W runs all of it
+            self.seeds = [(get_gradient_edge(o), g) for o, g in zip(outputs, seeds)
+                          if g is not None]
+            return passed
+        nodes = [get_gradient_edge(x).node for x in inputs]
+        # an input computed in the stage by an operation with several outputs (a chunk)
+        # would keep the gradient of this output only: not exact, so W does it all
+        several = any(len(getattr(node, "_input_metadata", ())) > 1 for node in nodes)
+        self.boundaries = None if several else _boundaries(self.roots, nodes, self.consumers)
+        if self.boundaries is None:
+            self.seeds = [(get_gradient_edge(o), g) for o, g in zip(outputs, seeds)
+                          if g is not None]
+        handles = [node.register_prehook(self._keeper(node)) for node in self.boundaries or ()]
+        try:
+            with weight_gradients_follow():  # fully_shard units keep their gathers for W
+                grads = torch.autograd.grad(outputs, inputs, seeds, retain_graph=True,
+                                            allow_unused=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        for x, grad in zip(inputs, grads):
+            edge = get_gradient_edge(x)
+            if self.boundaries and edge.node in self.boundaries and grad is not None:
+                # an input computed inside the stage (the first stage splits at its first
+                # child's output): autograd stopped at it, so its node's gradient is this one
+                self.kept.setdefault(edge.node, (None,) * edge.output_nr + (grad,))
+        return passed + list(zip(inputs, grads))
+
+    def _keeper(self, node: Node):
+        def keep(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+            self.kept[node] = tuple(grad_outputs)
+        return keep
+
+    def entries(self) -> list[tuple[list[tuple[GradientEdge, torch.Tensor]],
+                                    list[tuple[Node, int]]]]:
+        """What W starts from in this piece: per boundary, the gradients ``I`` kept there
+        and its weight-side edges; for a piece not split, its roots' gradients and
+        :data:`_WHOLE`."""
+        if self.boundaries is None:
+            return [(self.seeds, _WHOLE)] if self.seeds else []
+        return [([(GradientEdge(node, i), g) for i, g in enumerate(self.kept.get(node, ()))
+                  if g is not None], weight_edges)
+                for node, weight_edges in self.boundaries.items()]
 
 
 def _consumers(roots: Sequence[Node]) -> dict[Node, list[Node]]:
@@ -224,25 +353,29 @@ def _boundaries(roots: Sequence[Node], stage_inputs: Sequence[Node],
     return boundaries
 
 
-def _own_parameters(boundaries: dict[Node, list[tuple[Node, int]]], params: Sequence[torch.Tensor]
-                    ) -> dict[Node, list[torch.Tensor]] | None:
-    """Each boundary's parameters, when no weight-side node is reached from two boundaries
-    (a plain stage: every layer's weight side is its own); ``None`` when one is (``fully_shard``
-    gathers a unit's parameters in one node, which must run once, with every layer's
-    gradient)."""
+def _own_parameters(entries: Sequence[tuple[list[tuple[GradientEdge, torch.Tensor]],
+                                             list[tuple[Node, int]]]],
+                    params: Sequence[torch.Tensor]) -> list[list[torch.Tensor]] | None:
+    """Each entry's parameters (see :meth:`_Piece.entries`), when no node is reached from two
+    entries (a plain stage: every layer's weight side is its own); ``None`` when one is
+    (``fully_shard`` gathers a unit's parameters in one node, which must run once, with
+    every layer's gradient). A piece W runs whole is walked from its roots."""
     wanted = {id(p) for p in params}
-    owner: dict[Node, Node] = {}  # weight-side node -> the boundary that reaches it
-    own: dict[Node, list[torch.Tensor]] = {}
-    for boundary, weight_edges in boundaries.items():
-        mine = own[boundary] = []
-        queue = deque(node for node, _ in weight_edges)
+    owner: dict[Node, int] = {}  # node -> the entry that reaches it
+    own: list[list[torch.Tensor]] = []
+    for index, (seeds, weight_edges) in enumerate(entries):
+        mine: list[torch.Tensor] = []
+        own.append(mine)
+        starts = [e.node for e, _ in seeds] if weight_edges is _WHOLE else \
+            [node for node, _ in weight_edges]
+        queue = deque(starts)
         while queue:
             node = queue.popleft()
             if node in owner:
-                if owner[node] is not boundary:
+                if owner[node] != index:
                     return None
                 continue
-            owner[node] = boundary
+            owner[node] = index
             leaf = getattr(node, "variable", None)  # AccumulateGrad: a leaf tensor
             if leaf is not None and id(leaf) in wanted:
                 mine.append(leaf)

@@ -1,0 +1,217 @@
+"""Zero-bubble's split backward over a stage whose graph the forward cut at its layers'
+outputs (``layer_cuts``): the same gradients and the same matrix work as one backward, on
+stages built the ways users build them (torch's own transformer layers, skip connections
+across layers, tuples with masks, a module called twice, a weight shared by two layers,
+frozen layers), and each autograd call of W walks one piece, not the stage below it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh.parallel.pipeline.layer_cuts import LayerCuts
+from devmesh.parallel.pipeline.split_backward import SplitBackward, _consumers
+from test_pipeline import MatmulWork
+from test_pipeline import _ChunkKeepingTheOtherHalf as _KeepsHalf
+
+
+def _mlp(depth: int = 12) -> nn.Sequential:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(depth)])
+
+
+class _Skips(nn.Module):
+    """A custom stage whose forward reuses an early layer's output later (a long skip)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.layers[0](x)
+        h = first
+        for layer in self.layers[1:]:
+            h = torch.tanh(layer(h))
+        return h + first
+
+
+class _WithMask(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x, mask=None):
+        h = x[0] if isinstance(x, tuple) else x
+        out = torch.tanh(self.fc(h))
+        return out, (out[:, :1] > 0)
+
+
+class _Unmask(nn.Module):
+    def forward(self, pair):
+        h, mask = pair
+        return h * mask
+
+
+class _TiedUse(nn.Module):
+    """Uses another layer's weight directly (not through that layer's forward)."""
+
+    def __init__(self, source: nn.Linear) -> None:
+        super().__init__()
+        self.source = [source]  # not a child: the weight belongs to the earlier layer
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(torch.tanh(F.linear(x, self.source[0].weight)))
+
+
+class _DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return {"h": self.fc(x)}
+
+
+class _FromDict(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, d):
+        return self.fc(d["h"])
+
+
+class _ReadsKept(nn.Module):
+    """Reads the half an earlier layer kept: a piece's graph reaching into an earlier
+    piece's (not through the cut)."""
+
+    def __init__(self, keeper: _KeepsHalf) -> None:
+        super().__init__()
+        self.keeper = [keeper]
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x) * self.keeper[0].other
+
+
+def _stage(kind: str) -> nn.Module:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        return _mlp()
+    if kind == "torch-transformer":  # torch's own layer class, four of them
+        return nn.Sequential(*[nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0,
+                                                          batch_first=True)
+                               for _ in range(4)])
+    if kind == "skips":
+        return _Skips()
+    if kind == "tuples":
+        return nn.Sequential(_WithMask(), _WithMask(), _Unmask(), nn.Linear(16, 16))
+    if kind == "called-twice":
+        shared = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+        return nn.Sequential(shared, _mlp(2), shared, nn.Linear(16, 16))
+    if kind == "shared-weight":
+        first = nn.Linear(16, 16)
+        return nn.Sequential(first, *_mlp(4), _TiedUse(first))
+    if kind == "frozen":
+        model = _mlp(6)
+        for p in model[2].parameters():
+            p.requires_grad_(False)
+        return nn.Sequential(nn.Tanh(), *model)  # the first layer has no parameters
+    if kind == "keeps-state":
+        keeper = _KeepsHalf()
+        return nn.Sequential(nn.Linear(16, 16), keeper, *_mlp(3), _ReadsKept(keeper))
+    if kind == "dict":
+        return nn.Sequential(nn.Linear(16, 16), _DictOut(), _FromDict(), nn.Linear(16, 16))
+    raise ValueError(kind)
+
+
+KINDS = ["mlp", "torch-transformer", "skips", "tuples", "called-twice", "shared-weight",
+         "frozen", "dict", "keeps-state"]
+
+
+def _input(kind: str) -> torch.Tensor:
+    shape = (2, 4, 16) if kind == "torch-transformer" else (8, 16)
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("min_params", [1, 8])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_cut_stage_splits_into_one_backwards_gradients_and_work(kind, min_params):
+    """I then W over the cut graph: the input gradient and every parameter's gradient of one
+    plain backward, with the same matrix work (nothing computed twice); ``min_params=1``
+    cuts after every layer with parameters."""
+    stage = _stage(kind)
+    reference = copy.deepcopy(stage)
+    x = _input(kind)
+    x_ref = x.clone().requires_grad_()
+    out_ref = reference(x_ref)
+    grad = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(2))
+    with MatmulWork() as whole:
+        out_ref.backward(grad)
+
+    cuts = LayerCuts(stage, min_params)
+    x_split = x.clone().requires_grad_()
+    with cuts.recording() as made:
+        out = stage(x_split)
+    assert made, "the forward made no cut"
+    params = [p for p in stage.parameters() if p.requires_grad]
+    split = SplitBackward(out, grad, x_split, params, made)
+    assert len(split._pieces) == len(made) + 1
+    with MatmulWork() as input_part:
+        input_grad = split.input_grad()
+    assert all(p.grad is None for p in params)  # I touches no parameter
+    with MatmulWork() as weight_part:
+        split.weight_grads()
+    torch.testing.assert_close(input_grad, x_ref.grad, rtol=1e-5, atol=1e-6)
+    for (name, ours), theirs in zip(stage.named_parameters(), reference.parameters()):
+        if theirs.grad is None:
+            assert ours.grad is None, name
+        else:
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6,
+                                       msg=name)
+    # keeps-state: the top piece reaches the keeper's Linear past the cut, so I runs its
+    # input gradient for each piece's share (8 x 32 x 16 multiply-adds once more)
+    extra = 8 * 32 * 16 if kind == "keeps-state" else 0
+    assert input_part.flops + weight_part.flops == whole.flops + extra
+
+
+def test_each_piece_is_one_layers_graph_however_deep_the_stage():
+    """The reason for the cuts: W's autograd calls start inside a piece, and autograd walks
+    everything reachable from where a call starts. Uncut, a 48-layer stage's first piece was
+    the whole stage; cut, the biggest piece of a 48-layer stage is no bigger than that of a
+    12-layer one."""
+    def biggest_piece(depth: int, min_params: int) -> int:
+        stage = _mlp(depth)
+        cuts = LayerCuts(stage, min_params)
+        x = torch.randn(4, 16, requires_grad=True)
+        with cuts.recording() as made:
+            out = stage(x)
+        split = SplitBackward(out, torch.ones_like(out), x, list(stage.parameters()), made)
+        return max(len(_consumers(piece.roots)) for piece in split._pieces)
+
+    assert biggest_piece(48, 8) == biggest_piece(12, 8) <= 5 * 4  # 4 layers: 5 nodes each
+    assert biggest_piece(48, 10**9) > 4 * biggest_piece(12, 10**9)  # uncut: grows
+
+
+def test_cuts_only_where_the_runner_records_and_grad_is_on():
+    """Outside :meth:`LayerCuts.recording` (the user's own forward, validation) and under
+    ``no_grad`` or activation checkpointing nothing is cut: the graph is torch's own."""
+    from torch.utils.checkpoint import checkpoint
+
+    stage = _mlp(4)
+    cuts = LayerCuts(stage, 1)
+    x = torch.randn(4, 16, requires_grad=True)
+    out = stage(x)
+    assert len(_consumers([out.grad_fn])) > 4 * 4  # one graph down to x
+    with cuts.recording() as made, torch.no_grad():
+        stage(x)
+    assert made == []
+    with cuts.recording() as made:
+        out = checkpoint(stage, x, use_reentrant=False)
+    assert made == []
+    out.sum().backward()  # the recomputation matches the forward
+    assert x.grad is not None
