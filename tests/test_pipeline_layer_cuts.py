@@ -124,13 +124,16 @@ def _stage(kind: str) -> nn.Module:
     if kind == "keeps-state":
         keeper = _KeepsHalf()
         return nn.Sequential(nn.Linear(16, 16), keeper, *_mlp(3), _ReadsKept(keeper))
+    if kind == "in-place-relu":  # ResNet's stem: no cut before the in-place ReLU
+        return nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.ReLU(inplace=True),
+                             *_mlp(4), nn.LayerNorm(16), nn.ReLU(inplace=True))
     if kind == "dict":
         return nn.Sequential(nn.Linear(16, 16), _DictOut(), _FromDict(), nn.Linear(16, 16))
     raise ValueError(kind)
 
 
 KINDS = ["mlp", "torch-transformer", "skips", "tuples", "called-twice", "shared-weight",
-         "frozen", "dict", "keeps-state"]
+         "frozen", "dict", "keeps-state", "in-place-relu"]
 
 
 def _input(kind: str) -> torch.Tensor:
@@ -215,3 +218,44 @@ def test_cuts_only_where_the_runner_records_and_grad_is_on():
     assert made == []
     out.sum().backward()  # the recomputation matches the forward
     assert x.grad is not None
+
+
+class _AddsInPlace(nn.Module):
+    """Changes its input in place (``x += 1``): a cut before it cannot be a leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x += 1
+        return self.fc(x)
+
+
+def _in_place_after_a_cut():
+    from devmesh import init_device_mesh
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel.pipeline import PipelineError, PipelineRunner
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    torch.manual_seed(0)
+    stage = (nn.Sequential(nn.Linear(16, 16), _AddsInPlace()) if me == 0
+             else nn.Linear(16, 4))
+    runner = PipelineRunner({me: stage}, mesh, build_schedule("zero-bubble", 2, 2),
+                            F.cross_entropy)
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    try:
+        runner.step(x if me == 0 else None, y if me == 1 else None)
+    except PipelineError as exc:
+        return str(exc)
+    return None
+
+
+def test_a_layer_changing_its_input_in_place_after_a_cut_is_told_the_fix(mesh_pool):
+    """torch's own message ("a leaf Variable ... in-place operation") names neither the cut
+    nor the fix; the runner's does, on every rank (no hang)."""
+    for error in mesh_pool.run(_in_place_after_a_cut, 2):
+        assert error is not None and "rank 0:" in error, error
+        assert "cuts the stage's graph at its layers' outputs" in error, error
+        assert "make that operation out of place (x = x + y, not x += y" in error, error

@@ -306,12 +306,13 @@ def pipelined_run(schedule_name: str, pp: int, dp: int, microbatches: int):
 
 @pytest.mark.parametrize("schedule_name,pp,dp,microbatches", [
     ("1f1b", 2, 1, 4), ("interleaved-1f1b", 2, 1, 4), ("zero-bubble", 2, 1, 2),
-    ("gpipe", 2, 2, 2)])
+    ("gpipe", 2, 2, 2), ("zero-bubble", 2, 2, 2)])
 def test_torch_transformer_pipelined_matches_single_process(mesh_pool, single_process,
                                                             schedule_name, pp, dp, microbatches):
     """torch's Transformer split into stages (embedding | blocks | head): the output head,
     tied to the token embedding, sits on another rank than the embedding (interleaved: 4
-    stages, the head on rank 1); with dp, every stage is also fully sharded. Losses,
+    stages, the head on rank 1); with dp, every stage is also fully sharded (zero-bubble:
+    one unit over a stage whose graph W's forward cut per block). Losses,
     gradient norms and every parameter equal single-process training over 3 Adam steps."""
     ref_losses, ref_norms, ref_state = single_process
     results = mesh_pool.run(pipelined_run, pp * dp, schedule_name, pp, dp, microbatches,

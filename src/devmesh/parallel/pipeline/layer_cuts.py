@@ -25,6 +25,12 @@ A stage under torch's FSDP2 is not cut (its units reduce at the end of each auto
 that ran their backward, and a whole backward of a cut graph is one call per piece); its
 first layer's output is still recorded, for the first stage's ``I`` to stop at.
 
+A leaf that requires grad cannot be changed in place (torch raises "a leaf Variable that
+requires grad is being used in an in-place operation", as it does for a stage's input), so
+no cut is made before a layer with ``inplace=True`` (``nn.ReLU(inplace=True)`` after a
+``BatchNorm2d``); a layer changing its input in place by itself gets a
+:class:`~devmesh.parallel.pipeline.PipelineError` naming the fix from the runner.
+
 Only where the cuts are safe: while the runner records (its own forward of a micro-batch
 whose backward is split), with grad on, and outside activation checkpointing, offloading
 or a user's saved-tensor hooks (a recomputation would rebuild the uncut graph).
@@ -75,8 +81,13 @@ class LayerCuts:
         self._made: list[Cut] | None = None  # a list while recording
         self._since = 0  # parameter tensors of the layers run since the last cut
         self._params: dict[int, int] = {}  # id(layer) -> its parameter tensors
+        layers = list(_layers(stage))
+        # a leaf that requires grad cannot be changed in place: no cut where the next layer
+        # does that to its input (nn.ReLU(inplace=True) after a BatchNorm, as in ResNets)
+        self._before_in_place = {id(layer) for layer, after in zip(layers, layers[1:])
+                                 if getattr(after, "inplace", False) is True}
         self._handles = []
-        for layer in _layers(stage):
+        for layer in layers:
             self._params[id(layer)] = sum(1 for _ in layer.parameters())
             self._handles.append(layer.register_forward_hook(self._cut))
 
@@ -95,12 +106,16 @@ class LayerCuts:
             self._made = None
 
     def _cut(self, module: nn.Module, args: tuple, output: object) -> object:
-        if (self._made is None or not torch.is_grad_enabled() or torch.compiler.is_compiling()
+        # first the compiled case (one autograd node anyway), so that torch.compile tracing
+        # a compiled layer's hooks reads none of this object's state (no guard, no recompile)
+        if (torch.compiler.is_compiling() or self._made is None or not torch.is_grad_enabled()
                 or users_saved_tensor_hooks()):
-            return None  # inside a compiled region: one autograd node anyway
+            return None
         self._since += self._params.get(id(module), 0)
         if self._made and (self._since < self.min_params or not self.cut):
             return None  # the first layer is cut at once
+        if id(module) in self._before_in_place:
+            return None  # the next layer is, then
         if isinstance(output, torch.Tensor):
             items, rebuild = [output], lambda new: new[0]
         elif type(output) in (tuple, list):

@@ -352,6 +352,8 @@ class PipelineRunner:
         else:
             xs = self._links.recv_activation(s, mb)
         outs = None
+        # the stage's layer cuts, if this micro-batch's backward is split (see layer_cuts)
+        cutter = self._cuts.get(s) if step.training and (s, mb) in self._split else None
         if xs is not None and step.error is None:
             start = time.perf_counter()
             try:
@@ -360,8 +362,7 @@ class PipelineRunner:
                         if x.is_floating_point():
                             x.requires_grad_(True)
                 keywords = step.chunks["kwargs"][mb] if s == 0 and "kwargs" in step.chunks else {}
-                cutting = step.training and (s, mb) in self._split and s in self._cuts
-                with self._sync[s].forward(), (self._cuts[s].recording() if cutting
+                with self._sync[s].forward(), (cutter.recording() if cutter
                                                else contextlib.nullcontext([])) as cuts:
                     out = self.stages[s](*xs, **keywords)
                 if s == self.last:
@@ -375,6 +376,14 @@ class PipelineRunner:
                 else:
                     outs = _tensors(out, f"stage {s}")
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
+                if cutter and cutter.cut and "leaf Variable that requires grad is being " \
+                        "used in an in-place operation" in str(exc):
+                    exc = PipelineError(
+                        f"{exc} Under a split backward (zero-bubble's I and W) the runner "
+                        "cuts the stage's graph at its layers' outputs, each becoming a "
+                        "leaf as a stage's input is, and a layer changed its input in place: "
+                        "make that operation out of place (x = x + y, not x += y; "
+                        "nn.ReLU(inplace=False))", with_rank=False)
                 step.fail(exc, f"stage {s}, forward of micro-batch {mb} on an input of "
                                f"{describe(layout_of(xs))}")
                 outs = None
