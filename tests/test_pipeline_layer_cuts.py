@@ -67,6 +67,19 @@ class _TiedUse(nn.Module):
         return self.fc(torch.tanh(F.linear(x, self.source[0].weight)))
 
 
+class _MatmulUse(nn.Module):
+    """Multiplies by another layer's weight directly (``x @ W``: its backward node feeds
+    the weight's accumulator itself, where ``F.linear`` goes through a transpose)."""
+
+    def __init__(self, source: nn.Linear) -> None:
+        super().__init__()
+        self.source = [source]
+        self.scale = nn.Parameter(torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x @ self.source[0].weight) * self.scale
+
+
 class _DictOut(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -116,6 +129,9 @@ def _stage(kind: str) -> nn.Module:
     if kind == "shared-weight":
         first = nn.Linear(16, 16)
         return nn.Sequential(first, *_mlp(4), _TiedUse(first))
+    if kind == "matmul-shared-weight":
+        first = nn.Linear(16, 16)
+        return nn.Sequential(first, nn.Tanh(), _MatmulUse(first), *_mlp(4), _MatmulUse(first))
     if kind == "frozen":
         model = _mlp(6)
         for p in model[2].parameters():
@@ -133,7 +149,7 @@ def _stage(kind: str) -> nn.Module:
 
 
 KINDS = ["mlp", "torch-transformer", "skips", "tuples", "called-twice", "shared-weight",
-         "frozen", "dict", "keeps-state", "in-place-relu"]
+         "frozen", "dict", "keeps-state", "in-place-relu", "matmul-shared-weight"]
 
 
 def _input(kind: str) -> torch.Tensor:
@@ -198,6 +214,43 @@ def test_each_piece_is_one_layers_graph_however_deep_the_stage():
 
     assert biggest_piece(48, 8) == biggest_piece(12, 8) <= 5 * 4  # 4 layers: 5 nodes each
     assert biggest_piece(48, 10**9) > 4 * biggest_piece(12, 10**9)  # uncut: grows
+
+
+class _Direct(nn.Module):
+    """``x @ W`` with a weight the stage holds (not a layer's own)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = [weight]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight[0]
+
+
+@pytest.mark.parametrize("min_params", range(1, 9))
+def test_a_weight_used_directly_in_two_pieces_is_counted_once(min_params):
+    """Two layers multiplying by one weight directly (both backward nodes feed its
+    accumulator), in pieces cut every ``min_params`` parameter tensors: W asking both in
+    one call counted one's gradient twice, through its piece's input path (6: 0.55 off)."""
+    torch.manual_seed(0)
+    weight = nn.Parameter(torch.randn(16, 16) / 4)
+    layers = []
+    for kind in "lldlldl":
+        layers += [_Direct(weight) if kind == "d" else nn.Linear(16, 16), nn.Tanh()]
+    stage = nn.Sequential(*layers)
+    stage.weight = weight
+    reference = copy.deepcopy(stage)
+    x, grad = torch.randn(4, 16), torch.randn(4, 16)
+    reference(x).backward(grad)
+    cuts = LayerCuts(stage, min_params)
+    x_split = x.clone().requires_grad_()
+    with cuts.recording() as made:
+        out = stage(x_split)
+    split = SplitBackward(out, grad, x_split, list(stage.parameters()), made)
+    split.input_grad()
+    split.weight_grads()
+    for ours, theirs in zip(stage.parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-6)
 
 
 class _FlatLinears(nn.Module):

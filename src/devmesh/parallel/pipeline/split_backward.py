@@ -147,8 +147,8 @@ class SplitBackward:
     def _weight_grads(self) -> None:
         by_piece = [piece.entries() for piece in self._pieces]
         entries = _merged([entry for piece_entries in by_piece for entry in piece_entries])
-        rounds = self._rounds(by_piece, len(entries))
         own = _own_parameters(entries, self.params)
+        rounds = self._rounds(by_piece, entries, own is None)
         if own is not None:  # weight sides apart: each entry's straight into its .grad
             for entry_round in rounds:
                 chosen = [i for i in entry_round if entries[i][0] and own[i]]
@@ -184,13 +184,19 @@ class SplitBackward:
         for piece in self._pieces:
             piece.kept.clear()
 
-    def _rounds(self, by_piece: list[list], merged: int) -> list[list[int]]:
+    def _rounds(self, by_piece: list[list], entries: list, asking: bool) -> list[list[int]]:
         """The entries W can start in one autograd call, as index lists into the merged
-        entries: where the pieces share no node, the j-th boundary of every piece together
-        (pieces are separate graphs, so no call reaches from one start into another's
-        weight side: O(boundaries per piece) calls instead of one per layer, each ~50 us of
-        engine and Python); else one entry per call."""
-        if merged != sum(map(len, by_piece)) or not self._pieces_apart():
+        ``entries``: where the pieces' input paths are apart, the j-th boundary of every
+        piece together (pieces are separate graphs, so no call reaches from one start into
+        another's weight side: O(boundaries per piece) calls instead of one per layer, each
+        ~50 us of engine and Python); else one entry per call. ``asking``: W asks for the
+        entries' weight-side edges (its second way), which must then not meet
+        (:func:`_entries_meet`: ``x @ W`` in one piece feeds ``W``'s accumulator directly,
+        ``F.linear(x, W)`` in another through a transpose; asked together, the transpose's
+        gradient was counted at both)."""
+        merged = len(entries)
+        if (merged != sum(map(len, by_piece)) or not self._pieces_apart()
+                or (asking and _entries_meet(entries))):
             return [[i] for i in range(merged)]
         rounds: list[list[int]] = []
         start = 0
@@ -237,6 +243,28 @@ def _merged(entries: list[tuple[list[tuple[GradientEdge, torch.Tensor]],
     return [entry if not isinstance(entry, Node) else
             ([(GradientEdge(entry, nr), g) for nr, g in sorted(by_node[entry][0].items())],
              by_node[entry][1]) for entry in merged]
+
+
+def _entries_meet(entries: list) -> bool:
+    """Do two entries' weight-side edges lead into one node (``x @ W`` in two pieces), or
+    a weight-side path from one entry's nodes to another's? Then a call starting several
+    entries would carry one's gradient, down its piece's input path or weight side, into
+    what it asks for another."""
+    listed = [node for _, weight_edges in entries if weight_edges is not _WHOLE
+              for node, _ in weight_edges]
+    wanted = set(listed)
+    if len(wanted) != len(listed):
+        return True
+    reached: set[Node] = set()
+    queue = deque(nxt for node in wanted for nxt, _ in node.next_functions if nxt is not None)
+    while queue:
+        node = queue.popleft()
+        if node in wanted:
+            return True
+        if node not in reached:
+            reached.add(node)
+            queue.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    return False
 
 
 # an entry's weight edges when its piece is not split: W runs the piece's whole backward
