@@ -250,16 +250,21 @@ def _entries_meet(entries: list) -> bool:
     a weight-side path from one entry's nodes to another's? Then a call starting several
     entries would carry one's gradient, down its piece's input path or weight side, into
     what it asks for another."""
-    listed = [node for _, weight_edges in entries if weight_edges is not _WHOLE
-              for node, _ in weight_edges]
-    wanted = set(listed)
-    if len(wanted) != len(listed):
+    return _meet([node for _, weight_edges in entries if weight_edges is not _WHOLE
+                  for node, _ in weight_edges])
+
+
+def _meet(nodes: list[Node]) -> bool:
+    """Is a node listed twice, or reached from another listed one (walking from all of
+    them at once)?"""
+    listed = set(nodes)
+    if len(listed) != len(nodes):
         return True
     reached: set[Node] = set()
-    queue = deque(nxt for node in wanted for nxt, _ in node.next_functions if nxt is not None)
+    queue = deque(nxt for node in listed for nxt, _ in node.next_functions if nxt is not None)
     while queue:
         node = queue.popleft()
-        if node in wanted:
+        if node in listed:
             return True
         if node not in reached:
             reached.add(node)
@@ -422,21 +427,11 @@ def _boundaries(roots: Sequence[Node], input_path: dict[Node, None]
                        if n is not None and n not in input_path]
         if weight_side:
             boundaries[node] = weight_side
-    entry_nodes = [n for edges in boundaries.values() for n, _ in edges]
-    entries = set(entry_nodes)
-    if any(root not in input_path for root in roots) or len(entries) != len(entry_nodes):
-        return None  # an output does not depend on the inputs; one node fed by two edges
-    # does any weight-side path lead from one entry to another? (from all entries at once)
-    reached: set[Node] = set()
-    queue = deque(nxt for entry in entries for nxt, _ in entry.next_functions
-                  if nxt is not None)
-    while queue:
-        node = queue.popleft()
-        if node in entries:
-            return None
-        if node not in reached:
-            reached.add(node)
-            queue.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
+    if any(root not in input_path for root in roots):
+        return None  # an output does not depend on the inputs
+    # one node fed by two edges, or a weight-side path from one entry to another
+    if _meet([n for edges in boundaries.values() for n, _ in edges]):
+        return None
     return boundaries
 
 
