@@ -371,3 +371,25 @@ def test_a_layer_changing_its_input_in_place_after_a_cut_is_told_the_fix(mesh_po
         assert error is not None and "rank 0:" in error, error
         assert "cuts the stage's graph at its layers' outputs" in error, error
         assert "make that operation out of place (x = x + y, not x += y" in error, error
+
+
+def test_a_copy_or_a_saved_stage_carries_no_live_cuts():
+    """The hooks stay on the user's modules: a deep copy (an EMA, a teacher) runs its own
+    forwards uncut even while the runner records the original's, and ``torch.save`` of the
+    whole module still pickles (the runner's earlier closure hook could not be pickled)."""
+    import io
+
+    stage = _mlp(4)
+    cuts = LayerCuts(stage, 1)
+    twin = copy.deepcopy(stage)
+    x = torch.randn(4, 16, requires_grad=True)
+    with cuts.recording() as made:
+        stage(x)
+        out = twin(x)
+    assert len(made) == 4  # the original's layers only
+    assert len(_consumers([out.grad_fn])) > 4 * 4  # the copy's graph is one piece
+    buffer = io.BytesIO()
+    torch.save(stage, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    torch.testing.assert_close(loaded(x), stage(x))

@@ -87,7 +87,7 @@ class SplitBackward:
     input's gradient at once, and the input path is the nodes from which any input is
     reachable. ``cuts``: where the forward cut the stage's graph at its layers' outputs
     (:mod:`~devmesh.parallel.pipeline.layer_cuts`), in the order made: the graph is then
-    one piece per layer, and ``I`` runs them top down."""
+    one piece per few layers, and ``I`` runs them top down."""
 
     def __init__(self, output: torch.Tensor | Sequence[torch.Tensor],
                  grad: torch.Tensor | None | Sequence[torch.Tensor | None],
@@ -290,8 +290,8 @@ class _Piece:
                                for node in itertools.chain(self.roots, self.consumers))
         #: the stage inputs and cut leaves this piece's graph reaches, each once (only
         #: leaves of earlier cuts: a leaf is used only after its cut)
-        self.inputs = list({id(x): x for node in dict.fromkeys(
-            itertools.chain(self.roots, self.consumers)) for x in ends.get(node, ())}.values())
+        self.inputs = list({id(x): x for node in self.nodes()
+                            for x in ends.get(node, ())}.values())
         #: the outputs that are such tensors themselves (a skip connection passed on): their
         #: gradient is their seed, besides what reaches them through the graph
         self.passed = {id(o) for o in outputs if o.grad_fn is None and o.requires_grad
