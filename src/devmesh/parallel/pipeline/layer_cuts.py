@@ -51,12 +51,12 @@ __all__ = ["Cut", "LayerCuts", "MIN_PARAMS_PER_PIECE"]
 
 _CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
 # a piece holds the layers of at least this many parameter tensors (a transformer block:
-# one piece): every piece costs I an autograd call (~50 us of overhead on CPU), so cutting
-# after every small layer cost more than the walking it saved. Measured (single process,
-# one 16-row micro-batch, I + W against a whole backward B), Linear+Tanh layers of width w,
-# depth d: w=256, d=256: B 31 ms; I + W uncut 83 ms, cut after every
-# layer 66, every 8 parameter tensors 52, every 16 50, every 32 50; w=512, d=128: B 49;
-# uncut 67, every layer 71, every 8 60, every 16 62
+# one piece): every piece costs I an autograd call (~50 us of overhead on CPU) and a piece's
+# boundaries cost W a call each, so cutting after every small layer, or rarely, cost more
+# than it saved. Measured (single process, I + W of one micro-batch against a whole backward
+# B), layers Linear+activation of width w, depth d, cut every k parameter tensors (a Linear
+# has 2): w=256, d=256, 16 rows: B 33 ms; uncut 89; k=4 55, 8 51, 16 49, 32 49, 64 53;
+# w=512, d=512, 8 rows: B 158; uncut 381; k=4 219, 8 203, 16 210, 32 212, 64 225
 MIN_PARAMS_PER_PIECE = 8
 
 
