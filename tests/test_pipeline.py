@@ -6,6 +6,10 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import json
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -15,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from devmesh import comm_stats, init_device_mesh
 from devmesh.parallel import state_dict
+from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
 from devmesh.layout.schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
 from devmesh.parallel.pipeline import (
     PipelineError,
@@ -27,11 +32,7 @@ from helpers import hand_written_schedule
 
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_schedule_runs_every_piece_once_and_never_waits_on_itself(name):
-    for ranks, microbatches in itertools.product((1, 2, 3, 4), (1, 2, 4, 8)):
-        if name == "interleaved-1f1b" and microbatches % ranks:
-            with pytest.raises(ScheduleError, match="multiple of the pipeline ranks"):
-                build_schedule(name, ranks, microbatches)
-            continue
+    for ranks, microbatches in itertools.product((1, 2, 3, 4), (1, 2, 3, 4, 6, 8)):
         schedule = build_schedule(name, ranks, microbatches)
         timeline = schedule.simulate()  # raises if some rank would wait forever
         kinds = ("F", "I", "W") if name == "zero-bubble" else ("F", "B")
@@ -40,6 +41,65 @@ def test_every_schedule_runs_every_piece_once_and_never_waits_on_itself(name):
                                                 range(microbatches)))
         for t in timeline:  # each action runs on the rank holding its stage
             assert t.rank == schedule.rank_of(t.action.stage)
+
+
+_TORCH_INTERLEAVED_ORDER = """
+import json, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+orders = {}
+for pp, n, v in json.loads(sys.argv[1]):
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    stages = [PipelineStage(nn.Linear(2, 2), s, pp * v, torch.device("cpu"))
+              for s in range(0, pp * v, pp)]
+    try:
+        order = ScheduleInterleaved1F1B(stages, n, loss_fn=torch.nn.functional.mse_loss
+                                        ).pipeline_order
+        orders[f"{pp},{n},{v}"] = [[str(a) for a in order[r] if a is not None]
+                                   for r in range(pp)]
+    except ValueError:
+        orders[f"{pp},{n},{v}"] = None
+    dist.destroy_process_group()
+print(json.dumps(orders))
+"""
+
+
+def test_interleaved_1f1b_takes_every_micro_batch_count_torch_takes_in_torchs_order():
+    """torch's ``ScheduleInterleaved1F1B`` runs micro-batch counts that are not a multiple
+    of the ranks (equal rounds of ``n // max(1, n // ranks)``: 6 on 4 ranks, 2 on 4); code
+    moved from torch to devmesh must not be refused them. For every (ranks, micro-batches,
+    stages per rank) here, devmesh accepts exactly what torch accepts (torch's schedules
+    built over its fake process group, in a subprocess), with torch's action order on every
+    rank, and each order runs (simulated) with messages used in the order sent."""
+    cases = list(itertools.product(range(1, 7), range(1, 17), (2, 3)))
+    done = subprocess.run([sys.executable, "-c", _TORCH_INTERLEAVED_ORDER, json.dumps(cases)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    theirs = json.loads(done.stdout.splitlines()[-1])
+    kinds = {"F": "F", "B": "B"}
+    refused = 0
+    for ranks, microbatches, virtual in cases:
+        torch_order = theirs[f"{ranks},{microbatches},{virtual}"]
+        if torch_order is None:
+            refused += 1
+            with pytest.raises(ScheduleError, match="equal rounds") as info:
+                build_schedule("interleaved-1f1b", ranks, microbatches, virtual)
+            # the counts it names instead are ones both accept
+            for fit in re.findall(r"use (\d+)(?: or (\d+))? micro-batches", str(info.value))[0]:
+                if fit:
+                    build_schedule("interleaved-1f1b", ranks, int(fit), virtual)
+            continue
+        schedule = build_schedule("interleaved-1f1b", ranks, microbatches, virtual)
+        ours = [[f"{a.stage}{kinds[a.kind]}{a.microbatch}" for a in seq]
+                for seq in schedule.actions]
+        assert ours == torch_order, (ranks, microbatches, virtual)
+        schedule.simulate()
+        assert fifo_problem(schedule) is None
+        if ranks > 1:  # one rank sending to itself is refused on NCCL, as before
+            assert nccl_problem(schedule) is None
+    assert 0 < refused < len(cases) // 4  # e.g. 9 on 4 ranks: 2 rounds cannot be equal
 
 
 def test_bubbles_match_the_known_formulas():
@@ -410,8 +470,6 @@ def pipeline_errors():
 
 
 def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
-    import subprocess
-    import sys
 
     png = tmp_path / "1f1b.png"
     proc = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--pp", "4",
@@ -420,10 +478,10 @@ def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "rank 3: F0@3 B0@3 F1@3" in proc.stdout and "bubble: 27.3%" in proc.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    bad = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--pp", "3",
-                          "--microbatches", "4", "--schedule", "interleaved-1f1b"],
+    bad = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--pp", "4",
+                          "--microbatches", "9", "--schedule", "interleaved-1f1b"],
                          capture_output=True, text=True, timeout=120)
-    assert bad.returncode == 2 and "use 6 micro-batches" in bad.stderr
+    assert bad.returncode == 2 and "use 8 or 10 micro-batches" in bad.stderr
     # the messages each rank starts, batch by batch, and NCCL's verdict, without a process
     messages = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--pp", "2",
                                "--microbatches", "4", "--schedule", "interleaved-1f1b",
@@ -543,6 +601,21 @@ def test_torch_pipelining_code_runs_on_devmesh_with_its_imports_switched(mesh_po
             torch.testing.assert_close(params[key], t_params[key], rtol=1e-5, atol=1e-6)
         assert losses == pytest.approx(t_losses, rel=1e-5) and shapes == t_shapes
     assert len(ours[3][1]) == 8 and ours[3][2] == [(16, 4), (16, 4)]  # the last rank
+
+
+def test_interleaved_1f1b_with_fewer_micro_batches_than_ranks_as_torch(mesh_pool):
+    """2 micro-batches on 4 ranks, 2 stages each: torch's flexible interleaving runs them in
+    one round shorter than the pipeline, and so does devmesh — torch's code with its imports
+    switched gives torch's parameters and losses, and single-process training's."""
+    theirs = mesh_pool.run(train_with_torch_pipelining, 4, "interleaved-1f1b", 2)
+    ours = mesh_pool.run(train_with_torch_pipelining, 4, "interleaved-1f1b", 2, 2, "devmesh")
+    single, _ = reference()
+    for (params, losses, _), (t_params, t_losses, _) in zip(ours, theirs):
+        for key in params:
+            torch.testing.assert_close(params[key], t_params[key], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(params[key], single[key].detach(), rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(t_losses, rel=1e-5)
+    assert len(ours[3][1]) == 2  # the last rank's per-micro-batch losses
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b"])

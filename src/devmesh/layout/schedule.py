@@ -242,25 +242,42 @@ def one_f_one_b(ranks: int, microbatches: int) -> Schedule:
 
 def interleaved_1f1b(ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
     """Interleaved 1F1B (Megatron-LM's): each rank holds ``virtual`` stages (rank ``r``:
-    stages ``r, r + ranks, ...``); micro-batches go through the rank's stages in rounds of
-    ``ranks``, which divides the bubble by about ``virtual``. Needs ``microbatches`` to be a
-    multiple of ``ranks``."""
+    stages ``r, r + ranks, ...``); micro-batches go through the rank's stages in rounds,
+    which divides the bubble by about ``virtual``.
+
+    A round is ``ranks`` micro-batches when ``ranks`` divides ``microbatches`` (Megatron's
+    rule); otherwise the micro-batches are cut into ``max(1, microbatches // ranks)`` equal
+    rounds, as torch's ``ScheduleInterleaved1F1B`` does since its flexible interleaving: 6
+    micro-batches on 4 ranks are one round of 6, 10 are two of 5, 3 one of 3 — every count
+    torch accepts runs here, in torch's order; the rest (9 on 4 ranks: two rounds cannot be
+    equal) are refused with the nearest counts that work."""
     _check(ranks, microbatches, virtual)
-    if microbatches % ranks:
-        raise ScheduleError(f"interleaved 1F1B needs the micro-batches ({microbatches}) to be a "
-                            f"multiple of the pipeline ranks ({ranks}); use "
-                            f"{-(-microbatches // ranks) * ranks} micro-batches")
+    rounds = max(1, microbatches // ranks)
+    if microbatches % rounds:
+        fits = [m for m in range(max(1, microbatches - ranks), microbatches + ranks + 1)
+                if m % max(1, m // ranks) == 0]
+        below = max((m for m in fits if m < microbatches), default=None)
+        above = min(m for m in fits if m > microbatches)
+        choice = f"{below} or {above}" if below else f"{above}"
+        raise ScheduleError(
+            f"interleaved 1F1B runs the micro-batches through each rank's stages in equal "
+            f"rounds of at least {ranks} (the pipeline ranks): {microbatches} micro-batches "
+            f"make {rounds} rounds, which cannot be equal; use {choice} micro-batches "
+            f"(a multiple of {ranks} always fits)")
+    per_round = microbatches // rounds
     total = microbatches * virtual
 
     def unit(k: int, backward: bool) -> tuple[int, int]:
-        chunk = (k // ranks) % virtual
+        chunk = (k // per_round) % virtual
         if backward:
             chunk = virtual - 1 - chunk
-        return chunk, (k // (ranks * virtual)) * ranks + k % ranks
+        return chunk, (k // (per_round * virtual)) * per_round + k % per_round
 
     out = []
     for r in range(ranks):
-        warmup = min((ranks - r - 1) * 2 + (virtual - 1) * ranks, total)
+        # the last rank starts its first backward after a round on each earlier stage of
+        # its own; each rank before it two actions later (a forward and a backward per hop)
+        warmup = min((ranks - r - 1) * 2 + (virtual - 1) * per_round, total)
         seq = []
         for k in range(warmup):
             chunk, m = unit(k, False)
