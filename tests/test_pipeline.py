@@ -470,7 +470,6 @@ def pipeline_errors():
 
 
 def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
-
     png = tmp_path / "1f1b.png"
     proc = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--pp", "4",
                            "--microbatches", "8", "--schedule", "1f1b", "--png", str(png)],
