@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from devmesh import comm_stats, init_device_mesh
 from devmesh.parallel import state_dict
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
-from devmesh.layout.schedule import SCHEDULES, Schedule, ScheduleError, build_schedule
+from devmesh.layout.schedule import LOOPED, SCHEDULES, Schedule, ScheduleError, build_schedule
 from devmesh.parallel.pipeline import (
     PipelineError,
     PipelineRunner,
@@ -43,20 +43,20 @@ def test_every_schedule_runs_every_piece_once_and_never_waits_on_itself(name):
             assert t.rank == schedule.rank_of(t.action.stage)
 
 
-_TORCH_INTERLEAVED_ORDER = """
+_TORCH_LOOPED_ORDER = """
 import json, sys
 import torch, torch.distributed as dist
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
-from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
+from torch.distributed import pipelining
+kind = getattr(pipelining, sys.argv[1])
 orders = {}
-for pp, n, v in json.loads(sys.argv[1]):
+for pp, n, v in json.loads(sys.argv[2]):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
-    stages = [PipelineStage(nn.Linear(2, 2), s, pp * v, torch.device("cpu"))
+    stages = [pipelining.PipelineStage(nn.Linear(2, 2), s, pp * v, torch.device("cpu"))
               for s in range(0, pp * v, pp)]
     try:
-        order = ScheduleInterleaved1F1B(stages, n, loss_fn=torch.nn.functional.mse_loss
-                                        ).pipeline_order
+        order = kind(stages, n, loss_fn=torch.nn.functional.mse_loss).pipeline_order
         orders[f"{pp},{n},{v}"] = [[str(a) for a in order[r] if a is not None]
                                    for r in range(pp)]
     except ValueError:
@@ -66,7 +66,10 @@ print(json.dumps(orders))
 """
 
 
-def test_interleaved_1f1b_takes_every_micro_batch_count_torch_takes_in_torchs_order():
+@pytest.mark.parametrize("name, torch_class", [("interleaved-1f1b", "ScheduleInterleaved1F1B"),
+                                               ("looped-bfs", "ScheduleLoopedBFS")])
+def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_order(
+        name, torch_class):
     """torch's ``ScheduleInterleaved1F1B`` runs micro-batch counts that are not a multiple
     of the ranks (equal rounds of ``n // max(1, n // ranks)``: 6 on 4 ranks, 2 on 4); code
     moved from torch to devmesh must not be refused them. For every (ranks, micro-batches,
@@ -74,32 +77,32 @@ def test_interleaved_1f1b_takes_every_micro_batch_count_torch_takes_in_torchs_or
     built over its fake process group, in a subprocess), with torch's action order on every
     rank, and each order runs (simulated) with messages used in the order sent."""
     cases = list(itertools.product(range(1, 7), range(1, 17), (2, 3)))
-    done = subprocess.run([sys.executable, "-c", _TORCH_INTERLEAVED_ORDER, json.dumps(cases)],
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, "-c", _TORCH_LOOPED_ORDER, torch_class,
+                           json.dumps(cases)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = json.loads(done.stdout.splitlines()[-1])
-    kinds = {"F": "F", "B": "B"}
     refused = 0
     for ranks, microbatches, virtual in cases:
         torch_order = theirs[f"{ranks},{microbatches},{virtual}"]
         if torch_order is None:
             refused += 1
             with pytest.raises(ScheduleError, match="equal rounds") as info:
-                build_schedule("interleaved-1f1b", ranks, microbatches, virtual)
+                build_schedule(name, ranks, microbatches, virtual)
             # the counts it names instead are ones both accept
             for fit in re.findall(r"use (\d+)(?: or (\d+))? micro-batches", str(info.value))[0]:
                 if fit:
-                    build_schedule("interleaved-1f1b", ranks, int(fit), virtual)
+                    assert theirs.get(f"{ranks},{fit},{virtual}", []) is not None
+                    build_schedule(name, ranks, int(fit), virtual)
             continue
-        schedule = build_schedule("interleaved-1f1b", ranks, microbatches, virtual)
-        ours = [[f"{a.stage}{kinds[a.kind]}{a.microbatch}" for a in seq]
-                for seq in schedule.actions]
+        schedule = build_schedule(name, ranks, microbatches, virtual)
+        ours = [[f"{a.stage}{a.kind}{a.microbatch}" for a in seq] for seq in schedule.actions]
         assert ours == torch_order, (ranks, microbatches, virtual)
         schedule.simulate()
         assert fifo_problem(schedule) is None
         if ranks > 1:  # one rank sending to itself is refused on NCCL, as before
             assert nccl_problem(schedule) is None
-    assert 0 < refused < len(cases) // 4  # e.g. 9 on 4 ranks: 2 rounds cannot be equal
+    # interleaved: e.g. 9 on 4 ranks (2 rounds cannot be equal); looped BFS takes any count
+    assert (0 < refused < len(cases) // 4) if name == "interleaved-1f1b" else refused == 0
 
 
 def test_bubbles_match_the_known_formulas():
@@ -538,7 +541,7 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
     group = mesh.get_group("pp")
-    virtual = 2 if name == "interleaved-1f1b" else 1
+    virtual = 2 if name in LOOPED else 1
     model = make_model()
     parts = split_sequential(model, 4 * virtual)
     me = mesh.get_coordinate()[0]
@@ -548,7 +551,7 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
     loss_fn = F.cross_entropy if scale_grads else functools.partial(F.cross_entropy,
                                                                     reduction="sum")
     # torchtitan's way: the class by name, looped schedules told apart by their base class
-    kind = get_schedule_class({"gpipe": "GPipe", "1f1b": "1F1B",
+    kind = get_schedule_class({"gpipe": "GPipe", "1f1b": "1F1B", "looped-bfs": "LoopedBFS",
                                "interleaved-1f1b": "Interleaved1F1B"}[name])
     looped = issubclass(kind, PipelineScheduleMulti)
     schedule = kind(stages if looped else stages[0], n_microbatches=microbatches,
@@ -579,7 +582,7 @@ def _merged_params(results):
     return merged
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"])
 def test_same_result_as_torch_pipelining(mesh_pool, name):
     theirs = _merged_params(mesh_pool.run(train_with_torch_pipelining, 4, name, 8))
     ours = _merged_params(mesh_pool.run(train_pipelined, 4, name, 8))
@@ -588,7 +591,7 @@ def test_same_result_as_torch_pipelining(mesh_pool, name):
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"])
 def test_torch_pipelining_code_runs_on_devmesh_with_its_imports_switched(mesh_pool, name):
     """torch's PipelineStage / Schedule code, unchanged but for its imports: the same
     parameters, per-micro-batch losses and step outputs as torch's own run."""
@@ -1129,11 +1132,13 @@ def test_schedule_classes_by_name_as_torch():
         Schedule1F1B,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleLoopedBFS,
         get_schedule_class,
     )
 
     for name, ours in (("1f1b", Schedule1F1B), ("GPipe", ScheduleGPipe),
-                       ("INTERLEAVED1F1B", ScheduleInterleaved1F1B)):
+                       ("INTERLEAVED1F1B", ScheduleInterleaved1F1B),
+                       ("LoopedBFS", ScheduleLoopedBFS)):
         assert get_schedule_class(name) is ours
         looped = issubclass(torchs.get_schedule_class(name), torchs.PipelineScheduleMulti)
         assert issubclass(ours, PipelineScheduleMulti) == looped

@@ -26,8 +26,8 @@ from devmesh.layout.schedule import SCHEDULES, Action, Schedule, build_schedule
 
 def _all_schedules(names=tuple(SCHEDULES), ranks=range(2, 9), most=12):
     for name, p, m in itertools.product(names, ranks, range(1, most + 1)):
-        if name == "interleaved-1f1b" and m % p:
-            continue
+        if name == "interleaved-1f1b" and m % max(1, m // p):
+            continue  # torch's rule too: rounds of at least p that cannot be equal
         yield name, p, m, build_schedule(name, p, m)
 
 
@@ -119,6 +119,17 @@ def test_interleaved_1f1b_posts_some_receives_early_and_then_never_deadlocks_on_
                         for m in by_boundary.values())
             assert (moved > 0) == (microbatches > ranks)  # only where "fused" deadlocks
     assert nccl_problem(build_schedule("interleaved-1f1b", 8, 32)) is None
+    # the counts only torch's flexible rounds run (one round shorter or longer than the
+    # pipeline), and looped BFS (every micro-batch on a stage before the next): placed too
+    for ranks, virtual in itertools.product((2, 3, 4), (2, 3)):
+        flexible = [("interleaved-1f1b", m) for m in range(1, 2 * ranks) if m != ranks]
+        for name, microbatches in flexible + [("looped-bfs", m) for m in (1, 3, 2 * ranks)]:
+            schedule = build_schedule(name, ranks, microbatches, virtual)
+            for plan in (schedule, forward_only(schedule)):
+                early = nccl_placement(plan)
+                assert early is not None, (name, ranks, virtual, microbatches)
+                for shapes in ("held", "new", "changed"):
+                    assert nccl_deadlock(plan, "fused", shapes, early) is None
     # two stages on one rank (messages to itself): no placement helps, and it is named
     problem = nccl_problem(build_schedule("interleaved-1f1b", 1, 2))
     assert problem is not None and "would deadlock on NCCL" in problem

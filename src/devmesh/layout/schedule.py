@@ -20,7 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "zero_bubble", "SCHEDULES", "build_schedule", "parse_schedule"]
+           "looped_bfs", "zero_bubble", "SCHEDULES", "LOOPED", "build_schedule",
+           "parse_schedule"]
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -294,6 +295,24 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual: int = 2) -> Schedul
     return Schedule("interleaved-1f1b", ranks, ranks * virtual, microbatches, tuple(out))
 
 
+def looped_bfs(ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """Looped breadth-first (Lamy-Poirier, 2022; torch's ``ScheduleLoopedBFS``): each rank
+    holds ``virtual`` stages as in interleaved 1F1B, and runs every micro-batch's forward on
+    its first stage, then on its next, and so on; then the backwards from its last stage
+    down, each stage's micro-batches in reverse order (the last forward's backward first,
+    as torch orders them). GPipe over looped stages: every activation alive at once, in
+    exchange for a rank moving on to its next stage without waiting for a round."""
+    _check(ranks, microbatches, virtual)
+    out = []
+    for r in range(ranks):
+        seq = [Action("F", chunk * ranks + r, m)
+               for chunk in range(virtual) for m in range(microbatches)]
+        seq += [Action("B", chunk * ranks + r, m)
+                for chunk in reversed(range(virtual)) for m in reversed(range(microbatches))]
+        out.append(tuple(seq))
+    return Schedule("looped-bfs", ranks, ranks * virtual, microbatches, tuple(out))
+
+
 def zero_bubble(ranks: int, microbatches: int) -> Schedule:
     """A zero-bubble-style schedule (after ZB-H1 of Qi et al., 2023): each backward is split
     into its input-gradient half ``I``, which the previous stage waits for, and its
@@ -343,16 +362,19 @@ def _key(action: Action) -> tuple[str, int, int]:
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b,
-             "zero-bubble": zero_bubble}
+             "looped-bfs": looped_bfs, "zero-bubble": zero_bubble}
+#: the built-in schedules that run several stages per rank (``virtual``)
+LOOPED = frozenset({"interleaved-1f1b", "looped-bfs"})
 
 
 def build_schedule(name: str, ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
-    """The schedule called ``name`` (one of :data:`SCHEDULES`)."""
+    """The schedule called ``name`` (one of :data:`SCHEDULES`); ``virtual``: stages per rank,
+    for the schedules in :data:`LOOPED` (ignored by the others)."""
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}: choose one of {', '.join(SCHEDULES)} "
                             "(or write your own: parse_schedule, Schedule)")
-    if name == "interleaved-1f1b":
-        return interleaved_1f1b(ranks, microbatches, virtual)
+    if name in LOOPED:
+        return SCHEDULES[name](ranks, microbatches, virtual)
     return SCHEDULES[name](ranks, microbatches)
 
 

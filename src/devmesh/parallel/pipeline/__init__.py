@@ -1,8 +1,9 @@
 """Pipeline parallelism: a model split into stages on the ``pp`` dim of a mesh, run by a
-schedule (GPipe, 1F1B, interleaved 1F1B, zero-bubble) given as data
+schedule (GPipe, 1F1B, interleaved 1F1B, looped BFS, zero-bubble) given as data
 (:mod:`devmesh.layout.schedule`)."""
 
 from devmesh.layout.schedule import (
+    LOOPED,
     SCHEDULES,
     Action,
     Schedule,
@@ -10,6 +11,7 @@ from devmesh.layout.schedule import (
     build_schedule,
     gpipe,
     interleaved_1f1b,
+    looped_bfs,
     one_f_one_b,
     parse_schedule,
     zero_bubble,
@@ -23,14 +25,15 @@ from devmesh.parallel.pipeline.torch_api import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleLoopedBFS,
     get_schedule_class,
 )
 
 __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boundaries",
-           "Schedule", "Action", "ScheduleError", "SCHEDULES", "build_schedule",
-           "parse_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble",
-           "PipelineStage", "ScheduleGPipe",
-           "Schedule1F1B", "ScheduleInterleaved1F1B", "PipelineScheduleSingle",
+           "Schedule", "Action", "ScheduleError", "SCHEDULES", "LOOPED", "build_schedule",
+           "parse_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs",
+           "zero_bubble", "PipelineStage", "ScheduleGPipe", "Schedule1F1B",
+           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "PipelineScheduleSingle",
            "PipelineScheduleMulti", "get_schedule_class"]
 
 # torch.distributed.pipelining names devmesh does not provide: code whose imports were
@@ -42,7 +45,6 @@ _NOT_PROVIDED = {
     "PipelineRunner(stages, mesh, build_schedule('zero-bubble', ranks, microbatches), loss)",
     "ScheduleDualPipeV": "devmesh has no DualPipeV; its zero-bubble schedule is "
     "build_schedule('zero-bubble', ranks, microbatches)",
-    "ScheduleLoopedBFS": "ScheduleInterleaved1F1B runs several stages per rank",
     "pipeline": "devmesh does not trace models: split an nn.Sequential with split_sequential",
     "Pipe": "devmesh does not trace models: split an nn.Sequential with split_sequential",
     "pipe_split": "devmesh does not trace models: split an nn.Sequential with split_sequential",

@@ -34,7 +34,7 @@ from devmesh.parallel.pipeline.runner import PipelineRunner
 from devmesh.parallel.pipeline.split import PipelineError
 
 __all__ = ["PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe",
-           "Schedule1F1B", "ScheduleInterleaved1F1B", "get_schedule_class"]
+           "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "get_schedule_class"]
 
 
 class PipelineStage:
@@ -162,6 +162,12 @@ class PipelineScheduleSingle(_Schedule):
 class PipelineScheduleMulti(_Schedule):
     """The schedules with several stages per rank (torch's base class of the same name)."""
 
+    def _virtual(self, num_stages: int, ranks: int) -> dict[str, int]:
+        if num_stages % ranks or num_stages == ranks:
+            raise PipelineError(f"{type(self).__name__} needs several stages per rank: "
+                                f"{num_stages} stages on {ranks} ranks")
+        return {"virtual": num_stages // ranks}
+
 
 class ScheduleGPipe(PipelineScheduleSingle):
     """All forwards, then all backwards (torch's ``ScheduleGPipe``)."""
@@ -181,30 +187,31 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
 
     schedule_name = "interleaved-1f1b"
 
-    def _virtual(self, num_stages: int, ranks: int) -> dict[str, int]:
-        if num_stages % ranks or num_stages == ranks:
-            raise PipelineError(f"ScheduleInterleaved1F1B needs several stages per rank: "
-                                f"{num_stages} stages on {ranks} ranks")
-        return {"virtual": num_stages // ranks}
+
+class ScheduleLoopedBFS(PipelineScheduleMulti):
+    """Every micro-batch's forward on a rank's first stage, then its next, then the
+    backwards from its last stage down (torch's ``ScheduleLoopedBFS``)."""
+
+    schedule_name = "looped-bfs"
 
 
 _BY_NAME = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
-            "Interleaved1F1B": ScheduleInterleaved1F1B}
+            "Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS": ScheduleLoopedBFS}
 _ELSEWHERE = {  # torch's other names: what devmesh has instead
     "ZBVZeroBubble": "build_schedule('zero-bubble', ranks, microbatches) with PipelineRunner",
     "InterleavedZeroBubble": "build_schedule('zero-bubble', ranks, microbatches) with "
                              "PipelineRunner",
     "DualPipeV": "build_schedule('zero-bubble', ranks, microbatches) with PipelineRunner",
-    "LoopedBFS": "Interleaved1F1B",
     "PipelineScheduleSingle": "a schedule's name: GPipe or 1F1B",
-    "PipelineScheduleMulti": "a schedule's name: Interleaved1F1B",
+    "PipelineScheduleMulti": "a schedule's name: Interleaved1F1B or LoopedBFS",
 }
 
 
 def get_schedule_class(schedule_name: str) -> type[_Schedule]:
     """The schedule class called ``schedule_name`` (any case), as torch's
-    ``get_schedule_class``: ``GPipe``, ``1F1B`` or ``Interleaved1F1B``. torch's other names
-    raise a ``ValueError`` naming devmesh's alternative; unknown ones torch's phrase."""
+    ``get_schedule_class``: ``GPipe``, ``1F1B``, ``Interleaved1F1B`` or ``LoopedBFS``. torch's
+    other names raise a ``ValueError`` naming devmesh's alternative; unknown ones torch's
+    phrase."""
     by_lower = {name.lower(): name for name in (*_BY_NAME, *_ELSEWHERE)}
     name = by_lower.get(str(schedule_name).lower())
     if name in _BY_NAME:
