@@ -1121,6 +1121,41 @@ def test_torch_schedule_arguments_devmesh_does_not_support_are_refused():
     assert PipelineStage(nn.Linear(2, 2), 0, 2, torch.device("cuda", 0)).device.type == "cuda"
     with pytest.raises(PipelineError, match="stage_index 2"):
         PipelineStage(nn.Linear(2, 2), 2, 2, "cpu")
+    with pytest.raises(PipelineError, match="backward_requires_autograd=False"):
+        Schedule1F1B(stage, 4, F.mse_loss, backward_requires_autograd=False)
+    with pytest.raises(PipelineError, match="get_mesh.*local tensors"):
+        PipelineStage(nn.Linear(2, 2), 0, 2, "cpu", get_mesh=lambda *args: None)
+
+
+def test_torch_pipelining_signatures_and_defaults_are_accepted_as_torchs():
+    """Code moved from torch passes its arguments by torch's names and positions (``stage``
+    for one stage per rank, ``stages`` for several), torch's defaults spelled out included:
+    each devmesh class takes torch's parameters in torch's order."""
+    import inspect
+
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as torchs
+
+    import devmesh.parallel.pipeline as ours
+
+    for name in ("PipelineStage", "PipelineScheduleSingle", "ScheduleGPipe", "Schedule1F1B",
+                 "ScheduleInterleaved1F1B", "ScheduleLoopedBFS"):
+        torch_class = PipelineStage if name == "PipelineStage" else getattr(torchs, name)
+        theirs = list(inspect.signature(torch_class.__init__).parameters)
+        mine = list(inspect.signature(getattr(ours, name).__init__).parameters)
+        assert mine[:len(theirs)] == theirs, name
+    stages = [ours.PipelineStage(nn.Linear(2, 2), s, 4, "cpu", input_args=None, output_args=None,
+                                 output_grads=None, input_grads=None, group=None,
+                                 dw_builder=None, get_mesh=None) for s in (0, 2)]
+    ours.Schedule1F1B(stage=stages[0], n_microbatches=4, loss_fn=F.mse_loss,
+                      args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
+                      scale_grads=True)
+    for kind in (ours.ScheduleInterleaved1F1B, ours.ScheduleLoopedBFS):
+        for defer in (False, True):  # when torch posts receives: devmesh has its own rule
+            kind(stages=stages, n_microbatches=4, loss_fn=F.mse_loss, output_merge_spec=None,
+                 scale_grads=False, backward_requires_autograd=True, defer_pp_recv=defer)
+    with pytest.raises(TypeError):  # torch's LoopedBFS takes no chunk specs either
+        ours.ScheduleLoopedBFS(stages, 4, F.mse_loss, args_chunk_spec=None)
 
 
 def test_schedule_classes_by_name_as_torch():

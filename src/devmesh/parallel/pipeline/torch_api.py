@@ -14,7 +14,9 @@ The schedule's :class:`~devmesh.parallel.pipeline.PipelineRunner` is built at th
 ``step`` (it agrees on the stages with its peers, which torch's constructors do not), on a
 1-D ``pp`` mesh over the stage's ``group`` (the world when none is given). ``eval`` runs
 forward only (validation), as does ``step`` on a schedule built without ``loss_fn``, as in
-torch. What devmesh does not do — chunk specs — is refused when the schedule is built, with
+torch. Every class takes torch's parameters by torch's names and in torch's positions; what
+devmesh does not do — chunk specs, ``dw_builder``, ``get_mesh``,
+``backward_requires_autograd=False`` — is refused when the stage or schedule is built, with
 the fix. ``scale_grads=False`` leaves each micro-batch's loss unscaled, as torch's (a loss
 that sums, or torchtitan's own scaling).
 """
@@ -43,13 +45,21 @@ class PipelineStage:
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int,
                  device: torch.device | str, input_args: Any = None, output_args: Any = None,
-                 group: dist.ProcessGroup | None = None, dw_builder: Any = None) -> None:
+                 output_grads: Any = None, input_grads: Any = None,
+                 group: dist.ProcessGroup | None = None, dw_builder: Any = None,
+                 get_mesh: Any = None) -> None:
+        # input_args / output_args / output_grads / input_grads: torch's shape hints, not
+        # needed (each step's first message announces its shapes)
         if not 0 <= stage_index < num_stages:
             raise PipelineError(f"stage_index {stage_index} is not one of the {num_stages} "
                                 "stages (0..num_stages-1)")
         if dw_builder is not None:
             raise PipelineError("dw_builder is not supported: devmesh's zero-bubble schedule "
                                 "splits the backward itself")
+        if get_mesh is not None:
+            raise PipelineError("get_mesh is not supported: devmesh passes plain tensors "
+                                "between stages; return local tensors from the stage "
+                                "(DTensor.to_local(), or use_local_output=True in its TP plan)")
         self.submod = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -67,12 +77,18 @@ class _Schedule:
     def __init__(self, stages: PipelineStage | Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None,
-                 output_merge_spec: Any = None, scale_grads: bool = True, **options: Any
-                 ) -> None:
+                 output_merge_spec: Any = None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False,
+                 **options: Any) -> None:
+        # defer_pp_recv: when torch posts its receives; devmesh posts each by its own rule
+        # (ahead on gloo, with the last send before it on NCCL), with the same results
         self._stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
         if (args_chunk_spec, kwargs_chunk_spec, output_merge_spec) != (None, None, None):
             raise PipelineError("chunk and merge specs are not supported: the batch is split "
                                 "into micro-batches along dim 0, and outputs joined along it")
+        if not backward_requires_autograd:
+            raise PipelineError("backward_requires_autograd=False is not supported: devmesh "
+                                "runs every stage's backward through autograd")
         unknown = {k for k, v in options.items() if v is not None and k != "use_full_backward"}
         if unknown:
             raise PipelineError(f"{type(self).__name__} options {sorted(unknown)} are not "
@@ -158,6 +174,15 @@ class PipelineScheduleSingle(_Schedule):
     """The schedules with one stage per rank (torch's base class of the same name: code
     such as torchtitan's tells the two kinds apart with ``issubclass``)."""
 
+    def __init__(self, stage: PipelineStage, n_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None,
+                 output_merge_spec: Any = None, scale_grads: bool = True, **options: Any
+                 ) -> None:
+        # torch names the first argument ``stage`` here, ``stages`` for several per rank
+        super().__init__(stage, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
+                         output_merge_spec, scale_grads, **options)
+
 
 class PipelineScheduleMulti(_Schedule):
     """The schedules with several stages per rank (torch's base class of the same name)."""
@@ -193,6 +218,16 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
     backwards from its last stage down (torch's ``ScheduleLoopedBFS``)."""
 
     schedule_name = "looped-bfs"
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 output_merge_spec: Any = None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
+        # torch's ScheduleLoopedBFS takes no chunk specs: the same positions as its
+        super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
+                         scale_grads=scale_grads,
+                         backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv)
 
 
 _BY_NAME = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
