@@ -7,6 +7,7 @@ import copy
 import functools
 import itertools
 import json
+import math
 import re
 import subprocess
 import sys
@@ -20,7 +21,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from devmesh import comm_stats, init_device_mesh
 from devmesh.parallel import state_dict
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
-from devmesh.layout.schedule import LOOPED, SCHEDULES, Schedule, ScheduleError, build_schedule
+from devmesh.layout.schedule import (
+    LOOPED,
+    SCHEDULES,
+    Action,
+    Schedule,
+    ScheduleError,
+    build_schedule,
+)
 from devmesh.parallel.pipeline import (
     PipelineError,
     PipelineRunner,
@@ -35,7 +43,7 @@ def test_every_schedule_runs_every_piece_once_and_never_waits_on_itself(name):
     for ranks, microbatches in itertools.product((1, 2, 3, 4), (1, 2, 3, 4, 6, 8)):
         schedule = build_schedule(name, ranks, microbatches)
         timeline = schedule.simulate()  # raises if some rank would wait forever
-        kinds = ("F", "I", "W") if name == "zero-bubble" else ("F", "B")
+        kinds = ("F", "I", "W") if "zero-bubble" in name else ("F", "B")
         seen = sorted((t.action.kind, t.action.stage, t.action.microbatch) for t in timeline)
         assert seen == sorted(itertools.product(kinds, range(schedule.stages),
                                                 range(microbatches)))
@@ -53,8 +61,9 @@ kind = getattr(pipelining, sys.argv[1])
 orders = {}
 for pp, n, v in json.loads(sys.argv[2]):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+    mine = (0, 2 * pp - 1) if sys.argv[1] == "ScheduleZBVZeroBubble" else range(0, pp * v, pp)
     stages = [pipelining.PipelineStage(nn.Linear(2, 2), s, pp * v, torch.device("cpu"))
-              for s in range(0, pp * v, pp)]
+              for s in mine]
     try:
         order = kind(stages, n, loss_fn=torch.nn.functional.mse_loss).pipeline_order
         orders[f"{pp},{n},{v}"] = [[str(a) for a in order[r] if a is not None]
@@ -67,7 +76,8 @@ print(json.dumps(orders))
 
 
 @pytest.mark.parametrize("name, torch_class", [("interleaved-1f1b", "ScheduleInterleaved1F1B"),
-                                               ("looped-bfs", "ScheduleLoopedBFS")])
+                                               ("looped-bfs", "ScheduleLoopedBFS"),
+                                               ("zbv-zero-bubble", "ScheduleZBVZeroBubble")])
 def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_order(
         name, torch_class):
     """torch's ``ScheduleInterleaved1F1B`` runs micro-batch counts that are not a multiple
@@ -75,8 +85,10 @@ def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_ord
     moved from torch to devmesh must not be refused them. For every (ranks, micro-batches,
     stages per rank) here, devmesh accepts exactly what torch accepts (torch's schedules
     built over its fake process group, in a subprocess), with torch's action order on every
-    rank, and each order runs (simulated) with messages used in the order sent."""
-    cases = list(itertools.product(range(1, 7), range(1, 17), (2, 3)))
+    rank (zero-bubble V: its two stages per rank in a V, ``I`` and ``W`` apart), and each
+    order runs (simulated) with each stream of messages used in the order sent."""
+    per_rank = (2,) if name == "zbv-zero-bubble" else (2, 3)
+    cases = list(itertools.product(range(1, 7), range(1, 17), per_rank))
     done = subprocess.run([sys.executable, "-c", _TORCH_LOOPED_ORDER, torch_class,
                            json.dumps(cases)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -95,13 +107,14 @@ def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_ord
                     build_schedule(name, ranks, int(fit), virtual)
             continue
         schedule = build_schedule(name, ranks, microbatches, virtual)
+        assert schedule.stages == ranks * virtual
         ours = [[f"{a.stage}{a.kind}{a.microbatch}" for a in seq] for seq in schedule.actions]
         assert ours == torch_order, (ranks, microbatches, virtual)
         schedule.simulate()
         assert fifo_problem(schedule) is None
         if ranks > 1:  # one rank sending to itself is refused on NCCL, as before
             assert nccl_problem(schedule) is None
-    # interleaved: e.g. 9 on 4 ranks (2 rounds cannot be equal); looped BFS takes any count
+    # interleaved: e.g. 9 on 4 ranks (2 rounds cannot be equal); the others take any count
     assert (0 < refused < len(cases) // 4) if name == "interleaved-1f1b" else refused == 0
 
 
@@ -168,6 +181,16 @@ def test_a_printed_schedule_reads_back_and_a_bad_line_is_named():
     for name in SCHEDULES:
         schedule = build_schedule(name, 3, 6)
         assert parse_schedule(str(schedule)) == schedule
+    # a V placement reads back from its first line ("in a V"), or without one from the
+    # stages each rank lists; an action on the wrong rank of a V is named as such
+    v = build_schedule("zbv-zero-bubble", 2, 2)
+    assert "4 stages on 2 ranks in a V" in str(v)
+    assert parse_schedule(str(v).split("\n", 1)[1]).placement == "v"
+    with pytest.raises(ScheduleError, match="lives on rank 1 .placed in a V"):
+        Schedule("v", 2, 4, 1, ((Action("F", 0, 0), Action("F", 2, 0), Action("F", 3, 0)),
+                                (Action("F", 1, 0),)), "v")
+    with pytest.raises(ScheduleError, match="multiple of twice the ranks"):
+        Schedule("v", 2, 2, 1, ((Action("F", 0, 0),), (Action("F", 1, 0),)), "v")
     # without a first line: one rank per line, stages and micro-batches as named
     plain = parse_schedule("rank 0: F0@0 F1@0 B0@0 B1@0\n\nrank 1: F0@1 B0@1 F1@1 B1@1 # ok")
     assert (plain.ranks, plain.stages, plain.microbatches) == (2, 2, 2)
@@ -208,21 +231,30 @@ def test_a_hand_written_schedule_trains_like_one_process(mesh_pool):
         torch.testing.assert_close(value, ref_params[key].detach(), rtol=1e-5, atol=1e-6)
 
 
-def test_a_gpu_mesh_refuses_only_a_schedule_that_would_deadlock_on_nccl():
+def test_a_gpu_mesh_refuses_only_a_schedule_that_would_deadlock_on_nccl(monkeypatch):
     from types import SimpleNamespace
 
     from devmesh.layout.pipeline_messages import nccl_problem
+    from devmesh.parallel.pipeline import runner as runner_module
 
-    # two stages on one rank send to itself; no placement of its receives avoids a deadlock
-    # under NCCL's rules, so a GPU mesh refuses it on every rank, before any message
-    gpu_mesh = SimpleNamespace(device_type="cuda", mesh_dim_names=("pp",), shape=(1,),
+    # a schedule with no deadlock-free placement of its receives under NCCL's rules is
+    # refused on a GPU mesh on every rank, before any message (every built-in schedule has
+    # one; the verdict is stubbed here to reach the refusal)
+    gpu_mesh = SimpleNamespace(device_type="cuda", mesh_dim_names=("pp",), shape=(2,),
                                get_coordinate=lambda: [0], get_group=lambda dim: None)
+    monkeypatch.setattr(runner_module, "nccl_problem", lambda schedule: "would deadlock on "
+                        "NCCL in a training step: use a CPU mesh")
+    monkeypatch.setattr(runner_module.comm, "differing", lambda text, group: {})
     with pytest.raises(PipelineError, match="would deadlock on NCCL in a training step.*CPU "
                                             "mesh"):
-        PipelineRunner({}, gpu_mesh, build_schedule("interleaved-1f1b", 1, 2), F.cross_entropy)
+        PipelineRunner({}, gpu_mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
     for name in SCHEDULES:  # every built-in schedule on 2+ ranks has a placement
         for ranks, microbatches in ((2, 2), (2, 8), (4, 8), (4, 16)):
             assert nccl_problem(build_schedule(name, ranks, microbatches)) is None
+    # stages on one rank hand their tensors over in memory: nothing to deadlock on (two
+    # stages on one rank sent messages to itself before, which NCCL deadlocked on)
+    for name in ("interleaved-1f1b", "looped-bfs", "zbv-zero-bubble"):
+        assert nccl_problem(build_schedule(name, 1, 4)) is None
 
 
 def make_model() -> nn.Sequential:
@@ -409,8 +441,9 @@ def test_pipeline_errors_name_the_fix(mesh_pool):
     for error in mesh_pool.run(pipeline_errors, 4):
         assert error[0] == "no 'pp' dim"
         # every rank refuses it alike, without a collective: the schedule is the same on all
-        assert "cannot run schedule 'swapped': rank 2 uses rank 1's messages in another " \
-               "order than rank 1 sends them (message 0: sent a0@2, used a1@2); messages " \
+        assert "cannot run schedule 'swapped': rank 2 uses rank 1's activations for stage 2 " \
+               "in another order than rank 1 sends them (activation 0: sent a0@2, used " \
+               "a1@2); messages " \
                "between two ranks are matched in order (NCCL ignores tags), so reorder the " \
                "schedule's actions" in error[1], error[1]
         error = error[:1] + error[2:]
@@ -541,18 +574,20 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
     group = mesh.get_group("pp")
-    virtual = 2 if name in LOOPED else 1
+    virtual = 2 if name in LOOPED or name == "zbv-zero-bubble" else 1
     model = make_model()
     parts = split_sequential(model, 4 * virtual)
     me = mesh.get_coordinate()[0]
-    mine = [s for s in range(4 * virtual) if s % 4 == me]
+    # stage s on rank s % 4, or in a V for zero-bubble V: rank r holds r and 7 - r
+    mine = [me, 7 - me] if name == "zbv-zero-bubble" else list(range(me, 4 * virtual, 4))
     stages = [PipelineStage(parts[s], s, 4 * virtual, torch.device("cpu"), group=group)
               for s in mine]
     loss_fn = F.cross_entropy if scale_grads else functools.partial(F.cross_entropy,
                                                                     reduction="sum")
     # torchtitan's way: the class by name, looped schedules told apart by their base class
     kind = get_schedule_class({"gpipe": "GPipe", "1f1b": "1F1B", "looped-bfs": "LoopedBFS",
-                               "interleaved-1f1b": "Interleaved1F1B"}[name])
+                               "interleaved-1f1b": "Interleaved1F1B",
+                               "zbv-zero-bubble": "ZBVZeroBubble"}[name])
     looped = issubclass(kind, PipelineScheduleMulti)
     schedule = kind(stages if looped else stages[0], n_microbatches=microbatches,
                     loss_fn=loss_fn, scale_grads=scale_grads)
@@ -562,7 +597,9 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randn(16, 16, generator=gen), torch.randint(0, 4, (16,), generator=gen)
-        if 0 in mine:
+        if 0 in mine and 4 * virtual - 1 in mine:  # a V: the first and last stage here
+            outputs.append(schedule.step(x, target=y, losses=losses))
+        elif 0 in mine:
             schedule.step(x)
         elif 4 * virtual - 1 in mine:
             outputs.append(schedule.step(target=y, losses=losses))
@@ -582,7 +619,8 @@ def _merged_params(results):
     return merged
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
+                                  "zbv-zero-bubble"])
 def test_same_result_as_torch_pipelining(mesh_pool, name):
     theirs = _merged_params(mesh_pool.run(train_with_torch_pipelining, 4, name, 8))
     ours = _merged_params(mesh_pool.run(train_pipelined, 4, name, 8))
@@ -591,7 +629,8 @@ def test_same_result_as_torch_pipelining(mesh_pool, name):
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
+                                  "zbv-zero-bubble"])
 def test_torch_pipelining_code_runs_on_devmesh_with_its_imports_switched(mesh_pool, name):
     """torch's PipelineStage / Schedule code, unchanged but for its imports: the same
     parameters, per-micro-batch losses and step outputs as torch's own run."""
@@ -602,7 +641,8 @@ def test_torch_pipelining_code_runs_on_devmesh_with_its_imports_switched(mesh_po
         for key in params:
             torch.testing.assert_close(params[key], t_params[key], rtol=1e-5, atol=1e-6)
         assert losses == pytest.approx(t_losses, rel=1e-5) and shapes == t_shapes
-    assert len(ours[3][1]) == 8 and ours[3][2] == [(16, 4), (16, 4)]  # the last rank
+    last = 0 if name == "zbv-zero-bubble" else 3  # the rank holding the last stage
+    assert len(ours[last][1]) == 8 and ours[last][2] == [(16, 4), (16, 4)]
 
 
 def test_interleaved_1f1b_with_fewer_micro_batches_than_ranks_as_torch(mesh_pool):
@@ -1111,6 +1151,47 @@ def test_a_failing_stage_raises_on_every_rank_and_the_next_step_runs(mesh_pool, 
     assert results[3][1] is not None and results[3][1] == results[3][1]  # a finite loss
 
 
+def zero_bubble_v_turn_fails(culprit: int):
+    """Zero-bubble V on 2 ranks (stages 0, 3 on rank 0; 1, 2 on rank 1, handing over in
+    memory): stage ``culprit``'s forward of micro-batch 1 raises; then a clean step."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    schedule = build_schedule("zbv-zero-bubble", 2, 4)
+    parts = split_sequential(make_model(), 4)
+    calls = []
+
+    def fail_on_the_second_call(module, args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise ValueError("bad batch")
+
+    parts[culprit].register_forward_pre_hook(fail_on_the_second_call)
+    me = mesh.get_coordinate()[0]
+    stages = {s: parts[s] for s in range(4) if schedule.rank_of(s) == me}
+    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    x, y = torch.randn(16, 16), torch.randint(0, 4, (16,))
+    error = None
+    try:
+        runner.step(x if 0 in stages else None, y if 3 in stages else None)
+    except PipelineError as exc:
+        error = str(exc)
+    for stage in stages.values():
+        stage.zero_grad()
+    loss = runner.step(x if 0 in stages else None, y if 3 in stages else None)
+    return error, None if loss is None else loss.item()
+
+
+@pytest.mark.parametrize("culprit", [1, 2])
+def test_a_failure_at_the_turn_of_a_v_raises_on_every_rank(mesh_pool, culprit):
+    """Where two stages on one rank hand their tensors over in memory, a failure on either
+    side still reaches every rank at the end of the step (no rank waits), and the next step
+    runs."""
+    results = mesh_pool.run(zero_bubble_v_turn_fails, 2, culprit)
+    for error, _ in results:
+        assert error is not None and f"rank 1: stage {culprit}, forward of micro-batch 1" \
+            in error and "ValueError: bad batch" in error, error
+    assert results[0][1] is not None and math.isfinite(results[0][1])
+
+
 def test_torch_schedule_arguments_devmesh_does_not_support_are_refused():
     from devmesh.parallel.pipeline import PipelineStage, Schedule1F1B
 
@@ -1168,26 +1249,28 @@ def test_schedule_classes_by_name_as_torch():
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
         ScheduleLoopedBFS,
+        ScheduleZBVZeroBubble,
         get_schedule_class,
     )
 
     for name, ours in (("1f1b", Schedule1F1B), ("GPipe", ScheduleGPipe),
                        ("INTERLEAVED1F1B", ScheduleInterleaved1F1B),
-                       ("LoopedBFS", ScheduleLoopedBFS)):
+                       ("LoopedBFS", ScheduleLoopedBFS), ("ZBVZeroBubble", ScheduleZBVZeroBubble)):
         assert get_schedule_class(name) is ours
         looped = issubclass(torchs.get_schedule_class(name), torchs.PipelineScheduleMulti)
         assert issubclass(ours, PipelineScheduleMulti) == looped
         assert issubclass(ours, PipelineScheduleSingle) != looped
     with pytest.raises(ValueError, match="Unknown schedule name 'bogus'"):
         get_schedule_class("bogus")
-    with pytest.raises(PipelineError, match="no ZBVZeroBubble schedule.*zero-bubble"):
-        get_schedule_class("zbvzerobubble")
+    assert get_schedule_class("zbvzerobubble") is ScheduleZBVZeroBubble
+    with pytest.raises(PipelineError, match="no DualPipeV schedule.*ZBVZeroBubble"):
+        get_schedule_class("DualPipeV")
 
 
 def test_torch_pipelining_names_devmesh_lacks_say_what_to_use():
     """Code whose imports were switched from torch's pipelining gets the alternative, not a
     bare "cannot import name"."""
-    with pytest.raises(ImportError, match="zero-bubble schedule runs one stage per rank"):
+    with pytest.raises(ImportError, match="ScheduleZBVZeroBubble runs two stages per rank"):
         from devmesh.parallel.pipeline import ScheduleInterleavedZeroBubble  # noqa: F401
     with pytest.raises(ImportError, match="does not trace models: split an nn.Sequential"):
         from devmesh.parallel.pipeline import pipeline  # noqa: F401

@@ -76,9 +76,9 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _pipeline(name: str) -> tuple[dict[int, nn.Module], PipelineRunner, torch.optim.SGD]:
-    """This rank's stages of the 4-stage model under schedule ``name`` (interleaved: 2
-    ranks, 2 stages each; else 4 ranks), its runner and optimizer."""
-    virtual = 2 if name == "interleaved-1f1b" else 1
+    """This rank's stages of the 4-stage model under schedule ``name`` (interleaved and
+    zero-bubble V: 2 ranks, 2 stages each; else 4 ranks), its runner and optimizer."""
+    virtual = 2 if name in _TWO_PER_RANK else 1
     schedule = build_schedule(name, 4 // virtual, 4, virtual)
     mesh = init_device_mesh("cpu", (4 // virtual,), mesh_dim_names=("pp",))
     me = mesh.get_coordinate()[0]
@@ -87,6 +87,11 @@ def _pipeline(name: str) -> tuple[dict[int, nn.Module], PipelineRunner, torch.op
     runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
     opt = torch.optim.SGD([p for part in stages.values() for p in part.parameters()], lr=0.1)
     return stages, runner, opt
+
+
+# zero-bubble V places stages 0 and 3 on rank 0, 1 and 2 on rank 1: the tuple from stage 1
+# to stage 2 (hidden states, a bool mask, a skip connection) is handed over in memory
+_TWO_PER_RANK = ("interleaved-1f1b", "zbv-zero-bubble")
 
 
 def _train_pipelined(name: str):
@@ -102,7 +107,8 @@ def _train_pipelined(name: str):
     return losses, {s: part.state_dict() for s, part in stages.items()}, stats.by_collective()
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"])
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
+                                  "zbv-zero-bubble"])
 def test_stages_passing_tuples_train_as_one_process(mesh_pool, name):
     parts = _parts()
     opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
@@ -114,8 +120,7 @@ def test_stages_passing_tuples_train_as_one_process(mesh_pool, name):
         opt.step()
         opt.zero_grad()
         expected.append(loss.item())
-    results = mesh_pool.run(_train_pipelined, 4 // (2 if name == "interleaved-1f1b" else 1),
-                            name)
+    results = mesh_pool.run(_train_pipelined, 4 // (2 if name in _TWO_PER_RANK else 1), name)
     losses = [loss for rank_losses, _, _ in results for loss in rank_losses if loss is not None]
     assert losses == pytest.approx(expected, rel=1e-5)
     for _, states, _ in results:

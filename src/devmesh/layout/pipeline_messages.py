@@ -57,7 +57,7 @@ def forward_only(schedule: Schedule) -> Schedule:
     """The schedule's forwards alone, in its order (what an evaluation pass plays)."""
     return Schedule(schedule.name, schedule.ranks, schedule.stages, schedule.microbatches,
                     tuple(tuple(a for a in actions if a.kind == "F")
-                          for actions in schedule.actions))
+                          for actions in schedule.actions), schedule.placement)
 
 
 def _first_forwards(actions: Iterable[Action]) -> dict[int, int]:
@@ -70,13 +70,20 @@ def _first_forwards(actions: Iterable[Action]) -> dict[int, int]:
 
 
 def sent_by_action(schedule: Schedule, action: Action) -> tuple[Message, ...]:
-    """The data messages ``action`` sends (headers aside)."""
+    """The data messages ``action`` sends (headers aside). None to a stage on the same rank
+    (the turn of a V, or every stage on one rank): it gets its input in memory."""
     s, m = action.stage, action.microbatch
-    if action.kind == "F" and s < schedule.stages - 1:
+    if action.kind == "F" and s < schedule.stages - 1 and _apart(schedule, s, s + 1):
         return (Message("activation", s + 1, m),)
-    if action.kind in ("B", "I") and s > 0:
+    if action.kind in ("B", "I") and s > 0 and _apart(schedule, s, s - 1):
         return (Message("gradient", s - 1, m),)
     return ()
+
+
+def _apart(schedule: Schedule, stage: int, other: int) -> bool:
+    """Do two stages live on different ranks (so that what passes between them is a
+    message)?"""
+    return schedule.rank_of(stage) != schedule.rank_of(other)
 
 
 def sent_by(schedule: Schedule, rank: int) -> list[tuple[int, tuple[Message, ...]]]:
@@ -96,11 +103,12 @@ def sent_by(schedule: Schedule, rank: int) -> list[tuple[int, tuple[Message, ...
 
 
 def needed_by(schedule: Schedule, action: Action) -> tuple[int, Message] | None:
-    """The peer rank and the message ``action`` waits for, if any."""
+    """The peer rank and the message ``action`` waits for, if any (none from a stage on the
+    same rank: see :func:`sent_by_action`)."""
     s, m = action.stage, action.microbatch
-    if action.kind == "F" and s > 0:
+    if action.kind == "F" and s > 0 and _apart(schedule, s, s - 1):
         return schedule.rank_of(s - 1), Message("activation", s, m)
-    if action.kind in ("B", "I") and s < schedule.stages - 1:
+    if action.kind in ("B", "I") and s < schedule.stages - 1 and _apart(schedule, s, s + 1):
         return schedule.rank_of(s + 1), Message("gradient", s, m)
     return None
 
@@ -119,17 +127,29 @@ def sequences(schedule: Schedule) -> dict[tuple[int, int], tuple[Message, ...]]:
 
 def fifo_problem(schedule: Schedule) -> str | None:
     """Why ``schedule`` cannot run with messages matched in order, if it cannot: some rank
-    uses a peer's messages in another order than the peer sends them."""
+    uses the messages of one of a peer's streams — one stage's activations, or one stage's
+    gradients — in another order than the peer sends them.
+
+    Streams may interleave differently on the two sides: in a V placement, rank 0 sends
+    rank 1 both stage 1's activations and stage 2's gradients, and rank 1 may need a
+    gradient sent after an activation it uses later. The receiver posts its receives in the
+    sender's order anyway (:class:`ReceiveOrder`), so the earlier message's receive is
+    simply posted first and waits, filled, until used. Within a stream the order must hold:
+    a link's first activation is posted ahead in the last step's shape, and the sender's
+    first must be the receiver's first."""
     for (sender, receiver), sent in sequences(schedule).items():
-        data = [m for m in sent if m.kind != "header"]
         used = [need[1] for a in schedule.actions[receiver]
                 if (need := needed_by(schedule, a)) is not None and need[0] == sender]
-        if data != used:  # the same messages (a Schedule has each action once), reordered
-            at = next(i for i, (x, y) in enumerate(zip(data, used)) if x != y)
-            return (f"rank {receiver} uses rank {sender}'s messages in another order than "
-                    f"rank {sender} sends them (message {at}: sent {data[at]}, used "
-                    f"{used[at]}); messages between two ranks are matched in order (NCCL "
-                    "ignores tags), so reorder the schedule's actions")
+        for stream in dict.fromkeys((m.kind, m.stage) for m in used):
+            data = [m for m in sent if (m.kind, m.stage) == stream]
+            mine = [m for m in used if (m.kind, m.stage) == stream]
+            if data != mine:  # the same messages (a Schedule has each action once), reordered
+                at = next(i for i, (x, y) in enumerate(zip(data, mine)) if x != y)
+                return (f"rank {receiver} uses rank {sender}'s {stream[0]}s for stage "
+                        f"{stream[1]} in another order than rank {sender} sends them "
+                        f"({stream[0]} {at}: sent {data[at]}, used {mine[at]}); messages "
+                        "between two ranks are matched in order (NCCL ignores tags), so "
+                        "reorder the schedule's actions")
     return None
 
 

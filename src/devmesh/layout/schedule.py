@@ -4,7 +4,10 @@ An :class:`Action` is a forward (``F``), a full backward (``B``), or a backward 
 its input-gradient half (``I``, which the previous stage waits for) and its weight-gradient
 half (``W``, which nobody waits for) — for one stage and one micro-batch. A
 :class:`Schedule` holds each rank's actions in order; stage ``s`` lives on rank
-``s % ranks`` (with virtual stages, rank ``r`` holds stages ``r, r + ranks, ...``).
+``s % ranks`` (with virtual stages, rank ``r`` holds stages ``r, r + ranks, ...``), or, for a
+schedule placed in a V (``placement="v"``, zero-bubble V), down the ranks and back up: rank
+``r`` holds stages ``r`` and ``2 * ranks - 1 - r``, so the first and last stages share rank 0
+and the two stages at the turn share the last rank (they hand over in memory, no message).
 
 Nothing here runs a model: :meth:`Schedule.simulate` plays the schedule with given costs per
 kind (respecting that a stage's forward needs the previous stage's, a backward the next
@@ -20,7 +23,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "looped_bfs", "zero_bubble", "SCHEDULES", "LOOPED", "build_schedule",
+           "looped_bfs", "zero_bubble", "zbv_zero_bubble", "SCHEDULES", "PLACEMENTS", "LOOPED", "build_schedule",
            "parse_schedule"]
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -48,15 +51,21 @@ class Timed:
     end: float
 
 
+#: how stages map to ranks: "loop" (stage s on rank s % ranks) or "v" (down and back up)
+PLACEMENTS = ("loop", "v")
+
+
 @dataclass(frozen=True)
 class Schedule:
-    """``actions[r]``: what rank ``r`` computes, in order."""
+    """``actions[r]``: what rank ``r`` computes, in order; ``placement``: which rank holds
+    each stage (:data:`PLACEMENTS`, :meth:`rank_of`)."""
 
     name: str
     ranks: int
     stages: int
     microbatches: int
     actions: tuple[tuple[Action, ...], ...]
+    placement: str = "loop"
 
     def __post_init__(self) -> None:
         """A schedule is data a user may write by hand: refuse one the runner would play
@@ -74,7 +83,8 @@ class Schedule:
         self.simulate()  # raises ScheduleError naming the actions that wait on each other
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.ranks
+        """The rank holding ``stage`` (see :data:`PLACEMENTS`)."""
+        return _rank_of(stage, self.ranks, self.placement)
 
     def simulate(self, costs: Mapping[str | Action, float] | None = None,
                  latency: float = 0.0) -> list[Timed]:
@@ -143,11 +153,30 @@ class Schedule:
         return 1.0 - busy / (self.ranks * makespan)
 
     def __str__(self) -> str:
-        lines = [f"{self.name}: {self.stages} stages on {self.ranks} ranks, "
+        shape = " in a V" if self.placement == "v" else ""
+        lines = [f"{self.name}: {self.stages} stages on {self.ranks} ranks{shape}, "
                  f"{self.microbatches} micro-batches"]
         for r, actions in enumerate(self.actions):
             lines.append(f"rank {r}: " + " ".join(map(str, actions)))
         return "\n".join(lines)
+
+
+def _rank_of(stage: int, ranks: int, placement: str) -> int:
+    """``stage % ranks``, or in a V, down the ranks on even rounds of ``ranks`` stages and
+    back up on odd ones."""
+    position = stage % ranks
+    if placement == "v" and (stage // ranks) % 2:
+        return ranks - 1 - position
+    return position
+
+
+def _placement_of(actions: Mapping[int, tuple[Action, ...]], ranks: int) -> str:
+    """The placement the rank lines of a schedule written without its first line follow:
+    the loop unless only the V fits."""
+    def fits(placement: str) -> bool:
+        return all(_rank_of(a.stage, ranks, placement) == rank
+                   for rank, listed in actions.items() for a in listed)
+    return "v" if not fits("loop") and fits("v") else "loop"
 
 
 def _structure_problem(schedule: Schedule) -> str | None:
@@ -158,6 +187,11 @@ def _structure_problem(schedule: Schedule) -> str | None:
         value = getattr(schedule, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             return f"{name} must be a positive integer, got {value!r}"
+    if schedule.placement not in PLACEMENTS:
+        return f"placement {schedule.placement!r} is not one of {PLACEMENTS}"
+    if schedule.placement == "v" and schedule.stages % (2 * schedule.ranks):
+        return (f"a V placement needs the stages ({schedule.stages}) to be a multiple of "
+                f"twice the ranks ({2 * schedule.ranks}): down the ranks and back up")
     if len(schedule.actions) != schedule.ranks:
         return (f"actions holds {len(schedule.actions)} lists for {schedule.ranks} ranks: "
                 "give one list of actions per rank")
@@ -180,7 +214,10 @@ def _structure_problem(schedule: Schedule) -> str | None:
                         f"0..{schedule.microbatches - 1}")
             if schedule.rank_of(action.stage) != rank:
                 return (f"{action} is in rank {rank}'s list, but stage {action.stage} lives on "
-                        f"rank {schedule.rank_of(action.stage)} (stage s on rank s % ranks)")
+                        f"rank {schedule.rank_of(action.stage)} ("
+                        + ("placed in a V: rank r holds stages r and 2 x ranks - 1 - r"
+                           if schedule.placement == "v" else "stage s on rank s % ranks")
+                        + ")")
             if action in seen:
                 return f"{action} appears twice in rank {rank}'s list: each action runs once"
             seen.add(action)
@@ -357,12 +394,73 @@ def zero_bubble(ranks: int, microbatches: int) -> Schedule:
     return Schedule("zero-bubble", ranks, ranks, microbatches, tuple(map(tuple, seqs)))
 
 
+def zbv_zero_bubble(ranks: int, microbatches: int) -> Schedule:
+    """Zero-bubble V (ZB-V, Qi et al. 2024, section 6; torch's ``ScheduleZBVZeroBubble``):
+    two stages per rank placed in a V — rank ``r`` holds stages ``r`` and
+    ``2 * ranks - 1 - r``, so a micro-batch goes down the ranks and back up, and the last
+    rank hands its first stage's output to its second in memory — with every backward split
+    into ``I`` and ``W``. With forward, ``I`` and ``W`` equally long it leaves no bubble
+    after the warm-up once there are ``2 * ranks - 1`` micro-batches or more, holding no
+    more activations than 1F1B.
+
+    The order is torch's, phase by phase, on rank ``r``: warm-up forwards on its first
+    stage (two per rank below it, and one), then its two stages' forwards alternating, then
+    on its second stage forward, ``I`` and ``W`` in turn; the steady state runs forward,
+    ``I`` and ``W`` of the first stage, then of the second; the cool-down the ``I`` left
+    before their ``W``. As torch, the order is made for at least ``2 * ranks - 1``
+    micro-batches and the actions of the ones beyond ``microbatches`` dropped."""
+    _check(ranks, microbatches)
+    planned = max(2 * ranks - 1, microbatches)
+    out = []
+    for r in range(ranks):
+        down, up = r, 2 * ranks - 1 - r
+        made: dict[tuple[str, int], int] = {}  # (kind, stage) -> micro-batches given so far
+        seq: list[Action] = []
+
+        def add(kind: str, stage: int, counter: str | None = None) -> None:
+            key = (counter or kind, stage)
+            seq.append(Action(kind, stage, made.get(key, 0)))
+            made[key] = made.get(key, 0) + 1
+
+        def split_backward(stage: int) -> None:  # I, then W of the same micro-batch
+            add("I", stage)
+            seq.append(Action("W", stage, seq[-1].microbatch))
+
+        for _ in range(2 * (ranks - r) - 1):
+            add("F", down)
+        for _ in range(r):
+            add("F", up)
+            add("F", down)
+        for _ in range(ranks - r):
+            add("F", up)
+            split_backward(up)
+        while made.get(("F", up), 0) < made[("F", down)] or made[("F", down)] < planned:
+            if made[("F", down)] < planned:
+                add("F", down)
+            split_backward(down)
+            add("F", up)
+            split_backward(up)
+        weights = {stage: made.get(("I", stage), 0) for stage in (down, up)}  # W given
+        for _ in range(r):
+            add("I", down)
+            add("I", up)
+        for _ in range(ranks - r):
+            add("I", down)
+            seq.append(Action("W", down, weights[down]))
+            weights[down] += 1
+        for stage in (up, down):
+            seq += [Action("W", stage, m) for m in range(weights[stage], made[("I", stage)])]
+        out.append(tuple(a for a in seq if a.microbatch < microbatches))
+    return Schedule("zbv-zero-bubble", ranks, 2 * ranks, microbatches, tuple(out), "v")
+
+
 def _key(action: Action) -> tuple[str, int, int]:
     return (action.kind, action.stage, action.microbatch)
 
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b,
-             "looped-bfs": looped_bfs, "zero-bubble": zero_bubble}
+             "looped-bfs": looped_bfs, "zero-bubble": zero_bubble,
+             "zbv-zero-bubble": zbv_zero_bubble}
 #: the built-in schedules that run several stages per rank (``virtual``)
 LOOPED = frozenset({"interleaved-1f1b", "looped-bfs"})
 
@@ -378,8 +476,8 @@ def build_schedule(name: str, ranks: int, microbatches: int, virtual: int = 2) -
     return SCHEDULES[name](ranks, microbatches)
 
 
-_HEADER = re.compile(r"(?P<name>.+): (?P<stages>\d+) stages on (?P<ranks>\d+) ranks, "
-                     r"(?P<microbatches>\d+) micro-batch(es)?")
+_HEADER = re.compile(r"(?P<name>.+): (?P<stages>\d+) stages on (?P<ranks>\d+) ranks"
+                     r"(?P<v> in a V)?, (?P<microbatches>\d+) micro-batch(es)?")
 _RANK_LINE = re.compile(r"rank (?P<rank>\d+):(?P<actions>.*)")
 _ACTION = re.compile(r"(?P<kind>[A-Za-z])(?P<microbatch>\d+)@(?P<stage>\d+)")
 
@@ -427,13 +525,16 @@ def parse_schedule(text: str, name: str = "hand-written") -> Schedule:
         count = len(ranks)
         sizes = (max((a.stage for a in everything), default=0) + 1,
                  max((a.microbatch for a in everything), default=0) + 1)
+        placement = _placement_of(ranks, count)
     else:
         name, count = header["name"], int(header["ranks"])
         sizes = (int(header["stages"]), int(header["microbatches"]))
+        placement = "v" if header["v"] else "loop"
     missing = sorted(set(range(count)) - set(ranks))
     extra = sorted(set(ranks) - set(range(count)))
     if missing or extra:
         raise ScheduleError(f"the schedule has {count} ranks, so it needs lines for ranks "
                             f"0..{count - 1}" + (f"; missing: {missing}" if missing else "")
                             + (f"; beyond them: {extra}" if extra else ""))
-    return Schedule(name, count, sizes[0], sizes[1], tuple(ranks[r] for r in range(count)))
+    return Schedule(name, count, sizes[0], sizes[1], tuple(ranks[r] for r in range(count)),
+                    placement)

@@ -371,9 +371,9 @@ def _add_plan(sub) -> None:
     plan.add_argument("--layers", type=int, default=None)
     plan.add_argument("--schedule", default=None,
                       help="instead: print a pipeline schedule for --pp ranks (gpipe, 1f1b, "
-                           "interleaved-1f1b, looped-bfs, zero-bubble) with its bubble, or "
-                           "check one written in a file (one 'rank R: F0@0 B0@0 ...' line per "
-                           "rank, as printed)")
+                           "interleaved-1f1b, looped-bfs, zero-bubble, zbv-zero-bubble) with "
+                           "its bubble, or check one written in a file (one 'rank R: F0@0 "
+                           "B0@0 ...' line per rank, as printed)")
     plan.add_argument("--microbatches", type=int, default=None,
                       help="micro-batches per step (with --schedule; default 2 x --pp)")
     plan.add_argument("--virtual", type=int, default=2,

@@ -1,6 +1,6 @@
 """Pipeline parallelism: a model split into stages on the ``pp`` dim of a mesh, run by a
-schedule (GPipe, 1F1B, interleaved 1F1B, looped BFS, zero-bubble) given as data
-(:mod:`devmesh.layout.schedule`)."""
+schedule (GPipe, 1F1B, interleaved 1F1B, looped BFS, zero-bubble, zero-bubble V) given as
+data (:mod:`devmesh.layout.schedule`)."""
 
 from devmesh.layout.schedule import (
     LOOPED,
@@ -14,6 +14,7 @@ from devmesh.layout.schedule import (
     looped_bfs,
     one_f_one_b,
     parse_schedule,
+    zbv_zero_bubble,
     zero_bubble,
 )
 from devmesh.parallel.pipeline.runner import PipelineRunner
@@ -26,25 +27,25 @@ from devmesh.parallel.pipeline.torch_api import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
     get_schedule_class,
 )
 
 __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boundaries",
            "Schedule", "Action", "ScheduleError", "SCHEDULES", "LOOPED", "build_schedule",
            "parse_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs",
-           "zero_bubble", "PipelineStage", "ScheduleGPipe", "Schedule1F1B",
-           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "PipelineScheduleSingle",
-           "PipelineScheduleMulti", "get_schedule_class"]
+           "zero_bubble", "zbv_zero_bubble", "PipelineStage", "ScheduleGPipe", "Schedule1F1B",
+           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble",
+           "PipelineScheduleSingle", "PipelineScheduleMulti", "get_schedule_class"]
 
 # torch.distributed.pipelining names devmesh does not provide: code whose imports were
 # switched to devmesh learns what to use instead of a bare "cannot import name"
 _NOT_PROVIDED = {
-    "ScheduleInterleavedZeroBubble": "devmesh's zero-bubble schedule runs one stage per rank:"
-    " PipelineRunner(stages, mesh, build_schedule('zero-bubble', ranks, microbatches), loss)",
-    "ScheduleZBVZeroBubble": "devmesh's zero-bubble schedule runs one stage per rank: "
-    "PipelineRunner(stages, mesh, build_schedule('zero-bubble', ranks, microbatches), loss)",
-    "ScheduleDualPipeV": "devmesh has no DualPipeV; its zero-bubble schedule is "
-    "build_schedule('zero-bubble', ranks, microbatches)",
+    "ScheduleInterleavedZeroBubble": "ScheduleZBVZeroBubble runs two stages per rank (in a "
+    "V), devmesh's zero-bubble schedule one: PipelineRunner(stages, mesh, "
+    "build_schedule('zero-bubble', ranks, microbatches), loss)",
+    "ScheduleDualPipeV": "devmesh has no DualPipeV; its zero-bubble V schedule is "
+    "ScheduleZBVZeroBubble (build_schedule('zbv-zero-bubble', ranks, microbatches))",
     "pipeline": "devmesh does not trace models: split an nn.Sequential with split_sequential",
     "Pipe": "devmesh does not trace models: split an nn.Sequential with split_sequential",
     "pipe_split": "devmesh does not trace models: split an nn.Sequential with split_sequential",

@@ -26,6 +26,11 @@ into one byte buffer (each part 8-byte aligned, so the receiver's parts are view
 copy); the header lists every part. The gradient message answers the floating-point parts only
 (a mask or token ids get no gradient), packed the same way.
 
+Two neighbouring stages on the same rank (the turn of a V placement, or every stage on a
+single rank) exchange nothing: the tensors are handed over in memory, detached as a
+message's would be, and the message model (:mod:`~devmesh.layout.pipeline_messages`) has no
+message there.
+
 A stage that fails part-way through a step must not leave its neighbours waiting for a
 message that never comes: it keeps every message flowing, zeros of the announced shape in
 place of what it could not compute, or — when it failed before it could announce a shape —
@@ -137,7 +142,7 @@ class StageLinks:
         self.mesh, self.dim, self.schedule = mesh, dim, schedule
         self.device = comm.mesh_device(mesh)  # NCCL carries only the device's tensors
         self.policy = "ahead" if self.device.type == "cpu" else "fused"
-        index = mesh.get_coordinate()[dim]
+        index = self.index = mesh.get_coordinate()[dim]
         self._schedules = {True: schedule, False: forward_only(schedule)}
         self._orders = {training: ReceiveOrder(plan, index)
                         for training, plan in self._schedules.items()}
@@ -155,11 +160,18 @@ class StageLinks:
         self._early: dict[int, tuple[Message, ...]] = {}  # receives posted early (NCCL)
         self._placements: dict[bool, dict[int, tuple[Message, ...]]] = {}  # per training
         self.watch: Watch | None = None  # this step's: a timeout names the stuck rank
+        # between two stages on this rank (the turn of a V): (kind, receiving stage,
+        # micro-batch) -> the tensors handed over in memory, and each such stage's input
+        # layout this step (for the zeros of a gradient not computed)
+        self._handed: dict[tuple[str, int, int], tuple[torch.Tensor, ...] | None] = {}
+        self._handed_layouts: dict[int, Layout] = {}
 
     def start_step(self, actions: tuple[Action, ...], training: bool = True) -> None:
         """Announce every layout again (each step may bring a new micro-batch shape), and
         post the receives of the step's first ``actions``."""
         self.watch = comm.exchange_watch("pipeline step", self.mesh, self.dim)
+        self._handed.clear()  # what a failed step left
+        self._handed_layouts.clear()
         self.received_before, self.received = self.received, {}
         self.announced_before, self.announced = self.announced, {}
         self.plan, self.order, self.actions = (self._schedules[training],
@@ -257,6 +269,11 @@ class StageLinks:
         sender failed; zeros of the announced layout go instead). Returns what is wrong with
         ``out`` if it does not fit the announced layout or cannot cross a boundary (zeros go
         then)."""
+        if self._local(stage):  # the turn of a V: no message
+            self._handed[("activation", stage, microbatch)] = out
+            if out is not None:
+                self._handed_layouts[stage] = layout_of(out)
+            return None
         problem = _unsendable(out, stage) if out is not None else None
         if problem:
             out = None
@@ -289,6 +306,8 @@ class StageLinks:
     def recv_activation(self, stage: int, microbatch: int) -> tuple[torch.Tensor, ...] | None:
         """``stage``'s input tensors for ``microbatch``; ``None`` if the previous stage failed
         before it could announce a layout (no data comes then)."""
+        if self._local(stage - 1):
+            return self._handed.pop(("activation", stage, microbatch))
         message = Message("activation", stage, microbatch)
         self._post_due([message], wait=True)
         self.flush()
@@ -301,6 +320,8 @@ class StageLinks:
     def recv_gradient(self, stage: int, microbatch: int) -> tuple[torch.Tensor, ...] | None:
         """The gradients of ``stage``'s floating-point outputs for ``microbatch``, from
         ``stage + 1``; ``None`` if this rank announced a failure instead of that output."""
+        if self._local(stage + 1):
+            return self._handed.pop(("gradient", stage, microbatch))
         layout = self.announced.get(stage + 1)
         if layout is None:
             return None
@@ -314,6 +335,13 @@ class StageLinks:
         """Send the gradients of ``stage``'s floating-point inputs back to ``stage - 1``
         (``None`` entries, or ``None`` for all: zeros, as when the sender failed; nothing if
         no input layout was announced, or no input is floating-point)."""
+        if self._local(stage - 1):
+            layout = self._handed_layouts.get(stage)
+            self._handed[("gradient", stage - 1, microbatch)] = (
+                None if grads is None or layout is None else
+                tuple(g if g is not None else self._zeros(part)
+                      for g, part in zip(grads, gradient_layout(layout))))
+            return
         layout = self.received.get(stage)
         if layout is None:
             return
@@ -323,6 +351,11 @@ class StageLinks:
         grads = grads if grads is not None else (None,) * len(layout)
         parts = tuple(g if g is not None else self._zeros(part) for g, part in zip(grads, layout))
         self._send(_pack(parts, self.device), stage - 1)
+
+    def _local(self, stage: int) -> bool:
+        """Is ``stage`` on this rank (a neighbour of a stage here: what passes between the
+        two is handed over in memory, not sent)?"""
+        return self.schedule.rank_of(stage) == self.index
 
     def _zeros(self, shape: Shape) -> torch.Tensor:
         return torch.zeros(shape[0], dtype=shape[1], device=self.device)

@@ -36,7 +36,8 @@ from devmesh.parallel.pipeline.runner import PipelineRunner
 from devmesh.parallel.pipeline.split import PipelineError
 
 __all__ = ["PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe",
-           "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "get_schedule_class"]
+           "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+           "ScheduleZBVZeroBubble", "get_schedule_class"]
 
 
 class PipelineStage:
@@ -230,23 +231,39 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
                          defer_pp_recv=defer_pp_recv)
 
 
+class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+    """Zero-bubble V (torch's ``ScheduleZBVZeroBubble``): two stages per rank placed in a V
+    (rank ``r`` builds the stages ``r`` and ``2 * ranks - 1 - r``), each backward split into
+    its input and weight halves."""
+
+    schedule_name = "zbv-zero-bubble"
+
+    def _virtual(self, num_stages: int, ranks: int) -> dict[str, int]:
+        if num_stages != 2 * ranks or len(self._stages) != 2:
+            raise PipelineError(f"ScheduleZBVZeroBubble needs exactly 2 stages per rank, "
+                                f"stages r and {2 * ranks - 1} - r on rank r: got "
+                                f"{len(self._stages)} of {num_stages} stages on {ranks} ranks")
+        return {}
+
+
 _BY_NAME = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
-            "Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS": ScheduleLoopedBFS}
+            "Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS": ScheduleLoopedBFS,
+            "ZBVZeroBubble": ScheduleZBVZeroBubble}
 _ELSEWHERE = {  # torch's other names: what devmesh has instead
-    "ZBVZeroBubble": "build_schedule('zero-bubble', ranks, microbatches) with PipelineRunner",
-    "InterleavedZeroBubble": "build_schedule('zero-bubble', ranks, microbatches) with "
+    "InterleavedZeroBubble": "ZBVZeroBubble (two stages per rank in a V), or "
+                             "build_schedule('zero-bubble', ranks, microbatches) with "
                              "PipelineRunner",
-    "DualPipeV": "build_schedule('zero-bubble', ranks, microbatches) with PipelineRunner",
+    "DualPipeV": "ZBVZeroBubble (two stages per rank in a V)",
     "PipelineScheduleSingle": "a schedule's name: GPipe or 1F1B",
-    "PipelineScheduleMulti": "a schedule's name: Interleaved1F1B or LoopedBFS",
+    "PipelineScheduleMulti": "a schedule's name: Interleaved1F1B, LoopedBFS or ZBVZeroBubble",
 }
 
 
 def get_schedule_class(schedule_name: str) -> type[_Schedule]:
     """The schedule class called ``schedule_name`` (any case), as torch's
-    ``get_schedule_class``: ``GPipe``, ``1F1B``, ``Interleaved1F1B`` or ``LoopedBFS``. torch's
-    other names raise a ``ValueError`` naming devmesh's alternative; unknown ones torch's
-    phrase."""
+    ``get_schedule_class``: ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS`` or
+    ``ZBVZeroBubble``. torch's other names raise a ``ValueError`` naming devmesh's
+    alternative; unknown ones torch's phrase."""
     by_lower = {name.lower(): name for name in (*_BY_NAME, *_ELSEWHERE)}
     name = by_lower.get(str(schedule_name).lower())
     if name in _BY_NAME:
