@@ -3,8 +3,9 @@ bubble vs the one the schedule predicts.
 
 Same model (16 blocks of Linear(512, 512) -> ReLU, and a Linear head), same split (balanced
 by parameter count), same schedule, 4 pipeline ranks over gloo (``--ranks``), 8 micro-batches
-of 64, SGD; GPipe, 1F1B and interleaved 1F1B (2 stages per rank) run by both, zero-bubble by
-devmesh only (torch's zero-bubble schedules need its own graph splitting). Prints the slowest
+of 64, SGD; GPipe, 1F1B, interleaved 1F1B and zero-bubble V (2 stages per rank, in a V:
+torch's ``ScheduleZBVZeroBubble``) run by both, zero-bubble (ZB-H1, one stage per rank) by
+devmesh only (torch has no such schedule). Prints the slowest
 rank's median step time, the ratio devmesh / torch, the measured bubble (1 - compute time
 summed over ranks / (ranks x schedule time)) of devmesh and of torch (its stages' forward,
 loss and backward timed as devmesh's runner times its own: the same machine's message costs
@@ -17,7 +18,7 @@ receives, the runner's Python). "+runner" against "measured" checks the schedule
 time; "predicted" against "+runner" shows what the per-message costs of this machine add.
 
     .venv/bin/python bench/pipeline.py [--steps 8] [--rounds 3] [--ranks 4] [--depth 16]
-                                       [--default-malloc]
+                                       [--default-malloc] [--schedules 1f1b,zbv-zero-bubble]
     .venv/bin/python bench/pipeline.py --breakdown [--ranks 2] [--depth 16]
     .venv/bin/python bench/pipeline.py --posting --ranks 2 --depth 64 --rounds 9 --steps 6
 
@@ -78,6 +79,20 @@ def build_model(depth: int = 16):
     return nn.Sequential(*blocks, nn.Linear(512, 10))
 
 
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv-zero-bubble")
+TWO_PER_RANK = ("interleaved-1f1b", "zbv-zero-bubble")  # the rest: one stage per rank
+
+
+def my_stages(name: str, ranks: int, me: int) -> tuple[int, list[int]]:
+    """Stages per rank, and this rank's stages (round the ranks, or in a V for
+    zero-bubble V), as devmesh's schedule places them."""
+    from devmesh.layout.schedule import build_schedule
+
+    virtual = 2 if name in TWO_PER_RANK else 1
+    plan = build_schedule(name, ranks, MICRO, virtual)
+    return virtual, [s for s in range(plan.stages) if plan.rank_of(s) == me]
+
+
 def run(library: str, name: str, steps: int, ranks: int, depth: int = 16,
         posting: str | None = None):
     import logging
@@ -95,10 +110,9 @@ def run(library: str, name: str, steps: int, ranks: int, depth: int = 16,
 
     mesh = init_device_mesh("cpu", (ranks,), mesh_dim_names=("pp",))
     me = mesh.get_coordinate()[0]
-    virtual = 2 if name == "interleaved-1f1b" else 1
+    virtual, mine = my_stages(name, ranks, me)
     stages_total = ranks * virtual
     parts = split_sequential(build_model(depth), stages_total)
-    mine = [s for s in range(stages_total) if s % ranks == me]
     params = [p for s in mine for p in parts[s].parameters()]
     opt = torch.optim.SGD(params, lr=0.01)
     first, last = 0 in mine, stages_total - 1 in mine
@@ -108,12 +122,15 @@ def run(library: str, name: str, steps: int, ranks: int, depth: int = 16,
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleZBVZeroBubble,
         )
 
         stages = [PipelineStage(parts[s], s, stages_total, torch.device("cpu"),
                                 group=mesh.get_group("pp")) for s in mine]
         if virtual > 1:
-            schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=F.cross_entropy)
+            kind = (ScheduleZBVZeroBubble if name == "zbv-zero-bubble"
+                    else ScheduleInterleaved1F1B)
+            schedule = kind(stages, MICRO, loss_fn=F.cross_entropy)
         else:
             kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
             schedule = kind(stages[0], MICRO, loss_fn=F.cross_entropy)
@@ -121,7 +138,9 @@ def run(library: str, name: str, steps: int, ranks: int, depth: int = 16,
         torch_compute = _time_torch_compute(stages, schedule)
 
         def step(x, y):
-            if first:
+            if first and last:  # zero-bubble V: rank 0 holds the first and last stage
+                schedule.step(x, target=y)
+            elif first:
                 schedule.step(x)
             elif last:
                 schedule.step(target=y)
@@ -197,6 +216,7 @@ def _time_torch_compute(stages, schedule) -> list[float]:
     for stage in stages:
         _time_calls(stage, "forward_one_chunk", spent.append)
         _time_calls(stage, "backward_one_chunk", spent.append)
+        _time_calls(stage, "backward_weight_one_chunk", spent.append)  # zero-bubble V's W
     _time_calls(schedule, "_maybe_compute_loss", spent.append)
     return spent
 
@@ -279,9 +299,8 @@ def breakdown(name: str, steps: int, ranks: int, depth: int = 16) -> dict[str, f
     me = mesh.get_coordinate()[0]
     calls = _time_p2p_calls()
     alone = _p2p_call_alone(mesh, calls)
-    virtual = 2 if name == "interleaved-1f1b" else 1
+    virtual, mine = my_stages(name, ranks, me)
     parts = split_sequential(build_model(depth), ranks * virtual)
-    mine = [s for s in range(ranks * virtual) if s % ranks == me]
     runner = PipelineRunner({s: parts[s] for s in mine}, mesh,
                             build_schedule(name, ranks, MICRO, virtual), F.cross_entropy)
     rows = []
@@ -337,7 +356,8 @@ def _p2p_call_alone(mesh, calls: list[float], rounds: int = 50) -> float:
     return statistics.median(calls)
 
 
-def print_breakdown(steps: int, ranks: int, depth: int) -> None:
+def print_breakdown(steps: int, ranks: int, depth: int,
+                    names: tuple[str, ...] = SCHEDULE_NAMES) -> None:
     from devmesh.launching.launcher import launch
 
     columns = ("step", "compute", "wait", "send", "post", "check", "other", "call",
@@ -345,7 +365,7 @@ def print_breakdown(steps: int, ranks: int, depth: int) -> None:
     print(f"{ranks} pipeline ranks, devmesh only, median of {steps} steps, ms per step")
     print(f"{'schedule':<18}{'rank':>5}" + "".join(f"{c:>9}" for c in columns))
     alone = []
-    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
+    for name in names:
         for rank, row in enumerate(launch(breakdown, ranks, name, steps, ranks, depth,
                                                    timeout=1800)):
             alone.append(row["alone"])
@@ -396,6 +416,8 @@ def main() -> None:
                         help="pipeline ranks (stages); 2 gives each rank a core of its own here")
     parser.add_argument("--depth", type=int, default=16,
                         help="Linear(512, 512) blocks in the model: more compute per message")
+    parser.add_argument("--schedules", default=",".join(SCHEDULE_NAMES),
+                        help="comma-separated, of " + ", ".join(SCHEDULE_NAMES))
     parser.add_argument("--breakdown", action="store_true",
                         help="devmesh only: where each rank's step time goes")
     parser.add_argument("--posting", action="store_true",
@@ -404,6 +426,10 @@ def main() -> None:
     parser.add_argument("--default-malloc", action="store_true",
                         help="keep glibc malloc's default thresholds (see the module's doc)")
     args = parser.parse_args()
+    names = [n for n in args.schedules.split(",") if n]
+    unknown = sorted(set(names) - set(SCHEDULE_NAMES))
+    if unknown:
+        parser.error(f"unknown schedules {unknown}: choose from {', '.join(SCHEDULE_NAMES)}")
     if not args.default_malloc:  # read by glibc at process start: the ranks inherit it
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(32 << 20))
         os.environ.setdefault("MALLOC_TRIM_THRESHOLD_", str(256 << 20))
@@ -411,7 +437,7 @@ def main() -> None:
         print_posting(args.steps, args.rounds, args.ranks, args.depth)
         return
     if args.breakdown:
-        print_breakdown(args.steps, args.ranks, args.depth)
+        print_breakdown(args.steps, args.ranks, args.depth, tuple(names))
         return
     from devmesh.launching.launcher import launch
     from devmesh.layout.schedule import build_schedule
@@ -425,12 +451,12 @@ def main() -> None:
           f"{'bubble measured':>18}{'predicted':>11}{'replayed':>10}{'+runner':>10}"
           f"{'torch measured':>16}")
     latencies = []
-    for name in ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"):
+    for name in names:
         rounds, theirs = [], []
         for _ in range(args.rounds):  # alternate, so that load changes hit both alike
             rounds.append(launch(run, ranks, "devmesh", name, args.steps, ranks, args.depth,
                                  timeout=1800))
-            if name != "zero-bubble":
+            if name != "zero-bubble":  # torch's has no ZB-H1 with one stage per rank
                 theirs.append(launch(run, ranks, "torch", name, args.steps, ranks, args.depth,
                                      timeout=1800))
         ours = sorted(rounds, key=lambda r: r[0]["time"])[len(rounds) // 2]  # median round
@@ -443,7 +469,7 @@ def main() -> None:
                  for k in ours[0]["costs"]}
         for r in ours:  # ranks without an action kind still need a cost for it
             costs.update({k: v for k, v in r["costs"].items() if k not in costs})
-        virtual = 2 if name == "interleaved-1f1b" else 1
+        virtual = 2 if name in TWO_PER_RANK else 1
         plan = build_schedule(name, ranks, MICRO, virtual)
         predicted = plan.bubble(costs)
         each_action = {a: t for r in ours for a, t in r["actions"].items()}

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "looped_bfs", "zero_bubble", "zbv_zero_bubble", "SCHEDULES", "PLACEMENTS", "LOOPED", "build_schedule",
-           "parse_schedule"]
+           "looped_bfs", "zero_bubble", "zbv_zero_bubble", "SCHEDULES", "PLACEMENTS", "LOOPED",
+           "build_schedule", "parse_schedule"]
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -400,8 +400,8 @@ def zbv_zero_bubble(ranks: int, microbatches: int) -> Schedule:
     ``2 * ranks - 1 - r``, so a micro-batch goes down the ranks and back up, and the last
     rank hands its first stage's output to its second in memory — with every backward split
     into ``I`` and ``W``. With forward, ``I`` and ``W`` equally long it leaves no bubble
-    after the warm-up once there are ``2 * ranks - 1`` micro-batches or more, holding no
-    more activations than 1F1B.
+    after the warm-up once there are ``2 * ranks - 1`` micro-batches or more, at the peak
+    activation memory of 1F1B (the paper's design).
 
     The order is torch's, phase by phase, on rank ``r``: warm-up forwards on its first
     stage (two per rank below it, and one), then its two stages' forwards alternating, then
@@ -417,10 +417,9 @@ def zbv_zero_bubble(ranks: int, microbatches: int) -> Schedule:
         made: dict[tuple[str, int], int] = {}  # (kind, stage) -> micro-batches given so far
         seq: list[Action] = []
 
-        def add(kind: str, stage: int, counter: str | None = None) -> None:
-            key = (counter or kind, stage)
-            seq.append(Action(kind, stage, made.get(key, 0)))
-            made[key] = made.get(key, 0) + 1
+        def add(kind: str, stage: int) -> None:  # the stage's next micro-batch of this kind
+            seq.append(Action(kind, stage, made.get((kind, stage), 0)))
+            made[(kind, stage)] = made.get((kind, stage), 0) + 1
 
         def split_backward(stage: int) -> None:  # I, then W of the same micro-batch
             add("I", stage)
@@ -485,12 +484,13 @@ _ACTION = re.compile(r"(?P<kind>[A-Za-z])(?P<microbatch>\d+)@(?P<stage>\d+)")
 def parse_schedule(text: str, name: str = "hand-written") -> Schedule:
     """The schedule ``text`` writes as ``str(schedule)`` prints one, so that a schedule
     written or edited by hand can be checked, drawn and run (``devmesh plan --schedule
-    FILE``): an optional first line ``NAME: S stages on R ranks, M micro-batches``, then one
-    line per rank, ``rank R: F0@0 F1@0 I0@0 W0@0 ...`` (kind, micro-batch, ``@`` stage).
-    Without the first line there are as many ranks as rank lines, and as many stages and
-    micro-batches as the largest named plus one, and the schedule is called ``name``. Blank
-    lines and ``#`` comments are skipped. Raises :class:`ScheduleError` naming the line that cannot be read, or what makes the
-    schedule wrong (:class:`Schedule`'s checks)."""
+    FILE``): an optional first line ``NAME: S stages on R ranks, M micro-batches`` (``R ranks
+    in a V`` for a V placement), then one line per rank, ``rank R: F0@0 F1@0 I0@0 W0@0 ...``
+    (kind, micro-batch, ``@`` stage). Without the first line there are as many ranks as rank
+    lines, as many stages and micro-batches as the largest named plus one, the placement the
+    lines follow (the loop unless only the V fits), and the schedule is called ``name``.
+    Blank lines and ``#`` comments are skipped. Raises :class:`ScheduleError` naming the line
+    that cannot be read, or what makes the schedule wrong (:class:`Schedule`'s checks)."""
     header = None
     ranks: dict[int, tuple[Action, ...]] = {}
     for number, raw in enumerate(text.splitlines(), 1):
