@@ -3,10 +3,10 @@ bubble vs the one the schedule predicts.
 
 Same model (16 blocks of Linear(512, 512) -> ReLU, and a Linear head), same split (balanced
 by parameter count), same schedule, 4 pipeline ranks over gloo (``--ranks``), 8 micro-batches
-of 64, SGD; GPipe, 1F1B, interleaved 1F1B and zero-bubble V (2 stages per rank, in a V:
-torch's ``ScheduleZBVZeroBubble``) run by both, zero-bubble (ZB-H1, one stage per rank) by
-devmesh only (torch has no such schedule). Prints the slowest
-rank's median step time, the ratio devmesh / torch, the measured bubble (1 - compute time
+of 64, SGD; GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble (2 stages per rank) and
+zero-bubble V (2 stages per rank, in a V: torch's ``ScheduleZBVZeroBubble``) run by both,
+zero-bubble (ZB-H1, one stage per rank) by devmesh only (torch has no such schedule). Prints
+the slowest rank's median step time, the ratio devmesh / torch, the measured bubble (1 - compute time
 summed over ranks / (ranks x schedule time)) of devmesh and of torch (its stages' forward,
 loss and backward timed as devmesh's runner times its own: the same machine's message costs
 land in both), and next to devmesh's the schedule's prediction: "predicted" simulates the
@@ -79,8 +79,10 @@ def build_model(depth: int = 16):
     return nn.Sequential(*blocks, nn.Linear(512, 10))
 
 
-SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv-zero-bubble")
-TWO_PER_RANK = ("interleaved-1f1b", "zbv-zero-bubble")  # the rest: one stage per rank
+SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "interleaved-zero-bubble",
+                  "zbv-zero-bubble")
+# the rest: one stage per rank
+TWO_PER_RANK = ("interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble")
 
 
 def my_stages(name: str, ranks: int, me: int) -> tuple[int, list[int]]:
@@ -122,14 +124,16 @@ def run(library: str, name: str, steps: int, ranks: int, depth: int = 16,
             Schedule1F1B,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
+            ScheduleInterleavedZeroBubble,
             ScheduleZBVZeroBubble,
         )
 
         stages = [PipelineStage(parts[s], s, stages_total, torch.device("cpu"),
                                 group=mesh.get_group("pp")) for s in mine]
         if virtual > 1:
-            kind = (ScheduleZBVZeroBubble if name == "zbv-zero-bubble"
-                    else ScheduleInterleaved1F1B)
+            kind = {"interleaved-1f1b": ScheduleInterleaved1F1B,
+                    "interleaved-zero-bubble": ScheduleInterleavedZeroBubble,
+                    "zbv-zero-bubble": ScheduleZBVZeroBubble}[name]
             schedule = kind(stages, MICRO, loss_fn=F.cross_entropy)
         else:
             kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]

@@ -26,7 +26,7 @@ from devmesh.layout.schedule import SCHEDULES, Action, Schedule, build_schedule
 
 def _all_schedules(names=tuple(SCHEDULES), ranks=range(2, 9), most=12):
     for name, p, m in itertools.product(names, ranks, range(1, most + 1)):
-        if name == "interleaved-1f1b" and m % max(1, m // p):
+        if name.startswith("interleaved") and m % max(1, m // p):
             continue  # torch's rule too: rounds of at least p that cannot be equal
         yield name, p, m, build_schedule(name, p, m)
 

@@ -23,8 +23,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "looped_bfs", "zero_bubble", "zbv_zero_bubble", "SCHEDULES", "PLACEMENTS", "LOOPED",
-           "build_schedule", "parse_schedule"]
+           "looped_bfs", "zero_bubble", "interleaved_zero_bubble", "zbv_zero_bubble",
+           "SCHEDULES", "PLACEMENTS", "LOOPED", "build_schedule", "parse_schedule"]
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -289,6 +289,21 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual: int = 2) -> Schedul
     micro-batches on 4 ranks are one round of 6, 10 are two of 5, 3 one of 3 — every count
     torch accepts runs here, in torch's order; the rest (9 on 4 ranks: two rounds cannot be
     equal) are refused with the nearest counts that work."""
+    return _interleaved("interleaved-1f1b", ranks, microbatches, virtual, split=False)
+
+
+def interleaved_zero_bubble(ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
+    """Interleaved zero-bubble (torch's ``ScheduleInterleavedZeroBubble``, after ZB-1P of
+    Qi et al.): interleaved 1F1B's stages and rounds, each backward split into ``I`` and
+    ``W``: a rank's warm-up is one action shorter per rank after it (its ``I`` comes back
+    sooner than a whole backward), and from its ``r``-th backward on, rank ``r`` runs a
+    deferred ``W`` after each ``I``, the rest at the end — in torch's order."""
+    return _interleaved("interleaved-zero-bubble", ranks, microbatches, virtual, split=True)
+
+
+def _interleaved(name: str, ranks: int, microbatches: int, virtual: int, split: bool
+                 ) -> Schedule:
+    """The interleaved schedules' order (torch's), whole backwards or split ones."""
     _check(ranks, microbatches, virtual)
     rounds = max(1, microbatches // ranks)
     if microbatches % rounds:
@@ -298,38 +313,47 @@ def interleaved_1f1b(ranks: int, microbatches: int, virtual: int = 2) -> Schedul
         above = min(m for m in fits if m > microbatches)
         choice = f"{below} or {above}" if below else f"{above}"
         raise ScheduleError(
-            f"interleaved 1F1B runs the micro-batches through each rank's stages in equal "
+            f"{name} runs the micro-batches through each rank's stages in equal "
             f"rounds of at least {ranks} (the pipeline ranks): {microbatches} micro-batches "
             f"make {rounds} rounds, which cannot be equal; use {choice} micro-batches "
             f"(a multiple of {ranks} always fits)")
     per_round = microbatches // rounds
-    total = microbatches * virtual
+    total = microbatches * virtual  # forwards per rank, and backwards
 
-    def unit(k: int, backward: bool) -> tuple[int, int]:
-        chunk = (k // per_round) % virtual
-        if backward:
-            chunk = virtual - 1 - chunk
-        return chunk, (k // (per_round * virtual)) * per_round + k % per_round
+    def chunk(k: int, backward: bool) -> int:  # which of the rank's stages the k-th uses
+        index = (k // per_round) % virtual
+        return virtual - 1 - index if backward else index
 
     out = []
     for r in range(ranks):
         # the last rank starts its first backward after a round on each earlier stage of
-        # its own; each rank before it two actions later (a forward and a backward per hop)
-        warmup = min((ranks - r - 1) * 2 + (virtual - 1) * per_round, total)
-        seq = []
-        for k in range(warmup):
-            chunk, m = unit(k, False)
-            seq.append(Action("F", chunk * ranks + r, m))
-        for k in range(warmup, total):
-            chunk, m = unit(k, False)
-            seq.append(Action("F", chunk * ranks + r, m))
-            chunk, m = unit(k - warmup, True)
-            seq.append(Action("B", chunk * ranks + r, m))
-        for k in range(total - warmup, total):
-            chunk, m = unit(k, True)
-            seq.append(Action("B", chunk * ranks + r, m))
+        # its own; each rank before it two actions later per hop (a forward and a backward
+        # to come back), one under zero-bubble
+        hops = 1 if split else 2
+        warmup = min((ranks - r - 1) * hops + (virtual - 1) * per_round, total)
+        given: dict[tuple[str, int], int] = {}  # (kind, stage) -> micro-batches so far
+        seq: list[Action] = []
+
+        def add(kind: str, local: int) -> None:  # the stage's next micro-batch of the kind
+            stage = local * ranks + r
+            seq.append(Action(kind, stage, given.get((kind, stage), 0)))
+            given[(kind, stage)] = given.get((kind, stage), 0) + 1
+
+        backwards: list[int] = []  # the local stage of each backward, in order
+        weighted = 0  # how many of them have had their W
+        for k in range(total + warmup):
+            if k < total:
+                add("F", chunk(k, False))
+            if k >= warmup:
+                backwards.append(chunk(k - warmup, True))
+                add("I" if split else "B", backwards[-1])
+                if split and k - warmup >= r:  # a deferred W after each I from here
+                    add("W", backwards[weighted])
+                    weighted += 1
+        for local in backwards[weighted:] if split else ():
+            add("W", local)
         out.append(tuple(seq))
-    return Schedule("interleaved-1f1b", ranks, ranks * virtual, microbatches, tuple(out))
+    return Schedule(name, ranks, ranks * virtual, microbatches, tuple(out))
 
 
 def looped_bfs(ranks: int, microbatches: int, virtual: int = 2) -> Schedule:
@@ -459,9 +483,10 @@ def _key(action: Action) -> tuple[str, int, int]:
 
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b,
              "looped-bfs": looped_bfs, "zero-bubble": zero_bubble,
+             "interleaved-zero-bubble": interleaved_zero_bubble,
              "zbv-zero-bubble": zbv_zero_bubble}
 #: the built-in schedules that run several stages per rank (``virtual``)
-LOOPED = frozenset({"interleaved-1f1b", "looped-bfs"})
+LOOPED = frozenset({"interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble"})
 
 
 def build_schedule(name: str, ranks: int, microbatches: int, virtual: int = 2) -> Schedule:

@@ -371,13 +371,14 @@ def _add_plan(sub) -> None:
     plan.add_argument("--layers", type=int, default=None)
     plan.add_argument("--schedule", default=None,
                       help="instead: print a pipeline schedule for --pp ranks (gpipe, 1f1b, "
-                           "interleaved-1f1b, looped-bfs, zero-bubble, zbv-zero-bubble) with "
-                           "its bubble, or check one written in a file (one 'rank R: F0@0 "
-                           "B0@0 ...' line per rank, as printed)")
+                           "interleaved-1f1b, looped-bfs, zero-bubble, interleaved-zero-bubble, "
+                           "zbv-zero-bubble) with its bubble, or check one written in a file "
+                           "(one 'rank R: F0@0 B0@0 ...' line per rank, as printed)")
     plan.add_argument("--microbatches", type=int, default=None,
                       help="micro-batches per step (with --schedule; default 2 x --pp)")
     plan.add_argument("--virtual", type=int, default=2,
-                      help="stages per rank for interleaved-1f1b and looped-bfs")
+                      help="stages per rank for interleaved-1f1b, looped-bfs and "
+                           "interleaved-zero-bubble")
     plan.add_argument("--png", default=None, help="with --schedule: draw its timeline")
     plan.add_argument("--messages", choices=("gloo", "nccl"), default=None,
                       help="with --schedule: the batches of sends and receives each rank "

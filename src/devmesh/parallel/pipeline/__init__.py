@@ -1,6 +1,6 @@
 """Pipeline parallelism: a model split into stages on the ``pp`` dim of a mesh, run by a
-schedule (GPipe, 1F1B, interleaved 1F1B, looped BFS, zero-bubble, zero-bubble V) given as
-data (:mod:`devmesh.layout.schedule`)."""
+schedule (GPipe, 1F1B, interleaved 1F1B, looped BFS, and the zero-bubble ones: one stage per
+rank, interleaved, in a V) given as data (:mod:`devmesh.layout.schedule`)."""
 
 from devmesh.layout.schedule import (
     LOOPED,
@@ -11,6 +11,7 @@ from devmesh.layout.schedule import (
     build_schedule,
     gpipe,
     interleaved_1f1b,
+    interleaved_zero_bubble,
     looped_bfs,
     one_f_one_b,
     parse_schedule,
@@ -26,6 +27,7 @@ from devmesh.parallel.pipeline.torch_api import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
     get_schedule_class,
@@ -34,16 +36,14 @@ from devmesh.parallel.pipeline.torch_api import (
 __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boundaries",
            "Schedule", "Action", "ScheduleError", "SCHEDULES", "LOOPED", "build_schedule",
            "parse_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs",
-           "zero_bubble", "zbv_zero_bubble", "PipelineStage", "ScheduleGPipe", "Schedule1F1B",
-           "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleZBVZeroBubble",
-           "PipelineScheduleSingle", "PipelineScheduleMulti", "get_schedule_class"]
+           "zero_bubble", "interleaved_zero_bubble", "zbv_zero_bubble", "PipelineStage",
+           "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "PipelineScheduleSingle",
+           "PipelineScheduleMulti", "get_schedule_class"]
 
 # torch.distributed.pipelining names devmesh does not provide: code whose imports were
 # switched to devmesh learns what to use instead of a bare "cannot import name"
 _NOT_PROVIDED = {
-    "ScheduleInterleavedZeroBubble": "ScheduleZBVZeroBubble runs two stages per rank (in a "
-    "V), devmesh's zero-bubble schedule one: PipelineRunner(stages, mesh, "
-    "build_schedule('zero-bubble', ranks, microbatches), loss)",
     "ScheduleDualPipeV": "devmesh has no DualPipeV; its zero-bubble V schedule is "
     "ScheduleZBVZeroBubble (build_schedule('zbv-zero-bubble', ranks, microbatches))",
     "pipeline": "devmesh does not trace models: split an nn.Sequential with split_sequential",

@@ -37,7 +37,7 @@ from devmesh.parallel.pipeline.split import PipelineError
 
 __all__ = ["PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe",
            "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
-           "ScheduleZBVZeroBubble", "get_schedule_class"]
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "get_schedule_class"]
 
 
 class PipelineStage:
@@ -231,6 +231,13 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
                          defer_pp_recv=defer_pp_recv)
 
 
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
+    """Interleaved 1F1B with every backward split into its input and weight halves, the
+    weight halves deferred (torch's ``ScheduleInterleavedZeroBubble``)."""
+
+    schedule_name = "interleaved-zero-bubble"
+
+
 class ScheduleZBVZeroBubble(PipelineScheduleMulti):
     """Zero-bubble V (torch's ``ScheduleZBVZeroBubble``): two stages per rank placed in a V
     (rank ``r`` builds the stages ``r`` and ``2 * ranks - 1 - r``), each backward split into
@@ -248,21 +255,20 @@ class ScheduleZBVZeroBubble(PipelineScheduleMulti):
 
 _BY_NAME = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
             "Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS": ScheduleLoopedBFS,
+            "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
             "ZBVZeroBubble": ScheduleZBVZeroBubble}
 _ELSEWHERE = {  # torch's other names: what devmesh has instead
-    "InterleavedZeroBubble": "ZBVZeroBubble (two stages per rank in a V), or "
-                             "build_schedule('zero-bubble', ranks, microbatches) with "
-                             "PipelineRunner",
     "DualPipeV": "ZBVZeroBubble (two stages per rank in a V)",
     "PipelineScheduleSingle": "a schedule's name: GPipe or 1F1B",
-    "PipelineScheduleMulti": "a schedule's name: Interleaved1F1B, LoopedBFS or ZBVZeroBubble",
+    "PipelineScheduleMulti": "a schedule's name: Interleaved1F1B, LoopedBFS, "
+                             "InterleavedZeroBubble or ZBVZeroBubble",
 }
 
 
 def get_schedule_class(schedule_name: str) -> type[_Schedule]:
     """The schedule class called ``schedule_name`` (any case), as torch's
-    ``get_schedule_class``: ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS`` or
-    ``ZBVZeroBubble``. torch's other names raise a ``ValueError`` naming devmesh's
+    ``get_schedule_class``: ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``,
+    ``InterleavedZeroBubble`` or ``ZBVZeroBubble``. torch's other names raise a ``ValueError`` naming devmesh's
     alternative; unknown ones torch's phrase."""
     by_lower = {name.lower(): name for name in (*_BY_NAME, *_ELSEWHERE)}
     name = by_lower.get(str(schedule_name).lower())
