@@ -367,13 +367,13 @@ def print_breakdown(steps: int, ranks: int, depth: int,
     columns = ("step", "compute", "wait", "send", "post", "check", "other", "call",
                "slowest")
     print(f"{ranks} pipeline ranks, devmesh only, median of {steps} steps, ms per step")
-    print(f"{'schedule':<18}{'rank':>5}" + "".join(f"{c:>9}" for c in columns))
+    print(f"{'schedule':<24}{'rank':>5}" + "".join(f"{c:>9}" for c in columns))
     alone = []
     for name in names:
         for rank, row in enumerate(launch(breakdown, ranks, name, steps, ranks, depth,
                                                    timeout=1800)):
             alone.append(row["alone"])
-            print(f"{name:<18}{rank:>5}" + "".join(f"{row.get(c, 0.0) * 1e3:>9.2f}"
+            print(f"{name:<24}{rank:>5}" + "".join(f"{row.get(c, 0.0) * 1e3:>9.2f}"
                                                    for c in columns))
     print(f"call: the median time to post one batch of messages (batch_isend_irecv) in a "
           f"step; slowest: the step's\nslowest such call; the same call with the ranks idle: "
@@ -451,7 +451,7 @@ def main() -> None:
           f"median over {args.rounds} rounds of the slowest rank's median of {args.steps} "
           "steps; glibc malloc " + ("defaults" if args.default_malloc else
                                     "keeping freed memory (see --default-malloc)"))
-    print(f"{'schedule':<18}{'devmesh':>10}{'torch':>10}{'ratio':>8}{'schedule only':>15}"
+    print(f"{'schedule':<24}{'devmesh':>10}{'torch':>10}{'ratio':>8}{'schedule only':>15}"
           f"{'bubble measured':>18}{'predicted':>11}{'replayed':>10}{'+runner':>10}"
           f"{'torch measured':>16}")
     latencies = []
@@ -493,7 +493,7 @@ def main() -> None:
         only = f"{paired('schedule'):>15.2f}" if theirs else f"{'-':>15}"
         torch_idle = (f"{statistics.median(map(_idle_share, theirs)):>16.1%}" if theirs
                       else f"{'-':>16}")
-        print(f"{name:<18}{step * 1e3:>8.1f}ms{torch_text}{ratio}{only}{measured:>18.1%}"
+        print(f"{name:<24}{step * 1e3:>8.1f}ms{torch_text}{ratio}{only}{measured:>18.1%}"
               f"{predicted:>11.1%}{replayed:>10.1%}{runner_replayed:>10.1%}{torch_idle}")
     print("predicted: the schedule simulated with the median compute per action kind (stages "
           "alike);\nreplayed: with each action's own measured compute (stages as they are) "
