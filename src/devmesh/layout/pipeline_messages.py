@@ -5,9 +5,10 @@ message the other sends. So a pipeline that runs on NCCL must post its receives 
 in the order that peer sends, and this module says what that order is: a rank sends in the
 order of its own actions (a forward's activation to the next stage, preceded on each link's
 first micro-batch of the step by a small header announcing its shapes; a backward's gradient
-to the previous stage), and :func:`fifo_problem` checks that every receiver *uses* them in
-that order too (true of every built-in schedule at every size tested; a hand-made one
-may not be).
+to the previous stage), and :func:`fifo_problem` checks that every receiver *uses* each
+stream of them (a stage's activations, a stage's gradients) in that order too (true of every
+built-in schedule at every size tested; a hand-made one may not be). Two stages on the same
+rank exchange no message: the runner hands their tensors over in memory.
 devmesh's runner posts every pipeline message with one tag on every backend, so that gloo
 matches them the way NCCL does and the CPU tests exercise the order GPUs depend on.
 

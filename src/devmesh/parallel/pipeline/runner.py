@@ -20,8 +20,8 @@ wait in their gradient reduction until the collective timeout names the rank.)
 Messages are matched by order, not by tag (NCCL ignores tags): each rank posts its receives
 in the order its peers send (:mod:`~devmesh.layout.pipeline_messages`; a schedule whose ranks
 would use one of a peer's streams — a stage's activations or gradients — in another order is
-refused), and starts an action's sends
-together with the next actions' receives as one batch (``batch_isend_irecv``). On gloo the
+refused), and starts an action's sends together with the next actions' receives as one batch
+(``batch_isend_irecv``); two stages on one rank hand over in memory. On gloo the
 receives go two actions ahead; on NCCL, where a send waits for its receive and a rank's
 batches run one after another, each receive goes with the last send before it, or earlier
 where :func:`~devmesh.layout.pipeline_messages.nccl_placement` finds it must (interleaved

@@ -224,7 +224,7 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  output_merge_spec: Any = None, scale_grads: bool = True,
                  backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
-        # torch's ScheduleLoopedBFS takes no chunk specs: the same positions as its
+        # torch's ScheduleLoopedBFS takes no chunk specs: its parameters, in its positions
         super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
                          scale_grads=scale_grads,
                          backward_requires_autograd=backward_requires_autograd,
@@ -268,8 +268,8 @@ _ELSEWHERE = {  # torch's other names: what devmesh has instead
 def get_schedule_class(schedule_name: str) -> type[_Schedule]:
     """The schedule class called ``schedule_name`` (any case), as torch's
     ``get_schedule_class``: ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``,
-    ``InterleavedZeroBubble`` or ``ZBVZeroBubble``. torch's other names raise a ``ValueError`` naming devmesh's
-    alternative; unknown ones torch's phrase."""
+    ``InterleavedZeroBubble`` or ``ZBVZeroBubble``. torch's other names raise a
+    ``ValueError`` naming devmesh's alternative; unknown ones torch's phrase."""
     by_lower = {name.lower(): name for name in (*_BY_NAME, *_ELSEWHERE)}
     name = by_lower.get(str(schedule_name).lower())
     if name in _BY_NAME:
