@@ -36,7 +36,7 @@ def momentum_sgd(params) -> torch.optim.Optimizer:
 def pipelined(layout: str):
     """This rank's runner over a fresh ``block_model``: ``"pp2-fsdp-tp"`` is interleaved 1F1B
     (4 stages, 2 per rank) x FSDP x TP on (pp, dp, tp) = (2, 2, 2); ``"pp4"`` is 1F1B on 4
-    plain pipeline ranks."""
+    plain pipeline ranks; ``"pp2-v"`` zero-bubble V on 2 (stages 0 and 3 on rank 0)."""
     from devmesh import init_device_mesh
     from devmesh.layout.schedule import build_schedule
     from devmesh.parallel import ColwiseParallel, RowwiseParallel, fully_shard, parallelize_module
@@ -45,6 +45,9 @@ def pipelined(layout: str):
     if layout == "pp2-fsdp-tp":
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
         schedule = build_schedule("interleaved-1f1b", 2, 4)
+    elif layout == "pp2-v":
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+        schedule = build_schedule("zbv-zero-bubble", 2, 4)
     else:
         mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
         schedule = build_schedule("1f1b", 4, 4)
@@ -96,11 +99,12 @@ def save_pipelined_then_continue(path: str):
     return at_save, runner.state_dict(full=True)
 
 
-def load_into_other_pipeline(path: str):
-    """Resume the checkpoint on 4 plain pipeline ranks for the third step."""
+def load_into_other_pipeline(path: str, layout: str = "pp4"):
+    """Resume the checkpoint in another pipeline (4 plain ranks, or a V on 2) for the third
+    step."""
     from devmesh.parallel import load_checkpoint
 
-    runner = pipelined("pp4")
+    runner = pipelined(layout)
     opt = momentum_sgd(runner.module.parameters())
     extra = load_checkpoint(path, runner.module, opt)
     train_steps(runner, opt, range(2, 3))
@@ -133,11 +137,13 @@ def test_a_pipelined_checkpoint_resumes_plain_and_in_another_pipeline(mesh_pool,
     for k, v in plain.state_dict().items():
         torch.testing.assert_close(after[k], v, rtol=1e-5, atol=1e-6)
 
-    # ... and into another pipeline (4 stages, one per rank, no FSDP/TP)
-    for extra, state in mesh_pool.run(load_into_other_pipeline, 4, path):
-        assert extra == {"step": 2}
-        for k, v in plain.state_dict().items():
-            torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6)
+    # ... and into other pipelines: 4 stages one per rank, no FSDP/TP; zero-bubble V on 2
+    # ranks (the first and last stages on rank 0)
+    for ranks, layout in ((4, "pp4"), (2, "pp2-v")):
+        for extra, state in mesh_pool.run(load_into_other_pipeline, ranks, path, layout):
+            assert extra == {"step": 2}
+            for k, v in plain.state_dict().items():
+                torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-6, msg=layout)
 
 
 def state_dict_round_trip(state: dict[str, torch.Tensor]):
