@@ -3,11 +3,11 @@ bubble vs the one the schedule predicts.
 
 Same model (16 blocks of Linear(512, 512) -> ReLU, and a Linear head), same split (balanced
 by parameter count), same schedule, 4 pipeline ranks over gloo (``--ranks``), 8 micro-batches
-of 64, SGD; GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble (2 stages per rank) and
-zero-bubble V (2 stages per rank, in a V: torch's ``ScheduleZBVZeroBubble``) run by both,
-zero-bubble (ZB-H1, one stage per rank) by devmesh only (torch has no such schedule). Prints
-the slowest rank's median step time, the ratio devmesh / torch, the measured bubble (1 - compute time
-summed over ranks / (ranks x schedule time)) of devmesh and of torch (its stages' forward,
+of 64, SGD; GPipe, 1F1B, interleaved 1F1B, interleaved zero-bubble (2 stages per rank),
+zero-bubble V and DualPipeV (2 stages per rank in a V: torch's ``ScheduleZBVZeroBubble`` and
+``ScheduleDualPipeV``) run by both, zero-bubble (ZB-H1, one stage per rank) by devmesh only
+(torch has no such schedule). Prints the slowest rank's median step time, the ratio devmesh /
+torch, the measured bubble (1 - compute time summed over ranks / (ranks x schedule time)) of devmesh and of torch (its stages' forward,
 loss and backward timed as devmesh's runner times its own: the same machine's message costs
 land in both), and next to devmesh's the schedule's prediction: "predicted" simulates the
 schedule with the median measured cost of each action kind (as if every stage cost the
@@ -80,14 +80,14 @@ def build_model(depth: int = 16):
 
 
 SCHEDULE_NAMES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "interleaved-zero-bubble",
-                  "zbv-zero-bubble")
+                  "zbv-zero-bubble", "dualpipe-v")
 # the rest: one stage per rank
-TWO_PER_RANK = ("interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble")
+TWO_PER_RANK = ("interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v")
 
 
 def my_stages(name: str, ranks: int, me: int) -> tuple[int, list[int]]:
     """Stages per rank, and this rank's stages (round the ranks, or in a V for
-    zero-bubble V), as devmesh's schedule places them."""
+    zero-bubble V and DualPipeV), as devmesh's schedule places them."""
     from devmesh.layout.schedule import build_schedule
 
     virtual = 2 if name in TWO_PER_RANK else 1
@@ -122,6 +122,7 @@ def run(library: str, name: str, steps: int, ranks: int, depth: int = 16,
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import (
             Schedule1F1B,
+            ScheduleDualPipeV,
             ScheduleGPipe,
             ScheduleInterleaved1F1B,
             ScheduleInterleavedZeroBubble,
@@ -133,7 +134,8 @@ def run(library: str, name: str, steps: int, ranks: int, depth: int = 16,
         if virtual > 1:
             kind = {"interleaved-1f1b": ScheduleInterleaved1F1B,
                     "interleaved-zero-bubble": ScheduleInterleavedZeroBubble,
-                    "zbv-zero-bubble": ScheduleZBVZeroBubble}[name]
+                    "zbv-zero-bubble": ScheduleZBVZeroBubble,
+                    "dualpipe-v": ScheduleDualPipeV}[name]
             schedule = kind(stages, MICRO, loss_fn=F.cross_entropy)
         else:
             kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[name]
@@ -142,7 +144,7 @@ def run(library: str, name: str, steps: int, ranks: int, depth: int = 16,
         torch_compute = _time_torch_compute(stages, schedule)
 
         def step(x, y):
-            if first and last:  # zero-bubble V: rank 0 holds the first and last stage
+            if first and last:  # in a V rank 0 holds the first and last stage
                 schedule.step(x, target=y)
             elif first:
                 schedule.step(x)

@@ -22,6 +22,7 @@ from devmesh import comm_stats, init_device_mesh
 from devmesh.parallel import state_dict
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
 from devmesh.layout.schedule import (
+    IN_A_V,
     LOOPED,
     SCHEDULES,
     Action,
@@ -41,12 +42,23 @@ from helpers import hand_written_schedule
 @pytest.mark.parametrize("name", list(SCHEDULES))
 def test_every_schedule_runs_every_piece_once_and_never_waits_on_itself(name):
     for ranks, microbatches in itertools.product((1, 2, 3, 4), (1, 2, 3, 4, 6, 8)):
+        if name == "dualpipe-v" and microbatches < 2 * ranks:  # as torch's, refused
+            with pytest.raises(ScheduleError, match="at least as many micro-batches as st"):
+                build_schedule(name, ranks, microbatches)
+            continue
         schedule = build_schedule(name, ranks, microbatches)
         timeline = schedule.simulate()  # raises if some rank would wait forever
-        kinds = ("F", "I", "W") if "zero-bubble" in name else ("F", "B")
         seen = sorted((t.action.kind, t.action.stage, t.action.microbatch) for t in timeline)
-        assert seen == sorted(itertools.product(kinds, range(schedule.stages),
-                                                range(microbatches)))
+        split = {(t.action.stage, t.action.microbatch) for t in timeline if t.action.kind == "I"}
+        if "zero-bubble" in name:
+            assert len(split) == schedule.stages * microbatches  # every backward split
+        elif name != "dualpipe-v":  # DualPipeV splits some: whole for the others
+            assert not split
+        assert seen == sorted([("F", s, m) for s in range(schedule.stages)
+                               for m in range(microbatches)]
+                              + [(kind, s, m) for s in range(schedule.stages)
+                                 for m in range(microbatches)
+                                 for kind in (("I", "W") if (s, m) in split else ("B",))])
         for t in timeline:  # each action runs on the rank holding its stage
             assert t.rank == schedule.rank_of(t.action.stage)
 
@@ -61,13 +73,15 @@ kind = getattr(pipelining, sys.argv[1])
 orders = {}
 for pp, n, v in json.loads(sys.argv[2]):
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
-    mine = (0, 2 * pp - 1) if sys.argv[1] == "ScheduleZBVZeroBubble" else range(0, pp * v, pp)
+    in_a_v = sys.argv[1] in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+    mine = (0, 2 * pp - 1) if in_a_v else range(0, pp * v, pp)
     stages = [pipelining.PipelineStage(nn.Linear(2, 2), s, pp * v, torch.device("cpu"))
               for s in mine]
     try:
         order = kind(stages, n, loss_fn=torch.nn.functional.mse_loss).pipeline_order
-        orders[f"{pp},{n},{v}"] = [[str(a) for a in order[r] if a is not None]
-                                   for r in range(pp)]
+        # DualPipeV pairs a forward and a backward in one action: its parts, in order
+        orders[f"{pp},{n},{v}"] = [[str(part) for a in order[r] if a is not None
+                                    for part in (a.sub_actions or (a,))] for r in range(pp)]
     except ValueError:
         orders[f"{pp},{n},{v}"] = None
     dist.destroy_process_group()
@@ -79,7 +93,8 @@ print(json.dumps(orders))
                                                ("looped-bfs", "ScheduleLoopedBFS"),
                                                ("interleaved-zero-bubble",
                                                 "ScheduleInterleavedZeroBubble"),
-                                               ("zbv-zero-bubble", "ScheduleZBVZeroBubble")])
+                                               ("zbv-zero-bubble", "ScheduleZBVZeroBubble"),
+                                               ("dualpipe-v", "ScheduleDualPipeV")])
 def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_order(
         name, torch_class):
     """torch's ``ScheduleInterleaved1F1B`` runs micro-batch counts that are not a multiple
@@ -87,9 +102,10 @@ def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_ord
     moved from torch to devmesh must not be refused them. For every (ranks, micro-batches,
     stages per rank) here, devmesh accepts exactly what torch accepts (torch's schedules
     built over its fake process group, in a subprocess), with torch's action order on every
-    rank (zero-bubble V: its two stages per rank in a V, ``I`` and ``W`` apart), and each
-    order runs (simulated) with each stream of messages used in the order sent."""
-    per_rank = (2,) if name == "zbv-zero-bubble" else (2, 3)
+    rank (zero-bubble V and DualPipeV: two stages per rank in a V; DualPipeV's paired forward
+    and backward as two actions), and each order runs (simulated) with each stream of
+    messages used in the order sent."""
+    per_rank = (2,) if name in IN_A_V else (2, 3)
     cases = list(itertools.product(range(1, 7), range(1, 17), per_rank))
     done = subprocess.run([sys.executable, "-c", _TORCH_LOOPED_ORDER, torch_class,
                            json.dumps(cases)], capture_output=True, text=True, timeout=300)
@@ -100,6 +116,12 @@ def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_ord
         torch_order = theirs[f"{ranks},{microbatches},{virtual}"]
         if torch_order is None:
             refused += 1
+            if name == "dualpipe-v":  # fewer micro-batches than stages, as torch
+                assert microbatches < 2 * ranks
+                with pytest.raises(ScheduleError, match=f"use {2 * ranks} micro-batches or "
+                                                        "more, or zbv-zero-bubble"):
+                    build_schedule(name, ranks, microbatches, virtual)
+                continue
             with pytest.raises(ScheduleError, match=f"{name} runs .* equal rounds") as info:
                 build_schedule(name, ranks, microbatches, virtual)
             # the counts it names instead are ones both accept
@@ -116,8 +138,12 @@ def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_ord
         assert fifo_problem(schedule) is None
         if ranks > 1:  # one rank sending to itself is refused on NCCL, as before
             assert nccl_problem(schedule) is None
-    # interleaved: e.g. 9 on 4 ranks (2 rounds cannot be equal); the others take any count
-    assert (0 < refused < len(cases) // 4) if name.startswith("interleaved") else refused == 0
+    # interleaved: e.g. 9 on 4 ranks (2 rounds cannot be equal); DualPipeV: fewer than the
+    # stages; the others take any count
+    if name == "dualpipe-v":
+        assert refused == sum(m < 2 * r for r, m, _ in cases)
+    else:
+        assert (0 < refused < len(cases) // 4) if name.startswith("interleaved") else not refused
 
 
 def test_bubbles_match_the_known_formulas():
@@ -251,11 +277,11 @@ def test_a_gpu_mesh_refuses_only_a_schedule_that_would_deadlock_on_nccl(monkeypa
                                             "mesh"):
         PipelineRunner({}, gpu_mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
     for name in SCHEDULES:  # every built-in schedule on 2+ ranks has a placement
-        for ranks, microbatches in ((2, 2), (2, 8), (4, 8), (4, 16)):
+        for ranks, microbatches in ((2, 4), (2, 8), (4, 8), (4, 16)):
             assert nccl_problem(build_schedule(name, ranks, microbatches)) is None
     # stages on one rank hand their tensors over in memory: nothing to deadlock on (two
     # stages on one rank sent messages to itself before, which NCCL deadlocked on)
-    for name in ("interleaved-1f1b", "looped-bfs", "zbv-zero-bubble"):
+    for name in ("interleaved-1f1b", "looped-bfs", *IN_A_V):
         assert nccl_problem(build_schedule(name, 1, 4)) is None
 
 
@@ -576,12 +602,12 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
 
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
     group = mesh.get_group("pp")
-    virtual = 2 if name in LOOPED or name == "zbv-zero-bubble" else 1
+    virtual = 2 if name in LOOPED or name in IN_A_V else 1
     model = make_model()
     parts = split_sequential(model, 4 * virtual)
     me = mesh.get_coordinate()[0]
-    # stage s on rank s % 4, or in a V for zero-bubble V: rank r holds r and 7 - r
-    mine = [me, 7 - me] if name == "zbv-zero-bubble" else list(range(me, 4 * virtual, 4))
+    # stage s on rank s % 4, or in a V (zero-bubble V, DualPipeV): rank r holds r and 7 - r
+    mine = [me, 7 - me] if name in IN_A_V else list(range(me, 4 * virtual, 4))
     stages = [PipelineStage(parts[s], s, 4 * virtual, torch.device("cpu"), group=group)
               for s in mine]
     loss_fn = F.cross_entropy if scale_grads else functools.partial(F.cross_entropy,
@@ -590,7 +616,8 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
     kind = get_schedule_class({"gpipe": "GPipe", "1f1b": "1F1B", "looped-bfs": "LoopedBFS",
                                "interleaved-1f1b": "Interleaved1F1B",
                                "interleaved-zero-bubble": "InterleavedZeroBubble",
-                               "zbv-zero-bubble": "ZBVZeroBubble"}[name])
+                               "zbv-zero-bubble": "ZBVZeroBubble",
+                               "dualpipe-v": "DualPipeV"}[name])
     looped = issubclass(kind, PipelineScheduleMulti)
     schedule = kind(stages if looped else stages[0], n_microbatches=microbatches,
                     loss_fn=loss_fn, scale_grads=scale_grads)
@@ -623,7 +650,7 @@ def _merged_params(results):
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
-                                  "interleaved-zero-bubble", "zbv-zero-bubble"])
+                                  "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"])
 def test_same_result_as_torch_pipelining(mesh_pool, name):
     theirs = _merged_params(mesh_pool.run(train_with_torch_pipelining, 4, name, 8))
     ours = _merged_params(mesh_pool.run(train_pipelined, 4, name, 8))
@@ -633,7 +660,7 @@ def test_same_result_as_torch_pipelining(mesh_pool, name):
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
-                                  "interleaved-zero-bubble", "zbv-zero-bubble"])
+                                  "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"])
 def test_torch_pipelining_code_runs_on_devmesh_with_its_imports_switched(mesh_pool, name):
     """torch's PipelineStage / Schedule code, unchanged but for its imports: the same
     parameters, per-micro-batch losses and step outputs as torch's own run."""
@@ -644,7 +671,7 @@ def test_torch_pipelining_code_runs_on_devmesh_with_its_imports_switched(mesh_po
         for key in params:
             torch.testing.assert_close(params[key], t_params[key], rtol=1e-5, atol=1e-6)
         assert losses == pytest.approx(t_losses, rel=1e-5) and shapes == t_shapes
-    last = 0 if name == "zbv-zero-bubble" else 3  # the rank holding the last stage
+    last = 0 if name in IN_A_V else 3  # the rank holding the last stage
     assert len(ours[last][1]) == 8 and ours[last][2] == [(16, 4), (16, 4)]
 
 
@@ -763,7 +790,8 @@ def train_composed(name: str | Schedule, composition: str, steps: int = 2):
 
 
 @pytest.mark.parametrize("name, composition", [(n, "fsdp+tp") for n in SCHEDULES]
-                         + [("1f1b", "ddp"), ("1f1b", "fsdp+tp+ac"), ("zero-bubble", "fsdp+tp+ac")])
+                         + [("1f1b", "ddp"), ("dualpipe-v", "ddp"), ("1f1b", "fsdp+tp+ac"),
+                            ("zero-bubble", "fsdp+tp+ac")])
 def test_pipeline_composes_with_fsdp_tp_and_ddp(mesh_pool, name, composition):
     """"fsdp+tp+ac": each block also in torch's checkpoint_wrapper (non-reentrant) between TP
     and FSDP, torchtitan's stack: zero-bubble's W recomputes the blocks again."""
@@ -1154,11 +1182,12 @@ def test_a_failing_stage_raises_on_every_rank_and_the_next_step_runs(mesh_pool, 
     assert results[3][1] is not None and results[3][1] == results[3][1]  # a finite loss
 
 
-def zero_bubble_v_turn_fails(culprit: int):
-    """Zero-bubble V on 2 ranks (stages 0, 3 on rank 0; 1, 2 on rank 1, handing over in
-    memory): stage ``culprit``'s forward of micro-batch 1 raises; then a clean step."""
+def v_turn_fails(culprit: int, name: str):
+    """Zero-bubble V or DualPipeV on 2 ranks (stages 0, 3 on rank 0; 1, 2 on rank 1, handing
+    over in memory): stage ``culprit``'s forward of micro-batch 1 raises; then a clean
+    step."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    schedule = build_schedule("zbv-zero-bubble", 2, 4)
+    schedule = build_schedule(name, 2, 4)
     parts = split_sequential(make_model(), 4)
     calls = []
 
@@ -1183,12 +1212,13 @@ def zero_bubble_v_turn_fails(culprit: int):
     return error, None if loss is None else loss.item()
 
 
+@pytest.mark.parametrize("name", sorted(IN_A_V))
 @pytest.mark.parametrize("culprit", [1, 2])
-def test_a_failure_at_the_turn_of_a_v_raises_on_every_rank(mesh_pool, culprit):
+def test_a_failure_at_the_turn_of_a_v_raises_on_every_rank(mesh_pool, culprit, name):
     """Where two stages on one rank hand their tensors over in memory, a failure on either
     side still reaches every rank at the end of the step (no rank waits), and the next step
     runs."""
-    results = mesh_pool.run(zero_bubble_v_turn_fails, 2, culprit)
+    results = mesh_pool.run(v_turn_fails, 2, culprit, name)
     for error, _ in results:
         assert error is not None and f"rank 1: stage {culprit}, forward of micro-batch 1" \
             in error and "ValueError: bad batch" in error, error
@@ -1224,7 +1254,7 @@ def test_torch_pipelining_signatures_and_defaults_are_accepted_as_torchs():
 
     for name in ("PipelineStage", "PipelineScheduleSingle", "ScheduleGPipe", "Schedule1F1B",
                  "ScheduleInterleaved1F1B", "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble",
-                 "ScheduleZBVZeroBubble"):
+                 "ScheduleZBVZeroBubble", "ScheduleDualPipeV"):
         torch_class = PipelineStage if name == "PipelineStage" else getattr(torchs, name)
         theirs = list(inspect.signature(torch_class.__init__).parameters)
         mine = list(inspect.signature(getattr(ours, name).__init__).parameters)
@@ -1241,6 +1271,12 @@ def test_torch_pipelining_signatures_and_defaults_are_accepted_as_torchs():
                  scale_grads=False, backward_requires_autograd=True, defer_pp_recv=defer)
     with pytest.raises(TypeError):  # torch's LoopedBFS takes no chunk specs either
         ours.ScheduleLoopedBFS(stages, 4, F.mse_loss, args_chunk_spec=None)
+    # DualPipeV refuses fewer micro-batches than stages when built, as torch's constructor
+    with pytest.raises(ValueError, match="ScheduleDualPipeV needs at least as many micro-"
+                                         "batches as stages: got 3 micro-batches for 4 "
+                                         "stages .use 4 or more, or ScheduleZBVZeroBubble"):
+        ours.ScheduleDualPipeV(stages, 3, F.mse_loss)
+    ours.ScheduleDualPipeV(stages, 4, F.mse_loss, None, None, None, True, True, False)
 
 
 def test_schedule_classes_by_name_as_torch():
@@ -1251,6 +1287,7 @@ def test_schedule_classes_by_name_as_torch():
         PipelineScheduleSingle,
         Schedule1F1B,
         ScheduleGPipe,
+        ScheduleDualPipeV,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
         ScheduleLoopedBFS,
@@ -1261,7 +1298,8 @@ def test_schedule_classes_by_name_as_torch():
     for name, ours in (("1f1b", Schedule1F1B), ("GPipe", ScheduleGPipe),
                        ("INTERLEAVED1F1B", ScheduleInterleaved1F1B),
                        ("LoopedBFS", ScheduleLoopedBFS), ("ZBVZeroBubble", ScheduleZBVZeroBubble),
-                       ("InterleavedZeroBubble", ScheduleInterleavedZeroBubble)):
+                       ("InterleavedZeroBubble", ScheduleInterleavedZeroBubble),
+                       ("dualpipev", ScheduleDualPipeV)):
         assert get_schedule_class(name) is ours
         looped = issubclass(torchs.get_schedule_class(name), torchs.PipelineScheduleMulti)
         assert issubclass(ours, PipelineScheduleMulti) == looped
@@ -1269,16 +1307,17 @@ def test_schedule_classes_by_name_as_torch():
     with pytest.raises(ValueError, match="Unknown schedule name 'bogus'"):
         get_schedule_class("bogus")
     assert get_schedule_class("zbvzerobubble") is ScheduleZBVZeroBubble
-    with pytest.raises(PipelineError, match="no DualPipeV schedule.*ZBVZeroBubble"):
-        get_schedule_class("DualPipeV")
+    with pytest.raises(PipelineError, match="no PipelineScheduleMulti schedule: use a "
+                                            "schedule's name: Interleaved1F1B"):
+        get_schedule_class("PipelineScheduleMulti")
 
 
 def test_torch_pipelining_names_devmesh_lacks_say_what_to_use():
     """Code whose imports were switched from torch's pipelining gets the alternative, not a
     bare "cannot import name"."""
-    with pytest.raises(ImportError, match="no DualPipeV; its zero-bubble V schedule is "
-                                          "ScheduleZBVZeroBubble"):
-        from devmesh.parallel.pipeline import ScheduleDualPipeV  # noqa: F401
+    with pytest.raises(ImportError, match="no build_stage .torch.distributed.pipelining's.: "
+                                          "build a PipelineStage from the stage's module"):
+        from devmesh.parallel.pipeline import build_stage  # noqa: F401
     with pytest.raises(ImportError, match="does not trace models: split an nn.Sequential"):
         from devmesh.parallel.pipeline import pipeline  # noqa: F401
     with pytest.raises(AttributeError):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from devmesh import comm_stats, init_device_mesh
-from devmesh.layout.schedule import build_schedule
+from devmesh.layout.schedule import IN_A_V, build_schedule
 from devmesh.parallel.pipeline import PipelineRunner
 
 from test_pipeline_tuples import (
@@ -23,7 +23,7 @@ from test_pipeline_tuples import (
 )
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "interleaved-zero-bubble",
-             "zbv-zero-bubble"]
+             "zbv-zero-bubble", "dualpipe-v"]
 
 
 def _ranks(name: str) -> int:
@@ -94,8 +94,8 @@ def test_evaluate_between_training_steps_is_one_process_forward(mesh_pool, name)
                 torch.testing.assert_close(value, parts[s].state_dict()[key], rtol=1e-5,
                                            atol=1e-6, msg=f"stage {s} {key}")
     # forward messages only: 4 micro-batches and a header per boundary between two ranks
-    # (zero-bubble V's turn, stages 1 and 2 on one rank, hands over in memory)
-    crossing = 2 if name == "zbv-zero-bubble" else 3
+    # (a V's turn, stages 1 and 2 on one rank, hands over in memory)
+    crossing = 2 if name in IN_A_V else 3
     sends = sum(got["stats"].get("send", (0,))[0] for got, _ in results)
     receives = sum(got["stats"].get("recv", (0,))[0] for got, _ in results)
     assert sends == receives == crossing * 4 + crossing

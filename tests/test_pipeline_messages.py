@@ -28,6 +28,8 @@ def _all_schedules(names=tuple(SCHEDULES), ranks=range(2, 9), most=12):
     for name, p, m in itertools.product(names, ranks, range(1, most + 1)):
         if name.startswith("interleaved") and m % max(1, m // p):
             continue  # torch's rule too: rounds of at least p that cannot be equal
+        if name == "dualpipe-v" and m < 2 * p:
+            continue  # torch's rule too: at least as many micro-batches as stages
         yield name, p, m, build_schedule(name, p, m)
 
 

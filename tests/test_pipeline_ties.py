@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from devmesh import init_device_mesh
-from devmesh.layout.schedule import build_schedule
+from devmesh.layout.schedule import IN_A_V, build_schedule
 from devmesh.parallel.pipeline import PipelineError, PipelineRunner, split_sequential
 from devmesh.parallel.pipeline.tied import find_ties
 
@@ -89,17 +89,18 @@ def train_tied(name: str, ranks: int, steps: int, max_norm: float, perturb: bool
 
 @pytest.mark.parametrize("name,ranks,dp,norm_type", [
     ("1f1b", 4, 1, 2.0), ("zero-bubble", 4, 1, 2.0), ("interleaved-1f1b", 2, 1, 2.0),
-    ("1f1b", 2, 2, 2.0), ("1f1b", 4, 1, math.inf), ("zbv-zero-bubble", 2, 1, 2.0)])
+    ("1f1b", 2, 2, 2.0), ("1f1b", 4, 1, math.inf), ("zbv-zero-bubble", 2, 1, 2.0),
+    ("dualpipe-v", 2, 1, 2.0)])
 def test_a_tied_weight_trains_like_the_unsplit_model(mesh_pool, name, ranks, dp, norm_type):
     # the embedding (stage 0) and the head (last stage) are on different ranks — or, in
-    # zero-bubble V's placement, both on rank 0; the last stage's copy even starts
+    # a V's placement (zero-bubble V, DualPipeV), both on rank 0; the last stage's copy even starts
     # different: the runner gives it stage 0's value
     max_norm = 0.5 if norm_type == 2.0 else 0.05
     ref, ref_norms = reference(3, max_norm, norm_type)
     merged = {}
-    # (zero-bubble V: both stages on rank 0 hold the one Parameter object, as one process
-    # does, so changing "the last stage's copy" would change the model itself)
-    perturb = name != "zbv-zero-bubble"
+    # (in a V both stages on rank 0 hold the one Parameter object, as one process does, so
+    # changing "the last stage's copy" would change the model itself)
+    perturb = name not in IN_A_V
     for state, norms in mesh_pool.run(train_tied, ranks * dp, name, ranks, 3, max_norm, perturb,
                                       dp, norm_type):
         assert norms == pytest.approx(ref_norms, rel=1e-5)  # clipping really happened

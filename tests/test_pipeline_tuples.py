@@ -75,9 +75,10 @@ def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             torch.randint(0, 4, (16,), generator=gen))
 
 
-# zero-bubble V places stages 0 and 3 on rank 0, 1 and 2 on rank 1: the tuple from stage 1
-# to stage 2 (hidden states, a bool mask, a skip connection) is handed over in memory
-_TWO_PER_RANK = ("interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble")
+# zero-bubble V and DualPipeV place stages 0 and 3 on rank 0, 1 and 2 on rank 1: the tuple
+# from stage 1 to stage 2 (hidden states, a bool mask, a skip connection) is handed over in
+# memory
+_TWO_PER_RANK = ("interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v")
 
 
 def _pipeline(name: str) -> tuple[dict[int, nn.Module], PipelineRunner, torch.optim.SGD]:
@@ -108,7 +109,7 @@ def _train_pipelined(name: str):
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
-                                  "interleaved-zero-bubble", "zbv-zero-bubble"])
+                                  "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"])
 def test_stages_passing_tuples_train_as_one_process(mesh_pool, name):
     parts = _parts()
     opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)

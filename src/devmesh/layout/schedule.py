@@ -5,9 +5,10 @@ its input-gradient half (``I``, which the previous stage waits for) and its weig
 half (``W``, which nobody waits for) — for one stage and one micro-batch. A
 :class:`Schedule` holds each rank's actions in order; stage ``s`` lives on rank
 ``s % ranks`` (with virtual stages, rank ``r`` holds stages ``r, r + ranks, ...``), or, for a
-schedule placed in a V (``placement="v"``, zero-bubble V), down the ranks and back up: rank
-``r`` holds stages ``r`` and ``2 * ranks - 1 - r``, so the first and last stages share rank 0
-and the two stages at the turn share the last rank (they hand over in memory, no message).
+schedule placed in a V (``placement="v"``: zero-bubble V, DualPipeV), down the ranks and back
+up: rank ``r`` holds stages ``r`` and ``2 * ranks - 1 - r``, so the first and last stages share
+rank 0 and the two stages at the turn share the last rank (they hand over in memory, no
+message).
 
 Nothing here runs a model: :meth:`Schedule.simulate` plays the schedule with given costs per
 kind (respecting that a stage's forward needs the previous stage's, a backward the next
@@ -24,7 +25,8 @@ from dataclasses import dataclass
 
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "looped_bfs", "zero_bubble", "interleaved_zero_bubble", "zbv_zero_bubble",
-           "SCHEDULES", "PLACEMENTS", "LOOPED", "build_schedule", "parse_schedule"]
+           "dualpipe_v", "SCHEDULES", "PLACEMENTS", "LOOPED", "IN_A_V", "build_schedule",
+           "parse_schedule"]
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
@@ -477,6 +479,79 @@ def zbv_zero_bubble(ranks: int, microbatches: int) -> Schedule:
     return Schedule("zbv-zero-bubble", ranks, 2 * ranks, microbatches, tuple(out), "v")
 
 
+def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
+    """DualPipeV (DeepSeek-V3's DualPipe cut in half to one V; torch's
+    ``ScheduleDualPipeV``): zero-bubble V's placement — rank ``r`` holds stages ``r`` and
+    ``2 * ranks - 1 - r`` — with a steady state that pairs a forward of one stage with a
+    whole backward (``B``) of the other, ``F`` down then ``B`` up, ``F`` up then ``B``
+    down: on GPUs the pair is written so that one's communication (a mixture-of-experts
+    all-to-all) hides under the other's compute; devmesh, like torch without a custom
+    overlap function, runs the two one after the other. Only the warm-up's last phase and
+    the cool-down's second half split backwards into ``I`` and ``W``, so a stage mixes
+    whole and split backwards, and fewer weight gradients wait (less memory than ZB-V).
+
+    The order is torch's, phase by phase, on rank ``r`` of ``R``: ``2 (R - r - 1)`` forwards
+    on the first stage; ``r + 1`` pairs of forwards, first stage then second; ``R - r - 1``
+    times ``I``, ``W`` and ``F`` on the second stage; the steady state's pairs; ``R - r - 1``
+    times ``B`` up then the pair ``F`` up, ``B`` down; ``r + 1`` backwards of both stages,
+    split into ``I`` from the middle one on; the remaining first-stage ``I`` each after a
+    pending ``W``; the pending ``W`` last. Needs at least as many micro-batches as stages
+    (``2 * ranks``), as torch's."""
+    _check(ranks, microbatches)
+    if microbatches < 2 * ranks:
+        raise ScheduleError(
+            f"dualpipe-v needs at least as many micro-batches as stages (2 x {ranks} ranks = "
+            f"{2 * ranks}), got {microbatches}: use {2 * ranks} micro-batches or more, or "
+            "zbv-zero-bubble, which takes any count")
+    out = []
+    for r in range(ranks):
+        down, up = r, 2 * ranks - 1 - r
+        given: dict[tuple[str, int], int] = {}  # (F or backward, stage) -> micro-batches
+        pending: list[Action] = []  # the W owed by each I, oldest first
+        seq: list[Action] = []
+
+        def add(kind: str, stage: int) -> None:  # the stage's next micro-batch of the kind
+            key = ("F" if kind == "F" else "back", stage)  # B and I share the count
+            seq.append(Action(kind, stage, given.get(key, 0)))
+            given[key] = given.get(key, 0) + 1
+            if kind == "I":
+                pending.append(Action("W", stage, seq[-1].microbatch))
+
+        def owed_weights() -> None:  # the oldest pending W, if any
+            if pending:
+                seq.append(pending.pop(0))
+
+        for _ in range(2 * (ranks - r - 1)):
+            add("F", down)
+        for _ in range(r + 1):
+            add("F", down)
+            add("F", up)
+        for _ in range(ranks - r - 1):
+            add("I", up)
+            owed_weights()
+            add("F", up)
+        for _ in range(microbatches - 2 * ranks + r + 1):
+            for forward, backward in ((down, up), (up, down)):
+                add("F", forward)
+                add("B", backward)
+        for _ in range(ranks - r - 1):
+            add("B", up)
+            add("F", up)
+            add("B", down)
+        split = False
+        for i in range(r + 1):  # split from the middle on: before up on odd ranks, after on even
+            split = split or (i == (r + 1) // 2 and r % 2 == 1)
+            add("I" if split else "B", up)
+            split = split or i == (r + 1) // 2
+            add("I" if split else "B", down)
+        for _ in range(ranks - r - 1):
+            owed_weights()
+            add("I", down)
+        seq += pending
+        out.append(tuple(seq))
+    return Schedule("dualpipe-v", ranks, 2 * ranks, microbatches, tuple(out), "v")
+
+
 def _key(action: Action) -> tuple[str, int, int]:
     return (action.kind, action.stage, action.microbatch)
 
@@ -484,9 +559,11 @@ def _key(action: Action) -> tuple[str, int, int]:
 SCHEDULES = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b,
              "looped-bfs": looped_bfs, "zero-bubble": zero_bubble,
              "interleaved-zero-bubble": interleaved_zero_bubble,
-             "zbv-zero-bubble": zbv_zero_bubble}
+             "zbv-zero-bubble": zbv_zero_bubble, "dualpipe-v": dualpipe_v}
 #: the built-in schedules that run several stages per rank (``virtual``)
 LOOPED = frozenset({"interleaved-1f1b", "looped-bfs", "interleaved-zero-bubble"})
+#: the built-in schedules that place two stages per rank in a V (``placement="v"``)
+IN_A_V = frozenset({"zbv-zero-bubble", "dualpipe-v"})
 
 
 def build_schedule(name: str, ranks: int, microbatches: int, virtual: int = 2) -> Schedule:

@@ -372,7 +372,7 @@ def _add_plan(sub) -> None:
     plan.add_argument("--schedule", default=None,
                       help="instead: print a pipeline schedule for --pp ranks (gpipe, 1f1b, "
                            "interleaved-1f1b, looped-bfs, zero-bubble, interleaved-zero-bubble, "
-                           "zbv-zero-bubble) with its bubble, or check one written in a file "
+                           "zbv-zero-bubble, dualpipe-v) with its bubble, or check one written in a file "
                            "(one 'rank R: F0@0 B0@0 ...' line per rank, as printed)")
     plan.add_argument("--microbatches", type=int, default=None,
                       help="micro-batches per step (with --schedule; default 2 x --pp)")

@@ -1,6 +1,6 @@
 """Pipeline parallelism: a model split into stages on the ``pp`` dim of a mesh, run by a
 schedule (GPipe, 1F1B, interleaved 1F1B, looped BFS, and the zero-bubble ones: one stage per
-rank, interleaved, in a V) given as data (:mod:`devmesh.layout.schedule`)."""
+rank, interleaved, in a V; DualPipeV) given as data (:mod:`devmesh.layout.schedule`)."""
 
 from devmesh.layout.schedule import (
     LOOPED,
@@ -9,6 +9,7 @@ from devmesh.layout.schedule import (
     Schedule,
     ScheduleError,
     build_schedule,
+    dualpipe_v,
     gpipe,
     interleaved_1f1b,
     interleaved_zero_bubble,
@@ -25,6 +26,7 @@ from devmesh.parallel.pipeline.torch_api import (
     PipelineScheduleSingle,
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
@@ -36,16 +38,16 @@ from devmesh.parallel.pipeline.torch_api import (
 __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boundaries",
            "Schedule", "Action", "ScheduleError", "SCHEDULES", "LOOPED", "build_schedule",
            "parse_schedule", "gpipe", "one_f_one_b", "interleaved_1f1b", "looped_bfs",
-           "zero_bubble", "interleaved_zero_bubble", "zbv_zero_bubble", "PipelineStage",
+           "zero_bubble", "interleaved_zero_bubble", "zbv_zero_bubble", "dualpipe_v",
+           "PipelineStage",
            "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
-           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "PipelineScheduleSingle",
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
+           "PipelineScheduleSingle",
            "PipelineScheduleMulti", "get_schedule_class"]
 
 # torch.distributed.pipelining names devmesh does not provide: code whose imports were
 # switched to devmesh learns what to use instead of a bare "cannot import name"
 _NOT_PROVIDED = {
-    "ScheduleDualPipeV": "devmesh has no DualPipeV; its zero-bubble V schedule is "
-    "ScheduleZBVZeroBubble (build_schedule('zbv-zero-bubble', ranks, microbatches))",
     "pipeline": "devmesh does not trace models: split an nn.Sequential with split_sequential",
     "Pipe": "devmesh does not trace models: split an nn.Sequential with split_sequential",
     "pipe_split": "devmesh does not trace models: split an nn.Sequential with split_sequential",

@@ -37,7 +37,8 @@ from devmesh.parallel.pipeline.split import PipelineError
 
 __all__ = ["PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe",
            "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
-           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "get_schedule_class"]
+           "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
+           "get_schedule_class"]
 
 
 class PipelineStage:
@@ -238,37 +239,64 @@ class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
     schedule_name = "interleaved-zero-bubble"
 
 
-class ScheduleZBVZeroBubble(PipelineScheduleMulti):
-    """Zero-bubble V (torch's ``ScheduleZBVZeroBubble``): two stages per rank placed in a V
-    (rank ``r`` builds the stages ``r`` and ``2 * ranks - 1 - r``), each backward split into
-    its input and weight halves."""
-
-    schedule_name = "zbv-zero-bubble"
+class _ScheduleInAV(PipelineScheduleMulti):
+    """The schedules placing two stages per rank in a V: rank ``r`` builds the stages ``r``
+    and ``2 * ranks - 1 - r``."""
 
     def _virtual(self, num_stages: int, ranks: int) -> dict[str, int]:
         if num_stages != 2 * ranks or len(self._stages) != 2:
-            raise PipelineError(f"ScheduleZBVZeroBubble needs exactly 2 stages per rank, "
+            raise PipelineError(f"{type(self).__name__} needs exactly 2 stages per rank, "
                                 f"stages r and {2 * ranks - 1} - r on rank r: got "
                                 f"{len(self._stages)} of {num_stages} stages on {ranks} ranks")
         return {}
 
 
+class ScheduleZBVZeroBubble(_ScheduleInAV):
+    """Zero-bubble V (torch's ``ScheduleZBVZeroBubble``): two stages per rank placed in a V,
+    each backward split into its input and weight halves."""
+
+    schedule_name = "zbv-zero-bubble"
+
+
+class ScheduleDualPipeV(_ScheduleInAV):
+    """DualPipeV (torch's ``ScheduleDualPipeV``): two stages per rank placed in a V, the
+    steady state pairing a forward of one stage with a whole backward of the other, run one
+    after the other as torch's does without a custom overlap function. Needs at least as
+    many micro-batches as stages, checked here as torch's constructor does."""
+
+    schedule_name = "dualpipe-v"
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None,
+                 output_merge_spec: Any = None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
+                         output_merge_spec, scale_grads, backward_requires_autograd,
+                         defer_pp_recv)
+        num_stages = self._stages[0].num_stages if self._stages else 0
+        if n_microbatches < num_stages:
+            raise PipelineError(f"ScheduleDualPipeV needs at least as many micro-batches as "
+                                f"stages: got {n_microbatches} micro-batches for {num_stages} "
+                                f"stages (use {num_stages} or more, or ScheduleZBVZeroBubble, "
+                                "which takes any count)")
+
+
 _BY_NAME = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B,
             "Interleaved1F1B": ScheduleInterleaved1F1B, "LoopedBFS": ScheduleLoopedBFS,
             "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-            "ZBVZeroBubble": ScheduleZBVZeroBubble}
+            "ZBVZeroBubble": ScheduleZBVZeroBubble, "DualPipeV": ScheduleDualPipeV}
 _ELSEWHERE = {  # torch's other names: what devmesh has instead
-    "DualPipeV": "ZBVZeroBubble (two stages per rank in a V)",
     "PipelineScheduleSingle": "a schedule's name: GPipe or 1F1B",
     "PipelineScheduleMulti": "a schedule's name: Interleaved1F1B, LoopedBFS, "
-                             "InterleavedZeroBubble or ZBVZeroBubble",
+                             "InterleavedZeroBubble, ZBVZeroBubble or DualPipeV",
 }
 
 
 def get_schedule_class(schedule_name: str) -> type[_Schedule]:
     """The schedule class called ``schedule_name`` (any case), as torch's
     ``get_schedule_class``: ``GPipe``, ``1F1B``, ``Interleaved1F1B``, ``LoopedBFS``,
-    ``InterleavedZeroBubble`` or ``ZBVZeroBubble``. torch's other names raise a
+    ``InterleavedZeroBubble``, ``ZBVZeroBubble`` or ``DualPipeV``. torch's other names raise a
     ``ValueError`` naming devmesh's alternative; unknown ones torch's phrase."""
     by_lower = {name.lower(): name for name in (*_BY_NAME, *_ELSEWHERE)}
     name = by_lower.get(str(schedule_name).lower())
