@@ -22,7 +22,7 @@ def torch_runs() -> TorchRuns:
     """torch's FSDP2 / DDP side of this module's comparisons: one fresh launch per world size."""
     return TorchRuns({
         2: [(keyword_inputs, ("torch",)), (explicit_prefetch, ("torch",)),
-            (backward_prefetch_out_of_order, ("torch",))],
+            (backward_prefetch_out_of_order, ("torch",)), (grouped_units, ("torch",))],
         3: [(ddp_arguments, ("torch", True)), (ddp_arguments, ("torch", False)),
             *((batchnorm_buffers, ("torch", args)) for args in _BUFFER_ARGS)],
         4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True))],
@@ -153,6 +153,11 @@ def refusals():
         caught(lambda: fully_shard(make_model(), mesh=mesh, dp_mesh_dims=object())),
         caught(lambda: fully_shard(make_model(), mesh=mesh, offload_policy=CPUOffloadPolicy(),
                                    shard_placement_fn=lambda p: Shard(0))),
+        # torch's list form: the modules of a group apart, each once, all modules
+        caught(lambda: fully_shard([nested := make_model(), nested[2]], mesh=mesh)),
+        caught(lambda: fully_shard([twice := nn.Linear(2, 2), twice], mesh=mesh)),
+        caught(lambda: fully_shard([nn.Linear(2, 2), "head"], mesh=mesh)),
+        caught(lambda: fully_shard([], mesh=mesh)),
     ]
 
 
@@ -162,6 +167,11 @@ def test_what_devmesh_does_not_do_is_refused_not_ignored(mesh_pool):
         assert "Shard(dim=1)" in res[1][1] and "shards dim 0 only" in res[1][1], res[1]
         assert "dp_mesh_dims" in res[2][1]
         assert res[3] is None  # a CPU mesh is offloaded already; Shard(0) is the default
+        assert "item 1 of the list (Linear) is inside item 0: a group's modules must be " \
+            "apart" in res[4][1]
+        assert "item 1 of the list (Linear) is listed twice" in res[5][1]
+        assert "item 1 of the list is a str, not an nn.Module" in res[6][1]
+        assert "a module or a non-empty list of modules, got []" in res[7][1]
 
 
 def ddp_arguments(library: str, init_sync: bool = True):
@@ -443,6 +453,104 @@ def prefetch_misuse():
     fully_shard(model[2], mesh=mesh)
     fully_shard(model, mesh=mesh)
     return caught(lambda: model.set_modules_to_forward_prefetch([model[0]]))
+
+
+def grouped_units(library: str):
+    """torch's list form, as torchtitan's ``fully_shard([model.norm, model.output])``: the
+    first and the last Linear one unit (they run at the two ends of the forward), the middle
+    one its own, then the root (no parameters left); three steps, and the collectives of
+    each."""
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2,))
+    model = make_model()
+    grouped = fully_shard([model[0], model[4]], mesh=mesh)
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, collectives = [], []
+    for step in range(3):
+        x, y = _batch(dist.get_rank() + step)
+        with comm_stats() as stats:
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        counts = stats.by_collective()
+        collectives.append((counts.get("all_gather", (0,))[0],
+                            counts.get("reduce_scatter", (0,))[0]))
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    units = {id(getattr(m, "_devmesh_fsdp", None)) for m in (model[0], model[4])}
+    return {"losses": losses, "params": _params(model), "collectives": collectives,
+            "returned": [type(m).__name__ for m in grouped], "one_unit": len(units) == 1}
+
+
+def test_a_list_of_modules_is_one_unit_as_torchs(mesh_pool, torch_runs):
+    """``fully_shard([a, b])``: one unit of both modules, the list returned with each module
+    an FSDPModule; the same parameters and losses as torch's FSDP2 with the same groups.
+    Each call of a grouped module gathers the group (one all-gather; the middle layer's
+    forward prefetches the head's call, and nothing more) and reduces it in its backward."""
+    ours = mesh_pool.run(grouped_units, 2, "devmesh")
+    theirs = torch_runs(2, grouped_units, "torch")
+    for a, b in zip(ours, theirs):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=1e-6)
+        for key in b["params"]:
+            torch.testing.assert_close(a["params"][key], b["params"][key], rtol=1e-6,
+                                       atol=1e-6, msg=key)
+        assert a["returned"] == b["returned"] == ["FSDPLinear", "FSDPLinear"]
+        assert a["one_unit"]
+        # forward: the group at layer 0, layer 2, the group at layer 4; backward: layer 4's
+        # call and layer 2 gather again (layer 0's input needs no gradient, so its weight
+        # is not needed); a reduce-scatter per call of a unit
+        assert a["collectives"] == [(5, 3)] * 3
+
+
+class _CallsAnother(nn.Module):
+    """Calls a module that is not its child (held in a list, so not registered) inside its
+    forward: the two grouped in one unit run nested."""
+
+    def __init__(self, head: nn.Module) -> None:
+        super().__init__()
+        self.fc, self._head = nn.Linear(12, 14), [head]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._head[0](torch.tanh(self.fc(x)))
+
+
+def nested_group_calls(shard: bool):
+    """``fully_shard([outer, head])`` where outer's forward calls head, resharding after
+    forward (saved-tensor hooks on): two steps, the parameters, and whether the hooks were
+    all popped."""
+    from devmesh.parallel import fully_shard
+
+    torch.manual_seed(0)
+    head = nn.Linear(14, 5)
+    outer = _CallsAnother(head)
+    if shard:
+        fully_shard([outer, head], mesh=init_device_mesh("cpu", (2,)),
+                    reshard_after_forward=True)
+    opt = torch.optim.SGD([*outer.parameters(), *head.parameters()], lr=0.1)
+    for step in range(2):
+        x, y = _batch(step)  # the same batch on every rank: one process's result
+        F.cross_entropy(outer(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    hooks_left = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    return {**_params(outer), **{f"head.{k}": v for k, v in _params(head).items()},
+            "hooks left": hooks_left is not None}
+
+
+def test_a_group_whose_modules_call_each_other_gathers_once_and_trains_right(mesh_pool):
+    """A grouped module called inside another's forward finds the parameters gathered
+    (no second gather whose reshard would leave the outer one's saved-tensor hooks
+    pushed) and the group trains as one process."""
+    expected = nested_group_calls(False)
+    for got in mesh_pool.run(nested_group_calls, 2, True):
+        assert not got.pop("hooks left") and not expected["hooks left"]
+        for key, value in got.items():
+            torch.testing.assert_close(value, expected[key], rtol=1e-6, atol=1e-6, msg=key)
 
 
 def test_prefetching_a_module_without_fully_shard_names_the_fix(mesh_pool):

@@ -60,7 +60,10 @@ def reference(steps: int, max_norm: float, norm_type: float = 2.0
 
 def train_tied(name: str, ranks: int, steps: int, max_norm: float, perturb: bool,
                dp: int = 1, norm_type: float = 2.0):
-    """``dp > 1``: each stage is also sharded (``fully_shard``) over a ``dp`` dim."""
+    """``dp > 1``: each stage is also sharded (``fully_shard``) over a ``dp`` dim; a rank's
+    two stages (interleaved, or in a V) as one unit of both (torch's ``fully_shard([a, b])``:
+    in a V, one weight tied between them), whose zero-bubble ``W`` must hand autograd the
+    other stage's accumulated gradients too."""
     from devmesh.parallel import fully_shard, state_dict
 
     mesh = init_device_mesh("cpu", (ranks, dp), mesh_dim_names=("pp", "dp"))
@@ -71,7 +74,9 @@ def train_tied(name: str, ranks: int, steps: int, max_norm: float, perturb: bool
     if perturb and schedule.stages - 1 in stages:  # the last stage's copy starts elsewhere
         with torch.no_grad():
             stages[schedule.stages - 1][-1].weight.add_(1.0)
-    if dp > 1:
+    if dp > 1 and len(stages) > 1:
+        fully_shard(list(stages.values()), mesh=mesh["dp"])
+    elif dp > 1:
         for stage in stages.values():
             fully_shard(stage, mesh=mesh["dp"])
     runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
@@ -90,10 +95,12 @@ def train_tied(name: str, ranks: int, steps: int, max_norm: float, perturb: bool
 @pytest.mark.parametrize("name,ranks,dp,norm_type", [
     ("1f1b", 4, 1, 2.0), ("zero-bubble", 4, 1, 2.0), ("interleaved-1f1b", 2, 1, 2.0),
     ("1f1b", 2, 2, 2.0), ("1f1b", 4, 1, math.inf), ("zbv-zero-bubble", 2, 1, 2.0),
-    ("dualpipe-v", 2, 1, 2.0)])
+    ("dualpipe-v", 2, 1, 2.0), ("dualpipe-v", 2, 2, 2.0), ("zbv-zero-bubble", 2, 2, 2.0),
+    ("interleaved-zero-bubble", 2, 2, 2.0)])
 def test_a_tied_weight_trains_like_the_unsplit_model(mesh_pool, name, ranks, dp, norm_type):
     # the embedding (stage 0) and the head (last stage) are on different ranks — or, in
-    # a V's placement (zero-bubble V, DualPipeV), both on rank 0; the last stage's copy even starts
+    # a V's placement (zero-bubble V, DualPipeV), both on rank 0 (sharded over dp as one
+    # fully_shard unit of the rank's two stages); the last stage's copy even starts
     # different: the runner gives it stage 0's value
     max_norm = 0.5 if norm_type == 2.0 else 0.05
     ref, ref_norms = reference(3, max_norm, norm_type)

@@ -103,6 +103,7 @@ def parallel_run(case: str, library: str, compile_backend: str | None = None,
         styles = {}
 
     shapes = {"tp": ((4,), ("tp",)), "tp_sp": ((4,), ("tp",)), "fsdp": ((4,), ("dp",)),
+              "fsdp_grouped": ((4,), ("dp",)),
               "fsdp_tp": ((2, 2), ("dp", "tp")), "hsdp_tp_sp": ((2, 2, 2), ("dp", "shard", "tp"))}
     shape, names = shapes[case]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -127,6 +128,11 @@ def parallel_run(case: str, library: str, compile_backend: str | None = None,
     dp_index, dp_size = 0, 1
     if dp_names:
         dp_mesh = mesh[tuple(dp_names)] if len(dp_names) > 1 else mesh[dp_names[0]]
+        if case == "fsdp_grouped":  # torch's list form: one unit of several modules
+            # the tied embedding and head (one weight cannot be in two units), and two
+            # modules that run at the start and at the end of the forward
+            fully_shard([model.tok_embeddings, model.output], mesh=dp_mesh)
+            fully_shard([model.pos_embeddings, model.norm], mesh=dp_mesh)
         for layer in model.layers:
             fully_shard(layer, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
@@ -161,7 +167,7 @@ def _mean_losses(results):
     return [sum(s) / len(by_dp) for s in steps]
 
 
-_WORLD = {"tp": 4, "tp_sp": 4, "fsdp": 4, "fsdp_tp": 4, "hsdp_tp_sp": 8}
+_WORLD = {"tp": 4, "tp_sp": 4, "fsdp": 4, "fsdp_grouped": 4, "fsdp_tp": 4, "hsdp_tp_sp": 8}
 
 
 @pytest.fixture(scope="module")
@@ -220,12 +226,15 @@ def test_torch_transformer_compiled_matches_single_process(mesh_pool, single_pro
             torch.testing.assert_close(r["full"][key], value, atol=1e-10, rtol=1e-10)
 
 
-@pytest.mark.parametrize("case", ["tp", "tp_sp", "fsdp_tp"])
+@pytest.mark.parametrize("case", ["tp", "tp_sp", "fsdp_tp", "fsdp_grouped"])
 def test_torch_transformer_matches_torch_on_the_same_mesh(mesh_pool, case):
     ours = mesh_pool.run(parallel_run, _WORLD[case], case, "devmesh", timeout=300)
     theirs = mesh_pool.run(parallel_run, _WORLD[case], case, "torch", timeout=300)
     for a, b in zip(ours, theirs):
         assert a["losses"] == pytest.approx(b["losses"], abs=1e-10, rel=1e-10)
+        assert set(a["full"]) == set(b["full"])
+        for key, value in b["full"].items():  # the trained parameters too
+            torch.testing.assert_close(a["full"][key], value, atol=1e-10, rtol=1e-10)
 
 
 # -- torch's Transformer pipelined ----------------------------------------------------------

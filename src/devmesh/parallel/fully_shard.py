@@ -27,7 +27,7 @@ import contextlib
 import functools
 import math
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -53,7 +53,8 @@ from devmesh.parallel.saved_activation import SavedActivation
 from devmesh.tensor import ShardingSpec
 from devmesh.layout.spec import chunk_bounds
 
-__all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle"]
+__all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
+           "parameters_grouped_with"]
 
 
 @dataclass(frozen=True)
@@ -86,11 +87,13 @@ class _Param:
 
 
 class FSDPUnit:
-    """The parameters of one ``fully_shard`` call and the hooks that gather and reduce them."""
+    """The parameters of one ``fully_shard`` call and the hooks that gather and reduce them.
+    ``modules``: the module, or the modules grouped by one call (``fully_shard([a, b])``)."""
 
-    def __init__(self, module: nn.Module, mesh: DeviceMesh, reshard_after_forward: bool | None,
-                 mp_policy: MixedPrecisionPolicy | None,
+    def __init__(self, modules: nn.Module | Sequence[nn.Module], mesh: DeviceMesh,
+                 reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy | None,
                  ignored_params: set[nn.Parameter] | None = None) -> None:
+        roots = [modules] if isinstance(modules, nn.Module) else list(modules)
         if mesh.ndim not in (1, 2):
             raise ParallelizeError(
                 f"fully_shard needs a 1-D (shard) or 2-D (replicate, shard) mesh, got {mesh!r}"
@@ -131,27 +134,32 @@ class FSDPUnit:
         self._full_for_weight_grads = False
         self._release_task = -1  # the backward whose end is set to drop _full
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        self._running = 0  # forwards of the unit's modules running now (nested: a group's)
         # the gathered parameters a recomputation inside this backward uses (activation
         # checkpointing inside the unit), with the backward's task id
         self._recomputed: tuple[int, tuple[torch.Tensor, ...]] | None = None
         self._recomputing: set[int] = set()  # ids of the modules holding them now
         self._order: _ForwardOrder | None = None  # the record the last forward used
         self._root_order: _ForwardOrder | None = None  # owned when this unit is the root
-        ignored = [n for n, p in module.named_parameters() if id(p) in self._ignored]
+        ignored = [n for root in roots for n, p in root.named_parameters()
+                   if id(p) in self._ignored]
         comm.agree(mesh, tuple(range(mesh.ndim)),
                    "fully_shard: every rank must hold the same parameters (and ignore the "
-                   "same ones)", describe_tensors(module) + f"\nignored: {ignored}")
-        self._collect(module)
+                   "same ones)", "\n".join(map(describe_tensors, roots))
+                   + f"\nignored: {ignored}")
+        self._collect(roots)
 
     # -- setup -----------------------------------------------------------------------------
-    def _collect(self, root: nn.Module) -> None:
-        """Shard every parameter of ``root``'s subtree that no child unit owns. A parameter
-        registered in several places (tied weights) becomes one sharded parameter that every
-        place holds, gathered once per forward."""
+    def _collect(self, roots: list[nn.Module]) -> None:
+        """Shard every parameter of the ``roots``' subtrees that no child unit owns. A
+        parameter registered in several places (tied weights, within a module or across the
+        modules of a group) becomes one sharded parameter that every place holds, gathered
+        with the rest of the unit."""
         owned: dict[int, _Param] = {}
 
         def visit(module: nn.Module) -> None:
-            if module is not root and getattr(module, "_devmesh_fsdp", None) is not None:
+            if (all(module is not root for root in roots)
+                    and getattr(module, "_devmesh_fsdp", None) is not None):
                 return  # a child unit owns this subtree
             for name, param in list(module._parameters.items()):
                 if param is None or id(param) in self._ignored:
@@ -173,7 +181,8 @@ class FSDPUnit:
             for child in module.children():
                 visit(child)
 
-        visit(root)
+        for root in roots:
+            visit(root)
 
     def _shard(self, module: nn.Module, name: str, param: nn.Parameter) -> _Param:
         shape = tuple(param.shape)
@@ -427,6 +436,7 @@ class FSDPUnit:
         self._full_for_weight_grads = False
         self._release_task = -1
         self._recomputed = None
+        self._running = 0
 
     # -- hooks -----------------------------------------------------------------------------
     def adopt_replaced(self) -> None:
@@ -446,9 +456,14 @@ class FSDPUnit:
             if self._full is not None and not self._full_for_weight_grads:
                 self._release_full()  # the same
         self.adopt_replaced()
+        if root:
+            self._running = 0  # nothing runs: a count left by a forward that raised
         _ORDER.enter(self)
         shards = [p.sharded for p in self.params]
         cast = self._cast_inputs(args, kwargs)
+        if self._running:  # a module of this group called inside another's forward: the
+            self._running += 1  # parameters are gathered already, and stay so until it ends
+            return cast
         if not shards:
             self._order.prefetch_after(self)
             return cast
@@ -467,6 +482,7 @@ class FSDPUnit:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: self._pack(t, storages), self._unpack)
             self._hooks.__enter__()
+        self._running = 1
         return cast
 
     def _cast_inputs(self, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -482,6 +498,10 @@ class FSDPUnit:
 
     @torch._dynamo.disable
     def post_forward(self, module: nn.Module, args, output):
+        self._running = max(0, self._running - 1)
+        if self._running:  # the outer module of the group is still running
+            _ORDER.exit(self)
+            return self._cast_output(output)
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
@@ -489,6 +509,10 @@ class FSDPUnit:
             for module, name in p.places:
                 module._parameters[name] = p.sharded
         _ORDER.exit(self)
+        return self._cast_output(output)
+
+    def _cast_output(self, output):
+        """Floating-point outputs in ``mp_policy.output_dtype``, if set."""
         dtype = self.mp.output_dtype
         if dtype is None:
             return output
@@ -530,8 +554,8 @@ class FSDPUnit:
         return self._full
 
     # -- activation checkpointing inside the unit ------------------------------------------
-    def watch_recomputation(self, unit_module: nn.Module) -> None:
-        """Hook every module holding this unit's parameters (the unit's own module aside):
+    def watch_recomputation(self, unit_modules: list[nn.Module]) -> None:
+        """Hook every module holding this unit's parameters (the unit's own modules aside):
         ``checkpoint(self.block, x)`` inside the unit's forward (torchtitan's order:
         checkpointing applied first, then ``fully_shard`` on the wrapper) recomputes
         ``block`` in backward, outside the unit's forward, where its parameters are the
@@ -539,7 +563,7 @@ class FSDPUnit:
         places: dict[nn.Module, list[tuple[int, str]]] = {}
         for i, p in enumerate(self.params):
             for module, name in p.places:
-                if module is not unit_module:
+                if all(module is not own for own in unit_modules):
                     places.setdefault(module, []).append((i, name))
         for module, named in places.items():
             # first in, last out: a sequence-parallel style's hooks (applied before
@@ -634,12 +658,19 @@ class _ForwardOrder:
         self.recording: list[FSDPUnit] | None = None
         self.depth = 0
         self.generation = -1
+        # where in the recorded order the forward is: a unit may run several times in one
+        # forward (the modules of a group, a module called twice), each time followed by
+        # its own next unit
+        self.cursor = 0
+        self.following: int | None = None  # the index after the unit that entered last
 
     def enter(self, unit: FSDPUnit) -> None:
         if self.depth == 0:
+            self.cursor = 0
             self.recording = [] if not self.order or self.order[0] is not unit else None
             for other in self.order:  # what backward needed last step predicts this step
                 other._needed_regather, other._regathered_now = other._regathered_now, False
+                other._running = 0  # no forward runs: a count left by one that raised
             if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
                 for other in self._explicit_backward_targets():  # a prefetch never used
                     if other._regather_pending is not None:
@@ -648,13 +679,20 @@ class _ForwardOrder:
         self.depth += 1
         if self.recording is not None:
             self.recording.append(unit)
+            return
+        self.following = None
+        if unit in self.order:  # its next run in the record, else its first (order changed)
+            at = (self.order.index(unit, self.cursor) if unit in self.order[self.cursor:]
+                  else self.order.index(unit))
+            self.cursor = self.following = at + 1
 
     def prefetch_after(self, unit: FSDPUnit) -> None:
-        if self.recording is not None or unit not in self.order:
+        """Start the all-gather of the unit that ran after ``unit`` (which just entered)
+        when the order was recorded."""
+        if self.recording is not None or self.following is None:
             return
-        i = self.order.index(unit)
-        if i + 1 < len(self.order):
-            self.order[i + 1].prefetch()
+        if self.following < len(self.order):
+            self.order[self.following].prefetch()
 
     def prefetch_backward_before(self, unit: FSDPUnit) -> None:
         """Backward runs units in reverse: start re-gathering the closest earlier unit whose
@@ -938,7 +976,7 @@ def _units_named(modules, method: str) -> list[FSDPUnit]:
 
 
 def fully_shard(
-    module: nn.Module,
+    module: nn.Module | list[nn.Module],
     *,
     mesh: DeviceMesh | None = None,
     reshard_after_forward: bool | int | None = None,
@@ -947,9 +985,20 @@ def fully_shard(
     offload_policy: object | None = None,
     ignored_params: set[nn.Parameter] | None = None,
     dp_mesh_dims: object | None = None,
-) -> nn.Module:
+) -> nn.Module | list[nn.Module]:
     """Shard ``module``'s parameters over ``mesh`` (FSDP2's API): apply to submodules first,
     then to the root. Returns ``module``; ``module._devmesh_fsdp`` is its unit.
+
+    A list of modules makes **one** unit of them all, as torch's ``fully_shard([a, b])``:
+    torchtitan groups the final norm with the output head
+    (``fully_shard([model.norm, model.output])``), or a tied embedding with the head that
+    shares its weight (a weight sharded by one unit cannot be tied into another). Each
+    module of the group gets the unit's hooks and methods, and the list is returned. Each
+    call of a grouped module gathers the whole group's parameters (one all-gather) and its
+    backward reduces them (one reduce-scatter), as each call of a module does; torch's keeps
+    the group gathered from its first module's forward to its last, the same parameters and
+    gradients with fewer collectives when the modules run one after the other. The modules
+    must be apart (none inside another), each listed once.
 
     torch's signature, so FSDP2 code runs unchanged: ``mesh=None`` is the whole world as a
     1-D mesh; ``reshard_after_forward=None`` (the default, as torch's) reshards every unit
@@ -959,19 +1008,65 @@ def fully_shard(
     than silently ignored: resharding to a smaller world (an ``int``), a placement other
     than ``Shard(0)`` from ``shard_placement_fn``, offloading on a GPU mesh,
     ``dp_mesh_dims``, and embeddings with ``sparse=True`` (ignore them, and ``replicate``)."""
-    if getattr(module, "_devmesh_fsdp", None) is not None:
-        raise ParallelizeError(f"fully_shard was already applied to this {type(module).__name__}")
+    modules = _grouped(module)
+    for one in modules:
+        if getattr(one, "_devmesh_fsdp", None) is not None:
+            raise ParallelizeError(f"fully_shard was already applied to this "
+                                   f"{type(one).__name__}")
     mesh = mesh if mesh is not None else world_mesh()
-    _refuse_unsupported(module, mesh, reshard_after_forward, shard_placement_fn,
-                        offload_policy, dp_mesh_dims, ignored_params)
-    unit = FSDPUnit(module, mesh, reshard_after_forward, mp_policy, ignored_params)
-    module._devmesh_fsdp = unit  # type: ignore[attr-defined]
-    with_methods(module, FSDPModule)
-    # gather before any other pre-hook of the module (a sequence-parallel style's, say)
-    module.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
-    module.register_forward_hook(unit.post_forward, always_call=True)
-    unit.watch_recomputation(module)
+    for one in modules:
+        _refuse_unsupported(one, mesh, reshard_after_forward, shard_placement_fn,
+                            offload_policy, dp_mesh_dims, ignored_params)
+    unit = FSDPUnit(modules, mesh, reshard_after_forward, mp_policy, ignored_params)
+    for one in modules:
+        one._devmesh_fsdp = unit  # type: ignore[attr-defined]
+        with_methods(one, FSDPModule)
+        # gather before any other pre-hook of the module (a sequence-parallel style's, say)
+        one.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
+        one.register_forward_hook(unit.post_forward, always_call=True)
+    unit.watch_recomputation(modules)
     return module
+
+
+def parameters_grouped_with(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters outside ``module`` whose gradients the ``fully_shard`` units in its
+    subtree hand to autograd with its own: those of the other modules of their groups
+    (``fully_shard([a, b])``). A backward restricted to some parameters (autograd's
+    ``inputs=``, as a pipeline's weight-gradient half asks for a stage's) must list them
+    too: a unit's reduction returns every gradient it accumulated, and autograd drops the
+    ones for parameters it was not asked for."""
+    own = {id(p) for p in module.parameters()}
+    units = {id(m._devmesh_fsdp): m._devmesh_fsdp for m in module.modules()
+             if getattr(m, "_devmesh_fsdp", None) is not None}
+    extra: dict[int, nn.Parameter] = {}
+    for unit in units.values():
+        for p in unit.params:
+            if id(p.sharded) not in own:
+                extra.setdefault(id(p.sharded), p.sharded)
+    return list(extra.values())
+
+
+def _grouped(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """The modules one ``fully_shard`` call makes a unit of, checked: a module, or a
+    non-empty list (or tuple) of distinct modules none of which is inside another."""
+    if isinstance(module, nn.Module):
+        return [module]
+    if not isinstance(module, (list, tuple)) or not module:
+        raise ParallelizeError(f"fully_shard takes a module or a non-empty list of modules, "
+                               f"got {module!r}")
+    for i, one in enumerate(module):
+        if not isinstance(one, nn.Module):
+            raise ParallelizeError(f"fully_shard: item {i} of the list is a "
+                                   f"{type(one).__name__}, not an nn.Module")
+    for i, outer in enumerate(module):
+        for j, inner in enumerate(module):
+            if i != j and any(sub is inner for sub in outer.modules()):
+                what = "listed twice" if outer is inner else f"inside item {i}"
+                raise ParallelizeError(
+                    f"fully_shard: item {j} of the list ({type(inner).__name__}) is {what}: "
+                    "a group's modules must be apart (shard an inner module first with its "
+                    "own call, then group the outer ones)")
+    return list(module)
 
 
 def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forward,

@@ -58,7 +58,7 @@ from devmesh.errors import rank_prefix
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.fully_shard import release_weight_gradient_gathers
+from devmesh.parallel.fully_shard import parameters_grouped_with, release_weight_gradient_gathers
 from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
 from devmesh.parallel.pipeline.grad_sync import StageGradSync
 from devmesh.parallel.pipeline.messages import MAX_TENSORS, StageLinks, describe, layout_of
@@ -436,7 +436,7 @@ class PipelineRunner:
                     if cuts and not self._cuts[s].cut:  # the first layer's output only
                         inputs, cuts = list(cuts[0].originals), ()
                     split = entry["split"] = SplitBackward(
-                        outputs, seeds, inputs, list(self.stages[s].parameters()), cuts)
+                        outputs, seeds, inputs, self._weights(s), cuts)
                     if split.whole:  # this I is a whole backward: its W has nothing left
                         step.whole_stages.add(s)
                         sync.before_backward(action == self._final_whole[s], outputs)
@@ -454,11 +454,19 @@ class PipelineRunner:
         if s > 0:
             self._links.send_gradient(input_grads, s, mb)
 
+    def _weights(self, s: int) -> list[torch.Tensor]:
+        """What a backward restricted to stage ``s``'s weights accumulates into: its
+        parameters, and those a ``fully_shard`` unit groups with them on another stage of
+        this rank (``fully_shard([stage_a, stage_b])``: the unit's reduction returns both
+        stages' accumulated gradients, and autograd would drop the other's)."""
+        stage = self.stages[s]
+        return [*stage.parameters(), *parameters_grouped_with(stage)]
+
     def _weight_grads(self, step: _Step, action: Action) -> None:
         entry = step.saved.pop((action.stage, action.microbatch), None)
         if entry is None or entry.get("done") or step.error is not None:
             return
-        params = [p for p in self.stages[action.stage].parameters() if p.requires_grad]
+        params = [p for p in self._weights(action.stage) if p.requires_grad]
         self._sync[action.stage].before_backward(
             action == self._final_split[action.stage], entry.get("outputs", ()))
         start = time.perf_counter()
