@@ -212,7 +212,8 @@ def ddp_options_refused():
     mesh = init_device_mesh("cpu", (2,))
     return [caught(lambda: replicate(make_model(), mesh=mesh, **{name: value}))
             for name, value in [("process_group", dist.group.WORLD), ("bucket_cap_mb_list", [1]),
-                                ("device_ids", [0])]]
+                                ("device_ids", [0])]] + [
+        caught(lambda: replicate([nn.Linear(2, 2), nn.Linear(2, 2)], mesh=mesh))]
 
 
 def test_ddp_options_devmesh_does_not_implement_are_refused(mesh_pool):
@@ -221,6 +222,10 @@ def test_ddp_options_devmesh_does_not_implement_are_refused(mesh_pool):
                                                    "device_ids"]):
             assert kind == "ParallelizeError" and f"does not take {name}" in message
             assert "pass mesh= or device_mesh=" in message
+        assert results[3][0] == "ParallelizeError" and results[3][1].endswith(
+            "replicate takes one module, got a list: replicate the module holding them, or "
+            "each one (gradients are averaged per parameter either way); fully_shard takes a "
+            "list of modules as one unit")
 
 
 def test_fully_shard_without_a_mesh_outside_a_launcher_says_how_to_launch():

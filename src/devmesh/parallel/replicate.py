@@ -369,6 +369,11 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
     flag each in the reduction, so either value trains as DDP with ``True`` would), and the
     other two are DDP's memory and speed hints for its own reducer. Any other DDP option
     (devices, ``process_group``, DDP's mixed precision, ...) is refused with the fix."""
+    if not isinstance(module, nn.Module):  # torch's FSDP-based replicate groups a list
+        raise ParallelizeError(
+            f"replicate takes one module, got a {type(module).__name__}: replicate the module "
+            "holding them, or each one (gradients are averaged per parameter either way); "
+            "fully_shard takes a list of modules as one unit")
     refused = sorted(k for k, v in ddp_options.items() if v is not None or k not in _DDP_NONE)
     if refused:
         raise ParallelizeError(
