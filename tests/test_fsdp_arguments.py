@@ -22,7 +22,8 @@ def torch_runs() -> TorchRuns:
     """torch's FSDP2 / DDP side of this module's comparisons: one fresh launch per world size."""
     return TorchRuns({
         2: [(keyword_inputs, ("torch",)), (explicit_prefetch, ("torch",)),
-            (backward_prefetch_out_of_order, ("torch",)), (grouped_units, ("torch",))],
+            (backward_prefetch_out_of_order, ("torch",)), (grouped_units, ("torch",)),
+            (chunked_head, ("torch",))],
         3: [(ddp_arguments, ("torch", True)), (ddp_arguments, ("torch", False)),
             *((batchnorm_buffers, ("torch", args)) for args in _BUFFER_ARGS)],
         4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True))],
@@ -495,8 +496,8 @@ def grouped_units(library: str):
 def test_a_list_of_modules_is_one_unit_as_torchs(mesh_pool, torch_runs):
     """``fully_shard([a, b])``: one unit of both modules, the list returned with each module
     an FSDPModule; the same parameters and losses as torch's FSDP2 with the same groups.
-    Each call of a grouped module gathers the group (one all-gather; the middle layer's
-    forward prefetches the head's call, and nothing more) and reduces it in its backward."""
+    The group is gathered once for both its modules' forwards and reduced once, as torch's
+    (and no prefetch gathers it again while it is in place)."""
     ours = mesh_pool.run(grouped_units, 2, "devmesh")
     theirs = torch_runs(2, grouped_units, "torch")
     for a, b in zip(ours, theirs):
@@ -506,10 +507,67 @@ def test_a_list_of_modules_is_one_unit_as_torchs(mesh_pool, torch_runs):
                                        atol=1e-6, msg=key)
         assert a["returned"] == b["returned"] == ["FSDPLinear", "FSDPLinear"]
         assert a["one_unit"]
-        # forward: the group at layer 0, layer 2, the group at layer 4; backward: layer 4's
-        # call and layer 2 gather again (layer 0's input needs no gradient, so its weight
-        # is not needed); a reduce-scatter per call of a unit
-        assert a["collectives"] == [(5, 3)] * 3
+        # forward: the group at layer 0 (kept in place until layer 4 ran, as torch's), layer
+        # 2; backward: the group for layer 4 and layer 2 gather again (layer 0's input needs
+        # no gradient, so its weight is not needed); one reduce-scatter per unit
+        assert a["collectives"] == [(4, 2)] * 3
+
+
+class _NormThenHead(nn.Module):
+    """A body and a final norm in the forward; the head applied by the caller, chunk by
+    chunk (torch's motivating case for ``fully_shard([norm, head])``: a chunked loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.body, self.norm, self.head = nn.Linear(12, 16), nn.LayerNorm(16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(torch.relu(self.body(x)))
+
+
+def chunked_head(library: str):
+    """``fully_shard([model.norm, model.head])`` where the forward runs the norm only and the
+    head runs afterwards on two chunks; then a forward alone (the head never runs)."""
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2,))
+    model = _NormThenHead()
+    fully_shard(model.body, mesh=mesh)
+    fully_shard([model.norm, model.head], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        x, y = _batch(dist.get_rank() + step)
+        hidden = model(x)
+        loss = sum(F.cross_entropy(model.head(part), target, reduction="sum")
+                   for part, target in zip(hidden.chunk(2), y.chunk(2))) / len(y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        model(x)  # the norm runs, the head does not: the group is resharded at the end
+    rows = model.head.weight.shape[0] if library == "devmesh" else None  # torch: a DTensor
+    return {"losses": losses, "params": _params(model), "head_rows": rows}
+
+
+def test_a_group_whose_modules_run_apart_or_not_at_all_as_torchs(mesh_pool, torch_runs):
+    """torch's chunked-loss case: the norm in the model's forward, the grouped head called
+    per chunk after it; the same training as torch's FSDP2, and a forward that never runs
+    the head leaves the shards in place (a gather left there would be stale after the next
+    optimizer step)."""
+    ours = mesh_pool.run(chunked_head, 2, "devmesh")
+    theirs = torch_runs(2, chunked_head, "torch")
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=1e-6)
+        for key in b["params"]:
+            torch.testing.assert_close(a["params"][key], b["params"][key], rtol=1e-6,
+                                       atol=1e-6, msg=key)
+        assert a["head_rows"] == (3, 2)[rank]  # torch.chunk's rows of 5 on 2 ranks
 
 
 class _CallsAnother(nn.Module):

@@ -135,6 +135,12 @@ class FSDPUnit:
         self._release_task = -1  # the backward whose end is set to drop _full
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
         self._running = 0  # forwards of the unit's modules running now (nested: a group's)
+        # a group's gather of this forward, kept in the modules' places until each module of
+        # the group ran (torch's FSDP2 keeps a group unsharded the same way): one all-gather
+        # and one reduce-scatter for norm and head, not one per module
+        self.modules: list[nn.Module] = roots
+        self._open: tuple[torch.Tensor, ...] | None = None
+        self._to_run: set[int] = set()  # ids of the group's modules not run since the gather
         # the gathered parameters a recomputation inside this backward uses (activation
         # checkpointing inside the unit), with the backward's task id
         self._recomputed: tuple[int, tuple[torch.Tensor, ...]] | None = None
@@ -295,7 +301,8 @@ class FSDPUnit:
 
     def prefetch(self) -> None:
         """Start gathering this unit's parameters now, to overlap with the running unit."""
-        if self._prefetched is None and self._kept is None and self.params:
+        if (self._prefetched is None and self._kept is None and self._open is None
+                and self.params):
             self.adopt_replaced()
             self._prefetched = self.start_gather([p.sharded for p in self.params])
 
@@ -437,6 +444,7 @@ class FSDPUnit:
         self._release_task = -1
         self._recomputed = None
         self._running = 0
+        self._close()
 
     # -- hooks -----------------------------------------------------------------------------
     def adopt_replaced(self) -> None:
@@ -463,17 +471,24 @@ class FSDPUnit:
         cast = self._cast_inputs(args, kwargs)
         if self._running:  # a module of this group called inside another's forward: the
             self._running += 1  # parameters are gathered already, and stay so until it ends
+            self._to_run.discard(id(module))
             return cast
         if not shards:
             self._order.prefetch_after(self)
             return cast
-        fulls = _Unshard.apply(self, *shards)
+        if self._open is not None and id(module) in self._to_run:
+            fulls = self._open  # an earlier module of the group gathered them this forward
+        else:
+            self._close()  # a module of the group running again: its own gather
+            fulls = _Unshard.apply(self, *shards)
+            for p, full in zip(self.params, fulls):
+                for holder, name in p.places:
+                    holder._parameters[name] = full.view(p.shape)
+            self._open, self._to_run = fulls, {id(m) for m in self.modules}
+            _OPEN.append(self)
         self._order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
         for other in self.forward_prefetch:  # torch's explicit list, the same on every rank
             other.prefetch()
-        for p, full in zip(self.params, fulls):
-            for module, name in p.places:
-                module._parameters[name] = full.view(p.shape)
         reshard = self.reshard_after_forward
         if reshard is None:  # torch's default: the root's backward starts at once, keep it
             reshard = not root
@@ -505,11 +520,21 @@ class FSDPUnit:
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
             self._hooks = None
-        for p in self.params:
-            for module, name in p.places:
-                module._parameters[name] = p.sharded
+        self._to_run.discard(id(module))
+        if not self._to_run:  # every module of the unit ran: reshard
+            self._close()
         _ORDER.exit(self)
         return self._cast_output(output)
+
+    def _close(self) -> None:
+        """Put the shards back in every place: the gather serves no more of the group's
+        modules in this forward (their backward re-gathers, or uses what autograd saved)."""
+        if self._open is None:
+            return
+        self._open, self._to_run = None, set()
+        for p in self.params:
+            for holder, name in p.places:
+                holder._parameters[name] = p.sharded
 
     def _cast_output(self, output):
         """Floating-point outputs in ``mp_policy.output_dtype``, if set."""
@@ -754,9 +779,12 @@ class _Orders:
         # an exception runs inside torch's `except` block
         if order.depth == 0:
             self.active = None
+            while _OPEN:  # a group some of whose modules did not run: resharded at the end
+                _OPEN.pop()._close()  # of the forward, as torch's FSDP2 forces it
 
 
 _ORDER = _Orders()
+_OPEN: list[FSDPUnit] = []  # units whose gather is still in their modules' places
 
 
 def _add(accumulated: torch.Tensor | None, grad: torch.Tensor | None, dtype: torch.dtype
@@ -993,12 +1021,12 @@ def fully_shard(
     torchtitan groups the final norm with the output head
     (``fully_shard([model.norm, model.output])``), or a tied embedding with the head that
     shares its weight (a weight sharded by one unit cannot be tied into another). Each
-    module of the group gets the unit's hooks and methods, and the list is returned. Each
-    call of a grouped module gathers the whole group's parameters (one all-gather) and its
-    backward reduces them (one reduce-scatter), as each call of a module does; torch's keeps
-    the group gathered from its first module's forward to its last, the same parameters and
-    gradients with fewer collectives when the modules run one after the other. The modules
-    must be apart (none inside another), each listed once.
+    module of the group gets the unit's hooks and methods, and the list is returned. As
+    torch's, the first of the group's modules to run in a forward gathers the whole group
+    (one all-gather), which stays in place until every module of the group ran (then
+    resharded; at the latest when the outermost forward ends), and the group reduces its
+    gradients in one reduce-scatter; a module running again (a head applied per chunk)
+    gathers anew. The modules must be apart (none inside another), each listed once.
 
     torch's signature, so FSDP2 code runs unchanged: ``mesh=None`` is the whole world as a
     1-D mesh; ``reshard_after_forward=None`` (the default, as torch's) reshards every unit
