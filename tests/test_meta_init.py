@@ -78,6 +78,10 @@ def _parallel(how: str, start: dict[str, torch.Tensor] | None):
         parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
     if how == "ddp":
         replicate(model, mesh=dp)
+    elif how == "fsdp-grouped":  # torch's list form, no unit at the root: torch's own
+        fully_shard([model.embed, model.head], mesh=dp)  # to_empty converts each module of
+        fully_shard(model.up, mesh=dp)  # the tied group on its own
+        fully_shard([model.down, model.norm], mesh=dp)
     else:
         fully_shard(model.up, mesh=dp)
         fully_shard(model, mesh=dp)
@@ -95,7 +99,7 @@ def _parallel(how: str, start: dict[str, torch.Tensor] | None):
     return tied, state_dict(model, full=True)
 
 
-@pytest.mark.parametrize("how", ["fsdp", "ddp", "tp+fsdp", "hsdp"])
+@pytest.mark.parametrize("how", ["fsdp", "fsdp-grouped", "ddp", "tp+fsdp", "hsdp"])
 def test_a_model_built_on_meta_trains_as_single_process(mesh_pool, how):
     start, expected = _single()
     world = 4 if how in ("tp+fsdp", "hsdp") else 2

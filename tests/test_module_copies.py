@@ -65,6 +65,8 @@ def train(strategy: str):
         mesh = init_device_mesh("cpu", (WORLD,))
         fully_shard(model[0], mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif strategy == "fsdp-grouped":  # torch's list form: the two Linears one unit
+        fully_shard([model[0], model[2]], mesh=init_device_mesh("cpu", (WORLD,)))
     elif strategy == "hsdp":
         fully_shard(model, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "shard")))
     else:  # tp over 2 ranks, ddp over the other dim
@@ -78,7 +80,7 @@ def train(strategy: str):
     return state_dict(twin, full=True), state_dict(model, full=True)
 
 
-@pytest.mark.parametrize("strategy", ["replicate", "fsdp", "hsdp", "tp"])
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp", "fsdp-grouped", "hsdp", "tp"])
 def test_a_deep_copy_trains_as_a_model_of_its_own(mesh_pool, strategy):
     data_ranks = range(2) if strategy == "tp" else range(WORLD)
     twin_expected, model_expected = (m.state_dict() for m in
