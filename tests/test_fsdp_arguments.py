@@ -23,7 +23,7 @@ def torch_runs() -> TorchRuns:
     return TorchRuns({
         2: [(keyword_inputs, ("torch",)), (explicit_prefetch, ("torch",)),
             (backward_prefetch_out_of_order, ("torch",)), (grouped_units, ("torch",)),
-            (chunked_head, ("torch",))],
+            (chunked_head, ("torch",)), (forward_method, ("torch",))],
         3: [(ddp_arguments, ("torch", True)), (ddp_arguments, ("torch", False)),
             *((batchnorm_buffers, ("torch", args)) for args in _BUFFER_ARGS)],
         4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True))],
@@ -568,6 +568,58 @@ def test_a_group_whose_modules_run_apart_or_not_at_all_as_torchs(mesh_pool, torc
             torch.testing.assert_close(a["params"][key], b["params"][key], rtol=1e-6,
                                        atol=1e-6, msg=key)
         assert a["head_rows"] == (3, 2)[rank]  # torch.chunk's rows of 5 on 2 ranks
+
+
+class _Scorer(nn.Module):
+    """A method besides ``forward`` that uses the parameters directly and calls
+    ``forward`` too (a ``generate``, a ``score``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc, self.out = nn.Linear(12, 16), nn.Linear(16, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.fc(x)))
+
+    def score(self, x: torch.Tensor) -> torch.Tensor:
+        return self(x) + 0.1 * (x @ self.fc.weight.t()) @ self.out.weight.t()
+
+
+def forward_method(library: str):
+    """torch's ``register_fsdp_forward_method(model, "score")`` on a model that is one
+    unit, trained through ``score`` for three steps."""
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard, register_fsdp_forward_method
+    else:
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+    mesh = init_device_mesh("cpu", (2,))
+    model = _Scorer()
+    fully_shard(model, mesh=mesh)
+    register_fsdp_forward_method(model, "score")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for step in range(3):
+        x, y = _batch(dist.get_rank() + step)
+        loss = F.cross_entropy(model.score(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": _params(model)}
+
+
+def test_a_forward_method_registered_gathers_as_forward_does_as_torchs(mesh_pool, torch_runs):
+    """A method other than ``forward`` registered with ``register_fsdp_forward_method``
+    gathers the unit's parameters (before: it saw the shards, a shape error), and the
+    ``forward`` it calls inside finds them gathered: torch's losses and parameters."""
+    ours = mesh_pool.run(forward_method, 2, "devmesh")
+    theirs = torch_runs(2, forward_method, "torch")
+    for a, b in zip(ours, theirs):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=1e-6)
+        for key in b["params"]:
+            torch.testing.assert_close(a["params"][key], b["params"][key], rtol=1e-6,
+                                       atol=1e-6, msg=key)
 
 
 class _CallsAnother(nn.Module):

@@ -8,6 +8,7 @@ from devmesh.parallel.fully_shard import (
     MixedPrecisionPolicy,
     UnshardHandle,
     fully_shard,
+    register_fsdp_forward_method,
 )
 from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
 from devmesh.parallel.replicate import ReplicateModule, replicate
@@ -27,7 +28,8 @@ from devmesh.parallel.grad_scaler import GradScaler
 from devmesh.parallel.state_dict import load_state_dict, state_dict
 
 __all__ = [
-    "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle", "replicate",
+    "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
+    "register_fsdp_forward_method", "replicate",
     "ReplicateModule", "parallelize_module",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict", "load_state_dict", "describe",

@@ -54,7 +54,7 @@ from devmesh.tensor import ShardingSpec
 from devmesh.layout.spec import chunk_bounds
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
-           "parameters_grouped_with"]
+           "register_fsdp_forward_method", "parameters_grouped_with"]
 
 
 @dataclass(frozen=True)
@@ -1054,6 +1054,33 @@ def fully_shard(
         one.register_forward_hook(unit.post_forward, always_call=True)
     unit.watch_recomputation(modules)
     return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """torch's FSDP2 function of the same name: make ``module.method_name`` (a ``generate``,
+    a ``score``) gather the unit's parameters before it runs and release them after, as
+    ``forward`` does, for a method that uses the parameters without going through
+    ``forward`` (called alone it would see this rank's shards). A ``forward`` it calls
+    inside finds them gathered. A module without a devmesh unit is left alone, as torch's
+    leaves modules that are not its FSDP modules."""
+    unit = getattr(module, "_devmesh_fsdp", None)
+    if unit is None:
+        return
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def gathered(*args, **kwargs):
+        cast = unit.pre_forward(module, args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            unit.post_forward(module, args, None)  # reshard, and the forward's record ends
+            raise
+        return unit.post_forward(module, args, output)
+
+    setattr(module, method_name, gathered)
 
 
 def parameters_grouped_with(module: nn.Module) -> list[nn.Parameter]:
