@@ -64,6 +64,15 @@ def _params(model: nn.Module) -> dict[str, torch.Tensor]:
             for k, v in model.state_dict().items()}
 
 
+def _same_training(ours: dict, theirs: dict, where: str = "") -> None:
+    """A devmesh run's losses and full parameters equal torch's run's."""
+    assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-6, abs=1e-6)
+    assert ours["params"].keys() == theirs["params"].keys()
+    for key in theirs["params"]:
+        torch.testing.assert_close(ours["params"][key], theirs["params"][key], rtol=1e-6,
+                                   atol=1e-6, msg=f"{where}{key}")
+
+
 def side_by_side(library: str):
     """FSDP2 code with torch's arguments: no mesh (the world), the default
     ``reshard_after_forward`` (None), the last layer's weight ignored, torch's own
@@ -104,11 +113,7 @@ def test_torchs_fsdp2_arguments_give_torchs_result(mesh_pool, torch_runs):
     for rank, (a, b) in enumerate(zip(ours, theirs)):
         assert a["out_dtype"] == b["out_dtype"] == torch.float64  # output_dtype honoured
         assert a["ignored_is_plain"] and b["ignored_is_plain"]
-        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=1e-6)
-        assert a["params"].keys() == b["params"].keys()
-        for key in b["params"]:
-            torch.testing.assert_close(a["params"][key], b["params"][key], rtol=1e-6,
-                                       atol=1e-6, msg=f"rank {rank} {key}")
+        _same_training(a, b, f"rank {rank} ")
     # the ignored weight trained on each rank's own batch only: the ranks differ there, and
     # agree on every sharded parameter
     assert not torch.equal(ours[0]["params"]["4.weight"], ours[1]["params"]["4.weight"])
@@ -501,10 +506,7 @@ def test_a_list_of_modules_is_one_unit_as_torchs(mesh_pool, torch_runs):
     ours = mesh_pool.run(grouped_units, 2, "devmesh")
     theirs = torch_runs(2, grouped_units, "torch")
     for a, b in zip(ours, theirs):
-        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=1e-6)
-        for key in b["params"]:
-            torch.testing.assert_close(a["params"][key], b["params"][key], rtol=1e-6,
-                                       atol=1e-6, msg=key)
+        _same_training(a, b)
         assert a["returned"] == b["returned"] == ["FSDPLinear", "FSDPLinear"]
         assert a["one_unit"]
         # forward: the group at layer 0 (kept in place until layer 4 ran, as torch's), layer
@@ -563,10 +565,7 @@ def test_a_group_whose_modules_run_apart_or_not_at_all_as_torchs(mesh_pool, torc
     ours = mesh_pool.run(chunked_head, 2, "devmesh")
     theirs = torch_runs(2, chunked_head, "torch")
     for rank, (a, b) in enumerate(zip(ours, theirs)):
-        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=1e-6)
-        for key in b["params"]:
-            torch.testing.assert_close(a["params"][key], b["params"][key], rtol=1e-6,
-                                       atol=1e-6, msg=key)
+        _same_training(a, b)
         assert a["head_rows"] == (3, 2)[rank]  # torch.chunk's rows of 5 on 2 ranks
 
 
@@ -616,10 +615,7 @@ def test_a_forward_method_registered_gathers_as_forward_does_as_torchs(mesh_pool
     ours = mesh_pool.run(forward_method, 2, "devmesh")
     theirs = torch_runs(2, forward_method, "torch")
     for a, b in zip(ours, theirs):
-        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6, abs=1e-6)
-        for key in b["params"]:
-            torch.testing.assert_close(a["params"][key], b["params"][key], rtol=1e-6,
-                                       atol=1e-6, msg=key)
+        _same_training(a, b)
 
 
 class _CallsAnother(nn.Module):
