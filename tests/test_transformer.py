@@ -130,9 +130,11 @@ def parallel_run(case: str, library: str, compile_backend: str | None = None,
         dp_mesh = mesh[tuple(dp_names)] if len(dp_names) > 1 else mesh[dp_names[0]]
         if case == "fsdp_grouped":  # torch's list form: one unit of several modules
             # the tied embedding and head (one weight cannot be in two units), and two
-            # modules that run at the start and at the end of the forward
+            # modules that run at the start and at the end of the forward, kept gathered
+            # after forward as torchtitan keeps its [norm, output] group
             fully_shard([model.tok_embeddings, model.output], mesh=dp_mesh)
-            fully_shard([model.pos_embeddings, model.norm], mesh=dp_mesh)
+            fully_shard([model.pos_embeddings, model.norm], mesh=dp_mesh,
+                        reshard_after_forward=False)
         for layer in model.layers:
             fully_shard(layer, mesh=dp_mesh)
         fully_shard(model, mesh=dp_mesh)
