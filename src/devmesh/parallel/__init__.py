@@ -9,6 +9,7 @@ from devmesh.parallel.fully_shard import (
     UnshardHandle,
     fully_shard,
     register_fsdp_forward_method,
+    share_comm_ctx,
 )
 from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
 from devmesh.parallel.replicate import ReplicateModule, replicate
@@ -29,7 +30,7 @@ from devmesh.parallel.state_dict import load_state_dict, state_dict
 
 __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
-    "register_fsdp_forward_method", "replicate",
+    "register_fsdp_forward_method", "share_comm_ctx", "replicate",
     "ReplicateModule", "parallelize_module",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict", "load_state_dict", "describe",

@@ -54,7 +54,7 @@ from devmesh.tensor import ShardingSpec
 from devmesh.layout.spec import chunk_bounds
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
-           "register_fsdp_forward_method", "parameters_grouped_with"]
+           "register_fsdp_forward_method", "share_comm_ctx", "parameters_grouped_with"]
 
 
 @dataclass(frozen=True)
@@ -1081,6 +1081,14 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return unit.post_forward(module, args, output)
 
     setattr(module, method_name, gathered)
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """torch's FSDP2 function (pipeline stages, each an FSDP root, sharing CUDA streams for
+    their collectives): accepted for code that calls it; devmesh's collectives run on the
+    process groups' own streams, so there is nothing to share. The modules must be devmesh
+    ``fully_shard`` modules."""
+    _units_named(modules, "share_comm_ctx")
 
 
 def parameters_grouped_with(module: nn.Module) -> list[nn.Parameter]:
