@@ -488,7 +488,7 @@ def dualpipe_v(ranks: int, microbatches: int) -> Schedule:
     all-to-all) hides under the other's compute; devmesh, like torch without a custom
     overlap function, runs the two one after the other. Only the warm-up's last phase and
     the cool-down's second half split backwards into ``I`` and ``W``, so a stage mixes
-    whole and split backwards, and fewer weight gradients wait (less memory than ZB-V).
+    whole and split backwards, and fewer weight halves wait with their saved tensors.
 
     The order is torch's, phase by phase, on rank ``r`` of ``R``: ``2 (R - r - 1)`` forwards
     on the first stage; ``r + 1`` pairs of forwards, first stage then second; ``R - r - 1``
