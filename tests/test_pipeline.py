@@ -1241,6 +1241,9 @@ def test_torch_schedule_arguments_devmesh_does_not_support_are_refused():
         Schedule1F1B(stage, 4, F.mse_loss, backward_requires_autograd=False)
     with pytest.raises(PipelineError, match="get_mesh.*local tensors"):
         PipelineStage(nn.Linear(2, 2), 0, 2, "cpu", get_mesh=lambda *args: None)
+    with pytest.raises(PipelineError, match="register_custom_function is not supported: "
+                                            "devmesh's runner runs every action itself"):
+        Schedule1F1B(stage, 4, F.mse_loss).register_custom_function("OVERLAP_F_B", print)
 
 
 def test_torch_pipelining_signatures_and_defaults_are_accepted_as_torchs():

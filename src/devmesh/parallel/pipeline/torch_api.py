@@ -118,6 +118,16 @@ class _Schedule:
         return PipelineRunner(stages, mesh, schedule, self._loss_fn,
                               scale_grads=self._scale_grads)
 
+    def register_custom_function(self, computation_type: Any, custom_function: Any) -> None:
+        """torch's hook for running an action kind with one's own function (DualPipeV's
+        overlapped forward and backward, say), given torch's internal schedule context:
+        refused, since devmesh's runner runs every action itself."""
+        raise PipelineError(
+            f"register_custom_function is not supported: devmesh's runner runs every action "
+            f"itself, with no torch schedule context to hand over ({computation_type!s}); "
+            "DualPipeV's paired forward and backward run one after the other, as torch's "
+            "without a custom function")
+
     def _virtual(self, num_stages: int, ranks: int) -> dict[str, int]:
         if num_stages != ranks:
             raise PipelineError(f"{type(self).__name__} runs one stage per rank: "
