@@ -1,7 +1,8 @@
 """torch's own test Transformer (token + position embeddings, attention with heads, MLP,
 LayerNorms, output tied to the embedding), parallelized by torch's own plan
 (``Transformer.parallelize``) with only the imports switched to devmesh, trained a few steps
-in float64 under TP, TP+SP, FSDP, FSDP+TP and HSDP+TP+SP. Every case must equal
+in float64 under TP, TP+SP, FSDP, FSDP+TP and HSDP+TP+SP (FSDP and HSDP+TP+SP also with
+torch's grouped units, ``fully_shard([a, b])``). Every case must equal
 single-process training (losses and final parameters to 1e-10), and torch's FSDP2/TP on the
 same mesh where torch runs the case (issue 8)."""
 
@@ -102,8 +103,9 @@ def parallel_run(case: str, library: str, compile_backend: str | None = None,
             return 0.0
         styles = {}
 
+    grouped = case.endswith("_grouped")  # torch's fully_shard([a, b]) groups as well
+    case = case.removesuffix("_grouped")
     shapes = {"tp": ((4,), ("tp",)), "tp_sp": ((4,), ("tp",)), "fsdp": ((4,), ("dp",)),
-              "fsdp_grouped": ((4,), ("dp",)),
               "fsdp_tp": ((2, 2), ("dp", "tp")), "hsdp_tp_sp": ((2, 2, 2), ("dp", "shard", "tp"))}
     shape, names = shapes[case]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
@@ -128,7 +130,7 @@ def parallel_run(case: str, library: str, compile_backend: str | None = None,
     dp_index, dp_size = 0, 1
     if dp_names:
         dp_mesh = mesh[tuple(dp_names)] if len(dp_names) > 1 else mesh[dp_names[0]]
-        if case == "fsdp_grouped":  # torch's list form: one unit of several modules
+        if grouped:  # torch's list form: one unit of several modules
             # the tied embedding and head (one weight cannot be in two units), and two
             # modules that run at the start and at the end of the forward, kept gathered
             # after forward as torchtitan keeps its [norm, output] group
@@ -169,7 +171,8 @@ def _mean_losses(results):
     return [sum(s) / len(by_dp) for s in steps]
 
 
-_WORLD = {"tp": 4, "tp_sp": 4, "fsdp": 4, "fsdp_grouped": 4, "fsdp_tp": 4, "hsdp_tp_sp": 8}
+_WORLD = {"tp": 4, "tp_sp": 4, "fsdp": 4, "fsdp_grouped": 4, "fsdp_tp": 4, "hsdp_tp_sp": 8,
+          "hsdp_tp_sp_grouped": 8}
 
 
 @pytest.fixture(scope="module")
