@@ -23,7 +23,8 @@ def torch_runs() -> TorchRuns:
     return TorchRuns({
         2: [(keyword_inputs, ("torch",)), (explicit_prefetch, ("torch",)),
             (backward_prefetch_out_of_order, ("torch",)), (grouped_units, ("torch",)),
-            (chunked_head, ("torch",)), (forward_method, ("torch",))],
+            (chunked_head, ("torch",)), (forward_method, ("torch",)),
+            (unshard_in_place, ("torch",))],
         3: [(ddp_arguments, ("torch", True)), (ddp_arguments, ("torch", False)),
             *((batchnorm_buffers, ("torch", args)) for args in _BUFFER_ARGS)],
         4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True))],
@@ -416,6 +417,52 @@ def explicit_prefetch(library: str, explicit: bool = True):
     if explicit:
         model.reshard()
     return {"losses": losses, "params": _params(model), "gathers": gathers}
+
+
+def unshard_in_place(library: str):
+    """``unshard()`` puts the full parameters in the module (read them, use them outside a
+    forward), ``reshard()`` the shards back; then training with ``unshard()`` before each
+    forward, on layer 2's unit."""
+    from torch.distributed.tensor import DTensor
+
+    model = _three_units(library)
+    layer = model[2]
+    layer.unshard()
+    full = layer.weight.detach().clone()  # torch: a plain tensor now; devmesh: the full one
+    direct = torch.ones(3, 20) @ layer.weight.detach().t()  # a use outside forward
+    layer.reshard()
+    sharded = isinstance(layer.weight, DTensor) or layer.weight.shape[0] < full.shape[0]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses, gathers = [], []
+    for step in range(2):
+        x, y = _batch(dist.get_rank() + step)
+        with comm_stats() as stats:
+            layer.unshard()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+        gathers.append(stats.by_collective().get("all_gather", (0,))[0])
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": _params(model), "full": full, "direct": direct,
+            "sharded_after": sharded, "gathers": gathers}
+
+
+def test_unshard_puts_the_full_parameters_in_place_as_torchs(mesh_pool, torch_runs):
+    """torch's ``unshard()`` leaves the module holding its full parameters until the next
+    forward or ``reshard()``; devmesh's kept this rank's shards there before (a method
+    using them saw a (7, 20) block of a (14, 20) weight)."""
+    ours = mesh_pool.run(unshard_in_place, 2, "devmesh")
+    theirs = torch_runs(2, unshard_in_place, "torch")
+    for a, b in zip(ours, theirs):
+        assert tuple(a["full"].shape) == tuple(b["full"].shape) == (14, 20)
+        torch.testing.assert_close(a["full"], b["full"])
+        torch.testing.assert_close(a["direct"], b["direct"])
+        assert a["sharded_after"] and b["sharded_after"]
+        _same_training(a, b)
+    # unshard()'s own all-gather; the forward's of the root and layer 0, none of layer 2
+    # (nor a prefetch of it); layer 2's again in backward (it resharded after forward)
+    assert ours[0]["gathers"] == [4, 4]
 
 
 def test_explicit_prefetching_as_torchs_fsdp2_tutorial(mesh_pool, torch_runs):

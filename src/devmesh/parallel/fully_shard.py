@@ -125,6 +125,7 @@ class FSDPUnit:
         self.backward_prefetch: list[FSDPUnit] = []
         self._kept: list[torch.Tensor] | None = None  # full parameters kept between backwards
         self._prefetched: comm.Pending | None = None  # started by the previous unit
+        self._unsharded: list[torch.Tensor] | None = None  # unshard()'s, in the places now
         self._regather_pending: comm.Pending | None = None  # backward prefetch, by the next unit
         self._needed_regather = False  # backward re-gathered this unit in the previous step
         self._backward_ran = False  # so the flag above means something
@@ -237,7 +238,7 @@ class FSDPUnit:
             p.sharded = new
             for module, name in p.places:
                 module._parameters[name] = new
-        self._kept = self._full = self._accumulated = None
+        self._kept = self._full = self._accumulated = self._unsharded = None
         for pending in (self._prefetched, self._regather_pending):
             if pending is not None:
                 pending.wait()
@@ -293,6 +294,12 @@ class FSDPUnit:
         previous unit started it)."""
         if self._kept is not None:  # kept since the last backward: no all-gather
             return [t.view(t.shape) for t in self._kept]
+        if self._unsharded is not None:  # unshard() gathered them: no all-gather either
+            full, self._unsharded = self._unsharded, None
+            out = [t.view(t.shape) for t in full]
+            if not (self.reshard_after_backward or self.requires_gradient_sync):
+                self._kept = full
+            return out
         pending, self._prefetched = self._prefetched, None
         full = self.finish_gather(pending if pending is not None else self.start_gather(shards))
         if not (self.reshard_after_backward or self.requires_gradient_sync):
@@ -302,7 +309,7 @@ class FSDPUnit:
     def prefetch(self) -> None:
         """Start gathering this unit's parameters now, to overlap with the running unit."""
         if (self._prefetched is None and self._kept is None and self._open is None
-                and self.params):
+                and self._unsharded is None and self.params):
             self.adopt_replaced()
             self._prefetched = self.start_gather([p.sharded for p in self.params])
 
@@ -314,6 +321,32 @@ class FSDPUnit:
         if (self.params and self._full is None and self._kept is None
                 and self._regather_pending is None):
             self._regather_pending = self.start_gather([p.sharded for p in self.params])
+
+    def unshard(self) -> None:
+        """torch's ``unshard()``: the unit's gathered parameters in its modules' places now
+        (this call waits for the gather), until its next forward uses them, without another
+        all-gather, or :meth:`reshard` puts the shards back."""
+        if not self.params or self._open is not None:
+            return  # nothing to gather, or a forward has them in place already
+        if self._unsharded is None and self._kept is None:
+            self.prefetch()
+            pending, self._prefetched = self._prefetched, None
+            self._unsharded = self.finish_gather(pending)
+        fulls = self._unsharded if self._unsharded is not None else self._kept
+        with torch.no_grad():
+            for p, full in zip(self.params, fulls):
+                for holder, name in p.places:
+                    holder._parameters[name] = full.view(p.shape)
+
+    def reshard(self) -> None:
+        """The shards back in the modules' places, and nothing gathered kept (from
+        ``unshard()``, a prefetch, or between micro-batches)."""
+        self.drop_prefetched()
+        self._kept = self._unsharded = None
+        if self._open is None:
+            for p in self.params:
+                for holder, name in p.places:
+                    holder._parameters[name] = p.sharded
 
     def drop_prefetched(self) -> None:
         """Wait for and drop gathers started ahead that were not used: parameters gathered
@@ -445,6 +478,7 @@ class FSDPUnit:
         self._recomputed = None
         self._running = 0
         self._close()
+        self.reshard()
 
     # -- hooks -----------------------------------------------------------------------------
     def adopt_replaced(self) -> None:
@@ -904,26 +938,25 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
             unit.requires_all_reduce = bool(requires_all_reduce)
 
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
-        """Start gathering this module's own unit now (torch's explicit prefetch before a
-        forward): the next forward uses these parameters and does not all-gather again.
-        ``async_op=True`` returns a handle to ``wait()`` on; else this waits. Unlike torch's,
-        the module's parameters stay this rank's shards until that forward: call it just
-        before the forward, as torch's docs do (an optimizer step in between would leave the
-        gathered copies stale)."""
+        """Gather this module's own unit now, as torch's: its modules then hold the full
+        parameters (read them, run a method that uses them) until the next forward, which
+        uses them without another all-gather (torch's explicit prefetch), or ``reshard()``.
+        ``async_op=True`` starts the all-gather and returns a handle whose ``wait()`` puts
+        the parameters in place; else this waits. As under torch's, an optimizer step
+        between would leave the gathered copies stale: call it just before the forward."""
         unit = _unit_of(self, "unshard")
         unit.prefetch()
-        handle = UnshardHandle(unit._prefetched)
+        handle = UnshardHandle(unit)
         if async_op:
             return handle
         handle.wait()
         return None
 
     def reshard(self) -> None:
-        """Drop this module's gathered parameters (from ``unshard()``, or kept between
-        micro-batches by ``set_reshard_after_backward(False)``), freeing their memory."""
-        unit = _unit_of(self, "reshard")
-        unit.drop_prefetched()
-        unit._kept = None
+        """Put this module's shards back and drop what was gathered (by ``unshard()``, or
+        kept between micro-batches by ``set_reshard_after_backward(False)``), freeing its
+        memory."""
+        _unit_of(self, "reshard").reshard()
 
     def reset_iter_state(self) -> None:
         """After an exception aborted a forward or backward (torch's recovery call): drop
@@ -971,15 +1004,16 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
 
 
 class UnshardHandle:
-    """What ``unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather."""
+    """What ``unshard(async_op=True)`` returns: ``wait()`` finishes the all-gather and puts
+    the parameters in the modules' places."""
 
-    def __init__(self, pending: comm.Pending | None) -> None:
-        self._pending = pending
+    def __init__(self, unit: FSDPUnit | None) -> None:
+        self._unit = unit
 
     def wait(self) -> None:
-        if self._pending is not None:
-            self._pending.wait()
-            self._pending = None
+        if self._unit is not None:
+            self._unit.unshard()
+            self._unit = None
 
 
 def _unit_of(module: nn.Module, method: str) -> FSDPUnit:
