@@ -402,21 +402,29 @@ def explicit_prefetch(library: str, explicit: bool = True):
         model[0].set_modules_to_forward_prefetch([model[2]])
         model[2].set_modules_to_backward_prefetch([model[0]])
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = (lambda: model.unshard(async_op=True).wait()) if explicit else (lambda: None)
+    losses, gathers = _train_counting_gathers(model, opt, 3, before)
+    if explicit:
+        model.reshard()
+    return {"losses": losses, "params": _params(model), "gathers": gathers}
+
+
+def _train_counting_gathers(model: nn.Module, opt, steps: int, before_forward
+                            ) -> tuple[list[float], list[int]]:
+    """Train ``steps`` steps, ``before_forward()`` before each forward: the losses, and the
+    all-gathers of each step (``before_forward``'s included)."""
     losses, gathers = [], []
-    for step in range(3):
+    for step in range(steps):
         x, y = _batch(dist.get_rank() + step)
         with comm_stats() as stats:
-            if explicit:
-                model.unshard(async_op=True).wait()
+            before_forward()
             loss = F.cross_entropy(model(x), y)
             loss.backward()
         gathers.append(stats.by_collective().get("all_gather", (0,))[0])
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    if explicit:
-        model.reshard()
-    return {"losses": losses, "params": _params(model), "gathers": gathers}
+    return losses, gathers
 
 
 def unshard_in_place(library: str):
@@ -433,17 +441,7 @@ def unshard_in_place(library: str):
     layer.reshard()
     sharded = isinstance(layer.weight, DTensor) or layer.weight.shape[0] < full.shape[0]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses, gathers = [], []
-    for step in range(2):
-        x, y = _batch(dist.get_rank() + step)
-        with comm_stats() as stats:
-            layer.unshard()
-            loss = F.cross_entropy(model(x), y)
-            loss.backward()
-        gathers.append(stats.by_collective().get("all_gather", (0,))[0])
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses, gathers = _train_counting_gathers(model, opt, 2, layer.unshard)
     return {"losses": losses, "params": _params(model), "full": full, "direct": direct,
             "sharded_after": sharded, "gathers": gathers}
 
