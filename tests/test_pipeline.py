@@ -1317,17 +1317,18 @@ def test_schedule_classes_by_name_as_torch():
         get_schedule_class("PipelineScheduleMulti")
 
 
-def test_torch_pipelining_names_devmesh_lacks_say_what_to_use():
-    """Code whose imports were switched from torch's pipelining gets the alternative, not a
-    bare "cannot import name"."""
-    with pytest.raises(ImportError, match="no build_stage .torch.distributed.pipelining's.: "
-                                          "build a PipelineStage from the stage's module"):
-        from devmesh.parallel.pipeline import build_stage  # noqa: F401
-    with pytest.raises(ImportError, match="does not trace models: split an nn.Sequential"):
-        from devmesh.parallel.pipeline import pipeline  # noqa: F401
+def test_every_torch_pipelining_name_is_devmesh_too():
+    """Code whose imports were switched from torch's pipelining finds every name torch
+    exports; the tracer's are torch's own objects (devmesh's ``pipeline`` wraps torch's)."""
+    import torch.distributed.pipelining as torchs
+
+    import devmesh.parallel.pipeline as ours
+
+    assert set(torchs.__all__) <= set(ours.__all__)
+    for name in ("Pipe", "SplitPoint", "pipe_split"):
+        assert getattr(ours, name) is getattr(torchs, name)
     with pytest.raises(AttributeError):
-        devmesh_pipeline = __import__("devmesh.parallel.pipeline", fromlist=["x"])
-        devmesh_pipeline.no_such_name  # noqa: B018
+        ours.no_such_name  # noqa: B018
 
 
 class _Residual(nn.Module):

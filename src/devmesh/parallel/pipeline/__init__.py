@@ -34,6 +34,7 @@ from devmesh.parallel.pipeline.torch_api import (
     ScheduleZBVZeroBubble,
     get_schedule_class,
 )
+from devmesh.parallel.pipeline.traced import Pipe, SplitPoint, build_stage, pipe_split, pipeline
 
 __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boundaries",
            "Schedule", "Action", "ScheduleError", "SCHEDULES", "LOOPED", "build_schedule",
@@ -43,24 +44,5 @@ __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boun
            "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
            "PipelineScheduleSingle",
-           "PipelineScheduleMulti", "get_schedule_class"]
-
-# torch.distributed.pipelining names devmesh does not provide: code whose imports were
-# switched to devmesh learns what to use instead of a bare "cannot import name"
-_NOT_PROVIDED = {
-    "pipeline": "devmesh does not trace models: split an nn.Sequential with split_sequential",
-    "Pipe": "devmesh does not trace models: split an nn.Sequential with split_sequential",
-    "pipe_split": "devmesh does not trace models: split an nn.Sequential with split_sequential",
-    "SplitPoint": "devmesh does not trace models: split_sequential(model, n, starts=[...]) "
-    "takes split_spec's names (a dotted name splits inside a nested nn.Sequential)",
-    "build_stage": "build a PipelineStage from the stage's module",
-}
-
-
-def __getattr__(name: str):
-    if name in _NOT_PROVIDED:
-        raise ImportError(
-            f"devmesh.parallel.pipeline has no {name} (torch.distributed.pipelining's): "
-            f"{_NOT_PROVIDED[name]}; or keep torch's pipelining on the devmesh mesh's group "
-            "(mesh.get_group('pp'))", name=name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+           "PipelineScheduleMulti", "get_schedule_class",
+           "pipeline", "Pipe", "SplitPoint", "pipe_split", "build_stage"]

@@ -33,7 +33,7 @@ from devmesh.layout.schedule import Schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.param import get_layout
 
-__all__ = ["Tie", "find_ties", "TiedCopies"]
+__all__ = ["Tie", "find_ties", "mark_ties", "record_ties", "TiedCopies"]
 
 _ATTR = "pipeline_ties"  # set on every stage split_sequential returns
 _TAG = 1 << 29  # apart from the pipeline messages (tag 0), which never overlap these in time
@@ -63,7 +63,11 @@ def find_ties(stages: Sequence[nn.Module]) -> tuple[Tie, ...]:
 
 def mark_ties(stages: Sequence[nn.Module]) -> None:
     """Record the ties between ``stages`` on each of them, for the runner to find."""
-    ties = find_ties(stages)
+    record_ties(stages, find_ties(stages))
+
+
+def record_ties(stages: Sequence[nn.Module], ties: tuple[Tie, ...]) -> None:
+    """Record ``ties`` (holders numbered by position in ``stages``) on each stage."""
     for stage in stages:
         setattr(stage, _ATTR, ties)
 

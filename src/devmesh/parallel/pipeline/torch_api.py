@@ -71,6 +71,28 @@ class PipelineStage:
         self.is_last = stage_index == num_stages - 1
 
 
+def _devmesh_stage(stage: Any) -> PipelineStage:
+    """``stage`` as devmesh's :class:`PipelineStage`: devmesh's own as it is; torch's
+    ``PipelineStage`` (built by hand) and the stage torch's ``pipe.build_stage`` returns
+    (traced, :mod:`~devmesh.parallel.pipeline.traced`) taken over with their module, index,
+    device and group, so code that builds torch's stages runs on devmesh's schedules."""
+    if isinstance(stage, PipelineStage):
+        return stage
+    from torch.distributed.pipelining.stage import _PipelineStage, _PipelineStageBase
+
+    if isinstance(stage, _PipelineStage):  # traced: the route between stages is rewritten
+        from devmesh.parallel.pipeline.traced import build_stage
+
+        return build_stage(stage.submod, stage.stage_index, stage.pipe_info, stage.device,
+                           stage.group)
+    if isinstance(stage, _PipelineStageBase):
+        return PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device,
+                             group=stage.group, dw_builder=stage.dw_builder)
+    raise PipelineError(f"a schedule takes PipelineStage objects (devmesh's or torch's), not "
+                        f"{type(stage).__name__}: wrap the module in PipelineStage(module, "
+                        "stage_index, num_stages, device)")
+
+
 class _Schedule:
     """A torch schedule class over devmesh's runner; subclasses name the schedule."""
 
@@ -84,7 +106,8 @@ class _Schedule:
                  **options: Any) -> None:
         # defer_pp_recv: when torch posts its receives; devmesh posts each by its own rule
         # (ahead on gloo, with the last send before it on NCCL), with the same results
-        self._stages = [stages] if isinstance(stages, PipelineStage) else list(stages)
+        many = isinstance(stages, Sequence) and not isinstance(stages, nn.Module)
+        self._stages = [_devmesh_stage(s) for s in (stages if many else [stages])]
         if (args_chunk_spec, kwargs_chunk_spec, output_merge_spec) != (None, None, None):
             raise PipelineError("chunk and merge specs are not supported: the batch is split "
                                 "into micro-batches along dim 0, and outputs joined along it")
