@@ -176,7 +176,7 @@ def test_a_tied_embedding_and_head_stay_one_weight_as_in_one_process(mesh_pool, 
     results = mesh_pool.run(train_traced, 2, "devmesh", name, "pipe", 2, True)
     for params, _ in results:
         _check_equal(params, single)
-    assert "tok_embeddings.weight" in results[0][0] and "output.weight" in results[-1 if name == "1f1b" else 0][0]
+    assert "output.weight" in results[1 if name == "1f1b" else 0][0]
     _check_losses(results[0 if name in IN_A_V else 1][1], single_losses)
     if name == "1f1b":  # the evidence for the above: torch's own run of the same code
         theirs = mesh_pool.run(train_traced, 2, "torch", name, "pipe", 2, True)
@@ -248,7 +248,7 @@ def _trace_skip_model(model: nn.Module):
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return pipeline(model, (tokens(0)[0][:2],), {"scale": torch.ones(16)},
+        return pipeline(model, (tokens(0)[0][:2],), {"scale": torch.ones(2, SEQ, 16)},
                         split_spec={"layers.1": SplitPoint.BEGINNING,
                                     "layers.3": SplitPoint.BEGINNING})
 
@@ -269,8 +269,8 @@ def test_values_skipping_stages_are_carried_by_the_stages_between():
     stages = [pipe.get_stage_module(i) for i in range(3)]
     for stage, route in zip(stages, routes):
         route_stage(stage, route)
-    x, y = tokens(0)
-    scale = torch.rand(16)
+    x, y = (t[:BATCH // MICRO] for t in tokens(0))  # one micro-batch, as traced
+    scale = torch.rand(BATCH // MICRO, SEQ, 16)
     out = stages[0](x, scale=scale)
     out = stages[2](*stages[1](*out))
     expected = reference(x, scale)
@@ -331,5 +331,86 @@ def test_traced_stage_errors_name_the_fix():
     with pytest.raises(PipelineError, match="stage_index 3 is not one of the traced "
                                             "pipeline's 3 stages"):
         build_stage(pipe.get_stage_module(0), 3, pipe.info(), "cpu")
-    with pytest.raises(PipelineError, match="not Linear; for a module of your own, use PipelineStage"):
+    with pytest.raises(PipelineError, match="not Linear; for a module of your own, use "
+                                            "PipelineStage"):
         build_stage(nn.Linear(2, 2), 0, pipe.info(), "cpu")
+
+
+def train_other_micro_batch_size():
+    """Micro-batches of 4 rows on a pipeline traced with micro-batches of 2."""
+    from devmesh.parallel.pipeline import Schedule1F1B
+
+    mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    pipe = _trace_skip_model(SkipOverStages())  # traced: x (2, 8), scale (2, 8, 16)
+    stage = pipe.build_stage(me, torch.device("cpu"), mesh.get_group("pp"))
+    schedule = Schedule1F1B(stage, 2, loss_fn=lm_loss)
+    x, y = tokens(0)
+    if me == 0:
+        schedule.step(x, scale=torch.ones(BATCH, SEQ, 16))
+    else:
+        schedule.step(target=y) if me == 2 else schedule.step()
+
+
+def test_a_micro_batch_of_another_shape_than_traced_is_refused_on_every_rank(mesh_pool):
+    from devmesh.errors import RankFailedError
+
+    with pytest.raises(RankFailedError, match=r"input 'x' has shape \(4, 8\) in this "
+                                              r"micro-batch, but was traced with \(2, 8\)") as info:
+        mesh_pool.run(train_other_micro_batch_size, 3)
+    assert "ranks [1, 2] failed too" in str(info.value)
+
+
+class MarkedInForward(nn.Module):
+    """Split by ``pipe_split()`` calls in its forward, torch's other way to mark stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embedding = nn.Embedding(VOCAB, 16)
+        self.middle, self.head = nn.Linear(16, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from devmesh.parallel.pipeline import pipe_split
+
+        h = self.embedding(x)
+        pipe_split()
+        h = torch.relu(self.middle(h))
+        pipe_split()
+        return self.head(h)
+
+
+def train_marked_in_forward(steps: int = 2):
+    from devmesh.parallel.pipeline import ScheduleGPipe, pipeline
+
+    mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = pipeline(MarkedInForward(), (tokens(0)[0][:BATCH // MICRO],))
+    stage = pipe.build_stage(me, torch.device("cpu"), mesh.get_group("pp"))
+    schedule = ScheduleGPipe(stage, MICRO, loss_fn=lm_loss)
+    opt = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
+    for step in range(steps):
+        x, y = tokens(step)
+        schedule.step(x) if me == 0 else schedule.step(target=y) if me == 2 else schedule.step()
+        opt.step()
+        opt.zero_grad()
+    return pipe.num_stages, {k: p.detach().clone() for k, p in stage.submod.named_parameters()}
+
+
+def test_stages_marked_by_pipe_split_in_the_forward_train_like_one_process(mesh_pool):
+    model = MarkedInForward()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        x, y = tokens(step)
+        lm_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    results = mesh_pool.run(train_marked_in_forward, 3)
+    assert [stages for stages, _ in results] == [3, 3, 3]
+    params = [p for _, p in results]
+    assert [sorted(p) for p in params] == [["embedding.weight"], ["middle.bias", "middle.weight"],
+                                           ["head.bias", "head.weight"]]
+    for part in params:
+        _check_equal(part, {k: v.detach() for k, v in model.named_parameters()})

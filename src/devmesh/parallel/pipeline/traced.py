@@ -169,6 +169,34 @@ def route_stage(stage_module: fx.GraphModule, route: StageRoute) -> None:
     with _own_class(stage_module):
         stage_module.graph = graph  # recompiles
     setattr(stage_module, _ROUTED, (route.index, takes))
+    if route.index == 0:
+        traced = {v.name: tuple(v.meta["val"].shape) for v in route.takes
+                  if isinstance(v.meta.get("val"), torch.Tensor)}
+        stage_module.register_forward_pre_hook(_InputCheck(traced), with_kwargs=True)
+
+
+class _InputCheck:
+    """The first stage's inputs against the shapes they were traced with: torch.export
+    fixes every shape in the graph (a view to ``[2, 8, 2, 8]``), so a micro-batch of another
+    size fails deep inside with a reshape error; refused here by name, as torch's stage
+    refuses it."""
+
+    def __init__(self, traced: dict[str, tuple[int, ...]]) -> None:
+        self.traced = traced
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        names = list(self.traced)
+        given = {**dict(zip(names, args)), **kwargs}
+        for name, value in given.items():
+            shape = self.traced.get(name)
+            if (shape is not None and isinstance(value, torch.Tensor)
+                    and tuple(value.shape) != shape):
+                raise PipelineError(
+                    f"the traced pipeline's input {name!r} has shape {tuple(value.shape)} in "
+                    f"this micro-batch, but was traced with {shape} (pipeline's mb_args and "
+                    "mb_kwargs: one micro-batch); torch.export fixed that shape in every "
+                    "stage: trace with one micro-batch of the shape you train with (the batch "
+                    "divided by n_microbatches along dim 0)")
 
 
 @contextlib.contextmanager
