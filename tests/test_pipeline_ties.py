@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from devmesh import init_device_mesh
+from devmesh import comm_stats, init_device_mesh
 from devmesh.layout.schedule import IN_A_V, build_schedule
 from devmesh.parallel.pipeline import PipelineError, PipelineRunner, split_sequential
 from devmesh.parallel.pipeline.tied import find_ties
@@ -81,15 +81,18 @@ def train_tied(name: str, ranks: int, steps: int, max_norm: float, perturb: bool
             fully_shard(stage, mesh=mesh["dp"])
     runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
     opt = torch.optim.Adam(runner.module.parameters(), lr=0.05)
-    norms = []
+    norms, reductions = [], []
     index = mesh["dp"].get_local_rank()
     for step in range(steps):
         x, y = (t.chunk(dp)[index] for t in batch(step))
-        runner.step(x if 0 in stages else None, y if schedule.stages - 1 in stages else None)
+        with comm_stats() as stats:
+            runner.step(x if 0 in stages else None,
+                        y if schedule.stages - 1 in stages else None)
+        reductions.append(stats.by_collective().get("reduce_scatter", (0, 0))[0])
         norms.append(float(runner.clip_grad_norm_(max_norm, norm_type)))
         opt.step()
         opt.zero_grad()
-    return state_dict(runner.module, full=True), norms
+    return state_dict(runner.module, full=True), norms, reductions
 
 
 @pytest.mark.parametrize("name,ranks,dp,norm_type", [
@@ -108,9 +111,12 @@ def test_a_tied_weight_trains_like_the_unsplit_model(mesh_pool, name, ranks, dp,
     # (in a V both stages on rank 0 hold the one Parameter object, as one process does, so
     # changing "the last stage's copy" would change the model itself)
     perturb = name not in IN_A_V
-    for state, norms in mesh_pool.run(train_tied, ranks * dp, name, ranks, 3, max_norm, perturb,
-                                      dp, norm_type):
+    for state, norms, reductions in mesh_pool.run(train_tied, ranks * dp, name, ranks, 3,
+                                                  max_norm, perturb, dp, norm_type):
         assert norms == pytest.approx(ref_norms, rel=1e-5)  # clipping really happened
+        # one reduce-scatter a step per fully_shard unit, also for the unit of a rank's two
+        # stages (it reduces at the later of their final backwards only)
+        assert reductions == [1 if dp > 1 else 0] * 3
         for key, value in state.items():
             if key in merged:  # a tied weight on two ranks: bitwise the same copy
                 assert torch.equal(merged[key], value), key

@@ -51,6 +51,15 @@ class StageGradSync:
             elif hasattr(module, "set_requires_gradient_sync"):
                 self._switches.append(module)
         self._wanted = [True] * len(self._switches)  # the user's settings, read each step
+        # switches whose fully_shard unit another stage of this rank reduces (hold_for_later)
+        self._held: set[int] = set()
+
+    def hold_for_later(self, unit: object) -> None:
+        """Keep ``unit``'s sync off in this stage's backwards: it groups modules of several
+        stages of this rank (``fully_shard([stage_a, stage_b])``), and reduces once, at the
+        last of those stages' final backwards, over everything the others accumulated."""
+        self._held.update(id(module) for module in self._switches
+                          if getattr(module, "_devmesh_fsdp", None) is unit)
 
     def problem(self, where: str) -> str | None:
         """Why this stage cannot run in a pipeline, if it cannot: DDP's ``static_graph``
@@ -92,7 +101,7 @@ class StageGradSync:
         last one for this stage (it reduces, if the user's setting lets it), ``outputs`` what
         it starts from."""
         for module, wanted in zip(self._switches, self._wanted):
-            module.set_requires_gradient_sync(final and wanted)
+            module.set_requires_gradient_sync(final and wanted and id(module) not in self._held)
         if final:
             for ddp in self._reducers():
                 # DDP's own forward does this when not under no_sync; with find_unused_parameters

@@ -45,7 +45,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -145,6 +145,7 @@ class PipelineRunner:
         actions = schedule.actions[self.index]
         self._final_split = {a.stage: a for a in actions if a.kind in ("B", "W")}
         self._final_whole = {a.stage: a for a in actions if a.kind in ("B", "I")}
+        self._reduce_shared_units_once(actions)
         # micro-batches whose backward is split (zero-bubble's I and W), on stages whose
         # graph is cut at the layers' outputs during those forwards (see layer_cuts)
         self._split = {(a.stage, a.microbatch) for a in actions if a.kind == "I"}
@@ -153,6 +154,26 @@ class PipelineRunner:
             cut = not self._sync[s].whole and not _holds_torch_fsdp(stages[s])
             if cut or s == 0:  # uncut, the first stage's I still stops at its first layer
                 self._cuts[s] = LayerCuts(stages[s], cut=cut)
+
+    def _reduce_shared_units_once(self, actions: Sequence[Action]) -> None:
+        """A ``fully_shard`` unit grouping modules of several of this rank's stages (the
+        two stages of a V holding a tied embedding and head) reduces at the last of those
+        stages' final backwards only; the earlier ones accumulate into it. (Each stage's
+        final backward reducing would be right too — the second reduction adds what came
+        after the first — but costs a reduce-scatter more per step.)"""
+        position = {action: i for i, action in enumerate(actions)}
+        holders: dict[int, tuple[object, set[int]]] = {}
+        for s, stage in self.stages.items():
+            for module in stage.modules():
+                unit = getattr(module, "_devmesh_fsdp", None)
+                if unit is not None:
+                    holders.setdefault(id(unit), (unit, set()))[1].add(s)
+        for unit, stages in holders.values():
+            if len(stages) < 2:
+                continue
+            last = max(stages, key=lambda s: position.get(self._final_split.get(s), -1))
+            for s in stages - {last}:
+                self._sync[s].hold_for_later(unit)
 
     @functools.cached_property
     def module(self) -> nn.Module:
