@@ -587,14 +587,18 @@ def train_with_torch_pipelining(name: str, microbatches: int, steps: int = 2,
                                 library: str = "torch", scale_grads: bool = True):
     """The same model, split and schedule run by torch.distributed.pipelining (the anchor),
     or — ``library="devmesh"`` — the same code with only its imports switched to devmesh's
-    classes of the same names. ``scale_grads=False``: torch's argument, with a loss that
-    sums."""
+    classes of the same names; ``"torch-stages"``: torch's ``PipelineStage`` objects given to
+    devmesh's schedules. ``scale_grads=False``: torch's argument, with a loss that sums."""
     if library == "torch":
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import (
             PipelineScheduleMulti,
             get_schedule_class,
         )
+    elif library == "torch-stages":
+        from torch.distributed.pipelining import PipelineStage
+
+        from devmesh.parallel.pipeline import PipelineScheduleMulti, get_schedule_class
     else:
         from devmesh.parallel.pipeline import (
             PipelineScheduleMulti,
@@ -675,6 +679,18 @@ def test_torch_pipelining_code_runs_on_devmesh_with_its_imports_switched(mesh_po
         assert losses == pytest.approx(t_losses, rel=1e-5) and shapes == t_shapes
     last = 0 if name in IN_A_V else 3  # the rank holding the last stage
     assert len(ours[last][1]) == 8 and ours[last][2] == [(16, 4), (16, 4)]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "interleaved-1f1b", "zbv-zero-bubble"])
+def test_devmesh_schedules_take_torchs_own_stage_objects(mesh_pool, name):
+    """torch's ``PipelineStage`` objects (code that builds its stages with torch and takes
+    only the schedule from devmesh): the same parameters and losses as torch's own run."""
+    theirs = mesh_pool.run(train_with_torch_pipelining, 4, name, 8)
+    ours = mesh_pool.run(train_with_torch_pipelining, 4, name, 8, 2, "torch-stages")
+    for (params, losses, _), (t_params, t_losses, _) in zip(ours, theirs):
+        for key in params:
+            torch.testing.assert_close(params[key], t_params[key], rtol=1e-5, atol=1e-6)
+        assert losses == pytest.approx(t_losses, rel=1e-5)
 
 
 def test_interleaved_1f1b_with_fewer_micro_batches_than_ranks_as_torch(mesh_pool):

@@ -325,7 +325,11 @@ def test_a_traced_model_with_values_skipping_stages_trains_like_one_process(mesh
 
 
 def test_traced_stage_errors_name_the_fix():
-    from devmesh.parallel.pipeline import build_stage
+    from devmesh.parallel.pipeline import Schedule1F1B, build_stage
+
+    with pytest.raises(PipelineError, match="a schedule takes PipelineStage objects .devmesh's "
+                                            "or torch's., not Linear: wrap the module"):
+        Schedule1F1B(nn.Linear(2, 2), 2)
 
     pipe = _trace_skip_model(SkipOverStages())
     with pytest.raises(PipelineError, match="stage_index 3 is not one of the traced "
