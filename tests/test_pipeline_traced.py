@@ -42,10 +42,15 @@ def tokens(step: int, batch: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
             torch.randint(0, VOCAB, (batch, SEQ), generator=gen))
 
 
+def optimizer(params) -> torch.optim.Optimizer:
+    """SGD with momentum: a state of its own to checkpoint."""
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
 def one_process(steps: int = 2, tied: bool = False, batch: int = BATCH
                 ) -> tuple[dict[str, torch.Tensor], list[float]]:
     model = transformer(tied)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = optimizer(model.parameters())
     losses = []
     for step in range(steps):
         x, y = tokens(step, batch)
@@ -58,11 +63,13 @@ def one_process(steps: int = 2, tied: bool = False, batch: int = BATCH
 
 
 def train_traced(library: str, name: str, build: str = "pipe", steps: int = 2,
-                 tied: bool = False):
+                 tied: bool = False, save_to: str | None = None):
     """torch's tutorial way: trace the whole model on every rank, split it at layer names,
     build this rank's stages, train with the schedule ``name`` on 2 ranks — with torch's
     imports, or (``library="devmesh"``) the same code with devmesh's. ``build="function"``:
-    ``build_stage(pipe.get_stage_module(s), s, pipe.info(), ...)`` instead of the method."""
+    ``build_stage(pipe.get_stage_module(s), s, pipe.info(), ...)`` instead of the method;
+    ``save_to``: devmesh's ``save_checkpoint`` of this rank's stage and optimizer at the end
+    (one stage per rank)."""
     if library == "torch":
         from torch.distributed.pipelining import SplitPoint, build_stage, pipeline
         from torch.distributed.pipelining.schedules import (
@@ -94,7 +101,7 @@ def train_traced(library: str, name: str, build: str = "pipe", steps: int = 2,
     kind = get_schedule_class(CLASSES[name])
     schedule = kind(stages if issubclass(kind, PipelineScheduleMulti) else stages[0],
                     n_microbatches=MICRO, loss_fn=lm_loss)
-    opt = torch.optim.SGD([p for s in stages for p in s.submod.parameters()], lr=0.1)
+    opt = optimizer([p for s in stages for p in s.submod.parameters()])
     losses = []
     for step in range(steps):
         x, y = tokens(step)
@@ -110,6 +117,10 @@ def train_traced(library: str, name: str, build: str = "pipe", steps: int = 2,
         losses += [loss.item() for loss in step_losses]
         opt.step()
         opt.zero_grad()
+    if save_to is not None:
+        from devmesh.parallel import save_checkpoint
+
+        save_checkpoint(save_to, stages[0].submod, opt, extra={"step": steps})
     return ({k: p.detach().clone() for s in stages
              for k, p in s.submod.named_parameters(remove_duplicate=False)}, losses)
 
@@ -203,7 +214,7 @@ def train_traced_under_fsdp(name: str, steps: int = 2):
             fully_shard(stage.submod.get_submodule(f"layers.{layer}"), mesh=mesh["dp"])
     fully_shard(stage.submod, mesh=mesh["dp"])
     schedule = get_schedule_class(name)(stage, MICRO, loss_fn=lm_loss)
-    opt = torch.optim.SGD(stage.submod.parameters(), lr=0.1)
+    opt = optimizer(stage.submod.parameters())
     for step in range(steps):
         x, y = (half.chunk(2)[replica] for half in tokens(step, 2 * BATCH))
         schedule.step(x) if me == 0 else schedule.step(target=y)
@@ -222,6 +233,33 @@ def test_a_traced_pipeline_composes_with_fully_shard(mesh_pool, name):
         full.update(state)
     assert full.keys() == single.keys()
     _check_equal(full, single)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_traced_pipelines_checkpoint_resumes_in_one_process(mesh_pool, tmp_path, tied):
+    """Each rank saves its traced stage (torch's parameter names) and its optimizer's
+    momentum; one process loads the whole model and its optimizer and trains on exactly as
+    the single process that never stopped (the tied weight's copies saved once)."""
+    from devmesh.parallel import load_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    mesh_pool.run(train_traced, 2, "devmesh", "1f1b", "pipe", 2, tied, path)
+
+    model, resumed = transformer(tied), transformer(tied)
+    opt, resumed_opt = optimizer(model.parameters()), optimizer(resumed.parameters())
+    for step in range(3):  # the run that never stopped, and the one resumed at step 2
+        if step == 2:
+            assert load_checkpoint(path, resumed, resumed_opt) == {"step": 2}
+            for key, value in model.state_dict().items():
+                torch.testing.assert_close(resumed.state_dict()[key], value, msg=key)
+        for net, net_opt in ((model, opt),) if step < 2 else ((model, opt),
+                                                              (resumed, resumed_opt)):
+            x, y = tokens(step)
+            lm_loss(net(x), y).backward()
+            net_opt.step()
+            net_opt.zero_grad()
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(resumed.state_dict()[key], value, msg=key)
 
 
 class SkipOverStages(nn.Module):
