@@ -14,7 +14,7 @@ from torch import nn
 from devmesh import comm_stats, init_device_mesh
 from devmesh.layout.schedule import IN_A_V, build_schedule
 from devmesh.parallel.pipeline import PipelineError, PipelineRunner, split_sequential
-from devmesh.parallel.pipeline.tied import find_ties
+from devmesh.parallel.pipeline.tied import find_ties, record_ties
 
 VOCAB, WIDTH = 12, 8
 
@@ -152,6 +152,31 @@ def test_tied_copies_of_different_shapes_are_refused_on_every_rank(mesh_pool):
     for error in mesh_pool.run(mismatched_tie, 2):
         assert "tied parameters differ" in error and "(12, 8)" in error \
                and "(12, 9)" in error, error
+
+
+def ties_found_apart():
+    """Rank 1's stages record no tie, rank 0's the embedding/head tie (as when the ranks'
+    models were built or traced differently)."""
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    parts = split_sequential(tied_model(), 2)
+    me = mesh.get_coordinate()[0]
+    if me == 1:
+        record_ties(parts, ())
+    try:
+        PipelineRunner({me: parts[me]}, mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
+    except PipelineError as exc:
+        return str(exc)
+    return "built"
+
+
+def test_ranks_that_found_different_ties_are_refused_on_every_rank_not_hung(mesh_pool):
+    """Each rank would exchange its copies of the ties it found with the other holders:
+    with different lists, rank 0 waited for rank 1's copy forever (seen with torch's tracer,
+    whose copies differ from process to process). One tiny agreement first, then the same
+    error on every rank."""
+    for error in mesh_pool.run(ties_found_apart, 2):
+        assert "the pipeline ranks found different tied parameters" in error, error
+        assert "ranks [0]: [(0, 1)]; ranks [1]: []" in error, error
 
 
 def test_the_inf_norm_is_the_largest_gradient_entry():

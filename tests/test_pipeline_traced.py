@@ -456,3 +456,91 @@ def test_stages_marked_by_pipe_split_in_the_forward_train_like_one_process(mesh_
                                            ["head.bias", "head.weight"]]
     for part in params:
         _check_equal(part, {k: v.detach() for k, v in model.named_parameters()})
+
+
+class ConstantAcross(nn.Module):
+    """A value that needs no gradient crosses the boundary (a buffer's copy, made before the
+    split), next to the activation; the second input has a default."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(16, 16) / 4)
+        self.register_buffer("offset", torch.randn(16))
+        self.first, self.second = nn.Linear(16, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, x: torch.Tensor, shift: float = 0.5) -> torch.Tensor:
+        from devmesh.parallel.pipeline import pipe_split
+
+        h = self.first(torch.relu(x @ self.weight + shift))
+        constant = self.offset.clone()
+        pipe_split()
+        return self.second(torch.relu(h) + constant)
+
+
+class AliasedOnBothSides(nn.Module):
+    """One parameter under two names and one Linear under two names, each used on both
+    sides of the split: in one process, one tensor each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.left = self.right = nn.Parameter(torch.randn(16, 16) / 4)
+        self.before = self.after = nn.Linear(16, 16)
+        self.out = nn.Linear(16, VOCAB)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from devmesh.parallel.pipeline import pipe_split
+
+        h = torch.relu(self.before(x @ self.left))
+        pipe_split()
+        return self.out(torch.relu(self.after(h @ self.right)))
+
+
+def _features(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(BATCH, 16, generator=gen), torch.randint(0, VOCAB, (BATCH,), generator=gen)
+
+
+def train_two_stage(make, steps: int = 2):
+    from devmesh.parallel.pipeline import Schedule1F1B, pipeline
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = pipeline(make(), (_features(0)[0][:BATCH // MICRO],))
+    stage = pipe.build_stage(me, torch.device("cpu"), mesh.get_group("pp"))
+    schedule = Schedule1F1B(stage, MICRO, loss_fn=F.cross_entropy)
+    opt = optimizer(stage.submod.parameters())
+    for step in range(steps):
+        x, y = _features(step)
+        schedule.step(x) if me == 0 else schedule.step(target=y)
+        opt.step()
+        opt.zero_grad()
+    return {k: p.detach().clone() for k, p in stage.submod.named_parameters(
+        remove_duplicate=False)}
+
+
+@pytest.mark.parametrize("make", [ConstantAcross, AliasedOnBothSides])
+def test_shapes_of_torchs_own_pipelining_test_models_train_like_one_process(mesh_pool, make):
+    """Models shaped as those torch tests its tracer with: a constant crossing the boundary
+    beside the activation, an input with a default, parameters and a module aliased under
+    two names and used on both sides (torch's tracer copies them per stage; devmesh keeps
+    each one tensor)."""
+    model = make()
+    opt = optimizer(model.parameters())
+    for step in range(2):
+        x, y = _features(step)
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    single = {k: v.detach() for k, v in model.named_parameters(remove_duplicate=False)}
+    results = mesh_pool.run(train_two_stage, 2, make)
+    for params in results:
+        _check_equal(params, single)
+    held = set().union(*results)  # the stages may hold an aliased tensor under one name
+    names_of: dict[int, set[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names_of.setdefault(id(param), set()).add(name)
+    assert held <= set(single) and all(names & held for names in names_of.values())

@@ -124,7 +124,15 @@ class PipelineRunner:
         problem = problem or next(filter(None, (sync.problem(f"stage {s}")
                                                 for s, sync in self._sync.items())), None)
         self._agree_or_raise(problem, "cannot build the pipeline")
-        self._ties = TiedCopies(stages, ties_of(stages), mesh, self.dim, schedule)
+        ties = ties_of(stages)
+        differ = comm.differing(repr([tie.stages for tie in ties]), mesh.get_group(self.dim))
+        if differ:  # exchanging copies of different ties would hang: refused on every rank
+            which = "; ".join(f"ranks {ranks}: {text}" for text, ranks in differ.items())
+            raise PipelineError(
+                f"the pipeline ranks found different tied parameters (the stages holding "
+                f"each tie: {which}): build every rank's stages from the same model, split "
+                "the same way")
+        self._ties = TiedCopies(stages, ties, mesh, self.dim, schedule)
         self._agree_or_raise(self._ties.check_and_share_values(),
                              "the stages' copies of tied parameters differ")
         self.stages = stages

@@ -24,13 +24,13 @@ Ties: torch's tracer gives each stage its own copy of a parameter the model uses
 places (an input embedding tied to the output head: the first stage's embedding, the last
 stage's head, even a third, unused copy), so torch's traced stages train the copies apart,
 silently. devmesh's :func:`pipeline` is torch's with the model's ties remembered (the
-parameter names that are one tensor); :func:`build_stage` records which stages hold a copy
-under which name (every rank traced the whole model, so all the stage modules are here), and
+names of each parameter); :func:`build_stage` records which stages hold a copy under which
+name (every rank traced the whole model, so all the stage modules are here), and
 the runner keeps the copies one tensor — gradients summed, values equal — as for
 :func:`~devmesh.parallel.pipeline.split_sequential`'s stages
 (:mod:`~devmesh.parallel.pipeline.tied`). The copies stay separate objects, as torch made
 them: an optimizer over all of a rank's stages' parameters steps each once. A pipe traced by
-torch's own ``pipeline`` carries no ties: its copies train apart, as under torch.
+torch's own ``pipeline`` carries no names: its copies train apart, as under torch.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ __all__ = ["pipeline", "Pipe", "SplitPoint", "pipe_split", "build_stage", "Stage
            "stage_routes", "route_stage"]
 
 _ROUTED = "_devmesh_route"  # set on a stage module once rewritten: (stage index, takes)
-_TIED = "_devmesh_tied_names"  # set on pipe.split_gm by pipeline(): the model's ties, by name
+_TIED = "_devmesh_tensor_names"  # on pipe.split_gm, by pipeline(): each tensor's names
 
 
 def pipeline(module: nn.Module, mb_args: tuple, mb_kwargs: dict | None = None,
@@ -65,7 +65,7 @@ def pipeline(module: nn.Module, mb_args: tuple, mb_kwargs: dict | None = None,
     for name, param in module.named_parameters(remove_duplicate=False):
         groups.setdefault(id(param), []).append(name)
     pipe = _torch_pipeline(module, mb_args, mb_kwargs, split_spec, split_policy)
-    setattr(pipe.split_gm, _TIED, tuple(tuple(g) for g in groups.values() if len(g) > 1))
+    setattr(pipe.split_gm, _TIED, tuple(tuple(g) for g in groups.values()))
     return pipe
 
 
@@ -239,40 +239,32 @@ def build_stage(stage_module: nn.Module, stage_index: int, pipe_info,
     split = pipe_info.graph.owning_module
     if split is not None and getattr(stage_module, _ROUTED, None) is None:
         modules = [split.get_submodule(r.call.target) for r in routes]
-        record_ties(modules, _ties(modules, getattr(split, _TIED, ())))
+        record_ties(modules, _ties(modules, getattr(split, _TIED, None)))
     route_stage(stage_module, routes[stage_index])
     return PipelineStage(stage_module, stage_index, len(routes), device, group=group)
 
 
-def _ties(stage_modules: list[nn.Module], tied: tuple[tuple[str, ...], ...]) -> tuple[Tie, ...]:
-    """The stages' copies of one tensor: the names ``tied`` together in the traced model,
-    and the parameter objects several stage modules share, joined into groups of
-    ``(stage, name)`` holders (a copy may be in several groups' reach: one group each)."""
-    holders = [(index, name) for index, module in enumerate(stage_modules)
-               for name, _ in module.named_parameters(remove_duplicate=False)]
-    group = {holder: holder for holder in holders}  # union-find over the holders
+def _ties(stage_modules: list[nn.Module], tensors: tuple[tuple[str, ...], ...] | None
+          ) -> tuple[Tie, ...]:
+    """The stages' copies of one tensor of the traced model, by name: the stage modules keep
+    the model's parameter names, and ``tensors`` lists the names of each of the model's
+    parameters (several for an alias), as :func:`pipeline` recorded them. ``None`` (a pipe
+    from torch's own ``pipeline``): no ties, as under torch.
 
-    def root(holder):
-        while group[holder] != holder:
-            holder = group[holder] = group[group[holder]]
-        return holder
-
-    def join(links: list) -> None:
-        for other in links[1:]:
-            group[root(other)] = root(links[0])
-
-    for names in tied:
-        join([h for h in holders if h[1] in names])
-    by_object: dict[int, list] = {}
+    Not by object identity, nor by the names alone: which copies torch's tracer shares as
+    one object, and even under which of a parameter's names a stage module holds it, vary
+    from process to process (measured: a parameter aliased under two names was one object in
+    two stage modules on one rank and two on the other, in 2 runs of 6, and a stage held
+    it under one name or both) — the pipeline ranks then disagreed on their ties and hung
+    exchanging them. The model's own names are the same on every rank."""
+    if tensors is None:
+        return ()
+    canonical = {name: min(names) for names in tensors for name in names}
+    groups: dict[str, list[tuple[int, str]]] = {}
     for index, module in enumerate(stage_modules):
-        for name, param in module.named_parameters(remove_duplicate=False):
-            by_object.setdefault(id(param), []).append((index, name))
-    for links in by_object.values():
-        join(links)
-    members: dict = {}
-    for holder in holders:
-        members.setdefault(root(holder), []).append(holder)
-    return tuple(Tie(tuple(m)) for m in members.values() if len(m) > 1)
+        for name, _ in module.named_parameters(remove_duplicate=False):
+            groups.setdefault(canonical.get(name, name), []).append((index, name))
+    return tuple(Tie(tuple(groups[key])) for key in sorted(groups) if len(groups[key]) > 1)
 
 
 def _move_device_arguments(stage_module: fx.GraphModule, device: torch.device) -> None:
