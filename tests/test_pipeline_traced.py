@@ -544,3 +544,30 @@ def test_shapes_of_torchs_own_pipelining_test_models_train_like_one_process(mesh
     for name, param in model.named_parameters(remove_duplicate=False):
         names_of.setdefault(id(param), set()).add(name)
     assert held <= set(single) and all(names & held for names in names_of.values())
+
+
+def tensor_parallel_inside_a_traced_stage():
+    from devmesh.parallel import ColwiseParallel, parallelize_module
+    from devmesh.parallel.pipeline import SplitPoint, pipeline
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
+    me = mesh.get_coordinate()[0]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        pipe = pipeline(transformer(), mb_args=(tokens(0)[0][:BATCH // MICRO],),
+                        split_spec={"layers.2": SplitPoint.BEGINNING})
+    stage = pipe.build_stage(me, torch.device("cpu"), mesh.get_group("pp"))
+    block = stage.submod.get_submodule(f"layers.{2 * me}")
+    parallelize_module(block, mesh["tp"], {"attention.wq": ColwiseParallel()})
+
+
+def test_tensor_parallel_inside_a_traced_stage_is_refused_by_name(mesh_pool):
+    """torch.export turns the stage's layers into InterpreterModules (torch's styles refuse
+    them as well): a clear error on every rank, not a reshape error or wrong numbers."""
+    from devmesh.errors import RankFailedError
+
+    with pytest.raises(RankFailedError, match="ColwiseParallel applies to nn.Linear and "
+                                              "nn.Embedding, but 'attention.wq' is a "
+                                              "InterpreterModule") as info:
+        mesh_pool.run(tensor_parallel_inside_a_traced_stage, 4)
+    assert "ranks [1, 2, 3] failed too" in str(info.value)
