@@ -195,7 +195,7 @@ def test_a_tied_embedding_and_head_stay_one_weight_as_in_one_process(mesh_pool, 
         assert off.max() > 1e-3
 
 
-def train_traced_under_fsdp(name: str, steps: int = 2):
+def train_traced_under_fsdp(name: str, steps: int = 2, tied: bool = False):
     """A traced pipeline on the ``pp`` dim of a (pp, dp) = (2, 2) mesh, each stage's blocks
     and the stage itself under ``fully_shard`` on ``dp``, each replica its half of the
     batch: the stage's full parameters after ``steps``."""
@@ -206,7 +206,7 @@ def train_traced_under_fsdp(name: str, steps: int = 2):
     me, replica = mesh.get_coordinate()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        pipe = pipeline(transformer(), mb_args=(tokens(0)[0][:BATCH // MICRO],),
+        pipe = pipeline(transformer(tied), mb_args=(tokens(0)[0][:BATCH // MICRO],),
                         split_spec={"layers.2": SplitPoint.BEGINNING})
     stage = pipe.build_stage(me, torch.device("cpu"), mesh.get_group("pp"))
     for layer in range(4):
@@ -223,14 +223,18 @@ def train_traced_under_fsdp(name: str, steps: int = 2):
     return state_dict(stage.submod, full=True)
 
 
-@pytest.mark.parametrize("name", ["1F1B", "GPipe"])
-def test_a_traced_pipeline_composes_with_fully_shard(mesh_pool, name):
+@pytest.mark.parametrize("name, tied", [("1F1B", False), ("GPipe", False), ("1F1B", True)])
+def test_a_traced_pipeline_composes_with_fully_shard(mesh_pool, name, tied):
     """PP x FSDP on 4 ranks with traced stages: every parameter equal to one process
-    training on the whole batch."""
-    single, _ = one_process(batch=2 * BATCH)
+    training on the whole batch; tied: the embedding's and the head's copies sharded on
+    both pipeline ranks stay one weight."""
+    single, _ = one_process(batch=2 * BATCH, tied=tied)
     full: dict[str, torch.Tensor] = {}
-    for state in mesh_pool.run(train_traced_under_fsdp, 4, name):
-        full.update(state)
+    for state in mesh_pool.run(train_traced_under_fsdp, 4, name, 2, tied):
+        for key, value in state.items():
+            if key in full:  # a tied weight's copies on two pipeline ranks: the same
+                torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
+            full[key] = value
     assert full.keys() == single.keys()
     _check_equal(full, single)
 
