@@ -1,6 +1,7 @@
-"""Pipeline parallelism: a model split into stages on the ``pp`` dim of a mesh, run by a
-schedule (GPipe, 1F1B, interleaved 1F1B, looped BFS, and the zero-bubble ones: one stage per
-rank, interleaved, in a V; DualPipeV) given as data (:mod:`devmesh.layout.schedule`)."""
+"""Pipeline parallelism: a model split into stages on the ``pp`` dim of a mesh (by hand,
+by :func:`split_sequential`, or by torch's tracer through :mod:`.traced`), run by a schedule
+(GPipe, 1F1B, interleaved 1F1B, looped BFS, and the zero-bubble ones: one stage per rank,
+interleaved, in a V; DualPipeV) given as data (:mod:`devmesh.layout.schedule`)."""
 
 from devmesh.layout.schedule import (
     LOOPED,
