@@ -55,6 +55,7 @@ def _run(args, timeout=180, env=None):
          "(3, 2) Rank: 5, DeviceMesh([4, 5], mesh_dim_names=('tp',))"),
         ("torchrun", "2d_setup_with_device_mesh.py", 4,
          "rank 3: shard group [2, 3], replicate group [1, 3]"),
+        ("devmesh", "pipeline_traced.py", 2, "rank 1: parameters same as one process: True"),
     ],
 )
 def test_examples_run_under_launchers(launcher, script, n, expected):
