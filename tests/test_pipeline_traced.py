@@ -21,7 +21,7 @@ from devmesh.parallel.pipeline import PipelineError
 
 VOCAB, SEQ, BATCH, MICRO = 32, 8, 8, 4
 CLASSES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
-           "interleaved-zero-bubble": "InterleavedZeroBubble",
+           "interleaved-zero-bubble": "InterleavedZeroBubble", "looped-bfs": "LoopedBFS",
            "zbv-zero-bubble": "ZBVZeroBubble", "dualpipe-v": "DualPipeV"}
 
 
@@ -130,7 +130,7 @@ def _check_equal(ours: dict, theirs: dict) -> None:
         torch.testing.assert_close(value, theirs[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b",
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
                                   "interleaved-zero-bubble"])
 def test_torchs_traced_pipeline_code_runs_on_devmesh_with_its_imports_switched(mesh_pool,
                                                                                 name):
