@@ -372,6 +372,10 @@ def test_traced_stage_errors_name_the_fix():
     with pytest.raises(PipelineError, match="a schedule takes PipelineStage objects .devmesh's "
                                             "or torch's., not Linear: wrap the module"):
         Schedule1F1B(nn.Linear(2, 2), 2)
+    from devmesh.parallel.pipeline import PipelineStage, ScheduleInterleaved1F1B
+
+    stages = (PipelineStage(nn.Linear(2, 2), s, 4, "cpu") for s in (0, 2))  # any iterable
+    assert len(ScheduleInterleaved1F1B(stages, 4)._stages) == 2
 
     pipe = _trace_skip_model(SkipOverStages())
     with pytest.raises(PipelineError, match="stage_index 3 is not one of the traced "

@@ -23,7 +23,7 @@ that sums, or torchtitan's own scaling).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -106,8 +106,11 @@ class _Schedule:
                  **options: Any) -> None:
         # defer_pp_recv: when torch posts its receives; devmesh posts each by its own rule
         # (ahead on gloo, with the last send before it on NCCL), with the same results
-        many = isinstance(stages, Sequence) and not isinstance(stages, nn.Module)
-        self._stages = [_devmesh_stage(s) for s in (stages if many else [stages])]
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+
+        one = (isinstance(stages, (PipelineStage, _PipelineStageBase, nn.Module))
+               or not isinstance(stages, Iterable))
+        self._stages = [_devmesh_stage(s) for s in ([stages] if one else list(stages))]
         if (args_chunk_spec, kwargs_chunk_spec, output_merge_spec) != (None, None, None):
             raise PipelineError("chunk and merge specs are not supported: the batch is split "
                                 "into micro-batches along dim 0, and outputs joined along it")
