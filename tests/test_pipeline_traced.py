@@ -195,11 +195,13 @@ def test_a_tied_embedding_and_head_stay_one_weight_as_in_one_process(mesh_pool, 
         assert off.max() > 1e-3
 
 
-def train_traced_under_fsdp(name: str, steps: int = 2, tied: bool = False):
+def train_traced_under_fsdp(name: str, steps: int = 2, tied: bool = False,
+                            data_parallel: str = "fsdp"):
     """A traced pipeline on the ``pp`` dim of a (pp, dp) = (2, 2) mesh, each stage's blocks
-    and the stage itself under ``fully_shard`` on ``dp``, each replica its half of the
-    batch: the stage's full parameters after ``steps``."""
-    from devmesh.parallel import fully_shard, state_dict
+    and the stage itself under ``fully_shard`` on ``dp`` (``data_parallel="ddp"``: the
+    stage under ``replicate``), each replica its half of the batch: the stage's full
+    parameters after ``steps``."""
+    from devmesh.parallel import fully_shard, replicate, state_dict
     from devmesh.parallel.pipeline import SplitPoint, get_schedule_class, pipeline
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
@@ -209,10 +211,13 @@ def train_traced_under_fsdp(name: str, steps: int = 2, tied: bool = False):
         pipe = pipeline(transformer(tied), mb_args=(tokens(0)[0][:BATCH // MICRO],),
                         split_spec={"layers.2": SplitPoint.BEGINNING})
     stage = pipe.build_stage(me, torch.device("cpu"), mesh.get_group("pp"))
-    for layer in range(4):
-        if f"layers.{layer}" in dict(stage.submod.named_modules()):
-            fully_shard(stage.submod.get_submodule(f"layers.{layer}"), mesh=mesh["dp"])
-    fully_shard(stage.submod, mesh=mesh["dp"])
+    if data_parallel == "ddp":
+        replicate(stage.submod, mesh=mesh["dp"])
+    else:
+        for layer in range(4):
+            if f"layers.{layer}" in dict(stage.submod.named_modules()):
+                fully_shard(stage.submod.get_submodule(f"layers.{layer}"), mesh=mesh["dp"])
+        fully_shard(stage.submod, mesh=mesh["dp"])
     schedule = get_schedule_class(name)(stage, MICRO, loss_fn=lm_loss)
     opt = optimizer(stage.submod.parameters())
     for step in range(steps):
@@ -223,14 +228,16 @@ def train_traced_under_fsdp(name: str, steps: int = 2, tied: bool = False):
     return state_dict(stage.submod, full=True)
 
 
-@pytest.mark.parametrize("name, tied", [("1F1B", False), ("GPipe", False), ("1F1B", True)])
-def test_a_traced_pipeline_composes_with_fully_shard(mesh_pool, name, tied):
-    """PP x FSDP on 4 ranks with traced stages: every parameter equal to one process
-    training on the whole batch; tied: the embedding's and the head's copies sharded on
-    both pipeline ranks stay one weight."""
+@pytest.mark.parametrize("name, tied, data_parallel", [
+    ("1F1B", False, "fsdp"), ("GPipe", False, "fsdp"), ("1F1B", True, "fsdp"),
+    ("1F1B", True, "ddp")])
+def test_a_traced_pipeline_composes_with_fully_shard(mesh_pool, name, tied, data_parallel):
+    """PP x FSDP (and PP x DDP) on 4 ranks with traced stages: every parameter equal to one
+    process training on the whole batch; tied: the embedding's and the head's copies,
+    sharded or replicated on both pipeline ranks, stay one weight."""
     single, _ = one_process(batch=2 * BATCH, tied=tied)
     full: dict[str, torch.Tensor] = {}
-    for state in mesh_pool.run(train_traced_under_fsdp, 4, name, 2, tied):
+    for state in mesh_pool.run(train_traced_under_fsdp, 4, name, 2, tied, data_parallel):
         for key, value in state.items():
             if key in full:  # a tied weight's copies on two pipeline ranks: the same
                 torch.testing.assert_close(value, full[key], rtol=0, atol=0, msg=key)
