@@ -18,7 +18,9 @@ take everything still needed from the stage before it and to hand on, besides it
 results, what the later stages will need. The rewritten stage computes what torch's does
 with the same parameter objects under the same names (``stage.submod.state_dict()`` reads as
 torch's); the first stage takes the traced model's own arguments (positional, and keywords by
-name). A value crossing several boundaries costs a message at each.
+name). A value crossing several boundaries costs a message at each. The ``Pipe``'s own
+forward (``pipe(x)``, which calls the stages the old way) no longer runs once a stage was
+built from it.
 
 Ties: torch's tracer gives each stage its own copy of a parameter the model uses in several
 places (an input embedding tied to the output head: the first stage's embedding, the last
