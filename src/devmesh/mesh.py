@@ -676,6 +676,17 @@ def _check_device_type(device_type: object) -> None:
         )
 
 
+def _world_size_mismatch(device_type: str, shape: tuple[int, ...], size: int, world: int
+                         ) -> WorldSizeMismatchError:
+    hint = (f"launch {size} processes (e.g. `torchrun --nproc_per_node={size}` or "
+            f"`devmesh run -n {size}`)")
+    return WorldSizeMismatchError(
+        f"init_device_mesh({device_type!r}, {shape}) needs {size} ranks but the world has "
+        f"{world}: {hint}, or choose a shape whose sizes multiply to {world}. To use part "
+        "of the world on purpose, build DeviceMesh(device_type, mesh=[...ranks...])"
+    )
+
+
 def init_device_mesh(
     device_type: str,
     mesh_shape: Sequence[int],
@@ -705,18 +716,16 @@ def init_device_mesh(
     timeout_td = groups.as_timedelta(timeout)
     size = math.prod(shape)
     env.check_device(device_type)
+    # before any process group: every rank reads the same WORLD_SIZE and raises alike, with
+    # no connection made (ranks raising right after connecting tore their sockets down while
+    # slower peers still connected: those got gloo's "Connection closed by peer" instead)
+    launched = None if dist.is_initialized() else env.launched_world_size()
+    if launched is not None and launched != size:
+        raise _world_size_mismatch(device_type, shape, size, launched)
     env.ensure_default_group(device_type, expected_world_size=size, timeout=timeout_td)
     world = dist.get_world_size()
     if size != world:
-        hint = (
-            f"launch {size} processes (e.g. `torchrun --nproc_per_node={size}` or "
-            f"`devmesh run -n {size}`)"
-        )
-        raise WorldSizeMismatchError(
-            f"init_device_mesh({device_type!r}, {shape}) needs {size} ranks but the world has "
-            f"{world}: {hint}, or choose a shape whose sizes multiply to {world}. To use part "
-            "of the world on purpose, build DeviceMesh(device_type, mesh=[...ranks...])"
-        )
+        raise _world_size_mismatch(device_type, shape, size, world)
     mesh = DeviceMesh(
         device_type,
         np.arange(size).reshape(shape),

@@ -21,7 +21,8 @@ import torch.distributed as dist
 from devmesh.errors import DeviceUnavailableError, LaunchEnvironmentError, MeshTimeoutError
 from devmesh.layout import format_ranks
 
-__all__ = ["LaunchEnv", "read_launch_env", "backend_for", "ensure_default_group", "host_index"]
+__all__ = ["LaunchEnv", "read_launch_env", "launched_world_size", "backend_for",
+           "ensure_default_group", "host_index"]
 
 _REQUIRED = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -124,6 +125,16 @@ def check_device(device_type: str, local_world_size: int | None = None) -> None:
     raise DeviceUnavailableError(
         f"device_type {device_type!r} is not supported; use 'cpu' (gloo) or 'cuda' (NCCL)"
     )
+
+
+def launched_world_size() -> int | None:
+    """The world size the launcher announced (``WORLD_SIZE``), read before any process
+    group exists; ``None`` without a launcher (or an unreadable value: the group's own
+    setup then says what is wrong)."""
+    try:
+        return int(os.environ["WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
 
 
 def ensure_default_group(
