@@ -2,7 +2,8 @@
 
 Runs on every rank (under torchrun, ``devmesh run``, or ``devmesh doctor -n N`` which launches
 local ranks itself). Checks, in order: the launcher's environment, the backend, GPUs against
-local ranks, the host layout, that every rank agrees on the mesh, and one small all-reduce on
+local ranks, the process group (every rank connected), the host layout, that every rank
+agrees on the mesh, and one small all-reduce on
 every group of every dim, each bounded by ``timeout``. Every rank posts its findings to the
 store; rank 0 prints one report and names the ranks and groups that failed — including ranks
 that never reported.
@@ -10,6 +11,7 @@ that never reported.
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 import socket
@@ -55,6 +57,13 @@ def run_checks(mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...]
     launch = env.read_launch_env()  # a missing launcher is reported by the CLI itself
     report = RankReport(launch.rank, socket.gethostname())
     _check_setup(report, launch, device_type)
+    # the process group first, on its own: the reports travel through its store, and a mesh
+    # that does not fit the world is refused before any group is made (so it could not)
+    _check(report, "process group", lambda: (
+        env.ensure_default_group(device_type, timeout=datetime.timedelta(seconds=timeout)),
+        _every_rank_connected()))
+    if not report.findings[-1].ok:
+        return _collect(report, launch.world_size, timeout)
     shape = mesh_shape or (launch.world_size,)
     mesh = _check(report, "mesh agreement", lambda: (
         init_device_mesh(device_type, shape, mesh_dim_names=names, timeout=timeout),
@@ -65,6 +74,14 @@ def run_checks(mesh_shape: tuple[int, ...] | None = None, names: tuple[str, ...]
             _check(report, f"collective on dim {mesh.layout.dim_name(d)!r}",
                    lambda d=d: (None, _all_reduce_over(mesh, d, timeout)))
     return _collect(report, launch.world_size, timeout)
+
+
+def _every_rank_connected() -> str:
+    """One barrier: every rank finished connecting before any goes on (and may fail)."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    return f"{dist.get_world_size()} ranks connected ({dist.get_backend()})"
 
 
 def _check_setup(report: RankReport, launch, device_type: str) -> None:
