@@ -756,12 +756,14 @@ def test_hsdp_accumulation_without_the_all_reduce_as_torchs(mesh_pool, torch_run
 
 
 def test_torchs_fsdp2_functions_are_devmesh_too():
-    """FSDP2 code imports these from ``torch.distributed.fsdp``: devmesh.parallel has each
-    (a torch release adding one fails this test until it is decided), but FSDP1's API and
-    the policy types ``fully_shard`` takes from torch as they are (or refuses)."""
+    """FSDP2 code imports these from ``torch.distributed.fsdp``: devmesh.parallel has each,
+    and so does devmesh.parallel.fsdp, the same path with torch's package name (a torch
+    release adding one fails this test until it is decided), but FSDP1's API and the
+    policy types ``fully_shard`` takes from torch as they are (or refuses)."""
     import torch.distributed.fsdp as torch_fsdp
 
     import devmesh.parallel as ours
+    import devmesh.parallel.fsdp as ours_by_torchs_path
     from devmesh.parallel import ParallelizeError, share_comm_ctx
 
     fsdp1 = {"FullyShardedDataParallel", "ShardingStrategy", "BackwardPrefetch", "CPUOffload",
@@ -770,9 +772,10 @@ def test_torchs_fsdp2_functions_are_devmesh_too():
              "OptimStateDictConfig", "FullOptimStateDictConfig", "LocalOptimStateDictConfig",
              "ShardedOptimStateDictConfig", "OptimStateKeyType"}
     torchs_types = {"OffloadPolicy", "CPUOffloadPolicy", "DataParallelMeshDims"}
-    missing = [n for n in torch_fsdp.__all__ if n not in fsdp1 | torchs_types
-               and not hasattr(ours, n)]
-    assert missing == []
+    for namespace in (ours, ours_by_torchs_path):
+        missing = [n for n in torch_fsdp.__all__ if n not in fsdp1 | torchs_types
+                   and not hasattr(namespace, n)]
+        assert missing == [], namespace.__name__
     with pytest.raises(ParallelizeError, match="share_comm_ctx: Linear is not a module "
                                                "devmesh's fully_shard was applied to"):
         share_comm_ctx([nn.Linear(2, 2)])
@@ -783,7 +786,7 @@ def test_every_method_of_torchs_fsdp_module_is_there_or_named_as_missing():
     # not (a torch release adding one fails this test until it is decided)
     from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-    from devmesh.parallel.fully_shard import FSDPModule
+    from devmesh.parallel.fsdp import FSDPModule
 
     torchs = {name for name in dir(TorchFSDPModule) if not name.startswith("_")}
     missing = sorted(name for name in torchs if not hasattr(FSDPModule, name))

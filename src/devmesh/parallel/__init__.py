@@ -2,7 +2,7 @@
 stages, gradient clipping, state dicts and sharded checkpoints."""
 
 from devmesh.parallel.checkpoint import load_checkpoint, save_checkpoint
-from devmesh.parallel.fully_shard import (
+from devmesh.parallel.fsdp import (
     FSDPModule,
     FSDPUnit,
     MixedPrecisionPolicy,

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from devmesh.parallel.fully_shard import users_saved_tensor_hooks
+from devmesh.parallel.fsdp import users_saved_tensor_hooks
 
 __all__ = ["Cut", "LayerCuts", "MIN_PARAMS_PER_PIECE"]
 

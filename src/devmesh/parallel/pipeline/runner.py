@@ -58,7 +58,7 @@ from devmesh.errors import rank_prefix
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.fully_shard import parameters_grouped_with, release_weight_gradient_gathers
+from devmesh.parallel.fsdp import parameters_grouped_with, release_weight_gradient_gathers
 from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
 from devmesh.parallel.pipeline.grad_sync import StageGradSync
 from devmesh.parallel.pipeline.messages import MAX_TENSORS, StageLinks, describe, layout_of

@@ -68,7 +68,7 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
-from devmesh.parallel.fully_shard import weight_gradients_follow
+from devmesh.parallel.fsdp import weight_gradients_follow
 from devmesh.parallel.pipeline.layer_cuts import Cut
 
 # nodes whose backward runs as one piece and cannot be kept for another call (see above),

@@ -1,0 +1,194 @@
+"""``fully_shard`` and its companions, torch FSDP2's public functions: what a user calls to
+make units, the checks on torch's arguments devmesh cannot honour, and what a pipeline asks
+of the units in a stage."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
+from devmesh.parallel.fsdp.module import FSDPModule, units_named
+from devmesh.parallel.fsdp.unit import FSDPUnit
+from devmesh.parallel.param import ParallelizeError, with_methods, world_mesh
+
+
+def fully_shard(
+    module: nn.Module | list[nn.Module],
+    *,
+    mesh: DeviceMesh | None = None,
+    reshard_after_forward: bool | int | None = None,
+    shard_placement_fn: Callable[[nn.Parameter], object] | None = None,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: object | None = None,
+    ignored_params: set[nn.Parameter] | None = None,
+    dp_mesh_dims: object | None = None,
+) -> nn.Module | list[nn.Module]:
+    """Shard ``module``'s parameters over ``mesh`` (FSDP2's API): apply to submodules first,
+    then to the root. Returns ``module``; ``module._devmesh_fsdp`` is its unit.
+
+    A list of modules makes **one** unit of them all, as torch's ``fully_shard([a, b])``:
+    torchtitan groups the final norm with the output head
+    (``fully_shard([model.norm, model.output])``), or a tied embedding with the head that
+    shares its weight (a weight sharded by one unit cannot be tied into another). Each
+    module of the group gets the unit's hooks and methods, and the list is returned. As
+    torch's, the first of the group's modules to run in a forward gathers the whole group
+    (one all-gather), which stays in place until every module of the group ran (then
+    resharded; at the latest when the outermost forward ends), and the group reduces its
+    gradients in one reduce-scatter; a module running again (a head applied per chunk)
+    gathers anew. The modules must be apart (none inside another), each listed once.
+
+    torch's signature, so FSDP2 code runs unchanged: ``mesh=None`` is the whole world as a
+    1-D mesh; ``reshard_after_forward=None`` (the default, as torch's) reshards every unit
+    but the root, whose parameters backward needs first; ``ignored_params`` stay plain,
+    unsharded tensors whose gradients are not reduced; ``mp_policy`` may be torch's
+    ``MixedPrecisionPolicy``. What devmesh does not do is refused with a clear error rather
+    than silently ignored: resharding to a smaller world (an ``int``), a placement other
+    than ``Shard(0)`` from ``shard_placement_fn``, offloading on a GPU mesh,
+    ``dp_mesh_dims``, and embeddings with ``sparse=True`` (ignore them, and ``replicate``)."""
+    modules = _grouped(module)
+    for one in modules:
+        if getattr(one, "_devmesh_fsdp", None) is not None:
+            raise ParallelizeError(f"fully_shard was already applied to this "
+                                   f"{type(one).__name__}")
+    mesh = mesh if mesh is not None else world_mesh()
+    for one in modules:
+        _refuse_unsupported(one, mesh, reshard_after_forward, shard_placement_fn,
+                            offload_policy, dp_mesh_dims, ignored_params)
+    unit = FSDPUnit(modules, mesh, reshard_after_forward, mp_policy, ignored_params)
+    for one in modules:
+        one._devmesh_fsdp = unit  # type: ignore[attr-defined]
+        with_methods(one, FSDPModule)
+        # gather before any other pre-hook of the module (a sequence-parallel style's, say)
+        one.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
+        one.register_forward_hook(unit.post_forward, always_call=True)
+    unit.watch_recomputation(modules)
+    return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """torch's FSDP2 function of the same name: make ``module.method_name`` (a ``generate``,
+    a ``score``) gather the unit's parameters before it runs and release them after, as
+    ``forward`` does, for a method that uses the parameters without going through
+    ``forward`` (called alone it would see this rank's shards). A ``forward`` it calls
+    inside finds them gathered. A module without a devmesh unit is left alone, as torch's
+    leaves modules that are not its FSDP modules."""
+    unit = getattr(module, "_devmesh_fsdp", None)
+    if unit is None:
+        return
+    method = getattr(module, method_name)
+
+    @functools.wraps(method)
+    def gathered(*args, **kwargs):
+        cast = unit.pre_forward(module, args, kwargs)
+        if cast is not None:
+            args, kwargs = cast
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            unit.post_forward(module, args, None)  # reshard, and the forward's record ends
+            raise
+        return unit.post_forward(module, args, output)
+
+    setattr(module, method_name, gathered)
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """torch's FSDP2 function (pipeline stages, each an FSDP root, sharing CUDA streams for
+    their collectives): accepted for code that calls it; devmesh's collectives run on the
+    process groups' own streams, so there is nothing to share. The modules must be devmesh
+    ``fully_shard`` modules."""
+    units_named(modules, "share_comm_ctx")
+
+
+def parameters_grouped_with(module: nn.Module) -> list[nn.Parameter]:
+    """The parameters outside ``module`` whose gradients the ``fully_shard`` units in its
+    subtree hand to autograd with its own: those of the other modules of their groups
+    (``fully_shard([a, b])``). A backward restricted to some parameters (autograd's
+    ``inputs=``, as a pipeline's weight-gradient half asks for a stage's) must list them
+    too: a unit's reduction returns every gradient it accumulated, and autograd drops the
+    ones for parameters it was not asked for."""
+    own = {id(p) for p in module.parameters()}
+    units = {id(m._devmesh_fsdp): m._devmesh_fsdp for m in module.modules()
+             if getattr(m, "_devmesh_fsdp", None) is not None}
+    extra: dict[int, nn.Parameter] = {}
+    for unit in units.values():
+        for p in unit.params:
+            if id(p.sharded) not in own:
+                extra.setdefault(id(p.sharded), p.sharded)
+    return list(extra.values())
+
+
+def _grouped(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
+    """The modules one ``fully_shard`` call makes a unit of, checked: a module, or a
+    non-empty list (or tuple) of distinct modules none of which is inside another."""
+    if isinstance(module, nn.Module):
+        return [module]
+    if not isinstance(module, (list, tuple)) or not module:
+        raise ParallelizeError(f"fully_shard takes a module or a non-empty list of modules, "
+                               f"got {module!r}")
+    for i, one in enumerate(module):
+        if not isinstance(one, nn.Module):
+            raise ParallelizeError(f"fully_shard: item {i} of the list is a "
+                                   f"{type(one).__name__}, not an nn.Module")
+    for i, outer in enumerate(module):
+        for j, inner in enumerate(module):
+            if i != j and any(sub is inner for sub in outer.modules()):
+                what = "listed twice" if outer is inner else f"inside item {i}"
+                raise ParallelizeError(
+                    f"fully_shard: item {j} of the list ({type(inner).__name__}) is {what}: "
+                    "a group's modules must be apart (shard an inner module first with its "
+                    "own call, then group the outer ones)")
+    return list(module)
+
+
+def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forward,
+                        shard_placement_fn, offload_policy, dp_mesh_dims,
+                        ignored_params) -> None:
+    """Raise for an argument of torch's that devmesh cannot honour (the same on every rank:
+    they are checked before any collective)."""
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        raise ParallelizeError(
+            f"reshard_after_forward={reshard_after_forward} (reshard to a smaller world after "
+            "forward) is not supported by devmesh: use True (reshard), False (keep) or None "
+            "(keep the root only)")
+    if shard_placement_fn is not None:
+        from devmesh.layout.placement import Shard
+
+        for name, param in module.named_parameters():
+            placement = shard_placement_fn(param)
+            if placement is not None and not (isinstance(placement, Shard)
+                                              or type(placement).__name__ == "Shard"):
+                raise ParallelizeError(
+                    f"shard_placement_fn gave {placement!r} for {name}: devmesh shards over "
+                    "the mesh given to fully_shard only (return None or Shard(0))")
+            if placement is not None and placement.dim != 0:
+                raise ParallelizeError(
+                    f"shard_placement_fn gave {placement!r} for {name}: devmesh's fully_shard "
+                    "shards dim 0 only (return None or Shard(0); transpose the parameter, "
+                    "or shard it with distribute_tensor, for another dim)")
+    if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
+        if mesh.device_type != "cpu":
+            raise ParallelizeError(
+                f"{type(offload_policy).__name__}: devmesh does not offload a GPU mesh's "
+                "parameters to CPU; on a CPU mesh they are already there")
+    if dp_mesh_dims is not None:
+        raise ParallelizeError(
+            "dp_mesh_dims is not supported by devmesh: pass the data-parallel mesh itself "
+            "(mesh['dp'], or mesh['replicate', 'shard'] for HSDP)")
+    if ignored_params is not None and not all(isinstance(p, torch.Tensor)
+                                              for p in ignored_params):
+        raise ParallelizeError("ignored_params must be a set of the module's parameters")
+    ignored = {id(p) for p in ignored_params or ()}
+    for name, sub in module.named_modules():
+        if (isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
+                and any(id(p) not in ignored for p in sub.parameters(recurse=False))):
+            raise ParallelizeError(
+                f"fully_shard cannot shard {name or type(sub).__name__}: an embedding with "
+                "sparse=True gives sparse gradients, which cannot be reduce-scattered into "
+                "shards; use sparse=False, or keep it out of the unit (ignored_params) and "
+                "replicate it (replicate all-reduces sparse gradients)")

@@ -1,0 +1,130 @@
+"""The buffers of a ``fully_shard`` unit's two collectives, packed and unpacked.
+
+A unit moves all of its parameters in **one** all-gather and all of its gradients in **one**
+reduce-scatter, however many parameters (and dtypes) it holds: one collective per unit is
+what makes FSDP's communication cheap. This module lays the parameters out in those buffers:
+
+* all-gather: each rank sends a row of bytes holding its padded shard of every parameter,
+  each segment aligned to the widest element size so it can be viewed as its own dtype (a
+  float32 norm beside bfloat16 weights shares the gather);
+* reduce-scatter: row ``j`` holds what peer ``j`` will own of every gradient, then one "used
+  here" flag per parameter, so a parameter no rank used keeps no gradient.
+
+Uneven dim-0 sizes follow ``torch.chunk`` (:func:`devmesh.layout.spec.chunk_bounds`); shards
+are zero-padded to the largest chunk, since c10d's collectives take equal-sized pieces.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from devmesh.layout.spec import chunk_bounds
+
+
+@dataclass
+class ShardedParam:
+    """One parameter of a unit: this rank's shard and the places holding it."""
+
+    places: list[tuple[nn.Module, str]]  # every module attribute holding it (tied weights)
+    sharded: nn.Parameter
+    full_shape: tuple[int, ...]  # the (TP-local) shape FSDP shards
+    padded_rows: int
+    shape: tuple[int, ...]  # the parameter's own shape (differs for 0-d parameters)
+
+    @property
+    def padded_numel(self) -> int:
+        return self.padded_rows * math.prod(self.full_shape[1:])
+
+
+def gather_dtypes(params: list[ShardedParam], param_dtype: torch.dtype | None
+                  ) -> list[torch.dtype]:
+    """Each parameter's dtype when gathered: ``param_dtype`` (mixed precision), else its own."""
+    return [param_dtype or p.sharded.dtype for p in params]
+
+
+def _segments(params: list[ShardedParam], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
+    """Byte offset of each parameter's padded shard in a rank's row of the gather buffer, and
+    the row's length; every segment starts at a multiple of the widest element size."""
+    align = max(d.itemsize for d in dtypes)
+    offsets, end = [], 0
+    for p, dtype in zip(params, dtypes):
+        offsets.append(end)
+        end += -(-p.padded_numel * dtype.itemsize // align) * align
+    return offsets, end
+
+
+def pack_shards(params: list[ShardedParam], shards: list[torch.Tensor],
+                dtypes: list[torch.dtype]) -> torch.Tensor:
+    """This rank's row of the all-gather: each shard copied once, straight into place (and
+    cast on the way), its padding zeroed."""
+    offsets, row_bytes = _segments(params, dtypes)
+    buffer = torch.empty(row_bytes, dtype=torch.uint8)
+    for p, shard, dtype, start in zip(params, shards, dtypes, offsets):
+        segment = buffer[start: start + p.padded_numel * dtype.itemsize].view(dtype)
+        n = shard.numel()
+        segment[:n].copy_(shard.detach().reshape(-1))
+        segment[n:].zero_()
+    return buffer
+
+
+def unpack_gathered(params: list[ShardedParam], stacked: torch.Tensor,
+                    dtypes: list[torch.dtype], k: int) -> list[torch.Tensor]:
+    """The full parameters from the gathered rows (one per rank, padding dropped)."""
+    offsets, _ = _segments(params, dtypes)
+    out = []
+    for p, dtype, start in zip(params, dtypes, offsets):
+        nbytes_per_row = math.prod(p.full_shape[1:]) * dtype.itemsize
+        rows = []
+        for j in range(k):
+            size = chunk_bounds(p.full_shape[0], k, j)[1]
+            rows.append(stacked[j, start: start + size * nbytes_per_row].view(dtype))
+        out.append(torch.cat(rows).view(p.full_shape))
+    return out
+
+
+def pack_gradients(params: list[ShardedParam], grads: list[torch.Tensor | None], k: int,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """The reduce-scatter's input: row ``j`` for peer ``j``, each gradient copied (and cast)
+    once into place, then one flag per parameter (1: this rank has a gradient for it)."""
+    total = sum(p.padded_numel for p in params)
+    stacked = torch.empty(k, total + len(params), dtype=dtype)
+    stacked[:, total:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
+    offset = 0
+    for p, grad in zip(params, grads):
+        row = math.prod(p.full_shape[1:])
+        for j in range(k):
+            start, size = chunk_bounds(p.full_shape[0], k, j)
+            target = stacked[j, offset: offset + p.padded_numel]
+            if grad is None:
+                target.zero_()
+                continue
+            target[: size * row].view(size, *p.full_shape[1:]).copy_(grad.narrow(0, start, size))
+            target[size * row:].zero_()
+        offset += p.padded_numel
+    return stacked
+
+
+def gradient_numel(params: list[ShardedParam]) -> int:
+    """Where the flags start in a row of :func:`pack_gradients`."""
+    return sum(p.padded_numel for p in params)
+
+
+def unpack_reduced(params: list[ShardedParam], mine: torch.Tensor, k: int, index: int
+                   ) -> list[torch.Tensor | None]:
+    """This rank's reduced gradient of each parameter, in the parameter's dtype and shape;
+    ``None`` for one no rank had a gradient for (its flag summed to zero)."""
+    used = mine[gradient_numel(params):].tolist()
+    out: list[torch.Tensor | None] = []
+    offset = 0
+    for p, used_somewhere in zip(params, used):
+        size = chunk_bounds(p.full_shape[0], k, index)[1]
+        row = math.prod(p.full_shape[1:])
+        local = mine[offset: offset + size * row].view(size, *p.full_shape[1:])
+        out.append(local.to(p.sharded.dtype).view(p.sharded.shape) if used_somewhere > 0
+                   else None)
+        offset += p.padded_numel
+    return out

@@ -1,0 +1,24 @@
+"""``MixedPrecisionPolicy``: the dtypes a ``fully_shard`` unit computes and reduces in."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class MixedPrecisionPolicy:
+    """``param_dtype``: dtype of the gathered parameters (compute); ``reduce_dtype``: dtype of
+    gradient reduction (``None``: ``param_dtype``, as torch; neither: the parameters' own);
+    ``output_dtype``: floating-point outputs of the unit's forward are
+    cast to it; ``cast_forward_inputs``: floating-point inputs of each unit's forward are
+    cast to ``param_dtype`` (torch's default too). Sharded parameters (the optimizer's master
+    copy) keep their dtype. The fields and their order are torch's, whose own
+    ``MixedPrecisionPolicy`` ``fully_shard`` accepts as well."""
+
+    param_dtype: torch.dtype | None = None
+    reduce_dtype: torch.dtype | None = None
+    output_dtype: torch.dtype | None = None
+    cast_forward_inputs: bool = True
+

@@ -1,0 +1,131 @@
+"""The order ``fully_shard`` units run their forward in, recorded per model, so each unit
+starts the next one's all-gather while it computes (prefetch), and backward re-gathers the
+one before."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+import torch
+
+from devmesh.distributed import groups
+
+if TYPE_CHECKING:
+    from devmesh.parallel.fsdp.unit import FSDPUnit
+
+
+class ForwardOrder:
+    """The order in which units run their forward, recorded on the first pass, so that each
+    unit can start the next one's all-gather (prefetch). Every rank runs the same code, so
+    every rank issues the prefetches in the same order. A prefetch not consumed by the end of
+    the outermost forward (a unit skipped this time) is waited on and dropped, so no stale
+    parameters survive an optimizer step."""
+
+    def __init__(self) -> None:
+        self.order: list[FSDPUnit] = []
+        self.recording: list[FSDPUnit] | None = None
+        self.depth = 0
+        self.generation = -1
+        # where in the recorded order the forward is: a unit may run several times in one
+        # forward (the modules of a group, a module called twice), each time followed by
+        # its own next unit
+        self.cursor = 0
+        self.following: int | None = None  # the index after the unit that entered last
+
+    def enter(self, unit: FSDPUnit) -> None:
+        if self.depth == 0:
+            self.cursor = 0
+            self.recording = [] if not self.order or self.order[0] is not unit else None
+            for other in self.order:  # what backward needed last step predicts this step
+                other._needed_regather, other._regathered_now = other._regathered_now, False
+                other._running = 0  # no forward runs: a count left by one that raised
+            if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+                for other in self._explicit_backward_targets():  # a prefetch never used
+                    if other._regather_pending is not None:
+                        other._regather_pending.wait()
+                        other._regather_pending = None
+        self.depth += 1
+        if self.recording is not None:
+            self.recording.append(unit)
+            return
+        self.following = None
+        if unit in self.order:  # its next run in the record, else its first (order changed)
+            at = (self.order.index(unit, self.cursor) if unit in self.order[self.cursor:]
+                  else self.order.index(unit))
+            self.cursor = self.following = at + 1
+
+    def prefetch_after(self, unit: FSDPUnit) -> None:
+        """Start the all-gather of the unit that ran after ``unit`` (which just entered)
+        when the order was recorded."""
+        if self.recording is not None or self.following is None:
+            return
+        if self.following < len(self.order):
+            self.order[self.following].prefetch()
+
+    def prefetch_backward_before(self, unit: FSDPUnit) -> None:
+        """Backward runs units in reverse: start re-gathering the closest earlier unit whose
+        backward needed its parameters in the previous step."""
+        if unit not in self.order:
+            return
+        for other in reversed(self.order[: self.order.index(unit)]):
+            if other._needed_regather and other.params:
+                if other._full is None and other._regather_pending is None:
+                    other._regather_pending = other.start_gather(
+                        [p.sharded for p in other.params])
+                return
+
+    def exit(self, unit: FSDPUnit, failed: bool = False) -> None:
+        self.depth -= 1
+        if self.depth == 0:
+            if self.recording is not None:  # a forward that raised records nothing
+                self.order = [] if failed else self.recording
+                self.recording = None
+            for other in self._prefetch_targets():
+                if other._prefetched is not None:
+                    other._prefetched.wait()
+                    other._prefetched = None
+
+    def _prefetch_targets(self) -> list[FSDPUnit]:
+        """The recorded units and those their explicit forward prefetch lists name."""
+        named = [u for unit in self.order for u in unit.forward_prefetch if u not in self.order]
+        return self.order + list(dict.fromkeys(named))
+
+    def _explicit_backward_targets(self) -> list[FSDPUnit]:
+        """The units the recorded units' explicit backward prefetch lists name: a unit whose
+        backward did not run (its output unused) would otherwise keep a re-gather started
+        before the optimizer step for its next backward."""
+        return list(dict.fromkeys(u for unit in self.order for u in unit.backward_prefetch))
+
+
+class ForwardOrders:
+    """One :class:`ForwardOrder` per root: the unit that starts a forward (the outermost one)
+    owns the record of that model's units, so two models (a copy, an EMA model) trained side
+    by side each keep their own order and prefetches. A unit remembers the record its last
+    forward used, for its backward."""
+
+    def __init__(self) -> None:
+        self.active: ForwardOrder | None = None
+
+    def enter(self, unit: FSDPUnit) -> None:
+        if self.active is None:
+            if unit._root_order is None or unit._root_order.generation != groups.generation():
+                unit._root_order = ForwardOrder()  # first forward, or a new world
+                unit._root_order.generation = groups.generation()
+            self.active = unit._root_order
+        unit._order = self.active
+        self.active.enter(unit)
+
+    def exit(self, unit: FSDPUnit) -> None:
+        order = self.active
+        assert order is not None
+        order.exit(unit, failed=sys.exc_info()[0] is not None)  # an always_call hook after
+        # an exception runs inside torch's `except` block
+        if order.depth == 0:
+            self.active = None
+            while OPEN_GROUPS:  # a group some of whose modules did not run: resharded at
+                OPEN_GROUPS.pop()._close()  # the end of the forward, as torch's FSDP2 does
+
+
+ORDERS = ForwardOrders()
+OPEN_GROUPS: list[FSDPUnit] = []  # units whose gather is still in their modules' places
