@@ -81,7 +81,11 @@ def unpack_gathered(params: list[ShardedParam], stacked: torch.Tensor,
         rows = []
         for j in range(k):
             size = chunk_bounds(p.full_shape[0], k, j)[1]
+            if size * nbytes_per_row == 0:  # an empty block: a zero-byte row's offset need
+                continue                    # not be aligned, so it cannot be viewed
             rows.append(stacked[j, start: start + size * nbytes_per_row].view(dtype))
+        if not rows:
+            rows.append(torch.empty(0, dtype=dtype, device=stacked.device))
         out.append(torch.cat(rows).view(p.full_shape))
     return out
 

@@ -1,0 +1,161 @@
+"""The byte layout of a ``fully_shard`` unit's two collectives, checked without processes: the
+ranks' rows are packed here as each rank would, stacked as the all-gather (or summed as the
+reduce-scatter) would, and unpacked — for uneven, empty and 0-d blocks and mixed dtypes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings, strategies as st
+from torch import nn
+
+from devmesh.layout.spec import chunk_bounds
+from devmesh.parallel.fsdp.collectives import (
+    ShardedParam,
+    gather_dtypes,
+    pack_gradients,
+    pack_shards,
+    unpack_gathered,
+    unpack_reduced,
+)
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+
+
+def _params(shapes, dtypes, k):
+    """Each full tensor, and per rank the ShardedParam list that rank would hold."""
+    fulls = []
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
+        gen = torch.Generator().manual_seed(i)
+        fulls.append(torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype))
+    per_rank = []
+    for rank in range(k):
+        params = []
+        for full in fulls:
+            flat = full.reshape(-1) if full.ndim == 0 else full
+            start, size = chunk_bounds(flat.shape[0], k, rank)
+            shard = nn.Parameter(flat.narrow(0, start, size).clone())
+            padded = -(-flat.shape[0] // k) if flat.shape[0] else 0
+            params.append(ShardedParam([], shard, tuple(flat.shape), padded, tuple(full.shape)))
+        per_rank.append(params)
+    return fulls, per_rank
+
+
+shapes_strategy = st.lists(
+    st.one_of(st.just(()), st.tuples(st.integers(0, 7)),
+              st.tuples(st.integers(0, 7), st.integers(1, 3))),
+    min_size=1, max_size=4)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=shapes_strategy, k=st.integers(1, 5), data=st.data())
+def test_gathered_rows_unpack_to_the_full_parameters(shapes, k, data):
+    dtypes = [data.draw(st.sampled_from(DTYPES)) for _ in shapes]
+    fulls, per_rank = _params(shapes, dtypes, k)
+    wanted = gather_dtypes(per_rank[0], None)
+    rows = [pack_shards(params, [p.sharded for p in params], wanted) for params in per_rank]
+    assert len({row.numel() for row in rows}) == 1  # c10d needs equal pieces
+    stacked = torch.stack(rows)
+    for rank in range(k):  # every rank unpacks the same stack to the same tensors
+        out = unpack_gathered(per_rank[rank], stacked, wanted, k)
+        for full, got in zip(fulls, out):
+            assert got.dtype == full.dtype
+            assert torch.equal(got.reshape(full.shape), full)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shapes=shapes_strategy, k=st.integers(1, 4))
+def test_gathered_in_the_compute_dtype(shapes, k):
+    fulls, per_rank = _params(shapes, [torch.float32] * len(shapes), k)
+    wanted = gather_dtypes(per_rank[0], torch.bfloat16)
+    stacked = torch.stack([pack_shards(ps, [p.sharded for p in ps], wanted) for ps in per_rank])
+    for full, got in zip(fulls, unpack_gathered(per_rank[0], stacked, wanted, k)):
+        assert got.dtype == torch.bfloat16
+        assert torch.equal(got.reshape(full.shape), full.to(torch.bfloat16))
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=shapes_strategy, k=st.integers(1, 5), data=st.data())
+def test_reduced_gradients_are_each_ranks_chunk_of_the_sum(shapes, k, data):
+    """Rank r's gradients after the reduce-scatter (a sum here) are its chunk of the sum of
+    every rank's full gradient; a parameter no rank has a gradient for gets ``None``, one
+    that some rank has counts the others' as zeros."""
+    fulls, per_rank = _params(shapes, [torch.float64] * len(shapes), k)
+    present = [[data.draw(st.booleans()) for _ in shapes] for _ in range(k)]
+    grads = [[torch.randn(full.shape, dtype=torch.float64).reshape(
+                  per_rank[0][i].full_shape) if present[r][i] else None
+              for i, full in enumerate(fulls)] for r in range(k)]
+    packed = [pack_gradients(per_rank[r], grads[r], k, torch.float64) for r in range(k)]
+    summed = sum(packed)  # what a sum reduce-scatter adds, row j going to rank j
+    for rank in range(k):
+        out = unpack_reduced(per_rank[rank], summed[rank], k, rank)
+        for i, got in enumerate(out):
+            if not any(present[r][i] for r in range(k)):
+                assert got is None
+                continue
+            total = sum(g[i] for g in grads if g[i] is not None)
+            start, size = chunk_bounds(per_rank[rank][i].full_shape[0], k, rank)
+            expected = total.narrow(0, start, size).reshape(per_rank[rank][i].sharded.shape)
+            torch.testing.assert_close(got, expected)
+
+
+def test_mixed_dtype_segments_start_aligned_so_each_views_as_its_own_dtype():
+    # a 3-element bfloat16 shard (6 bytes) before a float64 one: the second must start on
+    # an 8-byte boundary, else viewing it as float64 fails
+    fulls, per_rank = _params([(3,), (2,)], [torch.bfloat16, torch.float64], 1)
+    wanted = gather_dtypes(per_rank[0], None)
+    row = pack_shards(per_rank[0], [p.sharded for p in per_rank[0]], wanted)
+    assert row.numel() == 8 + 16
+    out = unpack_gathered(per_rank[0], row.unsqueeze(0), wanted, 1)
+    assert [t.dtype for t in out] == [torch.bfloat16, torch.float64]
+    assert math.isclose(out[1].sum().item(), fulls[1].sum().item())
+
+
+class _ZeroRankAdapter(nn.Module):
+    """A low-rank adapter whose rank is 0 (a LoRA switched off by its config): its ``down``
+    unit holds a (0, 6) weight, no elements at all, and ``up`` a (6, 0) weight beside a
+    bias; the adapter adds only ``up``'s bias to the base layer's output."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.base = nn.Linear(6, 6)
+        self.down = nn.Linear(6, 0, bias=False)
+        self.up = nn.Linear(0, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + self.up(self.down(x)))
+
+
+def _train_adapter(ranks: int) -> dict[str, torch.Tensor]:
+    import torch.distributed as dist
+
+    from devmesh import init_device_mesh
+    from devmesh.parallel import fully_shard, state_dict
+
+    model = _ZeroRankAdapter()
+    if ranks > 1:
+        mesh = init_device_mesh("cpu", (ranks,))
+        for part in (model.down, model.up, model):
+            fully_shard(part, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        for rank in ([dist.get_rank()] if ranks > 1 else range(2)):
+            x = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 * step + rank))
+            (model(x).pow(2).mean() / (1 if ranks > 1 else 2)).backward()
+        opt.step()
+        opt.zero_grad()
+    return state_dict(model, full=True) if ranks > 1 else model.state_dict()
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")
+def test_a_unit_whose_parameters_hold_no_elements_trains_as_one_process(mesh_pool):
+    """Before: the gather's empty rows could not be viewed as float32 ("storage_offset()
+    must be divisible by 4"), so such a unit failed its first forward."""
+    expected = _train_adapter(1)
+    for params in mesh_pool.run(_train_adapter, 2, 2):
+        assert params["down.weight"].shape == (0, 6)
+        for key, value in expected.items():
+            torch.testing.assert_close(params[key], value, rtol=1e-6, atol=1e-7, msg=key)
