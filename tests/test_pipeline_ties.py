@@ -135,12 +135,16 @@ def test_ties_are_found_between_stages_only():
     assert find_ties(split_sequential(tied_model(), 1)) == ()  # one stage: nothing to keep
 
 
-def mismatched_tie():
+def runner_error(change_rank_1: str) -> str:
+    """Build 1F1B over the tied model split in two, after ``change_rank_1`` altered what
+    rank 1 holds; the ``PipelineError`` the runner raised, or "built"."""
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
     parts = split_sequential(tied_model(), 2)
     me = mesh.get_coordinate()[0]
-    if me == 1:  # the head's copy no longer has the embedding's shape
+    if me == 1 and change_rank_1 == "reshape the head":  # no longer the embedding's shape
         parts[1][-1].weight = nn.Parameter(torch.zeros(VOCAB, WIDTH + 1))
+    if me == 1 and change_rank_1 == "record no tie":  # as when the ranks' models were
+        record_ties(parts, ())                      # built or traced differently
     try:
         PipelineRunner({me: parts[me]}, mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
     except PipelineError as exc:
@@ -149,24 +153,9 @@ def mismatched_tie():
 
 
 def test_tied_copies_of_different_shapes_are_refused_on_every_rank(mesh_pool):
-    for error in mesh_pool.run(mismatched_tie, 2):
+    for error in mesh_pool.run(runner_error, 2, "reshape the head"):
         assert "tied parameters differ" in error and "(12, 8)" in error \
                and "(12, 9)" in error, error
-
-
-def ties_found_apart():
-    """Rank 1's stages record no tie, rank 0's the embedding/head tie (as when the ranks'
-    models were built or traced differently)."""
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
-    parts = split_sequential(tied_model(), 2)
-    me = mesh.get_coordinate()[0]
-    if me == 1:
-        record_ties(parts, ())
-    try:
-        PipelineRunner({me: parts[me]}, mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
-    except PipelineError as exc:
-        return str(exc)
-    return "built"
 
 
 def test_ranks_that_found_different_ties_are_refused_on_every_rank_not_hung(mesh_pool):
@@ -174,7 +163,7 @@ def test_ranks_that_found_different_ties_are_refused_on_every_rank_not_hung(mesh
     with different lists, rank 0 waited for rank 1's copy forever (seen with torch's tracer,
     whose copies differ from process to process). One tiny agreement first, then the same
     error on every rank."""
-    for error in mesh_pool.run(ties_found_apart, 2):
+    for error in mesh_pool.run(runner_error, 2, "record no tie"):
         assert "the pipeline ranks found different tied parameters" in error, error
         assert "ranks [0]: [(0, 1)]; ranks [1]: []" in error, error
 
