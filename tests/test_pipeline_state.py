@@ -250,3 +250,37 @@ def test_a_pipeline_built_on_meta_trains_and_round_trips_through_torch_dcp(mesh_
         for k, v in reference.state_dict().items():
             torch.testing.assert_close(trained[k], v, rtol=1e-5, atol=1e-6)
             assert torch.equal(reloaded[k], trained[k]), k
+
+
+def normed_model() -> nn.Sequential:
+    """Parameters and buffers whose byte sizes leave the next one unaligned: a 3-wide layer's
+    float32 bias (12 bytes) before BatchNorm's statistics and its int64 batch count, and a
+    bfloat16 layer (odd element count) before float32 ones."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Linear(3, 3), nn.Tanh(),
+                          nn.Linear(3, 5), nn.Linear(5, 2))
+    model[2].to(torch.bfloat16)
+    return model
+
+
+def normed_full_state_dict():
+    from devmesh import init_device_mesh
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel.pipeline import PipelineRunner, split_sequential
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    parts = split_sequential(normed_model(), 2)
+    me = mesh.get_coordinate()[0]
+    runner = PipelineRunner({me: parts[me]}, mesh, build_schedule("1f1b", 2, 2), F.mse_loss)
+    return runner.state_dict(full=True)
+
+
+def test_a_full_state_dict_of_mixed_dtypes_and_integer_buffers(mesh_pool):
+    """Each pipeline index broadcasts its tensors as one byte string; before, a tensor that
+    started unaligned in it (BatchNorm's int64 count after 108 bytes of float32) could not
+    be viewed as its dtype, and ``state_dict(full=True)`` failed on every rank."""
+    expected = normed_model().state_dict()
+    for full in mesh_pool.run(normed_full_state_dict, 2):
+        assert full.keys() == expected.keys()
+        for key, value in expected.items():
+            assert full[key].dtype == value.dtype and torch.equal(full[key], value), key

@@ -79,7 +79,9 @@ def full_state_dict(runner: PipelineRunner) -> dict[str, torch.Tensor]:
         if len(data):
             comm.broadcast(data, runner.mesh, (runner.dim,), src_index=index)
         for (s, k, dtype, shape), piece in zip(entries, data.split(sizes)):
-            found.append((s, k, piece.view(dtype_of(dtype)).reshape(shape).clone()))
+            # copied first: a piece starts where the one before it ended (an int64 buffer
+            # after three float32 values), too unaligned to be viewed as its own dtype
+            found.append((s, k, piece.clone().view(dtype_of(dtype)).reshape(shape)))
     return {k: v for _, k, v in sorted(found, key=lambda e: e[0])}
 
 
