@@ -284,3 +284,58 @@ def test_a_full_state_dict_of_mixed_dtypes_and_integer_buffers(mesh_pool):
         assert full.keys() == expected.keys()
         for key, value in expected.items():
             assert full[key].dtype == value.dtype and torch.equal(full[key], value), key
+
+
+def runner_checkpoint_round_trip(path: str):
+    """A user's first try: the runner itself given to the functions that take a model."""
+    from devmesh import init_device_mesh
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel import load_checkpoint, load_state_dict, save_checkpoint, state_dict
+    from devmesh.parallel.pipeline import PipelineRunner, split_sequential
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+
+    def runner_and_optimizer(seed_shift: float):
+        parts = split_sequential(normed_model().float(), 2)
+        with torch.no_grad():
+            for p in parts[me].parameters():
+                p.add_(seed_shift)
+        runner = PipelineRunner({me: parts[me]}, mesh, build_schedule("1f1b", 2, 2),
+                                F.mse_loss)
+        return runner, momentum_sgd(runner.module.parameters())
+
+    runner, opt = runner_and_optimizer(0.0)
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    runner.step(x, y)
+    opt.step()
+    save_checkpoint(path, runner, opt)
+    other, other_opt = runner_and_optimizer(1.0)
+    load_checkpoint(path, other, other_opt)
+    same = [torch.equal(a, b) for a, b in zip(runner.module.parameters(),
+                                              other.module.parameters())]
+    momentum = [torch.equal(opt.state[a]["momentum_buffer"], other_opt.state[b]["momentum_buffer"])
+                for a, b in zip(runner.module.parameters(), other.module.parameters())]
+    whole = state_dict(runner, full=True)
+    fresh, _ = runner_and_optimizer(2.0)
+    load_state_dict(fresh, whole)
+    reloaded = fresh.state_dict(full=True)
+    refused = caught(lambda: save_checkpoint(path, {"not": "a model"}))
+    return same, momentum, whole, reloaded, refused
+
+
+def test_a_runner_is_taken_where_a_model_is(mesh_pool, tmp_path):
+    """``save_checkpoint(path, runner, opt)``, ``load_checkpoint``, ``state_dict(runner)`` and
+    ``load_state_dict(runner, ...)`` work on the runner as on its ``module`` (before: an
+    ``AttributeError`` on 'named_parameters' on every rank); a value that is neither is
+    refused by name."""
+    path = str(tmp_path / "ckpt")
+    for same, momentum, whole, reloaded, refused in mesh_pool.run(
+            runner_checkpoint_round_trip, 2, path):
+        assert same and all(same) and momentum and all(momentum)
+        assert whole.keys() == normed_model().state_dict().keys()
+        for key, value in whole.items():
+            assert torch.equal(reloaded[key], value), key
+        assert refused[0] == "ParallelizeError", refused
+        assert refused[1].endswith("save_checkpoint takes the model (an nn.Module, or a "
+                                   "pipeline runner), got dict"), refused

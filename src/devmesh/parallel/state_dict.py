@@ -23,12 +23,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
-from devmesh.errors import StateDictError
+from devmesh.errors import ParallelizeError, StateDictError
 from devmesh.parallel.param import adopt_replaced_parameters, as_sharded, get_layout, local_block
 from devmesh.tensor import ShardedTensor
 
 __all__ = ["state_dict", "load_state_dict", "prepare_load", "apply_load", "local_block",
-           "state_dict_name", "named_parameters"]
+           "state_dict_name", "named_parameters", "module_of"]
 
 # module names wrappers insert: torch's checkpoint_wrapper, torch.compile's OptimizedModule
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
@@ -52,9 +52,33 @@ def named_parameters(model: nn.Module, *, remove_duplicate: bool = False
             for name, p in model.named_parameters(remove_duplicate=remove_duplicate)]
 
 
+def module_of(model: Any, caller: str) -> nn.Module:
+    """The module a function given ``model`` works on: the module itself, or a pipeline
+    runner's ``module`` (this rank's stages under the whole model's names: a checkpoint is
+    the union of every rank's). Anything else is refused by name, rather than failing deep
+    inside with an ``AttributeError``."""
+    if isinstance(model, nn.Module):
+        return model
+    module = getattr(model, "module", None)
+    if isinstance(module, nn.Module):
+        return module
+    raise ParallelizeError(f"{caller} takes the model (an nn.Module, or a pipeline runner), "
+                           f"got {type(model).__name__}")
+
+
+def _pipeline_runner(model: Any) -> bool:
+    """A pipeline runner: not a module, but holding this rank's stages as one."""
+    return not isinstance(model, nn.Module) and isinstance(getattr(model, "module", None),
+                                                          nn.Module)
+
+
 def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor | ShardedTensor]:
     """Parameters and buffers by name: full tensors (``full=True``) or ShardedTensors. A tied
-    parameter appears under every name it has, as in ``nn.Module.state_dict()``."""
+    parameter appears under every name it has, as in ``nn.Module.state_dict()``. Given a
+    pipeline runner: its ``state_dict(full=...)`` (the whole model with ``full=True``)."""
+    if _pipeline_runner(model):
+        return model.state_dict(full=full)
+    model = module_of(model, "state_dict")
     _adopt_replaced(model)
     out: dict[str, torch.Tensor | ShardedTensor] = {}
     done: dict[int, torch.Tensor | ShardedTensor] = {}  # tied parameters: gathered once
@@ -153,7 +177,11 @@ def load_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool 
     model, devmesh's or torch's) into a parallelized model: every rank copies its own block
     (no communication for full tensors; a sharded value is gathered first). All or nothing: parameters and buffers are all checked (names,
     exact shapes) before the first copy. ``strict=False`` loads what matches and returns
-    the missing and unexpected keys, as ``nn.Module.load_state_dict`` does."""
+    the missing and unexpected keys, as ``nn.Module.load_state_dict`` does. Given a
+    pipeline runner: its ``load_state_dict`` (a whole model's state into the stages)."""
+    if _pipeline_runner(model):
+        return model.load_state_dict(state, strict=strict)
+    model = module_of(model, "load_state_dict")
     writes, incompatible = prepare_load(model, state, strict=strict)
     apply_load(writes)
     return incompatible

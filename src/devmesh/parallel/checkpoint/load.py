@@ -31,7 +31,7 @@ from devmesh.parallel.checkpoint.encoding import Malformed, decode
 from devmesh.parallel.checkpoint.format import CheckpointReader
 from devmesh.parallel.checkpoint.save import _raise_if_failed, wait_for_pending_save
 from devmesh.parallel.param import get_layout, local_block
-from devmesh.parallel.state_dict import named_parameters, persistent_buffers
+from devmesh.parallel.state_dict import module_of, named_parameters, persistent_buffers
 
 __all__ = ["load_checkpoint", "read_block"]
 
@@ -177,8 +177,10 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     fits: a missing or damaged checkpoint, or a model or optimizer that does not match (names,
     dtypes, shapes, parameter groups) raises :class:`~devmesh.errors.CheckpointError` or
     :class:`~devmesh.errors.StateDictError` on every rank first. A single file written by
-    devmesh before sharded checkpoints existed loads too (with ``weights_only=True``)."""
+    devmesh before sharded checkpoints existed loads too (with ``weights_only=True``).
+    ``model`` may be a pipeline runner: each rank loads its stages' part."""
     wait_for_pending_save()
+    model = module_of(model, "load_checkpoint")  # the same kind of object on every rank
     prepared = extra = None
     saved: list[str] = []
     error: BaseException | None = None

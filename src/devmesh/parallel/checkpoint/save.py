@@ -42,7 +42,7 @@ from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
 from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data_file_name
 from devmesh.parallel.checkpoint.union import Listed, Merged, listed_json, merge_listings
 from devmesh.parallel.param import get_layout
-from devmesh.parallel.state_dict import named_parameters, persistent_buffers
+from devmesh.parallel.state_dict import module_of, named_parameters, persistent_buffers
 
 __all__ = ["save_checkpoint", "SaveHandle", "wait_for_pending_save"]
 
@@ -236,7 +236,9 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     is saved. With ``async_=True`` this rank's blocks are copied to host memory and the call
     returns; the files are written in the background (call ``handle.wait()`` to know it
     succeeded; the next save or load waits for it). The previous checkpoint at ``path`` stays
-    loadable until the new one is complete; a failed save raises on every rank."""
+    loadable until the new one is complete; a failed save raises on every rank. ``model``
+    may be a pipeline runner: its ``module`` (this rank's stages) is saved, and the
+    checkpoint holds the union of every rank's — the whole model."""
     global _pending
     wait_for_pending_save()
     distributed = dist.is_initialized()
@@ -244,7 +246,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     world = dist.get_world_size() if distributed else 1
     contents = None
     try:
-        contents = _Contents(model, optimizer, extra)
+        contents = _Contents(module_of(model, "save_checkpoint"), optimizer, extra)
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error: BaseException | None = exc
     else:
