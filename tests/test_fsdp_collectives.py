@@ -36,7 +36,8 @@ def _params(shapes, dtypes, k):
         for full in fulls:
             flat = full.reshape(-1) if full.ndim == 0 else full
             start, size = chunk_bounds(flat.shape[0], k, rank)
-            shard = nn.Parameter(flat.narrow(0, start, size).clone())
+            shard = nn.Parameter(flat.narrow(0, start, size).clone(),
+                                 requires_grad=full.dtype.is_floating_point)
             padded = -(-flat.shape[0] // k) if flat.shape[0] else 0
             params.append(ShardedParam([], shard, tuple(flat.shape), padded, tuple(full.shape)))
         per_rank.append(params)
@@ -159,3 +160,46 @@ def test_a_unit_whose_parameters_hold_no_elements_trains_as_one_process(mesh_poo
         assert params["down.weight"].shape == (0, 6)
         for key, value in expected.items():
             torch.testing.assert_close(params[key], value, rtol=1e-6, atol=1e-7, msg=key)
+
+
+def test_mixed_precision_casts_floating_point_parameters_only():
+    _, per_rank = _params([(4,), (3,), (2,)], [torch.float32, torch.int64, torch.complex64], 1)
+    assert gather_dtypes(per_rank[0], torch.bfloat16) == [torch.bfloat16, torch.int64,
+                                                          torch.complex64]
+
+
+class _Quantized(nn.Module):
+    """A frozen int64 table with values bfloat16 cannot hold, beside a trainable float."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table = nn.Parameter(torch.arange(6, dtype=torch.int64) + 2 ** 40 + 1,
+                                  requires_grad=False)
+        self.weight = nn.Parameter(torch.ones(6))
+        self.seen: list = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append((self.table.dtype, self.table.clone(), self.weight.dtype))
+        return x * self.weight + (self.table % 7).to(x.dtype)
+
+
+def _int_parameter_under_bf16() -> list:
+    from devmesh import init_device_mesh
+    from devmesh.parallel import MixedPrecisionPolicy, fully_shard
+
+    model = _Quantized()
+    fully_shard(model, mesh=init_device_mesh("cpu", (2,)),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    model(torch.ones(6)).float().sum().backward()
+    return model.seen
+
+
+def test_an_integer_parameter_keeps_its_dtype_under_mixed_precision(mesh_pool):
+    """torch's FSDP2 casts only floating-point parameters to ``param_dtype``; devmesh cast
+    every one, so an int64 table arrived as bfloat16, its values rounded (checked against
+    torch's FSDP2 by hand: int8 weights arrive as int8 there)."""
+    expected = _Quantized().table
+    for seen in mesh_pool.run(_int_parameter_under_bf16, 2):
+        (table_dtype, table, weight_dtype), = seen
+        assert (table_dtype, weight_dtype) == (torch.int64, torch.bfloat16)
+        assert torch.equal(table, expected)

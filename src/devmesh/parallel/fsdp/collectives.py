@@ -42,8 +42,11 @@ class ShardedParam:
 
 def gather_dtypes(params: list[ShardedParam], param_dtype: torch.dtype | None
                   ) -> list[torch.dtype]:
-    """Each parameter's dtype when gathered: ``param_dtype`` (mixed precision), else its own."""
-    return [param_dtype or p.sharded.dtype for p in params]
+    """Each parameter's dtype when gathered: ``param_dtype`` (mixed precision) for a
+    floating-point parameter, else its own — an integer parameter (a quantized weight, a
+    table of ids) keeps its dtype and its exact values, as under torch's FSDP2."""
+    return [param_dtype if param_dtype is not None and p.sharded.dtype.is_floating_point
+            else p.sharded.dtype for p in params]
 
 
 def _segments(params: list[ShardedParam], dtypes: list[torch.dtype]) -> tuple[list[int], int]:
