@@ -184,25 +184,23 @@ class DataParallelState:
         self._bucket(self._trainable)
 
     def _broadcast(self, tensors: list[torch.Tensor]) -> None:
-        """Give ``tensors`` (those not ignored) the mesh's first rank's values: one broadcast
-        per dtype, so integers (BatchNorm's batch counter) arrive exactly."""
+        """Give ``tensors`` (those not ignored) the mesh's first rank's values, in one
+        broadcast of their bytes: every value arrives exactly, whatever its dtype — integers
+        (BatchNorm's batch counter), ``bool`` and float8, which gloo cannot broadcast as
+        such (torch's DDP fails there with "Invalid scalar type")."""
         ignored = {id(t) for t in self._ignored}
         tensors = [t for t in tensors if id(t) not in ignored and not t.is_meta]
         if not tensors or self.mesh.size() == 1:
             return
-        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-        for t in tensors:
-            by_dtype.setdefault(t.dtype, []).append(t)
         with torch.no_grad():
-            for group in by_dtype.values():
-                flat = torch.cat([t.detach().reshape(-1) for t in group])
-                if flat.dtype == torch.bool:  # gloo has no bool broadcast
-                    flat = flat.to(torch.uint8)
-                comm.broadcast(flat, self.mesh, self.dims, 0)
-                offset = 0
-                for t in group:
-                    t.copy_(flat[offset: offset + t.numel()].view_as(t))
-                    offset += t.numel()
+            flat = torch.cat([t.detach().reshape(-1).view(torch.uint8) for t in tensors])
+            comm.broadcast(flat, self.mesh, self.dims, 0)
+            offset = 0
+            for t in tensors:
+                nbytes = t.numel() * t.element_size()
+                # copied out first: a piece's offset need not suit its dtype's alignment
+                t.copy_(flat[offset: offset + nbytes].clone().view(t.dtype).view(t.shape))
+                offset += nbytes
 
     def adopt_replaced(self) -> None:
         """Take the parameters a conversion run on a child module alone put in place of
