@@ -204,6 +204,20 @@ class Pending:
         return self._result
 
 
+# dtypes the collectives that only move data carry as their bytes: gloo knows no float8
+# type ("Invalid scalar type"), and moving bytes needs none
+_CARRIED_AS_BYTES = frozenset(
+    dtype for dtype in (getattr(torch, name, None) for name in (
+        "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"))
+    if dtype is not None)
+
+
+def _on_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as a broadcast, gather, all-to-all or message carries it: a float8 tensor
+    as a ``uint8`` view of itself (what arrives in the view lands in the tensor)."""
+    return tensor.view(torch.uint8) if tensor.dtype in _CARRIED_AS_BYTES else tensor
+
+
 def all_gather(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]) -> torch.Tensor:
     """Gather ``tensor`` from every rank of the flattened group over ``dims``.
 
@@ -222,7 +236,8 @@ def all_gather_async(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]
     out = torch.empty((g.size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
     watch = _watch("all_gather", mesh, dims, g)
     with watch.guard():
-        work = dist.all_gather_single(out, tensor.reshape(-1), group=g.group, async_op=True)
+        work = dist.all_gather_single(_on_wire(out), _on_wire(tensor.reshape(-1)),
+                                       group=g.group, async_op=True)
     _record("all_gather", mesh, dims, out.numel() * out.element_size())
 
     def finish() -> torch.Tensor:
@@ -305,7 +320,7 @@ def all_to_all(
     recv_numels = [math.prod(recv_shapes[i]) for i in order]
     recv = torch.empty(sum(recv_numels), dtype=like.dtype, device=like.device)
     with _watch("all_to_all", mesh, dims, g).guard():
-        dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
+        dist.all_to_all_single(_on_wire(recv), _on_wire(send), output_split_sizes=recv_numels,
                                input_split_sizes=[chunks[i].numel() for i in order],
                                group=g.group)
     _record("all_to_all", mesh, dims, send.numel() * send.element_size())
@@ -334,7 +349,7 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], src_i
     if g.size == 1:
         return tensor
     with _watch("broadcast", mesh, dims, g).guard():
-        dist.broadcast(tensor, src=g.ranks[src_index], group=g.group)
+        dist.broadcast(_on_wire(tensor), src=g.ranks[src_index], group=g.group)
     _record("broadcast", mesh, dims, tensor.numel() * tensor.element_size())
     return tensor
 
@@ -508,7 +523,8 @@ def send_async(tensor: torch.Tensor, mesh: DeviceMesh, dim: int, peer_index: int
     g = _group(mesh, (dim,))
     tensor = tensor.contiguous()
     with watch.guard() if watch else contextlib.nullcontext():
-        work = dist.isend(tensor, dst=_peer(mesh, dim, peer_index), group=g.group, tag=tag)
+        work = dist.isend(_on_wire(tensor), dst=_peer(mesh, dim, peer_index), group=g.group,
+                          tag=tag)
     _record("send", mesh, (dim,), tensor.numel() * tensor.element_size())
     return Pending(work, lambda: tensor, watch)
 
@@ -522,7 +538,8 @@ def recv_async(shape: Sequence[int], dtype: torch.dtype, mesh: DeviceMesh, dim: 
     g = _group(mesh, (dim,))
     buffer = torch.empty(tuple(shape), dtype=dtype, device=device)
     with watch.guard() if watch else contextlib.nullcontext():
-        work = dist.irecv(buffer, src=_peer(mesh, dim, peer_index), group=g.group, tag=tag)
+        work = dist.irecv(_on_wire(buffer), src=_peer(mesh, dim, peer_index), group=g.group,
+                          tag=tag)
     _record("recv", mesh, (dim,), buffer.numel() * buffer.element_size())
     return Pending(work, lambda: buffer, watch)
 
@@ -536,7 +553,7 @@ def batch_p2p(ops: Sequence[tuple[str, torch.Tensor, int]], mesh: DeviceMesh, di
     send, on every backend (NCCL ignores tags). ``wait()`` on a receive returns its buffer;
     the caller keeps each sent tensor alive until its ``wait()``."""
     g = _group(mesh, (dim,))
-    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, tensor,
+    p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, _on_wire(tensor),
                       peer=_peer(mesh, dim, peer), group=g.group)
            for kind, tensor, peer in ops]
     with watch.guard() if watch else contextlib.nullcontext():
