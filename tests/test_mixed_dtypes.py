@@ -205,3 +205,58 @@ def test_float8_tensors_move_through_every_data_collective(mesh_pool):
         assert len(seen) == 7
         for tensor in seen:
             assert torch.equal(tensor, full)
+
+
+class _Rotation(nn.Module):
+    """A real weight beside a complex one (a rotary or spectral layer's parameters)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(0)
+        self.weight = nn.Parameter(torch.randn(4, 3, generator=gen))
+        self.rotation = nn.Parameter(torch.randn(3, generator=gen, dtype=torch.complex64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return ((x @ self.weight).to(torch.complex64) * self.rotation).abs()
+
+
+def _rotation_batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(5, 4, generator=torch.Generator().manual_seed(10 * step + rank))
+
+
+def train_rotation(strategy: str):
+    import warnings
+
+    import torch.distributed as dist
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = _Rotation()
+    fully_shard(model, mesh=mesh) if strategy == "fsdp" else replicate(model, mesh=mesh)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught_warnings:
+        warnings.simplefilter("always")
+        for step in range(2):
+            model(_rotation_batch(step, dist.get_rank())).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return state_dict(model, full=True), [str(w.message) for w in caught_warnings]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "replicate"])
+def test_a_complex_parameter_beside_real_ones_trains_as_one_process(mesh_pool, strategy):
+    """The unit (or bucket) reduces in complex64; each real gradient takes the real part.
+    Before: ``fully_shard`` raised "'>' not supported between 'complex' and 'int'" on its
+    used-flags, ``replicate`` warned "Casting complex values to real discards the imaginary
+    part" every step."""
+    model = _Rotation()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        for rank in range(2):
+            (model(_rotation_batch(step, rank)).sum() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    for params, warned in mesh_pool.run(train_rotation, 2, strategy):
+        assert warned == []
+        for key, value in model.state_dict().items():
+            assert params[key].dtype == value.dtype, key
+            torch.testing.assert_close(params[key], value, rtol=1e-5, atol=1e-6, msg=key)

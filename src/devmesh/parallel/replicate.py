@@ -273,11 +273,14 @@ class DataParallelState:
         for bucket in self.buckets:
             assert bucket.pending is not None and bucket.buffer is not None
             flat = bucket.pending.wait()
-            used = flat[flat.numel() - len(bucket.params):].tolist()
+            flags = flat[flat.numel() - len(bucket.params):]
+            used = (flags.real if flags.is_complex() else flags).tolist()
             offset = 0
             for p, used_somewhere in zip(bucket.params, used):
                 chunk = flat[offset: offset + p.numel()].view_as(p)
                 offset += p.numel()
+                if chunk.is_complex() and not p.dtype.is_complex:
+                    chunk = chunk.real  # a bucket widened by a complex parameter's gradient
                 if used_somewhere == 0:
                     continue
                 if p.grad is None:

@@ -123,14 +123,18 @@ def gradient_numel(params: list[ShardedParam]) -> int:
 def unpack_reduced(params: list[ShardedParam], mine: torch.Tensor, k: int, index: int
                    ) -> list[torch.Tensor | None]:
     """This rank's reduced gradient of each parameter, in the parameter's dtype and shape;
-    ``None`` for one no rank had a gradient for (its flag summed to zero)."""
-    used = mine[gradient_numel(params):].tolist()
+    ``None`` for one no rank had a gradient for (its flag summed to zero). A unit holding a
+    complex parameter reduces in a complex dtype; a real parameter takes the real part."""
+    flags = mine[gradient_numel(params):]
+    used = (flags.real if flags.is_complex() else flags).tolist()
     out: list[torch.Tensor | None] = []
     offset = 0
     for p, used_somewhere in zip(params, used):
         size = chunk_bounds(p.full_shape[0], k, index)[1]
         row = math.prod(p.full_shape[1:])
         local = mine[offset: offset + size * row].view(size, *p.full_shape[1:])
+        if local.is_complex() and not p.sharded.dtype.is_complex:
+            local = local.real
         out.append(local.to(p.sharded.dtype).view(p.sharded.shape) if used_somewhere > 0
                    else None)
         offset += p.padded_numel
