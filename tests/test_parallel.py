@@ -230,6 +230,33 @@ def clip_with_torchs_arguments(poison: str | None):
     return float(norm), float(norm2), state_dict(model), grads
 
 
+def test_clip_grad_norm_refuses_what_is_no_norm_and_matches_torch_on_the_rest():
+    """torch's ``norm_type=0`` counts the tensors with a nonzero gradient and ``-inf`` takes
+    the smallest magnitude; devmesh raised ``ZeroDivisionError`` on 0. Refused by name
+    (before any collective, so on every rank alike); the norms it takes equal torch's on
+    plain parameters, clipped gradients included."""
+    from devmesh.parallel import ParallelizeError
+
+    model = make_model()
+    F.cross_entropy(model(torch.randn(4, 12, generator=torch.Generator().manual_seed(0))),
+                    torch.zeros(4, dtype=torch.long)).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    for norm_type in (0, -1.0, float("-inf")):
+        with pytest.raises(ParallelizeError, match="takes a positive norm_type"):
+            clip_grad_norm_(model.parameters(), 1e-3, norm_type=norm_type)
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), grads))
+    for norm_type in (1, 3.0, "inf"):
+        ours = clip_grad_norm_(model.parameters(), 1e-3, norm_type=norm_type)
+        clipped = [p.grad.clone() for p in model.parameters()]
+        for p, g in zip(model.parameters(), grads):
+            p.grad = g.clone()
+        theirs = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3, norm_type=norm_type)
+        torch.testing.assert_close(ours, theirs)
+        for p, mine, g in zip(model.parameters(), clipped, grads):
+            torch.testing.assert_close(mine, p.grad)
+            p.grad = g.clone()
+
+
 def test_clip_grad_norm_takes_torchs_arguments(mesh_pool):
     reference = make_model()
     F.cross_entropy(reference(torch.randn(8, 12, generator=torch.Generator().manual_seed(1))),

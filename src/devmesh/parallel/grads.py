@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 from devmesh.distributed import comm
-from devmesh.parallel.param import get_layout
+from devmesh.parallel.param import ParallelizeError, get_layout
 
-__all__ = ["clip_grad_norm_", "grad_norm_power", "reduce_norm_power", "clip_by_norm"]
+__all__ = ["clip_grad_norm_", "grad_norm_power", "reduce_norm_power", "clip_by_norm",
+           "checked_norm_type"]
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor | nn.Module,
@@ -35,9 +36,22 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor | nn.Modul
         params = list(parameters.parameters() if isinstance(parameters, nn.Module)
                       else parameters)
     grads = [p for p in params if p.grad is not None]
-    norm_type = float(norm_type)
+    norm_type = checked_norm_type(norm_type)
     return clip_by_norm(grads, grad_norm_power(grads, norm_type), float(max_norm), norm_type,
                         error_if_nonfinite)
+
+
+def checked_norm_type(norm_type: float | str) -> float:
+    """``norm_type`` as a float, refused unless positive (the same on every rank: call it
+    before any collective). torch's 0 counts the tensors with a nonzero gradient and its
+    -inf takes the smallest magnitude: neither is a norm to clip by."""
+    value = float(norm_type)
+    if not value > 0:
+        raise ParallelizeError(
+            f"clip_grad_norm_ takes a positive norm_type (1, 2, ... or inf), got {value}: "
+            "torch's 0 counts the tensors with a nonzero gradient and -inf takes the "
+            "smallest magnitude, neither a norm to clip a sharded model's gradients by")
+    return value
 
 
 def grad_norm_power(params: Iterable[nn.Parameter], norm_type: float = 2.0) -> torch.Tensor:

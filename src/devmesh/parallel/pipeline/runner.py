@@ -59,7 +59,12 @@ from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.fsdp import parameters_grouped_with, release_weight_gradient_gathers
-from devmesh.parallel.grads import clip_by_norm, grad_norm_power, reduce_norm_power
+from devmesh.parallel.grads import (
+    checked_norm_type,
+    clip_by_norm,
+    grad_norm_power,
+    reduce_norm_power,
+)
 from devmesh.parallel.pipeline.grad_sync import StageGradSync
 from devmesh.parallel.pipeline.messages import MAX_TENSORS, StageLinks, describe, layout_of
 from devmesh.parallel.pipeline.layer_cuts import LayerCuts
@@ -216,7 +221,7 @@ class PipelineRunner:
         every stage (one tiny all-reduce over the pipeline dim) and counts a tied parameter
         once. Call after :meth:`step`; returns the norm, the same on every rank (so
         ``error_if_nonfinite`` raises on every rank alike)."""
-        norm_type = float(norm_type)
+        norm_type = checked_norm_type(norm_type)
         params = [p for p in self.module.parameters() if p.grad is not None]
         skip = self._ties.counted_once
         counted = [p for p in params if id(p) not in skip]
