@@ -489,6 +489,8 @@ def test_pipeline_errors_name_the_fix(mesh_pool):
                "on 4 ranks, 2 micro-batches; ranks [2, 3]: gpipe: 4 stages on 4 ranks, 4 " \
                "micro-batches" in error[4], error[4]
         assert "build the same schedule on every rank" in error[4]
+        assert "rank 3: the last stage's rank needs the targets: schedule.step(target=y) " \
+               "(runner.step(inputs, targets))" in error[5], error[5]
 
 
 def pipeline_errors():
@@ -530,6 +532,10 @@ def pipeline_errors():
     try:
         PipelineRunner({me: parts[me]}, pp, build_schedule("gpipe", 4, 2 if me < 2 else 4),
                        F.cross_entropy)
+    except PipelineError as exc:
+        out.append(str(exc))
+    try:  # the last stage's rank forgot its targets: every rank hears how to pass them
+        runner.step(torch.randn(8, 16) if me == 0 else None, None)
     except PipelineError as exc:
         out.append(str(exc))
     return out

@@ -268,7 +268,8 @@ class PipelineRunner:
         if 0 in self.stages and "inputs" not in chunks:
             raise PipelineError("the first stage's rank needs the inputs: step(inputs, ...)")
         if self.last in self.stages and "targets" not in chunks and training:
-            raise PipelineError("the last stage's rank needs the targets: step(..., targets)")
+            raise PipelineError("the last stage's rank needs the targets: schedule.step(target=y) "
+                                "(runner.step(inputs, targets))")
         if "targets" in chunks and self.loss_fn is None:
             raise PipelineError("targets were given, but the runner has no loss function: "
                                 "build it with one (PipelineRunner(..., loss_fn))")
