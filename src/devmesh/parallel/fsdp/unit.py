@@ -310,11 +310,7 @@ class FSDPUnit:
         keeps no gradient, as in single-process training and torch's FSDP2, so optimizers
         skip it (a zero gradient would still move it under weight decay or momentum); one
         flag per parameter rides in the same collective to tell which were used anywhere."""
-        # torch's rule: reduce_dtype, else the compute dtype (param_dtype), else the
-        # parameters' own; mixed dtypes reduce in the widest (float32 gradients beside
-        # float64 ones are averaged exactly and rounded once, back into their own dtype)
-        dtype = self.mp.reduce_dtype or self.mp.param_dtype or functools.reduce(
-            torch.promote_types, (p.sharded.dtype for p in self.params))
+        dtype = self._reduce_dtype()
         self._backward_ran = True
         if self._accumulated is not None:
             grads = [_add(a, g, dtype) for a, g in zip(self._accumulated, grads)]
@@ -340,6 +336,20 @@ class FSDPUnit:
         out = unpack_reduced(self.params, mine, self.k, self.index)
         self._drop_backward_state(keep=False)  # the optimizer step follows: nothing kept
         return out
+
+    def _reduce_dtype(self) -> torch.dtype:
+        """The dtype of the unit's one reduction. torch's rule: ``reduce_dtype``, else the
+        compute dtype (``param_dtype``), else the parameters' own; mixed dtypes reduce in the
+        widest (float32 gradients beside float64 ones are averaged exactly and rounded once,
+        back into their own dtype). A complex parameter's gradient keeps its imaginary part:
+        a unit holding one reduces in a complex dtype (torch reduces each parameter in its
+        own dtype, and never casts a complex one to ``param_dtype``)."""
+        dtype = self.mp.reduce_dtype or self.mp.param_dtype or functools.reduce(
+            torch.promote_types, (p.sharded.dtype for p in self.params))
+        complex_dtypes = [p.sharded.dtype for p in self.params if p.sharded.dtype.is_complex]
+        if complex_dtypes and not dtype.is_complex:
+            dtype = functools.reduce(torch.promote_types, complex_dtypes, dtype)
+        return dtype
 
     def _drop_backward_state(self, keep: bool) -> None:
         """Backward of this unit is done: drop the re-gathered parameters (unless ``keep``:
