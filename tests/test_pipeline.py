@@ -306,6 +306,9 @@ def test_splits_by_name_and_by_parameter_count():
         split_sequential(model, 3, starts=["6", "4"])
     with pytest.raises(PipelineError, match="nn.Sequential"):
         split_sequential(nn.Linear(2, 2), 2)
+    with pytest.raises(PipelineError, match=re.escape(  # the names where the count goes
+            "split_sequential(model, 3, starts=['4', '6'])")):
+        split_sequential(model, ["4", "6"])
 
 
 def nested_model() -> nn.Sequential:

@@ -70,6 +70,11 @@ def split_sequential(model: nn.Module, stages: int, *, starts: Sequence[str] | N
         raise PipelineError(
             f"pipeline stages are runs of an nn.Sequential's children; got a "
             f"{type(model).__name__}. Build the model as nn.Sequential(embedding, *blocks, head)")
+    if isinstance(stages, (list, tuple)) and all(isinstance(n, str) for n in stages):
+        raise PipelineError(
+            f"split_sequential takes the number of stages, then the names where stages after "
+            f"the first begin as starts=: split_sequential(model, {len(stages) + 1}, "
+            f"starts={list(stages)!r}), got the names as the number of stages")
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise PipelineError(f"the number of stages must be a positive integer, got {stages!r}")
     units = _units(model, starts or ())
