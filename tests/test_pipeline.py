@@ -1531,3 +1531,56 @@ def test_gradients_accumulate_across_pipeline_steps(mesh_pool, style, name):
         assert state and all(key in expected for key in state)
         for key, value in state.items():
             torch.testing.assert_close(value, expected[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+def stages_without_parameters() -> list[tuple[str, str, list[str]]]:
+    """Stages holding only a ``Tanh`` or a ``Dropout`` (a split by names can make them),
+    under 1F1B, zero-bubble and interleaved 1F1B, plain and under FSDP and DDP on
+    ``(pp, dp) = (2, 2)``: the keys whose trained values differ from one process."""
+    from devmesh.parallel import fully_shard, replicate
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Dropout(0.0), nn.Linear(8, 2))
+
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 4, generator=gen), torch.randn(8, 2, generator=gen)
+    alone = model()
+    opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+    for _ in range(2):
+        F.mse_loss(alone(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    dp = mesh["dp"].get_local_rank()
+    differing = []
+    for composition in ("plain", "fsdp", "ddp"):
+        for name in ("1f1b", "zero-bubble", "interleaved-1f1b"):
+            schedule = build_schedule(name, 2, 4)
+            starts = ["2"] if schedule.stages == 2 else ["1", "2", "3"]
+            parts = split_sequential(model(), schedule.stages, starts=starts)
+            me = mesh.get_coordinate()[0]
+            stages = {s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == me}
+            for stage in stages.values():
+                if composition == "fsdp":
+                    fully_shard(stage, mesh=mesh["dp"])
+                elif composition == "ddp":
+                    replicate(stage, mesh=mesh["dp"])
+            runner = PipelineRunner(stages, mesh, schedule, F.mse_loss)
+            opt = torch.optim.SGD(runner.module.parameters(), lr=0.1)
+            rows = slice(None) if composition == "plain" else slice(4 * dp, 4 * dp + 4)
+            for _ in range(2):
+                runner.step(x[rows], y[rows])
+                opt.step()
+                opt.zero_grad()
+            full = runner.state_dict(full=True)
+            differing.append((composition, name, [
+                k for k, v in alone.state_dict().items()
+                if not torch.allclose(full[k], v, rtol=1e-5, atol=1e-6)]))
+    return differing
+
+
+def test_stages_without_parameters_train_as_one_process(mesh_pool):
+    for differing in mesh_pool.run(stages_without_parameters, 4):
+        assert len(differing) == 9
+        assert all(keys == [] for _, _, keys in differing), differing
