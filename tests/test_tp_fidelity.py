@@ -222,3 +222,88 @@ def test_loss_parallel_with_devmesh_tensor_parallelism(mesh_pool):
     for local_shape, loss, expected, head_grad, trunk_grad in mesh_pool.run(vocab_parallel_loss, 2):
         assert local_shape == (4, 4)  # the logits stay split by class
         assert loss == pytest.approx(expected, rel=1e-14) and head_grad and trunk_grad
+
+
+class _Uneven(nn.Module):
+    """Feature counts the TP degree 4 does not divide: torch.chunk gives 7 -> 2, 2, 2, 1,
+    6 -> 2, 2, 2, 0 and 5 -> 2, 2, 1, 0 (a rank with an empty block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)     # columns 6 -> Replicate output
+        self.up = nn.Linear(6, 7)          # columns -> Replicate output
+        self.mid = nn.Linear(7, 5)         # rows, from a Replicate input
+        self.gate = nn.Linear(5, 7)        # columns, handed on as a DTensor ...
+        self.down = nn.Linear(7, 6)        # ... to rows
+        self.head = nn.Linear(6, 7)        # columns, class-sharded logits for loss_parallel
+
+    def forward(self, ids):
+        h = torch.tanh(self.up(self.emb(ids)))
+        h = torch.tanh(self.mid(h))
+        h = self.down(torch.tanh(self.gate(h)))
+        return self.head(h)
+
+
+def _uneven_plan(lib):
+    return {"emb": lib.ColwiseParallel(output_layouts=TorchReplicate()),
+            "up": lib.ColwiseParallel(output_layouts=TorchReplicate()),
+            "mid": lib.RowwiseParallel(input_layouts=TorchReplicate()),
+            "gate": lib.ColwiseParallel(use_local_output=False),
+            "down": lib.RowwiseParallel(),
+            "head": lib.ColwiseParallel(output_layouts=TorchShard(-1), use_local_output=False)}
+
+
+def uneven_feature_splits():
+    """The model above trained by devmesh's styles, by torch's on the same ranks, and alone:
+    each step's loss and every final parameter."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    import devmesh.parallel as ours
+    import torch.distributed.tensor.parallel as theirs
+
+    meshes = {"devmesh": init_device_mesh("cpu", (4,)), "torch": torch_mesh("cpu", (4,))}
+    results = {}
+    for lib in ("alone", "devmesh", "torch"):
+        torch.manual_seed(0)
+        model = _Uneven().double()
+        if lib != "alone":
+            (ours if lib == "devmesh" else theirs).parallelize_module(
+                model, meshes[lib], _uneven_plan(ours if lib == "devmesh" else theirs))
+        opt = torch.optim.Adam(model.parameters(), lr=0.05)
+        losses = []
+        for step in range(3):
+            g = torch.Generator().manual_seed(step)
+            ids = torch.randint(0, 11, (4, 3), generator=g)
+            labels = torch.randint(0, 7, (12,), generator=g)
+            logits = model(ids).flatten(0, 1)
+            if lib == "alone":
+                loss = F.cross_entropy(logits, labels)
+            else:
+                with loss_parallel():
+                    loss = F.cross_entropy(logits, labels)
+                    loss.backward()
+            if lib == "alone":
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(float((loss.full_tensor() if isinstance(loss, DTensor) else loss).detach()))
+        params = state_dict(model, full=True) if lib == "devmesh" else {
+            k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+        results[lib] = losses, params
+    alone = results["alone"]
+    return {lib: (max(abs(a - b) for a, b in zip(losses, alone[0])),
+                  max(float((params[k] - alone[1][k]).abs().max()) for k in alone[1]))
+            for lib, (losses, params) in results.items() if lib != "alone"}
+
+
+def test_uneven_feature_splits_train_as_torch_and_as_one_process(mesh_pool):
+    """A column-sharded output gathered to Replicate, a Replicate input split for row-sharded
+    weights, a column-sharded output handed on as a DTensor and class-sharded logits under
+    loss_parallel, all with features 4 ranks split unevenly. Before, the gathers of uneven
+    blocks aborted every rank in gloo, the split was refused and the DTensors had the global
+    shape of an even split; torch's styles take all of these."""
+    for errors in mesh_pool.run(uneven_feature_splits, 4):
+        for lib, (loss_error, param_error) in errors.items():
+            assert loss_error < 1e-12 and param_error < 1e-12, (lib, loss_error, param_error)

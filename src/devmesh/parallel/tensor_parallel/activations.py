@@ -13,6 +13,11 @@ An activation reaches a parallelized module in one of three forms:
 
 Plain-tensor boundaries go through :mod:`.functional` (one devmesh collective each, counted
 by :mod:`devmesh.distributed.comm`); DTensor boundaries through torch's redistribution.
+
+A plain block does not say how long the whole is. Where a style knows it — a feature dim split
+as the weight is, ``Linear.out_features`` into a column-sharded output — it passes ``extent``,
+``(dim, length)``, so uneven blocks (``torch.chunk``'s) are gathered, split and wrapped as
+DTensors of the right global shape; without it a split dim is taken to split evenly.
 """
 
 from __future__ import annotations
@@ -46,9 +51,13 @@ def is_global(x: object) -> bool:
     return isinstance(x, (DTensor, ShardedTensor))
 
 
+Extent = tuple[int, int] | None  # (tensor dim, its global length)
+
+
 def as_dtensor(x: torch.Tensor | DTensor | ShardedTensor, mesh: DeviceMesh,
-               placement: Placement) -> DTensor:
-    """``x`` as a DTensor on ``mesh`` (a plain tensor is taken to be in ``placement``)."""
+               placement: Placement, extent: Extent = None) -> DTensor:
+    """``x`` as a DTensor on ``mesh`` (a plain tensor is taken to be in ``placement``, with
+    the global length ``extent`` gives for its split dim)."""
     if isinstance(x, ShardedTensor):
         x = x.to_dtensor()
     if isinstance(x, DTensor):
@@ -58,7 +67,22 @@ def as_dtensor(x: torch.Tensor | DTensor | ShardedTensor, mesh: DeviceMesh,
                 f"parallelized over {mesh!r}; redistribute it onto that mesh first"
             )
         return x
-    return DTensor.from_local(x, mesh, [to_torch_placement(placement)], run_check=False)
+    size = _length(extent, placement, x.ndim)
+    if size is None:
+        return DTensor.from_local(x, mesh, [to_torch_placement(placement)], run_check=False)
+    shape = list(x.shape)
+    shape[placement.dim % x.ndim] = size
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensor.from_local(x, mesh, [to_torch_placement(placement)], run_check=False,
+                              shape=torch.Size(shape), stride=stride)
+
+
+def _length(extent: Extent, placement: Placement, ndim: int) -> int | None:
+    """The global length of the dim ``placement`` splits, where ``extent`` gives it."""
+    if extent is None or not isinstance(placement, Shard) or ndim == 0:
+        return None
+    dim, length = extent
+    return length if dim % ndim == placement.dim % ndim else None
 
 
 def layout_of(x: object, default: Placement) -> Placement:
@@ -91,7 +115,8 @@ def replicated_input(x, have: Placement, mesh: DeviceMesh) -> torch.Tensor:
     return PF.copy_to_parallel(x, mesh)  # backward: one all-reduce
 
 
-def sharded_input(x, have: Placement, want: Shard, mesh: DeviceMesh) -> torch.Tensor:
+def sharded_input(x, have: Placement, want: Shard, mesh: DeviceMesh,
+                  extent: Extent = None) -> torch.Tensor:
     """This rank's block of the activation split along ``want.dim``, for a consumer whose
     weights are split the same way (its input gradient is complete)."""
     if is_global(x):
@@ -99,22 +124,23 @@ def sharded_input(x, have: Placement, want: Shard, mesh: DeviceMesh) -> torch.Te
         if not _same(as_placement(dt.placements[0]), want, dt.ndim):
             dt = dt.redistribute(mesh, [to_torch_placement(want)])
         return dt.to_local()
-    return convert(x, have, want, mesh, use_local_output=True)
+    return convert(x, have, want, mesh, use_local_output=True, extent=extent)
 
 
 def finish_output(y: torch.Tensor, have: Placement, want: Placement, mesh: DeviceMesh,
-                  use_local_output: bool):
+                  use_local_output: bool, extent: Extent = None):
     """A module's local result (in layout ``have``) handed on in layout ``want``: the local
     block, or with ``use_local_output=False`` a DTensor."""
     if use_local_output:
-        return convert(y, have, want, mesh, use_local_output=True)
-    dt = as_dtensor(y, mesh, have)
+        return convert(y, have, want, mesh, use_local_output=True, extent=extent)
+    dt = as_dtensor(y, mesh, have, extent)
     if not _same(have, want, y.ndim):
         dt = dt.redistribute(mesh, [to_torch_placement(want)])
     return dt
 
 
-def convert(x, have: Placement, want: Placement, mesh: DeviceMesh, *, use_local_output: bool):
+def convert(x, have: Placement, want: Placement, mesh: DeviceMesh, *, use_local_output: bool,
+            extent: Extent = None):
     """An activation from layout ``have`` (its own if it carries one) to ``want``.
 
     Plain in, plain out: the common sequence-parallel conversions are one devmesh collective
@@ -125,18 +151,18 @@ def convert(x, have: Placement, want: Placement, mesh: DeviceMesh, *, use_local_
         return x
     have = layout_of(x, have)
     if not use_local_output or is_global(x):
-        dt = as_dtensor(x, mesh, have)
+        dt = as_dtensor(x, mesh, have, extent)
         if not _same(have, want, dt.ndim):
             dt = dt.redistribute(mesh, [to_torch_placement(want)])
         return dt.to_local() if use_local_output else dt
     if _same(have, want, x.ndim):
         return x
     if isinstance(have, Shard) and isinstance(want, Replicate):
-        return PF.gather_replicated(x, mesh, have.dim)
+        return PF.gather_replicated(x, mesh, have.dim, _length(extent, have, x.ndim))
     if isinstance(have, Replicate) and isinstance(want, Shard):
-        return PF.split_replicated(x, mesh, want.dim)
+        return PF.split_replicated(x, mesh, want.dim, _length(extent, want, x.ndim))
     if isinstance(have, Partial) and have.reduce_op == "sum" and isinstance(want, Replicate):
         return PF.reduce_from_parallel(x, mesh)
     if isinstance(have, Partial) and have.reduce_op == "sum" and isinstance(want, Shard):
         return PF.reduce_scatter_from_parallel(x, mesh, want.dim)
-    return convert(x, have, want, mesh, use_local_output=False).to_local()
+    return convert(x, have, want, mesh, use_local_output=False, extent=extent).to_local()

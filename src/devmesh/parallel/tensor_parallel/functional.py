@@ -13,6 +13,12 @@ is one collective in forward and its dual in backward, chosen by who consumes th
   sequence-parallel region), all-gather backward;
 * ``gather_replicated(dim)``: all-gather forward for replicated consumers, slice backward;
 * ``split_replicated(dim)``: slice forward, all-gather backward.
+
+Activations split along a sequence dim must split evenly (checked where this rank can see it).
+The two ``*_replicated`` functions also take the global ``size`` of ``dim``: a feature dim
+follows the weight's split, which is uneven as ``torch.chunk`` makes it when the degree does
+not divide the features (7 output features on 4 ranks: 2, 2, 2, 1; 6: 2, 2, 2, 0), so each
+rank's block is padded to the largest for the all-gather and cut back after it.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
 from devmesh.errors import ParallelizeError
+from devmesh.layout.spec import chunk_bounds
 
 __all__ = [
     "copy_to_parallel", "reduce_from_parallel", "gather_for_parallel",
@@ -37,42 +44,63 @@ def _check_divisible(t: torch.Tensor, dim: int, k: int, what: str) -> None:
         )
 
 
-def _gather(t: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    stacked = comm.all_gather(t.contiguous(), mesh, (0,))
-    return torch.cat(list(stacked.unbind(0)), dim=dim)
+def _gather(t: torch.Tensor, mesh: DeviceMesh, dim: int, size: int | None = None
+            ) -> torch.Tensor:
+    k = mesh.size()
+    if size is None or size % k == 0:
+        stacked = comm.all_gather(t.contiguous(), mesh, (0,))
+        return torch.cat(list(stacked.unbind(0)), dim=dim)
+    block = -(-size // k)
+    padding = list(t.shape)
+    padding[dim] = block - t.shape[dim]
+    stacked = comm.all_gather(torch.cat([t, t.new_zeros(padding)], dim=dim), mesh, (0,))
+    return torch.cat([piece.narrow(dim, 0, chunk_bounds(size, k, i)[1])
+                      for i, piece in enumerate(stacked.unbind(0))], dim=dim)
 
 
-def _reduce_scatter(t: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+def _reduce_scatter(t: torch.Tensor, mesh: DeviceMesh, dim: int, size: None = None
+                    ) -> torch.Tensor:
     k = mesh.size()
     _check_divisible(t, dim, k, "reduce-scatter")
     stacked = torch.stack(t.chunk(k, dim=dim))
     return comm.reduce_scatter(stacked, mesh, (0,), "sum")
 
 
-def _split(t: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+def _split(t: torch.Tensor, mesh: DeviceMesh, dim: int, size: int | None = None
+           ) -> torch.Tensor:
     k = mesh.size()
-    _check_divisible(t, dim, k, "split")
-    return t.chunk(k, dim=dim)[mesh.get_local_rank()].contiguous()
+    if size is None:
+        _check_divisible(t, dim, k, "split")
+        return t.chunk(k, dim=dim)[mesh.get_local_rank()].contiguous()
+    if t.shape[dim] != size:
+        raise ParallelizeError(
+            f"split: dim {dim} has size {t.shape[dim]}, but the module's weight is split from "
+            f"{size} (give the module an input of the size it was built for)"
+        )
+    start, length = chunk_bounds(size, k, mesh.get_local_rank())
+    return t.narrow(dim, start, length).contiguous()
 
 
-def _all_reduce(t: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, mesh: DeviceMesh, dim: int, size: None = None
+                ) -> torch.Tensor:
     return comm.all_reduce(t.contiguous().clone(), mesh, (0,))
 
 
-def _identity(t: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
+def _identity(t: torch.Tensor, mesh: DeviceMesh, dim: int, size: None = None
+              ) -> torch.Tensor:
     return t.view_as(t)
 
 
 def _dual(name: str, forward, backward) -> type[torch.autograd.Function]:
-    """An autograd function running ``forward(x, mesh, dim)`` and, on the way back,
-    ``backward(grad, mesh, dim)``."""
+    """An autograd function running ``forward(x, mesh, dim, size)`` and, on the way back,
+    ``backward(grad, mesh, dim, size)``."""
 
-    def fwd(ctx, x, mesh, dim):
-        ctx.mesh, ctx.dim = mesh, dim
-        return forward(x, mesh, dim)
+    def fwd(ctx, x, mesh, dim, size):
+        ctx.mesh, ctx.dim, ctx.size = mesh, dim, size
+        return forward(x, mesh, dim, size)
 
     def bwd(ctx, grad):
-        return backward(grad, ctx.mesh, ctx.dim), None, None
+        return backward(grad, ctx.mesh, ctx.dim, ctx.size), None, None, None
 
     return type(name, (torch.autograd.Function,),
                 {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
@@ -87,24 +115,32 @@ _SplitReplicated = _dual("_SplitReplicated", _split, _gather)
 
 
 def copy_to_parallel(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return _CopyToParallel.apply(x, mesh, 0) if mesh.size() > 1 else x
+    return _CopyToParallel.apply(x, mesh, 0, None) if mesh.size() > 1 else x
 
 
 def reduce_from_parallel(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return _ReduceFromParallel.apply(x, mesh, 0) if mesh.size() > 1 else x
+    return _ReduceFromParallel.apply(x, mesh, 0, None) if mesh.size() > 1 else x
 
 
 def gather_for_parallel(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    return _GatherForParallel.apply(x, mesh, dim % x.ndim) if mesh.size() > 1 else x
+    return _GatherForParallel.apply(x, mesh, dim % x.ndim, None) if mesh.size() > 1 else x
 
 
 def reduce_scatter_from_parallel(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    return _ReduceScatterFromParallel.apply(x, mesh, dim % x.ndim) if mesh.size() > 1 else x
+    if mesh.size() == 1:
+        return x
+    return _ReduceScatterFromParallel.apply(x, mesh, dim % x.ndim, None)
 
 
-def gather_replicated(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    return _GatherReplicated.apply(x, mesh, dim % x.ndim) if mesh.size() > 1 else x
+def gather_replicated(x: torch.Tensor, mesh: DeviceMesh, dim: int, size: int | None = None
+                      ) -> torch.Tensor:
+    """The whole of ``x`` from every rank's block along ``dim``; ``size``, the whole's length
+    there, where the blocks may be uneven."""
+    return _GatherReplicated.apply(x, mesh, dim % x.ndim, size) if mesh.size() > 1 else x
 
 
-def split_replicated(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    return _SplitReplicated.apply(x, mesh, dim % x.ndim) if mesh.size() > 1 else x
+def split_replicated(x: torch.Tensor, mesh: DeviceMesh, dim: int, size: int | None = None
+                     ) -> torch.Tensor:
+    """This rank's block of ``x`` along ``dim``: even unless ``size`` (``x``'s length there) is
+    given, then as ``torch.chunk`` cuts it."""
+    return _SplitReplicated.apply(x, mesh, dim % x.ndim, size) if mesh.size() > 1 else x

@@ -143,7 +143,9 @@ def _colwise_input(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Module, 
 
 @_eager
 def _colwise_output(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Module, args, y):
-    return A.finish_output(y, Shard(-1), style.output_layouts, mesh, style.use_local_output)
+    features = module.embedding_dim if isinstance(module, nn.Embedding) else module.out_features
+    return A.finish_output(y, Shard(-1), style.output_layouts, mesh, style.use_local_output,
+                           extent=(-1, features))
 
 
 # -- RowwiseParallel ------------------------------------------------------------------------
@@ -183,7 +185,7 @@ class RowwiseParallel(ParallelStyle):
 
 @_eager
 def _rowwise_linear(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear, x):
-    x = A.sharded_input(x, style.input_layouts, Shard(-1), mesh)
+    x = A.sharded_input(x, style.input_layouts, Shard(-1), mesh, extent=(-1, module.in_features))
     y = style.reduce(F.linear(x, module.weight), mesh)
     bias = module.bias
     if bias is not None:
