@@ -115,3 +115,39 @@ def torch_hsdp_on_devmesh():
 def test_torch_hsdp_takes_a_2d_devmesh_mesh(mesh_pool):
     results = mesh_pool.run(torch_hsdp_on_devmesh, 4)
     assert all(r == results[0] for r in results)
+
+
+def devmesh_data_parallel_over_torch_dtensors():
+    """torch's tensor parallelism (its own style, as torchtitan applies its custom ones) on a
+    devmesh mesh, then devmesh's fully_shard or replicate: each is refused, on every rank,
+    naming the parameter and both ways out; torch's fully_shard on the same mesh trains."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    from devmesh.errors import ParallelizeError
+    from devmesh.parallel import fully_shard, replicate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    messages = []
+    for wrap in (fully_shard, replicate):
+        model = _model()
+        torch_parallelize(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        try:
+            wrap(model, mesh=mesh["dp"])
+        except ParallelizeError as e:
+            messages.append(str(e))
+    model = _model()
+    torch_parallelize(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    torch_fully_shard(model, mesh=mesh["dp"])
+    model(torch.randn(4, 8)).sum().backward()
+    return messages, all(p.grad is not None for p in model.parameters())
+
+
+def test_devmesh_data_parallelism_refuses_torch_dtensor_parameters_with_the_fix(mesh_pool):
+    for messages, torch_trained in mesh_pool.run(devmesh_data_parallel_over_torch_dtensors, 4):
+        assert len(messages) == 2 and torch_trained
+        for message, what in zip(messages, ("fully_shard", "replicate")):
+            assert f"{what}: parameter '0.weight' is a torch DTensor" in message
+            assert "devmesh.parallel.parallelize_module" in message
+            assert f"torch's {what}" in message

@@ -36,6 +36,7 @@ from devmesh.parallel.param import (
     ParallelizeError,
     describe_tensors,
     get_layout,
+    refuse_torch_dtensors,
     replaced_parameters,
     set_layout,
     world_mesh,
@@ -393,6 +394,7 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
     ignored = {id(p) for p in ignored_params or ()}
     ignored |= {id(t) for m in ignored_modules or ()
                 for t in list(m.parameters()) + list(m.buffers())}
+    refuse_torch_dtensors(module, ignored, "replicate")
     if forward_sync_buffers is not None:
         sync, init_buffers = forward_sync_buffers, True
     else:

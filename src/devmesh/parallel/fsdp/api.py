@@ -14,7 +14,12 @@ from devmesh.mesh import DeviceMesh
 from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from devmesh.parallel.fsdp.module import FSDPModule, units_named
 from devmesh.parallel.fsdp.unit import FSDPUnit
-from devmesh.parallel.param import ParallelizeError, with_methods, world_mesh
+from devmesh.parallel.param import (
+    ParallelizeError,
+    refuse_torch_dtensors,
+    with_methods,
+    world_mesh,
+)
 
 
 def fully_shard(
@@ -184,6 +189,7 @@ def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
                                               for p in ignored_params):
         raise ParallelizeError("ignored_params must be a set of the module's parameters")
     ignored = {id(p) for p in ignored_params or ()}
+    refuse_torch_dtensors(module, ignored, "fully_shard")
     for name, sub in module.named_modules():
         if (isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
                 and any(id(p) not in ignored for p in sub.parameters(recurse=False))):

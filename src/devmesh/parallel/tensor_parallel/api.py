@@ -94,8 +94,9 @@ def _torch_style_hint(style: object) -> str:
                 "devmesh's parallelize_module")
     return (" — it subclasses torch's ParallelStyle, which makes torch DTensor parameters "
             "(devmesh's are plain blocks with a layout): apply it with torch's "
-            "parallelize_module on the devmesh mesh (a torch DeviceMesh), or write it as a "
-            "devmesh style (devmesh.parallel.ParallelStyle)")
+            "parallelize_module on the devmesh mesh (a torch DeviceMesh) — and torch's "
+            "fully_shard or replicate over it, which take DTensor parameters — or write it as "
+            "a devmesh style (devmesh.parallel.ParallelStyle)")
 
 
 def parallelize_module(
