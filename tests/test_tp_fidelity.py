@@ -307,3 +307,51 @@ def test_uneven_feature_splits_train_as_torch_and_as_one_process(mesh_pool):
     for errors in mesh_pool.run(uneven_feature_splits, 4):
         for lib, (loss_error, param_error) in errors.items():
             assert loss_error < 1e-12 and param_error < 1e-12, (lib, loss_error, param_error)
+
+
+def split_embeddings(vocab: int, scale_grad_by_freq: bool):
+    """A row-split (vocab) and a column-split embedding trained two steps by devmesh's styles
+    and by torch's on the same 4 ranks; each one's largest difference from one process.
+    torch's only where the vocabulary gives every rank rows: with 3 on 4, its optimizer step
+    fails ("in-place operations that require placement changes are not supported")."""
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+    from torch.distributed.tensor import DTensor
+
+    import devmesh.parallel as ours
+    import torch.distributed.tensor.parallel as theirs
+
+    meshes = {"devmesh": init_device_mesh("cpu", (4,)), "torch": torch_mesh("cpu", (4,))}
+    ids = torch.tensor([[0, 0, 0, 5], [5, 3, 7, 1], [2, 2, 9, 0]]) % vocab
+    results = {}
+    for lib in ("alone", "devmesh", "torch") if vocab >= 4 else ("alone", "devmesh"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Embedding(vocab, 6, scale_grad_by_freq=scale_grad_by_freq)
+                                for _ in range(2))).double()
+        if lib != "alone":
+            styles = ours if lib == "devmesh" else theirs
+            styles.parallelize_module(model, meshes[lib], {
+                "0": styles.RowwiseParallel(input_layouts=TorchReplicate()),
+                "1": styles.ColwiseParallel(output_layouts=TorchReplicate())})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            weights = torch.arange(ids.numel() * 6, dtype=torch.float64).reshape(*ids.shape, 6)
+            out = model[0](ids) * model[1](ids)
+            (out * weights).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        results[lib] = state_dict(model, full=True) if lib == "devmesh" else {
+            k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in model.state_dict().items()}
+    alone = results.pop("alone")
+    return {lib: max(float((params[k] - alone[k]).abs().max()) for k in alone)
+            for lib, params in results.items()}
+
+
+@pytest.mark.parametrize("vocab,scale_grad_by_freq", [(11, True), (3, False), (3, True)])
+def test_split_embeddings_as_torch_with_frequency_scaling_and_empty_blocks(
+        mesh_pool, vocab, scale_grad_by_freq):
+    """``scale_grad_by_freq``: the row-split embedding looked other ranks' ids up in row 0,
+    which counted them toward row 0's frequency (its gradient was off by 20). A vocabulary
+    smaller than the degree (3 on 4 ranks) leaves a rank no rows: its lookup indexed an empty
+    block and failed on that rank alone while the others waited in the all-reduce."""
+    for errors in mesh_pool.run(split_embeddings, 4, vocab, scale_grad_by_freq):
+        assert all(error < 1e-12 for error in errors.values()), errors

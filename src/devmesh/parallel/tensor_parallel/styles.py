@@ -206,7 +206,14 @@ def _rowwise_embedding(style: RowwiseParallel, mesh: DeviceMesh, start: int,
     outside = (local < 0) | (local >= rows)
     pad = module.padding_idx
     pad = pad - start if pad is not None and start <= pad < start + rows else None
-    y = F.embedding(local.masked_fill(outside, 0), weight, padding_idx=pad)
+    if module.scale_grad_by_freq or rows == 0:
+        # other ranks' ids look up an extra zero row: they must not count toward the
+        # frequency of a row of this rank's (nor index a block with no rows at all)
+        table = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])
+        y = F.embedding(local.masked_fill(outside, rows), table, padding_idx=pad,
+                        scale_grad_by_freq=module.scale_grad_by_freq)
+    else:
+        y = F.embedding(local.masked_fill(outside, 0), weight, padding_idx=pad)
     y = style.reduce(y.masked_fill(outside.unsqueeze(-1), 0.0), mesh)
     out = style.output_layouts
     return A.finish_output(y, out, out, mesh, style.use_local_output)
