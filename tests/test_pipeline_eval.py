@@ -216,6 +216,14 @@ def _step_without_gradients():
             runner.step(x if me == 0 else None, y if me == 1 else None)
     except PipelineError as exc:
         errors.append(str(exc))
+    def accuracy(logits, target):  # a metric: no gradient reaches the model through it
+        return (logits.argmax(-1) == target).double().mean()
+
+    metric = PipelineRunner(stages, mesh, build_schedule("1f1b", 2, 2), accuracy)
+    try:
+        metric.step(x if me == 0 else None, y if me == 1 else None)
+    except PipelineError as exc:
+        errors.append(str(exc))
     bare = PipelineRunner(stages, mesh, build_schedule("1f1b", 2, 2), None)
     try:
         bare.step(x if me == 0 else None, y if me == 1 else None)
@@ -230,12 +238,17 @@ def _step_without_gradients():
 
 
 def test_step_without_gradients_or_loss_is_named_on_every_rank(mesh_pool):
+    """Gradients off on one rank, a loss no gradient flows through (a metric), no loss
+    function, a batch the micro-batches do not divide: each named on every rank."""
     results = mesh_pool.run(_step_without_gradients, 2)
     for rank, (errors, output) in enumerate(results):
-        assert len(errors) == 3, errors
+        assert len(errors) == 4, errors
         assert "gradients are off here" in errors[0] and "call evaluate()" in errors[0]
-        assert "no loss function" in errors[1]
-        assert "rank 0: 2 micro-batches do not divide the batch of 3" in errors[2]
-        assert "zero them" not in errors[2] and errors[2].count("[rank") == 1  # no gradients
+        # before, the step returned the metric and left every gradient at None, silently
+        assert "rank 1: stage 1, forward of micro-batch 0" in errors[1]
+        assert "the loss function returned a tensor that does not require grad" in errors[1]
+        assert "no loss function" in errors[2]
+        assert "rank 0: 2 micro-batches do not divide the batch of 3" in errors[3]
+        assert "zero them" not in errors[3] and errors[3].count("[rank") == 1  # no gradients
         assert (output is None) == (rank == 0)
     assert results[1][1].shape == (16, 4)

@@ -405,6 +405,13 @@ class PipelineRunner:
                     loss = None
                     if "targets" in step.chunks:
                         loss = self._loss(out, step.chunks["targets"][mb], step.loss_kwargs)
+                        if step.training and not loss.requires_grad:
+                            raise PipelineError(
+                                "the loss function returned a tensor that does not require "
+                                "grad, so no gradient can reach the model (as loss.backward() "
+                                "would raise in one process): compute it from the output with "
+                                "differentiable operations (argmax, comparisons, .item() and "
+                                ".detach() cut the graph); for a metric alone call evaluate()")
                         outs = (loss / self.schedule.microbatches if self.scale_grads
                                 else loss,)
                         step.losses.append(outs[0].detach())
