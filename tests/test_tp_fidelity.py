@@ -154,9 +154,10 @@ def test_replicate_refuses_replicas_that_differ_on_every_rank(mesh_pool, case, w
         assert name == "MeshMismatchError" and words in message
 
 
-def prepare_input_and_output(library: str):
+def prepare_input_and_output(library: str, keyed: bool = False):
     """One module whose input arrives split by rows and whose output leaves split by rows,
-    computing on the whole batch in between: torch's PrepareModuleInputOutput or devmesh's."""
+    computing on the whole batch in between: torch's PrepareModuleInputOutput or devmesh's
+    (``keyed``: given as ``{"": style}``, torch's plan key for the module itself)."""
     if library == "devmesh":
         from devmesh.parallel import PrepareModuleInputOutput
     else:
@@ -174,7 +175,7 @@ def prepare_input_and_output(library: str):
                                      use_local_input=True, output_layouts=TorchReplicate(),
                                      desired_output_layouts=TorchShard(0))
     apply = parallelize_module if library == "devmesh" else torch_parallelize
-    module = apply(WholeBatch(), mesh, style)
+    module = apply(WholeBatch(), mesh, {"": style} if keyed else style)
     rows = torch.arange(8.0, dtype=torch.float64).reshape(4, 2) ** 2
     mine = rows.chunk(2)[dist.get_rank()].clone().requires_grad_()
     out = module(mine)
@@ -182,8 +183,9 @@ def prepare_input_and_output(library: str):
     return out.detach(), mine.grad
 
 
-def test_prepare_module_input_output_as_torch(mesh_pool):
-    ours = mesh_pool.run(prepare_input_and_output, 2, "devmesh")
+@pytest.mark.parametrize("keyed", [False, True])
+def test_prepare_module_input_output_as_torch(mesh_pool, keyed):
+    ours = mesh_pool.run(prepare_input_and_output, 2, "devmesh", keyed)
     theirs = mesh_pool.run(prepare_input_and_output, 2, "torch")
     rows = torch.arange(8.0, dtype=torch.float64).reshape(4, 2) ** 2
     for rank, ((out, grad), (t_out, t_grad)) in enumerate(zip(ours, theirs)):

@@ -72,6 +72,9 @@ def _resolve_plan(module: nn.Module, plan) -> list[tuple[str, nn.Module, Paralle
                 f"parallelize_plan[{pattern!r}] is a {type(style).__name__}, not a devmesh "
                 f"ParallelStyle{hint}"
             )
+        if pattern == "":  # torch's key for the module itself
+            entries.append(("", module, style))
+            continue
         matches = [n for n in names if n and fnmatch.fnmatchcase(n, pattern)
                    and n.count(".") == pattern.count(".")]
         if not matches:
