@@ -357,3 +357,76 @@ def test_split_embeddings_as_torch_with_frequency_scaling_and_empty_blocks(
     block and failed on that rank alone while the others waited in the all-reduce."""
     for errors in mesh_pool.run(split_embeddings, 4, vocab, scale_grad_by_freq):
         assert all(error < 1e-12 for error in errors.values()), errors
+
+
+def _local(t):
+    """This rank's block of a style's output or gradient, torch's or devmesh's."""
+    if isinstance(t, torch.distributed.tensor.DTensor):
+        t = t.to_local()
+    return (t * 1).detach()  # * 1: waits for torch's AsyncCollectiveTensor
+
+
+def linear_styles_every_layout():
+    """ColwiseParallel and RowwiseParallel on one nn.Linear with every input and output layout
+    torch takes, local or DTensor outputs, features the 2 ranks split evenly (8) and unevenly
+    (7): this rank's output, input gradient and weight and bias gradient blocks, by devmesh's
+    styles and by torch's (where torch cannot run the case — an uneven Shard(-1) input, which
+    it takes for an even split's block — one process's output instead)."""
+    import itertools
+
+    from torch.distributed.device_mesh import init_device_mesh as torch_mesh
+
+    import devmesh.parallel as ours
+    import torch.distributed.tensor.parallel as theirs
+
+    meshes = {ours: init_device_mesh("cpu", (2,)), theirs: torch_mesh("cpu", (2,))}
+    rank = dist.get_rank()
+    cases = [("col", i, o, local, f) for i, o, local, f in itertools.product(
+                 [TorchReplicate(), TorchShard(0)], [TorchShard(-1), TorchReplicate(), TorchShard(0)],
+                 [True, False], [8, 7])]
+    cases += [("row", i, o, local, f) for i, o, local, f in itertools.product(
+                  [TorchShard(-1), TorchReplicate()], [TorchReplicate(), TorchShard(0)],
+                  [True, False], [8, 7])]
+    results = []
+    for kind, inputs, outputs, local, features in cases:
+        found = []
+        for lib in (ours, theirs):
+            torch.manual_seed(0)
+            layer = (nn.Linear(6, features) if kind == "col" else nn.Linear(features, 5)).double()
+            style = lib.ColwiseParallel if kind == "col" else lib.RowwiseParallel
+            lib.parallelize_module(layer, meshes[lib], style(
+                input_layouts=inputs, output_layouts=outputs, use_local_output=local))
+            x = torch.randn(4, layer.in_features, dtype=torch.float64,
+                            generator=torch.Generator().manual_seed(1))
+            if isinstance(inputs, TorchShard):
+                x = x.tensor_split(2, inputs.dim)[rank]
+            x = x.clone().requires_grad_()
+            try:
+                y = layer(x)
+            except RuntimeError:  # torch takes the uneven block for an even split's
+                torch.manual_seed(0)
+                alone = nn.Linear(features, 5).double()
+                whole = alone(torch.randn(4, features, dtype=torch.float64,
+                                          generator=torch.Generator().manual_seed(1)))
+                found.append(("alone", whole if isinstance(outputs, TorchReplicate)
+                              else whole.tensor_split(2, 0)[rank]))
+                continue
+            (y.to_local() if isinstance(y, torch.distributed.tensor.DTensor) else y
+             ).pow(2).sum().backward()
+            found.append([_local(t) for t in (y, x.grad, *(p.grad for p in layer.parameters()))])
+        results.append(((kind, str(inputs), str(outputs), local, features), *found))
+    return results
+
+
+def test_linear_styles_in_every_layout_as_torch(mesh_pool):
+    """Each rank's blocks equal torch's for every layout torch runs; devmesh also runs the
+    uneven Shard(-1) inputs torch cannot, giving one process's output."""
+    for results in mesh_pool.run(linear_styles_every_layout, 2):
+        assert len(results) == 40
+        for case, ours, theirs in results:
+            if theirs[0] == "alone":  # torch cannot; devmesh's output is one process's
+                assert case[0] == "row" and case[1] == "S(-1)" and case[4] == 7, case
+                torch.testing.assert_close(ours[0], theirs[1].detach(), atol=1e-13, rtol=1e-13)
+                continue
+            for mine, torchs in zip(ours, theirs):
+                torch.testing.assert_close(mine, torchs, atol=1e-13, rtol=1e-13, msg=lambda m: f"{case}: {m} {mine} {torchs}")
