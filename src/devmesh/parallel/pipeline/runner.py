@@ -488,6 +488,12 @@ class PipelineRunner:
                         gradients = split.input_grad()
                     input_grads = gradients if s > 0 else None  # stage 0 sends nothing
             except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
+                if s == self.last and "mixed torch.Tensor and DTensor" in str(exc):
+                    exc = PipelineError(
+                        f"{exc} If the loss function enters loss_parallel(), the backward "
+                        "needs it too: enter it around the step instead — with "
+                        "loss_parallel(): runner.step(...) (schedule.step), as torchtitan "
+                        "does", with_rank=False)
                 step.fail(exc, f"stage {s}, backward of micro-batch {mb}")
                 input_grads = None
             step.compute[action] = time.perf_counter() - start
