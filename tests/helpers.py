@@ -55,18 +55,22 @@ def seeded_batch(step: int, size: int = 16, features: int = 16, classes: int = 4
             torch.randint(0, classes, (size,), generator=gen))
 
 
-def train_alone(model, steps: int, batch=seeded_batch) -> dict:
+def train_alone(model, steps: int, batch=seeded_batch, losses: list | None = None) -> dict:
     """Single-process training of ``model`` (SGD, lr 0.1, cross entropy) on ``batch(step)``:
-    the reference a parallel run must equal. Returns the trained state dict, copied."""
+    the reference a parallel run must equal. Returns the trained state dict, copied (and
+    appends each step's loss to ``losses`` where given)."""
     import torch
     import torch.nn.functional as F
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(steps):
         x, y = batch(step)
-        F.cross_entropy(model(x), y).backward()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
         opt.step()
         opt.zero_grad()
+        if losses is not None:
+            losses.append(loss.item())
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 

@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import Shard
 
 from devmesh import init_device_mesh
+from helpers import train_alone
 
 STEPS, BATCH, CLASSES = 2, 8, 7  # 7 classes: split 4 and 3 by the 2 tensor-parallel ranks
 
@@ -65,25 +66,12 @@ def vocabulary_parallel_pipeline(schedule_name: str, context_around: str):
     return losses, runner.state_dict(full=True)
 
 
-def _alone():
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(STEPS):
-        x, y = _batch(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
 @pytest.mark.parametrize("schedule_name", ["1f1b", "zero-bubble"])
 def test_loss_parallel_around_the_step_trains_as_one_process(mesh_pool, schedule_name):
     """The logits never gathered (7 classes split 4 + 3), under 1F1B and under zero-bubble's
     split backward: the losses and the whole model equal one process's."""
-    ref_losses, ref_state = _alone()
+    ref_losses = []
+    ref_state = train_alone(_model(), STEPS, _batch, ref_losses)
     for rank, (losses, state) in enumerate(
             mesh_pool.run(vocabulary_parallel_pipeline, 4, schedule_name, "step")):
         if rank >= 2:  # the last stage's ranks
