@@ -630,3 +630,68 @@ def test_fsdp_recovers_after_a_failed_forward(mesh_pool):
     for resharded, equal, separate in mesh_pool.run(
             fsdp_recovers_after_a_failed_forward_and_keeps_models_apart, 2):
         assert resharded and equal and separate
+
+
+def flattened_dim_fsdp_with_tp(path: str):
+    """torchtitan's mesh: ("dp_shard", "cp", "tp") with dp_shard and cp flattened into
+    "dp_shard_cp", fully_shard over that flattened dim on top of tensor parallelism over "tp".
+    Rows split over the 4 flattened ranks as torch.chunk gives them (5 -> 2, 2, 1, 0).
+    Returns the gradient norms, the largest difference from one process of the trained model,
+    of its DTensor state dict and of its checkpoint loaded into a plain (dp, tp) = (4, 2) mesh."""
+    from torch.distributed.tensor import DTensor
+
+    from devmesh.parallel import load_checkpoint, save_checkpoint
+
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 5), nn.Linear(5, 3)).double()
+
+    def train(model, rows, clip):
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+        norms = []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            x = torch.randn(8, 6, dtype=torch.float64, generator=gen)
+            y = torch.randint(0, 3, (8,), generator=gen)
+            F.cross_entropy(model(x[rows]), y[rows]).backward()
+            norms.append(float(clip(model.parameters(), 0.5)))
+            opt.step()
+            opt.zero_grad()
+        return opt, norms
+
+    alone = build()
+    _, ref_norms = train(alone, slice(None), torch.nn.utils.clip_grad_norm_)
+    ref = alone.state_dict()
+    model = build()
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    parallelize_module(model, mesh["tp"], plan)
+    fully_shard(model[0], mesh=mesh["dp_shard_cp"])
+    fully_shard(model, mesh=mesh["dp_shard_cp"])
+    i = mesh["dp_shard_cp"].get_local_rank()
+    opt, norms = train(model, slice(2 * i, 2 * i + 2), clip_grad_norm_)
+
+    def error(state):
+        return max(float(((v.full_tensor() if isinstance(v, DTensor) else v) - ref[k]).abs().max())
+                   for k, v in state.items())
+
+    save_checkpoint(path, model, opt)
+    plain_mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    other = build()
+    parallelize_module(other, plain_mesh["tp"], plan)
+    fully_shard(other, mesh=plain_mesh["dp"])
+    load_checkpoint(path, other, torch.optim.AdamW(other.parameters()))
+    return (norms, ref_norms, error(state_dict(model, full=True)), error(model.state_dict()),
+            error(state_dict(other, full=True)))
+
+
+def test_fsdp_over_a_flattened_dim_with_tp_as_torchtitan_builds_it(mesh_pool, tmp_path):
+    """Before, fully_shard raised KeyError: 'dp_shard_cp' on every rank (the flattened name
+    is no dim of the root); splitting over its parts instead would nest 5 rows as 2, 1, 1, 1
+    where torch.chunk over the flattened dim gives 2, 2, 1, 0."""
+    for norms, ref_norms, trained, as_dtensors, reloaded in mesh_pool.run(
+            flattened_dim_fsdp_with_tp, 8, str(tmp_path / "ckpt")):
+        assert norms == pytest.approx(ref_norms, rel=1e-12)
+        assert max(trained, as_dtensors, reloaded) < 1e-12

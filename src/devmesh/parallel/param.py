@@ -268,7 +268,10 @@ def describe_tensors(module: torch.nn.Module) -> str:
 
 
 def combined_mesh(a: DeviceMesh, b: DeviceMesh) -> DeviceMesh:
-    """The slice of the common root spanning the dims of ``a`` and of ``b`` (in root order)."""
+    """The slice of the common root spanning the dims of ``a`` and of ``b`` (in root order),
+    each by its own name: a flattened dim is one dim there, as it is to the parallelism that
+    splits over it (its blocks follow ``torch.chunk`` over the flattened size, which nested
+    splits over its parts would not)."""
     if a._root is not b._root:
         raise ParallelizeError(
             f"cannot compose parallelisms on {a!r} and {b!r}: they must be slices of the same "
@@ -278,8 +281,16 @@ def combined_mesh(a: DeviceMesh, b: DeviceMesh) -> DeviceMesh:
     names = root.mesh_dim_names
     if names is None:
         raise ParallelizeError("composing parallelisms needs a mesh with mesh_dim_names")
-    used = {d for m in (a, b) for roots in m._dim_roots for d in roots}
-    wanted = tuple(names[d] for d in sorted(used))
+    dims: dict[str, tuple[int, ...]] = {}
+    for m in (a, b):  # a flattened dim ("dp_shard_cp", torchtitan's) stays one dim
+        for name, roots in zip(m.mesh_dim_names or (), m._dim_roots):
+            dims[name] = roots
+    covered = [d for roots in dims.values() for d in roots]
+    if len(covered) != len(set(covered)):
+        raise ParallelizeError(
+            f"cannot compose parallelisms on {a!r} and {b!r}: their dims overlap "
+            f"({', '.join(dims)}); give each parallelism its own dims of the mesh")
+    wanted = tuple(sorted(dims, key=lambda name: dims[name][0]))
     return root if wanted == names else root[wanted]
 
 
