@@ -430,3 +430,55 @@ def test_linear_styles_in_every_layout_as_torch(mesh_pool):
                 continue
             for mine, torchs in zip(ours, theirs):
                 torch.testing.assert_close(mine, torchs, atol=1e-13, rtol=1e-13, msg=lambda m: f"{case}: {m} {mine} {torchs}")
+
+
+def torch_transformer_with_an_uneven_vocabulary(sequence_parallel: bool):
+    """torch's test Transformer with 15 tokens on 2 ranks (8 + 7), parallelized by its own
+    plan with devmesh's styles: its output head gathers uneven logits to Replicate. Returns
+    the largest loss and parameter differences from one process over 3 Adam steps."""
+    from unittest import mock
+
+    from torch.testing._internal.distributed._tensor import common_dtensor
+    from torch.testing._internal.distributed._tensor.common_dtensor import ModelArgs, Transformer
+
+    import devmesh.parallel as ours
+
+    vocab = 15
+
+    def build():
+        torch.manual_seed(0)
+        return Transformer(ModelArgs(n_layers=2, vocab_size=vocab, max_seq_len=8, dim=16,
+                                     n_heads=4, dropout_p=0.0)).double()
+
+    def train(model):
+        opt = torch.optim.Adam(model.parameters(), lr=0.01)
+        losses = []
+        for step in range(3):
+            tokens = torch.randint(0, vocab, (2, 8), generator=torch.Generator().manual_seed(step))
+            loss = F.cross_entropy(model(tokens).reshape(-1, vocab),
+                                   torch.roll(tokens, -1, 1).reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+
+    alone = build()
+    ref_losses, model = train(alone), build()
+    styles = {name: getattr(ours, name) for name in (
+        "parallelize_module", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
+        "PrepareModuleInput")}
+    with mock.patch.multiple(common_dtensor, **styles):
+        model.parallelize(model, init_device_mesh("cpu", (2,)),
+                          use_seq_parallel=sequence_parallel, local_output_for_attn=True)
+    losses, full = train(model), state_dict(model, full=True)
+    return (max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            max(float((full[k] - v).abs().max()) for k, v in alone.state_dict().items()))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_torch_transformer_with_a_vocabulary_the_degree_does_not_divide(mesh_pool,
+                                                                         sequence_parallel):
+    for loss_error, param_error in mesh_pool.run(torch_transformer_with_an_uneven_vocabulary,
+                                                 2, sequence_parallel):
+        assert loss_error < 1e-12 and param_error < 1e-12
