@@ -632,18 +632,25 @@ def test_fsdp_recovers_after_a_failed_forward(mesh_pool):
         assert resharded and equal and separate
 
 
-def flattened_dim_fsdp_with_tp(path: str):
-    """torchtitan's mesh: ("dp_shard", "cp", "tp") with dp_shard and cp flattened into
-    "dp_shard_cp", fully_shard over that flattened dim on top of tensor parallelism over "tp".
-    Rows split over the 4 flattened ranks as torch.chunk gives them (5 -> 2, 2, 1, 0).
-    Returns the gradient norms, the largest difference from one process of the trained model,
-    of its DTensor state dict and of its checkpoint loaded into a plain (dp, tp) = (4, 2) mesh."""
+def flattened_dim_fsdp_with_tp(path: str, flattened: str):
+    """``flattened="dp_shard_cp"``: torchtitan's mesh, ("dp_shard", "cp", "tp") with dp_shard
+    and cp flattened into "dp_shard_cp", fully_shard over that flattened dim on top of tensor
+    parallelism over "tp"; rows split over the 4 flattened ranks as torch.chunk gives them
+    (5 -> 2, 2, 1, 0). ``flattened="tp"``: the other way round, ("dp_shard_cp", "a", "b")
+    with a and b flattened into a 4-way "tp". Returns the gradient norms, the largest
+    difference from one process of the trained model, of its DTensor state dict and of its
+    checkpoint loaded into a plain (dp, tp) mesh of the same sizes."""
     from torch.distributed.tensor import DTensor
 
     from devmesh.parallel import load_checkpoint, save_checkpoint
 
-    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_shard", "cp", "tp"))
-    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    if flattened == "dp_shard_cp":
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_shard", "cp", "tp"))
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    else:
+        mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp_shard_cp", "a", "b"))
+        mesh["a", "b"]._flatten("tp")
+    dp = mesh["dp_shard_cp"].size()
 
     def build():
         torch.manual_seed(0)
@@ -671,14 +678,15 @@ def flattened_dim_fsdp_with_tp(path: str):
     fully_shard(model[0], mesh=mesh["dp_shard_cp"])
     fully_shard(model, mesh=mesh["dp_shard_cp"])
     i = mesh["dp_shard_cp"].get_local_rank()
-    opt, norms = train(model, slice(2 * i, 2 * i + 2), clip_grad_norm_)
+    rows = 8 // dp
+    opt, norms = train(model, slice(rows * i, rows * (i + 1)), clip_grad_norm_)
 
     def error(state):
         return max(float(((v.full_tensor() if isinstance(v, DTensor) else v) - ref[k]).abs().max())
                    for k, v in state.items())
 
     save_checkpoint(path, model, opt)
-    plain_mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    plain_mesh = init_device_mesh("cpu", (dp, 8 // dp), mesh_dim_names=("dp", "tp"))
     other = build()
     parallelize_module(other, plain_mesh["tp"], plan)
     fully_shard(other, mesh=plain_mesh["dp"])
@@ -687,11 +695,13 @@ def flattened_dim_fsdp_with_tp(path: str):
             error(state_dict(other, full=True)))
 
 
-def test_fsdp_over_a_flattened_dim_with_tp_as_torchtitan_builds_it(mesh_pool, tmp_path):
-    """Before, fully_shard raised KeyError: 'dp_shard_cp' on every rank (the flattened name
-    is no dim of the root); splitting over its parts instead would nest 5 rows as 2, 1, 1, 1
-    where torch.chunk over the flattened dim gives 2, 2, 1, 0."""
+@pytest.mark.parametrize("flattened", ["dp_shard_cp", "tp"])
+def test_fsdp_over_a_flattened_dim_with_tp_as_torchtitan_builds_it(mesh_pool, tmp_path,
+                                                                   flattened):
+    """Before, fully_shard raised KeyError: 'dp_shard_cp' (or 'tp') on every rank (the
+    flattened name is no dim of the root); splitting over its parts instead would nest 5 rows
+    as 2, 1, 1, 1 where torch.chunk over the flattened dim gives 2, 2, 1, 0."""
     for norms, ref_norms, trained, as_dtensors, reloaded in mesh_pool.run(
-            flattened_dim_fsdp_with_tp, 8, str(tmp_path / "ckpt")):
+            flattened_dim_fsdp_with_tp, 8, str(tmp_path / "ckpt"), flattened):
         assert norms == pytest.approx(ref_norms, rel=1e-12)
         assert max(trained, as_dtensors, reloaded) < 1e-12
