@@ -404,6 +404,8 @@ def linear_styles_every_layout():
             try:
                 y = layer(x)
             except RuntimeError:  # torch takes the uneven block for an even split's
+                if lib is ours:
+                    raise
                 torch.manual_seed(0)
                 alone = nn.Linear(features, 5).double()
                 whole = alone(torch.randn(4, features, dtype=torch.float64,
@@ -429,7 +431,8 @@ def test_linear_styles_in_every_layout_as_torch(mesh_pool):
                 torch.testing.assert_close(ours[0], theirs[1].detach(), atol=1e-13, rtol=1e-13)
                 continue
             for mine, torchs in zip(ours, theirs):
-                torch.testing.assert_close(mine, torchs, atol=1e-13, rtol=1e-13, msg=lambda m: f"{case}: {m} {mine} {torchs}")
+                torch.testing.assert_close(mine, torchs, atol=1e-13, rtol=1e-13,
+                                           msg=lambda m: f"{case}: {m}")
 
 
 def torch_transformer_with_an_uneven_vocabulary(sequence_parallel: bool):
