@@ -219,9 +219,24 @@ def test_a_model_that_does_not_match_is_refused(tmp_path):
     renamed = nn.Sequential(nn.Linear(4, 8))
     with pytest.raises(StateDictError, match="Missing key\\(s\\): '0.weight'"):
         load_checkpoint(str(path), renamed)
+
+
+def test_another_dtype_is_cast_as_torch_dcp_casts_it(tmp_path):
+    """A float32 checkpoint loads into a float16 model converted, as ``torch.distributed.
+    checkpoint.load`` loads a float32 one into the same model."""
+    import torch.distributed.checkpoint as dcp
+
+    model, opt = _trained()
+    save_checkpoint(str(tmp_path / "ckpt"), model, opt)
     half = Net().to(torch.float16)
-    with pytest.raises(StateDictError, match="dtype mismatch for lin.weight"):
-        load_checkpoint(str(path), half)
+    load_checkpoint(str(tmp_path / "ckpt"), half)
+    torch_half = Net().to(torch.float16)
+    dcp.save(model.state_dict(), checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    state = torch_half.state_dict()
+    dcp.load(state, checkpoint_id=str(tmp_path / "torch"), no_dist=True)
+    for key, value in half.state_dict().items():
+        assert value.dtype == state[key].dtype and torch.equal(value, state[key]), key
+    assert torch.equal(half.lin.weight, model.lin.weight.to(torch.float16))
 
 
 def test_loads_are_all_or_nothing_and_shapes_exact():

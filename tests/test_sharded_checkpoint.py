@@ -118,6 +118,21 @@ def test_a_checkpoint_reshards_into_another_layout(mesh_pool, tmp_path, saved, l
     assert on_disk == sorted(meta["files"]) and len(on_disk) == min(LAYOUTS[saved][0], 8)
 
 
+def test_a_checkpoint_loads_into_a_model_of_another_dtype_as_torch_dcp_casts(mesh_pool,
+                                                                             tmp_path):
+    """Train in float32, load into a bfloat16 model on another layout (for inference or
+    low-precision fine-tuning): every parameter, buffer and optimizer moment arrives cast to
+    the model's dtype, as torch's DCP and ``load_state_dict`` cast (before, devmesh refused)."""
+    path = str(tmp_path / "ckpt")
+    expected, _ = run(mesh_pool, "fsdp+tp8", save_trained, torch.float32, path)[0]
+    for state, extra in run(mesh_pool, "hsdp4", load_into, torch.bfloat16, path):
+        assert extra == {"step": 2} and state.keys() == expected.keys()
+        for key, value in expected.items():
+            # Adam's step count keeps its dtype: torch's optimizer never casts it
+            want = value if key.endswith(".step") else value.to(torch.bfloat16)
+            assert state[key].dtype == want.dtype and torch.equal(state[key], want), key
+
+
 def async_save_then_keep_training(layout: str, path: str):
     model, opt = build(layout, torch.float32)
     train_step(model, opt, 0)

@@ -2,8 +2,8 @@
 blocks, into whatever layout the model has now (another mesh shape, another world size, a
 plain model), and changes nothing unless every rank could read and check everything.
 
-The steps: *read* — this rank checks the metadata and data files, the model's names, dtypes
-and global shapes, the optimizer's parameter groups, and reads its blocks into new tensors;
+The steps: *read* — this rank checks the metadata and data files, the model's names and
+global shapes, the optimizer's parameter groups, and reads its blocks into new tensors;
 *agree* — one all-reduce of a flag tells every rank whether some rank failed (then every rank
 raises, the failing rank its own error), and one all-reduce of a flag per saved name checks
 that the ranks together load everything the checkpoint holds; *apply* — copy into the model
@@ -39,7 +39,7 @@ __all__ = ["load_checkpoint", "read_block"]
 def read_block(reader: CheckpointReader, key: str, target: torch.Tensor,
                like: torch.Tensor | None = None) -> torch.Tensor:
     """This rank's block of stored tensor ``key`` for ``target`` (laid out like parameter
-    ``like``, default itself), after checking dtype and global shape."""
+    ``like``, default itself), in the saved dtype, after checking the global shape."""
     meta = reader.meta(key)
     like = like if like is not None else target
     layout = get_layout(like)
@@ -79,12 +79,8 @@ def _model_writes(reader: CheckpointReader, model: nn.Module
         if id(target) in done:
             continue
         done.add(id(target))
-        meta = reader.meta(f"model.{name}")
-        if meta.dtype != target.dtype:
-            raise StateDictError(
-                f"dtype mismatch for {name}: the checkpoint holds {meta.dtype}, the model "
-                f"{target.dtype}; convert the model (model.to({meta.dtype})) before loading, "
-                "or load into a model of the saved dtype and convert after")
+        # a saved dtype other than the model's is converted by the copy, as torch's DCP and
+        # ``load_state_dict`` do (a float32 checkpoint into a bfloat16 model for inference)
         writes.append((target, read_block(reader, f"model.{name}", target)))
     return writes
 
@@ -175,7 +171,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
     Each rank reads only the bytes overlapping its blocks. Nothing changes unless everything
     fits: a missing or damaged checkpoint, or a model or optimizer that does not match (names,
-    dtypes, shapes, parameter groups) raises :class:`~devmesh.errors.CheckpointError` or
+    shapes, parameter groups) raises :class:`~devmesh.errors.CheckpointError` or
     :class:`~devmesh.errors.StateDictError` on every rank first. A single file written by
     devmesh before sharded checkpoints existed loads too (with ``weights_only=True``).
     ``model`` may be a pipeline runner: each rank loads its stages' part."""
