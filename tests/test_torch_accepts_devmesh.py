@@ -151,3 +151,47 @@ def test_devmesh_data_parallelism_refuses_torch_dtensor_parameters_with_the_fix(
             assert f"{what}: parameter '0.weight' is a torch DTensor" in message
             assert "devmesh.parallel.parallelize_module" in message
             assert f"torch's {what}" in message
+
+
+def torch_data_parallel_over_devmesh_tp():
+    """devmesh's tensor parallelism, then torch's data parallelism over the other dim:
+    torch's ``fully_shard`` is refused on every rank (it would take each tensor-parallel
+    block for a whole parameter: the training is right, but ``model.state_dict()`` names one
+    block as the full tensor); torch's DDP trains as one process."""
+    import torch.nn.functional as F
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from devmesh.parallel import ColwiseParallel, RowwiseParallel, parallelize_module, state_dict
+    from helpers import caught
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    model = parallelize_module(_model(), mesh["tp"], plan)
+    torch_fully_shard(model, mesh=mesh["dp"])
+    refusals = [caught(model.state_dict), caught(lambda: model(torch.randn(4, 8)))]
+
+    reference, model = _model(), parallelize_module(_model(), mesh["tp"], plan)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+    dp = mesh["dp"].get_local_rank()
+    for net, rows in ((ddp, slice(4 * dp, 4 * dp + 4)), (reference, slice(None))):
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+            F.cross_entropy(net(x[rows]), y[rows]).backward()
+            opt.step()
+            opt.zero_grad()
+    trained, expected = state_dict(model, full=True), reference.state_dict()
+    return refusals, {k: (trained[k] - v).abs().max().item() for k, v in expected.items()}
+
+
+def test_torch_data_parallelism_over_devmesh_tensor_parallelism(mesh_pool):
+    for refusals, errors in mesh_pool.run(torch_data_parallel_over_devmesh_tp, 4):
+        for refusal in refusals:
+            assert refusal is not None and refusal[0] == "ParallelizeError"
+            assert "split by devmesh's parallelize_module" in refusal[1]
+            assert "managed by torch's fully_shard" in refusal[1]
+            assert "devmesh.parallel.fully_shard" in refusal[1]
+        assert "module '0' (Linear)" in refusals[0][1]  # the state dict knows the name
+        assert set(errors) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+        assert max(errors.values()) < 1e-6, errors

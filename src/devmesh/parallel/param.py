@@ -23,7 +23,7 @@ from devmesh.errors import DevmeshError, ParallelizeError  # noqa: F401 - re-exp
 from devmesh.mesh import DeviceMesh, init_device_mesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
-__all__ = ["refuse_torch_dtensors", "with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
+__all__ = ["refuse_torch_dtensors", "refuse_torch_fsdp_over_blocks", "with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
            "place_parameter", "local_block", "as_sharded", "combined_mesh", "describe_tensors"]
 
 _ATTR = "_devmesh_layout"
@@ -47,6 +47,30 @@ def refuse_torch_dtensors(module: nn.Module, ignored: set[int], what: str) -> No
                 f"torch's {what} (torch.distributed.fsdp.fully_shard, torch's replicate or "
                 "DistributedDataParallel), which takes the devmesh mesh as it is "
                 "(mesh['dp'])")
+
+
+def refuse_torch_fsdp_over_blocks(module: nn.Module, module_name: str | None = None) -> None:
+    """Refuse ``module`` if torch's ``fully_shard`` manages it while it holds blocks devmesh's
+    tensor parallelism split: torch's FSDP2 takes each block for a whole parameter, so the
+    training is right but ``model.state_dict()`` names one rank's block as the full tensor
+    (a DTensor of the block's shape: torch's DCP would save one block under the full name,
+    and devmesh's ``state_dict`` failed with "got mixed torch.Tensor and DTensor"). torch
+    marks every module its ``fully_shard`` manages; every rank has the same modules, so every
+    rank raises alike, before this module's own collectives."""
+    if not getattr(module, "_is_fsdp_managed_module", False):
+        return
+    split = [name for name, held in module.__dict__.get(_PLACED, {}).items()
+             if split_layout(held) is not None]
+    if split:
+        where = (f"module {module_name!r} ({type(module).__name__})" if module_name
+                 else f"a {type(module).__name__} module")
+        raise ParallelizeError(
+            f"{where} holds parameter(s) {split} split by devmesh's "
+            "parallelize_module and is managed by torch's fully_shard, which takes each "
+            "block for a whole parameter: the state dict and checkpoints would name one "
+            "rank's block as the full tensor. Apply devmesh.parallel.fully_shard instead "
+            "(it nests its shards inside the tensor-parallel blocks), or split the model "
+            "with torch's parallelize_module and styles for torch's fully_shard")
 
 
 @dataclass(frozen=True)
@@ -185,6 +209,7 @@ def as_dtensor(block: torch.Tensor, param: torch.Tensor):
 
 
 def _give_dtensors(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
+    refuse_torch_fsdp_over_blocks(module, prefix.removesuffix(".") or None)
     adopt_replaced_parameters(module)
     for name, param in module._parameters.items():
         if prefix + name in state and split_layout(param) is not None:
@@ -193,6 +218,7 @@ def _give_dtensors(module: nn.Module, state: dict, prefix: str, local_metadata: 
 
 def _take_local_blocks(module: nn.Module, state: dict, prefix: str, local_metadata: dict,
                        strict: bool, missing: list, unexpected: list, errors: list) -> None:
+    refuse_torch_fsdp_over_blocks(module, prefix.removesuffix(".") or None)
     adopt_replaced_parameters(module)
     for name, param in module._parameters.items():
         layout = get_layout(param) if param is not None else None

@@ -27,6 +27,7 @@ from torch import nn
 
 from devmesh.errors import ParallelizeError, ShardingSpecError
 from devmesh.mesh import DeviceMesh
+from devmesh.parallel.param import refuse_torch_fsdp_over_blocks
 from devmesh.parallel.tensor_parallel import activations as A
 from devmesh.parallel.tensor_parallel import functional as PF
 from devmesh.tensor import Partial, Placement, Replicate, Shard, as_placement
@@ -132,6 +133,7 @@ class ColwiseParallel(ParallelStyle):
 
 @_eager
 def _colwise_input(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Module, args):
+    refuse_torch_fsdp_over_blocks(module)
     if not args:
         return None
     if isinstance(module, nn.Embedding):
@@ -185,6 +187,7 @@ class RowwiseParallel(ParallelStyle):
 
 @_eager
 def _rowwise_linear(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear, x):
+    refuse_torch_fsdp_over_blocks(module)
     x = A.sharded_input(x, style.input_layouts, Shard(-1), mesh, extent=(-1, module.in_features))
     y = style.reduce(F.linear(x, module.weight), mesh)
     bias = module.bias
@@ -199,6 +202,7 @@ def _rowwise_linear(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear,
 @_eager
 def _rowwise_embedding(style: RowwiseParallel, mesh: DeviceMesh, start: int,
                        module: nn.Embedding, ids):
+    refuse_torch_fsdp_over_blocks(module)
     ids = _ids(ids, style.input_layouts, mesh)
     weight = module.weight
     rows = weight.shape[0]
