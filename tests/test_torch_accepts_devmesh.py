@@ -156,8 +156,8 @@ def test_devmesh_data_parallelism_refuses_torch_dtensor_parameters_with_the_fix(
 def torch_data_parallel_over_devmesh_tp():
     """devmesh's tensor parallelism, then torch's data parallelism over the other dim:
     torch's ``fully_shard`` is refused on every rank (it would take each tensor-parallel
-    block for a whole parameter: the training is right, but ``model.state_dict()`` names one
-    block as the full tensor); torch's DDP trains as one process."""
+    block for a whole parameter: the training ran, then saving failed with torch's "the
+    local_tensor argument only accepts torch.Tensor"); torch's DDP trains as one process."""
     import torch.nn.functional as F
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 

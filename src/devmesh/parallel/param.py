@@ -51,11 +51,10 @@ def refuse_torch_dtensors(module: nn.Module, ignored: set[int], what: str) -> No
 
 def refuse_torch_fsdp_over_blocks(module: nn.Module, module_name: str | None = None) -> None:
     """Refuse ``module`` if torch's ``fully_shard`` manages it while it holds blocks devmesh's
-    tensor parallelism split: torch's FSDP2 takes each block for a whole parameter, so the
-    training is right but ``model.state_dict()`` names one rank's block as the full tensor
-    (a DTensor of the block's shape: torch's DCP would save one block under the full name,
-    and devmesh's ``state_dict`` failed with "got mixed torch.Tensor and DTensor"). torch
-    marks every module its ``fully_shard`` manages; every rank has the same modules, so every
+    tensor parallelism split: torch's FSDP2 takes each block for a whole parameter (a
+    DTensor of the block's shape), so the training runs but saving fails after it
+    (``model.state_dict()`` raised "the local_tensor argument only accepts torch.Tensor",
+    devmesh's ``state_dict`` "got mixed torch.Tensor and DTensor"). torch marks every module its ``fully_shard`` manages; every rank has the same modules, so every
     rank raises alike, before this module's own collectives."""
     if not getattr(module, "_is_fsdp_managed_module", False):
         return
