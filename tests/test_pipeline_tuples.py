@@ -456,3 +456,87 @@ def test_zero_bubbles_split_of_a_tuple_stage_is_one_backward(build, fast):
     for got, expected in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(got.grad, expected.grad)
     assert input_part.flops + weight_part.flops == whole.flops
+
+
+class _Scaled(nn.Module):
+    """A layer every stage holds that takes a keyword input of the batch, as torchtitan's
+    layers take their attention masks: each rank gives its stages the keyword."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        y = torch.tanh(self.fc(x))
+        return y if scale is None else y * scale
+
+
+def _keyword_batch(step: int):
+    gen = torch.Generator().manual_seed(step)
+    return (torch.randn(8, 8, generator=gen), torch.rand(8, 1, generator=gen) + 0.5,
+            torch.randint(0, 8, (8,), generator=gen))
+
+
+def _keywords_on_every_rank(library: str, schedule_name: str):
+    """torch's pipelining code on 2 ranks, every rank passing the keyword to its
+    ``schedule.step``: torch's classes, or devmesh's with the imports switched."""
+    if library == "torch":
+        import torch.distributed.pipelining.schedules as classes
+        from torch.distributed.pipelining import PipelineStage
+    else:
+        import devmesh.parallel.pipeline as classes
+        from devmesh.parallel.pipeline import PipelineStage
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    me = mesh.get_coordinate()[0]
+    mine = (me,) if schedule_name == "Schedule1F1B" else (me, me + 2)
+    stages = len(mine) * 2
+    parts = [_Scaled(s) for s in mine]
+    built = [PipelineStage(p, s, stages, torch.device("cpu"), group=mesh.get_group("pp"))
+             for p, s in zip(parts, mine)]
+    schedule = getattr(classes, schedule_name)(built[0] if len(built) == 1 else built, 4,
+                                               loss_fn=F.cross_entropy)
+    opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
+    losses = []
+    for step in range(2):
+        x, scale, y = _keyword_batch(step)
+        if me == 0:
+            schedule.step(x, scale=scale)
+        else:
+            schedule.step(target=y, losses=losses, scale=scale)
+        opt.step()
+        opt.zero_grad()
+    return {s: part.state_dict() for s, part in zip(mine, parts)}, [float(v) for v in losses]
+
+
+@pytest.mark.parametrize("schedule_name", ["Schedule1F1B", "ScheduleInterleaved1F1B"])
+def test_keyword_inputs_reach_every_stage_as_torchs_pipelining(mesh_pool, schedule_name):
+    """torch gives the keyword inputs of a rank's ``step`` to each of its stages (before,
+    devmesh gave them to the first stage only: the later stages ran without the scale,
+    silently; 4 times torch's loss on this model)."""
+    theirs = mesh_pool.run(_keywords_on_every_rank, 2, "torch", schedule_name)
+    ours = mesh_pool.run(_keywords_on_every_rank, 2, "devmesh", schedule_name)
+    stages = 2 if schedule_name == "Schedule1F1B" else 4
+    parts = [_Scaled(s) for s in range(stages)]  # one process, every layer scaled alike
+    opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
+    alone = []
+    for step in range(2):
+        x, scale, y = _keyword_batch(step)
+        for mb in range(4):
+            h = x[2 * mb:2 * mb + 2]
+            for part in parts:
+                h = part(h, scale=scale[2 * mb:2 * mb + 2])
+            loss = F.cross_entropy(h, y[2 * mb:2 * mb + 2])
+            (loss / 4).backward()
+            alone.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    for (state, losses), (t_state, t_losses) in zip(ours, theirs):
+        assert losses == pytest.approx(t_losses, rel=1e-6)
+        for s, values in state.items():
+            for key, value in values.items():
+                torch.testing.assert_close(value, t_state[s][key], rtol=1e-6, atol=1e-7)
+                torch.testing.assert_close(value, parts[s].state_dict()[key], rtol=1e-5,
+                                           atol=1e-6)
+    assert ours[1][1] == pytest.approx(alone[4:], rel=1e-5)  # the last step's, as torch's

@@ -281,9 +281,10 @@ class PipelineRunner:
              loss_kwargs: Mapping[str, Any] | None = None) -> torch.Tensor | None:
         """Forward and backward of one batch, split into the schedule's micro-batches:
         ``inputs`` (a tensor, or a tuple of tensors for a first stage whose forward takes
-        several; ``input_kwargs`` its keyword arguments — tensors are cut along dim 0, other
-        values given to every micro-batch, as torch's ``schedule.step(x, **kwargs)``) are
-        needed on the first stage's rank, ``targets`` on the last's (``loss_kwargs``: more
+        several) are needed on the first stage's rank; ``input_kwargs`` (given on any
+        rank) are keyword arguments of each stage on this rank, as torch's
+        ``schedule.step(x, **kwargs)`` passes them — tensors cut along dim 0, other values
+        given to every micro-batch; ``targets`` are needed on the last's (``loss_kwargs``: more
         keyword arguments of the loss function, as torch's). A stage may return a tuple of
         tensors: they are the next stage's positional arguments. Gradients accumulate in the
         stages' parameters (call the optimizer after). Returns the batch's loss (the mean of
@@ -397,7 +398,9 @@ class PipelineRunner:
                     for x in xs:
                         if x.is_floating_point():
                             x.requires_grad_(True)
-                keywords = step.chunks["kwargs"][mb] if s == 0 and "kwargs" in step.chunks else {}
+                # as torch's: this rank's keyword inputs reach each of its stages (a mask or
+                # positions every layer needs), not only the first stage
+                keywords = step.chunks["kwargs"][mb] if "kwargs" in step.chunks else {}
                 with self._sync[s].forward(), (cutter.recording() if cutter
                                                else contextlib.nullcontext([])) as cuts:
                     out = self.stages[s](*xs, **keywords)

@@ -164,8 +164,9 @@ class _Schedule:
     def step(self, *args: Any, target: torch.Tensor | None = None,
              losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict[str, Any] | None = None, **kwargs: Any) -> Any:
-        """One training step over the batch: ``args`` and ``kwargs`` (the first stage's
-        inputs; tensors cut into micro-batches along dim 0) on the first stage's rank,
+        """One training step over the batch: ``args`` (the first stage's inputs; tensors
+        cut into micro-batches along dim 0) on the first stage's rank, ``kwargs`` (cut
+        alike) for every stage of the rank that passes them, as torch's,
         ``target`` on the last's, ``loss_kwargs`` passed to the loss function. Fills
         ``losses`` with each micro-batch's loss and returns the model's output for the whole
         batch on the last stage's rank (``None`` elsewhere, or with
