@@ -24,7 +24,7 @@ def torch_runs() -> TorchRuns:
         2: [(keyword_inputs, ("torch",)), (explicit_prefetch, ("torch",)),
             (backward_prefetch_out_of_order, ("torch",)), (grouped_units, ("torch",)),
             (chunked_head, ("torch",)), (forward_method, ("torch",)),
-            (unshard_in_place, ("torch",))],
+            (unshard_in_place, ("torch",)), (split_along_another_dim, ("torch",))],
         3: [(ddp_arguments, ("torch", True)), (ddp_arguments, ("torch", False)),
             *((batchnorm_buffers, ("torch", args)) for args in _BUFFER_ARGS)],
         4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True))],
@@ -42,11 +42,12 @@ def _batch(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(4, 12, generator=gen), torch.randint(0, 5, (4,), generator=gen)
 
 
-def _train(model: nn.Module, steps: int = 2) -> list[float]:
+def _train(model: nn.Module, steps: int = 2, batch: int | None = None) -> list[float]:
+    """SGD on this rank's batch (``batch``: another rank's, e.g. its data-parallel index)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     losses = []
     for _ in range(steps):
-        x, y = _batch(dist.get_rank())
+        x, y = _batch(dist.get_rank() if batch is None else batch)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
         opt.step()
@@ -148,7 +149,7 @@ def test_reshard_after_forward_none_keeps_only_the_root(mesh_pool):
 
 def refusals():
     from torch.distributed.fsdp import CPUOffloadPolicy
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
 
     from devmesh.parallel import fully_shard
 
@@ -156,7 +157,7 @@ def refusals():
     return [
         caught(lambda: fully_shard(make_model(), mesh=mesh, reshard_after_forward=2)),
         caught(lambda: fully_shard(make_model(), mesh=mesh,
-                                   shard_placement_fn=lambda p: Shard(p.ndim - 1))),
+                                   shard_placement_fn=lambda p: Shard(p.ndim))),
         caught(lambda: fully_shard(make_model(), mesh=mesh, dp_mesh_dims=object())),
         caught(lambda: fully_shard(make_model(), mesh=mesh, offload_policy=CPUOffloadPolicy(),
                                    shard_placement_fn=lambda p: Shard(0))),
@@ -165,13 +166,15 @@ def refusals():
         caught(lambda: fully_shard([twice := nn.Linear(2, 2), twice], mesh=mesh)),
         caught(lambda: fully_shard([nn.Linear(2, 2), "head"], mesh=mesh)),
         caught(lambda: fully_shard([], mesh=mesh)),
+        caught(lambda: fully_shard(make_model(), mesh=mesh,
+                                   shard_placement_fn=lambda p: Replicate())),
     ]
 
 
 def test_what_devmesh_does_not_do_is_refused_not_ignored(mesh_pool):
     for res in mesh_pool.run(refusals, 2):
         assert res[0][0] == "ParallelizeError" and "smaller world" in res[0][1]
-        assert "Shard(dim=1)" in res[1][1] and "shards dim 0 only" in res[1][1], res[1]
+        assert "gave Shard(dim=2) for 0.weight, whose shape (20, 12) has no dim 2" in res[1][1]
         assert "dp_mesh_dims" in res[2][1]
         assert res[3] is None  # a CPU mesh is offloaded already; Shard(0) is the default
         assert "item 1 of the list (Linear) is inside item 0: a group's modules must be " \
@@ -179,6 +182,8 @@ def test_what_devmesh_does_not_do_is_refused_not_ignored(mesh_pool):
         assert "item 1 of the list (Linear) is listed twice" in res[5][1]
         assert "item 1 of the list is a str, not an nn.Module" in res[6][1]
         assert "a module or a non-empty list of modules, got []" in res[7][1]
+        assert "gave Replicate() for 0.weight: devmesh's fully_shard takes Shard(dim) or " \
+            "None" in res[8][1]
 
 
 def ddp_arguments(library: str, init_sync: bool = True):
@@ -795,3 +800,89 @@ def test_every_method_of_torchs_fsdp_module_is_there_or_named_as_missing():
     # the two torch added for recovery and for embeddings are devmesh's now
     assert {"reset_iter_state", "set_unshard_in_backward",
             "set_reduce_scatter_divide_factor"} <= set(dir(FSDPModule))
+
+
+def split_along_another_dim(library: str):
+    """torch's ``shard_placement_fn``: every parameter split along its last dim (a weight's
+    input features, which torch needs even: 12, 20 and 14 on 2 ranks)."""
+    from torch.distributed.tensor import Shard
+
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2,))
+    model = make_model()
+    last = {"shard_placement_fn": lambda p: Shard(-1), "mesh": mesh}
+    for layer in (model[0], model[2]):
+        fully_shard(layer, **last)
+    fully_shard(model, **last)
+    saved = {k: (tuple(v.to_local().shape), tuple(v.placements))
+             for k, v in model.state_dict().items()}
+    return {"losses": _train(model), "params": _params(model), "saved": saved}
+
+
+def test_shard_placement_fn_splits_another_dim_as_torch(mesh_pool, torch_runs):
+    """Before, devmesh refused any dim but 0."""
+    ours = mesh_pool.run(split_along_another_dim, 2, "devmesh")
+    theirs = torch_runs(2, split_along_another_dim, "torch")
+    for a, b in zip(ours, theirs):
+        _same_training(a, b)
+        assert a["saved"] == b["saved"]  # the same blocks, as DTensors with Shard(1)
+    assert ours[0]["saved"]["0.weight"][0] == (20, 6)
+
+
+def uneven_blocks_along_another_dim(tmp: str):
+    """Dims the ranks do not divide (torch refuses these), under FSDP on 3 ranks, and under
+    FSDP nested in tensor parallelism on (dp, tp) = (2, 2); then a checkpoint of it."""
+    from torch.distributed.tensor import Shard
+
+    from devmesh.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        fully_shard,
+        parallelize_module,
+        save_checkpoint,
+    )
+
+    world = int(os.environ["WORLD_SIZE"])
+    model = make_model()
+    if world == 3:
+        dp = init_device_mesh("cpu", (3,))
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+        dp = mesh["dp"]
+    dims = {"shard_placement_fn": lambda p: Shard(p.ndim - 1), "mesh": dp}
+    fully_shard(model[2], **dims)
+    fully_shard(model, **dims)
+    losses = _train(model, steps=3, batch=dp.get_local_rank())  # a TP group: one batch
+    save_checkpoint(tmp, model)
+    return {"losses": losses, "params": _params(model),
+            "local": {k: tuple(p.shape) for k, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("world", [3, 4], ids=["fsdp3", "fsdp+tp"])
+def test_uneven_blocks_along_another_dim_train_as_one_process(mesh_pool, tmp_path, world):
+    from devmesh.parallel import load_checkpoint
+
+    results = mesh_pool.run(uneven_blocks_along_another_dim, world, str(tmp_path / "ckpt"))
+    alone = make_model()
+    opt = torch.optim.SGD(alone.parameters(), lr=0.1)
+    replicas = 3 if world == 3 else 2
+    for step in range(3):  # the data-parallel ranks' batches: their mean loss
+        loss = sum(F.cross_entropy(alone(_batch(r)[0]), _batch(r)[1]) for r in range(replicas))
+        (loss / replicas).backward()
+        opt.step()
+        opt.zero_grad()
+    for result in results:
+        for key, value in alone.state_dict().items():
+            torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-6,
+                                       msg=key)
+    if world == 3:  # 12, 20, 14 features along dim 1 on 3 ranks: 4 4 4, 7 7 6, 5 5 4
+        assert [r["local"]["2.weight"] for r in results] == [(14, 7), (14, 7), (14, 6)]
+        assert [r["local"]["4.weight"] for r in results] == [(5, 5), (5, 5), (5, 4)]
+    plain = make_model()
+    load_checkpoint(str(tmp_path / "ckpt"), plain)
+    for key, value in plain.state_dict().items():
+        torch.testing.assert_close(value, results[0]["params"][key], rtol=0, atol=0)

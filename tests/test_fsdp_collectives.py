@@ -1,6 +1,7 @@
 """The byte layout of a ``fully_shard`` unit's two collectives, checked without processes: the
 ranks' rows are packed here as each rank would, stacked as the all-gather (or summed as the
-reduce-scatter) would, and unpacked — for uneven, empty and 0-d blocks and mixed dtypes."""
+reduce-scatter) would, and unpacked — for uneven, empty and 0-d blocks, blocks cut along any
+dim (``shard_placement_fn``) and mixed dtypes."""
 
 from __future__ import annotations
 
@@ -24,8 +25,10 @@ from devmesh.parallel.fsdp.collectives import (
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 
 
-def _params(shapes, dtypes, k):
-    """Each full tensor, and per rank the ShardedParam list that rank would hold."""
+def _params(shapes, dtypes, k, dims=None):
+    """Each full tensor, and per rank the ShardedParam list that rank would hold, each split
+    along its ``dims`` entry (default 0)."""
+    dims = dims or [0] * len(shapes)
     fulls = []
     for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
         gen = torch.Generator().manual_seed(i)
@@ -33,15 +36,21 @@ def _params(shapes, dtypes, k):
     per_rank = []
     for rank in range(k):
         params = []
-        for full in fulls:
+        for full, dim in zip(fulls, dims):
             flat = full.reshape(-1) if full.ndim == 0 else full
-            start, size = chunk_bounds(flat.shape[0], k, rank)
-            shard = nn.Parameter(flat.narrow(0, start, size).clone(),
+            start, size = chunk_bounds(flat.shape[dim], k, rank)
+            shard = nn.Parameter(flat.narrow(dim, start, size).clone(),
                                  requires_grad=full.dtype.is_floating_point)
-            padded = -(-flat.shape[0] // k) if flat.shape[0] else 0
-            params.append(ShardedParam([], shard, tuple(flat.shape), padded, tuple(full.shape)))
+            padded = -(-flat.shape[dim] // k) if flat.shape[dim] else 0
+            params.append(ShardedParam([], shard, tuple(flat.shape), padded, tuple(full.shape),
+                                       dim))
         per_rank.append(params)
     return fulls, per_rank
+
+
+def _dims(shapes, data) -> list[int]:
+    """A dim to split each parameter along (``shard_placement_fn``'s ``Shard(d)``)."""
+    return [data.draw(st.integers(0, max(len(shape), 1) - 1)) for shape in shapes]
 
 
 shapes_strategy = st.lists(
@@ -54,7 +63,7 @@ shapes_strategy = st.lists(
 @given(shapes=shapes_strategy, k=st.integers(1, 5), data=st.data())
 def test_gathered_rows_unpack_to_the_full_parameters(shapes, k, data):
     dtypes = [data.draw(st.sampled_from(DTYPES)) for _ in shapes]
-    fulls, per_rank = _params(shapes, dtypes, k)
+    fulls, per_rank = _params(shapes, dtypes, k, _dims(shapes, data))
     wanted = gather_dtypes(per_rank[0], None)
     rows = [pack_shards(params, [p.sharded for p in params], wanted) for params in per_rank]
     assert len({row.numel() for row in rows}) == 1  # c10d needs equal pieces
@@ -83,7 +92,8 @@ def test_reduced_gradients_are_each_ranks_chunk_of_the_sum(shapes, k, data):
     """Rank r's gradients after the reduce-scatter (a sum here) are its chunk of the sum of
     every rank's full gradient; a parameter no rank has a gradient for gets ``None``, one
     that some rank has counts the others' as zeros."""
-    fulls, per_rank = _params(shapes, [torch.float64] * len(shapes), k)
+    dims = _dims(shapes, data)
+    fulls, per_rank = _params(shapes, [torch.float64] * len(shapes), k, dims)
     present = [[data.draw(st.booleans()) for _ in shapes] for _ in range(k)]
     grads = [[torch.randn(full.shape, dtype=torch.float64).reshape(
                   per_rank[0][i].full_shape) if present[r][i] else None
@@ -97,8 +107,9 @@ def test_reduced_gradients_are_each_ranks_chunk_of_the_sum(shapes, k, data):
                 assert got is None
                 continue
             total = sum(g[i] for g in grads if g[i] is not None)
-            start, size = chunk_bounds(per_rank[rank][i].full_shape[0], k, rank)
-            expected = total.narrow(0, start, size).reshape(per_rank[rank][i].sharded.shape)
+            start, size = chunk_bounds(per_rank[rank][i].full_shape[dims[i]], k, rank)
+            expected = total.narrow(dims[i], start, size).reshape(
+                per_rank[rank][i].sharded.shape)
             torch.testing.assert_close(got, expected)
 
 

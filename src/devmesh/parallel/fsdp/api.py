@@ -51,9 +51,11 @@ def fully_shard(
     1-D mesh; ``reshard_after_forward=None`` (the default, as torch's) reshards every unit
     but the root, whose parameters backward needs first; ``ignored_params`` stay plain,
     unsharded tensors whose gradients are not reduced; ``mp_policy`` may be torch's
-    ``MixedPrecisionPolicy``. What devmesh does not do is refused with a clear error rather
-    than silently ignored: resharding to a smaller world (an ``int``), a placement other
-    than ``Shard(0)`` from ``shard_placement_fn``, offloading on a GPU mesh,
+    ``MixedPrecisionPolicy``; ``shard_placement_fn(param)`` may return ``Shard(d)`` to split
+    a parameter along dim ``d`` instead of 0 (uneven blocks as ``torch.chunk``, which torch
+    refuses on a dim other than 0). What devmesh does not do is refused with a clear error
+    rather than silently ignored: resharding to a smaller world (an ``int``), a placement on
+    another mesh from ``shard_placement_fn``, offloading on a GPU mesh,
     ``dp_mesh_dims``, and embeddings with ``sparse=True`` (ignore them, and ``replicate``)."""
     modules = _grouped(module)
     for one in modules:
@@ -61,10 +63,12 @@ def fully_shard(
             raise ParallelizeError(f"fully_shard was already applied to this "
                                    f"{type(one).__name__}")
     mesh = mesh if mesh is not None else world_mesh()
+    dims: dict[int, int] = {}
     for one in modules:
-        _refuse_unsupported(one, mesh, reshard_after_forward, shard_placement_fn,
-                            offload_policy, dp_mesh_dims, ignored_params)
-    unit = FSDPUnit(modules, mesh, reshard_after_forward, mp_policy, ignored_params)
+        _refuse_unsupported(one, mesh, reshard_after_forward, offload_policy, dp_mesh_dims,
+                            ignored_params)
+        dims |= split_dims(one, shard_placement_fn, ignored_params)
+    unit = FSDPUnit(modules, mesh, reshard_after_forward, mp_policy, ignored_params, dims)
     for one in modules:
         one._devmesh_fsdp = unit  # type: ignore[attr-defined]
         with_methods(one, FSDPModule)
@@ -151,9 +155,42 @@ def _grouped(module: nn.Module | list[nn.Module]) -> list[nn.Module]:
     return list(module)
 
 
+def split_dims(module: nn.Module, shard_placement_fn, ignored_params) -> dict[int, int]:
+    """The dim each of ``module``'s parameters is split along, by id, from torch's
+    ``shard_placement_fn`` (``None`` or ``Shard(0)``: dim 0; ``Shard(-1)``: the last dim).
+    Unlike torch's FSDP2, which refuses a dim other than 0 that the ranks do not divide,
+    uneven blocks follow ``torch.chunk`` along any dim. Called before any collective: every
+    rank holds the same parameters, so a refusal is the same on every rank."""
+    from devmesh.layout.placement import Shard
+
+    dims: dict[int, int] = {}
+    if shard_placement_fn is None:
+        return dims
+    ignored = {id(p) for p in ignored_params or ()}
+    for name, param in module.named_parameters():
+        if id(param) in ignored:
+            continue
+        placement = shard_placement_fn(param)
+        if placement is None:
+            continue
+        if not (isinstance(placement, Shard) or type(placement).__name__ == "Shard"):
+            raise ParallelizeError(
+                f"shard_placement_fn gave {placement!r} for {name}: devmesh's fully_shard "
+                "takes Shard(dim) or None (a placement on another mesh, torch's "
+                "ShardPlacementResult, is not supported: shard that parameter in a "
+                "fully_shard call of its own on that mesh)")
+        ndim = max(param.ndim, 1)  # a 0-d parameter is sharded as one element
+        if not -ndim <= placement.dim < ndim:
+            raise ParallelizeError(
+                f"shard_placement_fn gave {placement!r} for {name}, whose shape "
+                f"{tuple(param.shape)} has no dim {placement.dim}: return Shard(d) with "
+                f"-{ndim} <= d < {ndim}, or None for dim 0")
+        dims[id(param)] = placement.dim % ndim
+    return dims
+
+
 def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forward,
-                        shard_placement_fn, offload_policy, dp_mesh_dims,
-                        ignored_params) -> None:
+                        offload_policy, dp_mesh_dims, ignored_params) -> None:
     """Raise for an argument of torch's that devmesh cannot honour (the same on every rank:
     they are checked before any collective)."""
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
@@ -161,21 +198,6 @@ def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
             f"reshard_after_forward={reshard_after_forward} (reshard to a smaller world after "
             "forward) is not supported by devmesh: use True (reshard), False (keep) or None "
             "(keep the root only)")
-    if shard_placement_fn is not None:
-        from devmesh.layout.placement import Shard
-
-        for name, param in module.named_parameters():
-            placement = shard_placement_fn(param)
-            if placement is not None and not (isinstance(placement, Shard)
-                                              or type(placement).__name__ == "Shard"):
-                raise ParallelizeError(
-                    f"shard_placement_fn gave {placement!r} for {name}: devmesh shards over "
-                    "the mesh given to fully_shard only (return None or Shard(0))")
-            if placement is not None and placement.dim != 0:
-                raise ParallelizeError(
-                    f"shard_placement_fn gave {placement!r} for {name}: devmesh's fully_shard "
-                    "shards dim 0 only (return None or Shard(0); transpose the parameter, "
-                    "or shard it with distribute_tensor, for another dim)")
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         if mesh.device_type != "cpu":
             raise ParallelizeError(

@@ -10,8 +10,11 @@ what makes FSDP's communication cheap. This module lays the parameters out in th
 * reduce-scatter: row ``j`` holds what peer ``j`` will own of every gradient, then one "used
   here" flag per parameter, so a parameter no rank used keeps no gradient.
 
-Uneven dim-0 sizes follow ``torch.chunk`` (:func:`devmesh.layout.spec.chunk_bounds`); shards
-are zero-padded to the largest chunk, since c10d's collectives take equal-sized pieces.
+A parameter is split along one dim (dim 0 unless torch's ``shard_placement_fn`` chose
+another); uneven sizes follow ``torch.chunk`` (:func:`devmesh.layout.spec.chunk_bounds`), and
+shards are zero-padded to the largest chunk, since c10d's collectives take equal-sized pieces.
+A shard is sent as its block's contiguous bytes, so a block cut along dim 1 arrives as that
+block and the full parameter is the blocks concatenated along dim 1.
 """
 
 from __future__ import annotations
@@ -32,12 +35,22 @@ class ShardedParam:
     places: list[tuple[nn.Module, str]]  # every module attribute holding it (tied weights)
     sharded: nn.Parameter
     full_shape: tuple[int, ...]  # the (TP-local) shape FSDP shards
-    padded_rows: int
+    padded_rows: int  # the largest block's length along ``dim``
     shape: tuple[int, ...]  # the parameter's own shape (differs for 0-d parameters)
+    dim: int = 0  # the dim FSDP splits (torch's ``shard_placement_fn``; dim 0 by default)
+
+    @property
+    def slice_numel(self) -> int:
+        """Elements per index of ``dim``."""
+        return math.prod(n for i, n in enumerate(self.full_shape) if i != self.dim)
 
     @property
     def padded_numel(self) -> int:
-        return self.padded_rows * math.prod(self.full_shape[1:])
+        return self.padded_rows * self.slice_numel
+
+    def block_shape(self, length: int) -> tuple[int, ...]:
+        """The shape of a block holding ``length`` indices of ``dim``."""
+        return self.full_shape[:self.dim] + (length,) + self.full_shape[self.dim + 1:]
 
 
 def gather_dtypes(params: list[ShardedParam], param_dtype: torch.dtype | None
@@ -80,16 +93,20 @@ def unpack_gathered(params: list[ShardedParam], stacked: torch.Tensor,
     offsets, _ = _segments(params, dtypes)
     out = []
     for p, dtype, start in zip(params, dtypes, offsets):
-        nbytes_per_row = math.prod(p.full_shape[1:]) * dtype.itemsize
-        rows = []
+        nbytes_per_row = p.slice_numel * dtype.itemsize
+        blocks = []
         for j in range(k):
-            size = chunk_bounds(p.full_shape[0], k, j)[1]
+            size = chunk_bounds(p.full_shape[p.dim], k, j)[1]
             if size * nbytes_per_row == 0:  # an empty block: a zero-byte row's offset need
                 continue                    # not be aligned, so it cannot be viewed
-            rows.append(stacked[j, start: start + size * nbytes_per_row].view(dtype))
-        if not rows:
-            rows.append(torch.empty(0, dtype=dtype, device=stacked.device))
-        out.append(torch.cat(rows).view(p.full_shape))
+            blocks.append(stacked[j, start: start + size * nbytes_per_row].view(dtype)
+                          .view(p.block_shape(size)))
+        if not blocks:
+            out.append(torch.zeros(p.full_shape, dtype=dtype, device=stacked.device))
+        elif p.dim == 0:  # the blocks are consecutive rows: one copy
+            out.append(torch.cat([b.reshape(-1) for b in blocks]).view(p.full_shape))
+        else:
+            out.append(torch.cat(blocks, dim=p.dim))
     return out
 
 
@@ -102,14 +119,15 @@ def pack_gradients(params: list[ShardedParam], grads: list[torch.Tensor | None],
     stacked[:, total:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
     offset = 0
     for p, grad in zip(params, grads):
-        row = math.prod(p.full_shape[1:])
+        row = p.slice_numel
         for j in range(k):
-            start, size = chunk_bounds(p.full_shape[0], k, j)
+            start, size = chunk_bounds(p.full_shape[p.dim], k, j)
             target = stacked[j, offset: offset + p.padded_numel]
             if grad is None:
                 target.zero_()
                 continue
-            target[: size * row].view(size, *p.full_shape[1:]).copy_(grad.narrow(0, start, size))
+            target[: size * row].view(p.block_shape(size)).copy_(
+                grad.narrow(p.dim, start, size))
             target[size * row:].zero_()
         offset += p.padded_numel
     return stacked
@@ -130,9 +148,8 @@ def unpack_reduced(params: list[ShardedParam], mine: torch.Tensor, k: int, index
     out: list[torch.Tensor | None] = []
     offset = 0
     for p, used_somewhere in zip(params, used):
-        size = chunk_bounds(p.full_shape[0], k, index)[1]
-        row = math.prod(p.full_shape[1:])
-        local = mine[offset: offset + size * row].view(size, *p.full_shape[1:])
+        size = chunk_bounds(p.full_shape[p.dim], k, index)[1]
+        local = mine[offset: offset + size * p.slice_numel].view(p.block_shape(size))
         if local.is_complex() and not p.sharded.dtype.is_complex:
             local = local.real
         out.append(local.to(p.sharded.dtype).view(p.sharded.shape) if used_somewhere > 0

@@ -68,7 +68,8 @@ class FSDPUnit:
 
     def __init__(self, modules: nn.Module | Sequence[nn.Module], mesh: DeviceMesh,
                  reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy | None,
-                 ignored_params: set[nn.Parameter] | None = None) -> None:
+                 ignored_params: set[nn.Parameter] | None = None,
+                 split_dims: dict[int, int] | None = None) -> None:
         roots = [modules] if isinstance(modules, nn.Module) else list(modules)
         if mesh.ndim not in (1, 2):
             raise ParallelizeError(
@@ -84,6 +85,8 @@ class FSDPUnit:
         self.reshard_after_forward = reshard_after_forward  # None: all but the root unit
         self.mp = mp_policy or MixedPrecisionPolicy()
         self._ignored = {id(p) for p in ignored_params or ()}
+        # the dim each parameter is split along, by id (torch's shard_placement_fn); else 0
+        self._split_dims = split_dims or {}
         self.params: list[ShardedParam] = []
         self._full: list[torch.Tensor] | None = None  # gathered for backward (resharded case)
         # gradient accumulation (set_requires_gradient_sync(False)): unsharded gradients summed
@@ -171,33 +174,36 @@ class FSDPUnit:
         shape = tuple(param.shape)
         data = param.detach().reshape(-1) if param.ndim == 0 else param.detach()
         full_shape = tuple(data.shape)
-        start, size = chunk_bounds(full_shape[0], self.k, self.index)
-        local = data.narrow(0, start, size).clone()
-        spec_mesh, spec = self._spec(param, full_shape)
+        dim = self._split_dims.get(id(param), 0)
+        start, size = chunk_bounds(full_shape[dim], self.k, self.index)
+        local = data.narrow(dim, start, size).clone()
+        spec_mesh, spec = self._spec(param, full_shape, dim)
         new = sharded_parameter(local, param.requires_grad, spec_mesh, spec,
                                 shape=() if param.ndim == 0 else None)
         setattr(param, SHARDED_BY, self)
         place_parameter(module, name, new)
-        padded_rows = -(-full_shape[0] // self.k) if full_shape[0] else 0
-        entry = ShardedParam([(module, name)], new, full_shape, padded_rows, shape)
+        padded_rows = -(-full_shape[dim] // self.k) if full_shape[dim] else 0
+        entry = ShardedParam([(module, name)], new, full_shape, padded_rows, shape, dim)
         self.params.append(entry)
         return entry
 
-    def _spec(self, old: nn.Parameter, full_shape) -> tuple[DeviceMesh, ShardingSpec]:
-        """Where the new shard lies: dim 0 split by the shard dim, nested inside any split
-        tensor parallelism already made (on the mesh spanning both)."""
+    def _spec(self, old: nn.Parameter, full_shape, dim: int
+              ) -> tuple[DeviceMesh, ShardingSpec]:
+        """Where the new shard lies: tensor dim ``dim`` split by the shard dim, nested inside
+        any split tensor parallelism already made (on the mesh spanning both)."""
         tp = get_layout(old)
         names = self.mesh.mesh_dim_names
         if tp is None:
-            spec = ShardingSpec(self.mesh.shape, full_shape,
-                                ((self.shard_dim,),) + ((),) * (len(full_shape) - 1),
+            dim_map = [()] * len(full_shape)
+            dim_map[dim] = (self.shard_dim,)
+            spec = ShardingSpec(self.mesh.shape, full_shape, tuple(dim_map),
                                 mesh_dim_names=names)
             return self.mesh, spec
         mesh = combined_mesh(tp.mesh, self.mesh)
         index = {n: i for i, n in enumerate(mesh.mesh_dim_names)}
         old_names = tp.mesh.mesh_dim_names
         dim_map = [tuple(index[old_names[m]] for m in dims) for dims in tp.spec.dim_map]
-        dim_map[0] = dim_map[0] + (index[names[self.shard_dim]],)
+        dim_map[dim] = dim_map[dim] + (index[names[self.shard_dim]],)
         spec = ShardingSpec(mesh.shape, tp.spec.global_shape, tuple(dim_map),
                             mesh_dim_names=mesh.mesh_dim_names)
         return mesh, spec
