@@ -4,6 +4,7 @@ Each result is compared with the same torch call on a mesh torch built itself.""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
@@ -117,40 +118,155 @@ def test_torch_hsdp_takes_a_2d_devmesh_mesh(mesh_pool):
     assert all(r == results[0] for r in results)
 
 
-def devmesh_data_parallel_over_torch_dtensors():
-    """torch's tensor parallelism (its own style, as torchtitan applies its custom ones) on a
-    devmesh mesh, then devmesh's fully_shard or replicate: each is refused, on every rank,
-    naming the parameter and both ways out; torch's fully_shard on the same mesh trains."""
-    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+def devmesh_replicate_over_torch_dtensors():
+    """torch's tensor parallelism on a devmesh mesh, then devmesh's replicate: refused on
+    every rank, naming the parameter and both ways out."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
 
-    from devmesh.errors import ParallelizeError
-    from devmesh.parallel import fully_shard, replicate
+    from devmesh.parallel import replicate
+    from helpers import caught
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    messages = []
-    for wrap in (fully_shard, replicate):
-        model = _model()
-        torch_parallelize(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-        try:
-            wrap(model, mesh=mesh["dp"])
-        except ParallelizeError as e:
-            messages.append(str(e))
     model = _model()
     torch_parallelize(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
-    torch_fully_shard(model, mesh=mesh["dp"])
-    model(torch.randn(4, 8)).sum().backward()
-    return messages, all(p.grad is not None for p in model.parameters())
+    return caught(lambda: replicate(model, mesh=mesh["dp"]))
 
 
-def test_devmesh_data_parallelism_refuses_torch_dtensor_parameters_with_the_fix(mesh_pool):
-    for messages, torch_trained in mesh_pool.run(devmesh_data_parallel_over_torch_dtensors, 4):
-        assert len(messages) == 2 and torch_trained
-        for message, what in zip(messages, ("fully_shard", "replicate")):
-            assert f"{what}: parameter '0.weight' is a torch DTensor" in message
-            assert "devmesh.parallel.parallelize_module" in message
-            assert f"torch's {what}" in message
+def test_devmesh_replicate_refuses_torch_dtensor_parameters_with_the_fix(mesh_pool):
+    for refusal in mesh_pool.run(devmesh_replicate_over_torch_dtensors, 4):
+        assert refusal is not None and refusal[0] == "ParallelizeError"
+        assert "replicate: parameter '0.weight' is a torch DTensor" in refusal[1]
+        assert "devmesh.parallel.parallelize_module" in refusal[1]
+        assert "torch's replicate" in refusal[1]
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(8)
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class _Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList([_Block(), _Block()])
+        self.head = torch.nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _net_batch(step: int):
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(4, 6, 8, generator=gen), torch.randint(0, 5, (4, 6), generator=gen)
+
+
+def fully_shard_over_torch_tp(library: str, case: str, path: str | None = None):
+    """torch's ``parallelize_module`` and styles (as torchtitan applies its own), then
+    ``fully_shard`` over ``dp`` — devmesh's or torch's — on a (dp, tp) = (2, 2) devmesh
+    mesh: Adam steps on each dp rank's half of the batch. ``case``: "tp"; "sp" (sequence
+    parallelism: the norms' replicated weights get partial gradients); "sp+checkpoint"
+    (torch's ``checkpoint_wrapper`` on each block first, as torchtitan orders them)."""
+    import torch.nn.functional as F
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard, save_checkpoint
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = mesh.get_coordinate()
+    sp = case.startswith("sp")
+    model = _Net()
+    for block in model.blocks:
+        plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+        if sp:
+            plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                    "down": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)}
+        parallelize_module(block, mesh["tp"], plan)
+    if sp:
+        parallelize_module(model, mesh["tp"], {"head": ColwiseParallel(
+            input_layouts=Shard(1), output_layouts=Replicate())})
+    if case == "sp+checkpoint":
+        model.blocks = torch.nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(3):
+        x, y = _net_batch(step)
+        x, y = x[2 * dp:2 * dp + 2], y[2 * dp:2 * dp + 2]
+        if sp:  # this rank's positions of the sequence
+            x = DTensor.from_local(x[:, 3 * tp:3 * tp + 3], mesh["tp"], [Shard(1)])
+        loss = F.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    if path is not None:
+        save_checkpoint(path, model)
+    state = {k.replace("_checkpoint_wrapped_module.", ""): v.full_tensor()
+             for k, v in model.state_dict().items()}
+    return losses, state
+
+
+def _net_trained_alone() -> tuple[list[list[float]], dict]:
+    import torch.nn.functional as F
+
+    model = _Net()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    losses = []
+    for step in range(3):
+        x, y = _net_batch(step)
+        halves = [F.cross_entropy(model(x[h:h + 2]).reshape(-1, 5), y[h:h + 2].reshape(-1))
+                  for h in (0, 2)]
+        (sum(halves) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append([h.item() for h in halves])
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("case", ["tp", "sp", "sp+checkpoint"])
+def test_devmesh_fully_shard_over_torch_tensor_parallelism(mesh_pool, tmp_path, case):
+    """devmesh's ``fully_shard`` shards the blocks of torch's DTensor parameters, as torch's
+    FSDP2 does, handing the modules torch's DTensors in forward (before, it refused such
+    parameters): the same losses and parameters as torch's ``fully_shard`` and as one
+    process, and a checkpoint a plain model loads."""
+    from devmesh.parallel import load_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    ours = mesh_pool.run(fully_shard_over_torch_tp, 4, "devmesh", case, path)
+    theirs = mesh_pool.run(fully_shard_over_torch_tp, 4, "torch", case)
+    alone_losses, alone = _net_trained_alone()
+    for rank, ((losses, state), (t_losses, t_state)) in enumerate(zip(ours, theirs)):
+        assert losses == pytest.approx(t_losses, rel=1e-6)
+        assert losses == pytest.approx([step[rank // 2] for step in alone_losses], rel=1e-5)
+        assert state.keys() == alone.keys()
+        for key, value in alone.items():
+            torch.testing.assert_close(state[key], t_state[key], rtol=1e-6, atol=1e-7)
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6)
+    plain = _Net()
+    load_checkpoint(path, plain)
+    for key, value in plain.state_dict().items():
+        assert torch.equal(value, ours[0][1][key]), key
 
 
 def torch_data_parallel_over_devmesh_tp():
@@ -195,3 +311,42 @@ def test_torch_data_parallelism_over_devmesh_tensor_parallelism(mesh_pool):
         assert "module '0' (Linear)" in refusals[0][1]  # the state dict knows the name
         assert set(errors) == {"0.weight", "0.bias", "2.weight", "2.bias"}
         assert max(errors.values()) < 1e-6, errors
+
+
+def devmesh_and_torch_styles_under_one_fully_shard():
+    """devmesh's ColwiseParallel on the first layer, torch's RowwiseParallel (a torch-API
+    style, as one's own would be) on the second, one devmesh ``fully_shard`` over ``dp``."""
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    from devmesh.parallel import ColwiseParallel, fully_shard, parallelize_module, state_dict
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _model()
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel()})
+    torch_parallelize(model, mesh["tp"], {"2": TorchRowwise()})
+    fully_shard(model, mesh=mesh["dp"])
+    dp = mesh["dp"].get_local_rank()
+    _adam_steps(model, slice(4 * dp, 4 * dp + 4))
+    return state_dict(model, full=True)
+
+
+def _adam_steps(model: torch.nn.Module, rows: slice) -> None:
+    """3 Adam steps on ``rows`` of each step's batch of 8."""
+    import torch.nn.functional as F
+
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    for step in range(3):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+        F.cross_entropy(model(x[rows]), y[rows]).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_devmesh_and_torch_styles_mix_under_devmesh_fully_shard(mesh_pool):
+    alone = _model()
+    _adam_steps(alone, slice(None))
+    for state in mesh_pool.run(devmesh_and_torch_styles_under_one_fully_shard, 4):
+        for key, value in alone.state_dict().items():
+            torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)

@@ -31,9 +31,10 @@ _ATTR = "_devmesh_layout"
 
 def refuse_torch_dtensors(module: nn.Module, ignored: set[int], what: str) -> None:
     """Refuse a parameter that is a torch ``DTensor`` (torch's ``parallelize_module`` made
-    it, often with a style of one's own, as torchtitan's): devmesh's data parallelism reduces
-    plain blocks, and torch's own takes such a model on a devmesh mesh. Every rank holds the
-    same kinds of parameters, so every rank raises, before any collective."""
+    it, often with a style of one's own, as torchtitan's): devmesh's ``replicate`` reduces
+    plain blocks (its ``fully_shard`` takes such parameters), and torch's own takes such a
+    model on a devmesh mesh. Every rank holds the same kinds of parameters, so every rank
+    raises, before any collective."""
     from torch.distributed.tensor import DTensor
 
     for name, param in module.named_parameters():
@@ -44,9 +45,9 @@ def refuse_torch_dtensors(module: nn.Module, ignored: set[int], what: str) -> No
                 f"distribute_tensor made it); devmesh's {what} "
                 "takes plain parameters and devmesh's tensor-parallel blocks. Either split it "
                 "with devmesh.parallel.parallelize_module and devmesh's styles, or apply "
-                f"torch's {what} (torch.distributed.fsdp.fully_shard, torch's replicate or "
-                "DistributedDataParallel), which takes the devmesh mesh as it is "
-                "(mesh['dp'])")
+                f"torch's {what} (torch's replicate or DistributedDataParallel), which takes "
+                "the devmesh mesh as it is (mesh['dp']), or shard it with "
+                "devmesh.parallel.fully_shard, which takes torch's DTensor parameters")
 
 
 def refuse_torch_fsdp_over_blocks(module: nn.Module, module_name: str | None = None) -> None:

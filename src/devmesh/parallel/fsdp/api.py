@@ -16,7 +16,6 @@ from devmesh.parallel.fsdp.module import FSDPModule, units_named
 from devmesh.parallel.fsdp.unit import FSDPUnit
 from devmesh.parallel.param import (
     ParallelizeError,
-    refuse_torch_dtensors,
     with_methods,
     world_mesh,
 )
@@ -53,10 +52,13 @@ def fully_shard(
     unsharded tensors whose gradients are not reduced; ``mp_policy`` may be torch's
     ``MixedPrecisionPolicy``; ``shard_placement_fn(param)`` may return ``Shard(d)`` to split
     a parameter along dim ``d`` instead of 0 (uneven blocks as ``torch.chunk``, which torch
-    refuses on a dim other than 0). What devmesh does not do is refused with a clear error
-    rather than silently ignored: resharding to a smaller world (an ``int``), a placement on
-    another mesh from ``shard_placement_fn``, offloading on a GPU mesh,
-    ``dp_mesh_dims``, and embeddings with ``sparse=True`` (ignore them, and ``replicate``)."""
+    refuses on a dim other than 0). Parameters torch's ``parallelize_module`` made (DTensors
+    on a tensor-parallel slice of the same mesh) are sharded inside their blocks, as torch's
+    FSDP2 shards them, and the modules get those DTensors back in forward. What devmesh
+    does not do is refused with a clear error rather than silently ignored: resharding to a
+    smaller world (an ``int``), a placement on another mesh from ``shard_placement_fn``,
+    offloading on a GPU mesh, ``dp_mesh_dims``, and embeddings with ``sparse=True`` (ignore
+    them, and ``replicate``)."""
     modules = _grouped(module)
     for one in modules:
         if getattr(one, "_devmesh_fsdp", None) is not None:
@@ -189,6 +191,20 @@ def split_dims(module: nn.Module, shard_placement_fn, ignored_params) -> dict[in
     return dims
 
 
+def _refuse_partial_dtensors(module: nn.Module, ignored: set[int]) -> None:
+    """A parameter torch's tensor parallelism made (a DTensor) is sharded inside its block,
+    as torch's FSDP2 does; one that is a partial sum has no block to shard."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    for name, param in module.named_parameters():
+        if (isinstance(param, DTensor) and id(param) not in ignored
+                and any(isinstance(p, Partial) for p in param.placements)):
+            raise ParallelizeError(
+                f"fully_shard: parameter {name!r} is a DTensor with placements "
+                f"{list(param.placements)}: a partial sum cannot be sharded; redistribute it "
+                "to Replicate() or Shard(d) first")
+
+
 def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forward,
                         offload_policy, dp_mesh_dims, ignored_params) -> None:
     """Raise for an argument of torch's that devmesh cannot honour (the same on every rank:
@@ -211,7 +227,7 @@ def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
                                               for p in ignored_params):
         raise ParallelizeError("ignored_params must be a set of the module's parameters")
     ignored = {id(p) for p in ignored_params or ()}
-    refuse_torch_dtensors(module, ignored, "fully_shard")
+    _refuse_partial_dtensors(module, ignored)
     for name, sub in module.named_modules():
         if (isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
                 and any(id(p) not in ignored for p in sub.parameters(recurse=False))):

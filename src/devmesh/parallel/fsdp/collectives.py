@@ -38,6 +38,9 @@ class ShardedParam:
     padded_rows: int  # the largest block's length along ``dim``
     shape: tuple[int, ...]  # the parameter's own shape (differs for 0-d parameters)
     dim: int = 0  # the dim FSDP splits (torch's ``shard_placement_fn``; dim 0 by default)
+    # a parameter torch's tensor parallelism made (a DTensor): its mesh, placements, global
+    # shape and stride, so its gathered block goes back into the module as that DTensor
+    dtensor: tuple | None = None
 
     @property
     def slice_numel(self) -> int:
@@ -47,6 +50,20 @@ class ShardedParam:
     @property
     def padded_numel(self) -> int:
         return self.padded_rows * self.slice_numel
+
+    def in_place(self, full: torch.Tensor) -> torch.Tensor:
+        """What the modules hold while ``full`` (the gathered parameter) is in place: a view
+        of it, or, for a parameter torch's tensor parallelism made, the DTensor of that
+        block (torch's styles compute with DTensors; its backward hands the block's
+        gradient to the unit, reduced over the tensor-parallel ranks where torch's would)."""
+        view = full.view(self.shape)
+        if self.dtensor is None:
+            return view
+        from torch.distributed.tensor import DTensor
+
+        mesh, placements, shape, stride = self.dtensor
+        return DTensor.from_local(view, mesh, placements, run_check=False, shape=shape,
+                                  stride=stride)
 
     def block_shape(self, length: int) -> tuple[int, ...]:
         """The shape of a block holding ``length`` indices of ``dim``."""

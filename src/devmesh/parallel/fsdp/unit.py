@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
 from devmesh.distributed import comm
@@ -47,6 +48,7 @@ from devmesh.parallel.fsdp.order import OPEN_GROUPS, ORDERS, ForwardOrder
 from devmesh.parallel.fsdp.weight_grads import KEPT_FOR_WEIGHT_GRADS, WEIGHT_GRADS_LATER
 from devmesh.parallel.param import (
     ParallelizeError,
+    ParamLayout,
     combined_mesh,
     describe_tensors,
     get_layout,
@@ -55,7 +57,7 @@ from devmesh.parallel.param import (
     sharded_parameter,
 )
 from devmesh.parallel.saved_activation import SavedActivation
-from devmesh.tensor import ShardingSpec
+from devmesh.tensor import ShardedTensor, ShardingSpec
 from devmesh.layout.spec import chunk_bounds
 
 SHARDED_BY = "_devmesh_sharded_by"  # on an original parameter: the unit that replaced it
@@ -171,27 +173,38 @@ class FSDPUnit:
             visit(root)
 
     def _shard(self, module: nn.Module, name: str, param: nn.Parameter) -> ShardedParam:
-        shape = tuple(param.shape)
-        data = param.detach().reshape(-1) if param.ndim == 0 else param.detach()
+        tp = get_layout(param)
+        made_by_torch = None
+        if isinstance(param, DTensor):  # torch's tensor parallelism: shard its local block
+            made_by_torch = (param.device_mesh, tuple(param.placements), param.shape,
+                             param.stride())
+            block = ShardedTensor.from_dtensor(param.detach())
+            tp = ParamLayout(block.device_mesh, block.spec)
+            param_data = param.detach().to_local()
+        else:
+            param_data = param.detach()
+        shape = tuple(param_data.shape)
+        data = param_data.reshape(-1) if param_data.ndim == 0 else param_data
         full_shape = tuple(data.shape)
         dim = self._split_dims.get(id(param), 0)
         start, size = chunk_bounds(full_shape[dim], self.k, self.index)
         local = data.narrow(dim, start, size).clone()
-        spec_mesh, spec = self._spec(param, full_shape, dim)
+        spec_mesh, spec = self._spec(tp, full_shape, dim)
         new = sharded_parameter(local, param.requires_grad, spec_mesh, spec,
-                                shape=() if param.ndim == 0 else None)
+                                shape=() if param_data.ndim == 0 else None)
         setattr(param, SHARDED_BY, self)
         place_parameter(module, name, new)
         padded_rows = -(-full_shape[dim] // self.k) if full_shape[dim] else 0
-        entry = ShardedParam([(module, name)], new, full_shape, padded_rows, shape, dim)
+        entry = ShardedParam([(module, name)], new, full_shape, padded_rows, shape, dim,
+                             made_by_torch)
         self.params.append(entry)
         return entry
 
-    def _spec(self, old: nn.Parameter, full_shape, dim: int
+    def _spec(self, tp: ParamLayout | None, full_shape, dim: int
               ) -> tuple[DeviceMesh, ShardingSpec]:
         """Where the new shard lies: tensor dim ``dim`` split by the shard dim, nested inside
-        any split tensor parallelism already made (on the mesh spanning both)."""
-        tp = get_layout(old)
+        the split tensor parallelism already made, if any (``tp``; on the mesh spanning
+        both)."""
         names = self.mesh.mesh_dim_names
         if tp is None:
             dim_map = [()] * len(full_shape)
@@ -286,7 +299,7 @@ class FSDPUnit:
         with torch.no_grad():
             for p, full in zip(self.params, fulls):
                 for holder, name in p.places:
-                    holder._parameters[name] = full.view(p.shape)
+                    holder._parameters[name] = p.in_place(full)
 
     def reshard(self) -> None:
         """The shards back in the modules' places, and nothing gathered kept (from
@@ -451,7 +464,7 @@ class FSDPUnit:
             fulls = _Unshard.apply(self, *shards)
             for p, full in zip(self.params, fulls):
                 for holder, name in p.places:
-                    holder._parameters[name] = full.view(p.shape)
+                    holder._parameters[name] = p.in_place(full)
             self._open, self._to_run = fulls, {id(m) for m in self.modules}
             OPEN_GROUPS.append(self)
         self._order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
@@ -585,7 +598,7 @@ class FSDPUnit:
                 self._release_after_backward()  # drops _recomputed at the backward's end
             fulls = self._recomputed[1]
             for i, name in named:
-                module._parameters[name] = fulls[i].view(self.params[i].shape)
+                module._parameters[name] = self.params[i].in_place(fulls[i])
         self._recomputing.add(id(module))
 
     def _after_recompute(self, named: list[tuple[int, str]], module: nn.Module, args,
