@@ -27,7 +27,8 @@ def torch_runs() -> TorchRuns:
             (unshard_in_place, ("torch",)), (split_along_another_dim, ("torch",))],
         3: [(ddp_arguments, ("torch", True)), (ddp_arguments, ("torch", False)),
             *((batchnorm_buffers, ("torch", args)) for args in _BUFFER_ARGS)],
-        4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True))],
+        4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True)),
+            (hsdp_by_hook_with_an_unused_layer, ("torch",))],
     })
 
 
@@ -886,3 +887,88 @@ def test_uneven_blocks_along_another_dim_train_as_one_process(mesh_pool, tmp_pat
     load_checkpoint(str(tmp_path / "ckpt"), plain)
     for key, value in plain.state_dict().items():
         torch.testing.assert_close(value, results[0]["params"][key], rtol=0, atol=0)
+
+
+class _WithUnused(nn.Module):
+    """make_model's layers and a layer no forward uses (a mixture-of-experts' idle expert)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = make_model()
+        self.idle = nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def hsdp_by_hook_with_an_unused_layer(library: str):
+    """``set_all_reduce_hook``: FSDP over ``shard`` whose hook averages the reduced shards
+    over ``replicate`` — HSDP by hand; ``set_reduce_scatter_unused_params(True)``: the idle
+    layer gets zero gradients (AdamW's weight decay then moves it); and torch's
+    scheduling switches, which change no value."""
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    across = mesh["replicate"].get_group()
+    seen = []
+
+    def average_across_replicas(reduced: torch.Tensor) -> None:
+        seen.append(reduced.numel())
+        dist.all_reduce(reduced, group=across)  # gloo has no average: sum, then divide
+        reduced.div_(2)
+
+    model = _WithUnused()
+    fully_shard(model.body[2], mesh=mesh["shard"])
+    fully_shard(model, mesh=mesh["shard"])
+    for unit in (model.body[2], model):
+        unit.set_all_reduce_hook(average_across_replicas)
+    model.set_reduce_scatter_unused_params(True)
+    model.set_reduce_scatter_max_input_buffers(2)
+    model.set_separate_reduce_scatter_group(False)
+    model.set_allocate_memory_from_process_group_for_comm(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    losses = []
+    for _ in range(2):
+        x, y = _batch(dist.get_rank())
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        idle_grads = [p.grad is not None and not p.grad.to_local().any()
+                      if hasattr(p.grad, "to_local") else p.grad is not None and not p.grad.any()
+                      for p in model.idle.parameters()]
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return {"losses": losses, "params": _params(model), "hook_calls": len(seen),
+            "idle_zero_grads": idle_grads}
+
+
+def test_all_reduce_hook_and_unused_parameters_as_torch(mesh_pool, torch_runs):
+    """Before, devmesh had neither method (AttributeError)."""
+    ours = mesh_pool.run(hsdp_by_hook_with_an_unused_layer, 4, "devmesh")
+    theirs = torch_runs(4, hsdp_by_hook_with_an_unused_layer, "torch")
+    for a, b in zip(ours, theirs):
+        assert a["idle_zero_grads"] == b["idle_zero_grads"] == [True, True]
+        assert a["hook_calls"] == b["hook_calls"] == 4  # 2 units, 2 steps
+        _same_training(a, b)
+    # the hook made it HSDP: every rank holds the same parameters, though each trained on
+    # its own batch, and the idle layer moved (weight decay on a zero gradient)
+    for a in ours[1:]:
+        for key, value in ours[0]["params"].items():
+            torch.testing.assert_close(a["params"][key], value)
+    assert not torch.equal(ours[0]["params"]["idle.weight"], _WithUnused().idle.weight)
+
+
+def test_custom_collectives_are_refused_by_name(mesh_pool):
+    for refusals in mesh_pool.run(custom_collectives, 2):
+        assert "set_custom_all_gather is not supported by devmesh" in refusals[0][1]
+        assert "set_custom_reduce_scatter is not supported by devmesh" in refusals[1][1]
+
+
+def custom_collectives():
+    from devmesh.parallel import fully_shard
+
+    model = fully_shard(make_model(), mesh=init_device_mesh("cpu", (2,)))
+    return [caught(lambda: model.set_custom_all_gather(object())),
+            caught(lambda: model.set_custom_reduce_scatter(object()))]

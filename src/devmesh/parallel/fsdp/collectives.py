@@ -155,11 +155,13 @@ def gradient_numel(params: list[ShardedParam]) -> int:
     return sum(p.padded_numel for p in params)
 
 
-def unpack_reduced(params: list[ShardedParam], mine: torch.Tensor, k: int, index: int
-                   ) -> list[torch.Tensor | None]:
+def unpack_reduced(params: list[ShardedParam], mine: torch.Tensor, k: int, index: int,
+                   unused_as_zeros: bool = False) -> list[torch.Tensor | None]:
     """This rank's reduced gradient of each parameter, in the parameter's dtype and shape;
-    ``None`` for one no rank had a gradient for (its flag summed to zero). A unit holding a
-    complex parameter reduces in a complex dtype; a real parameter takes the real part."""
+    ``None`` for one no rank had a gradient for (its flag summed to zero; zeros instead for
+    a trainable one with ``unused_as_zeros``, torch's ``set_reduce_scatter_unused_params``). A
+    unit holding a complex parameter reduces in a complex dtype; a real parameter takes the
+    real part."""
     flags = mine[gradient_numel(params):]
     used = (flags.real if flags.is_complex() else flags).tolist()
     out: list[torch.Tensor | None] = []
@@ -169,7 +171,8 @@ def unpack_reduced(params: list[ShardedParam], mine: torch.Tensor, k: int, index
         local = mine[offset: offset + size * p.slice_numel].view(p.block_shape(size))
         if local.is_complex() and not p.sharded.dtype.is_complex:
             local = local.real
-        out.append(local.to(p.sharded.dtype).view(p.sharded.shape) if used_somewhere > 0
-                   else None)
+        zeros = unused_as_zeros and p.sharded.requires_grad  # a frozen one: never a gradient
+        out.append(local.to(p.sharded.dtype).view(p.sharded.shape)
+                   if used_somewhere > 0 or zeros else None)
         offset += p.padded_numel
     return out

@@ -37,12 +37,20 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
       gathers in backward only what the backward uses); ``set_reduce_scatter_divide_factor``:
       torch's older name of ``set_gradient_divide_factor``.
 
-    Not here: torch's CUDA stream and memory switches (``set_post_optim_event``,
-    ``set_symm_mem_for_comm``, ``set_allocate_memory_from_process_group_for_comm``,
-    ``set_reduce_scatter_max_input_buffers``), custom collectives
-    (``set_custom_all_gather``, ``set_custom_reduce_scatter``,
-    ``set_separate_reduce_scatter_group``), ``set_all_reduce_hook`` and
-    ``set_reduce_scatter_unused_params``.
+    * ``set_all_reduce_hook(hook)``: ``hook(reduced)`` runs on the unit's reduced gradient
+      shards (after the reduce-scatter, or HSDP's all-reduce), before any divide factor, as
+      torch's; it may change them in place (a reduction over a group of one's own);
+    * ``set_reduce_scatter_unused_params(True)``: a parameter no rank used gets a zero
+      gradient rather than none, as torch's (devmesh's collectives never mismatch when ranks
+      use different parameters, with the switch or without);
+    * torch's CUDA stream, memory and collective-scheduling switches are accepted and change
+      nothing: ``set_post_optim_event`` (devmesh's collectives are ordered after the
+      optimizer's work by the process group itself), ``set_symm_mem_for_comm``,
+      ``set_allocate_memory_from_process_group_for_comm``,
+      ``set_reduce_scatter_max_input_buffers``, ``set_separate_reduce_scatter_group``.
+
+    Not here: custom collectives (``set_custom_all_gather``, ``set_custom_reduce_scatter``):
+    they raise, naming why — a unit's collectives move packed bytes of every parameter.
 
     Those with a ``recurse`` argument apply to every unit in the module's subtree
     (``recurse=False``: this one only); the others to this module's unit, as torch's."""
@@ -154,6 +162,66 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
         """Accepted for torch's FSDP2 code: devmesh's reductions are sums or averages, with a
         divide factor a sum then a division, never NCCL's PreMulSum (which gloo lacks:
         torch's FSDP2 needs this switch for ``set_gradient_divide_factor`` on CPU)."""
+
+
+    def set_all_reduce_hook(self, hook, *, stream=None) -> None:
+        """torch's hook on the reduced gradients: ``hook(reduced)`` gets this unit's reduced
+        gradient shards as one flat tensor — after the reduce-scatter (FSDP) or after HSDP's
+        all-reduce — before ``set_gradient_divide_factor``'s division, as torch's, and may
+        change them in place. ``stream`` (a CUDA stream to run it on) is refused under HSDP,
+        as torch refuses it, and otherwise taken: devmesh runs the hook where it reduces."""
+        if not callable(hook):
+            raise ParallelizeError(f"set_all_reduce_hook takes a callable, got {hook!r}")
+        unit = unit_of(self, "set_all_reduce_hook")
+        if stream is not None and unit.replicate_dims:
+            raise ParallelizeError("set_all_reduce_hook: stream cannot be set when using "
+                                   "HSDP (torch's rule): the hook runs after its all-reduce")
+        unit.all_reduce_hook = hook
+
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True) -> None:
+        """``True``: a parameter that no rank used in the backward gets a zero gradient (torch
+        then includes it in the reduce-scatter); ``False`` (the default) leaves it without
+        one. Either way devmesh's one reduce-scatter per unit carries every parameter, so
+        ranks that use different parameters (mixture of experts) never mismatch."""
+        for unit in self._units(recurse):
+            unit.reduce_unused = bool(reduce_scatter_unused_params)
+
+    def set_post_optim_event(self, event: object) -> None:
+        """Accepted for torch's FSDP2 code: torch's all-gathers run on streams of their own,
+        which must wait for the optimizer step; devmesh's run on the process group's, which
+        c10d orders after the work already issued."""
+
+    def set_symm_mem_for_comm(self, backend: str = "NCCL") -> None:
+        """Accepted for torch's FSDP2 code (NCCL symmetric-memory staging buffers): devmesh's
+        all-gather buffers are ordinary tensors."""
+
+    def set_allocate_memory_from_process_group_for_comm(self, enable: bool) -> None:
+        """Accepted for torch's FSDP2 code (staging buffers from the process group's
+        allocator): devmesh's buffers come from torch's allocator."""
+
+    def set_reduce_scatter_max_input_buffers(self, max_input_buffers: int, *,
+                                             recurse: bool = True) -> None:
+        """Accepted for torch's FSDP2 code: a devmesh unit reduces its gradients in one
+        buffer, freed when its reduce-scatter returns."""
+
+    def set_separate_reduce_scatter_group(self, enable: bool = True, *,
+                                          recurse: bool = True) -> None:
+        """Accepted for torch's FSDP2 code (a second process group so reduce-scatters overlap
+        all-gathers): devmesh's collectives share the mesh's groups."""
+
+    def set_custom_all_gather(self, comm: object) -> None:
+        raise ParallelizeError(
+            "set_custom_all_gather is not supported by devmesh: a unit's all-gather moves the "
+            "packed bytes of all its parameters at once, which torch's AllGather objects do "
+            "not describe; use torch's fully_shard for a custom collective")
+
+    def set_custom_reduce_scatter(self, comm: object) -> None:
+        raise ParallelizeError(
+            "set_custom_reduce_scatter is not supported by devmesh: a unit's reduce-scatter "
+            "moves every gradient and its used-here flags in one buffer; use "
+            "set_all_reduce_hook for a reduction of one's own after it, or torch's "
+            "fully_shard")
 
 
 class UnshardHandle:

@@ -96,6 +96,8 @@ class FSDPUnit:
         self.requires_gradient_sync = True
         self.reshard_after_backward = True
         self.gradient_divide_factor: float | None = None  # None: the mean over the data ranks
+        self.all_reduce_hook = None  # torch's set_all_reduce_hook: runs on the reduced shards
+        self.reduce_unused = False  # torch's set_reduce_scatter_unused_params
         self._accumulated: list[torch.Tensor | None] | None = None
         # HSDP accumulation (set_requires_all_reduce(False)): this rank's reduce-scattered
         # gradients summed here until a backward with the all-reduce adds them in
@@ -350,9 +352,11 @@ class FSDPUnit:
                 self._drop_backward_state(keep=False)
                 return [None] * len(self.params)
             comm.all_reduce(mine, self.mesh, self.replicate_dims, op)
+        if self.all_reduce_hook is not None:
+            self.all_reduce_hook(mine[:gradient_numel(self.params)])
         if self.gradient_divide_factor is not None:
             mine[:gradient_numel(self.params)].div_(self.gradient_divide_factor)
-        out = unpack_reduced(self.params, mine, self.k, self.index)
+        out = unpack_reduced(self.params, mine, self.k, self.index, self.reduce_unused)
         self._drop_backward_state(keep=False)  # the optimizer step follows: nothing kept
         return out
 
