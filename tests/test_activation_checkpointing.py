@@ -280,3 +280,40 @@ def test_a_copy_of_a_checkpointed_sharded_model_recomputes_with_its_own_units(me
         for name, grad in mine.items():
             assert grad is not None and copied[name] is not None, name
             torch.testing.assert_close(copied[name], grad, rtol=0, atol=0, msg=name)
+
+
+def _compiled_blocks(mode: str | None):
+    """torchtitan's order — checkpointing (``mode``), ``block.compile()``, ``fully_shard``
+    on each block and the root — over 2 ranks, 3 Adam steps; and how often dynamo broke the
+    blocks' graphs."""
+    import torch.distributed as dist
+
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = _wrapped_net(mode) if mode else Net(False)
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    model = shard_blocks_and_root(model, "devmesh")
+    rank = dist.get_rank()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step in range(3):
+        x, y = _batch(step)
+        F.cross_entropy(model(x[8 * rank:8 * rank + 8]), y[8 * rank:8 * rank + 8]).backward()
+        opt.step()
+        opt.zero_grad()
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    return {"params": full_params(model, "devmesh"), "graph_breaks": breaks}
+
+
+@pytest.mark.parametrize("mode", [None, "non-reentrant"], ids=["plain", "checkpointed"])
+def test_compiled_blocks_under_fully_shard_are_not_split(mesh_pool, mode):
+    """Each block compiles to whole graphs: the hooks devmesh puts on the modules inside a
+    unit (for recomputation in backward) return at once in a compiled region. Before, their
+    untraceable read of autograd's task id broke every module's graph (and the saved-tensor
+    hooks after it): 18 frames compiled for 2 blocks of 3 modules instead of 2."""
+    expected = _train_wrapped("one process", "non-reentrant")["params"]  # the same model
+    for result in mesh_pool.run(_compiled_blocks, 2, mode):
+        assert result["graph_breaks"] == 0
+        for key, value in expected.items():
+            torch.testing.assert_close(result["params"][key], value, rtol=1e-5, atol=1e-6,
+                                       msg=key)

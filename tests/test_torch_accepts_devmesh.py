@@ -175,7 +175,10 @@ def fully_shard_over_torch_tp(library: str, case: str, path: str | None = None):
     ``fully_shard`` over ``dp`` — devmesh's or torch's — on a (dp, tp) = (2, 2) devmesh
     mesh: Adam steps on each dp rank's half of the batch. ``case``: "tp"; "sp" (sequence
     parallelism: the norms' replicated weights get partial gradients); "sp+checkpoint"
-    (torch's ``checkpoint_wrapper`` on each block first, as torchtitan orders them)."""
+    (torch's ``checkpoint_wrapper`` on each block first, as torchtitan orders them);
+    "sp+compile" (each block compiled: torch's DTensors inside the graph carry the devmesh
+    mesh, which torch hands over as a stand-in; before, comparing it with a real mesh failed
+    inside torch's sharding propagation, under torch's ``fully_shard`` too)."""
     import torch.nn.functional as F
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
     from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -205,6 +208,9 @@ def fully_shard_over_torch_tp(library: str, case: str, path: str | None = None):
             input_layouts=Shard(1), output_layouts=Replicate())})
     if case == "sp+checkpoint":
         model.blocks = torch.nn.ModuleList(checkpoint_wrapper(b) for b in model.blocks)
+    if case == "sp+compile":  # torchtitan's order: TP, compile each block, FSDP
+        for block in model.blocks:
+            block.compile(backend="aot_eager")
     for block in model.blocks:
         fully_shard(block, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -214,7 +220,8 @@ def fully_shard_over_torch_tp(library: str, case: str, path: str | None = None):
         x, y = _net_batch(step)
         x, y = x[2 * dp:2 * dp + 2], y[2 * dp:2 * dp + 2]
         if sp:  # this rank's positions of the sequence
-            x = DTensor.from_local(x[:, 3 * tp:3 * tp + 3], mesh["tp"], [Shard(1)])
+            x = DTensor.from_local(x[:, 3 * tp:3 * tp + 3].contiguous(), mesh["tp"],
+                                   [Shard(1)])
         loss = F.cross_entropy(model(x).reshape(-1, 5), y.reshape(-1))
         loss.backward()
         opt.step()
@@ -244,7 +251,7 @@ def _net_trained_alone() -> tuple[list[list[float]], dict]:
     return losses, model.state_dict()
 
 
-@pytest.mark.parametrize("case", ["tp", "sp", "sp+checkpoint"])
+@pytest.mark.parametrize("case", ["tp", "sp", "sp+checkpoint", "sp+compile"])
 def test_devmesh_fully_shard_over_torch_tensor_parallelism(mesh_pool, tmp_path, case):
     """devmesh's ``fully_shard`` shards the blocks of torch's DTensor parameters, as torch's
     FSDP2 does, handing the modules torch's DTensors in forward (before, it refused such

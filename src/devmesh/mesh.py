@@ -652,7 +652,11 @@ class DeviceMesh(TorchDeviceMesh):
     def __eq__(self, other: object) -> bool:
         """Same device type and layout, in the same world. A torch-built mesh is never equal
         (it has its own process groups), nor is a mesh of an earlier world: torch caches
-        DTensor plans by mesh value, and a stale hit would use groups that are gone."""
+        DTensor plans by mesh value, and a stale hit would use groups that are gone.
+        Under ``torch.compile`` torch hands over a mesh in a graph as a stand-in
+        (``FakeScriptObject``) that passes ``isinstance`` but lacks devmesh's attributes: it
+        is compared by the mesh it stands for."""
+        other = _real_mesh(other)
         if not isinstance(other, DeviceMesh):
             return NotImplemented if not isinstance(other, TorchDeviceMesh) else False
         return (self._device_type == other._device_type
@@ -665,6 +669,16 @@ class DeviceMesh(TorchDeviceMesh):
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self._mesh_layout.ranks.tolist()}{names})"
+
+
+def _real_mesh(obj: object) -> object:
+    """The mesh a ``torch.compile`` stand-in (torch's ``FakeScriptObject``) wraps; anything
+    else as it is."""
+    try:
+        from torch._library.fake_class_registry import maybe_unwrap_fake_script_object
+    except ImportError:  # a torch without opaque objects hands over the mesh itself
+        return obj
+    return maybe_unwrap_fake_script_object(obj)
 
 
 def _check_device_type(device_type: object) -> None:

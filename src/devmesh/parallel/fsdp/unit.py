@@ -587,7 +587,14 @@ class FSDPUnit:
         """A forward inside a backward while the unit's parameters are the shards: a
         recomputation. Give it the gathered parameters, through a node whose backward
         reduces them, for reentrant checkpointing's backward through the recomputed graph
-        (a non-reentrant one keeps the recomputed values only)."""
+        (a non-reentrant one keeps the recomputed values only).
+
+        Inside a compiled region (``block.compile()``, then ``fully_shard(block)``, as
+        torchtitan orders them) it does nothing: a compiled graph recomputes in its own
+        backward, never through module hooks, and returning at once keeps the hook from
+        splitting the block's graph (reading the autograd task id is not traceable)."""
+        if torch.compiler.is_compiling():
+            return
         task = torch._C._current_graph_task_id()
         if task == -1:
             return
@@ -607,6 +614,8 @@ class FSDPUnit:
 
     def _after_recompute(self, named: list[tuple[int, str]], module: nn.Module, args,
                          output) -> None:
+        if torch.compiler.is_compiling():
+            return
         if id(module) in self._recomputing:  # only what _before_recompute swapped
             self._recomputing.discard(id(module))
             for i, name in named:
