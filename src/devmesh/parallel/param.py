@@ -23,31 +23,10 @@ from devmesh.errors import DevmeshError, ParallelizeError  # noqa: F401 - re-exp
 from devmesh.mesh import DeviceMesh, init_device_mesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
-__all__ = ["refuse_torch_dtensors", "refuse_torch_fsdp_over_blocks", "with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
+__all__ = ["refuse_torch_fsdp_over_blocks", "with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
            "place_parameter", "local_block", "as_sharded", "combined_mesh", "describe_tensors"]
 
 _ATTR = "_devmesh_layout"
-
-
-def refuse_torch_dtensors(module: nn.Module, ignored: set[int], what: str) -> None:
-    """Refuse a parameter that is a torch ``DTensor`` (torch's ``parallelize_module`` made
-    it, often with a style of one's own, as torchtitan's): devmesh's ``replicate`` reduces
-    plain blocks (its ``fully_shard`` takes such parameters), and torch's own takes such a
-    model on a devmesh mesh. Every rank holds the same kinds of parameters, so every rank
-    raises, before any collective."""
-    from torch.distributed.tensor import DTensor
-
-    for name, param in module.named_parameters():
-        if isinstance(param, DTensor) and id(param) not in ignored:
-            raise ParallelizeError(
-                f"{what}: parameter {name!r} is a torch DTensor on {param.device_mesh!r} "
-                f"with placements {list(param.placements)} (torch's parallelize_module or "
-                f"distribute_tensor made it); devmesh's {what} "
-                "takes plain parameters and devmesh's tensor-parallel blocks. Either split it "
-                "with devmesh.parallel.parallelize_module and devmesh's styles, or apply "
-                f"torch's {what} (torch's replicate or DistributedDataParallel), which takes "
-                "the devmesh mesh as it is (mesh['dp']), or shard it with "
-                "devmesh.parallel.fully_shard, which takes torch's DTensor parameters")
 
 
 def refuse_torch_fsdp_over_blocks(module: nn.Module, module_name: str | None = None) -> None:

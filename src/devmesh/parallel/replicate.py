@@ -17,7 +17,8 @@ all-reduced as sparse tensors at the end of backward, one collective each, and s
 and SGD take them as in single-process training.
 
 Parameters already sharded by tensor parallelism keep their layout: DDP replicates over the
-given (data-parallel) mesh only.
+given (data-parallel) mesh only — devmesh's tensor parallelism, or torch's, whose DTensor
+parameters are held as devmesh blocks (:mod:`devmesh.parallel.dtensor_params`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,15 @@ from torch import nn
 from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.conversion import KeepsLayouts
+from devmesh.parallel.dtensor_params import (
+    adopt_dtensor_parameters,
+    hide_dtensor_views,
+    show_dtensor_views,
+)
 from devmesh.parallel.param import (
     ParallelizeError,
     describe_tensors,
     get_layout,
-    refuse_torch_dtensors,
     replaced_parameters,
     set_layout,
     world_mesh,
@@ -326,6 +331,14 @@ def _after_forward(module: nn.Module, args: tuple, output: object) -> None:
     module._devmesh_ddp.after_forward()  # type: ignore[attr-defined]
 
 
+def _show_views(module: nn.Module, args: tuple) -> None:
+    show_dtensor_views(module)
+
+
+def _hide_views(module: nn.Module, args: tuple, output: object) -> None:
+    hide_dtensor_views(module)
+
+
 class ReplicateModule(GradientSyncControl, KeepsLayouts):
     """What ``replicate`` adds to a module, for gradient accumulation as in DDP:
     ``no_sync()`` (a context) or ``set_requires_gradient_sync(False)`` lets gradients
@@ -370,7 +383,11 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
     accepted and change nothing in the result: devmesh always finds unused parameters (one
     flag each in the reduction, so either value trains as DDP with ``True`` would), and the
     other two are DDP's memory and speed hints for its own reducer. Any other DDP option
-    (devices, ``process_group``, DDP's mixed precision, ...) is refused with the fix."""
+    (devices, ``process_group``, DDP's mixed precision, ...) is refused with the fix.
+
+    Parameters torch's ``parallelize_module`` made (DTensors: torchtitan's DDP + TP) are held
+    as devmesh blocks and shown to their modules as DTensors while the model runs
+    (:mod:`devmesh.parallel.dtensor_params`)."""
     if not isinstance(module, nn.Module):  # torch's FSDP-based replicate groups a list
         raise ParallelizeError(
             f"replicate takes one module, got a {type(module).__name__}: replicate the module "
@@ -394,7 +411,11 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
     ignored = {id(p) for p in ignored_params or ()}
     ignored |= {id(t) for m in ignored_modules or ()
                 for t in list(m.parameters()) + list(m.buffers())}
-    refuse_torch_dtensors(module, ignored, "replicate")
+    # torch's tensor parallelism (torchtitan's DDP + TP): its DTensor parameters become
+    # devmesh blocks, shown to their modules as DTensors while the model runs
+    if adopt_dtensor_parameters(module, ignored, "replicate"):
+        module.register_forward_pre_hook(_show_views)
+        module.register_forward_hook(_hide_views, always_call=True)
     if forward_sync_buffers is not None:
         sync, init_buffers = forward_sync_buffers, True
     else:
