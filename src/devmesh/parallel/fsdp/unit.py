@@ -533,16 +533,26 @@ class FSDPUnit:
         """What autograd keeps for a tensor the unit's forward saves: a handle for a view of
         a gathered parameter (backward gathers it again), any other tensor as autograd keeps
         it without hooks (:class:`SavedActivation`)."""
-        index = storages.get(_storage_address(t))
+        # torch's styles (a parameter torch's tensor parallelism made) save the DTensor view
+        # of the gathered block: recognized by its local tensor, rebuilt in backward
+        local = t._local_tensor if isinstance(t, DTensor) else t
+        index = storages.get(_storage_address(local))
         if index is None:
             return SavedActivation(t)
-        return (_HANDLE, index, tuple(t.shape), t.stride(), t.storage_offset(), t.dtype)
+        as_dtensor = (t.device_mesh, t.placements, t.shape, t.stride()) if local is not t else None
+        return (_HANDLE, index, tuple(local.shape), local.stride(), local.storage_offset(),
+                as_dtensor)
 
     def _unpack(self, packed):
         if isinstance(packed, SavedActivation):
             return packed.unpack()
-        _, index, shape, stride, offset, dtype = packed
-        return self.full_for_backward()[index].as_strided(shape, stride, offset)
+        _, index, shape, stride, offset, as_dtensor = packed
+        view = self.full_for_backward()[index].as_strided(shape, stride, offset)
+        if as_dtensor is None:
+            return view
+        mesh, placements, global_shape, global_stride = as_dtensor
+        return DTensor.from_local(view, mesh, placements, run_check=False, shape=global_shape,
+                                  stride=global_stride)
 
     def full_for_backward(self) -> list[torch.Tensor]:
         """The unit's parameters gathered for the running backward: kept, prefetched, or
