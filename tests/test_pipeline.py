@@ -759,18 +759,22 @@ def train_composed(name: str | Schedule, composition: str, steps: int = 2):
     """PP x FSDP x TP on (pp, dp, tp) = (2, 2, 2), or PP x DDP on (pp, dp) = (2, 4), under
     the schedule ``name`` (or a Schedule for 2 ranks, 4 micro-batches): each stage
     parallelized on the (dp, tp) slice, each data-parallel replica its own pipeline;
-    "fsdp+tp+ac": each block also in torch's ``checkpoint_wrapper`` before ``fully_shard``."""
+    "fsdp+tp+ac": each block also in torch's ``checkpoint_wrapper`` before ``fully_shard``;
+    "fsdp+torch-tp" / "ddp+torch-tp": torch's styles and ``parallelize_module`` split the
+    blocks (torch DTensor parameters), devmesh's ``fully_shard`` / ``replicate`` over ``dp``."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    from devmesh.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        fully_shard,
-        parallelize_module,
-        replicate,
-    )
+    from devmesh.parallel import fully_shard, replicate
 
-    if composition.startswith("fsdp+tp"):
+    if "torch-tp" in composition:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+    else:
+        from devmesh.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    if composition.startswith(("fsdp+", "ddp+")):
         mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
     else:
         mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
@@ -783,7 +787,13 @@ def train_composed(name: str | Schedule, composition: str, steps: int = 2):
         if schedule.rank_of(s) != me:
             continue
         stage = parts[s]
-        if composition.startswith("fsdp+tp"):
+        if composition == "ddp+torch-tp":
+            for block in stage:
+                if isinstance(block, nn.Sequential):
+                    parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(),
+                                                           "2": RowwiseParallel()})
+            replicate(stage, mesh=mesh["dp"])
+        elif composition.startswith("fsdp+"):
             for i, block in enumerate(stage):
                 if isinstance(block, nn.Sequential):
                     parallelize_module(block, mesh["tp"], {"0": ColwiseParallel(),
@@ -818,10 +828,14 @@ def train_composed(name: str | Schedule, composition: str, steps: int = 2):
 
 @pytest.mark.parametrize("name, composition", [(n, "fsdp+tp") for n in SCHEDULES]
                          + [("1f1b", "ddp"), ("dualpipe-v", "ddp"), ("1f1b", "fsdp+tp+ac"),
-                            ("zero-bubble", "fsdp+tp+ac")])
+                            ("zero-bubble", "fsdp+tp+ac"), ("1f1b", "fsdp+torch-tp"),
+                            ("zero-bubble", "fsdp+torch-tp"), ("interleaved-1f1b",
+                                                               "ddp+torch-tp")])
 def test_pipeline_composes_with_fsdp_tp_and_ddp(mesh_pool, name, composition):
     """"fsdp+tp+ac": each block also in torch's checkpoint_wrapper (non-reentrant) between TP
-    and FSDP, torchtitan's stack: zero-bubble's W recomputes the blocks again."""
+    and FSDP, torchtitan's stack: zero-bubble's W recomputes the blocks again. "+torch-tp":
+    torch's own styles split the blocks (DTensor parameters) under devmesh's data
+    parallelism, in the pipeline as outside it."""
     check_composed_like_one_process(mesh_pool, name, composition)
 
 

@@ -398,3 +398,40 @@ def test_torch_tp_blocks_are_released_after_forward_as_devmesh_ones(mesh_pool):
     backward: 2 all-gathers a step instead of 4, and the memory of reshard_after_forward=False)."""
     for styles in ("devmesh", "torch"):
         assert mesh_pool.run(_gathers_per_step, 4, styles) == [4] * 4, styles
+
+
+def _torch_tp_alone(path: str):
+    """torch's tensor parallelism alone (no devmesh data parallelism): devmesh's
+    ``state_dict`` gathers its DTensors; its checkpoints refuse them by name."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    from devmesh.parallel import load_checkpoint, save_checkpoint, state_dict
+    from helpers import caught
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = torch_parallelize(_model(), mesh["tp"], {"0": ColwiseParallel(),
+                                                     "2": RowwiseParallel()})
+    full = state_dict(model, full=True)
+    blocks = state_dict(model, full=False)
+    refused_save = caught(lambda: save_checkpoint(path, model))
+    save_checkpoint(path, _model())  # a plain model's, to load from
+    return (full, {k: tuple(v.to_local().shape) for k, v in blocks.items()}, refused_save,
+            caught(lambda: load_checkpoint(path, model)))
+
+
+def test_torch_tensor_parallelism_alone_in_state_dicts_and_checkpoints(mesh_pool, tmp_path):
+    """Before, ``state_dict(full=True)`` returned the DTensors themselves and
+    ``save_checkpoint`` failed on their bytes ("numpy() is not supported for tensor
+    subclasses")."""
+    expected = _model().state_dict()
+    for rank, (full, blocks, saved, loaded) in enumerate(
+            mesh_pool.run(_torch_tp_alone, 2, str(tmp_path / "ckpt"))):
+        for key, value in expected.items():
+            assert type(full[key]) is torch.Tensor and torch.equal(full[key], value), key
+        assert blocks == {"0.weight": (8, 8), "0.bias": (8,), "2.weight": (4, 8),
+                          "2.bias": (4,)}
+        for refusal, what in ((saved, "save_checkpoint"), (loaded, "load_checkpoint")):
+            assert refusal[0] == "CheckpointError", refusal
+            assert f"{what}: parameter '0.weight' is a torch DTensor" in refusal[1]
+            assert "torch.distributed.checkpoint" in refusal[1]

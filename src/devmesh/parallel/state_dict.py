@@ -87,7 +87,9 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
             out[name] = done[id(p)]  # an alias key, as nn.Module.state_dict() lists it
             continue
         sharded = as_sharded(p)
-        if sharded is None:
+        if isinstance(p, DTensor):  # torch's tensor parallelism alone: torch's layout
+            out[name] = p.full_tensor() if full else ShardedTensor.from_dtensor(p.detach())
+        elif sharded is None:
             out[name] = p.detach().clone()
         elif full:
             out[name] = sharded.full_tensor().reshape(get_layout(p).full_shape)

@@ -29,7 +29,11 @@ from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictEr
 from devmesh.parallel.checkpoint import legacy
 from devmesh.parallel.checkpoint.encoding import Malformed, decode
 from devmesh.parallel.checkpoint.format import CheckpointReader
-from devmesh.parallel.checkpoint.save import _raise_if_failed, wait_for_pending_save
+from devmesh.parallel.checkpoint.save import (
+    _raise_if_failed,
+    refuse_unheld_dtensors,
+    wait_for_pending_save,
+)
 from devmesh.parallel.param import get_layout, local_block
 from devmesh.parallel.state_dict import module_of, named_parameters, persistent_buffers
 
@@ -63,6 +67,7 @@ def read_block(reader: CheckpointReader, key: str, target: torch.Tensor,
 
 def _model_writes(reader: CheckpointReader, model: nn.Module
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    refuse_unheld_dtensors(model, "load_checkpoint")
     params = dict(named_parameters(model))
     buffers = persistent_buffers(model)
     expected = list(params) + list(buffers)

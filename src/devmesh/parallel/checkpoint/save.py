@@ -101,6 +101,7 @@ class _Contents:
         self.aliases: dict[str, str] = {}
         self.model_keys: list[str] = []
         seen: dict[int, str] = {}
+        refuse_unheld_dtensors(model, "save_checkpoint")
         for name, p in named_parameters(model):
             self.model_keys.append(name)
             if id(p) in seen:  # a tied parameter: its bytes once, under its first name
@@ -152,6 +153,23 @@ class _Contents:
         """What this rank saves, ``extra`` aside (rank 0's alone is saved)."""
         return Merged([e.listed(world_size) for e in self.entries], self.model_keys,
                       self.aliases, self.optimizer)
+
+
+def refuse_unheld_dtensors(model: nn.Module, what: str) -> None:
+    """A parameter that is still a torch DTensor (torch's ``parallelize_module`` alone, no
+    devmesh data parallelism over it) has no devmesh block to write or read: say so, with the
+    ways out, rather than fail on its bytes ("numpy() is not supported for tensor
+    subclasses"). Every rank holds the same kinds of parameters: every rank raises alike."""
+    from torch.distributed.tensor import DTensor
+
+    for name, p in named_parameters(model):
+        if isinstance(p, DTensor):
+            raise CheckpointError(
+                f"{what}: parameter {name!r} is a torch DTensor (placements "
+                f"{list(p.placements)}), which devmesh's checkpoints do not hold: apply "
+                "devmesh.parallel.fully_shard or replicate over the data-parallel dims (they "
+                "hold torch's DTensor parameters as devmesh blocks, checkpointed like any "
+                "other), or save and load this model with torch.distributed.checkpoint")
 
 
 def _agree_on_contents(contents: _Contents, world_size: int) -> Merged:
