@@ -514,7 +514,7 @@ def _keywords_on_every_rank(library: str, schedule_name: str):
 def test_keyword_inputs_reach_every_stage_as_torchs_pipelining(mesh_pool, schedule_name):
     """torch gives the keyword inputs of a rank's ``step`` to each of its stages (before,
     devmesh gave them to the first stage only: the later stages ran without the scale,
-    silently; 4 times torch's loss on this model)."""
+    silently)."""
     theirs = mesh_pool.run(_keywords_on_every_rank, 2, "torch", schedule_name)
     ours = mesh_pool.run(_keywords_on_every_rank, 2, "devmesh", schedule_name)
     stages = 2 if schedule_name == "Schedule1F1B" else 4
