@@ -93,9 +93,9 @@ def parallel_run(case: str, library: str, compile_backend: str | None = None,
     torchtitan's order."""
     from torch.testing._internal.distributed._tensor import common_dtensor
 
-    if library == "devmesh":
+    if library in ("devmesh", "torch styles"):  # the latter: torch's TP, devmesh's FSDP
         from devmesh.parallel import clip_grad_norm_, fully_shard, state_dict
-        styles = _devmesh_styles()
+        styles = _devmesh_styles() if library == "devmesh" else {}
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -150,7 +150,7 @@ def parallel_run(case: str, library: str, compile_backend: str | None = None,
         model.compile(backend=compile_backend)
     per = BATCH // dp_size
     losses, norms = _train(model, slice(dp_index * per, (dp_index + 1) * per), clip_grad_norm_)
-    if library == "devmesh":
+    if library != "torch":
         full = state_dict(model, full=True)
         tied = model.output.weight is model.tok_embeddings.weight
         count = len(list(model.parameters()))
@@ -191,6 +191,22 @@ def test_torch_transformer_matches_single_process(mesh_pool, single_process, cas
         assert r["tied"], "output.weight and tok_embeddings.weight must stay one parameter"
         assert r["count"] == len(list(_model().parameters()))
         assert set(r["full"]) == set(ref_state)  # alias keys included, as nn.Module gives
+        for key, value in ref_state.items():
+            torch.testing.assert_close(r["full"][key], value, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("case", ["fsdp_tp", "hsdp_tp_sp"])
+def test_torch_transformer_split_by_torchs_styles_under_devmesh_fsdp(mesh_pool, single_process,
+                                                                     case):
+    """torch's own plan with torch's own styles (DTensor parameters, the tied embedding and
+    head among them), then devmesh's ``fully_shard`` and ``clip_grad_norm_``: equal to one
+    process (before, devmesh's fully_shard refused DTensor parameters)."""
+    ref_losses, ref_norms, ref_state = single_process
+    results = mesh_pool.run(parallel_run, _WORLD[case], case, "torch styles", timeout=300)
+    assert _mean_losses(results) == pytest.approx(ref_losses, abs=1e-10, rel=1e-10)
+    for r in results:
+        assert r["norms"] == pytest.approx(ref_norms, abs=1e-10, rel=1e-10)
+        assert r["tied"]
         for key, value in ref_state.items():
             torch.testing.assert_close(r["full"][key], value, atol=1e-10, rtol=1e-10)
 
