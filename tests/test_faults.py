@@ -266,7 +266,6 @@ def test_a_collective_timeout_names_the_rank_that_never_entered(mesh_pool):
 def peers_hear_a_timeout_as_a_closed_connection():
     from devmesh import init_device_mesh
     from devmesh.distributed.timeouts import Watch
-    from devmesh.errors import CollectiveTimeoutError
 
     mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("dp",), timeout=30)
     watch = Watch("all_reduce", [0, 1, 2], lambda: "dp")

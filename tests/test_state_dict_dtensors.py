@@ -15,8 +15,6 @@ from devmesh import init_device_mesh
 from devmesh.parallel import (
     ColwiseParallel,
     RowwiseParallel,
-    fully_shard,
-    parallelize_module,
     state_dict,
 )
 

@@ -286,7 +286,6 @@ def torch_data_parallel_over_devmesh_tp():
     torch's ``fully_shard`` is refused on every rank (it would take each tensor-parallel
     block for a whole parameter: the training ran, then saving failed with torch's "the
     local_tensor argument only accepts torch.Tensor"); torch's DDP trains as one process."""
-    import torch.nn.functional as F
     from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
     from devmesh.parallel import ColwiseParallel, RowwiseParallel, parallelize_module, state_dict
@@ -302,13 +301,7 @@ def torch_data_parallel_over_devmesh_tp():
     ddp = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh["dp"].get_group())
     dp = mesh["dp"].get_local_rank()
     for net, rows in ((ddp, slice(4 * dp, 4 * dp + 4)), (reference, slice(None))):
-        opt = torch.optim.SGD(net.parameters(), lr=0.1)
-        for step in range(3):
-            gen = torch.Generator().manual_seed(step)
-            x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
-            F.cross_entropy(net(x[rows]), y[rows]).backward()
-            opt.step()
-            opt.zero_grad()
+        _train_steps(net, rows, torch.optim.SGD(net.parameters(), lr=0.1))
     trained, expected = state_dict(model, full=True), reference.state_dict()
     return refusals, {k: (trained[k] - v).abs().max().item() for k, v in expected.items()}
 
@@ -339,15 +332,14 @@ def devmesh_and_torch_styles_under_one_fully_shard():
     torch_parallelize(model, mesh["tp"], {"2": TorchRowwise()})
     fully_shard(model, mesh=mesh["dp"])
     dp = mesh["dp"].get_local_rank()
-    _adam_steps(model, slice(4 * dp, 4 * dp + 4))
+    _train_steps(model, slice(4 * dp, 4 * dp + 4), torch.optim.Adam(model.parameters(), lr=0.01))
     return state_dict(model, full=True)
 
 
-def _adam_steps(model: torch.nn.Module, rows: slice) -> None:
-    """3 Adam steps on ``rows`` of each step's batch of 8."""
+def _train_steps(model: torch.nn.Module, rows: slice, opt: torch.optim.Optimizer) -> None:
+    """3 steps of ``opt`` on ``rows`` of each step's batch of 8."""
     import torch.nn.functional as F
 
-    opt = torch.optim.Adam(model.parameters(), lr=0.01)
     for step in range(3):
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
@@ -358,7 +350,7 @@ def _adam_steps(model: torch.nn.Module, rows: slice) -> None:
 
 def test_devmesh_and_torch_styles_mix_under_devmesh_fully_shard(mesh_pool):
     alone = _model()
-    _adam_steps(alone, slice(None))
+    _train_steps(alone, slice(None), torch.optim.Adam(alone.parameters(), lr=0.01))
     for state in mesh_pool.run(devmesh_and_torch_styles_under_one_fully_shard, 4):
         for key, value in alone.state_dict().items():
             torch.testing.assert_close(state[key], value, rtol=1e-5, atol=1e-6, msg=key)
@@ -435,3 +427,29 @@ def test_torch_tensor_parallelism_alone_in_state_dicts_and_checkpoints(mesh_pool
             assert refusal[0] == "CheckpointError", refusal
             assert f"{what}: parameter '0.weight' is a torch DTensor" in refusal[1]
             assert "torch.distributed.checkpoint" in refusal[1]
+
+
+def _partial_sums_refused():
+    """A DTensor parameter that is a partial sum (a ``Partial`` placement) has no block to
+    hold or shard: devmesh's ``fully_shard`` and ``replicate`` refuse it on every rank."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    from devmesh.parallel import fully_shard, replicate
+    from helpers import caught
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    refusals = []
+    for wrap in (fully_shard, replicate):
+        model = _model()
+        model[2].weight = torch.nn.Parameter(
+            DTensor.from_local(model[2].weight.detach(), mesh["tp"], [Partial()]))
+        refusals.append(caught(lambda: wrap(model, mesh=mesh["dp"])))
+    return refusals
+
+
+def test_a_partial_sum_parameter_is_refused_by_name(mesh_pool):
+    for refusals in mesh_pool.run(_partial_sums_refused, 4):
+        for refusal, what in zip(refusals, ("fully_shard", "replicate")):
+            assert refusal[0] == "ParallelizeError", refusal
+            assert f"{what}: parameter '2.weight' is a DTensor with placements" in refusal[1]
+            assert "redistribute it to Replicate() or Shard(d) first" in refusal[1]

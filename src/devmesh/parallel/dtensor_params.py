@@ -22,29 +22,39 @@ from torch import nn
 from devmesh.parallel.param import ParallelizeError, place_parameter, sharded_parameter
 from devmesh.tensor import ShardedTensor
 
-__all__ = ["adopt_dtensor_parameters", "show_dtensor_views", "hide_dtensor_views"]
+__all__ = ["adopt_dtensor_parameters", "refuse_partial_dtensors", "show_dtensor_views",
+           "hide_dtensor_views"]
 
 _VIEWS = "_devmesh_dtensor_views"  # module attribute: name -> (mesh, placements, shape, stride)
 _SHOWN = "_devmesh_dtensor_shown"  # module attribute: name -> the plain parameter held back
 
 
+def refuse_partial_dtensors(module: nn.Module, ignored: set[int], what: str) -> None:
+    """A DTensor parameter that is a partial sum has no block to hold or shard. Every rank
+    holds the same kinds of parameters, so the refusal is raised on every rank alike."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    for name, param in module.named_parameters():
+        if (isinstance(param, DTensor) and id(param) not in ignored
+                and any(isinstance(p, Partial) for p in param.placements)):
+            raise ParallelizeError(
+                f"{what}: parameter {name!r} is a DTensor with placements "
+                f"{list(param.placements)}: a partial sum has no block to hold or shard; "
+                "redistribute it to Replicate() or Shard(d) first")
+
+
 def adopt_dtensor_parameters(module: nn.Module, ignored: set[int], what: str) -> bool:
     """Replace every DTensor parameter of ``module`` (not in ``ignored``) by a plain one
     holding its local block, laid out as the DTensor is; a tied one stays one parameter.
-    Returns whether there was any. Every rank holds the same kinds of parameters, so a
-    refusal (a partial sum: no block to hold) is raised on every rank alike."""
-    from torch.distributed.tensor import DTensor, Partial
+    Returns whether there was any; a partial sum is refused first."""
+    from torch.distributed.tensor import DTensor
 
+    refuse_partial_dtensors(module, ignored, what)
     made: dict[int, nn.Parameter] = {}
     for owner_name, owner in module.named_modules():
         for name, param in list(owner._parameters.items()):
             if not isinstance(param, DTensor) or id(param) in ignored:
                 continue
-            if any(isinstance(p, Partial) for p in param.placements):
-                raise ParallelizeError(
-                    f"{what}: parameter {'.'.join(filter(None, (owner_name, name)))!r} is a "
-                    f"DTensor with placements {list(param.placements)}: a partial sum has "
-                    "no block to hold; redistribute it to Replicate() or Shard(d) first")
             plain = made.get(id(param))
             if plain is None:
                 block = ShardedTensor.from_dtensor(param.detach())

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from devmesh.mesh import DeviceMesh
+from devmesh.parallel.dtensor_params import refuse_partial_dtensors
 from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from devmesh.parallel.fsdp.module import FSDPModule, units_named
 from devmesh.parallel.fsdp.unit import FSDPUnit
@@ -191,20 +192,6 @@ def split_dims(module: nn.Module, shard_placement_fn, ignored_params) -> dict[in
     return dims
 
 
-def _refuse_partial_dtensors(module: nn.Module, ignored: set[int]) -> None:
-    """A parameter torch's tensor parallelism made (a DTensor) is sharded inside its block,
-    as torch's FSDP2 does; one that is a partial sum has no block to shard."""
-    from torch.distributed.tensor import DTensor, Partial
-
-    for name, param in module.named_parameters():
-        if (isinstance(param, DTensor) and id(param) not in ignored
-                and any(isinstance(p, Partial) for p in param.placements)):
-            raise ParallelizeError(
-                f"fully_shard: parameter {name!r} is a DTensor with placements "
-                f"{list(param.placements)}: a partial sum cannot be sharded; redistribute it "
-                "to Replicate() or Shard(d) first")
-
-
 def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forward,
                         offload_policy, dp_mesh_dims, ignored_params) -> None:
     """Raise for an argument of torch's that devmesh cannot honour (the same on every rank:
@@ -227,7 +214,7 @@ def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
                                               for p in ignored_params):
         raise ParallelizeError("ignored_params must be a set of the module's parameters")
     ignored = {id(p) for p in ignored_params or ()}
-    _refuse_partial_dtensors(module, ignored)
+    refuse_partial_dtensors(module, ignored, "fully_shard")
     for name, sub in module.named_modules():
         if (isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse
                 and any(id(p) not in ignored for p in sub.parameters(recurse=False))):
