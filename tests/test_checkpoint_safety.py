@@ -159,6 +159,8 @@ def _damage(path, meta, change):
     ("block past the end", "ends past the end"),
     ("block outside the tensor", "lies outside the tensor"),
     ("blocks do not cover", "cover"),
+    ("overlapping blocks", "overlap, leaving part of it unwritten"),
+    ("data file linked elsewhere", "is a link or not a plain file"),
     ("unknown dtype", "unknown dtype"),
     ("foreign format", "expected 'devmesh-sharded-checkpoint/1'"),
     ("object in extra", "unknown tag"),
@@ -185,6 +187,15 @@ def test_damaged_or_hostile_checkpoints_are_refused_before_anything_changes(tmp_
         _damage(path, meta, lambda m: m["tensors"][first]["blocks"][0].update(start=[5, 5]))
     elif case == "blocks do not cover":
         _damage(path, meta, lambda m: m["tensors"][first].update(shape=[9, 4]))
+    elif case == "overlapping blocks":  # as many elements as the tensor, half of them twice
+        _damage(path, meta, lambda m: m["tensors"]["model.lin.weight"].update(blocks=[
+            dict(m["tensors"]["model.lin.weight"]["blocks"][0], size=[4, 4]),
+            dict(m["tensors"]["model.lin.weight"]["blocks"][0], size=[4, 4])]))
+    elif case == "data file linked elsewhere":  # a secret of the same size, read as weights
+        secret = tmp_path / "secret"
+        secret.write_bytes((path / data).read_bytes())
+        (path / data).unlink()
+        (path / data).symlink_to(secret)
     elif case == "unknown dtype":
         _damage(path, meta, lambda m: m["tensors"][first].update(dtype="object"))
     elif case == "foreign format":

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,11 +139,17 @@ class CheckpointReader:
                 for k, v in files.items()):
             raise Malformed("'files' is not a map of data file names to sizes")
         for name, size in files.items():
-            actual = os.path.getsize(os.path.join(self.path, name)) if os.path.exists(
-                os.path.join(self.path, name)) else None
-            if actual is None:
+            try:  # lstat: a data file is a plain file, never a link to one elsewhere
+                found = os.lstat(os.path.join(self.path, name))
+            except FileNotFoundError:
                 raise CheckpointError(f"{self.path}: data file {name} is missing (the metadata "
-                                      "lists it); the checkpoint cannot be loaded")
+                                      "lists it); the checkpoint cannot be loaded") from None
+            if not stat.S_ISREG(found.st_mode):
+                raise CheckpointError(
+                    f"{self.path}: data file {name} is a link or not a plain file; devmesh "
+                    "writes plain files and reads no others (a link could hand it another "
+                    "file's bytes as weights). Copy the checkpoint with its files resolved")
+            actual = found.st_size
             if actual != size:
                 raise CheckpointError(f"{self.path}: data file {name} is {actual} bytes, the "
                                       f"metadata says {size}: truncated or overwritten")
@@ -169,7 +176,8 @@ class CheckpointReader:
 
     def _file(self, name: str):
         if name not in self._handles:
-            self._handles[name] = open(os.path.join(self.path, name), "rb")
+            fd = os.open(os.path.join(self.path, name), os.O_RDONLY | os.O_NOFOLLOW)
+            self._handles[name] = os.fdopen(fd, "rb")
         return self._handles[name]
 
     def read(self, key: str, start: tuple[int, ...] | None = None,
@@ -179,14 +187,32 @@ class CheckpointReader:
         meta = self.meta(key)
         start = start if start is not None else (0,) * len(meta.shape)
         size = size if size is not None else meta.shape
+        pieces = [(block, box) for block in meta.blocks
+                  if (box := overlap(start, size, block.start, block.size)) is not None]
+        self._check_tiled(key, start, size, [box for _, box in pieces])
         out = torch.empty(size, dtype=meta.dtype)
-        for block in meta.blocks:
-            box = overlap(start, size, block.start, block.size)
-            if box is None:
-                continue
+        for block, box in pieces:
             out[tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(box, start))] = \
                 self._read_block_box(meta, block, box)
         return out
+
+    def _check_tiled(self, key: str, start: tuple[int, ...], size: tuple[int, ...],
+                     boxes: list[tuple[tuple[int, int], ...]]) -> None:
+        """The blocks must fill the box read exactly once: blocks that overlap (their
+        element counts can still add up to the tensor's) would leave a hole of uninitialized
+        memory in the loaded tensor. A box two or more blocks fill is checked by counting
+        each element's blocks."""
+        filled = sum(math.prod(hi - lo for lo, hi in box) for box in boxes)
+        once = filled == math.prod(size)
+        if once and len(boxes) > 1 and all(size):
+            hits = torch.zeros(size, dtype=torch.uint8)
+            for box in boxes:
+                hits[tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(box, start))] += 1
+            once = bool(hits.eq(1).all())
+        if not once:
+            raise CheckpointError(
+                f"{self.path} is damaged or not written by devmesh: the blocks of {key!r} "
+                "overlap, leaving part of it unwritten")
 
     def _read_block_box(self, meta: TensorMeta, block: BlockMeta,
                         box: tuple[tuple[int, int], ...]) -> torch.Tensor:
