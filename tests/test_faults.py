@@ -123,6 +123,46 @@ def test_devmesh_run_refuses_impossible_process_counts(tmp_path, n):
     assert "devmesh run: -n" in proc.stderr
 
 
+# A script that has done its work while one of gloo's threads waits for the GIL (to drop its
+# reference to a finished collective's tensor, which Python also holds): the main thread keeps
+# the GIL from before the collective ends until the interpreter shuts down, as a script whose
+# last collective ends just before it does. CPython then ends the waiting thread, which aborts
+# the process ("terminate called without an active exception", SIGABRT): about one ordinary
+# run in ten did so here, with torch alone too (pytorch/pytorch#190489).
+_ENDS_WITH_A_QUEUED_GLOO_THREAD = """
+import sys, time, torch, torch.distributed as dist
+{setup}
+t = torch.ones(1000)
+dist.barrier()
+print("done", flush=True)  # output releases the GIL: none after the collective
+sys.setswitchinterval(100)  # no switch: the main thread keeps the GIL
+dist.all_reduce(t, async_op=True)  # gloo's thread drops the last reference to the work
+end = time.perf_counter() + 0.3
+while time.perf_counter() < end:
+    pass
+sys.setswitchinterval(0.0005)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["devmesh run, torch alone", "torchrun, devmesh mesh"])
+def test_a_run_that_ended_well_exits_zero(tmp_path, launcher):
+    """Before, both ranks died with SIGABRT after their work, every time: ``devmesh run``
+    reported them failed (exit code 134)."""
+    script = tmp_path / "ends.py"
+    if launcher.startswith("devmesh run"):
+        script.write_text(_ENDS_WITH_A_QUEUED_GLOO_THREAD.format(
+            setup='dist.init_process_group("gloo")'))
+        proc = _devmesh("run", "-n", "2", str(script))
+    else:
+        script.write_text(_ENDS_WITH_A_QUEUED_GLOO_THREAD.format(
+            setup='from devmesh import init_device_mesh\ninit_device_mesh("cpu", (2,))'))
+        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run",
+                               "--nproc_per_node", "2", str(script)], capture_output=True,
+                              text=True, timeout=300)
+    assert "terminate called" not in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode == 0 and proc.stdout.count("done") == 2, proc.stderr[-2000:]
+
+
 def test_devmesh_run_passes_on_a_failing_ranks_exit_code(tmp_path):
     script = tmp_path / "exit3.py"
     script.write_text("import os, sys\nsys.exit(3 if os.environ['RANK'] == '1' else 0)\n")

@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from devmesh._exit import settle_collective_threads_at_exit
 from devmesh.errors import DeviceUnavailableError, LaunchEnvironmentError, MeshTimeoutError
 from devmesh.layout import format_ranks
 
@@ -150,6 +151,7 @@ def ensure_default_group(
     ``"cpu:gloo,cuda:nccl"``), so devmesh's small agreements and users' CPU collectives work
     on a GPU mesh too.
     """
+    settle_collective_threads_at_exit()  # a run that ended well must not abort on its way out
     if dist.is_initialized():
         return
     backend = backend_for(device_type)
