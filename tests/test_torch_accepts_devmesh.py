@@ -336,11 +336,12 @@ def devmesh_and_torch_styles_under_one_fully_shard():
     return state_dict(model, full=True)
 
 
-def _train_steps(model: torch.nn.Module, rows: slice, opt: torch.optim.Optimizer) -> None:
-    """3 steps of ``opt`` on ``rows`` of each step's batch of 8."""
+def _train_steps(model: torch.nn.Module, rows: slice, opt: torch.optim.Optimizer,
+                 steps: range = range(3)) -> None:
+    """``steps`` of ``opt`` on ``rows`` of each step's batch of 8."""
     import torch.nn.functional as F
 
-    for step in range(3):
+    for step in steps:
         gen = torch.Generator().manual_seed(step)
         x, y = torch.randn(8, 8, generator=gen), torch.randint(0, 4, (8,), generator=gen)
         F.cross_entropy(model(x[rows]), y[rows]).backward()
@@ -392,41 +393,64 @@ def test_torch_tp_blocks_are_released_after_forward_as_devmesh_ones(mesh_pool):
         assert mesh_pool.run(_gathers_per_step, 4, styles) == [4] * 4, styles
 
 
-def _torch_tp_alone(path: str):
-    """torch's tensor parallelism alone (no devmesh data parallelism): devmesh's
-    ``state_dict`` gathers its DTensors; its checkpoints refuse them by name."""
+def _torch_tp_alone(path: str, tp: int, phase: str):
+    """torch's tensor parallelism alone (no devmesh data parallelism) on ``tp`` ranks:
+    devmesh's ``state_dict`` gathers its DTensors; its checkpoints hold each DTensor
+    parameter (and its Adam state, DTensors too) as blocks of its layout. ``phase``: "save"
+    trains 2 steps and saves; "resume" loads and trains the third step."""
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
 
     from devmesh.parallel import load_checkpoint, save_checkpoint, state_dict
-    from helpers import caught
 
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
     model = torch_parallelize(_model(), mesh["tp"], {"0": ColwiseParallel(),
                                                      "2": RowwiseParallel()})
-    full = state_dict(model, full=True)
-    blocks = state_dict(model, full=False)
-    refused_save = caught(lambda: save_checkpoint(path, model))
-    save_checkpoint(path, _model())  # a plain model's, to load from
-    return (full, {k: tuple(v.to_local().shape) for k, v in blocks.items()}, refused_save,
-            caught(lambda: load_checkpoint(path, model)))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    if phase == "save":
+        _train_steps(model, slice(None), opt, steps=range(2))
+        save_checkpoint(path, model, opt, extra={"step": 2})
+        return (state_dict(model, full=True),
+                {k: tuple(v.to_local().shape) for k, v in state_dict(model, full=False).items()})
+    extra = load_checkpoint(path, model, opt)
+    kinds = {type(v).__name__ for state in opt.state.values() for v in state.values()}
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+    _train_steps(model, slice(None), opt, steps=range(2, 3))
+    return extra, kinds, state_dict(model, full=True)
 
 
 def test_torch_tensor_parallelism_alone_in_state_dicts_and_checkpoints(mesh_pool, tmp_path):
-    """Before, ``state_dict(full=True)`` returned the DTensors themselves and
-    ``save_checkpoint`` failed on their bytes ("numpy() is not supported for tensor
-    subclasses")."""
-    expected = _model().state_dict()
-    for rank, (full, blocks, saved, loaded) in enumerate(
-            mesh_pool.run(_torch_tp_alone, 2, str(tmp_path / "ckpt"))):
-        for key, value in expected.items():
-            assert type(full[key]) is torch.Tensor and torch.equal(full[key], value), key
+    """Saved on 2 tensor-parallel ranks; resumed on 4 (each block half as wide), on 2, and
+    in one process with a plain model: the third step equals three steps of one process. Before, ``save_checkpoint`` refused DTensor
+    parameters (and earlier still failed on their bytes: "numpy() is not supported for
+    tensor subclasses")."""
+    from devmesh.parallel import load_checkpoint
+
+    path = str(tmp_path / "ckpt")
+    alone = _model()
+    opt = torch.optim.Adam(alone.parameters(), lr=0.01)
+    _train_steps(alone, slice(None), opt, steps=range(2))
+    after_two = {k: v.clone() for k, v in alone.state_dict().items()}
+    _train_steps(alone, slice(None), opt, steps=range(2, 3))
+    for full, blocks in mesh_pool.run(_torch_tp_alone, 2, path, 2, "save"):
+        for key, value in after_two.items():
+            assert type(full[key]) is torch.Tensor, key
+            torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=key)
         assert blocks == {"0.weight": (8, 8), "0.bias": (8,), "2.weight": (4, 8),
                           "2.bias": (4,)}
-        for refusal, what in ((saved, "save_checkpoint"), (loaded, "load_checkpoint")):
-            assert refusal[0] == "CheckpointError", refusal
-            assert f"{what}: parameter '0.weight' is a torch DTensor" in refusal[1]
-            assert "torch.distributed.checkpoint" in refusal[1]
+    for tp in (4, 2):
+        for extra, kinds, full in mesh_pool.run(_torch_tp_alone, tp, path, tp, "resume"):
+            assert extra == {"step": 2} and kinds == {"Tensor", "DTensor"}, kinds
+            for key, value in alone.state_dict().items():
+                torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=key)
+    plain = _model()
+    plain_opt = torch.optim.Adam(plain.parameters(), lr=0.01)
+    load_checkpoint(path, plain, plain_opt)
+    _train_steps(plain, slice(None), plain_opt, steps=range(2, 3))
+    for key, value in alone.state_dict().items():
+        torch.testing.assert_close(plain.state_dict()[key], value, rtol=1e-5, atol=1e-6,
+                                   msg=key)
 
 
 def _partial_sums_refused():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from devmesh.mesh import DeviceMesh, init_device_mesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
 __all__ = ["refuse_torch_fsdp_over_blocks", "with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
+           "layout_of", "local_of", "shaped_like",
            "place_parameter", "local_block", "as_sharded", "combined_mesh", "describe_tensors"]
 
 _ATTR = "_devmesh_layout"
@@ -68,6 +70,39 @@ class ParamLayout:
 
 def get_layout(param: torch.Tensor) -> ParamLayout | None:
     return getattr(param, _ATTR, None)
+
+
+def layout_of(tensor: torch.Tensor) -> ParamLayout | None:
+    """How ``tensor`` is laid out: a parameter devmesh laid out, or a torch DTensor (its
+    layout read from its placements: torch's tensor parallelism alone); ``None`` if whole."""
+    layout = get_layout(tensor)
+    if layout is None and _is_dtensor(tensor):
+        block = ShardedTensor.from_dtensor(tensor.detach())
+        layout = ParamLayout(block.device_mesh, block.spec)
+    return layout
+
+
+def local_of(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's block of ``tensor``, sharing its memory: a DTensor's local tensor, any
+    other tensor itself (detached)."""
+    return tensor.detach().to_local() if _is_dtensor(tensor) else tensor.detach()
+
+
+def shaped_like(param: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+    """``block`` (this rank's block of a tensor laid out as ``param``) in ``param``'s form: a
+    DTensor for a DTensor parameter (its optimizer state must be one), else the block."""
+    if not _is_dtensor(param):
+        return block
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(block, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    # a DTensor exists only once torch.distributed.tensor is imported: no import here
+    distributed_tensor = sys.modules.get("torch.distributed.tensor")
+    return distributed_tensor is not None and isinstance(tensor, distributed_tensor.DTensor)
 
 
 def set_layout(param: torch.Tensor, mesh: DeviceMesh, spec: ShardingSpec,

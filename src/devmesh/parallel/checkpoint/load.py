@@ -31,10 +31,10 @@ from devmesh.parallel.checkpoint.encoding import Malformed, decode
 from devmesh.parallel.checkpoint.format import CheckpointReader
 from devmesh.parallel.checkpoint.save import (
     _raise_if_failed,
-    refuse_unheld_dtensors,
     wait_for_pending_save,
 )
-from devmesh.parallel.param import get_layout, local_block
+from devmesh.parallel.dtensor_params import refuse_partial_dtensors
+from devmesh.parallel.param import layout_of, local_block, local_of, shaped_like
 from devmesh.parallel.state_dict import module_of, named_parameters, persistent_buffers
 
 __all__ = ["load_checkpoint", "read_block"]
@@ -46,7 +46,7 @@ def read_block(reader: CheckpointReader, key: str, target: torch.Tensor,
     ``like``, default itself), in the saved dtype, after checking the global shape."""
     meta = reader.meta(key)
     like = like if like is not None else target
-    layout = get_layout(like)
+    layout = layout_of(like)
     shape = layout.full_shape if layout else tuple(target.shape)
     # (a 0-d parameter fully_shard holds as one element: saved in its own shape, or, by
     # checkpoints written before that was fixed, as its one-element spec)
@@ -67,7 +67,7 @@ def read_block(reader: CheckpointReader, key: str, target: torch.Tensor,
 
 def _model_writes(reader: CheckpointReader, model: nn.Module
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    refuse_unheld_dtensors(model, "load_checkpoint")
+    refuse_partial_dtensors(model, set(), "load_checkpoint")
     params = dict(named_parameters(model))
     buffers = persistent_buffers(model)
     expected = list(params) + list(buffers)
@@ -86,7 +86,9 @@ def _model_writes(reader: CheckpointReader, model: nn.Module
         done.add(id(target))
         # a saved dtype other than the model's is converted by the copy, as torch's DCP and
         # ``load_state_dict`` do (a float32 checkpoint into a bfloat16 model for inference)
-        writes.append((target, read_block(reader, f"model.{name}", target)))
+        # (a DTensor's local tensor is written: torch's tensor parallelism alone)
+        block = local_of(target)
+        writes.append((block, read_block(reader, f"model.{name}", block, like=target)))
     return writes
 
 
@@ -123,9 +125,10 @@ def _optimizer_state(reader: CheckpointReader, model: nn.Module,
 
         def tensor(key: str, p=p) -> torch.Tensor:
             meta = reader.meta(key)
-            global_shape = tuple(get_layout(p).spec.global_shape) if get_layout(p) else p.shape
+            layout = layout_of(p)
+            global_shape = tuple(layout.spec.global_shape) if layout else p.shape
             if meta.shape and meta.shape == tuple(global_shape):  # laid out like its parameter
-                return read_block(reader, key, p.detach(), like=p)
+                return shaped_like(p, read_block(reader, key, local_of(p), like=p))
             return reader.read(key)
 
         state[index[name]] = decode(entry, tensor, f"optimizer state of {name}")

@@ -41,7 +41,8 @@ from devmesh.parallel.checkpoint.blocks import Placed, TensorLayout, distinct_bl
 from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
 from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data_file_name
 from devmesh.parallel.checkpoint.union import Listed, Merged, listed_json, merge_listings
-from devmesh.parallel.param import get_layout
+from devmesh.parallel.dtensor_params import refuse_partial_dtensors
+from devmesh.parallel.param import layout_of, local_of
 from devmesh.parallel.state_dict import module_of, named_parameters, persistent_buffers
 
 __all__ = ["save_checkpoint", "SaveHandle", "wait_for_pending_save"]
@@ -69,8 +70,8 @@ class _Entry:
 def _entry(key: str, tensor: torch.Tensor, like: torch.Tensor | None = None,
            writer: int | None = None) -> _Entry:
     """``tensor`` laid out like parameter ``like`` (its block), or whole on every rank."""
-    layout = get_layout(like) if like is not None else None
-    local = tensor.detach()
+    layout = layout_of(like) if like is not None else None
+    local = local_of(tensor)
     if layout is None:
         return _Entry(TensorLayout(key, tuple(local.shape), local.element_size(), writer=writer),
                       local, "whole")
@@ -101,7 +102,8 @@ class _Contents:
         self.aliases: dict[str, str] = {}
         self.model_keys: list[str] = []
         seen: dict[int, str] = {}
-        refuse_unheld_dtensors(model, "save_checkpoint")
+        # torch's DTensor parameters are saved as blocks of their layout; a partial sum has none
+        refuse_partial_dtensors(model, set(), "save_checkpoint")
         for name, p in named_parameters(model):
             self.model_keys.append(name)
             if id(p) in seen:  # a tied parameter: its bytes once, under its first name
@@ -153,23 +155,6 @@ class _Contents:
         """What this rank saves, ``extra`` aside (rank 0's alone is saved)."""
         return Merged([e.listed(world_size) for e in self.entries], self.model_keys,
                       self.aliases, self.optimizer)
-
-
-def refuse_unheld_dtensors(model: nn.Module, what: str) -> None:
-    """A parameter that is still a torch DTensor (torch's ``parallelize_module`` alone, no
-    devmesh data parallelism over it) has no devmesh block to write or read: say so, with the
-    ways out, rather than fail on its bytes ("numpy() is not supported for tensor
-    subclasses"). Every rank holds the same kinds of parameters: every rank raises alike."""
-    from torch.distributed.tensor import DTensor
-
-    for name, p in named_parameters(model):
-        if isinstance(p, DTensor):
-            raise CheckpointError(
-                f"{what}: parameter {name!r} is a torch DTensor (placements "
-                f"{list(p.placements)}), which devmesh's checkpoints do not hold: apply "
-                "devmesh.parallel.fully_shard or replicate over the data-parallel dims (they "
-                "hold torch's DTensor parameters as devmesh blocks, checkpointed like any "
-                "other), or save and load this model with torch.distributed.checkpoint")
 
 
 def _agree_on_contents(contents: _Contents, world_size: int) -> Merged:
