@@ -434,3 +434,63 @@ def test_a_0d_parameter_between_fully_shard_and_torch_dcp(mesh_pool, tmp_path):
     dcp.load(state, storage_reader=DevmeshReader(str(tmp_path / "again")))
     plain.load_state_dict(state["model"])
     assert all(torch.equal(v, expected[k]) for k, v in plain.state_dict().items())
+
+
+def _save_what_ranks_hold_differently(path: str, case: str):
+    """A checkpoint keeps one copy of a block several ranks hold; here those copies differ.
+    ``"stages"``: each rank of a 2-stage pipeline saves its own stage, an ``nn.Sequential``
+    numbered from 0 (both list ``0.weight``, different layers); ``"diverged"``: a replicated
+    model whose weight rank 1 changed alone; ``"buffers"``: only BatchNorm's statistics
+    differ (each rank's own data, as under DDP) — saved, one rank's copy as torch's DCP
+    keeps. Then the stages saved under the whole model's names: one checkpoint of both."""
+    import torch.distributed as dist
+    from torch import nn
+
+    from devmesh.parallel import replicate
+    from devmesh.parallel.pipeline import PipelineStage, Schedule1F1B
+    from helpers import caught
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    layers = [nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)]
+    if case == "stages":
+        stage = layers[rank]
+        schedule = Schedule1F1B(PipelineStage(stage, rank, 2, "cpu", group=mesh.get_group()),
+                                2, loss_fn=F.mse_loss)
+        schedule.step(torch.ones(4, 4)) if rank == 0 else schedule.step(target=torch.ones(4, 4))
+        refusal = caught(lambda: save_checkpoint(path, stage))
+        # the whole model's names in each stage (torchtitan's way): saved, and loads whole
+        named = nn.Module()
+        named.add_module(str(rank), stage)  # "1.0.weight" on stage 1's rank
+        save_checkpoint(f"{path}-named", named)
+        loaded = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(2)])
+        load_checkpoint(f"{path}-named", loaded)
+        same = all(torch.equal(a, b) for a, b in zip(loaded[rank].state_dict().values(),
+                                                      stage.state_dict().values()))
+        return refusal, os.path.exists(path), same
+    model = nn.Sequential(layers[0], nn.BatchNorm1d(4))
+    replicate(model, mesh=mesh)
+    model(torch.randn(8, 4) + rank)  # each rank's own statistics
+    if case == "diverged" and rank == 1:
+        with torch.no_grad():
+            model[0][0].weight[0, 0] += 1e-3
+    return caught(lambda: save_checkpoint(path, model)), os.path.exists(path), None
+
+
+@pytest.mark.parametrize("case", ["stages", "diverged", "buffers"])
+def test_blocks_ranks_hold_differently_are_refused_not_mixed(mesh_pool, tmp_path, case):
+    """Before, the stages' checkpoint was written, silently a mix of both stages: ``0.weight``
+    from one stage's rank, ``0.bias`` from the other's (the same with torch's tensor
+    parallelism inside each stage, and for diverged replicas)."""
+    path = str(tmp_path / "ckpt")
+    for refusal, written, own_path in mesh_pool.run(_save_what_ranks_hold_differently, 2,
+                                                    path, case):
+        if case == "buffers":
+            assert refusal is None and written
+            continue
+        assert refusal[0] == "CheckpointError" and not written, refusal
+        names = "0.weight, 0.bias" if case == "stages" else "0.0.weight"
+        assert f"parameter(s) {names} differ between the ranks that hold them" in refusal[1]
+        assert "Nothing was written" in refusal[1]
+        assert own_path in (None, True)  # stages: the whole model's names load whole

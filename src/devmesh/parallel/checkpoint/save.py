@@ -37,6 +37,7 @@ from torch import nn
 from devmesh._files import TMP_SUFFIX, atomic_file
 from devmesh.distributed import comm, groups
 from devmesh.errors import CheckpointError
+from devmesh.layout import format_ranks
 from devmesh.parallel.checkpoint.blocks import Placed, TensorLayout, distinct_blocks, place_blocks
 from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
 from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data_file_name
@@ -101,6 +102,7 @@ class _Contents:
         self.entries: list[_Entry] = []
         self.aliases: dict[str, str] = {}
         self.model_keys: list[str] = []
+        self.parameter_keys: set[str] = set()
         seen: dict[int, str] = {}
         # torch's DTensor parameters are saved as blocks of their layout; a partial sum has none
         refuse_partial_dtensors(model, set(), "save_checkpoint")
@@ -110,6 +112,7 @@ class _Contents:
                 self.aliases[f"model.{name}"] = seen[id(p)]
                 continue
             seen[id(p)] = f"model.{name}"
+            self.parameter_keys.add(f"model.{name}")
             self.entries.append(_entry(f"model.{name}", p, like=p))
         for name, b in persistent_buffers(model).items():
             self.model_keys.append(name)
@@ -263,6 +266,8 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     placed = place_blocks(merged.tensors + extras, world)
     mine = [p for p in placed if p.rank == rank]
     local = {e.layout.key: e.local for e in contents.entries + contents.extra_entries}
+    if group is not None:
+        _refuse_differing_replicas(placed, local, contents.parameter_keys, rank, group)
     blocks = [(p, local[p.key].contiguous().cpu()) for p in mine]
     if async_:  # a host copy now, so training may change the parameters right away
         blocks = [(p, t.clone() if t.data_ptr() == local[p.key].data_ptr() else t)
@@ -278,6 +283,59 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     else:
         handle.wait()
     return handle
+
+
+def _refuse_differing_replicas(placed: list[Placed], local: dict[str, torch.Tensor],
+                               parameter_keys: set[str], rank: int, group) -> None:
+    """A block several ranks hold (a replica: DDP, HSDP's replicated half, a whole
+    parameter) is written once, by one of them; so they must hold the same values, or the
+    checkpoint mixes them silently — as when pipeline stages whose modules repeat names
+    (each stage an ``nn.Sequential`` numbered from 0) list different layers under one name,
+    and one stage's rank wrote ``0.weight`` and the other's ``0.bias``. One all-reduce of
+    each parameter block's digest and its negation (the largest and the smallest digest
+    over its holders): equal when the holders agree; the same verdict on every rank."""
+    # the same blocks in the same order on every rank (``placed`` is); a rank digests those
+    # of its own parameters it holds (buffers may differ: DDP's ranks update their
+    # BatchNorm statistics each on its own data, and torch's DCP too keeps one copy)
+    shared = [p for p in placed if len(p.block.holders) > 1 and p.key.startswith("model.")]
+    if not shared:
+        return
+    absent = torch.iinfo(torch.int64).min  # a rank not holding the block never wins a MAX
+    mine: list[int] = []
+    for p in shared:
+        held = p.key in parameter_keys and rank in p.block.holders
+        digest = _digest(local[p.key]) if held else None
+        mine += [absent, absent] if digest is None else [digest, -digest]
+    extremes = torch.tensor(mine, dtype=torch.int64, device=comm.small_tensor_device(group))
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    differ = [p for i, p in enumerate(shared) if int(extremes[2 * i]) != absent
+              and int(extremes[2 * i]) != -int(extremes[2 * i + 1])]
+    if differ:
+        names = list(dict.fromkeys(p.key[len("model."):] for p in differ))
+        listed = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        raise CheckpointError(
+            f"save_checkpoint: parameter(s) {listed} differ between the ranks that hold them "
+            f"as the same block (e.g. {names[0]}'s block at {list(differ[0].block.start)} on "
+            f"ranks {format_ranks(differ[0].block.holders)}), and a checkpoint keeps one copy "
+            "of each block, so it would mix them. Pipeline stages whose modules repeat names (each stage an "
+            "nn.Sequential numbered from 0) hold different layers under the same names: keep "
+            "the whole model's names in each stage (delete the other stages' layers from a "
+            "copy of the whole model, as torchtitan does, or save devmesh's PipelineRunner, "
+            "whose module has them). Otherwise the replicas diverged: a parameter changed on "
+            "some ranks only. Nothing was written")
+
+
+def _digest(block: torch.Tensor) -> int:
+    """A 62-bit digest of ``block``'s bytes (their 32-bit words summed, or bytes where they
+    do not make whole words): equal for equal blocks, and different blocks — other layers,
+    diverged replicas — differ in it. Not a defence against crafted collisions."""
+    raw = block.detach().contiguous().reshape(-1).view(torch.uint8)
+    if raw.numel() % 4:  # the same rule on every holder: it depends on the size alone
+        return int(torch.sum(raw, dtype=torch.int64)) % (1 << 62)
+    if raw.storage_offset() % 4:  # a view into a buffer, off a word boundary
+        raw = raw.clone()
+    words = raw.view(torch.int32)
+    return int(torch.sum(words, dtype=torch.int64)) % (1 << 62)
 
 
 def _agree_on_save_id(group) -> str:
