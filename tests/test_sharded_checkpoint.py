@@ -494,3 +494,37 @@ def test_blocks_ranks_hold_differently_are_refused_not_mixed(mesh_pool, tmp_path
         assert f"parameter(s) {names} differ between the ranks that hold them" in refusal[1]
         assert "Nothing was written" in refusal[1]
         assert own_path in (None, True)  # stages: the whole model's names load whole
+
+
+def _digest_fails_on_rank_zero(path: str):
+    import torch.distributed as dist
+    from torch import nn
+
+    import devmesh.parallel.checkpoint.save as save
+    from devmesh.parallel import replicate
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), timeout=30)
+    model = replicate(nn.Linear(4, 4), mesh=mesh)
+    if dist.get_rank() == 0:
+        def broken(block):
+            raise RuntimeError("cannot read this parameter")
+        save._digest, kept = broken, save._digest
+    try:
+        save_checkpoint(path, model)
+        return None, os.path.exists(path)
+    except Exception as exc:  # noqa: BLE001 - the test reads which error each rank raised
+        return (type(exc).__name__, str(exc)), os.path.exists(path)
+    finally:
+        if dist.get_rank() == 0:
+            save._digest = kept
+
+
+def test_a_rank_failing_to_read_its_blocks_fails_the_save_everywhere(mesh_pool, tmp_path):
+    """The check of replicated blocks is a collective: a rank that fails inside it (before,
+    a meta parameter's digest) tells the others in that same collective instead of leaving
+    them waiting in it."""
+    (mine, written0), (other, written1) = mesh_pool.run(
+        _digest_fails_on_rank_zero, 2, str(tmp_path / "ckpt"), timeout=60)
+    assert mine[0] == "RuntimeError" and "cannot read this parameter" in mine[1], mine
+    assert other[0] == "CheckpointError" and "failed on another rank" in other[1], other
+    assert not written0 and not written1

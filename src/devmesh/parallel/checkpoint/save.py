@@ -302,12 +302,22 @@ def _refuse_differing_replicas(placed: list[Placed], local: dict[str, torch.Tens
         return
     absent = torch.iinfo(torch.int64).min  # a rank not holding the block never wins a MAX
     mine: list[int] = []
-    for p in shared:
-        held = p.key in parameter_keys and rank in p.block.holders
-        digest = _digest(local[p.key]) if held else None
-        mine += [absent, absent] if digest is None else [digest, -digest]
+    failure: Exception | None = None
+    try:
+        for p in shared:
+            held = p.key in parameter_keys and rank in p.block.holders
+            digest = _digest(local[p.key]) if held else None
+            mine += [absent, absent] if digest is None else [digest, -digest]
+    except Exception as exc:  # noqa: BLE001 - raised on every rank after the all-reduce
+        failure, mine = exc, [absent] * (2 * len(shared))
+    mine.append(int(failure is not None))  # last: did any rank fail to digest its blocks
     extremes = torch.tensor(mine, dtype=torch.int64, device=comm.small_tensor_device(group))
     dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    if failure is not None:
+        raise failure
+    if int(extremes[-1]):
+        raise CheckpointError("save_checkpoint failed on another rank while reading its "
+                              "parameters (see that rank's error); nothing was written")
     differ = [p for i, p in enumerate(shared) if int(extremes[2 * i]) != absent
               and int(extremes[2 * i]) != -int(extremes[2 * i + 1])]
     if differ:
