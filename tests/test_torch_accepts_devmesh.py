@@ -477,3 +477,58 @@ def test_a_partial_sum_parameter_is_refused_by_name(mesh_pool):
             assert refusal[0] == "ParallelizeError", refusal
             assert f"{what}: parameter '2.weight' is a DTensor with placements" in refusal[1]
             assert "redistribute it to Replicate() or Shard(d) first" in refusal[1]
+
+
+def _torch_fsdp_tp_checkpoint(path: str, resume_with: str):
+    """torch's own FSDP2 over torch's TP (DTensor parameters laid out ``(_StridedShard(0,
+    sf=2), Shard(0))`` on ``(dp, tp)``) saved by devmesh's ``save_checkpoint`` after 2 Adam
+    steps; resumed for the third step by ``resume_with`` ("torch": the same torch model,
+    "devmesh": devmesh's styles and fully_shard). Returns the whole model after it."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel as TorchColwise
+    from torch.distributed.tensor.parallel import RowwiseParallel as TorchRowwise
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    from devmesh.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        fully_shard,
+        load_checkpoint,
+        parallelize_module,
+        save_checkpoint,
+        state_dict,
+    )
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    rows = slice(4 * mesh["dp"].get_local_rank(), 4 * mesh["dp"].get_local_rank() + 4)
+
+    def torch_model():
+        model = torch_parallelize(_model(), mesh["tp"], {"0": TorchColwise(),
+                                                         "2": TorchRowwise()})
+        return torch_fully_shard(model, mesh=mesh["dp"])
+
+    model = torch_model()
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _train_steps(model, rows, opt, steps=range(2))
+    save_checkpoint(path, model, opt)
+    if resume_with == "torch":
+        model = torch_model()
+    else:
+        model = parallelize_module(_model(), mesh["tp"], {"0": ColwiseParallel(),
+                                                          "2": RowwiseParallel()})
+        fully_shard(model, mesh=mesh["dp"])
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    load_checkpoint(path, model, opt)
+    _train_steps(model, rows, opt, steps=range(2, 3))
+    return state_dict(model, full=True)
+
+
+@pytest.mark.parametrize("resume_with", ["torch", "devmesh"])
+def test_torch_fsdp_over_torch_tp_checkpointed_by_devmesh(mesh_pool, tmp_path, resume_with):
+    """Before, refused (a DTensor parameter)."""
+    alone = _model()
+    _train_steps(alone, slice(None), torch.optim.Adam(alone.parameters(), lr=0.01))
+    for full in mesh_pool.run(_torch_fsdp_tp_checkpoint, 4, str(tmp_path / "ckpt"),
+                              resume_with):
+        for key, value in alone.state_dict().items():
+            torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=key)
