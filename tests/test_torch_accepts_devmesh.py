@@ -532,3 +532,50 @@ def test_torch_fsdp_over_torch_tp_checkpointed_by_devmesh(mesh_pool, tmp_path, r
                               resume_with):
         for key, value in alone.state_dict().items():
             torch.testing.assert_close(full[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def _load_into_torch_tp_alone():
+    """devmesh's ``load_state_dict`` into a model torch's TP split (DTensor parameters): from
+    a plain model's full state dict, and from another such model's ``state_dict()`` (its
+    DTensors). torch's ``nn.Module.load_state_dict`` of the full one raises."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
+
+    from devmesh.parallel import load_state_dict, state_dict
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+    def split(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        return torch_parallelize(torch.nn.Sequential(
+            torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)), mesh["tp"], plan)
+
+    source = _model()
+    model = split(1)
+    try:
+        model.load_state_dict(source.state_dict())
+        torch_refused = False
+    except RuntimeError:
+        torch_refused = True
+    loaded_full = load_state_dict(model, source.state_dict())
+    from_full = state_dict(model, full=True)
+    load_state_dict(model, split(2).state_dict())
+    return torch_refused, str(loaded_full), from_full, state_dict(model, full=True)
+
+
+def test_devmesh_load_state_dict_into_torch_tensor_parallelism(mesh_pool):
+    """Before, "aten.copy_.default got mixed torch.Tensor and DTensor" on every rank; and
+    ``state_dict(full=True)`` of a replicated DTensor was the live parameter itself (with
+    ``requires_grad``), so the next load changed the state dict taken before it."""
+    source = _model().state_dict()
+    torch.manual_seed(2)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
+                                torch.nn.Linear(16, 4)).state_dict()
+    for torch_refused, keys, from_full, from_dtensors in mesh_pool.run(
+            _load_into_torch_tp_alone, 2):
+        assert torch_refused and keys == "<All keys matched successfully>"
+        for key in source:
+            assert not from_full[key].requires_grad, key
+            assert torch.equal(from_full[key], source[key]), key
+            assert torch.equal(from_dtensors[key], other[key]), key

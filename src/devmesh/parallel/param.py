@@ -25,7 +25,7 @@ from devmesh.mesh import DeviceMesh, init_device_mesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
 __all__ = ["refuse_torch_fsdp_over_blocks", "with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
-           "layout_of", "local_of", "shaped_like",
+           "layout_of", "local_of", "shaped_like", "is_dtensor",
            "place_parameter", "local_block", "as_sharded", "combined_mesh", "describe_tensors"]
 
 _ATTR = "_devmesh_layout"
@@ -76,7 +76,7 @@ def layout_of(tensor: torch.Tensor) -> ParamLayout | None:
     """How ``tensor`` is laid out: a parameter devmesh laid out, or a torch DTensor (its
     layout read from its placements: torch's tensor parallelism alone); ``None`` if whole."""
     layout = get_layout(tensor)
-    if layout is None and _is_dtensor(tensor):
+    if layout is None and is_dtensor(tensor):
         block = ShardedTensor.from_dtensor(tensor.detach())
         layout = ParamLayout(block.device_mesh, block.spec)
     return layout
@@ -85,13 +85,13 @@ def layout_of(tensor: torch.Tensor) -> ParamLayout | None:
 def local_of(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's block of ``tensor``, sharing its memory: a DTensor's local tensor, any
     other tensor itself (detached)."""
-    return tensor.detach().to_local() if _is_dtensor(tensor) else tensor.detach()
+    return tensor.detach().to_local() if is_dtensor(tensor) else tensor.detach()
 
 
 def shaped_like(param: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
     """``block`` (this rank's block of a tensor laid out as ``param``) in ``param``'s form: a
     DTensor for a DTensor parameter (its optimizer state must be one), else the block."""
-    if not _is_dtensor(param):
+    if not is_dtensor(param):
         return block
     from torch.distributed.tensor import DTensor
 
@@ -99,7 +99,7 @@ def shaped_like(param: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
                               shape=param.shape, stride=param.stride())
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
+def is_dtensor(tensor: torch.Tensor) -> bool:
     # a DTensor exists only once torch.distributed.tensor is imported: no import here
     distributed_tensor = sys.modules.get("torch.distributed.tensor")
     return distributed_tensor is not None and isinstance(tensor, distributed_tensor.DTensor)
@@ -273,8 +273,9 @@ def block_of(value: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tenso
 
 
 def local_block(param: torch.Tensor, full: torch.Tensor, name: str = "tensor") -> torch.Tensor:
-    """This rank's block of ``full``, a tensor laid out like ``param`` (its global shape)."""
-    layout = get_layout(param)
+    """This rank's block of ``full``, a tensor laid out like ``param`` (its global shape;
+    ``param`` laid out by devmesh, or a torch DTensor)."""
+    layout = layout_of(param)
     if layout is None:
         return full
     expected = tuple(layout.spec.global_shape)

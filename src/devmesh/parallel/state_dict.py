@@ -24,7 +24,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
 from devmesh.errors import ParallelizeError, StateDictError
-from devmesh.parallel.param import adopt_replaced_parameters, as_sharded, get_layout, local_block
+from devmesh.parallel.param import (
+    adopt_replaced_parameters,
+    as_sharded,
+    get_layout,
+    is_dtensor,
+    local_block,
+    local_of,
+)
 from devmesh.tensor import ShardedTensor
 
 __all__ = ["state_dict", "load_state_dict", "prepare_load", "apply_load", "local_block",
@@ -87,8 +94,14 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
             out[name] = done[id(p)]  # an alias key, as nn.Module.state_dict() lists it
             continue
         sharded = as_sharded(p)
-        if isinstance(p, DTensor):  # torch's tensor parallelism alone: torch's layout
-            out[name] = p.full_tensor() if full else ShardedTensor.from_dtensor(p.detach())
+        if isinstance(p, DTensor) and full:  # torch's tensor parallelism alone
+            value = p.detach().full_tensor()
+            # a snapshot, as of devmesh's parameters: a replicated DTensor's full tensor is
+            # its local tensor itself, which training would change under the caller
+            replicated = all(placement.is_replicate() for placement in p.placements)
+            out[name] = value.clone() if replicated else value
+        elif isinstance(p, DTensor):
+            out[name] = ShardedTensor.from_dtensor(p.detach())
         elif sharded is None:
             out[name] = p.detach().clone()
         elif full:
@@ -147,7 +160,8 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
             problems.append(f"{name} is a {type(value).__name__}, not a tensor")
             continue
         target = params.get(name, buffers.get(name))
-        sharded = as_sharded(target) if name in params else None
+        dtensor = is_dtensor(target)  # torch's tensor parallelism alone: shape is global
+        sharded = as_sharded(target) if name in params and not dtensor else None
         shape = get_layout(target).full_shape if sharded is not None else tuple(target.shape)
         if tuple(value.shape) != shape:
             problems.append(
@@ -156,7 +170,8 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
             )
             continue
         block = local_block(target, value.reshape(sharded.shape) if sharded else value, name)
-        writes.append((target, block.reshape(target.shape)))
+        destination = local_of(target) if dtensor else target  # a DTensor: its local tensor
+        writes.append((destination, block.reshape(destination.shape)))
     if problems:
         raise StateDictError(
             f"Error(s) in loading state_dict for {type(model).__name__}: " + "; ".join(problems)
