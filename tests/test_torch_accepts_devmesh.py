@@ -537,7 +537,8 @@ def test_torch_fsdp_over_torch_tp_checkpointed_by_devmesh(mesh_pool, tmp_path, r
 def _load_into_torch_tp_alone():
     """devmesh's ``load_state_dict`` into a model torch's TP split (DTensor parameters): from
     a plain model's full state dict, and from another such model's ``state_dict()`` (its
-    DTensors). torch's ``nn.Module.load_state_dict`` of the full one raises."""
+    DTensors). torch's ``nn.Module.load_state_dict`` of the full one raises. Then
+    ``describe`` of it."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
     from torch.distributed.tensor.parallel import parallelize_module as torch_parallelize
 
@@ -561,7 +562,10 @@ def _load_into_torch_tp_alone():
     loaded_full = load_state_dict(model, source.state_dict())
     from_full = state_dict(model, full=True)
     load_state_dict(model, split(2).state_dict())
-    return torch_refused, str(loaded_full), from_full, state_dict(model, full=True)
+    from devmesh.parallel import describe
+
+    return torch_refused, str(loaded_full), from_full, state_dict(model, full=True), \
+        describe(model)
 
 
 def test_devmesh_load_state_dict_into_torch_tensor_parallelism(mesh_pool):
@@ -572,8 +576,15 @@ def test_devmesh_load_state_dict_into_torch_tensor_parallelism(mesh_pool):
     torch.manual_seed(2)
     other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(),
                                 torch.nn.Linear(16, 4)).state_dict()
-    for torch_refused, keys, from_full, from_dtensors in mesh_pool.run(
+    for torch_refused, keys, from_full, from_dtensors, table in mesh_pool.run(
             _load_into_torch_tp_alone, 2):
+        # describe reads torch's layouts too (before: "not distributed", the global shape
+        # and bytes as this rank's)
+        rows = [line.split() for line in table.splitlines()]
+        assert ["0.weight", "(16,", "8)", "dim", "0", "split", "by", "(tp)", "(8,", "8)", "on",
+                "every", "rank", "256"] in rows, table
+        assert ["2.bias", "(4,)", "replicated", "(4,)", "on", "every", "rank", "16"] in rows
+        assert "bytes per rank: 432 on 0-1 (the full model: 848)" in table
         assert torch_refused and keys == "<All keys matched successfully>"
         for key in source:
             assert not from_full[key].requires_grad, key

@@ -13,7 +13,7 @@ from torch import nn
 
 from devmesh.distributed import comm
 from devmesh.layout import format_ranks
-from devmesh.parallel.param import get_layout
+from devmesh.parallel.param import layout_of, local_of
 from devmesh.parallel.pipeline.runner import PipelineRunner
 from devmesh.parallel.pipeline.whole_model import stage_ranks
 
@@ -24,7 +24,7 @@ def _shapes_by_rank(p: nn.Parameter, holders: Sequence[int] | None
                     ) -> dict[int, tuple[int, ...]]:
     """Every holding rank's local shape of ``p``, computed from the spec (no communication);
     a parameter that is not distributed counts only where ``holders`` are named."""
-    layout = get_layout(p)
+    layout = layout_of(p)
     if layout is None:
         return {rank: tuple(p.shape) for rank in holders or ()}
     out = {}
@@ -53,7 +53,8 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
     by_param: dict[str, dict[int, int]] = {}
     total_global = 0
     for name, p in model.named_parameters():
-        layout = get_layout(p)
+        layout = layout_of(p)  # devmesh's, or a torch DTensor's (torch's TP)
+        mine = local_of(p)  # this rank's block
         global_shape = layout.full_shape if layout else tuple(p.shape)
         what = str(layout.spec).split(": ", 1)[1] if layout else "not distributed"
         total_global += math.prod(global_shape) * p.element_size()
@@ -64,12 +65,13 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
             per_rank[rank] += math.prod(shape) * p.element_size()
         by_param[name] = {r: math.prod(sh) * p.element_size() for r, sh in shapes.items()}
         if len(groups) <= 1:
-            local = f"{tuple(p.shape)} on " + ("every rank" if ranks is None
+            local = f"{tuple(mine.shape)} on " + ("every rank" if ranks is None
                                                else f"ranks {format_ranks(sorted(ranks))}")
         else:
             local = "; ".join(f"{shape} on {format_ranks(ranks)}"
                               for shape, ranks in sorted(groups.items(), key=lambda g: min(g[1])))
-        rows.append((name, str(global_shape), what, local, f"{p.numel() * p.element_size():,}"))
+        rows.append((name, str(global_shape), what, local,
+                     f"{mine.numel() * mine.element_size():,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     if per_rank:
