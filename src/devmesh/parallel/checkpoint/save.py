@@ -329,9 +329,9 @@ def _refuse_differing_replicas(placed: list[Placed], local: dict[str, torch.Tens
             f"ranks {format_ranks(differ[0].block.holders)}), and a checkpoint keeps one copy "
             "of each block, so it would mix them. Pipeline stages whose modules repeat names (each stage an "
             "nn.Sequential numbered from 0) hold different layers under the same names: keep "
-            "the whole model's names in each stage (delete the other stages' layers from a "
-            "copy of the whole model, as torchtitan does, or save devmesh's PipelineRunner, "
-            "whose module has them). Otherwise the replicas diverged: a parameter changed on "
+            "the whole model's names in each stage (devmesh's split_sequential keeps them; "
+            "or delete the other stages' layers from a copy of the whole model, as "
+            "torchtitan does). Otherwise the replicas diverged: a parameter changed on "
             "some ranks only. Nothing was written")
 
 
