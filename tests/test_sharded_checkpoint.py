@@ -440,7 +440,7 @@ def _save_what_ranks_hold_differently(path: str, case: str):
     """A checkpoint keeps one copy of a block several ranks hold; here those copies differ.
     ``"stages"``: each rank of a 2-stage pipeline saves its own stage, an ``nn.Sequential``
     numbered from 0 (both list ``0.weight``, different layers); ``"diverged"``: a replicated
-    model whose weight rank 1 changed alone; ``"buffers"``: only BatchNorm's statistics
+    model whose weight rank 1 changed alone (saved with ``check_replicas=False``); ``"buffers"``: only BatchNorm's statistics
     differ (each rank's own data, as under DDP) — saved, one rank's copy as torch's DCP
     keeps. Then the stages saved under the whole model's names: one checkpoint of both."""
     import torch.distributed as dist
@@ -475,7 +475,12 @@ def _save_what_ranks_hold_differently(path: str, case: str):
     if case == "diverged" and rank == 1:
         with torch.no_grad():
             model[0][0].weight[0, 0] += 1e-3
-    return caught(lambda: save_checkpoint(path, model)), os.path.exists(path), None
+    refusal = caught(lambda: save_checkpoint(path, model))
+    written = os.path.exists(path)
+    if case == "diverged":  # unchecked, one holder's copy of each block is kept, as DCP does
+        save_checkpoint(path, model, check_replicas=False)
+        return refusal, written, os.path.exists(f"{path}/metadata.json")
+    return refusal, written, None
 
 
 @pytest.mark.parametrize("case", ["stages", "diverged", "buffers"])
@@ -493,7 +498,8 @@ def test_blocks_ranks_hold_differently_are_refused_not_mixed(mesh_pool, tmp_path
         names = "0.weight, 0.bias" if case == "stages" else "0.0.weight"
         assert f"parameter(s) {names} differ between the ranks that hold them" in refusal[1]
         assert "Nothing was written" in refusal[1]
-        assert own_path in (None, True)  # stages: the whole model's names load whole
+        # stages: the whole model's names load whole; diverged: check_replicas=False saves
+        assert own_path is True
 
 
 def _digest_fails_on_rank_zero(path: str):

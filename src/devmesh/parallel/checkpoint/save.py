@@ -232,8 +232,8 @@ def _raise_if_failed(error: BaseException | str | None, what: str, group=None) -
 
 
 def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    *, extra: dict[str, Any] | None = None, async_: bool = False
-                    ) -> SaveHandle:
+                    *, extra: dict[str, Any] | None = None, async_: bool = False,
+                    check_replicas: bool = True) -> SaveHandle:
     """Collective over every rank of the world: write a sharded checkpoint of ``model`` (and
     ``optimizer``) to the directory ``path``; every rank writes only its own blocks, each
     block is written once.
@@ -244,7 +244,12 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     succeeded; the next save or load waits for it). The previous checkpoint at ``path`` stays
     loadable until the new one is complete; a failed save raises on every rank. ``model``
     may be a pipeline runner: its ``module`` (this rank's stages) is saved, and the
-    checkpoint holds the union of every rank's — the whole model."""
+    checkpoint holds the union of every rank's — the whole model.
+
+    A block several ranks hold is written by one of them, so ``check_replicas`` first checks
+    (one all-reduce of digests) that they hold the same values, and refuses the save on every
+    rank if not; ``check_replicas=False`` keeps one holder's copy unchecked, as torch's DCP
+    does."""
     global _pending
     wait_for_pending_save()
     distributed = dist.is_initialized()
@@ -266,7 +271,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     placed = place_blocks(merged.tensors + extras, world)
     mine = [p for p in placed if p.rank == rank]
     local = {e.layout.key: e.local for e in contents.entries + contents.extra_entries}
-    if group is not None:
+    if group is not None and check_replicas:
         _refuse_differing_replicas(placed, local, contents.parameter_keys, rank, group)
     blocks = [(p, local[p.key].contiguous().cpu()) for p in mine]
     if async_:  # a host copy now, so training may change the parameters right away
@@ -332,7 +337,8 @@ def _refuse_differing_replicas(placed: list[Placed], local: dict[str, torch.Tens
             "the whole model's names in each stage (devmesh's split_sequential keeps them; "
             "or delete the other stages' layers from a copy of the whole model, as "
             "torchtitan does). Otherwise the replicas diverged: a parameter changed on "
-            "some ranks only. Nothing was written")
+            "some ranks only (check_replicas=False keeps one holder's copy of each block, "
+            "as torch's DCP does). Nothing was written")
 
 
 def _digest(block: torch.Tensor) -> int:
