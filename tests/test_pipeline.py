@@ -270,8 +270,10 @@ def test_a_gpu_mesh_refuses_only_a_schedule_that_would_deadlock_on_nccl(monkeypa
     # a schedule with no deadlock-free placement of its receives under NCCL's rules is
     # refused on a GPU mesh on every rank, before any message (every built-in schedule has
     # one; the verdict is stubbed here to reach the refusal)
-    gpu_mesh = SimpleNamespace(device_type="cuda", mesh_dim_names=("pp",), shape=(2,),
-                               get_coordinate=lambda: [0], get_group=lambda dim: None)
+    gpu_mesh = SimpleNamespace(device_type="cuda", mesh_dim_names=("pp",), shape=(2,), ndim=1,
+                               size=lambda: 2, get_coordinate=lambda: [0],
+                               get_group=lambda dim: None)
+    monkeypatch.setattr(runner_module.comm, "process_group", lambda mesh, dims: None)
     monkeypatch.setattr(runner_module, "nccl_problem", lambda schedule: "would deadlock on "
                         "NCCL in a training step: use a CPU mesh")
     monkeypatch.setattr(runner_module.comm, "differing", lambda text, group: {})
@@ -488,7 +490,7 @@ def test_pipeline_errors_name_the_fix(mesh_pool):
         assert "rank 0: 4 micro-batches do not divide the keyword input 'mask' of shape " \
                "(10, 1) along dim 0" in error[3], error[3]
         # micro-batches counted from each rank's own data: every rank refuses, none hangs
-        assert "the pipeline ranks hold different schedules (ranks [0, 1]: gpipe: 4 stages " \
+        assert "the ranks hold different schedules (ranks [0, 1]: gpipe: 4 stages " \
                "on 4 ranks, 2 micro-batches; ranks [2, 3]: gpipe: 4 stages on 4 ranks, 4 " \
                "micro-batches" in error[4], error[4]
         assert "build the same schedule on every rank" in error[4]

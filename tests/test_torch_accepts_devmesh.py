@@ -453,17 +453,24 @@ def test_torch_tensor_parallelism_alone_in_state_dicts_and_checkpoints(mesh_pool
                                    msg=key)
 
 
-def _partial_sums_refused():
+WRAPS_AND_CHECKPOINTS = ("fully_shard", "replicate", "save_checkpoint", "load_checkpoint")
+ERRORS = ("ParallelizeError",) * 2 + ("CheckpointError",) * 2
+
+
+def _partial_sums_refused(path: str):
     """A DTensor parameter that is a partial sum (a ``Partial`` placement) has no block to
-    hold or shard: devmesh's ``fully_shard`` and ``replicate`` refuse it on every rank."""
+    hold or shard: devmesh's ``fully_shard`` and ``replicate`` refuse it on every rank, and
+    its checkpoints (with their own kind of error: a ``except CheckpointError`` around a
+    save sees it)."""
     from torch.distributed.tensor import DTensor, Partial
 
-    from devmesh.parallel import fully_shard, replicate
+    from devmesh.parallel import fully_shard, load_checkpoint, replicate, save_checkpoint
     from helpers import caught
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     refusals = []
-    for wrap in (fully_shard, replicate):
+    for wrap in (fully_shard, replicate, lambda model, mesh: save_checkpoint(path, model),
+                 lambda model, mesh: load_checkpoint(path, model)):
         model = _model()
         model[2].weight = torch.nn.Parameter(
             DTensor.from_local(model[2].weight.detach(), mesh["tp"], [Partial()]))
@@ -471,10 +478,14 @@ def _partial_sums_refused():
     return refusals
 
 
-def test_a_partial_sum_parameter_is_refused_by_name(mesh_pool):
-    for refusals in mesh_pool.run(_partial_sums_refused, 4):
-        for refusal, what in zip(refusals, ("fully_shard", "replicate")):
-            assert refusal[0] == "ParallelizeError", refusal
+def test_a_partial_sum_parameter_is_refused_by_name(mesh_pool, tmp_path):
+    from devmesh.parallel import save_checkpoint
+
+    save_checkpoint(tmp_path / "ckpt", _model())  # a checkpoint to load from
+    for refusals in mesh_pool.run(_partial_sums_refused, 4, str(tmp_path / "ckpt")):
+        assert len(refusals) == len(ERRORS)
+        for refusal, what, kind in zip(refusals, WRAPS_AND_CHECKPOINTS, ERRORS):
+            assert refusal[0] == kind, refusal
             assert f"{what}: parameter '2.weight' is a DTensor with placements" in refusal[1]
             assert "redistribute it to Replicate() or Shard(d) first" in refusal[1]
 

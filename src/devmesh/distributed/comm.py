@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CommStats",
     "comm_stats",
+    "process_group",
     "count_copy",
     "all_gather",
     "all_reduce",
@@ -166,6 +167,12 @@ def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
         result = _Group(pg, len(ranks), tuple(ranks), to_c10d, tuple(index[r] for r in ordered))
     cache[key] = result
     return result
+
+
+def process_group(mesh: DeviceMesh, dims: Sequence[int]) -> dist.ProcessGroup:
+    """This rank's process group over ``dims`` of ``mesh`` (all of them: the mesh's ranks),
+    for agreements that :func:`failures` and :func:`differing` run on a group."""
+    return _group(mesh, tuple(dims)).group
 
 
 def _watch(collective: str, mesh: DeviceMesh, dims: Sequence[int], g: _Group) -> Watch:

@@ -29,15 +29,17 @@ _VIEWS = "_devmesh_dtensor_views"  # module attribute: name -> (mesh, placements
 _SHOWN = "_devmesh_dtensor_shown"  # module attribute: name -> the plain parameter held back
 
 
-def refuse_partial_dtensors(module: nn.Module, ignored: set[int], what: str) -> None:
-    """A DTensor parameter that is a partial sum has no block to hold or shard. Every rank
-    holds the same kinds of parameters, so the refusal is raised on every rank alike."""
+def refuse_partial_dtensors(module: nn.Module, ignored: set[int], what: str,
+                            error: type[Exception] = ParallelizeError) -> None:
+    """A DTensor parameter that is a partial sum has no block to hold or shard: raise
+    ``error`` (checkpoints raise their own kind). Every rank holds the same kinds of
+    parameters, so the refusal is raised on every rank alike."""
     from torch.distributed.tensor import DTensor, Partial
 
     for name, param in module.named_parameters():
         if (isinstance(param, DTensor) and id(param) not in ignored
                 and any(isinstance(p, Partial) for p in param.placements)):
-            raise ParallelizeError(
+            raise error(
                 f"{what}: parameter {name!r} is a DTensor with placements "
                 f"{list(param.placements)}: a partial sum has no block to hold or shard; "
                 "redistribute it to Replicate() or Shard(d) first")

@@ -67,7 +67,7 @@ def read_block(reader: CheckpointReader, key: str, target: torch.Tensor,
 
 def _model_writes(reader: CheckpointReader, model: nn.Module
                   ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    refuse_partial_dtensors(model, set(), "load_checkpoint")
+    refuse_partial_dtensors(model, set(), "load_checkpoint", CheckpointError)
     params = dict(named_parameters(model))
     buffers = persistent_buffers(model)
     expected = list(params) + list(buffers)

@@ -105,7 +105,7 @@ class _Contents:
         self.parameter_keys: set[str] = set()
         seen: dict[int, str] = {}
         # torch's DTensor parameters are saved as blocks of their layout; a partial sum has none
-        refuse_partial_dtensors(model, set(), "save_checkpoint")
+        refuse_partial_dtensors(model, set(), "save_checkpoint", CheckpointError)
         for name, p in named_parameters(model):
             self.model_keys.append(name)
             if id(p) in seen:  # a tied parameter: its bytes once, under its first name

@@ -6,16 +6,23 @@ micro-batch, direction), so any order a schedule gives is safe as long as the sc
 run at all (:meth:`~devmesh.layout.schedule.Schedule.simulate` checks it without a process).
 Each step's first message across each boundary announces its shape and dtype
 (:mod:`~devmesh.parallel.pipeline.messages`), so a smaller last batch needs nothing special,
-and a step costs one collective: the failure flag below.
+and a step costs one collective: the failure flag below (two where the mesh has dims beside
+the pipeline's: a stage's copies agree that each could start the step, see below).
 
 An exception in a stage (data the first or last stage refuses, its forward, the loss, a
 backward, an output whose shape changed within the step) does not stop that rank: it plays
 the rest of its schedule without computing, sending zeros where it owes a message, so that no
 neighbour waits forever; at the end of the step one tiny all-reduce of a flag over the
 pipeline dim tells every rank, and every rank raises :class:`PipelineError` naming the rank,
-stage, action and error. (Within a stage parallelized over other dims, the error must be the
-same on the stage's data- and tensor-parallel copies — as a shape error is — or those copies
-wait in their gradient reduction until the collective timeout names the rank.)
+stage, action and error. A stage parallelized over the mesh's other dims runs collectives
+with its data- and tensor-parallel copies, so a copy that failed and one that computed would
+wait for each other: what can fail before any compute — a copy's inputs or targets (a batch
+the micro-batches do not divide, inputs missing), gradients off — is agreed among the copies
+at the start of the step, and every copy fails it; the whole mesh also agrees on the schedule
+when the runner is built (a micro-batch count from each copy's own data mismatched FSDP's
+collectives until the timeout). An error that comes mid-step on some copies only (data one
+copy's forward refuses) still leaves the others waiting in the stage's collectives until the
+collective timeout names the rank.
 
 Messages are matched by order, not by tag (NCCL ignores tags): each rank posts its receives
 in the order its peers send (:mod:`~devmesh.layout.pipeline_messages`; a schedule whose ranks
@@ -102,12 +109,20 @@ class PipelineRunner:
         self.dim = names.index(pp_dim)
         self.pp = mesh.shape[self.dim]
         self.index = mesh.get_coordinate()[self.dim]
-        held = comm.differing(str(schedule), mesh.get_group(self.dim))
+        # the checks of the pipeline's build span the whole mesh: a stage's data- and
+        # tensor-parallel copies run its collectives together, so copies that ran different
+        # schedules (a micro-batch count from each copy's own data) would mismatch them
+        everyone = comm.process_group(mesh, range(mesh.ndim))
+        others = [d for d in range(mesh.ndim) if d != self.dim]
+        # the ranks holding this rank's stages (its copies over the other dims): see _start
+        self._copies = (comm.process_group(mesh, others)
+                        if mesh.size() > self.pp else None)
+        held = comm.differing(str(schedule), everyone)
         if held:  # every check below depends on the schedule: agree on it first
             which = "; ".join(f"ranks {ranks}: {text.splitlines()[0]}"
                               for text, ranks in held.items())
             raise PipelineError(
-                f"the pipeline ranks hold different schedules ({which}; where these agree, "
+                f"the ranks hold different schedules ({which}; where these agree, "
                 "the actions' order differs): build the same schedule on every rank, e.g. "
                 "from the global batch's micro-batch count, not a rank's own data")
         if schedule.ranks != self.pp:
@@ -128,7 +143,7 @@ class PipelineRunner:
         self._sync = {s: StageGradSync(stages[s]) for s in stages}
         problem = problem or next(filter(None, (sync.problem(f"stage {s}")
                                                 for s, sync in self._sync.items())), None)
-        self._agree_or_raise(problem, "cannot build the pipeline")
+        self._agree_or_raise(problem, "cannot build the pipeline", everyone)
         ties = ties_of(stages)
         differ = comm.differing(repr([tie.stages for tie in ties]), mesh.get_group(self.dim))
         if differ:  # exchanging copies of different ties would hang: refused on every rank
@@ -207,9 +222,10 @@ class PipelineRunner:
         the stages; collective over the pipeline dim, all or nothing."""
         return load_full_state_dict(self, state, strict=strict)
 
-    def _agree_or_raise(self, problem: str | None, what: str) -> None:
-        """Raise on every pipeline rank if any has a ``problem`` (one tiny all-reduce)."""
-        failed = comm.failures(problem, self.mesh.get_group(self.dim))
+    def _agree_or_raise(self, problem: str | None, what: str, group=None) -> None:
+        """Raise on every rank of ``group`` (the pipeline dim's by default) if any has a
+        ``problem`` (one tiny all-reduce)."""
+        failed = comm.failures(problem, group or self.mesh.get_group(self.dim))
         if failed:
             listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
             raise PipelineError(f"{what} — {listing}")
@@ -293,14 +309,6 @@ class PipelineRunner:
         :class:`PipelineError` at the end of the step (the step's gradients are then partial:
         zero them before the next step)."""
         step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=True)
-        if not torch.is_grad_enabled():  # a rank that cannot train still plays its part
-            step.fail(PipelineError("step() computes gradients, but gradients are off here "
-                                    "(torch.no_grad() or inference_mode): call evaluate() "
-                                    "for a forward-only pass"))
-        if self.loss_fn is None:
-            step.fail(PipelineError("step() trains, and the runner has no loss function: "
-                                    "build it with one, or call evaluate() for a forward-only "
-                                    "pass"))
         actions = self.schedule.actions[self.index]
         for sync in self._sync.values():
             sync.start_step()
@@ -340,11 +348,29 @@ class PipelineRunner:
         return type(outputs[0])(torch.cat(parts) for parts in zip(*outputs))
 
     def _start(self, inputs, targets, input_kwargs, loss_kwargs, *, training: bool) -> _Step:
+        """The step's micro-batches, or the reason this rank cannot start it: the other
+        stages hear of it at the end of the step; this stage's copies over the mesh's other
+        dims (data- or tensor-parallel) hear of it now (one tiny all-reduce), and fail the
+        step too: a copy that computed would wait in the stage's collectives (FSDP's
+        all-gathers, DDP's all-reduce) for one that does not."""
         step = _Step({}, training=training, loss_kwargs=dict(loss_kwargs or {}))
         try:
             step.chunks = self._micro_batches(inputs, targets, input_kwargs, training)
-        except PipelineError as exc:  # the other stages hear of it at the end of the step
+        except PipelineError as exc:
             step.fail(exc)
+        if training and not torch.is_grad_enabled():  # this rank still plays its part
+            step.fail(PipelineError("step() computes gradients, but gradients are off here "
+                                    "(torch.no_grad() or inference_mode): call evaluate() "
+                                    "for a forward-only pass"))
+        if training and self.loss_fn is None:
+            step.fail(PipelineError("step() trains, and the runner has no loss function: "
+                                    "build it with one, or call evaluate() for a forward-only "
+                                    "pass"))
+        if self._copies is not None:
+            failed = comm.failures(step.error, self._copies)
+            if failed and step.error is None:
+                step.error = "; ".join(f"its stages' copy on rank {rank} could not start the "
+                                       f"step: {text}" for rank, text in sorted(failed.items()))
         return step
 
     def _play(self, step: _Step, actions: tuple[Action, ...]) -> None:

@@ -1,0 +1,114 @@
+"""A pipeline stage's data-parallel copies fail a step together.
+
+On a ``(pp, dp)`` mesh each stage runs on two ranks that share its collectives (FSDP's
+all-gathers and reduce-scatters, DDP's all-reduce). Before, a step one copy could not start —
+a batch its micro-batches do not divide, gradients off — failed on that copy and its pipeline
+only: the other copy computed, waited in the stage's collectives for it until the mesh's
+timeout, and raised "ranks [1] never entered it — they are stuck elsewhere" (or gloo's bare
+"Connection closed by peer"); copies that built different schedules (the micro-batch count
+from each copy's own data) mismatched the stage's collectives the same way. Now the copies
+agree at the start of each step (one tiny all-reduce) and the whole mesh agrees on the
+schedule when the runner is built: every rank raises at once, naming the copy and what it
+lacked, and the steps after it train as one process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh import init_device_mesh
+from devmesh.layout.schedule import build_schedule
+from devmesh.parallel import fully_shard, replicate
+from devmesh.parallel.pipeline import PipelineError, PipelineRunner, split_sequential
+from helpers import seeded_batch, train_alone
+
+STEPS, MICRO = 2, 4
+
+
+def make_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16)) for _ in range(4)]
+    return nn.Sequential(*blocks, nn.Linear(16, 4))
+
+
+def copies_fail_together(kind: str):
+    """Each stage on two data-parallel copies (``kind``: ``fsdp`` — each block a unit, then
+    the stage — or ``ddp``): what each rank raised in each bad step, then the whole model
+    after ``STEPS`` clean steps (each copy its half of the batch)."""
+    # a short timeout: before, the waiting copies failed only when it ran out
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"), timeout=20)
+    me, half = mesh.get_coordinate()
+    stage = split_sequential(make_model(), 2)[me]
+    if kind == "fsdp":
+        for block in stage:
+            fully_shard(block, mesh=mesh["dp"])
+        fully_shard(stage, mesh=mesh["dp"])
+    else:
+        replicate(stage, mesh=mesh["dp"])
+    errors = []
+    try:  # the micro-batch count from each copy's own data (8 rows or 4)
+        PipelineRunner({me: stage}, mesh, build_schedule("1f1b", 2, 4 if half == 0 else 2),
+                       F.cross_entropy)
+    except PipelineError as exc:
+        errors.append(str(exc))
+    runner = PipelineRunner({me: stage}, mesh, build_schedule("1f1b", 2, MICRO),
+                            F.cross_entropy)
+    x, y = (t.chunk(2)[half] for t in seeded_batch(0))
+    first, last = me == 0, me == 1
+    bad_steps = [
+        # the first stage's second copy (rank 1) got a batch of 6 rows
+        lambda: runner.step((x[:6] if half else x) if first else None, y if last else None),
+        # the last stage's first copy (rank 2) runs under no_grad
+        lambda: runner.step(x if first else None, y if last else None),
+        # validation: the first stage's second copy has no inputs
+        lambda: runner.evaluate(x if first and not half else None, y if last else None),
+    ]
+    for i, bad_step in enumerate(bad_steps):
+        off = i == 1 and (me, half) == (1, 0)
+        try:
+            with torch.no_grad() if off else contextlib.nullcontext():
+                bad_step()
+            errors.append(None)
+        except PipelineError as exc:
+            errors.append(str(exc))
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    opt.zero_grad()
+    for step in range(STEPS):
+        x, y = (t.chunk(2)[half] for t in seeded_batch(step))
+        runner.step(x if first else None, y if last else None)
+        opt.step()
+        opt.zero_grad()
+    return errors, runner.state_dict(full=True)
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "ddp"])
+def test_a_copy_that_cannot_start_the_step_fails_it_on_every_rank(mesh_pool, kind):
+    expected = train_alone(make_model(), STEPS)
+    results = mesh_pool.run(copies_fail_together, 4, kind)
+    for rank, (errors, trained) in enumerate(results):
+        schedules, divide, no_grad, no_inputs = errors
+        assert "the ranks hold different schedules (ranks [0, 2]: 1f1b: 2 stages on 2 ranks, " \
+               "4 micro-batches; ranks [1, 3]: 1f1b: 2 stages on 2 ranks, 2 micro-batches" \
+               in schedules, schedules
+        # the culprit's own pipeline names it; the other copy's pipeline names it as a copy
+        culprit = "rank 1: " if rank in (1, 3) else "its stages' copy on rank 1 could not " \
+                                                    "start the step: "
+        assert culprit + "4 micro-batches do not divide the batch of 6 inputs" in divide, divide
+        culprit = "rank 2: " if rank in (0, 2) else "its stages' copy on rank 2 could not " \
+                                                    "start the step: "
+        assert culprit + "step() computes gradients, but gradients are off here" in no_grad, \
+            no_grad
+        culprit = "rank 1: " if rank in (1, 3) else "its stages' copy on rank 1 could not " \
+                                                    "start the step: "
+        assert culprit + "the first stage's rank needs the inputs" in no_inputs, no_inputs
+        assert all("pipeline step failed" in e and "timed out" not in e and
+                   "never entered" not in e for e in (divide, no_grad, no_inputs))
+        assert trained.keys() == expected.keys()
+        for name, value in expected.items():  # the failed steps left nothing behind
+            torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank}: {name}")
