@@ -2,14 +2,16 @@
 
 On a ``(pp, dp)`` mesh each stage runs on two ranks that share its collectives (FSDP's
 all-gathers and reduce-scatters, DDP's all-reduce). Before, a step one copy could not start —
-a batch its micro-batches do not divide, gradients off — failed on that copy and its pipeline
-only: the other copy computed, waited in the stage's collectives for it until the mesh's
-timeout, and raised "ranks [1] never entered it — they are stuck elsewhere" (or gloo's bare
-"Connection closed by peer"); copies that built different schedules (the micro-batch count
-from each copy's own data) mismatched the stage's collectives the same way. Now the copies
-agree at the start of each step (one tiny all-reduce) and the whole mesh agrees on the
-schedule when the runner is built: every rank raises at once, naming the copy and what it
-lacked, and the steps after it train as one process.
+a batch its micro-batches do not divide, gradients off — or whose loss function failed (a
+target out of range in one copy's data) failed on that copy and its pipeline only: the other
+copy computed, waited in the stage's collectives for it until the mesh's timeout, and raised
+"ranks [1] never entered it — they are stuck elsewhere" (or gloo's bare "Connection closed by
+peer"); copies that built different schedules (the micro-batch count from each copy's own
+data) mismatched the stage's collectives the same way. Now the copies agree at the start of
+each step (one tiny all-reduce), a failed loss lets the step go on with a zero loss (the loss
+runs none of the stage's collectives), the end-of-step check spreads each pipeline's failures
+to every copy, and the whole mesh agrees on the schedule when the runner is built: every rank
+raises the same error at once, and the steps after it train as one process.
 """
 
 from __future__ import annotations
@@ -67,6 +69,8 @@ def copies_fail_together(kind: str):
         lambda: runner.step(x if first else None, y if last else None),
         # validation: the first stage's second copy has no inputs
         lambda: runner.evaluate(x if first and not half else None, y if last else None),
+        # a class out of range in the second copy's targets (rank 3's loss fails)
+        lambda: runner.step(x if first else None, (y + 4 * half) if last else None),
     ]
     for i, bad_step in enumerate(bad_steps):
         off = i == 1 and (me, half) == (1, 0)
@@ -91,23 +95,23 @@ def test_a_copy_that_cannot_start_the_step_fails_it_on_every_rank(mesh_pool, kin
     expected = train_alone(make_model(), STEPS)
     results = mesh_pool.run(copies_fail_together, 4, kind)
     for rank, (errors, trained) in enumerate(results):
-        schedules, divide, no_grad, no_inputs = errors
+        schedules, divide, no_grad, no_inputs, out_of_range = errors
         assert "the ranks hold different schedules (ranks [0, 2]: 1f1b: 2 stages on 2 ranks, " \
                "4 micro-batches; ranks [1, 3]: 1f1b: 2 stages on 2 ranks, 2 micro-batches" \
                in schedules, schedules
-        # the culprit's own pipeline names it; the other copy's pipeline names it as a copy
-        culprit = "rank 1: " if rank in (1, 3) else "its stages' copy on rank 1 could not " \
-                                                    "start the step: "
-        assert culprit + "4 micro-batches do not divide the batch of 6 inputs" in divide, divide
-        culprit = "rank 2: " if rank in (0, 2) else "its stages' copy on rank 2 could not " \
-                                                    "start the step: "
-        assert culprit + "step() computes gradients, but gradients are off here" in no_grad, \
-            no_grad
-        culprit = "rank 1: " if rank in (1, 3) else "its stages' copy on rank 1 could not " \
-                                                    "start the step: "
-        assert culprit + "the first stage's rank needs the inputs" in no_inputs, no_inputs
-        assert all("pipeline step failed" in e and "timed out" not in e and
-                   "never entered" not in e for e in (divide, no_grad, no_inputs))
+        # every rank names the culprit and what it lacked, the same words on all four
+        assert f"[rank {rank}] pipeline step failed — rank 1: 4 micro-batches do not divide " \
+               "the batch of 6 inputs" in divide, divide
+        assert "pipeline step failed — rank 2: step() computes gradients, but gradients " \
+               "are off here" in no_grad, no_grad
+        assert "pipeline step failed — rank 1: the first stage's rank needs the inputs" \
+               in no_inputs, no_inputs
+        assert "pipeline step failed — rank 3: stage 1, forward of micro-batch 0 on an input " \
+               "of (2, 16) torch.float32: IndexError: Target 6 is out of bounds." \
+               in out_of_range, out_of_range
+        for error, rank_0s in zip(errors[1:], results[0][0][1:]):
+            assert error.count("[rank") == 1 and "timed out" not in error, error
+            assert error.split("] ", 1)[1] == rank_0s.split("] ", 1)[1]
         assert trained.keys() == expected.keys()
         for name, value in expected.items():  # the failed steps left nothing behind
             torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6,

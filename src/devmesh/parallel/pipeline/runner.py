@@ -6,23 +6,31 @@ micro-batch, direction), so any order a schedule gives is safe as long as the sc
 run at all (:meth:`~devmesh.layout.schedule.Schedule.simulate` checks it without a process).
 Each step's first message across each boundary announces its shape and dtype
 (:mod:`~devmesh.parallel.pipeline.messages`), so a smaller last batch needs nothing special,
-and a step costs one collective: the failure flag below (two where the mesh has dims beside
-the pipeline's: a stage's copies agree that each could start the step, see below).
+and a step costs one collective: the failure flag below (three where the mesh has dims beside
+the pipeline's: a stage's copies agree at the start and again at the end, see below).
 
 An exception in a stage (data the first or last stage refuses, its forward, the loss, a
 backward, an output whose shape changed within the step) does not stop that rank: it plays
 the rest of its schedule without computing, sending zeros where it owes a message, so that no
 neighbour waits forever; at the end of the step one tiny all-reduce of a flag over the
 pipeline dim tells every rank, and every rank raises :class:`PipelineError` naming the rank,
-stage, action and error. A stage parallelized over the mesh's other dims runs collectives
-with its data- and tensor-parallel copies, so a copy that failed and one that computed would
-wait for each other: what can fail before any compute — a copy's inputs or targets (a batch
-the micro-batches do not divide, inputs missing), gradients off — is agreed among the copies
-at the start of the step, and every copy fails it; the whole mesh also agrees on the schedule
-when the runner is built (a micro-batch count from each copy's own data mismatched FSDP's
-collectives until the timeout). An error that comes mid-step on some copies only (data one
-copy's forward refuses) still leaves the others waiting in the stage's collectives until the
-collective timeout names the rank.
+stage, action and error.
+
+A stage parallelized over the mesh's other dims runs collectives with its data- and
+tensor-parallel copies (one per pipeline of the mesh), so a copy that stopped computing would
+leave the others waiting in them. Three things keep the copies in step: what can fail before
+any compute — a copy's inputs or targets (a batch the micro-batches do not divide, inputs
+missing), gradients off — is agreed among the copies at the start of the step, and every copy
+skips it; a loss function that fails (a target out of range in one copy's data) lets the step
+go on with a zero loss, since the loss runs none of the stage's collectives; and at the end of
+the step the copies pass on their pipelines' failures (a second tiny all-reduce), so every
+rank of the mesh raises the same error — a copy that went on would apply gradients its copies'
+reductions left partial. The whole mesh also agrees on the schedule when the runner is built
+(a micro-batch count from each copy's own data mismatched FSDP's collectives). An error in a
+stage's forward or backward on some copies only (data one copy's embedding refuses) still
+leaves the others waiting in the stage's collectives until the collective timeout names the
+rank: that failure may come between two of the stage's collectives, and nothing can put the
+copies back in step there.
 
 Messages are matched by order, not by tag (NCCL ignores tags): each rank posts its receives
 in the order its peers send (:mod:`~devmesh.layout.pipeline_messages`; a schedule whose ranks
@@ -366,11 +374,8 @@ class PipelineRunner:
             step.fail(PipelineError("step() trains, and the runner has no loss function: "
                                     "build it with one, or call evaluate() for a forward-only "
                                     "pass"))
-        if self._copies is not None:
-            failed = comm.failures(step.error, self._copies)
-            if failed and step.error is None:
-                step.error = "; ".join(f"its stages' copy on rank {rank} could not start the "
-                                       f"step: {text}" for rank, text in sorted(failed.items()))
+        if self._copies is not None and comm.failures(step.error, self._copies):
+            step.halted = True  # the copy's own error is reported at the end of the step
         return step
 
     def _play(self, step: _Step, actions: tuple[Action, ...]) -> None:
@@ -399,14 +404,23 @@ class PipelineRunner:
         return torch.stack(step.losses).sum()
 
     def _raise_if_any_stage_failed(self, step: _Step) -> None:
-        try:
-            with self._links.watch.guard():  # a rank stuck in its code is named here too
-                self._agree_or_raise(step.error, "pipeline step failed")
-        except PipelineError as exc:
-            if not step.training:
-                raise PipelineError(str(exc), with_rank=False) from step.exception
-            raise PipelineError(f"{exc}. The step's gradients are partial: zero them before "
-                                "the next step", with_rank=False) from step.exception
+        """One tiny all-reduce along the pipeline; where the mesh has other dims, a second
+        among this rank's stages' copies, which spreads each pipeline's failures to all of
+        them: every rank of the mesh raises alike (a copy that went on would apply gradients
+        its copies' reductions left partial)."""
+        with self._links.watch.guard():  # a rank stuck in its code is named here too
+            failed = comm.failures(step.error, self.mesh.get_group(self.dim))
+        listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
+        if self._copies is not None:
+            heard = comm.failures(listing or None, self._copies)
+            listing = "; ".join(dict.fromkeys(heard[rank] for rank in sorted(heard)))
+        if not listing:
+            return
+        message = f"pipeline step failed — {listing}"
+        if step.training:
+            message = (message.rstrip(".") + ". The step's gradients are partial: zero them "
+                       "before the next step")
+        raise PipelineError(message) from step.exception
 
     def _forward(self, step: _Step, action: Action) -> None:
         s, mb = action.stage, action.microbatch
@@ -417,7 +431,7 @@ class PipelineRunner:
         outs = None
         # the stage's layer cuts, if this micro-batch's backward is split (see layer_cuts)
         cutter = self._cuts.get(s) if step.training and (s, mb) in self._split else None
-        if xs is not None and step.error is None:
+        if xs is not None and not step.halted:
             start = time.perf_counter()
             try:
                 if s > 0 and step.training:
@@ -433,17 +447,11 @@ class PipelineRunner:
                 if s == self.last:
                     loss = None
                     if "targets" in step.chunks:
-                        loss = self._loss(out, step.chunks["targets"][mb], step.loss_kwargs)
-                        if step.training and not loss.requires_grad:
-                            raise PipelineError(
-                                "the loss function returned a tensor that does not require "
-                                "grad, so no gradient can reach the model (as loss.backward() "
-                                "would raise in one process): compute it from the output with "
-                                "differentiable operations (argmax, comparisons, .item() and "
-                                ".detach() cut the graph); for a metric alone call evaluate()")
-                        outs = (loss / self.schedule.microbatches if self.scale_grads
-                                else loss,)
-                        step.losses.append(outs[0].detach())
+                        loss = self._contained_loss(step, out, mb, describe(layout_of(xs)))
+                        if loss is not None:
+                            outs = (loss / self.schedule.microbatches if self.scale_grads
+                                    else loss,)
+                            step.losses.append(outs[0].detach())
                     step.outputs[mb] = (_detached(out), None if loss is None else loss.detach())
                 else:
                     outs = _tensors(out, f"stage {s}")
@@ -464,9 +472,31 @@ class PipelineRunner:
             problem = self._links.send_activation(
                 None if outs is None else tuple(o.detach() for o in outs), s + 1, mb)
             if problem and step.error is None:
-                step.error = problem
+                step.error, step.halted = problem, True
         if outs is not None and step.training:
             step.saved[(s, mb)] = {"x": xs, "out": outs, "cuts": cuts}
+
+    def _contained_loss(self, step: _Step, output: object, mb: int, arrived: str
+                        ) -> torch.Tensor | None:
+        """Micro-batch ``mb``'s loss; if the loss function fails (a target out of range on
+        one data-parallel copy), the failure is reported at the end of the step and the
+        step goes on with a zero loss on the output: the loss runs none of the stage's
+        collectives, so the backward still runs each one the stage's copies run (a copy
+        that stopped would leave the others waiting in them)."""
+        try:
+            loss = self._loss(output, step.chunks["targets"][mb], step.loss_kwargs)
+            if step.training and not loss.requires_grad:
+                raise PipelineError(
+                    "the loss function returned a tensor that does not require "
+                    "grad, so no gradient can reach the model (as loss.backward() "
+                    "would raise in one process): compute it from the output with "
+                    "differentiable operations (argmax, comparisons, .item() and "
+                    ".detach() cut the graph); for a metric alone call evaluate()")
+            return loss
+        except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
+            step.fail(exc, f"stage {self.last}, forward of micro-batch {mb} on an input of "
+                           f"{arrived}", halt=False)
+            return _zero_loss(output) if step.training else None
 
     def _loss(self, output: object, target: torch.Tensor, keywords: dict[str, Any]
               ) -> torch.Tensor:
@@ -483,7 +513,7 @@ class PipelineRunner:
         grads = None if s == self.last else self._links.recv_gradient(s, mb)
         entry = step.saved.get((s, mb))
         input_grads = None
-        if entry is not None and step.error is None:
+        if entry is not None and not step.halted:
             outputs, seeds = _differentiable(entry["out"], grads)
             entry["outputs"], entry["seeds"] = outputs, seeds
             inputs = [x for x in entry["x"] if x.is_floating_point()] if s > 0 else []
@@ -541,7 +571,7 @@ class PipelineRunner:
 
     def _weight_grads(self, step: _Step, action: Action) -> None:
         entry = step.saved.pop((action.stage, action.microbatch), None)
-        if entry is None or entry.get("done") or step.error is not None:
+        if entry is None or entry.get("done") or step.halted:
             return
         params = [p for p in self._weights(action.stage) if p.requires_grad]
         self._sync[action.stage].before_backward(
@@ -566,6 +596,28 @@ def _holds_torch_fsdp(stage: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(module, FSDPModule) for module in stage.modules())
+
+
+def _zero_loss(output: object) -> torch.Tensor:
+    """A zero that depends on every floating-point tensor of ``output`` needing a gradient
+    (a DTensor through its local block): its backward runs the stage's whole backward, with
+    zero gradients."""
+    from torch.distributed.tensor import DTensor
+
+    found: list[torch.Tensor] = []
+    stack = [output]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, torch.Tensor):
+            if value.is_floating_point() and value.requires_grad:
+                found.append(value.to_local() if isinstance(value, DTensor) else value)
+        elif isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+    if not found:
+        return torch.zeros(())
+    return torch.stack([(tensor * 0).sum().float() for tensor in found]).sum()
 
 
 def _differentiable(outs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...] | None
@@ -630,12 +682,17 @@ class _Step:
     compute: dict[Action, float] = field(default_factory=dict)
     # stages whose I did a whole backward this step (SplitBackward.whole: a compiled stage)
     whole_stages: set[int] = field(default_factory=set)
-    error: str | None = None  # the first failure on this rank; then nothing more is computed
+    error: str | None = None  # the first failure on this rank, raised at the end of the step
     exception: BaseException | None = None
+    halted: bool = False  # nothing more is computed (messages owed are still sent)
 
-    def fail(self, exc: BaseException, where: str | None = None) -> None:
-        """Remember the first failure: ``where`` it happened, or devmesh's own refusal."""
+    def fail(self, exc: BaseException, where: str | None = None, *, halt: bool = True
+             ) -> None:
+        """Remember the first failure: ``where`` it happened, or devmesh's own refusal;
+        ``halt``: compute nothing more (a failure that left the stage's collectives where
+        its copies' are, as a loss function's, need not)."""
         if self.error is None:
             message = str(exc).removeprefix(rank_prefix())
             self.error = f"{where}: {type(exc).__name__}: {message}" if where else message
             self.exception = exc
+        self.halted = self.halted or halt
