@@ -187,3 +187,67 @@ def test_exception_classes_keep_torch_compatible_bases():
     assert issubclass(MeshShapeError, ValueError) and issubclass(MeshRankError, ValueError)
     assert issubclass(MeshTimeoutError, TimeoutError)
     assert str(MeshDimNameError("plain", with_rank=False)) == "plain"
+
+
+def one_rank_passing_other_arguments():
+    """Rank 1 passes its own argument to ``fully_shard``, ``replicate`` or
+    ``parallelize_module`` — one devmesh refuses, or one that would gather, cast, bucket or
+    split differently. Before, the refusal was raised on rank 1 alone while rank 0 waited in
+    the next collective ("never entered it"), and a different mixed precision or bucket size
+    aborted the processes in gloo ("Received data size doesn't match expected size"); a
+    different plan failed on one rank with a shape error."""
+    import torch
+    from torch import nn
+
+    from devmesh.parallel import (
+        ColwiseParallel,
+        MixedPrecisionPolicy,
+        fully_shard,
+        parallelize_module,
+        replicate,
+    )
+    from devmesh.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), timeout=20)
+    odd = dist_rank() == 1
+    calls = {
+        "int reshard": lambda m: fully_shard(m, mesh=mesh,
+                                             reshard_after_forward=2 if odd else True),
+        "bad split dim": lambda m: fully_shard(
+            m, mesh=mesh, shard_placement_fn=(lambda p: Shard(1)) if odd else None),
+        "mixed precision": lambda m: fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if odd else None)),
+        "reshard": lambda m: fully_shard(m, mesh=mesh, reshard_after_forward=not odd),
+        "bucket": lambda m: replicate(m, mesh=mesh, bucket_cap_mb=1e-6 if odd else 25),
+        "DDP option": lambda m: replicate(m, mesh=mesh, device_ids=[0] if odd else None),
+        "plan": lambda m: parallelize_module(m, mesh, {"1" if odd else "0": ColwiseParallel()}),
+    }
+    out = {}
+    for case, call in calls.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        out[case] = _catch(lambda: (call(model), model(torch.randn(2, 4)).sum().backward()))
+    return out
+
+
+def test_arguments_one_rank_passes_differently_are_refused_on_every_rank(mesh_pool):
+    for rank, out in enumerate(mesh_pool.run(one_rank_passing_other_arguments, 2)):
+        for case, words in {
+            "int reshard": "reshard_after_forward=2 (reshard to a smaller world after forward) "
+                           "is not supported",
+            "bad split dim": "shard_placement_fn gave Shard(dim=1) for 0.bias",
+            "DDP option": "replicate does not take device_ids",
+        }.items():
+            name, message, _ = out[case]
+            assert name == "ParallelizeError" and words in message, (case, out[case])
+            if rank == 0:  # the rank that passed good arguments names the one that did not
+                assert f"was refused on other ranks — rank 1: {words}" in message, message
+        for case, words in {
+            "mixed precision": "param_dtype=None",
+            "reshard": "reshard_after_forward=True",
+            "bucket": "bucket_cap_mb=25",
+            "plan": "parallelize_module: every rank must apply the same plan",
+        }.items():
+            name, message, _ = out[case]
+            assert name == "MeshMismatchError" and words in message, (case, out[case])
+            assert "ranks 0:" in message and "ranks 1:" in message, message

@@ -38,6 +38,7 @@ __all__ = [
     "CommStats",
     "comm_stats",
     "process_group",
+    "refused_everywhere",
     "count_copy",
     "all_gather",
     "all_reduce",
@@ -470,6 +471,30 @@ def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[
     texts = gather_texts(error or "", group)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
     return {r: t for r, t, f in zip(ranks, texts, flags) if int(f)}
+
+
+@contextlib.contextmanager
+def refused_everywhere(group: dist.ProcessGroup | None, what: str,
+                       error_type: type[Exception]) -> Iterator[None]:
+    """Run checks of this rank's own arguments inside: if any rank of ``group`` raised
+    ``error_type`` there, every rank raises after one tiny all-reduce — its own error, or an
+    ``error_type`` naming the ranks that refused and why. A refusal on some ranks alone (an
+    argument one rank computed differently) would leave the others waiting in the next
+    collective."""
+    from devmesh.errors import rank_prefix
+
+    error: Exception | None = None
+    try:
+        yield
+    except error_type as exc:
+        error = exc
+    failed = failures(None if error is None else str(error).removeprefix(rank_prefix()),
+                      group)
+    if error is not None:
+        raise error
+    if failed:
+        raise error_type(f"{what} was refused on other ranks — " + "; ".join(
+            f"rank {rank}: {text}" for rank, text in sorted(failed.items())))
 
 
 def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, list[int]]:

@@ -74,9 +74,13 @@ class DataParallelState:
         self.dims = tuple(range(mesh.ndim))
         named = [(n, p) for n, p in module.named_parameters() if id(p) not in ignored]
         ignored_names = [n for n, p in module.named_parameters() if id(p) in ignored]
+        # the settings too: another bucket size or buffer sync mismatches the collectives
         comm.agree(mesh, self.dims, "replicate: every replica must hold the same parameters "
-                   "(and ignore the same ones)",
-                   describe_tensors(module) + f"\nignored: {ignored_names}")
+                   "(and ignore the same ones) and pass the same settings",
+                   describe_tensors(module) + f"\nignored: {ignored_names}\n"
+                   f"bucket_cap_mb={bucket_cap_mb}, forward_sync_buffers="
+                   f"{forward_sync_buffers}, init_sync of parameters {init_params} and of "
+                   f"buffers {init_buffers}")
         self._ignored = [t for t in list(module.parameters()) + list(module.buffers())
                          if id(t) in ignored]
         # DDP's broadcast_buffers=False leaves even the first broadcast to the parameters
@@ -388,26 +392,30 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
     Parameters torch's ``parallelize_module`` made (DTensors: torchtitan's DDP + TP) are held
     as devmesh blocks and shown to their modules as DTensors while the model runs
     (:mod:`devmesh.parallel.dtensor_params`)."""
-    if not isinstance(module, nn.Module):  # torch's FSDP-based replicate groups a list
-        raise ParallelizeError(
-            f"replicate takes one module, got a {type(module).__name__}: replicate the module "
-            "holding them, or each one (gradients are averaged per parameter either way); "
-            "fully_shard takes a list of modules as one unit")
-    refused = sorted(k for k, v in ddp_options.items() if v is not None or k not in _DDP_NONE)
-    if refused:
-        raise ParallelizeError(
-            f"replicate does not take {', '.join(refused)}: devmesh's replicate "
-            "runs on the mesh's devices and process groups (pass mesh= or device_mesh=; "
-            "for mixed precision use fully_shard's MixedPrecisionPolicy or autocast)")
+    resolved = mesh if mesh is not None else device_mesh
+    resolved = resolved if resolved is not None else world_mesh()
+    # a refusal of one rank's own arguments is raised on every rank, not left to a hang
+    with comm.refused_everywhere(comm.process_group(resolved, range(resolved.ndim)),
+                                 "replicate", ParallelizeError):
+        if not isinstance(module, nn.Module):  # torch's FSDP-based replicate groups a list
+            raise ParallelizeError(
+                f"replicate takes one module, got a {type(module).__name__}: replicate the "
+                "module holding them, or each one (gradients are averaged per parameter "
+                "either way); fully_shard takes a list of modules as one unit")
+        refused = sorted(k for k, v in ddp_options.items()
+                         if v is not None or k not in _DDP_NONE)
+        if refused:
+            raise ParallelizeError(
+                f"replicate does not take {', '.join(refused)}: devmesh's replicate "
+                "runs on the mesh's devices and process groups (pass mesh= or device_mesh=; "
+                "for mixed precision use fully_shard's MixedPrecisionPolicy or autocast)")
+        if getattr(module, "_devmesh_ddp", None) is not None:
+            raise ParallelizeError("replicate was already applied to this module")
+        if mesh is not None and device_mesh is not None and mesh is not device_mesh:
+            raise ParallelizeError("replicate got both mesh and device_mesh: pass one (they "
+                                   "are the same argument under torch's two names)")
     del find_unused_parameters, gradient_as_bucket_view, static_graph  # see the docstring
-    if getattr(module, "_devmesh_ddp", None) is not None:
-        raise ParallelizeError("replicate was already applied to this module")
-    if mesh is not None and device_mesh is not None and mesh is not device_mesh:
-        raise ParallelizeError("replicate got both mesh and device_mesh: pass one (they are "
-                               "the same argument under torch's two names)")
-    mesh = mesh if mesh is not None else device_mesh
-    if mesh is None:
-        mesh = world_mesh()
+    mesh = resolved
     ignored = {id(p) for p in ignored_params or ()}
     ignored |= {id(t) for m in ignored_modules or ()
                 for t in list(m.parameters()) + list(m.buffers())}

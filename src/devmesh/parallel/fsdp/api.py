@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from devmesh.mesh import DeviceMesh
+from devmesh.distributed import comm
 from devmesh.parallel.dtensor_params import refuse_partial_dtensors
 from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from devmesh.parallel.fsdp.module import FSDPModule, units_named
@@ -60,17 +61,20 @@ def fully_shard(
     smaller world (an ``int``), a placement on another mesh from ``shard_placement_fn``,
     offloading on a GPU mesh, ``dp_mesh_dims``, and embeddings with ``sparse=True`` (ignore
     them, and ``replicate``)."""
-    modules = _grouped(module)
-    for one in modules:
-        if getattr(one, "_devmesh_fsdp", None) is not None:
-            raise ParallelizeError(f"fully_shard was already applied to this "
-                                   f"{type(one).__name__}")
     mesh = mesh if mesh is not None else world_mesh()
-    dims: dict[int, int] = {}
-    for one in modules:
-        _refuse_unsupported(one, mesh, reshard_after_forward, offload_policy, dp_mesh_dims,
-                            ignored_params)
-        dims |= split_dims(one, shard_placement_fn, ignored_params)
+    # a refusal of one rank's own arguments is raised on every rank, not left to a hang
+    with comm.refused_everywhere(comm.process_group(mesh, range(mesh.ndim)), "fully_shard",
+                                 ParallelizeError):
+        modules = _grouped(module)
+        for one in modules:
+            if getattr(one, "_devmesh_fsdp", None) is not None:
+                raise ParallelizeError(f"fully_shard was already applied to this "
+                                       f"{type(one).__name__}")
+        dims: dict[int, int] = {}
+        for one in modules:
+            _refuse_unsupported(one, mesh, reshard_after_forward, offload_policy,
+                                dp_mesh_dims, ignored_params)
+            dims |= split_dims(one, shard_placement_fn, ignored_params)
     unit = FSDPUnit(modules, mesh, reshard_after_forward, mp_policy, ignored_params, dims)
     for one in modules:
         one._devmesh_fsdp = unit  # type: ignore[attr-defined]

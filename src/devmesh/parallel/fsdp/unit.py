@@ -133,10 +133,18 @@ class FSDPUnit:
         self._root_order: ForwardOrder | None = None  # owned when this unit is the root
         ignored = [n for root in roots for n, p in root.named_parameters()
                    if id(p) in self._ignored]
+        split = {n: self._split_dims[id(p)] for root in roots
+                 for n, p in root.named_parameters() if self._split_dims.get(id(p))}
+        # the settings too: ranks that gather, reshard or cast differently mismatch every
+        # collective of the unit (gloo aborts the process on the first one)
+        settings = ", ".join(f"{f}={getattr(self.mp, f, None)}" for f in (
+            "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"))
         comm.agree(mesh, tuple(range(mesh.ndim)),
                    "fully_shard: every rank must hold the same parameters (and ignore the "
-                   "same ones)", "\n".join(map(describe_tensors, roots))
-                   + f"\nignored: {ignored}")
+                   "same ones) and pass the same settings",
+                   "\n".join(map(describe_tensors, roots)) + f"\nignored: {ignored}\n"
+                   f"reshard_after_forward={reshard_after_forward}, {settings}, split along "
+                   f"dims {split}")
         self._collect(roots)
 
     # -- setup -----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from devmesh.distributed import comm
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.conversion import KeepsLayouts
@@ -121,16 +122,23 @@ def parallelize_module(
         )
     if parallelize_plan is None:
         return module
-    entries = _resolve_plan(module, parallelize_plan)
-    for name, target, style in entries:
-        style.check(target, name or type(target).__name__)
-        previous = getattr(target, _APPLIED, None)
-        if style.distributes_parameters and previous is not None:
-            raise ParallelizeError(
-                f"{type(previous).__name__} was already applied to {name or 'the module'!r}; "
-                f"applying {type(style).__name__} too would split an already split weight. "
-                "Each module takes one parameter-distributing style"
-            )
+    # a refusal on one rank is raised on every rank; then the ranks agree on the plan itself
+    # (ranks splitting different modules would wait in each other's collectives)
+    with comm.refused_everywhere(comm.process_group(mesh, (0,)), "parallelize_module",
+                                 ParallelizeError):
+        entries = _resolve_plan(module, parallelize_plan)
+        for name, target, style in entries:
+            style.check(target, name or type(target).__name__)
+            previous = getattr(target, _APPLIED, None)
+            if style.distributes_parameters and previous is not None:
+                raise ParallelizeError(
+                    f"{type(previous).__name__} was already applied to "
+                    f"{name or 'the module'!r}; applying {type(style).__name__} too would "
+                    "split an already split weight. Each module takes one "
+                    "parameter-distributing style")
+    comm.agree(mesh, (0,), "parallelize_module: every rank must apply the same plan",
+               "; ".join(f"{name or '(the module)'}: {_describe_style(style)}"
+                         for name, _, style in entries))
     aliases = parameter_aliases(module)
     for name, target, style in entries:
         def distribute(owner: nn.Module, attr: str, placement: Placement,
@@ -143,6 +151,13 @@ def parallelize_module(
     # model.to_empty() / .to() keep the split parameters split (meta-device construction)
     with_methods(module, KeepsLayouts)
     return module
+
+
+def _describe_style(style: ParallelStyle) -> str:
+    """The style as the ranks compare it: its repr (devmesh's styles show their layouts),
+    or its class where the repr is an object's address, which differs between processes."""
+    text = repr(style)
+    return type(style).__qualname__ if " object at 0x" in text else text
 
 
 def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: DeviceMesh,
