@@ -534,3 +534,46 @@ def test_a_rank_failing_to_read_its_blocks_fails_the_save_everywhere(mesh_pool, 
     assert mine[0] == "RuntimeError" and "cannot read this parameter" in mine[1], mine
     assert other[0] == "CheckpointError" and "failed on another rank" in other[1], other
     assert not written0 and not written1
+
+
+def _paths_per_rank(base: str):
+    """Each rank builds its own path (from its rank, as a script might from the host or the
+    time): the save is refused on every rank before anything is written, and a load of two
+    existing checkpoints, one per rank, before anything changes."""
+    import torch.distributed as dist
+
+    from devmesh.errors import CheckpointError
+
+    model, opt = build("ddp4", torch.float32)
+    rank = dist.get_rank()
+    before = full_state(model, opt)
+    out = {}
+    for what, call in (("save", lambda: save_checkpoint(f"{base}/own-{rank}", model, opt)),
+                       ("load", lambda: load_checkpoint(f"{base}/step-{rank % 2}", model, opt))):
+        try:
+            call()
+            out[what] = None
+        except CheckpointError as exc:
+            out[what] = str(exc)
+    after = full_state(model, opt)
+    unchanged = all(torch.equal(before[k], after[k]) for k in before)
+    return out, unchanged, sorted(n for n in os.listdir(base) if n.startswith("own-"))
+
+
+def test_paths_that_differ_between_ranks_are_refused_on_every_rank(mesh_pool, tmp_path):
+    """Before, ranks saving to paths of their own each wrote a part: rank 0's metadata listed
+    the other ranks' data files in directories it never looked in (the save "succeeded", the
+    checkpoint could not load), and ranks loading checkpoints of their own went on as
+    replicas that differ."""
+    for step in range(2):  # two checkpoints, of different trained states
+        model, opt = build("plain", torch.float32)
+        for i in range(step + 1):
+            train_step(model, opt, i)
+        save_checkpoint(tmp_path / f"step-{step}", model, opt)
+    for out, unchanged, written in mesh_pool.run(_paths_per_rank, 4, str(tmp_path)):
+        assert out["save"] is not None and "save_checkpoint: the ranks passed different " \
+            f"paths (ranks 0: {tmp_path}/own-0; ranks 1: {tmp_path}/own-1" in out["save"]
+        assert "pass every rank the same directory" in out["save"]
+        assert out["load"] is not None and "load_checkpoint: the ranks read different " \
+            "checkpoints (ranks 0, 2:" in out["load"] and "ranks 1, 3:" in out["load"]
+        assert unchanged and written == [], (unchanged, written)

@@ -31,6 +31,7 @@ from devmesh.parallel.checkpoint.encoding import Malformed, decode
 from devmesh.parallel.checkpoint.format import CheckpointReader
 from devmesh.parallel.checkpoint.save import (
     _raise_if_failed,
+    refuse_differing,
     wait_for_pending_save,
 )
 from devmesh.parallel.dtensor_params import refuse_partial_dtensors
@@ -142,9 +143,10 @@ def _no_tensor(key: str) -> torch.Tensor:
 
 
 def _load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
-                  ) -> tuple[Any, Any, list[str]]:
+                  ) -> tuple[Any, Any, list[str], str]:
     """Read and check everything this rank needs: ``((writes, optimizer state), extra, saved
-    model names)``, nothing applied yet."""
+    model names, the save it read)``, nothing applied yet. Each save names its data files
+    after a random id, so their names tell one save from another."""
     with CheckpointReader(path) as reader:
         try:
             writes = _model_writes(reader, model)
@@ -157,7 +159,7 @@ def _load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer 
         except KeyError as exc:
             raise CheckpointError(f"{path} does not hold tensor {exc}: damaged, or written "
                                   "for another model") from None
-    return (writes, optimizer_state), extra, list(reader.model_keys)
+    return (writes, optimizer_state), extra, list(reader.model_keys), ", ".join(reader.files)
 
 
 def _unloaded(saved: list[str], model: nn.Module) -> list[str]:
@@ -187,10 +189,11 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     model = module_of(model, "load_checkpoint")  # the same kind of object on every rank
     prepared = extra = None
     saved: list[str] = []
+    save = "a single file"
     error: BaseException | None = None
     try:
         if os.path.isdir(path):
-            prepared, extra, saved = _load_sharded(path, model, optimizer)
+            prepared, extra, saved, save = _load_sharded(path, model, optimizer)
         elif os.path.isfile(path):
             prepared, extra = legacy.prepare(path, model, optimizer)
         else:
@@ -199,6 +202,11 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         error = exc
     if dist.is_initialized():
         _raise_if_failed(error, f"load_checkpoint({path!r})")
+        # ranks that read different checkpoints would train on as replicas that differ
+        refuse_differing(f"{os.fspath(path)} (files {save})",
+                         "load_checkpoint: the ranks read different checkpoints",
+                         "pass every rank the same path; where they did, a save replaced the "
+                         "checkpoint while they read it — load again once it is done")
     elif error is not None:
         raise error
     unloaded = _unloaded(saved, model)  # the same list on every rank

@@ -231,6 +231,18 @@ def _raise_if_failed(error: BaseException | str | None, what: str, group=None) -
     raise CheckpointError(f"{what} failed — {listing}")
 
 
+def refuse_differing(value: str, what: str, fix: str) -> None:
+    """Raise :class:`CheckpointError` on every rank if the ranks hold different ``value``s
+    (one all-reduce of a digest; the values travel only when they differ)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    held = comm.differing(value)
+    if held:
+        listing = "; ".join(f"ranks {format_ranks(ranks)}: {text}"
+                            for text, ranks in held.items())
+        raise CheckpointError(f"{what} ({listing}): {fix}")
+
+
 def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     *, extra: dict[str, Any] | None = None, async_: bool = False,
                     check_replicas: bool = True) -> SaveHandle:
@@ -263,6 +275,10 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     else:
         error = None
     _raise_if_failed(error, "save_checkpoint")
+    # ranks writing to different directories would leave each a part of the checkpoint
+    refuse_differing(os.fspath(path), "save_checkpoint: the ranks passed different paths",
+                     "pass every rank the same directory (a path built from the rank, the "
+                     "host or the time differs between ranks)")
     assert contents is not None
     merged = _agree_on_contents(contents, world)  # a refusal raises on every rank alike
     group = groups.private_world_group("checkpoint") if distributed and world > 1 else None
