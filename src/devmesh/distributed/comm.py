@@ -181,17 +181,22 @@ def _watch(collective: str, mesh: DeviceMesh, dims: Sequence[int], g: _Group) ->
     return Watch(collective, g.ranks, lambda: "+".join(mesh.layout.dim_name(d) for d in dims))
 
 
-def exchange_watch(what: str, mesh: DeviceMesh, dim: int) -> Watch:
+def exchange_watch(what: str, mesh: DeviceMesh, dim: int | Sequence[int], *,
+                   absent: str | None = None) -> Watch:
     """A watch over a run of point-to-point messages in which every rank along ``dim`` takes
     part (a pipeline step): each rank makes one per run, in the same order, and passes it to
     :func:`send_async` / :func:`recv_async` (and guards the run's closing collective with
     it). A message that times out then names the ranks that never timed out themselves: the
     one stuck in its own code (a stage's forward, say) or dead, not the neighbour that
-    waited for it — every other rank ends up waiting, directly or down the chain."""
-    g = _group(mesh, (dim,))
-    return Watch(what, g.ranks, lambda: mesh.layout.dim_name(dim),
-                 absent="never timed out waiting for a message — they are stuck in their own "
-                        "code (a stage's forward or backward, the loss), or dead")
+    waited for it — every other rank ends up waiting, directly or down the chain. Several
+    dims: a closing collective over all of them (``absent`` says what the ranks that never
+    reached it were doing)."""
+    dims = (dim,) if isinstance(dim, int) else tuple(dim)
+    g = _group(mesh, dims)
+    return Watch(what, g.ranks, lambda: "+".join(mesh.layout.dim_name(d) for d in dims),
+                 absent=absent or "never timed out waiting for a message — they are stuck in "
+                                  "their own code (a stage's forward or backward, the loss), "
+                                  "or dead")
 
 
 class Pending:

@@ -6,8 +6,8 @@ micro-batch, direction), so any order a schedule gives is safe as long as the sc
 run at all (:meth:`~devmesh.layout.schedule.Schedule.simulate` checks it without a process).
 Each step's first message across each boundary announces its shape and dtype
 (:mod:`~devmesh.parallel.pipeline.messages`), so a smaller last batch needs nothing special,
-and a step costs one collective: the failure flag below (three where the mesh has dims beside
-the pipeline's: a stage's copies agree at the start and again at the end, see below).
+and a step costs one collective: the failure flag below (two where the mesh has dims beside
+the pipeline's: a stage's copies agree at the start, and the flag spans the mesh, see below).
 
 An exception in a stage (data the first or last stage refuses, its forward, the loss, a
 backward, an output whose shape changed within the step) does not stop that rank: it plays
@@ -23,7 +23,7 @@ any compute — a copy's inputs or targets (a batch the micro-batches do not div
 missing), gradients off — is agreed among the copies at the start of the step, and every copy
 skips it; a loss function that fails (a target out of range in one copy's data) lets the step
 go on with a zero loss, since the loss runs none of the stage's collectives; and at the end of
-the step the copies pass on their pipelines' failures (a second tiny all-reduce), so every
+the step the failure flag is all-reduced over the whole mesh, not the pipeline alone, so every
 rank of the mesh raises the same error — a copy that went on would apply gradients its copies'
 reductions left partial. The whole mesh also agrees on the schedule when the runner is built
 (a micro-batch count from each copy's own data mismatched FSDP's collectives). An error in a
@@ -120,7 +120,7 @@ class PipelineRunner:
         # the checks of the pipeline's build span the whole mesh: a stage's data- and
         # tensor-parallel copies run its collectives together, so copies that ran different
         # schedules (a micro-batch count from each copy's own data) would mismatch them
-        everyone = comm.process_group(mesh, range(mesh.ndim))
+        everyone = self._everyone = comm.process_group(mesh, range(mesh.ndim))
         others = [d for d in range(mesh.ndim) if d != self.dim]
         # the ranks holding this rank's stages (its copies over the other dims): see _start
         self._copies = (comm.process_group(mesh, others)
@@ -404,16 +404,22 @@ class PipelineRunner:
         return torch.stack(step.losses).sum()
 
     def _raise_if_any_stage_failed(self, step: _Step) -> None:
-        """One tiny all-reduce along the pipeline; where the mesh has other dims, a second
-        among this rank's stages' copies, which spreads each pipeline's failures to all of
-        them: every rank of the mesh raises alike (a copy that went on would apply gradients
-        its copies' reductions left partial)."""
-        with self._links.watch.guard():  # a rank stuck in its code is named here too
-            failed = comm.failures(step.error, self.mesh.get_group(self.dim))
+        """One tiny all-reduce along the pipeline; where the mesh has other dims, over the
+        whole mesh instead, so every pipeline hears of every failure and every rank raises
+        alike (a copy that went on would apply gradients its copies' reductions left
+        partial; one collective over the mesh costs less here than one along the pipeline
+        and one among the copies: each is a point where all of its ranks wait)."""
+        if self._copies is None:
+            watch, group = self._links.watch, self.mesh.get_group(self.dim)
+        else:
+            watch, group = comm.exchange_watch(
+                "pipeline step's end", self.mesh, range(self.mesh.ndim),
+                absent="never reached the end of the step — they are stuck in their own "
+                       "code (a stage's forward or backward, the loss), waiting for a "
+                       "message from a rank that is, or dead"), self._everyone
+        with watch.guard():  # a rank stuck in its code is named here too
+            failed = comm.failures(step.error, group)
         listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
-        if self._copies is not None:
-            heard = comm.failures(listing or None, self._copies)
-            listing = "; ".join(dict.fromkeys(heard[rank] for rank in sorted(heard)))
         if not listing:
             return
         message = f"pipeline step failed — {listing}"
