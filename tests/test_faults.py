@@ -351,9 +351,10 @@ def test_devmesh_run_names_a_hung_rank(tmp_path):
     assert time.monotonic() - start < 40
 
 
-def a_pipeline_stage_hangs_in_its_forward():
-    """4 pipeline ranks (1F1B); stage 2's forward sticks in its second step for longer than
-    the others' 3 s timeout and their reports. Returns each rank's error."""
+def a_pipeline_stage_hangs_in_its_forward(shape: tuple[int, ...] = (4,)):
+    """4 ranks: 4 pipeline ranks, or 2 pipelines of 2 (``shape`` (2, 2): ``(pp, dp)``),
+    1F1B; rank 2's forward sticks in its second step for longer than the others' 3 s timeout
+    and their reports. Returns each rank's error."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -371,14 +372,14 @@ def a_pipeline_stage_hangs_in_its_forward():
                 time.sleep(10)
             return super().forward(x)
 
-    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",), timeout=3)
-    me = mesh.get_coordinate()[0]
-    stage = Stuck(8, 8) if me == 2 else nn.Linear(8, 8)
-    runner = PipelineRunner({me: stage}, mesh, build_schedule("1f1b", 4, 4), F.mse_loss)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp")[:len(shape)], timeout=3)
+    me, pp = mesh.get_coordinate()[0], shape[0]
+    stage = Stuck(8, 8) if mesh.get_rank() == 2 else nn.Linear(8, 8)
+    runner = PipelineRunner({me: stage}, mesh, build_schedule("1f1b", pp, 4), F.mse_loss)
     x = torch.randn(8, 8)
     try:
         for _ in range(3):
-            runner.step(x if me == 0 else None, x if me == 3 else None)
+            runner.step(x if me == 0 else None, x if me == pp - 1 else None)
     except RuntimeError as exc:
         return type(exc).__name__, getattr(exc, "missing", None), str(exc)
     return None
@@ -395,4 +396,21 @@ def test_a_pipeline_stage_stuck_in_its_code_is_named_by_every_other_rank(mesh_po
         assert "pipeline step over pp" in text and "ranks [2] never timed out waiting for " \
             "a message — they are stuck in their own code" in text, text
     assert results[2] is not None  # the stuck rank fails too, once it wakes: no one is left
+    assert mesh_pool.run(lambda: 5, 4) == [5, 5, 5, 5]
+
+
+def test_a_stuck_rank_is_named_by_the_other_pipelines_too(mesh_pool):
+    """Two pipelines of two ranks, ``(pp, dp) = (2, 2)``, rank 2 stuck: its pipeline's other
+    rank names it, as above; the other pipeline's ranks, done with their step, wait in the
+    end-of-step failure flag, which spans the mesh (a stage's copies must hear of each
+    other's failures), and name the ranks that never reached it."""
+    results = mesh_pool.run(a_pipeline_stage_hangs_in_its_forward, 4, (2, 2), timeout=90)
+    kind, missing, text = results[0]
+    assert kind == "CollectiveTimeoutError" and missing == [2], text
+    assert "ranks [2] never timed out waiting for a message" in text, text
+    for rank in (1, 3):
+        kind, missing, text = results[rank]
+        assert kind == "CollectiveTimeoutError" and missing == [0, 2], text
+        assert "pipeline step's end over pp+dp" in text and "ranks [0, 2] never reached the " \
+            "end of the step — they are stuck in their own code" in text, text
     assert mesh_pool.run(lambda: 5, 4) == [5, 5, 5, 5]
