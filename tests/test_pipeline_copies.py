@@ -116,3 +116,61 @@ def test_a_copy_that_cannot_start_the_step_fails_it_on_every_rank(mesh_pool, kin
         for name, value in expected.items():  # the failed steps left nothing behind
             torch.testing.assert_close(trained[name], value, rtol=1e-5, atol=1e-6,
                                        msg=f"rank {rank}: {name}")
+
+
+def loss_fails_on_one_copy(name: str, kind: str):
+    """A class out of range in the second copy's targets under schedule ``name`` (split
+    backwards, stages in a V, two stages a rank), the stages under ``kind`` (devmesh's
+    ``fsdp`` or ``ddp``, or torch's FSDP2): the error each rank raised, then the whole model
+    after ``STEPS`` clean steps."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"), timeout=20)
+    me, half = mesh.get_coordinate()
+    virtual = 1 if name == "zero-bubble" else 2
+    schedule = build_schedule(name, 2, MICRO, virtual)
+    parts = split_sequential(make_model(), 2 * virtual)
+    stages = {s: parts[s] for s in range(2 * virtual) if schedule.rank_of(s) == me}
+    for stage in stages.values():
+        if kind == "ddp":
+            replicate(stage, mesh=mesh["dp"])
+            continue
+        shard = torch_fully_shard if kind == "torch-fsdp" else fully_shard
+        for block in stage:
+            shard(block, mesh=mesh["dp"])
+        shard(stage, mesh=mesh["dp"])
+    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+    first, last = 0 in stages, 2 * virtual - 1 in stages
+    x, y = (t.chunk(2)[half] for t in seeded_batch(0))
+    try:
+        runner.step(x if first else None, (y + 4 * half) if last else None)
+        error = None
+    except PipelineError as exc:
+        error = str(exc)
+    opt = torch.optim.SGD(runner.module.parameters(), lr=0.1)
+    opt.zero_grad()
+    for step in range(STEPS):
+        x, y = (t.chunk(2)[half] for t in seeded_batch(step))
+        runner.step(x if first else None, y if last else None)
+        opt.step()
+        opt.zero_grad()
+    return error, runner.state_dict(full=True)
+
+
+@pytest.mark.parametrize("name, kind", [("zero-bubble", "fsdp"), ("zbv-zero-bubble", "ddp"),
+                                        ("dualpipe-v", "fsdp"),
+                                        ("interleaved-1f1b", "torch-fsdp")])
+def test_a_loss_failing_on_one_copy_fails_the_step_under_every_schedule(mesh_pool, name, kind):
+    """The zero loss goes through split backwards (zero-bubble's I and W), a V's last stage
+    on the first rank, and torch's FSDP2, whose reduce-scatter runs in the zero loss's
+    backward as in any other."""
+    expected = train_alone(make_model(), STEPS)
+    results = mesh_pool.run(loss_fails_on_one_copy, 4, name, kind)
+    culprit = "rank 3: stage 1" if name == "zero-bubble" else (
+        "rank 3: stage 3" if name == "interleaved-1f1b" else "rank 1: stage 3")
+    for rank, (error, trained) in enumerate(results):
+        assert error is not None and f"pipeline step failed — {culprit}, forward of " \
+            "micro-batch 0" in error and "Target 6 is out of bounds" in error, error
+        for key, value in expected.items():
+            torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6,
+                                       msg=f"rank {rank}: {key}")
