@@ -453,7 +453,7 @@ class PipelineRunner:
                 if s == self.last:
                     loss = None
                     if "targets" in step.chunks:
-                        loss = self._contained_loss(step, out, mb, describe(layout_of(xs)))
+                        loss = self._contained_loss(step, out, mb, xs)
                         if loss is not None:
                             outs = (loss / self.schedule.microbatches if self.scale_grads
                                     else loss,)
@@ -482,8 +482,8 @@ class PipelineRunner:
         if outs is not None and step.training:
             step.saved[(s, mb)] = {"x": xs, "out": outs, "cuts": cuts}
 
-    def _contained_loss(self, step: _Step, output: object, mb: int, arrived: str
-                        ) -> torch.Tensor | None:
+    def _contained_loss(self, step: _Step, output: object, mb: int,
+                        inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
         """Micro-batch ``mb``'s loss; if the loss function fails (a target out of range on
         one data-parallel copy), the failure is reported at the end of the step and the
         step goes on with a zero loss on the output: the loss runs none of the stage's
@@ -501,7 +501,7 @@ class PipelineRunner:
             return loss
         except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
             step.fail(exc, f"stage {self.last}, forward of micro-batch {mb} on an input of "
-                           f"{arrived}", halt=False)
+                           f"{describe(layout_of(inputs))}", halt=False)
             return _zero_loss(output) if step.training else None
 
     def _loss(self, output: object, target: torch.Tensor, keywords: dict[str, Any]
