@@ -496,6 +496,8 @@ def test_pipeline_errors_name_the_fix(mesh_pool):
         assert "build the same schedule on every rank" in error[4]
         assert "rank 3: the last stage's rank needs the targets: schedule.step(target=y) " \
                "(runner.step(inputs, targets))" in error[5], error[5]
+        assert "split_sequential takes the number of stages, got a DeviceMesh: pass the " \
+               "schedule's stage count, split_sequential(model, schedule.stages)" in error[6]
 
 
 def pipeline_errors():
@@ -541,6 +543,10 @@ def pipeline_errors():
         out.append(str(exc))
     try:  # the last stage's rank forgot its targets: every rank hears how to pass them
         runner.step(torch.randn(8, 16) if me == 0 else None, None)
+    except PipelineError as exc:
+        out.append(str(exc))
+    try:  # the mesh where the number of stages goes
+        split_sequential(make_model(), pp)
     except PipelineError as exc:
         out.append(str(exc))
     return out

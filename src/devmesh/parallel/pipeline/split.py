@@ -75,6 +75,12 @@ def split_sequential(model: nn.Module, stages: int, *, starts: Sequence[str] | N
             f"split_sequential takes the number of stages, then the names where stages after "
             f"the first begin as starts=: split_sequential(model, {len(stages) + 1}, "
             f"starts={list(stages)!r}), got the names as the number of stages")
+    if hasattr(stages, "mesh_dim_names") and hasattr(stages, "get_group"):  # a mesh
+        raise PipelineError(
+            "split_sequential takes the number of stages, got a DeviceMesh: pass the "
+            "schedule's stage count, split_sequential(model, schedule.stages) (the pp dim's "
+            "size times the stages each rank holds), and take this rank's stages by "
+            "schedule.rank_of(s)")
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise PipelineError(f"the number of stages must be a positive integer, got {stages!r}")
     units = _units(model, starts or ())
