@@ -38,6 +38,19 @@ def make_model() -> nn.Sequential:
     return nn.Sequential(*blocks, nn.Linear(16, 4))
 
 
+def trained_after(runner, half: int, first: bool, last: bool) -> dict[str, torch.Tensor]:
+    """The whole model after ``STEPS`` clean steps from the failed one's partial gradients
+    zeroed, each copy on its half of the batch (the reference trains on all of it)."""
+    opt = torch.optim.SGD(runner.module.parameters(), lr=0.1)
+    opt.zero_grad()
+    for step in range(STEPS):
+        x, y = (t.chunk(2)[half] for t in seeded_batch(step))
+        runner.step(x if first else None, y if last else None)
+        opt.step()
+        opt.zero_grad()
+    return runner.state_dict(full=True)
+
+
 def copies_fail_together(kind: str):
     """Each stage on two data-parallel copies (``kind``: ``fsdp`` — each block a unit, then
     the stage — or ``ddp``): what each rank raised in each bad step, then the whole model
@@ -80,14 +93,7 @@ def copies_fail_together(kind: str):
             errors.append(None)
         except PipelineError as exc:
             errors.append(str(exc))
-    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
-    opt.zero_grad()
-    for step in range(STEPS):
-        x, y = (t.chunk(2)[half] for t in seeded_batch(step))
-        runner.step(x if first else None, y if last else None)
-        opt.step()
-        opt.zero_grad()
-    return errors, runner.state_dict(full=True)
+    return errors, trained_after(runner, half, first, last)
 
 
 @pytest.mark.parametrize("kind", ["fsdp", "ddp"])
@@ -147,14 +153,7 @@ def loss_fails_on_one_copy(name: str, kind: str):
         error = None
     except PipelineError as exc:
         error = str(exc)
-    opt = torch.optim.SGD(runner.module.parameters(), lr=0.1)
-    opt.zero_grad()
-    for step in range(STEPS):
-        x, y = (t.chunk(2)[half] for t in seeded_batch(step))
-        runner.step(x if first else None, y if last else None)
-        opt.step()
-        opt.zero_grad()
-    return error, runner.state_dict(full=True)
+    return error, trained_after(runner, half, first, last)
 
 
 @pytest.mark.parametrize("name, kind", [("zero-bubble", "fsdp"), ("zbv-zero-bubble", "ddp"),
