@@ -11,12 +11,18 @@ rank 0's median step time of each and their ratio. On a 2-core machine the 4 ran
 time-share the cores, so every collective is a point where ranks wait for one another to be
 scheduled; on a GPU each check is a tiny all-reduce.
 
+A third mode keeps the checks but runs the step outside a stops scope, so the waits in the
+stages' collectives are plain ``work.wait()`` rather than waits that look for a copy that
+stopped every 0.5 s (``distributed/stops.py``): "polled / unpolled" is what watching for a
+stopped copy costs a step.
+
     .venv/bin/python bench/pipeline_checks.py [--rounds 6] [--steps 5] [--depth 8]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -40,10 +46,12 @@ def run(rounds: int, steps: int, depth: int) -> dict[str, float]:
     runner = PipelineRunner({me: stage}, mesh, build_schedule("1f1b", 2, 8), F.cross_entropy)
     copies = runner._copies  # the group the checks run over; None turns them off
     x, y = torch.randn(256, 256), torch.randint(0, 10, (256,))
-    times: dict[str, list[float]] = {"with checks": [], "without": []}
+    times: dict[str, list[float]] = {"with checks": [], "without": [], "unpolled": []}
+    scope = runner._scope
     for _ in range(rounds):
         for mode in times:
-            runner._copies = copies if mode == "with checks" else None
+            runner._copies = None if mode == "without" else copies
+            runner._scope = contextlib.nullcontext if mode == "unpolled" else scope
             for _ in range(steps):
                 start = time.perf_counter()
                 runner.step(x if me == 0 else None, y if me == 1 else None)
@@ -62,9 +70,11 @@ def main() -> None:
 
     medians = launch(run, 4, args.rounds, args.steps, args.depth, timeout=900)[0]
     with_checks, without = medians["with checks"], medians["without"]
+    unpolled = medians["unpolled"]
     print(f"1F1B, (pp, dp) = (2, 2), rank 0's median step: with the copies' checks "
           f"{with_checks * 1e3:.2f} ms, without {without * 1e3:.2f} ms, "
-          f"ratio {with_checks / without:.3f}")
+          f"ratio {with_checks / without:.3f}; waits polled for a stopped copy / unpolled "
+          f"{with_checks / unpolled:.3f} ({unpolled * 1e3:.2f} ms unpolled)")
 
 
 if __name__ == "__main__":

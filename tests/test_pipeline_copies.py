@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from devmesh import init_device_mesh
+from devmesh.errors import MeshBrokenError
 from devmesh.layout.schedule import build_schedule
 from devmesh.parallel import fully_shard, replicate
 from devmesh.parallel.pipeline import PipelineError, PipelineRunner, split_sequential
@@ -173,3 +174,97 @@ def test_a_loss_failing_on_one_copy_fails_the_step_under_every_schedule(mesh_poo
         for key, value in expected.items():
             torch.testing.assert_close(trained[key], value, rtol=1e-5, atol=1e-6,
                                        msg=f"rank {rank}: {key}")
+
+
+class Gate(nn.Module):
+    """The identity, whose backward raises once ``fail`` is set: a gradient one copy
+    refuses (a NaN check, say) in the middle of its stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        def refuse(grad: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("the gradient is not finite")
+
+        if self.fail and x.requires_grad:
+            x.register_hook(refuse)
+        return x
+
+
+def copy_stops_mid_step(kind: str, where: str):
+    """Stage 0 (an embedding, two blocks) and stage 1 (a block, a gate, a block, a head) on
+    two data-parallel copies each (``kind``: ``fsdp``, each block a unit, or ``ddp``). Every
+    stage-0 copy meets a token out of range: the step fails everywhere, and the next trains;
+    then one copy fails in the middle of its stage (``where``: its embedding's ``forward``
+    on rank 1, its gate's ``backward`` on rank 3) and the other is in the stage's
+    collectives. Returns each step's error (``None``: it trained) and the refusal after."""
+    # a long timeout: before, the waiting copy raised only when it ran out
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"), timeout=60)
+    me, half = mesh.get_coordinate()
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 16))  # noqa: E731
+    gate = Gate()
+    stage = (nn.Sequential(nn.Embedding(10, 16), block(), block()) if me == 0
+             else nn.Sequential(block(), gate, block(), nn.Linear(16, 4)))
+    if kind == "fsdp":
+        for child in stage:
+            if any(True for _ in child.parameters()):
+                fully_shard(child, mesh=mesh["dp"])
+        fully_shard(stage, mesh=mesh["dp"])
+    else:
+        replicate(stage, mesh=mesh["dp"])
+    runner = PipelineRunner({me: stage}, mesh, build_schedule("1f1b", 2, MICRO),
+                            F.cross_entropy)
+    gen = torch.Generator().manual_seed(half)
+    x, y = torch.randint(0, 10, (8,), generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    outcomes = []
+
+    def step(tokens: torch.Tensor) -> None:
+        try:
+            runner.step(tokens if me == 0 else None, y if me == 1 else None)
+            outcomes.append(None)
+        except PipelineError as exc:
+            outcomes.append(str(exc))
+
+    step(torch.where(torch.arange(8) == 5, 10, x))  # every copy: the same token out of range
+    step(x)
+    if where == "forward":
+        step(torch.where(torch.arange(8) == 5, 10 * half, x))  # rank 1's token 10 only
+    else:
+        gate.fail = half == 1  # rank 3
+        step(x)
+    try:  # the world is broken now: refused, not a hang or a wrong pairing
+        runner.step(x if me == 0 else None, y if me == 1 else None)
+    except MeshBrokenError as exc:
+        outcomes.append(str(exc))
+    return outcomes
+
+
+@pytest.mark.parametrize("kind, where", [("fsdp", "forward"), ("ddp", "backward"),
+                                         ("fsdp", "backward")])
+def test_a_copy_that_stops_mid_step_fails_it_on_every_rank_at_once(mesh_pool, kind, where):
+    """Before, the copy left in the stage's collectives waited for the one that stopped until
+    the mesh's timeout (30 minutes by default; 60 s here): now it gives up within a second
+    (the stopped copy says so through the store), every rank raises the same error naming
+    both, and devmesh refuses the next step — the collective given up on stays posted."""
+    results = mesh_pool.run(copy_stops_mid_step, 4, kind, where)
+    stopped, waiting = (1, 0) if where == "forward" else (3, 2)
+    for rank, (every_copy, trained, one_copy, refused) in enumerate(results):
+        assert every_copy.count("IndexError: index out of range in self") == 2, every_copy
+        assert "out of step" not in every_copy, every_copy
+        assert trained is None
+        if where == "forward":
+            assert f"rank {stopped}: stage 0, forward of micro-batch 2 on an input of (2,) " \
+                   "torch.int64: IndexError: index out of range in self" in one_copy, one_copy
+        else:
+            assert f"rank {stopped}: stage 1, backward of micro-batch " in one_copy \
+                and "RuntimeError: the gradient is not finite" in one_copy, one_copy
+        assert f"rank {waiting}: stage " in one_copy and "gave up waiting in " in one_copy \
+            and "over dp (collective #" in one_copy \
+            and f"for rank {stopped}, which stopped first" in one_copy, one_copy
+        assert "this world's collectives are out of step: restart the job" in one_copy
+        assert one_copy.split("] ", 1)[1] == results[0][2].split("] ", 1)[1]
+        assert refused.startswith(f"[rank {rank}] this world's collectives are out of step "
+                                  f"(rank {waiting} gave up on "), refused

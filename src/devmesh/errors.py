@@ -24,6 +24,9 @@ __all__ = [
     "DeviceUnavailableError",
     "MeshMismatchError",
     "MeshTimeoutError",
+    "CollectiveTimeoutError",
+    "CollectiveAbandonedError",
+    "MeshBrokenError",
     "RankFailedError",
     "RankTimeoutError",
     "MeshUsageError",
@@ -123,6 +126,23 @@ class CollectiveTimeoutError(DevmeshError, RuntimeError, TimeoutError):
         self.missing = missing
         self.waited = waited
         super().__init__(message)
+
+
+class CollectiveAbandonedError(DevmeshError, RuntimeError):
+    """This rank gave up waiting in a collective: a rank of its group said it stopped before
+    entering it (its error is named), so it never would. The collective stays posted, so the
+    world's collectives are out of step after this (:class:`MeshBrokenError`)."""
+
+    def __init__(self, message: str, *, collective: str, stopped: int) -> None:
+        self.collective = collective  # "all_gather over dp (collective #15)"
+        self.stopped = stopped  # the rank that stopped
+        super().__init__(message)
+
+
+class MeshBrokenError(DevmeshError, RuntimeError):
+    """A rank gave up on a collective that stays posted (:class:`CollectiveAbandonedError`),
+    so the next collective on that group would pair with it: devmesh refuses every
+    collective after that; the job must restart (from its last checkpoint)."""
 
 
 class RankFailedError(DevmeshError, RuntimeError):

@@ -7,7 +7,10 @@ these functions with a mesh and the mesh dims to communicate over. That gives on
   that differ only in those coordinates, ordered major to minor as given), with the ordering
   fixed up when c10d's group order (sorted global ranks) differs from the mesh's;
 * count calls and bytes per mesh dim (``with comm_stats() as stats``), so tests can assert
-  communication volume and users can ask for it.
+  communication volume and users can ask for it;
+* number each group's collectives, so that a timeout names the ranks that never entered one
+  (:mod:`~devmesh.distributed.timeouts`) and a wait gives up on a rank that said it stopped
+  (:mod:`~devmesh.distributed.stops`).
 
 Bytes are the collective's buffer size on one rank, as nccl-tests count them: the output of an
 all-gather, the input of a reduce-scatter or all-to-all, the tensor of an all-reduce or
@@ -28,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from devmesh.distributed import groups
+from devmesh.distributed import groups, stops
 from devmesh.distributed.timeouts import Watch
 
 if TYPE_CHECKING:
@@ -178,6 +181,7 @@ def process_group(mesh: DeviceMesh, dims: Sequence[int]) -> dist.ProcessGroup:
 
 def _watch(collective: str, mesh: DeviceMesh, dims: Sequence[int], g: _Group) -> Watch:
     """Numbers this collective on its group; a timeout then names who never entered it."""
+    stops.refuse_if_broken()
     return Watch(collective, g.ranks, lambda: "+".join(mesh.layout.dim_name(d) for d in dims))
 
 
@@ -191,6 +195,7 @@ def exchange_watch(what: str, mesh: DeviceMesh, dim: int | Sequence[int], *,
     waited for it — every other rank ends up waiting, directly or down the chain. Several
     dims: a closing collective over all of them (``absent`` says what the ranks that never
     reached it were doing)."""
+    stops.refuse_if_broken()
     dims = (dim,) if isinstance(dim, int) else tuple(dim)
     g = _group(mesh, dims)
     return Watch(what, g.ranks, lambda: "+".join(mesh.layout.dim_name(d) for d in dims),
@@ -200,18 +205,22 @@ def exchange_watch(what: str, mesh: DeviceMesh, dim: int | Sequence[int], *,
 
 
 class Pending:
-    """An asynchronous collective in flight; ``wait()`` returns its result (once computed)."""
+    """An asynchronous collective in flight; ``wait()`` returns its result (once computed).
+    ``polled``: a collective on CPU tensors, whose wait gives up early when a rank of its
+    group announced it stopped (:mod:`~devmesh.distributed.stops`); point-to-point messages
+    are not (gloo closes a message's connection when a wait on it times out)."""
 
-    def __init__(self, work, finish: Callable[[], torch.Tensor], watch: Watch | None = None
-                 ) -> None:
+    def __init__(self, work, finish: Callable[[], torch.Tensor], watch: Watch | None = None,
+                 *, polled: bool = False) -> None:
         self._work, self._finish, self._watch = work, finish, watch
+        self._polled = polled
         self._result: torch.Tensor | None = None
 
     def wait(self) -> torch.Tensor:
         if self._result is None:
             if self._work is not None:
                 with self._watch.guard() if self._watch else contextlib.nullcontext():
-                    self._work.wait()
+                    stops.wait(self._work, self._watch, polled=self._polled)
                 self._work = None
             self._result = self._finish()
         return self._result
@@ -257,7 +266,7 @@ def all_gather_async(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]
         stacked = out.view(g.size, *tensor.shape)
         return count_copy(stacked[list(g.to_c10d)]) if g.to_c10d is not None else stacked
 
-    return Pending(work, finish, watch)
+    return Pending(work, finish, watch, polled=out.device.type == "cpu")
 
 
 def reduce_scatter(
@@ -274,8 +283,11 @@ def reduce_scatter(
         stacked = count_copy(stacked[list(g.from_c10d)])
     stacked = stacked.contiguous()
     out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
-    with _watch("reduce_scatter", mesh, dims, g).guard():
-        dist.reduce_scatter_single(out.view(-1), stacked.view(-1), op=_OPS[op], group=g.group)
+    watch = _watch("reduce_scatter", mesh, dims, g)
+    with watch.guard():
+        work = dist.reduce_scatter_single(out.view(-1), stacked.view(-1), op=_OPS[op],
+                                          group=g.group, async_op=True)
+        stops.wait(work, watch, polled=out.device.type == "cpu")
     _record("reduce_scatter", mesh, dims, stacked.numel() * stacked.element_size())
     if op == "avg":
         out /= g.size
@@ -306,7 +318,7 @@ def all_reduce_async(
             tensor.div_(g.size)
         return tensor
 
-    return Pending(work, finish, watch)
+    return Pending(work, finish, watch, polled=tensor.device.type == "cpu")
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -332,10 +344,12 @@ def all_to_all(
     send = count_copy(_pack([chunks[i] for i in order]))
     recv_numels = [math.prod(recv_shapes[i]) for i in order]
     recv = torch.empty(sum(recv_numels), dtype=like.dtype, device=like.device)
-    with _watch("all_to_all", mesh, dims, g).guard():
-        dist.all_to_all_single(_on_wire(recv), _on_wire(send), output_split_sizes=recv_numels,
-                               input_split_sizes=[chunks[i].numel() for i in order],
-                               group=g.group)
+    watch = _watch("all_to_all", mesh, dims, g)
+    with watch.guard():
+        work = dist.all_to_all_single(
+            _on_wire(recv), _on_wire(send), output_split_sizes=recv_numels,
+            input_split_sizes=[chunks[i].numel() for i in order], group=g.group, async_op=True)
+        stops.wait(work, watch, polled=recv.device.type == "cpu")
     _record("all_to_all", mesh, dims, send.numel() * send.element_size())
     outputs: list[torch.Tensor] = [like] * g.size
     for i, piece in zip(order, torch.split(recv, recv_numels)):
@@ -361,8 +375,11 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], src_i
     g = _group(mesh, dims)
     if g.size == 1:
         return tensor
-    with _watch("broadcast", mesh, dims, g).guard():
-        dist.broadcast(_on_wire(tensor), src=g.ranks[src_index], group=g.group)
+    watch = _watch("broadcast", mesh, dims, g)
+    with watch.guard():
+        work = dist.broadcast(_on_wire(tensor), src=g.ranks[src_index], group=g.group,
+                              async_op=True)
+        stops.wait(work, watch, polled=tensor.device.type == "cpu")
     _record("broadcast", mesh, dims, tensor.numel() * tensor.element_size())
     return tensor
 
@@ -465,6 +482,7 @@ def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[
     the result is not empty: an error on some ranks alone is a hang for the others."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {0: error} if error is not None else {}
+    stops.refuse_if_broken()
     device = small_tensor_device(group)
     count = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
     dist.all_reduce(count, group=group)
@@ -480,12 +498,13 @@ def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[
 
 @contextlib.contextmanager
 def refused_everywhere(group: dist.ProcessGroup | None, what: str,
-                       error_type: type[Exception]) -> Iterator[None]:
+                       error_type: type[Exception], *, outcome: str = "was refused"
+                       ) -> Iterator[None]:
     """Run checks of this rank's own arguments inside: if any rank of ``group`` raised
     ``error_type`` there, every rank raises after one tiny all-reduce — its own error, or an
-    ``error_type`` naming the ranks that refused and why. A refusal on some ranks alone (an
-    argument one rank computed differently) would leave the others waiting in the next
-    collective."""
+    ``error_type`` saying ``what {outcome} on other ranks`` and why. A refusal on some ranks
+    alone (an argument one rank computed differently, a file one rank cannot read) would
+    leave the others waiting in the next collective."""
     from devmesh.errors import rank_prefix
 
     error: Exception | None = None
@@ -498,7 +517,7 @@ def refused_everywhere(group: dist.ProcessGroup | None, what: str,
     if error is not None:
         raise error
     if failed:
-        raise error_type(f"{what} was refused on other ranks — " + "; ".join(
+        raise error_type(f"{what} {outcome} on other ranks — " + "; ".join(
             f"rank {rank}: {text}" for rank, text in sorted(failed.items())))
 
 
@@ -510,6 +529,7 @@ def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, l
     listing per stage, not one per rank)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {}
+    stops.refuse_if_broken()
     size = dist.get_world_size(group)
     digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
     mine = int.from_bytes(digest, "little") >> 1  # 63 bits: its negation fits an int64

@@ -25,9 +25,10 @@ import torch.distributed as dist
 from devmesh.distributed import groups
 from devmesh.errors import CollectiveTimeoutError, is_peer_gone
 
-__all__ = ["Watch", "is_timeout"]
+__all__ = ["Watch", "is_timeout", "numbered"]
 
 GRACE_SECONDS = 3.0  # how long a timed-out rank waits for the others of its group to say so
+_SEQUENCE = "timeouts.sequence"  # world-cache key of a group's collective count
 
 
 def is_timeout(exc: BaseException) -> bool:
@@ -36,6 +37,14 @@ def is_timeout(exc: BaseException) -> bool:
     text = str(exc)
     return isinstance(exc, RuntimeError) and ("Timed out waiting" in text
                                                or "operation timeout" in text)
+
+
+def numbered() -> dict[tuple[int, ...], int]:
+    """How many collectives this rank has numbered on each group (its ranks in mesh order)
+    in the current world: a rank that stops tells the others these
+    (:mod:`~devmesh.distributed.stops`)."""
+    return {key[1]: count for key, count in groups.world_cache().items()
+            if isinstance(key, tuple) and key[:1] == (_SEQUENCE,)}
 
 
 class Watch:
@@ -48,7 +57,7 @@ class Watch:
         self.collective, self.ranks, self.label = collective, tuple(ranks), label
         self.absent = absent  # what the ranks that never said they waited did, in words
         numbers = groups.world_cache()  # a new world numbers from 1 again
-        key = ("timeouts.sequence", self.ranks)
+        key = (_SEQUENCE, self.ranks)
         self.number = numbers[key] = numbers.get(key, 0) + 1
 
     @contextlib.contextmanager

@@ -23,7 +23,6 @@ import pickle
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.futures import Future
@@ -156,18 +155,8 @@ def load_torch_dcp(path: str | os.PathLike, model: nn.Module, *, prefix: str = "
     wait_for_pending_save()
     reader = SafeFileSystemReader(os.fspath(path))
     # a refused or missing file: our error, before torch's loader runs, on every rank
-    error = None
-    try:
+    with comm.refused_everywhere(None, "load_torch_dcp", CheckpointError, outcome="failed"):
         reader.read_metadata()
-    except CheckpointError as exc:
-        error = exc
-    if dist.is_initialized():
-        failed = comm.failures(None if error is None else str(error))
-        if failed and error is None:
-            raise CheckpointError("load_torch_dcp failed on other ranks — " + "; ".join(
-                f"rank {r}: {t}" for r, t in sorted(failed.items())))
-    if error is not None:
-        raise error
     views: dict[str, torch.Tensor] = {}
     targets: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name, p in named_parameters(model, remove_duplicate=True):

@@ -27,10 +27,12 @@ the step the failure flag is all-reduced over the whole mesh, not the pipeline a
 rank of the mesh raises the same error — a copy that went on would apply gradients its copies'
 reductions left partial. The whole mesh also agrees on the schedule when the runner is built
 (a micro-batch count from each copy's own data mismatched FSDP's collectives). An error in a
-stage's forward or backward on some copies only (data one copy's embedding refuses) still
-leaves the others waiting in the stage's collectives until the collective timeout names the
-rank: that failure may come between two of the stage's collectives, and nothing can put the
-copies back in step there.
+stage's forward or backward on some copies only (data one copy's embedding refuses) comes
+between two of the stage's collectives, and nothing can put the copies back in step there:
+the copy that stopped announces it (:mod:`~devmesh.distributed.stops`), the copies waiting in
+a collective it will not enter give up within a second and stop too, and every rank raises at
+the end of the step; the collective given up on stays posted, so the world is broken after
+that (restart), where before the others waited until the collective timeout.
 
 Messages are matched by order, not by tag (NCCL ignores tags): each rank posts its receives
 in the order its peers send (:mod:`~devmesh.layout.pipeline_messages`; a schedule whose ranks
@@ -68,8 +70,8 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from devmesh.distributed import comm
-from devmesh.errors import rank_prefix
+from devmesh.distributed import comm, groups, stops
+from devmesh.errors import CollectiveAbandonedError, rank_prefix
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
@@ -169,6 +171,11 @@ class PipelineRunner:
         self.scale_grads = scale_grads  # divide each micro-batch's loss by their number
         self.last = schedule.stages - 1
         self._links = StageLinks(mesh, self.dim, schedule)
+        # names this runner's steps alike on every rank (see _scope)
+        serials = groups.world_cache()
+        key = ("pipeline runners", tuple(mesh.layout.rank_list()))
+        self._serial = serials[key] = serials.get(key, -1) + 1
+        self._steps = 0
         self.compute_seconds: dict[Action, float] = {}
         # the last stage's (output, loss) per micro-batch of the last step; loss None when
         # evaluate() had no targets
@@ -316,16 +323,17 @@ class PipelineRunner:
         rank, ``None`` elsewhere. If any stage fails, every rank raises
         :class:`PipelineError` at the end of the step (the step's gradients are then partial:
         zero them before the next step)."""
-        step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=True)
-        actions = self.schedule.actions[self.index]
-        for sync in self._sync.values():
-            sync.start_step()
-        try:
-            self._play(step, actions)
-        finally:
+        with self._scope():
+            step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=True)
+            actions = self.schedule.actions[self.index]
             for sync in self._sync.values():
-                sync.end_step()
-        return self._finish(step)
+                sync.start_step()
+            try:
+                self._play(step, actions)
+            finally:
+                for sync in self._sync.values():
+                    sync.end_step()
+            return self._finish(step)
 
     def evaluate(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
                  targets: torch.Tensor | None = None, *,
@@ -338,11 +346,18 @@ class PipelineRunner:
         ``None``. The model's output is :meth:`output` on the last stage's rank (torch's
         ``schedule.eval``; put dropout and batch norm in eval mode with ``module.eval()``
         yourself, as for any model)."""
-        step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=False)
-        forwards = tuple(a for a in self.schedule.actions[self.index] if a.kind == "F")
-        with torch.no_grad():
-            self._play(step, forwards)
-        return self._finish(step)
+        with self._scope():
+            step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=False)
+            forwards = tuple(a for a in self.schedule.actions[self.index] if a.kind == "F")
+            with torch.no_grad():
+                self._play(step, forwards)
+            return self._finish(step)
+
+    def _scope(self) -> contextlib.AbstractContextManager[None]:
+        """The step, named alike on every rank: a copy that stops in it says so, and the
+        copies waiting for it give up (:mod:`~devmesh.distributed.stops`)."""
+        self._steps += 1
+        return stops.scope(f"pipeline {self._serial}, step {self._steps}")
 
     def output(self) -> torch.Tensor | tuple[torch.Tensor, ...] | None:
         """The last stage's output for the whole batch of the last :meth:`step` or
@@ -376,6 +391,7 @@ class PipelineRunner:
                                     "pass"))
         if self._copies is not None and comm.failures(step.error, self._copies):
             step.halted = True  # the copy's own error is reported at the end of the step
+        step.announced = step.halted  # every copy stopped here: none waits for another
         return step
 
     def _play(self, step: _Step, actions: tuple[Action, ...]) -> None:
@@ -388,9 +404,27 @@ class PipelineRunner:
                 "W": self._weight_grads}
         for position, action in enumerate(actions):
             play[action.kind](step, action)
+            if step.halted and not step.announced:
+                self._announce_stop(step)
             self._links.advance(position)  # its sends, with the next actions' receives
         self._links.wait_sends()
         release_weight_gradient_gathers()  # every W of the step has run
+
+    def _announce_stop(self, step: _Step) -> None:
+        """This rank stopped computing mid-step (its stage's forward or backward raised):
+        its copies may be waiting in, or about to enter, one of the stage's collectives
+        it will not enter now — tell them, so they give up at once instead of at the
+        collective timeout (:mod:`~devmesh.distributed.stops`). A rank that gave up stops
+        here too, and tells its own copies in turn."""
+        step.announced = True
+        if self._copies is None:
+            return
+        me, layout = self.mesh.get_rank(), self.mesh.layout
+        copies = layout.group_of(me, tuple(d for d in range(layout.ndim) if d != self.dim))
+        # the groups it still uses in this step: the messages, and the step's end
+        still_used = [layout.group_of(me, (self.dim,)),
+                      layout.group_of(me, tuple(range(layout.ndim)))]
+        stops.announce(step.error or "", copies, still_used=still_used)
 
     def _finish(self, step: _Step) -> torch.Tensor | None:
         """Raise on every rank if any stage failed; else the step's results."""
@@ -423,6 +457,13 @@ class PipelineRunner:
         if not listing:
             return
         message = f"pipeline step failed — {listing}"
+        broken = stops.learn_broken()
+        if broken:  # a copy gave up on a collective that stays posted: no step can follow
+            raise PipelineError(
+                f"{message}. A stage's copy stopped between the stage's collectives and the "
+                "others gave up waiting for it, so this world's collectives are out of step: "
+                "restart the job (from the last checkpoint); devmesh refuses further "
+                "collectives here") from step.exception
         if step.training:
             message = (message.rstrip(".") + ". The step's gradients are partial: zero them "
                        "before the next step")
@@ -691,6 +732,7 @@ class _Step:
     error: str | None = None  # the first failure on this rank, raised at the end of the step
     exception: BaseException | None = None
     halted: bool = False  # nothing more is computed (messages owed are still sent)
+    announced: bool = False  # this rank's copies were told it stopped (or stopped with it)
 
     def fail(self, exc: BaseException, where: str | None = None, *, halt: bool = True
              ) -> None:
@@ -699,6 +741,11 @@ class _Step:
         its copies' are, as a loss function's, need not)."""
         if self.error is None:
             message = str(exc).removeprefix(rank_prefix())
-            self.error = f"{where}: {type(exc).__name__}: {message}" if where else message
+            if isinstance(exc, CollectiveAbandonedError):  # the rank that stopped says why
+                message = (f"gave up waiting in {exc.collective} for rank {exc.stopped}, "
+                           "which stopped first")
+                self.error = f"{where}: {message}" if where else message
+            else:
+                self.error = f"{where}: {type(exc).__name__}: {message}" if where else message
             self.exception = exc
         self.halted = self.halted or halt

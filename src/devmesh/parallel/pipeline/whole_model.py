@@ -98,26 +98,15 @@ def load_full_state_dict(runner: PipelineRunner, state: Mapping[str, Any], *,
     union = {k for t in comm.gather_texts(json.dumps(sorted(names)), _pp_group(runner))
              for k in json.loads(t)}
     unexpected = sorted(set(state) - union)
-    error: StateDictError | None = None
-    writes: list = []
-    incompatible = _IncompatibleKeys([], unexpected)
-    try:
+    with comm.refused_everywhere(_pp_group(runner), "loading the pipelined model's state "
+                                 "dict", StateDictError, outcome="failed"):
         if strict and unexpected:
             raise StateDictError("Error(s) in loading state_dict for the pipelined model: "
                                  f"Unexpected key(s) in state_dict: {unexpected} (no stage has "
                                  "them). Nothing was loaded")
         writes, mine = prepare_load(module, {k: v for k, v in state.items() if k in names},
                                     strict=strict)
-        incompatible = _IncompatibleKeys(mine.missing_keys, unexpected)
-    except StateDictError as exc:
-        error = exc
-    failed = comm.failures(None if error is None else str(error), _pp_group(runner))
-    if error is not None:
-        raise error
-    if failed:
-        raise StateDictError("loading the pipelined model's state dict failed on another "
-                             "stage — " + "; ".join(f"rank {r}: {t}"
-                                                    for r, t in sorted(failed.items())))
+    incompatible = _IncompatibleKeys(mine.missing_keys, unexpected)
     apply_load(writes)
     return incompatible
 
