@@ -339,3 +339,41 @@ def test_a_runner_is_taken_where_a_model_is(mesh_pool, tmp_path):
         assert refused[0] == "ParallelizeError", refused
         assert refused[1].endswith("save_checkpoint takes the model (an nn.Module, or a "
                                    "pipeline runner), got dict"), refused
+
+
+def describe_where_rank_0_alone_calls_it():
+    """``if rank == 0: print(describe(runner))``, the way torch code prints; then on every
+    rank, twice (each call its own exchange)."""
+    from devmesh.errors import MeshUsageError
+    from devmesh.inspect import describe as describing
+
+    import torch.distributed as dist
+
+    describing.PIPELINE_SECONDS = 3.0  # the test's patience; 60 s by default
+    runner = pipelined("pp2-v")
+    store = dist.distributed_c10d._get_default_store()
+    refused = None
+    if runner.mesh.get_rank() == 0:
+        try:
+            describing.describe(runner)
+        except MeshUsageError as exc:
+            refused = str(exc)
+        store.set("test: rank 0 printed", "1")
+    else:  # a script's rank 1 goes on to its own work meanwhile
+        store.wait(["test: rank 0 printed"])
+    return refused, describing.describe(runner), describing.describe(runner)
+
+
+def test_describe_of_a_pipeline_called_on_one_rank_names_the_others(mesh_pool):
+    """Before, rank 0 waited in the pipeline's all-gather until the process group's timeout
+    (30 minutes by default)."""
+    (refused, first, again), (nothing, *texts) = mesh_pool.run(
+        describe_where_rank_0_alone_calls_it, 2)
+    assert refused == ("[rank 0] describe(runner) shows every stage, and each rank holds only "
+                       "its own: the pipeline's ranks call it together, and ranks 1 did not "
+                       "within 3 s. Call it on every rank and print on one: text = "
+                       "describe(runner); if rank == 0: print(text)"), refused
+    assert nothing is None
+    assert first == again == texts[0] == texts[1]
+    assert [line.split(" (")[0] for line in first.splitlines() if line.startswith("stage ")] \
+        == ["stage 0", "stage 1", "stage 2", "stage 3"], first

@@ -553,6 +553,27 @@ def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, l
     return by_value
 
 
+def texts_through_store(text: str, ranks: Sequence[int], name: str, *, seconds: float
+                        ) -> tuple[dict[int, str], list[int]]:
+    """Every rank of ``ranks``'s ``text`` through the rendezvous store, waiting at most
+    ``seconds`` for them: ``({rank: text}, [])``, or ``({}, ranks that never posted one)``.
+    For an exchange a user may call on one rank by mistake (``if rank == 0:
+    print(describe(runner))``), where a collective would wait for the process group's
+    timeout, 30 minutes by default. ``name`` keys it: the same on every rank, new for each
+    exchange. Text, not pickles: nothing read from the store is unpickled."""
+    import datetime
+
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"devmesh/texts/{name}/"
+    store.set(prefix + str(dist.get_rank()), text)
+    keys = [prefix + str(rank) for rank in ranks]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+    except Exception:  # noqa: BLE001 - the store's timeout (DistStoreError, RuntimeError)
+        return {}, [rank for rank, key in zip(ranks, keys) if not store.check([key])]
+    return {rank: store.get(key).decode(errors="replace") for rank, key in zip(ranks, keys)}, []
+
+
 def _broadcast_text(text: str, src: int, group: dist.ProcessGroup | None) -> str:
     """Global rank ``src``'s ``text`` on every rank of ``group``: its length, then its bytes
     (nothing unpickled)."""

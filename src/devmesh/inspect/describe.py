@@ -11,7 +11,8 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from devmesh.distributed import comm
+from devmesh.distributed import comm, groups
+from devmesh.errors import MeshUsageError
 from devmesh.layout import format_ranks
 from devmesh.parallel.param import layout_of, local_of
 from devmesh.parallel.pipeline.runner import PipelineRunner
@@ -44,8 +45,10 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
     parameter's mesh holds it.
 
     Given a :class:`~devmesh.parallel.pipeline.PipelineRunner`, describes every stage of the
-    pipelined model with the ranks holding it, on every rank: collective over the pipeline
-    dim (one exchange of text), since a rank holds only its own stages."""
+    pipelined model with the ranks holding it: every rank of the pipeline calls it (each
+    holds only its own stages; their tables travel through the rendezvous store), and one
+    called on some ranks alone raises :class:`~devmesh.errors.MeshUsageError` naming the
+    others after :data:`PIPELINE_SECONDS`, where a collective would wait for the timeout."""
     if isinstance(model, PipelineRunner):
         return _describe_pipeline(model)
     rows = [("parameter", "global shape", "layout", "local shape (by rank)", "bytes here")]
@@ -88,10 +91,30 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
     return "\n".join(lines)
 
 
+#: How long ``describe(runner)`` waits for the other ranks of the pipeline to call it too.
+PIPELINE_SECONDS = 60.0
+
+
 def _describe_pipeline(runner: PipelineRunner) -> str:
+    """Every stage's table: each rank of this rank's pipeline posts its stages' tables
+    through the store, and waits :data:`PIPELINE_SECONDS` for the others' — called on one
+    rank alone (to print there), a collective would wait for the timeout."""
     mine = {s: describe(runner.stages[s], ranks=stage_ranks(runner, s)) for s in runner.stages}
-    texts = comm.gather_texts(json.dumps(mine), runner.mesh.get_group(runner.dim))
-    tables = {int(s): t for text in texts for s, t in json.loads(text).items()}
+    pipeline = runner.mesh.layout.group_of(runner.mesh.get_rank(), (runner.dim,))
+    calls = groups.world_cache()
+    key = ("describe(runner)", pipeline)
+    number = calls.get(key, 0)  # the ranks of a pipeline call it in the same order
+    texts, missing = comm.texts_through_store(
+        json.dumps(mine), pipeline, f"describe {format_ranks(pipeline)} #{number}",
+        seconds=PIPELINE_SECONDS)
+    if missing:
+        raise MeshUsageError(
+            f"describe(runner) shows every stage, and each rank holds only its own: the "
+            f"pipeline's ranks call it together, and ranks {format_ranks(missing)} did not "
+            f"within {PIPELINE_SECONDS:g} s. Call it on every rank and print on one: "
+            "text = describe(runner); if rank == 0: print(text)")
+    calls[key] = number + 1  # a call refused on its own rank does not count
+    tables = {int(s): t for text in texts.values() for s, t in json.loads(text).items()}
     return "\n".join(
         f"stage {s} (pipeline index {runner.schedule.rank_of(s)} of {runner.pp}, ranks "
         f"{format_ranks(stage_ranks(runner, s))}):\n{tables[s]}" for s in sorted(tables))
