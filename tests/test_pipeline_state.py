@@ -370,7 +370,7 @@ def test_describe_of_a_pipeline_called_on_one_rank_names_the_others(mesh_pool):
     (refused, first, again), (nothing, *texts) = mesh_pool.run(
         describe_where_rank_0_alone_calls_it, 2)
     assert refused == ("[rank 0] describe(runner) shows every stage, and each rank holds only "
-                       "its own: the pipeline's ranks call it together, and ranks 1 did not "
+                       "its own: the pipeline's ranks call it together, and rank 1 did not "
                        "within 3 s. Call it on every rank and print on one: text = "
                        "describe(runner); if rank == 0: print(text)"), refused
     assert nothing is None

@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "StateDictError",
     "TopologyWarning",
+    "WaitingForRanksWarning",
     "BlockwiseOptimizerWarning",
     "rank_prefix",
     "is_peer_gone",
@@ -195,6 +196,11 @@ class StateDictError(ParallelizeError, RuntimeError):
 
 class TopologyError(DevmeshError, RuntimeError):
     """A bandwidth-heavy mesh dim would cross hosts (with ``strict=True``)."""
+
+
+class WaitingForRanksWarning(UserWarning):
+    """A collective call (``save_checkpoint``, ``state_dict(full=True)``) has waited long for
+    ranks that have not made it: most often it was called inside ``if rank == 0:``."""
 
 
 class TopologyWarning(UserWarning):

@@ -574,6 +574,58 @@ def texts_through_store(text: str, ranks: Sequence[int], name: str, *, seconds: 
     return {rank: store.get(key).decode(errors="replace") for rank, key in zip(ranks, keys)}, []
 
 
+#: How long :func:`warn_if_called_alone` waits before it warns.
+ALONE_SECONDS = 60.0
+
+
+def warn_if_called_alone(what: str, ranks: Sequence[int] | None = None, *,
+                         seconds: float | None = None) -> None:
+    """Before the collectives of ``what`` (a call users make inside ``if rank == 0:``, the
+    way torch code saves and prints): each rank of ``ranks`` (default: the world) posts its
+    arrival in the rendezvous store and waits for the others' up to ``seconds``
+    (:data:`ALONE_SECONDS`); ranks missing then are named in a
+    :class:`~devmesh.errors.WaitingForRanksWarning`, and the call goes on into its
+    collectives, which wait until the timeout names them — a rank only late (evaluating
+    alone first) still joins. Costs one store round trip when every rank comes."""
+    import datetime
+    import warnings
+
+    from devmesh.errors import WaitingForRanksWarning
+    from devmesh.layout import format_ranks
+
+    if not dist.is_initialized():
+        return
+    ranks = tuple(range(dist.get_world_size())) if ranks is None else tuple(ranks)
+    if len(ranks) < 2:
+        return
+    calls = groups.world_cache()
+    number = calls[("arrivals", what, ranks)] = calls.get(("arrivals", what, ranks), 0) + 1
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"devmesh/arrivals/{what}/{format_ranks(list(ranks))}/{number}/"
+    store.set(prefix + str(dist.get_rank()), "")
+    keys = [prefix + str(rank) for rank in ranks]
+    patience = ALONE_SECONDS if seconds is None else seconds
+    try:
+        store.wait(keys, datetime.timedelta(seconds=patience))
+    except Exception:  # noqa: BLE001 - the store's timeout (DistStoreError, RuntimeError)
+        missing = [rank for rank, key in zip(ranks, keys) if not store.check([key])]
+        if missing:
+            warnings.warn(
+                f"{what} is a collective over ranks {format_ranks(list(ranks))}, and "
+                f"{_ranks_have(missing)} not called it in {patience:g} s: if it runs "
+                "inside `if rank == 0:`, call it on every rank and save or print on one. "
+                "Waiting on, until the timeout names them", WaitingForRanksWarning,
+                stacklevel=3)
+
+
+def _ranks_have(ranks: Sequence[int]) -> str:
+    """``rank 1 has`` / ``ranks 1-3 have``."""
+    from devmesh.layout import format_ranks
+
+    return (f"rank {ranks[0]} has" if len(ranks) == 1
+            else f"ranks {format_ranks(list(ranks))} have")
+
+
 def _broadcast_text(text: str, src: int, group: dist.ProcessGroup | None) -> str:
     """Global rank ``src``'s ``text`` on every rank of ``group``: its length, then its bytes
     (nothing unpickled)."""

@@ -110,7 +110,8 @@ def _describe_pipeline(runner: PipelineRunner) -> str:
     if missing:
         raise MeshUsageError(
             f"describe(runner) shows every stage, and each rank holds only its own: the "
-            f"pipeline's ranks call it together, and ranks {format_ranks(missing)} did not "
+            f"pipeline's ranks call it together, and "
+            f"{'rank' if len(missing) == 1 else 'ranks'} {format_ranks(missing)} did not "
             f"within {PIPELINE_SECONDS:g} s. Call it on every rank and print on one: "
             "text = describe(runner); if rank == 0: print(text)")
     calls[key] = number + 1  # a call refused on its own rank does not count

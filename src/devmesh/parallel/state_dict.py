@@ -23,19 +23,21 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
+from devmesh.distributed import comm
 from devmesh.errors import ParallelizeError, StateDictError
 from devmesh.parallel.param import (
     adopt_replaced_parameters,
     as_sharded,
     get_layout,
     is_dtensor,
+    layout_of,
     local_block,
     local_of,
 )
 from devmesh.tensor import ShardedTensor
 
-__all__ = ["state_dict", "load_state_dict", "prepare_load", "apply_load", "local_block",
-           "state_dict_name", "named_parameters", "module_of"]
+__all__ = ["state_dict", "local_state_dict", "load_state_dict", "prepare_load", "apply_load",
+           "local_block", "state_dict_name", "named_parameters", "module_of"]
 
 # module names wrappers insert: torch's checkpoint_wrapper, torch.compile's OptimizedModule
 _WRAPPER_NAMES = frozenset({"_checkpoint_wrapped_module", "_orig_mod"})
@@ -86,6 +88,33 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
     if _pipeline_runner(model):
         return model.state_dict(full=full)
     model = module_of(model, "state_dict")
+    if full:  # inside `if rank == 0:` (torch's way to save), say so
+        comm.warn_if_called_alone("state_dict(full=True)", _gathering_ranks(model))
+    return local_state_dict(model, full=full)
+
+
+def _gathering_ranks(model: nn.Module) -> list[int]:
+    """The ranks ``state_dict(model, full=True)`` gathers over: this rank's group along the
+    mesh dims that split a parameter or hold it as a partial sum (devmesh's layout or a
+    DTensor's). None where nothing is split: a replicated model's full state dict is local,
+    and rank 0 alone may take it (as of torch's DDP)."""
+    ranks: set[int] = set()
+    for _, p in named_parameters(model):
+        layout = layout_of(p)
+        if layout is None:
+            continue
+        spec, mesh = layout.spec, layout.mesh
+        split = tuple(d for d in range(len(spec.mesh_shape))
+                      if spec.shard_dim_of(d) is not None or spec.partial_op(d) is not None)
+        if split:
+            ranks.update(mesh.layout.group_of(mesh.get_rank(), split))
+    return sorted(ranks)
+
+
+def local_state_dict(model: nn.Module, *, full: bool = True
+                     ) -> dict[str, torch.Tensor | ShardedTensor]:
+    """:func:`state_dict` of a module, without the check that every rank called it (a
+    pipeline runner checks once, over its whole mesh)."""
     _adopt_replaced(model)
     out: dict[str, torch.Tensor | ShardedTensor] = {}
     done: dict[int, torch.Tensor | ShardedTensor] = {}  # tied parameters: gathered once

@@ -186,6 +186,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     devmesh before sharded checkpoints existed loads too (with ``weights_only=True``).
     ``model`` may be a pipeline runner: each rank loads its stages' part."""
     wait_for_pending_save()
+    comm.warn_if_called_alone("load_checkpoint")  # inside `if rank == 0:`, say so
     model = module_of(model, "load_checkpoint")  # the same kind of object on every rank
     prepared = extra = None
     saved: list[str] = []

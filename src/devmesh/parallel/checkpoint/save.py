@@ -264,6 +264,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     does."""
     global _pending
     wait_for_pending_save()
+    comm.warn_if_called_alone("save_checkpoint")  # inside `if rank == 0:`, say so
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1

@@ -24,10 +24,10 @@ from devmesh.errors import StateDictError
 from devmesh.parallel.checkpoint.encoding import dtype_name, dtype_of
 from devmesh.parallel.state_dict import (
     apply_load,
+    local_state_dict,
     named_parameters,
     persistent_buffers,
     prepare_load,
-    state_dict,
     state_dict_name,
 )
 
@@ -53,10 +53,12 @@ def full_state_dict(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     """Every stage's full parameters and buffers, under the whole model's names, on every
     rank: each rank gathers its stages' full tensors (over their own meshes), then each
     pipeline index broadcasts its bytes to the others (one broadcast per index)."""
+    # inside `if rank == 0:` (torch's way to save), say so
+    comm.warn_if_called_alone("runner.state_dict(full=True)", runner.mesh.layout.rank_list())
     mine: list[tuple[int, str, torch.Tensor]] = []
     for s in sorted(runner.stages):
-        mine += [(s, k, v) for k, v in state_dict(_unwrapped(runner.stages[s]),
-                                                  full=True).items()]
+        mine += [(s, k, v) for k, v in local_state_dict(_unwrapped(runner.stages[s]),
+                                                        full=True).items()]
     listing = json.dumps([[s, k, dtype_name(v.dtype), list(v.shape)] for s, k, v in mine])
     listings = [json.loads(t) for t in comm.gather_texts(listing, _pp_group(runner))]
     keys = [k for entries in listings for _, k, _, _ in entries]

@@ -1,0 +1,90 @@
+"""Collective calls made inside ``if rank == 0:`` (the way torch code saves) warn, naming
+the ranks that have not called them, instead of waiting silently for the timeout.
+
+``save_checkpoint``, ``load_checkpoint``, ``state_dict(full=True)`` and a pipeline runner's
+``state_dict(full=True)`` are collectives. Each rank posts its arrival in the rendezvous
+store first and waits a while (60 s by default, 1 s here) for the others; ranks missing then
+are named in a ``WaitingForRanksWarning``, and the call goes on: a rank only late (one that
+evaluated alone first) still joins and the call succeeds, as here, where rank 1 comes 3 s
+after rank 0. A call with nothing to gather (a replicated model's full state dict) is
+local, and rank 0 alone takes it at once, as under torch's DDP.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+from torch import nn
+
+from devmesh import init_device_mesh
+from devmesh.distributed import comm
+from devmesh.errors import WaitingForRanksWarning
+from devmesh.parallel import (
+    fully_shard,
+    load_checkpoint,
+    replicate,
+    save_checkpoint,
+    state_dict,
+)
+
+
+def late_rank_1(path: str):
+    """Each collective call made by rank 0 first and by rank 1 3 s later: the warnings each
+    rank got, and what the calls returned."""
+    comm.ALONE_SECONDS = 1.0  # the test's patience
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(model, mesh=mesh)
+    calls = [("state_dict(full=True)", lambda: state_dict(model, full=True)),
+             ("save_checkpoint", lambda: save_checkpoint(path, model, extra={"step": 1})),
+             ("load_checkpoint", lambda: load_checkpoint(path, model))]
+    results, heard = [], []
+    replicated = nn.Linear(4, 2)
+    replicate(replicated, mesh=mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if mesh.get_rank() == 0:  # local: nothing split, as torch DDP's state_dict()
+            results.append(state_dict(replicated, full=True))
+    heard.append([str(w.message) for w in caught])
+    for what, call in calls:
+        if mesh.get_rank() == 1:
+            time.sleep(3)  # evaluating alone, say
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results.append(call())
+        heard.append([str(w.message) for w in caught
+                      if issubclass(w.category, WaitingForRanksWarning)])
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel.pipeline import PipelineRunner, split_sequential
+
+    pipeline = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    stage = split_sequential(nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2)), 2)
+    runner = PipelineRunner({pipeline.get_rank(): stage[pipeline.get_rank()]}, pipeline,
+                            build_schedule("1f1b", 2, 2), None)
+    if pipeline.get_rank() == 1:
+        time.sleep(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        whole = runner.state_dict(full=True)
+    heard.append([str(w.message) for w in caught
+                  if issubclass(w.category, WaitingForRanksWarning)])
+    shapes = [{k: v.shape for k, v in full.items()} for full in (results[-3], whole)]
+    return heard, shapes, results[-1]
+
+
+def test_a_collective_called_on_rank_0_first_warns_naming_the_others(mesh_pool, tmp_path):
+    (heard_0, shapes, extra), (heard_1, *_) = mesh_pool.run(late_rank_1, 2, str(tmp_path / "c"))
+    assert heard_0[0] == []  # a replicated model's full state dict: rank 0 alone, no wait
+    for what, warned in zip(("state_dict(full=True)", "save_checkpoint", "load_checkpoint",
+                             "runner.state_dict(full=True)"), heard_0[1:], strict=True):
+        assert warned == [f"{what} is a collective over ranks 0-1, and rank 1 has not "
+                          "called it in 1 s: if it runs inside `if rank == 0:`, call it on "
+                          "every rank and save or print on one. Waiting on, until the "
+                          "timeout names them"], warned
+    assert heard_1 == [[], [], [], [], []]  # the others were all there when it came
+    assert shapes == [{"0.weight": (8, 4), "0.bias": (8,), "1.weight": (2, 8),
+                       "1.bias": (2,)}] * 2
+    assert extra == {"step": 1}
