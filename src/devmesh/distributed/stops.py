@@ -91,10 +91,10 @@ def announce(reason: str, among: Collection[int], *,
                if set(ranks) <= inside and ranks not in kept]
     record = json.dumps({"rank": dist.get_rank(), "reason": reason, "among": sorted(inside),
                          "still_used": [list(r) for r in still_used], "entered": entered})
-    store = _store()
     prefix = _PREFIX + state.scope + "/"
-    index = store.add(prefix + "count", 1)
-    store.set(prefix + str(index), record)
+    with contextlib.suppress(Exception):  # no store: the others wait for the timeout, as before
+        store = _store()
+        store.set(prefix + str(store.add(prefix + "count", 1)), record)
 
 
 def wait(work, watch: Watch | None, *, polled: bool) -> None:
@@ -124,12 +124,8 @@ def _give_up_if_stopped(watch: Watch) -> None:
     me = dist.get_rank()
     for record in records:
         rank = record["rank"]
-        if rank == me or rank not in watch.ranks or not set(watch.ranks) <= set(
-                record["among"]) or list(watch.ranks) in record["still_used"]:
+        if rank == me or not _never_enters(record, watch):
             continue
-        entered = {tuple(ranks): count for ranks, count in record["entered"]}
-        if entered.get(watch.ranks, 0) >= watch.number:
-            continue  # it entered this one before it stopped: the collective can finish
         collective = f"{watch.collective} over {watch.label()} (collective #{watch.number})"
         why = f"rank {rank} stopped before entering it — {record['reason']}"
         _mark_broken(f"rank {me} gave up on {collective}: {why}")
@@ -137,6 +133,19 @@ def _give_up_if_stopped(watch: Watch) -> None:
             f"{collective} on ranks {list(watch.ranks)} cannot finish: {why}. It stays "
             "posted, so this world's collectives are out of step from here on: restart the "
             "job (from the last checkpoint)", collective=collective, stopped=rank)
+
+
+def _never_enters(record: dict, watch: Watch) -> bool:
+    """Whether the rank that made the announcement ``record`` will never enter the
+    collective ``watch`` numbers: it is of that group, the group is among the ones it
+    stopped using, and it entered fewer of the group's collectives than this one's number
+    (one it entered before it stopped can finish)."""
+    if record["rank"] not in watch.ranks or not set(watch.ranks) <= set(record["among"]):
+        return False
+    if list(watch.ranks) in record["still_used"]:
+        return False
+    entered = {tuple(ranks): count for ranks, count in record["entered"]}
+    return entered.get(watch.ranks, 0) < watch.number
 
 
 def _read(state: _Stops) -> list[dict]:
