@@ -20,6 +20,7 @@ broadcast.
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import hashlib
 import math
@@ -553,6 +554,22 @@ def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, l
     return by_value
 
 
+def _posted(value: str, ranks: Sequence[int], name: str, seconds: float
+            ) -> tuple[dist.Store, list[str], list[int]]:
+    """Post this rank's ``value`` under ``name`` in the rendezvous store, and wait at most
+    ``seconds`` for every rank of ``ranks`` to post theirs: the store, the ranks' keys, and
+    the ranks that had not posted by then (empty when all came)."""
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"devmesh/posted/{name}/"
+    store.set(prefix + str(dist.get_rank()), value)
+    keys = [prefix + str(rank) for rank in ranks]
+    try:
+        store.wait(keys, datetime.timedelta(seconds=seconds))
+    except Exception:  # noqa: BLE001 - the store's timeout (DistStoreError, RuntimeError)
+        return store, keys, [rank for rank, key in zip(ranks, keys) if not store.check([key])]
+    return store, keys, []
+
+
 def texts_through_store(text: str, ranks: Sequence[int], name: str, *, seconds: float
                         ) -> tuple[dict[int, str], list[int]]:
     """Every rank of ``ranks``'s ``text`` through the rendezvous store, waiting at most
@@ -561,16 +578,9 @@ def texts_through_store(text: str, ranks: Sequence[int], name: str, *, seconds: 
     print(describe(runner))``), where a collective would wait for the process group's
     timeout, 30 minutes by default. ``name`` keys it: the same on every rank, new for each
     exchange. Text, not pickles: nothing read from the store is unpickled."""
-    import datetime
-
-    store = dist.distributed_c10d._get_default_store()
-    prefix = f"devmesh/texts/{name}/"
-    store.set(prefix + str(dist.get_rank()), text)
-    keys = [prefix + str(rank) for rank in ranks]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=seconds))
-    except Exception:  # noqa: BLE001 - the store's timeout (DistStoreError, RuntimeError)
-        return {}, [rank for rank, key in zip(ranks, keys) if not store.check([key])]
+    store, keys, missing = _posted(text, ranks, name, seconds)
+    if missing:
+        return {}, missing
     return {rank: store.get(key).decode(errors="replace") for rank, key in zip(ranks, keys)}, []
 
 
@@ -587,7 +597,6 @@ def warn_if_called_alone(what: str, ranks: Sequence[int] | None = None, *,
     :class:`~devmesh.errors.WaitingForRanksWarning`, and the call goes on into its
     collectives, which wait until the timeout names them — a rank only late (evaluating
     alone first) still joins. Costs one store round trip when every rank comes."""
-    import datetime
     import warnings
 
     from devmesh.errors import WaitingForRanksWarning
@@ -600,22 +609,16 @@ def warn_if_called_alone(what: str, ranks: Sequence[int] | None = None, *,
         return
     calls = groups.world_cache()
     number = calls[("arrivals", what, ranks)] = calls.get(("arrivals", what, ranks), 0) + 1
-    store = dist.distributed_c10d._get_default_store()
-    prefix = f"devmesh/arrivals/{what}/{format_ranks(list(ranks))}/{number}/"
-    store.set(prefix + str(dist.get_rank()), "")
-    keys = [prefix + str(rank) for rank in ranks]
     patience = ALONE_SECONDS if seconds is None else seconds
-    try:
-        store.wait(keys, datetime.timedelta(seconds=patience))
-    except Exception:  # noqa: BLE001 - the store's timeout (DistStoreError, RuntimeError)
-        missing = [rank for rank, key in zip(ranks, keys) if not store.check([key])]
-        if missing:
-            warnings.warn(
-                f"{what} is a collective over ranks {format_ranks(list(ranks))}, and "
-                f"{_ranks_have(missing)} not called it in {patience:g} s: if it runs "
-                "inside `if rank == 0:`, call it on every rank and save or print on one. "
-                "Waiting on, until the timeout names them", WaitingForRanksWarning,
-                stacklevel=3)
+    _, _, missing = _posted("", ranks, f"{what} on {format_ranks(list(ranks))} #{number}",
+                            patience)
+    if missing:
+        warnings.warn(
+            f"{what} is a collective over ranks {format_ranks(list(ranks))}, and "
+            f"{_ranks_have(missing)} not called it in {patience:g} s: if it runs "
+            "inside `if rank == 0:`, call it on every rank and save or print on one. "
+            "Waiting on, until the timeout names them", WaitingForRanksWarning,
+            stacklevel=3)
 
 
 def _ranks_have(ranks: Sequence[int]) -> str:
