@@ -88,3 +88,39 @@ def test_a_collective_called_on_rank_0_first_warns_naming_the_others(mesh_pool, 
     assert shapes == [{"0.weight": (8, 4), "0.bias": (8,), "1.weight": (2, 8),
                        "1.bias": (2,)}] * 2
     assert extra == {"step": 1}
+
+
+def mixed_layouts():
+    """A model whose first layer is sharded over ``dp`` and second over ``tp`` (torch's
+    tensor parallelism) on a (2, 2) mesh: each rank gathers over other groups, and all four
+    call ``state_dict(full=True)`` together; then each rank its pipeline stage's. Returns
+    the warnings and the model's state's shapes."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    comm.ALONE_SECONDS = 1.0
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(model[0], mesh=mesh["dp"])
+    parallelize_module(model[1], mesh["tp"], ColwiseParallel())
+    # and a pipeline's stages on (pp, dp): stage 0 sharded over its copies, stage 1 plain
+    stages = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage = nn.Linear(4, 2)
+    if stages.get_coordinate()[0] == 0:
+        fully_shard(stage, mesh=stages["dp"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        full = state_dict(model, full=True)
+        state_dict(stage, full=True)  # every rank its own stage: ranks 0 and 1 gather
+    return [str(w.message) for w in caught], {k: v.shape for k, v in full.items()}
+
+
+def test_ranks_that_gather_over_different_groups_still_arrive_together(mesh_pool):
+    """The ranks a state dict's gathers reach, joined: the whole mesh for the model (a first
+    version had each rank wait for its own groups' ranks — rank 0 for 0, 1 and 2, rank 3
+    for 1, 2 and 3 — under names the others never posted, and warn after the wait), and a
+    stage's copies alone for a stage (the root mesh's ranks would wait for stage 1's,
+    which have nothing to gather)."""
+    for heard, shapes in mesh_pool.run(mixed_layouts, 4):
+        assert heard == []
+        assert shapes == {"0.weight": (8, 4), "0.bias": (8,), "1.weight": (2, 8),
+                          "1.bias": (2,)}

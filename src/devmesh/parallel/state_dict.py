@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
@@ -94,21 +95,49 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
 
 
 def _gathering_ranks(model: nn.Module) -> list[int]:
-    """The ranks ``state_dict(model, full=True)`` gathers over: this rank's group along the
-    mesh dims that split a parameter or hold it as a partial sum (devmesh's layout or a
-    DTensor's). None where nothing is split: a replicated model's full state dict is local,
-    and rank 0 alone may take it (as of torch's DDP)."""
-    ranks: set[int] = set()
+    """The ranks that call ``state_dict(model, full=True)`` together: the ranks holding the
+    model, as its split parameters tell — of each root mesh, those sharing this rank's
+    coordinates off the dims the model's meshes span (the meshes that split a parameter or
+    hold it as a partial sum, devmesh's layout or a DTensor's). Every holder computes the
+    same set: a model split over ``mesh["dp"]`` here and ``mesh["tp"]`` there spans both
+    dims, the whole mesh, though its groups differ from rank to rank; a pipeline stage
+    sharded over ``mesh["dp"]`` of a ``(pp, dp)`` mesh spans its copies alone. Empty where
+    nothing is split: a replicated model's full state dict is local, and rank 0 alone may
+    take it (as of torch's DDP)."""
+    if not dist.is_initialized():
+        return []
+    spans: dict[int, tuple[Any, set[int]]] = {}  # id(root mesh) -> (root, its dims spanned)
     for _, p in named_parameters(model):
         layout = layout_of(p)
         if layout is None:
             continue
-        spec, mesh = layout.spec, layout.mesh
-        split = tuple(d for d in range(len(spec.mesh_shape))
-                      if spec.shard_dim_of(d) is not None or spec.partial_op(d) is not None)
-        if split:
-            ranks.update(mesh.layout.group_of(mesh.get_rank(), split))
+        spec = layout.spec
+        if not any(spec.shard_dim_of(d) is not None or spec.partial_op(d) is not None
+                   for d in range(len(spec.mesh_shape))):
+            continue
+        root, dims = _root_dims(p.device_mesh if isinstance(p, DTensor) else layout.mesh)
+        spans.setdefault(id(root), (root, set()))[1].update(dims)
+    ranks: set[int] = set()
+    for root, dims in spans.values():
+        me = root.get_coordinate()
+        where = tuple(slice(None) if d in dims else me[d] for d in range(root.ndim))
+        ranks.update(root.mesh[where].flatten().tolist())
     return sorted(ranks)
+
+
+def _root_dims(mesh) -> tuple[Any, set[int]]:
+    """``mesh``'s root mesh and the root's dims ``mesh`` spans (all of them where they cannot
+    be told: a torch mesh flattened without names)."""
+    root = getattr(mesh, "_root", None) or mesh._get_root_mesh()  # devmesh's, or torch's
+    every = set(range(root.ndim))
+    if root is mesh:
+        return root, every
+    if hasattr(mesh, "_dim_roots"):  # devmesh's: each dim's root dims
+        return root, {d for roots in mesh._dim_roots for d in roots}
+    names, root_names = mesh.mesh_dim_names or (), root.mesh_dim_names or ()
+    if not names or not set(names) <= set(root_names):
+        return root, every
+    return root, {root_names.index(name) for name in names}
 
 
 def local_state_dict(model: nn.Module, *, full: bool = True
