@@ -3,6 +3,8 @@ flattening, group sharing, partial meshes and interop."""
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 
@@ -372,28 +374,41 @@ def backend_override_like_torch():
     t = torch.tensor([float(dist.get_rank())])
     comm.all_reduce(t, ours, (1,), "sum")
     errors = []
-    for bad in ({"ep": "gloo"}, {"tp": ("gloo", dist.ProcessGroupGloo._Options())},
-                {"tp": "nosuch"}, {"tp": "gloo", 1: "gloo"}):
+    for bad in ({"ep": "gloo"}, {"tp": 3}, {"tp": "nosuch"}, {"tp": "gloo", 1: "gloo"}):
         try:
             init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), backend_override=bad)
         except (MeshDimNameError, MeshShapeError) as exc:
-            errors.append(str(exc))
+            errors.append((str(exc), isinstance(exc, RuntimeError)))
+    options = dist.ProcessGroupGloo._Options()
+    options._timeout = datetime.timedelta(seconds=77)
+    with_options = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"),
+                                    backend_override={"tp": ("gloo", options)})
+    t2 = torch.tensor([float(dist.get_rank())])
+    comm.all_reduce(t2, with_options, (1,), "sum")
     return {"same": same, "backends": (ours.backend_of("dp"), ours.backend_of("tp"),
                                        ours["tp"].backend_of(0)),
             "own_group": ours.get_group("tp") is not default_tp
             and ours["tp"].get_group() is ours.get_group("tp"),
-            "sum": t.item(), "errors": errors}
+            "sum": t.item(), "errors": errors,
+            "options": (with_options.get_group("tp") is not ours.get_group("tp"),
+                        with_options.has_own_group("tp"), not with_options.has_own_group("dp"),
+                        t2.item())}
 
 
 def test_backend_override_as_torch(mesh_pool):
     for rank, r in enumerate(mesh_pool.run(backend_override_like_torch, 4)):
         assert r["same"] and r["backends"] == (None, "gloo", "gloo") and r["own_group"]
         assert r["sum"] == (1.0 if rank < 2 else 5.0)
-        assert len(r["errors"]) == 4, r["errors"]
-        assert "'ep' does not exist" in r["errors"][0]
-        assert "not backend options" in r["errors"][1]
-        assert "not a backend this torch build has" in r["errors"][2]
-        assert "names dim 1 twice" in r["errors"][3]
+        messages = [m for m, _ in r["errors"]]
+        assert len(messages) == 4, messages
+        # torch's phrases (RuntimeError) for keys naming no dim or one dim twice
+        assert "Found invalid keys in backend_override: got ['ep']" in messages[0]
+        assert "give a backend name ('gloo'), its options" in messages[1]
+        assert "not a backend this torch build has" in messages[2]
+        assert "Found redundant dim index 1 and name tp in backend_override" in messages[3]
+        assert [runtime for _, runtime in r["errors"]] == [True, False, False, True]
+        # (name, options): a group of its own, collectives on it
+        assert r["options"] == (True, True, True, 1.0 if rank < 2 else 5.0)
 
 
 def _mesh_under_meta_device():

@@ -17,6 +17,7 @@ __all__ = [
     "MeshShapeError",
     "MeshDimNameError",
     "MeshNamesError",
+    "MeshFlattenNameError",
     "DeviceTypeError",
     "MeshRankError",
     "LaunchEnvironmentError",
@@ -82,6 +83,14 @@ class MeshNamesError(MeshDimNameError, RuntimeError):
 
     A ``RuntimeError`` because torch's ``init_device_mesh`` raises one; still a ``KeyError``
     (through :class:`MeshDimNameError`) because devmesh 0.1 raised that.
+    """
+
+
+class MeshFlattenNameError(MeshDimNameError, ValueError):
+    """``_flatten`` was given a name that already stands for other dimensions.
+
+    A ``ValueError`` because torch's ``_flatten`` raises one; still a ``KeyError`` (through
+    :class:`MeshDimNameError`) because devmesh raised that before.
     """
 
 

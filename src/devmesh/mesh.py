@@ -27,7 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from devmesh.distributed import env, groups
 from devmesh.errors import (
     DeviceTypeError,
+    MeshFlattenNameError,
     MeshDimNameError,
+    MeshNamesError,
     MeshRankError,
     MeshShapeError,
     MeshUsageError,  # noqa: F401 - re-exported
@@ -48,29 +50,69 @@ def _as_rank_array(mesh: Any) -> np.ndarray:
     return np.asarray(mesh)
 
 
-BackendChoice = Union[str, tuple]  # a backend name, or torch's (name, options) pair
+# torch's forms: a backend name, its options (``Backend.Options``), or a (name, options) pair
+BackendChoice = Union[str, object, tuple]
+BackendConfig = tuple  # (name or None, options or None); (None, None): the default group's
 
 
-def _backends(override: Mapping[Dim, BackendChoice] | None, layout: MeshLayout
-              ) -> tuple[str | None, ...]:
-    """torch's ``backend_override`` (keys: dim index or name; values: a backend name, or a
-    ``(name, options)`` pair with options ``None``) as one backend per dim, ``None`` for the
-    default. Backend options are refused: devmesh creates its groups by backend name."""
-    chosen: list[str | None] = [None] * layout.ndim
-    for key, value in (override or {}).items():
-        d = layout.dim(key)  # a name or an index; a clear error otherwise
-        name, options = value if isinstance(value, tuple) else (value, None)
-        if options is not None or not isinstance(name, (str, type(None))):
-            raise MeshShapeError(
-                f"backend_override[{key!r}] = {value!r}: devmesh takes a backend name only "
-                "(e.g. 'gloo'), not backend options")
-        if chosen[d] is not None:
-            raise MeshDimNameError(f"backend_override names dim {d} twice (by index and name)")
-        if name is not None and not dist.is_backend_available(name.lower()):
-            raise MeshShapeError(f"backend_override[{key!r}] = {name!r} is not a backend this "
-                                 "torch build has (e.g. 'gloo', 'nccl')")
-        chosen[d] = None if name is None else name.lower()
+def _backend_config(where: str, value: object) -> BackendConfig:
+    """One ``backend_override`` value as ``(name, options)``, as torch reads it."""
+    from torch._C._distributed_c10d import Backend
+
+    if isinstance(value, Backend.Options):
+        name, options = None, value
+    elif isinstance(value, tuple) and len(value) == 2:
+        name, options = value
+    else:
+        name, options = value, None
+    if not (name is None or isinstance(name, str)) or not (
+            options is None or isinstance(options, Backend.Options)):
+        raise MeshShapeError(
+            f"{where} = {value!r}: give a backend name ('gloo'), its options "
+            "(e.g. ProcessGroupGloo._Options()), or a (name, options) pair")
+    if name is not None and not dist.is_backend_available(name.lower()):
+        raise MeshShapeError(f"{where} = {name!r} is not a backend this torch build has "
+                             "(e.g. 'gloo', 'nccl')")
+    return (None if name is None else name.lower(), options)
+
+
+def _backends(override: Mapping[Dim, BackendChoice] | None, ndim: int,
+              names: Sequence[str] | None) -> tuple[BackendConfig, ...]:
+    """torch's ``backend_override`` as one ``(name, options)`` per dim, ``(None, None)`` for
+    the default. Keys are dim indices or names, read as torch reads them (and refused with
+    torch's phrases: a dim given twice, keys naming no dim)."""
+    remaining = dict(override or {})
+    names = tuple(names or ())
+    chosen: list[BackendConfig] = []
+    for d in range(ndim):
+        name = names[d] if d < len(names) else None
+        if name is not None and name in remaining:
+            if d in remaining:
+                raise MeshNamesError(
+                    f"Found redundant dim index {d} and name {name} in backend_override: "
+                    f"give dim {d}'s backend once")
+            key = name
+        elif d in remaining:
+            key = d
+        else:
+            chosen.append((None, None))
+            continue
+        chosen.append(_backend_config(f"backend_override[{key!r}]", remaining.pop(key)))
+    if remaining:
+        raise MeshNamesError(
+            f"Found invalid keys in backend_override: got {list(remaining)}, expected "
+            f"integers in range [0, {ndim}) or one of {names}")
     return tuple(chosen)
+
+
+def _describe_backends(configs: Sequence[BackendConfig]) -> str:
+    """What ranks must agree on about the backends (options by type: their objects differ
+    between processes)."""
+    if not any(name or options for name, options in configs):
+        return ""
+    shown = [name if options is None else f"{name}+{type(options).__name__}"
+             for name, options in configs]
+    return f", backends={tuple(shown)}"
 
 
 def _payload(device_type: str, layout: MeshLayout) -> str:
@@ -119,22 +161,23 @@ class DeviceMesh(TorchDeviceMesh):
         timeout: float | datetime.timedelta | None = None,
         backend_override: Mapping[Dim, BackendChoice] | None = None,
         _init_backend: bool = True,
+        _rank: int | None = None,
     ) -> None:
         _check_device_type(device_type)
         layout = MeshLayout(ranks=_as_rank_array(mesh), names=mesh_dim_names)
         timeout_td = groups.as_timedelta(timeout)
-        backends = _backends(backend_override, layout)
+        backends = _backends(backend_override, layout.ndim, layout.names)
         if _init_backend:
             env.ensure_default_group(device_type, timeout=timeout_td)
             self._check_world_covers(layout)
             groups.publish_host()
             groups.check_agreement(
                 "DeviceMesh creation",
-                _payload(device_type, layout) + (f", backends={backends}" if any(backends)
-                                                 else ""),
+                _payload(device_type, layout) + _describe_backends(backends),
                 timeout=timeout_td,
             )
-        self._setup(device_type, layout, root=None, dim_roots=None, timeout=timeout_td)
+        self._setup(device_type, layout, root=None, dim_roots=None, timeout=timeout_td,
+                    rank=_rank)
         self._backends = backends
         if _init_backend:
             self._create_groups()
@@ -164,16 +207,24 @@ class DeviceMesh(TorchDeviceMesh):
         root: DeviceMesh | None,
         dim_roots: tuple[tuple[int, ...], ...] | None,
         timeout: datetime.timedelta | None,
+        rank: int | None = None,
     ) -> None:
+        """``rank``: this process's rank, given only by torch's ``_rank=`` (a mesh built
+        without process groups, e.g. to compute coordinates ahead of a launch)."""
         self._device_type = device_type
         self._mesh_layout = layout
         self._root = root if root is not None else self
         self._dim_roots = dim_roots or tuple((d,) for d in range(layout.ndim))
         self._timeout = timeout
-        self._backends: tuple[str | None, ...] = (None,) * layout.ndim  # None: the default
+        # per dim, backend_override's (name, options); (None, None): the default backend
+        self._backends: tuple[BackendConfig, ...] = ((None, None),) * layout.ndim
         self._flattened: dict[str, tuple[int, ...]] = {}
+        self._flattened_backends: dict[str, BackendConfig] = {}
         self._groups: tuple[ProcessGroup | None, ...] = (None,) * layout.ndim
-        self._rank = dist.get_rank() if dist.is_initialized() else 0
+        if rank is not None:
+            self._rank = int(rank)
+        else:
+            self._rank = dist.get_rank() if dist.is_initialized() else 0
         self._world = groups.generation() if dist.is_initialized() else -1
         self._coordinate = layout.coordinate_of(self._rank)
         if root is None:
@@ -237,9 +288,10 @@ class DeviceMesh(TorchDeviceMesh):
         created = []
         for d in range(self._mesh_layout.ndim):
             rows = self._mesh_layout.group_array(d).tolist()
+            name, options = self._backends[d]
             created.append(
                 groups.create_dim_groups(
-                    rows, backend=self._backends[d], timeout=self._timeout,
+                    rows, backend=name, options=options, timeout=self._timeout,
                     desc=f"mesh_{self._mesh_layout.dim_name(d)}"
                 )
             )
@@ -255,20 +307,28 @@ class DeviceMesh(TorchDeviceMesh):
         child = DeviceMesh._build(self._device_type, layout, root=self._root,
                                   dim_roots=dim_roots, timeout=self._timeout)
         root = self._root
-        child._backends = tuple(root._backends[r[0]] if len(r) == 1 else None
-                                for r in dim_roots)  # a flattened dim: the default backend
+        # a dim of the root keeps its backend; a flattened one has its flatten's
+        child._backends = tuple(
+            root._backends[r[0]] if len(r) == 1
+            else root._flattened_backends.get(layout.dim_name(d), (None, None))
+            for d, r in enumerate(dim_roots))
         if child._coordinate is not None:
             child._set_groups([
-                groups.get_group(layout.group_of(child._rank, d), backend=child._backends[d],
-                                 timeout=self._timeout)
-                for d in range(layout.ndim)
+                groups.get_group(layout.group_of(child._rank, d), backend=name,
+                                 options=options, timeout=self._timeout)
+                for d, (name, options) in enumerate(child._backends)
             ])
         return child
 
     def backend_of(self, mesh_dim: Dim) -> str | None:
         """The backend ``backend_override`` gave ``mesh_dim``'s groups (``None``: the default
         group's backend)."""
-        return self._backends[self._mesh_layout.dim(mesh_dim)]
+        return self._backends[self._mesh_layout.dim(mesh_dim)][0]
+
+    def has_own_group(self, mesh_dim: Dim) -> bool:
+        """Whether ``backend_override`` gave ``mesh_dim`` a backend or backend options of its
+        own: its groups are then not the default ones over the same ranks."""
+        return self._backends[self._mesh_layout.dim(mesh_dim)] != (None, None)
 
     # -- torch API: attributes -------------------------------------------------------------
     @property
@@ -382,8 +442,9 @@ class DeviceMesh(TorchDeviceMesh):
         group = self._groups[dim]
         if group is None:
             raise MeshUsageError(
-                f"{self!r} has no process groups in this process: it was unpickled (groups do "
-                "not travel between processes) or created with _init_backend=False"
+                f"process groups not initialized! {self!r} has no process groups in this "
+                "process: it was unpickled (groups do not travel between processes) or "
+                "created with _init_backend=False"
             )
         return group
 
@@ -474,19 +535,55 @@ class DeviceMesh(TorchDeviceMesh):
                 f"cannot slice {names!r} from {self!r}: those names overlap (a flattened "
                 "dimension and one of its parts)"
             )
-        root_layout = self._root._mesh_layout
-        assert self._root._anchor is not None
-        sub = root_layout.slice(flat, coordinate=self._root._anchor)
-        shape = tuple(math.prod(root_layout.shape[d] for d in roots) for roots in per_name)
+        return self._root._view(tuple(per_name), names)
+
+    def _view(self, per_dim: tuple[tuple[int, ...], ...], names: tuple[str, ...]
+              ) -> DeviceMesh:
+        """The sub-mesh of this root through this rank whose dim ``i`` is the root's dims
+        ``per_dim[i]`` (several: flattened, major to minor), named ``names``."""
+        root_layout = self._mesh_layout
+        assert self._anchor is not None
+        sub = root_layout.slice([d for roots in per_dim for d in roots],
+                                coordinate=self._anchor)
+        shape = tuple(math.prod(root_layout.shape[d] for d in roots) for roots in per_dim)
         layout = MeshLayout._trusted(sub.ranks.reshape(shape), names)
-        return self._child(layout, tuple(per_name))
+        return self._child(layout, per_dim)
+
+    @staticmethod
+    def _concatenate(device_mesh_list: Sequence[TorchDeviceMesh]) -> TorchDeviceMesh:
+        """One mesh of the given sub-meshes' dims, in order, as torch's ``_concatenate``
+        (how torch's FSDP over TP joins ``mesh["dp"]`` and ``mesh["tp"]``). Sub-meshes of
+        one devmesh mesh give a devmesh mesh, equal to slicing their names together
+        (``_concatenate([m["pp", "dp"], m["tp"]]) == m``); torch-built meshes go to torch's."""
+        meshes = list(device_mesh_list)
+        if not meshes or not all(isinstance(m, DeviceMesh) for m in meshes):
+            return TorchDeviceMesh._concatenate(meshes)
+        root = meshes[0]._root
+        if any(m._root is not root for m in meshes):
+            raise MeshUsageError(
+                "Cannot concatenate DeviceMeshes derived from different device meshs: "
+                f"{meshes!r} were sliced from different meshes; slice them from one")
+        if any(not m.mesh_dim_names for m in meshes):
+            raise MeshUsageError(f"cannot concatenate {meshes!r}: every mesh needs "
+                                 "mesh_dim_names")
+        per_dim = tuple(roots for m in meshes for roots in m._dim_roots)
+        flat = [d for roots in per_dim for d in roots]
+        if len(set(flat)) != len(flat):
+            raise MeshUsageError(f"Cannot concatenate overlapping meshes: {meshes!r} share "
+                                 "dimensions; give each dimension once")
+        names = tuple(n for m in meshes for n in m.mesh_dim_names)  # type: ignore[union-attr]
+        _check_names(names, len(names))
+        return root._view(per_dim, names)
 
     # -- flatten / unflatten ---------------------------------------------------------------
-    def _flatten(self, mesh_dim_name: str | None = None) -> DeviceMesh:
+    def _flatten(self, mesh_dim_name: str | None = None,
+                 backend_override: BackendChoice | None = None) -> DeviceMesh:
         """Flatten all dims of this mesh into one, reachable later by name from the root.
 
         ``mesh_3d["dp", "cp"]._flatten()`` gives a 1-D mesh named ``"dp_cp"``, and
-        ``mesh_3d["dp_cp"]`` slices it again without creating a group.
+        ``mesh_3d["dp_cp"]`` slices it again without creating a group. ``backend_override``
+        (a backend name, its options, or both as a pair) gives the flattened groups their
+        own backend, as torch's.
         """
         if not self.mesh_dim_names:
             raise MeshUsageError(
@@ -500,22 +597,30 @@ class DeviceMesh(TorchDeviceMesh):
         root = self._root
         existing = root._flattened.get(name)
         root_names = root.mesh_dim_names or ()
-        if (existing is not None and existing != roots) or (
-            name in root_names and (root_names.index(name),) != roots
-        ):
-            raise MeshDimNameError(
-                f"cannot flatten into {name!r}: that name already stands for other dimensions "
-                "of the root mesh; pass another mesh_dim_name"
+        if name in root_names and (root_names.index(name),) != roots:
+            raise MeshFlattenNameError(
+                f"{name} already exists for submesh of the {root!r}: it names a dimension "
+                f"of that mesh; pass another mesh_dim_name to _flatten"
+            )
+        if existing is not None and existing != roots:
+            raise MeshFlattenNameError(
+                f"Flatten mesh with mesh_dim_name {name} has been created before, over other "
+                f"dimensions of {root!r}; Please specify another valid mesh_dim_name"
             )
         if existing is None:
+            config = (_backend_config("_flatten's backend_override", backend_override)
+                      if backend_override is not None else (None, None))
             groups.check_agreement(
                 "DeviceMesh flatten",
-                f"flatten {_payload(self._device_type, root._mesh_layout)} dims {roots} as {name!r}",
+                f"flatten {_payload(self._device_type, root._mesh_layout)} dims {roots} as "
+                f"{name!r}{_describe_backends([config])}",
                 timeout=self._timeout,
             )
             rows = root._mesh_layout.group_array(roots).tolist()
-            groups.create_dim_groups(rows, timeout=self._timeout, desc=f"mesh_{name}")
+            groups.create_dim_groups(rows, backend=config[0], options=config[1],
+                                     timeout=self._timeout, desc=f"mesh_{name}")
             root._flattened[name] = roots
+            root._flattened_backends[name] = config
         layout = MeshLayout._trusted(self._mesh_layout.ranks.reshape(-1), (name,))
         flat = self._child(layout, (roots,))
         root._flatten_mapping.setdefault(name, flat)  # where torch's own code looks it up
@@ -524,12 +629,16 @@ class DeviceMesh(TorchDeviceMesh):
     flatten = _flatten
 
     def _unflatten(
-        self, dim: Dim, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str]
+        self, dim: Dim, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
+        backend_override: Mapping[Dim, BackendChoice] | None = None,
     ) -> DeviceMesh:
         """Split ``dim`` into several named dims, as torchtitan builds its meshes.
 
         The result is a new mesh over the same ranks; groups of the new dims are created (or
-        reused when another view already has them).
+        reused when another view already has them). ``backend_override`` gives new dims
+        their own backend (keys: the new names, or indices among the new dims), as torch's
+        (torchtitan gives a dim of size 1 the ``"fake"`` backend); the other dims keep
+        theirs.
         """
         if isinstance(dim, int) and not isinstance(dim, bool) and not -self.ndim <= dim < self.ndim:
             raise MeshDimNameError(f"dim {dim} specified in unflatten is out of range {self.ndim}")
@@ -542,13 +651,18 @@ class DeviceMesh(TorchDeviceMesh):
         if names is None:
             names = tuple(f"dim{i}" for i in range(self.ndim))
         named = self._mesh_layout.with_names(names)
-        layout = named.unflatten(named.dim(dim), sizes, tuple(mesh_dim_names))
+        split = named.dim(dim)
+        layout = named.unflatten(split, sizes, tuple(mesh_dim_names))
+        new = _backends(backend_override, len(sizes), tuple(mesh_dim_names))
+        backends = self._backends[:split] + new + self._backends[split + 1:]
         groups.check_agreement(
             "DeviceMesh unflatten",
-            f"unflatten {_payload(self._device_type, self._mesh_layout)} into {_payload(self._device_type, layout)}",
+            f"unflatten {_payload(self._device_type, self._mesh_layout)} into "
+            f"{_payload(self._device_type, layout)}{_describe_backends(backends)}",
             timeout=self._timeout,
         )
         result = DeviceMesh._build(self._device_type, layout, timeout=self._timeout)
+        result._backends = backends
         result._create_groups()
         return result
 
@@ -572,7 +686,7 @@ class DeviceMesh(TorchDeviceMesh):
         _check_device_type(device_type)
         if isinstance(group, ProcessGroup):
             ranks = dist.get_process_group_ranks(group)
-            if mesh is not None and _as_rank_array(mesh).reshape(-1).tolist() != ranks:
+            if mesh is not None and _as_rank_array(mesh).tolist() != ranks:
                 raise MeshShapeError(
                     f"Invalid mesh {_as_rank_array(mesh).tolist()} for ProcessGroup with ranks "
                     f"{ranks}: the mesh must list the group's ranks in order; leave mesh out "
@@ -589,12 +703,14 @@ class DeviceMesh(TorchDeviceMesh):
                     "from_group with several groups needs mesh=, the full array of ranks "
                     "whose dimension i is spanned by group i"
                 )
+            array = _as_rank_array(mesh)
+            if array.ndim != len(group_list):
+                raise MeshShapeError(
+                    "Expects mesh with ndim equal to number of ProcessGroups but got mesh "
+                    f"{array.tolist()} and {len(group_list)} ProcessGroups: pass one group "
+                    "per dimension of mesh"
+                )
         layout = MeshLayout(ranks=_as_rank_array(mesh), names=mesh_dim_names)
-        if layout.ndim != len(group_list):
-            raise MeshShapeError(
-                f"from_group got {len(group_list)} groups for a {layout.ndim}-D mesh "
-                f"{layout.rank_list()}; pass one group per dimension"
-            )
         result = DeviceMesh._build(device_type, layout)
         if result._coordinate is not None:
             for d, pg in enumerate(group_list):
@@ -717,8 +833,9 @@ def init_device_mesh(
     ``"cpu"``, NCCL for ``"cuda"`` with one GPU per local rank). A shape whose size is not the
     world size is an error that says how to fix it; to use part of the world on purpose,
     construct ``DeviceMesh(device_type, mesh=ranks)``. ``backend_override`` gives some dims
-    their own backend, as torch's (``{"dp": "gloo"}``; keys are dim names or indices; backend
-    options are not supported).
+    their own backend, as torch's: keys are dim names or indices, values a backend name
+    (``{"dp": "gloo"}``), its options (``ProcessGroupGloo._Options()``), or a
+    ``(name, options)`` pair.
 
     On several hosts, a bandwidth-heavy dim (``heavy_dims``; default the innermost, where TP
     goes) whose groups would span hosts gives a :class:`~devmesh.layout.topology.TopologyWarning`, or
@@ -729,6 +846,7 @@ def init_device_mesh(
     names = _check_names(mesh_dim_names, len(shape))
     timeout_td = groups.as_timedelta(timeout)
     size = math.prod(shape)
+    _backends(backend_override, len(shape), names)  # refused before any connection
     env.check_device(device_type)
     # before any process group: every rank reads the same WORLD_SIZE and raises alike, with
     # no connection made (ranks raising right after connecting tore their sockets down while

@@ -159,7 +159,7 @@ def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
     ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
     # a dim with its own backend (backend_override) uses its group; otherwise, and for
     # several dims at once, the default backend's group over the ranks
-    own = len(dims) == 1 and mesh.backend_of(dims[0]) is not None
+    own = len(dims) == 1 and mesh.has_own_group(dims[0])
     pg = mesh.get_group(dims[0]) if own else groups.get_group(ranks, timeout=mesh.timeout)
     assert pg is not None
     ordered = sorted(ranks)

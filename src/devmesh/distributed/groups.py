@@ -38,7 +38,8 @@ __all__ = [
     "reset",
 ]
 
-GroupKey = tuple[tuple[int, ...], "str | None", "datetime.timedelta | None"]
+# ranks, backend name, timeout, backend options (torch's ``Backend.Options``, by identity)
+GroupKey = tuple[tuple[int, ...], "str | None", "datetime.timedelta | None", object]
 
 DEFAULT_AGREEMENT_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -100,8 +101,9 @@ def as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedel
     return datetime.timedelta(seconds=float(timeout))
 
 
-def _key(ranks: Sequence[int], backend: str | None, timeout: datetime.timedelta | None) -> GroupKey:
-    return (tuple(sorted(int(r) for r in ranks)), backend, timeout)
+def _key(ranks: Sequence[int], backend: str | None, timeout: datetime.timedelta | None,
+         options: object = None) -> GroupKey:
+    return (tuple(sorted(int(r) for r in ranks)), backend, timeout, options)
 
 
 def created_count() -> int:
@@ -127,23 +129,27 @@ def get_group(
     backend: str | None = None,
     timeout: datetime.timedelta | None = None,
     desc: str = "devmesh",
+    options: object = None,
 ) -> ProcessGroup | None:
     """The group over ``ranks`` (created on first use, by the members only); ``None`` if this
-    rank is not a member. Every member must call it, non-members need not."""
+    rank is not a member. Every member must call it, non-members need not. ``options`` are
+    torch's backend options (``backend_override``'s ``(name, options)``): a group made with
+    them is shared only by meshes given the same options object."""
     cache = _current()
-    key = _key(ranks, backend, timeout)
+    key = _key(ranks, backend, timeout, options)
     if dist.get_rank() not in key[0]:
         return None
     group = cache.groups.get(key)
     if group is not None:
         return group
-    if _is_world(key[0]) and backend is None and timeout is None:
+    if _is_world(key[0]) and backend is None and timeout is None and options is None:
         group = dist.group.WORLD
     else:
         group = dist.new_group(
             list(key[0]),
             timeout=timeout,
             backend=backend,
+            pg_options=options,
             use_local_synchronization=True,
             group_desc=desc,
         )
@@ -180,6 +186,7 @@ def create_dim_groups(
     backend: str | None = None,
     timeout: datetime.timedelta | None = None,
     desc: str = "devmesh",
+    options: object = None,
 ) -> ProcessGroup | None:
     """Create (or reuse) the groups of one mesh dimension; return this rank's group.
 
@@ -189,7 +196,7 @@ def create_dim_groups(
     only its own row, with its members.
     """
     cache = _current()
-    keys = [_key(row, backend, timeout) for row in rows]
+    keys = [_key(row, backend, timeout, options) for row in rows]
     me = dist.get_rank()
     mine = next((k for k in keys if me in k[0]), None)
     if mine is None:
@@ -200,6 +207,7 @@ def create_dim_groups(
     if (
         _can_split()
         and backend is None
+        and options is None
         and covered == dist.get_world_size()
         and not any(k in cache.groups for k in keys)
     ):
@@ -210,7 +218,7 @@ def create_dim_groups(
             cache.created += 1
             cache.groups[mine] = group
             return group
-    return get_group(mine[0], backend=backend, timeout=timeout, desc=desc)
+    return get_group(mine[0], backend=backend, timeout=timeout, desc=desc, options=options)
 
 
 def check_agreement(
