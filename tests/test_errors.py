@@ -212,7 +212,7 @@ def one_rank_passing_other_arguments():
     odd = dist_rank() == 1
     calls = {
         "int reshard": lambda m: fully_shard(m, mesh=mesh,
-                                             reshard_after_forward=2 if odd else True),
+                                             reshard_after_forward=3 if odd else True),
         "bad split dim": lambda m: fully_shard(
             m, mesh=mesh, shard_placement_fn=(lambda p: Shard(1)) if odd else None),
         "mixed precision": lambda m: fully_shard(m, mesh=mesh, mp_policy=MixedPrecisionPolicy(
@@ -233,8 +233,8 @@ def one_rank_passing_other_arguments():
 def test_arguments_one_rank_passes_differently_are_refused_on_every_rank(mesh_pool):
     for rank, out in enumerate(mesh_pool.run(one_rank_passing_other_arguments, 2)):
         for case, words in {
-            "int reshard": "reshard_after_forward=2 (reshard to a smaller world after forward) "
-                           "is not supported",
+            "int reshard": "If passing reshard_after_forward as an int, it should be a factor "
+                           "of 2, not 3",
             "bad split dim": "shard_placement_fn gave Shard(dim=1) for 0.bias",
             "DDP option": "replicate does not take device_ids",
         }.items():

@@ -28,7 +28,7 @@ def torch_runs() -> TorchRuns:
         3: [(ddp_arguments, ("torch", True)), (ddp_arguments, ("torch", False)),
             *((batchnorm_buffers, ("torch", args)) for args in _BUFFER_ARGS)],
         4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True)),
-            (hsdp_by_hook_with_an_unused_layer, ("torch",))],
+            (hsdp_by_hook_with_an_unused_layer, ("torch",)), (reshard_to_groups, ("torch",))],
     })
 
 
@@ -148,6 +148,46 @@ def test_reshard_after_forward_none_keeps_only_the_root(mesh_pool):
     assert mesh_pool.run(gathers_per_step, 2, "set False later")[0] == 2
 
 
+def reshard_to_groups(library: str, size: int = 2, hsdp: bool = False):
+    """torch's ``reshard_after_forward=int``: after forward the parameters are held by
+    groups of ``size`` ranks, and backward gathers within a group. Uneven and empty blocks
+    (20, 14 and 5 rows on 4 ranks), three units, 3 SGD steps; ``hsdp``: on 8 ranks, two
+    replicas of that (each replica's batch its data-parallel index's)."""
+    if library == "devmesh":
+        from devmesh.parallel import fully_shard
+    else:
+        from torch.distributed.fsdp import fully_shard
+    mesh = (init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "dp")) if hsdp
+            else init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
+    model = make_model()
+    for unit in (model[0], model[2], model):
+        fully_shard(unit, mesh=mesh, reshard_after_forward=size)
+    with comm_stats() as stats:
+        losses = _train(model, steps=3, batch=dist.get_rank() % 4 if hsdp else None)
+    gathers = {dims: calls for (op, dims), (calls, _) in stats.records.items()
+               if op == "all_gather"}
+    return {"losses": losses, "params": _params(model), "gathers": gathers}
+
+
+def test_reshard_after_forward_to_groups_of_ranks_as_torchs(mesh_pool, torch_runs):
+    theirs = torch_runs(4, reshard_to_groups, "torch")
+    ours = mesh_pool.run(reshard_to_groups, 4, "devmesh")
+    for rank, (a, b) in enumerate(zip(ours, theirs)):
+        _same_training(a, b, f"rank {rank} ")
+        # a step: each unit gathered over dp in forward, again within its pair in backward
+        # (model[0]'s weight needs no re-gather: its input needs no gradient); nothing else
+        assert a["gathers"] == {"dp": 9, "dp_within_2": 6}, a["gathers"]
+    # 1 is "keep" and 4 (the whole dim) "reshard", as torch reads them: the same training
+    for size, gathers in ((1, {"dp": 9}), (4, {"dp": 15})):
+        for a, b in zip(mesh_pool.run(reshard_to_groups, 4, "devmesh", size), ours):
+            _same_training(a, b)
+            assert a["gathers"] == gathers, (size, a["gathers"])
+    # HSDP: groups within each replica's shard dim; each replica trains as the 4 ranks did
+    for rank, a in enumerate(mesh_pool.run(reshard_to_groups, 8, "devmesh", 2, True)):
+        _same_training(a, ours[rank % 4])
+        assert a["gathers"] == {"dp": 9, "dp_within_2": 6}, a["gathers"]
+
+
 def refusals():
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Replicate, Shard
@@ -156,7 +196,7 @@ def refusals():
 
     mesh = init_device_mesh("cpu", (2,))
     return [
-        caught(lambda: fully_shard(make_model(), mesh=mesh, reshard_after_forward=2)),
+        caught(lambda: fully_shard(make_model(), mesh=mesh, reshard_after_forward=3)),
         caught(lambda: fully_shard(make_model(), mesh=mesh,
                                    shard_placement_fn=lambda p: Shard(p.ndim))),
         caught(lambda: fully_shard(make_model(), mesh=mesh, dp_mesh_dims=object())),
@@ -174,7 +214,8 @@ def refusals():
 
 def test_what_devmesh_does_not_do_is_refused_not_ignored(mesh_pool):
     for res in mesh_pool.run(refusals, 2):
-        assert res[0][0] == "ParallelizeError" and "smaller world" in res[0][1]
+        assert res[0][0] == "ParallelizeError" and "If passing reshard_after_forward as an " \
+            "int, it should be a factor of 2, not 3" in res[0][1]
         assert "gave Shard(dim=2) for 0.weight, whose shape (20, 12) has no dim 2" in res[1][1]
         assert "dp_mesh_dims" in res[2][1]
         assert res[3] is None  # a CPU mesh is offloaded already; Shard(0) is the default

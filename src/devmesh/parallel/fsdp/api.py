@@ -50,15 +50,18 @@ def fully_shard(
 
     torch's signature, so FSDP2 code runs unchanged: ``mesh=None`` is the whole world as a
     1-D mesh; ``reshard_after_forward=None`` (the default, as torch's) reshards every unit
-    but the root, whose parameters backward needs first; ``ignored_params`` stay plain,
+    but the root, whose parameters backward needs first; an ``int`` ``n`` (a factor of the
+    shard dim's size, e.g. the GPUs of a host) reshards to groups of ``n`` consecutive ranks
+    after forward, so backward gathers within those groups only (``1`` is ``False``, the
+    shard dim's size ``True``, as torch's); ``ignored_params`` stay plain,
     unsharded tensors whose gradients are not reduced; ``mp_policy`` may be torch's
     ``MixedPrecisionPolicy``; ``shard_placement_fn(param)`` may return ``Shard(d)`` to split
     a parameter along dim ``d`` instead of 0 (uneven blocks as ``torch.chunk``, which torch
     refuses on a dim other than 0). Parameters torch's ``parallelize_module`` made (DTensors
     on a tensor-parallel slice of the same mesh) are sharded inside their blocks, as torch's
     FSDP2 shards them, and the modules get those DTensors back in forward. What devmesh
-    does not do is refused with a clear error rather than silently ignored: resharding to a
-    smaller world (an ``int``), a placement on another mesh from ``shard_placement_fn``,
+    does not do is refused with a clear error rather than silently ignored: a placement on
+    another mesh from ``shard_placement_fn``,
     offloading on a GPU mesh, ``dp_mesh_dims``, and embeddings with ``sparse=True`` (ignore
     them, and ``replicate``)."""
     mesh = mesh if mesh is not None else world_mesh()
@@ -200,11 +203,18 @@ def _refuse_unsupported(module: nn.Module, mesh: DeviceMesh, reshard_after_forwa
                         offload_policy, dp_mesh_dims, ignored_params) -> None:
     """Raise for an argument of torch's that devmesh cannot honour (the same on every rank:
     they are checked before any collective)."""
-    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise ParallelizeError(
-            f"reshard_after_forward={reshard_after_forward} (reshard to a smaller world after "
-            "forward) is not supported by devmesh: use True (reshard), False (keep) or None "
-            "(keep the root only)")
+            "reshard_after_forward should be a bool or an int representing the group size to "
+            f"reshard to, not {reshard_after_forward!r}")
+    if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+        size = mesh.shape[-1]
+        if not 1 <= reshard_after_forward <= size or size % reshard_after_forward:
+            raise ParallelizeError(
+                "If passing reshard_after_forward as an int, it should be a factor of "
+                f"{size}, not {reshard_after_forward}: the shard dim of {mesh!r} has {size} "
+                "ranks, and each group the parameters are resharded to after forward "
+                "holds a whole number of them")
     if offload_policy is not None and type(offload_policy).__name__ != "OffloadPolicy":
         if mesh.device_type != "cpu":
             raise ParallelizeError(

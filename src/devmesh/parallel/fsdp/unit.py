@@ -12,7 +12,10 @@ follow ``torch.chunk``), with its spec attached. Around the unit's forward:
 * after: with ``reshard_after_forward`` the full parameters are dropped; tensors autograd saved
   for backward are replaced by a handle (saved-tensor hooks) and the unit gathers again, once,
   when backward first needs them — from the second step on already started by the unit after
-  it (backward prefetch), for the units whose backward needed them in the previous step;
+  it (backward prefetch), for the units whose backward needed them in the previous step.
+  With ``reshard_after_forward=n`` (an int) a rank keeps ``k / n`` of the all-gather's ``k``
+  rows after forward, so that each group of ``n`` consecutive ranks holds them all, and the
+  backward gathers within that group (inside a host, when ``n`` is its GPU count);
 * backward: the unit's gradients are reduce-scattered (averaged over the shard dim) in one
   collective, in ``mp_policy.reduce_dtype`` (else ``param_dtype``); on a 2-D
   ``(replicate, shard)`` mesh they are then all-reduced (averaged) over the replicate dim:
@@ -25,6 +28,7 @@ spec records dim 0 as split by ``("tp", "dp")``, so ``full_tensor()`` reassemble
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -58,6 +62,7 @@ from devmesh.parallel.param import (
 )
 from devmesh.parallel.saved_activation import SavedActivation
 from devmesh.tensor import ShardedTensor, ShardingSpec
+from devmesh.layout import MeshLayout
 from devmesh.layout.spec import chunk_bounds
 
 SHARDED_BY = "_devmesh_sharded_by"  # on an original parameter: the unit that replaced it
@@ -85,6 +90,10 @@ class FSDPUnit:
         self.k = mesh.shape[self.shard_dim]
         self.index = mesh.get_coordinate()[self.shard_dim]
         self.reshard_after_forward = reshard_after_forward  # None: all but the root unit
+        # reshard_after_forward=n: after forward, groups of n ranks hold the parameters
+        self.post_forward_size: int | None = None
+        self._post_forward_mesh: DeviceMesh | None = None
+        self._post_forward: torch.Tensor | None = None  # this rank's rows, kept for backward
         self.mp = mp_policy or MixedPrecisionPolicy()
         self._ignored = {id(p) for p in ignored_params or ()}
         # the dim each parameter is split along, by id (torch's shard_placement_fn); else 0
@@ -145,6 +154,16 @@ class FSDPUnit:
                    "\n".join(map(describe_tensors, roots)) + f"\nignored: {ignored}\n"
                    f"reshard_after_forward={reshard_after_forward}, {settings}, split along "
                    f"dims {split}")
+        if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
+            # torch's reading: 1 keeps the parameters (with a warning), the whole shard dim
+            # is True; anything between reshards to groups of that many ranks
+            if reshard_after_forward == 1:
+                warnings.warn("reshard_after_forward=1 (int) means resharding parameters to "
+                              "world size 1, instead of reshard_after_forward=True (bool): "
+                              "the parameters stay gathered after forward", stacklevel=3)
+            self.reshard_after_forward = reshard_after_forward > 1
+            if 1 < reshard_after_forward < self.k:
+                self.set_post_forward_size(reshard_after_forward)
         self._collect(roots)
 
     # -- setup -----------------------------------------------------------------------------
@@ -249,6 +268,41 @@ class FSDPUnit:
                 pending.wait()
         self._prefetched = self._regather_pending = None
 
+    def set_post_forward_size(self, size: int | None) -> None:
+        """Reshard to groups of ``size`` consecutive ranks of the shard dim after forward
+        (``None``: to the whole shard dim). Their process group is made now, while every
+        rank of the mesh is here (in ``fully_shard``)."""
+        self._post_forward = None
+        self.post_forward_size = size
+        self._post_forward_mesh = None if size is None else _post_forward_mesh(self.mesh, size)
+        if self._post_forward_mesh is not None:
+            comm.process_group(self._post_forward_mesh, (self._post_forward_mesh.ndim - 1,))
+
+    def _post_forward_rows(self, fulls: list[torch.Tensor]) -> torch.Tensor:
+        """What this rank keeps after forward under ``reshard_after_forward=n``: the
+        all-gather rows of ``k / n`` consecutive shard ranks — the ``q``-th such run for the
+        ``q``-th rank of its group of ``n`` — so the group's ``n`` ranks hold all ``k``."""
+        n = self.post_forward_size
+        assert n is not None
+        per = self.k // n
+        first = (self.index % n) * per
+        dtypes = self._gather_dtypes()
+        rows = []
+        for j in range(first, first + per):
+            shards = [full.detach().narrow(p.dim, *chunk_bounds(p.full_shape[p.dim], self.k, j))
+                      for p, full in zip(self.params, fulls)]
+            rows.append(pack_shards(self.params, shards, dtypes))
+        return torch.stack(rows)
+
+    def _start_regather(self) -> comm.Pending:
+        """Start gathering the unit's parameters for backward: within this rank's group of
+        ``n`` from the rows it kept after forward, else over the whole shard dim."""
+        if self._post_forward is not None:
+            mesh = self._post_forward_mesh
+            assert mesh is not None
+            return comm.all_gather_async(self._post_forward, mesh, (mesh.ndim - 1,))
+        return self.start_gather([p.sharded for p in self.params])
+
     # -- communication ---------------------------------------------------------------------
     def start_gather(self, shards: list[torch.Tensor]) -> comm.Pending:
         """Start the unit's one all-gather (packed, padded shards) asynchronously."""
@@ -256,8 +310,12 @@ class FSDPUnit:
         return comm.all_gather_async(buffer, self.mesh, (self.shard_dim,))
 
     def finish_gather(self, pending: comm.Pending) -> list[torch.Tensor]:
-        """Unpack the gathered buffer into the unit's full parameters."""
-        return unpack_gathered(self.params, pending.wait(), self._gather_dtypes(), self.k)
+        """Unpack the gathered buffer into the unit's full parameters (a gather within a
+        post-forward group arrives as ``n`` runs of ``k / n`` rows: the same ``k`` rows)."""
+        stacked = pending.wait()
+        if stacked.dim() == 3:
+            stacked = stacked.reshape(self.k, -1)
+        return unpack_gathered(self.params, stacked, self._gather_dtypes(), self.k)
 
     def _gather_dtypes(self) -> list[torch.dtype]:
         return gather_dtypes(self.params, self.mp.param_dtype)
@@ -293,7 +351,7 @@ class FSDPUnit:
             return
         if (self.params and self._full is None and self._kept is None
                 and self._regather_pending is None):
-            self._regather_pending = self.start_gather([p.sharded for p in self.params])
+            self._regather_pending = self._start_regather()
 
     def unshard(self) -> None:
         """torch's ``unshard()``: the unit's gathered parameters in its modules' places now
@@ -392,8 +450,10 @@ class FSDPUnit:
         self._release_full()
 
     def _release_full(self) -> None:
-        """Drop the parameters gathered for a backward, and a re-gather started for one."""
+        """Drop the parameters gathered for a backward, a re-gather started for one, and the
+        rows kept after forward for it."""
         self._full = None
+        self._post_forward = None
         self._full_for_weight_grads = False
         if self._regather_pending is not None:  # prefetched but not needed this time
             self._regather_pending.wait()
@@ -432,6 +492,7 @@ class FSDPUnit:
                 pending.wait()
                 setattr(self, attr, None)
         self._full = self._kept = self._accumulated = self._partial = None
+        self._post_forward = None
         self._full_for_weight_grads = False
         self._release_task = -1
         self._recomputed = None
@@ -490,6 +551,8 @@ class FSDPUnit:
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: self._pack(t, storages), self._unpack)
             self._hooks.__enter__()
+            if self.post_forward_size is not None:
+                self._post_forward = self._post_forward_rows(list(fulls))
         self._running = 1
         return cast
 
@@ -571,7 +634,7 @@ class FSDPUnit:
             with torch.no_grad():
                 pending, self._regather_pending = self._regather_pending, None
                 if pending is None:
-                    pending = self.start_gather([p.sharded for p in self.params])
+                    pending = self._start_regather()
                 self._full = self.finish_gather(pending)
             self._regathered_now = True
             if self._order is not None:
@@ -638,6 +701,18 @@ class FSDPUnit:
             self._recomputing.discard(id(module))
             for i, name in named:
                 module._parameters[name] = self.params[i].sharded
+
+
+def _post_forward_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:
+    """``mesh`` with its shard dim (the last) split into groups of ``size`` consecutive
+    ranks, the last dim: a layout for devmesh's collectives (no agreement, no groups of its
+    own beyond the one :meth:`FSDPUnit.set_post_forward_size` makes)."""
+    names = mesh.mesh_dim_names or tuple(f"dim{d}" for d in range(mesh.ndim))
+    shard = names[-1]
+    shape = mesh.shape[:-1] + (mesh.shape[-1] // size, size)
+    layout = MeshLayout(ranks=mesh.layout.ranks.reshape(shape),
+                        names=names[:-1] + (f"{shard}_outer", f"{shard}_within_{size}"))
+    return DeviceMesh._build(mesh.device_type, layout, timeout=mesh.timeout)
 
 
 def users_saved_tensor_hooks() -> bool:
