@@ -204,3 +204,54 @@ def test_devmesh_does_what_torch_does(mesh_pool, world_size, case_name):
             assert set(torch_did[1]) <= set(devmesh_did[1]), (rank, devmesh_did, torch_did)
             assert re.search(phrase, devmesh_did[2]), (rank, devmesh_did[2])
             assert devmesh_did[2].startswith(f"[rank {rank}] "), devmesh_did[2]
+
+
+_FAKE_WORLD = r"""
+import json, sys
+import torch, torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+library, rank = sys.argv[1], int(sys.argv[2])
+if library == "torch":
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+else:
+    from devmesh import init_device_mesh
+    from devmesh.parallel import (ColwiseParallel, RowwiseParallel, fully_shard,
+                                  parallelize_module)
+dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=16)
+mesh = init_device_mesh("cpu", (2, 2, 4), mesh_dim_names=("pp", "dp", "tp"))
+flat = mesh["pp", "dp"]._flatten()
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+fully_shard(model, mesh=mesh["dp"])
+local = {k: list(getattr(p, "_local_tensor", p).shape) for k, p in model.named_parameters()}
+model(torch.randn(4, 8)).sum().backward()
+print(json.dumps({"coordinate": list(mesh.get_coordinate()), "tp": mesh["tp"].mesh.tolist(),
+                  "flat": flat.mesh.tolist(), "local": local,
+                  "grads": all(p.grad is not None for p in model.parameters())}))
+"""
+
+
+@pytest.mark.parametrize("rank", [0, 13])
+def test_a_fake_world_plans_as_torchs(rank):
+    """torchtitan's dry run: one process in torch's ``fake`` world of 16 ranks builds the
+    (pp, dp, tp) mesh and shards the model as rank ``rank`` would, with nothing launched.
+    devmesh's mesh and shards there are torch's (each library in its own process)."""
+    import json
+    import subprocess
+    import sys
+
+    seen = {}
+    for library in ("torch", "devmesh"):
+        done = subprocess.run([sys.executable, "-c", _FAKE_WORLD, library, str(rank)],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen[library] = json.loads(done.stdout.splitlines()[-1])
+    assert seen["devmesh"] == seen["torch"]
+    assert seen["devmesh"]["coordinate"] == [rank // 8, rank // 4 % 2, rank % 4]
+    assert seen["devmesh"]["grads"]
