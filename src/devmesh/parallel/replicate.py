@@ -11,6 +11,12 @@ all accumulated, its all-reduce (averaging over the flattened group of the mesh'
 asynchronously, overlapping the rest of backward. At the end of backward every bucket is
 waited on and copied back into ``param.grad``.
 
+A communication hook (``module.register_comm_hook(state, hook)``, DDP's: torch's
+``fp16_compress_hook``, PowerSGD, one's own) replaces a bucket's averaging: it gets the
+bucket (torch's ``GradBucket`` methods: ``buffer()``, ``gradients()``, ``parameters()``,
+``index()``, ``is_last()``, ``set_buffer()``) holding the local gradients, and returns a
+future of the reduced buffer, which is copied back into ``param.grad``.
+
 Sparse gradients (``nn.Embedding(sparse=True)``, ``nn.EmbeddingBag(sparse=True)``) are
 all-reduced as sparse tensors at the end of backward, one collective each, and stay sparse
 (as in DDP, which gives those parameters buckets of their own): ``torch.optim.SparseAdam``
@@ -25,7 +31,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -50,15 +56,51 @@ from devmesh.parallel.param import (
 )
 from devmesh.tensor import ShardingSpec
 
-__all__ = ["replicate", "DataParallelState", "ReplicateModule"]
+__all__ = ["replicate", "DataParallelState", "ReplicateModule", "GradBucket"]
 
 
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
         self.ready = 0
-        self.pending: comm.Pending | None = None
+        self.pending: comm.Pending | torch.futures.Future | None = None
         self.buffer: torch.Tensor | None = None
+        self.used: torch.Tensor | None = None  # with a comm hook: the "used here" flags
+
+
+class GradBucket:
+    """What a DDP communication hook gets: torch's ``dist.GradBucket`` methods over one
+    bucket's flat buffer of local gradients (torch's class cannot be built from Python)."""
+
+    def __init__(self, index: int, last: bool, buffer: torch.Tensor,
+                 params: list[nn.Parameter]) -> None:
+        self._index, self._last, self._buffer, self._params = index, last, buffer, params
+
+    def index(self) -> int:
+        """The bucket's place among this model's buckets (0: the first reduced)."""
+        return self._index
+
+    def is_last(self) -> bool:
+        """Whether this is the last bucket of the backward (PowerSGD counts steps by it)."""
+        return self._last
+
+    def buffer(self) -> torch.Tensor:
+        """The flat local gradients of the bucket's parameters, in order."""
+        return self._buffer
+
+    def set_buffer(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+
+    def parameters(self) -> list[nn.Parameter]:
+        return list(self._params)
+
+    def gradients(self) -> list[torch.Tensor]:
+        """Each parameter's gradient: views of :meth:`buffer`."""
+        out, offset = [], 0
+        for p in self._params:
+            out.append(self._buffer[offset: offset + p.numel()].view(p.shape))
+            offset += p.numel()
+        return out
 
 
 class DataParallelState:
@@ -108,11 +150,13 @@ class DataParallelState:
                         if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse
                         for p in m.parameters(recurse=False)}
         self._hooked: set[int] = set()  # parameters with our gradient hook (it stays)
+        self.comm_hook: tuple[object, Callable] | None = None  # DDP's register_comm_hook
         self._bucket(tuple(p.requires_grad for p in self._params))
 
     def _bucket(self, trainable: tuple[bool, ...]) -> None:
-        """Buckets of the parameters that require gradients (in reverse registration order,
-        about the order backward produces them), and a hook on each that fills its bucket."""
+        """Buckets of the parameters that require gradients (the last parameters in the first
+        bucket, about the order backward produces them), and a hook on each that fills its
+        bucket."""
         self._trainable = trainable
         buckets: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
@@ -129,7 +173,9 @@ class DataParallelState:
                 current, size = [], 0
         if current:
             buckets.append(current)
-        self.buckets = [_Bucket(params) for params in buckets]
+        # inside a bucket, the parameters in registration order, as DDP's (a communication
+        # hook sees them so: PowerSGD draws its random factors in that order)
+        self.buckets = [_Bucket(params[::-1]) for params in buckets]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._callback_queued = False
         # the hook lives on the tensor (C++), where Python's garbage collector cannot see
@@ -264,6 +310,26 @@ class DataParallelState:
                 "sparse=True are reduced as sparse (as in DDP); make its gradient dense")
         used = torch.tensor([float(p.grad is not None) for p in bucket.params],
                             dtype=grads[0].dtype, device=grads[0].device)
+        if self.comm_hook is not None:  # the hook reduces the gradients; the flags: _finish
+            state, hook = self.comm_hook
+            # a hook may issue collectives from its futures' callbacks (PowerSGD's second
+            # all-reduce), on gloo's thread: the previous bucket's must all be issued before
+            # this bucket's first, or ranks would issue them in different orders
+            for other in self.buckets:
+                if other is not bucket and other.pending is not None:
+                    other.pending.wait()
+            bucket.buffer = torch.cat([g.reshape(-1) for g in grads])
+            bucket.used = used
+            index = self.buckets.index(bucket)
+            bucket.pending = hook(state, GradBucket(index, index == len(self.buckets) - 1,
+                                                    bucket.buffer, bucket.params))
+            if not isinstance(bucket.pending, torch._C.Future):  # torch.futures.Future too
+                raise ParallelizeError(
+                    f"the communication hook {getattr(hook, '__name__', hook)!r} returned "
+                    f"a {type(bucket.pending).__name__}: a hook returns a "
+                    "torch.futures.Future of the bucket's reduced buffer, as DDP's do "
+                    "(dist.all_reduce(..., async_op=True).get_future())")
+            return
         bucket.buffer = torch.cat([g.reshape(-1) for g in grads] + [used])
         bucket.pending = comm.all_reduce_async(bucket.buffer, self.mesh, self.dims, "avg")
 
@@ -279,11 +345,20 @@ class DataParallelState:
         for bucket in self.buckets:
             if bucket.pending is None:  # some parameter got no gradient: reduce anyway
                 self._launch(bucket)
+        if self.comm_hook is not None:  # every hook's collectives issued before ours
+            for bucket in self.buckets:
+                bucket.pending.wait()
         sparse = [self._launch_sparse(p) for p in self.sparse_params]
+        hooked_flags = self._reduce_hooked_flags()
         for bucket in self.buckets:
             assert bucket.pending is not None and bucket.buffer is not None
             flat = bucket.pending.wait()
-            flags = flat[flat.numel() - len(bucket.params):]
+            if hooked_flags is not None:  # a comm hook's future: the reduced buffer
+                flat = flat[0] if isinstance(flat, (list, tuple)) else flat
+                flags = hooked_flags[:len(bucket.params)]
+                hooked_flags = hooked_flags[len(bucket.params):]
+            else:
+                flags = flat[flat.numel() - len(bucket.params):]
             used = (flags.real if flags.is_complex() else flags).tolist()
             offset = 0
             for p, used_somewhere in zip(bucket.params, used):
@@ -297,11 +372,32 @@ class DataParallelState:
                     p.grad = chunk.to(p.dtype, copy=True)  # the bucket may be wider
                 else:
                     p.grad.copy_(chunk)
-            bucket.pending, bucket.buffer, bucket.ready = None, None, 0
+            bucket.pending, bucket.buffer, bucket.used, bucket.ready = None, None, None, 0
         for p, pending in zip(self.sparse_params, sparse):
             grad = pending.wait()
             if p.grad is not None or grad._nnz() > 0:  # none where no rank used it
                 p.grad = grad
+
+    def _reduce_hooked_flags(self) -> torch.Tensor | None:
+        """Under a comm hook, which parameters any rank used: every bucket's flags summed in
+        one all-reduce (the hook reduces the gradients alone, as DDP's reducer all-reduces
+        its "locally used" map apart from the hook)."""
+        if self.comm_hook is None or not self.buckets:
+            return None
+        flags = torch.cat([b.used.real.float() if b.used.is_complex() else b.used.float()
+                           for b in self.buckets if b.used is not None])
+        return comm.all_reduce_async(flags, self.mesh, self.dims, "sum").wait()
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """DDP's ``register_comm_hook``: ``hook(state, bucket)`` reduces each bucket of
+        gradients from now on (see :class:`GradBucket`); once per model, as DDP's."""
+        if self.comm_hook is not None:
+            raise ParallelizeError("register_comm_hook or register_builtin_comm_hook can only "
+                                   "be called once: this model has a communication hook "
+                                   "already")
+        if not callable(hook):
+            raise ParallelizeError(f"Communication hook must be callable, got {hook!r}")
+        self.comm_hook = (state, hook)
 
     def _launch_sparse(self, param: nn.Parameter) -> comm.Pending:
         """Start averaging one sparse gradient (an embedding's: its rows are the sparse
@@ -351,6 +447,14 @@ class ReplicateModule(GradientSyncControl, KeepsLayouts):
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
         self._devmesh_ddp.requires_gradient_sync = bool(requires_gradient_sync)  # type: ignore[attr-defined]
+
+    def register_comm_hook(self, state: object, hook: Callable) -> None:
+        """DDP's communication hook (torch's ``fp16_compress_hook``, PowerSGD's
+        ``powerSGD_hook``, one's own): ``hook(state, bucket)`` returns a future of the
+        bucket's reduced gradients, used instead of devmesh's averaging. torch's hooks
+        reduce over ``state`` (a process group; ``None``: the whole world), so a model
+        replicated over part of the world passes its mesh's group."""
+        self._devmesh_ddp.register_comm_hook(state, hook)  # type: ignore[attr-defined]
 
 
 # DDP options that may be given as None (their default) without changing anything
