@@ -176,3 +176,38 @@ def test_a_hook_of_ones_own_gets_ddps_bucket_and_replaces_the_averaging(mesh_poo
         assert errors[0][0] == "ParallelizeError" and "can only be called once" in errors[0][1]
         assert errors[1][0] == "ParallelizeError" and "returned a Tensor: a hook returns a " \
             "torch.futures.Future" in errors[1][1]
+
+
+def hook_state_on_part_of_the_world():
+    """A model replicated over ``dp`` of a (dp, tp) mesh: torch's hooks given no group would
+    average over all 4 ranks (tp too); devmesh warns, and the dp group gives the right sum."""
+    import warnings
+
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    from devmesh.parallel import replicate
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    heard = []
+    for state in (None, mesh["dp"].get_group()):
+        model = make_model()
+        replicate(model, mesh=mesh["dp"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model.register_comm_hook(state, default_hooks.allreduce_hook)
+        heard.append([str(w.message) for w in caught])
+    x, y = _batch(0, mesh.get_local_rank("dp"))
+    F.cross_entropy(model(x), y).backward()
+    plain = make_model()
+    replicate(plain, mesh=mesh["dp"])
+    F.cross_entropy(plain(x), y).backward()
+    same = all(torch.allclose(a.grad, b.grad) for a, b in zip(model.parameters(),
+                                                                plain.parameters()))
+    return heard, same
+
+
+def test_a_hook_without_a_group_on_part_of_the_world_is_warned_of(mesh_pool):
+    for (heard_none, heard_group), same in mesh_pool.run(hook_state_on_part_of_the_world, 4):
+        assert len(heard_none) == 1 and "the hook's state names no process group" in \
+            heard_none[0] and "mesh.get_group()" in heard_none[0]
+        assert heard_group == [] and same

@@ -34,6 +34,7 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from devmesh.distributed import comm
@@ -397,6 +398,15 @@ class DataParallelState:
                                    "already")
         if not callable(hook):
             raise ParallelizeError(f"Communication hook must be callable, got {hook!r}")
+        group = getattr(state, "process_group", state)  # PowerSGDState holds its group
+        if group is None and self.mesh.size() != dist.get_world_size():
+            import warnings
+
+            warnings.warn(
+                f"register_comm_hook: this model is replicated over {self.mesh!r}, part of "
+                "the world, and the hook's state names no process group: torch's hooks then "
+                "reduce over the whole world. Pass the mesh's group (mesh.get_group() for a "
+                "1-D mesh, mesh._flatten().get_group() for several dims)", stacklevel=3)
         self.comm_hook = (state, hook)
 
     def _launch_sparse(self, param: nn.Parameter) -> comm.Pending:
