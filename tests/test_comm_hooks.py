@@ -211,3 +211,15 @@ def test_a_hook_without_a_group_on_part_of_the_world_is_warned_of(mesh_pool):
         assert len(heard_none) == 1 and "the hook's state names no process group" in \
             heard_none[0] and "mesh.get_group()" in heard_none[0]
         assert heard_group == [] and same
+
+
+def test_every_method_torchs_replicate_adds_to_a_module_is_devmeshs():
+    """torch's DDP-based ``replicate`` makes a module's class a subclass of its ``DDP``
+    mixin; each of that mixin's public methods is on devmesh's replicated modules too."""
+    from torch.distributed._composable.replicate import DDP
+
+    from devmesh.parallel.replicate import ReplicateModule
+
+    theirs = {name for name in vars(DDP) if not name.startswith("_")}
+    assert theirs == {"set_requires_gradient_sync", "register_comm_hook"}  # torch 2.13's
+    assert all(callable(getattr(ReplicateModule, name, None)) for name in theirs)
