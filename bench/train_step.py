@@ -6,6 +6,9 @@ strategy) runs in fresh processes so that peak RSS (``ru_maxrss``) belongs to th
 Prints the slowest rank's median step time, the ratio devmesh / torch, and peak RSS.
 
     .venv/bin/python bench/train_step.py [--steps 5] [--strategies ddp,fsdp,tp,fsdp+tp]
+
+Two more strategies: ``fsdp/4`` (``reshard_after_forward=4``: backward all-gathers within
+groups of 4 ranks) and ``ddp+fp16`` (DDP with torch's ``fp16_compress_hook``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ TP_PLAN_LAYERS = [(3 * i, 3 * i + 2) for i in range(4)]
 def run(library: str, strategy: str, steps: int):
     import torch
     import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    fp16_hook = strategy == "ddp+fp16"  # DDP with torch's fp16 compression hook
+    strategy, _, size = strategy.replace("+fp16", "").partition("/")
+    reshard = int(size) if size else None  # fsdp/4: groups of 4 hold the parameters
 
     warnings.filterwarnings("ignore")
     import logging
@@ -71,10 +79,12 @@ def run(library: str, strategy: str, steps: int):
             parallelize_module(model, ttp, plan)
         if strategy == "ddp":
             model = torch.nn.parallel.DistributedDataParallel(model, process_group=dp.get_group())
+            if fp16_hook:
+                model.register_comm_hook(dp.get_group(), default_hooks.fp16_compress_hook)
         elif strategy in ("fsdp", "fsdp+tp"):
             for i in range(0, 12, 3):
-                fully_shard(model[i], mesh=tdp)
-                fully_shard(model[i + 2], mesh=tdp)
+                fully_shard(model[i], mesh=tdp, reshard_after_forward=reshard)
+                fully_shard(model[i + 2], mesh=tdp, reshard_after_forward=reshard)
             fully_shard(model, mesh=tdp)
     elif library == "devmesh":
         from devmesh.parallel import (
@@ -88,10 +98,12 @@ def run(library: str, strategy: str, steps: int):
             parallelize_module(model, tp, plan)
         if strategy == "ddp":
             replicate(model, mesh=dp)
+            if fp16_hook:
+                model.register_comm_hook(dp.get_group(), default_hooks.fp16_compress_hook)
         elif strategy in ("fsdp", "fsdp+tp"):
             for i in range(0, 12, 3):
-                fully_shard(model[i], mesh=dp)
-                fully_shard(model[i + 2], mesh=dp)
+                fully_shard(model[i], mesh=dp, reshard_after_forward=reshard)
+                fully_shard(model[i + 2], mesh=dp, reshard_after_forward=reshard)
             fully_shard(model, mesh=dp)
     # library == "none": the plain model on every rank, no communication
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
