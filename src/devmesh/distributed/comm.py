@@ -149,18 +149,21 @@ class _Group:
     from_c10d: tuple[int, ...] | None
 
 
-def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
-    """This rank's group over ``dims`` (flattened, major to minor as given), cached."""
+def _group(mesh: DeviceMesh, dims: Sequence[int], purpose: str | None = None) -> _Group:
+    """This rank's group over ``dims`` (flattened, major to minor as given), cached;
+    ``purpose``: a group of its own over those ranks (:func:`groups.get_group`)."""
     cache = groups.world_cache()
-    key = ("comm.group", mesh.layout, mesh.get_rank(), tuple(dims), mesh.timeout)
+    key = ("comm.group", mesh.layout, mesh.get_rank(), tuple(dims), mesh.timeout, purpose)
     found = cache.get(key)
     if found is not None:
         return found
     ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
     # a dim with its own backend (backend_override) uses its group; otherwise, and for
     # several dims at once, the default backend's group over the ranks
-    own = len(dims) == 1 and mesh.has_own_group(dims[0])
-    pg = mesh.get_group(dims[0]) if own else groups.get_group(ranks, timeout=mesh.timeout)
+    own = len(dims) == 1 and mesh.has_own_group(dims[0]) and purpose is None
+    pg = mesh.get_group(dims[0]) if own else groups.get_group(
+        ranks, timeout=mesh.timeout, purpose=purpose,
+        desc=f"devmesh-{purpose}" if purpose else "devmesh")
     assert pg is not None
     ordered = sorted(ranks)
     if list(ranks) == ordered:
@@ -174,10 +177,13 @@ def _group(mesh: DeviceMesh, dims: Sequence[int]) -> _Group:
     return result
 
 
-def process_group(mesh: DeviceMesh, dims: Sequence[int]) -> dist.ProcessGroup:
+def process_group(mesh: DeviceMesh, dims: Sequence[int], purpose: str | None = None
+                  ) -> dist.ProcessGroup:
     """This rank's process group over ``dims`` of ``mesh`` (all of them: the mesh's ranks),
-    for agreements that :func:`failures` and :func:`differing` run on a group."""
-    return _group(mesh, tuple(dims)).group
+    for agreements that :func:`failures` and :func:`differing` run on a group; with
+    ``purpose``, that purpose's own group over the same ranks (made now if new: every rank
+    of the group must ask)."""
+    return _group(mesh, tuple(dims), purpose).group
 
 
 def _watch(collective: str, mesh: DeviceMesh, dims: Sequence[int], g: _Group) -> Watch:
@@ -303,10 +309,12 @@ def all_reduce(
 
 
 def all_reduce_async(
-    tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], op: str = "sum"
+    tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], op: str = "sum",
+    purpose: str | None = None,
 ) -> Pending:
-    """Start an in-place all-reduce; overlap it with other work, then ``wait()``."""
-    g = _group(mesh, dims)
+    """Start an in-place all-reduce; overlap it with other work, then ``wait()``.
+    ``purpose``: on that purpose's own group (see :func:`process_group`)."""
+    g = _group(mesh, dims, purpose)
     if g.size == 1:
         return Pending(None, lambda: tensor)
     watch = _watch("all_reduce", mesh, dims, g)

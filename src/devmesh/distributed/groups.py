@@ -38,8 +38,9 @@ __all__ = [
     "reset",
 ]
 
-# ranks, backend name, timeout, backend options (torch's ``Backend.Options``, by identity)
-GroupKey = tuple[tuple[int, ...], "str | None", "datetime.timedelta | None", object]
+# ranks, backend name, timeout, backend options (torch's ``Backend.Options``, by identity),
+# and a purpose (a group of its own for one job, so its collectives never queue behind others)
+GroupKey = tuple[tuple[int, ...], "str | None", "datetime.timedelta | None", object, "str | None"]
 
 DEFAULT_AGREEMENT_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -102,8 +103,8 @@ def as_timedelta(timeout: float | datetime.timedelta | None) -> datetime.timedel
 
 
 def _key(ranks: Sequence[int], backend: str | None, timeout: datetime.timedelta | None,
-         options: object = None) -> GroupKey:
-    return (tuple(sorted(int(r) for r in ranks)), backend, timeout, options)
+         options: object = None, purpose: str | None = None) -> GroupKey:
+    return (tuple(sorted(int(r) for r in ranks)), backend, timeout, options, purpose)
 
 
 def created_count() -> int:
@@ -130,19 +131,23 @@ def get_group(
     timeout: datetime.timedelta | None = None,
     desc: str = "devmesh",
     options: object = None,
+    purpose: str | None = None,
 ) -> ProcessGroup | None:
     """The group over ``ranks`` (created on first use, by the members only); ``None`` if this
     rank is not a member. Every member must call it, non-members need not. ``options`` are
     torch's backend options (``backend_override``'s ``(name, options)``): a group made with
-    them is shared only by meshes given the same options object."""
+    them is shared only by meshes given the same options object. ``purpose`` names a group
+    of its own over the same ranks, for collectives that must not share a queue with the
+    others (they may run while a user's hook issues collectives on the usual group)."""
     cache = _current()
-    key = _key(ranks, backend, timeout, options)
+    key = _key(ranks, backend, timeout, options, purpose)
     if dist.get_rank() not in key[0]:
         return None
     group = cache.groups.get(key)
     if group is not None:
         return group
-    if _is_world(key[0]) and backend is None and timeout is None and options is None:
+    if (_is_world(key[0]) and backend is None and timeout is None and options is None
+            and purpose is None):
         group = dist.group.WORLD
     else:
         group = dist.new_group(

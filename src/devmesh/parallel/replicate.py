@@ -60,6 +60,9 @@ from devmesh.tensor import ShardingSpec
 __all__ = ["replicate", "DataParallelState", "ReplicateModule", "GradBucket"]
 
 
+_FLAGS = "ddp-used-flags"  # the purpose of the group the flags travel on under a hook
+
+
 class _Bucket:
     def __init__(self, params: list[nn.Parameter]) -> None:
         self.params = params
@@ -346,11 +349,14 @@ class DataParallelState:
         for bucket in self.buckets:
             if bucket.pending is None:  # some parameter got no gradient: reduce anyway
                 self._launch(bucket)
+        # under a comm hook, the "used" flags travel on a group of their own, beside the
+        # hook's collectives (a hook may still be issuing some from its callbacks)
+        flags_pending = self._start_hooked_flags()
         if self.comm_hook is not None:  # every hook's collectives issued before ours
             for bucket in self.buckets:
                 bucket.pending.wait()
         sparse = [self._launch_sparse(p) for p in self.sparse_params]
-        hooked_flags = self._reduce_hooked_flags()
+        hooked_flags = flags_pending.wait() if flags_pending is not None else None
         for bucket in self.buckets:
             assert bucket.pending is not None and bucket.buffer is not None
             flat = bucket.pending.wait()
@@ -379,15 +385,15 @@ class DataParallelState:
             if p.grad is not None or grad._nnz() > 0:  # none where no rank used it
                 p.grad = grad
 
-    def _reduce_hooked_flags(self) -> torch.Tensor | None:
+    def _start_hooked_flags(self) -> comm.Pending | None:
         """Under a comm hook, which parameters any rank used: every bucket's flags summed in
         one all-reduce (the hook reduces the gradients alone, as DDP's reducer all-reduces
-        its "locally used" map apart from the hook)."""
+        its "locally used" map apart from the hook), on a group of its own."""
         if self.comm_hook is None or not self.buckets:
             return None
         flags = torch.cat([b.used.real.float() if b.used.is_complex() else b.used.float()
                            for b in self.buckets if b.used is not None])
-        return comm.all_reduce_async(flags, self.mesh, self.dims, "sum").wait()
+        return comm.all_reduce_async(flags, self.mesh, self.dims, "sum", _FLAGS)
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:
         """DDP's ``register_comm_hook``: ``hook(state, bucket)`` reduces each bucket of
@@ -407,6 +413,7 @@ class DataParallelState:
                 "the world, and the hook's state names no process group: torch's hooks then "
                 "reduce over the whole world. Pass the mesh's group (mesh.get_group() for a "
                 "1-D mesh, mesh._flatten().get_group() for several dims)", stacklevel=3)
+        comm.process_group(self.mesh, self.dims, _FLAGS)  # made now, on every rank together
         self.comm_hook = (state, hook)
 
     def _launch_sparse(self, param: nn.Parameter) -> comm.Pending:
