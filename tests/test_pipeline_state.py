@@ -358,6 +358,10 @@ def describe_where_rank_0_alone_calls_it():
             describing.describe(runner)
         except MeshUsageError as exc:
             refused = str(exc)
+        from devmesh.layout import format_ranks
+
+        # the refused exchange left nothing: the next call (same name) reads fresh texts only
+        assert not store.check([f"devmesh/posted/describe {format_ranks([0, 1])} #0/0"])
         store.set("test: rank 0 printed", "1")
     else:  # a script's rank 1 goes on to its own work meanwhile
         store.wait(["test: rank 0 printed"])

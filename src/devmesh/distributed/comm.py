@@ -585,9 +585,12 @@ def texts_through_store(text: str, ranks: Sequence[int], name: str, *, seconds: 
     For an exchange a user may call on one rank by mistake (``if rank == 0:
     print(describe(runner))``), where a collective would wait for the process group's
     timeout, 30 minutes by default. ``name`` keys it: the same on every rank, new for each
-    exchange. Text, not pickles: nothing read from the store is unpickled."""
+    exchange (a caller that retries a failed exchange may reuse its name: a failed one
+    leaves nothing behind). Text, not pickles: nothing read from the store is unpickled."""
     store, keys, missing = _posted(text, ranks, name, seconds)
-    if missing:
+    if missing:  # the exchange failed: take this rank's text back, so the next exchange
+        # under the same name (a call refused does not count) cannot read it as new
+        store.delete_key(keys[list(ranks).index(dist.get_rank())])
         return {}, missing
     return {rank: store.get(key).decode(errors="replace") for rank, key in zip(ranks, keys)}, []
 
