@@ -188,6 +188,36 @@ def test_reshard_after_forward_to_groups_of_ranks_as_torchs(mesh_pool, torch_run
         assert a["gathers"] == {"dp": 9, "dp_within_2": 6}, a["gathers"]
 
 
+def reshard_to_groups_over_tensor_parallelism(reshard, torch_styles: bool):
+    """FSDP over ``dp`` of a (dp, tp) = (4, 2) mesh, over tensor parallelism (devmesh's
+    styles, or torch's DTensor ones): the blocks a group of ranks holds after forward."""
+    import importlib
+
+    from devmesh.parallel import fully_shard
+
+    styles = importlib.import_module("torch.distributed.tensor.parallel" if torch_styles
+                                     else "devmesh.parallel")
+    mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "tp"))
+    model = make_model()
+    styles.parallelize_module(model, mesh["tp"], {"0": styles.ColwiseParallel(),
+                                                  "2": styles.RowwiseParallel()})
+    for unit in (model[0], model[2], model):
+        fully_shard(unit, mesh=mesh["dp"], reshard_after_forward=reshard)
+    losses = _train(model, steps=3, batch=mesh.get_local_rank("dp"))
+    return {"losses": losses, "params": _params(model)}
+
+
+@pytest.mark.parametrize("torch_styles", [False, True])
+def test_reshard_to_groups_over_tensor_parallelism_trains_as_resharding_all(mesh_pool,
+                                                                             torch_styles):
+    grouped = mesh_pool.run(reshard_to_groups_over_tensor_parallelism, 8, 2, torch_styles)
+    whole = mesh_pool.run(reshard_to_groups_over_tensor_parallelism, 8, True, torch_styles)
+    for a, b in zip(grouped, whole):
+        assert a["losses"] == b["losses"]
+        for key in b["params"]:
+            assert torch.equal(a["params"][key], b["params"][key]), key
+
+
 def refusals():
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Replicate, Shard
