@@ -4,6 +4,7 @@ flattening, group sharing, partial meshes and interop."""
 from __future__ import annotations
 
 import datetime
+import pickle
 
 import torch
 import torch.distributed as dist
@@ -392,7 +393,9 @@ def backend_override_like_torch():
             "sum": t.item(), "errors": errors,
             "options": (with_options.get_group("tp") is not ours.get_group("tp"),
                         with_options.has_own_group("tp"), not with_options.has_own_group("dp"),
-                        t2.item())}
+                        t2.item()),
+            # returned from a launch, a mesh is pickled: torch cannot pickle the options
+            "pickled": repr(pickle.loads(pickle.dumps(with_options))) == repr(with_options)}
 
 
 def test_backend_override_as_torch(mesh_pool):
@@ -409,6 +412,7 @@ def test_backend_override_as_torch(mesh_pool):
         assert [runtime for _, runtime in r["errors"]] == [True, False, False, True]
         # (name, options): a group of its own, collectives on it
         assert r["options"] == (True, True, True, 1.0 if rank < 2 else 5.0)
+        assert r["pickled"]
 
 
 def _mesh_under_meta_device():

@@ -754,6 +754,10 @@ class DeviceMesh(TorchDeviceMesh):
         state["_groups"] = (None,) * self._mesh_layout.ndim
         state["_dim_group_names"] = []
         state.pop("_pg_registry", None)
+        # backend options are process-local objects torch cannot pickle: their type stays
+        state["_backends"] = tuple(_picklable(c) for c in self._backends)
+        state["_flattened_backends"] = {k: _picklable(c)
+                                        for k, c in self._flattened_backends.items()}
         return state
 
     def __setstate__(self, state: dict) -> None:
@@ -785,6 +789,12 @@ class DeviceMesh(TorchDeviceMesh):
     def __repr__(self) -> str:
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh({self._mesh_layout.ranks.tolist()}{names})"
+
+
+def _picklable(config: BackendConfig) -> BackendConfig:
+    """A backend choice with its options named by type (torch cannot pickle them)."""
+    name, options = config
+    return (name, None if options is None else type(options).__name__)
 
 
 def _real_mesh(obj: object) -> object:
