@@ -218,6 +218,58 @@ def test_reshard_to_groups_over_tensor_parallelism_trains_as_resharding_all(mesh
             assert torch.equal(a["params"][key], b["params"][key]), key
 
 
+def pipelined_reshard_to_groups(reshard):
+    """A (pp, dp) = (2, 4) pipeline, 1F1B over 4 micro-batches, each stage's blocks under
+    ``fully_shard`` over ``dp``: two steps' all-gathers by dims, and the trained stages."""
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel import fully_shard, state_dict
+    from devmesh.parallel.pipeline import PipelineRunner, split_sequential
+
+    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("pp", "dp"))
+    me = mesh.get_coordinate()[0]
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(4)],
+                          nn.Linear(16, 4))
+    stage = split_sequential(model, 2)[me]
+    for block in stage:
+        if isinstance(block, nn.Sequential):
+            fully_shard(block, mesh=mesh["dp"], reshard_after_forward=reshard)
+    fully_shard(stage, mesh=mesh["dp"], reshard_after_forward=reshard)
+    runner = PipelineRunner({me: stage}, mesh, build_schedule("1f1b", 2, 4), F.cross_entropy)
+    opt = torch.optim.SGD(stage.parameters(), lr=0.1)
+    half = mesh["dp"].get_local_rank()
+    gathers = []
+    for step in range(2):
+        gen = torch.Generator().manual_seed(step)
+        x, y = torch.randn(64, 16, generator=gen), torch.randint(0, 4, (64,), generator=gen)
+        with comm_stats() as stats:
+            runner.step(x.chunk(4)[half] if me == 0 else None,
+                        y.chunk(4)[half] if me == 1 else None)
+        gathers.append({dims: calls for (op, dims), (calls, _) in stats.records.items()
+                        if op == "all_gather"})
+        opt.step()
+        opt.zero_grad()
+    return gathers, state_dict(stage, full=True), me
+
+
+def test_a_pipelines_micro_batches_gather_within_groups_in_backward(mesh_pool):
+    """Each micro-batch's backward gathers within its group of 2 from the rows the
+    forwards kept (they stay while the micro-batches accumulate without sync), and the
+    stages train bit for bit as resharding to the whole dp dim."""
+    grouped = mesh_pool.run(pipelined_reshard_to_groups, 8, 2)
+    whole = mesh_pool.run(pipelined_reshard_to_groups, 8, True)
+    for (gathers, state, stage), (gathers_whole, state_whole, _) in zip(grouped, whole):
+        for key in state_whole:
+            assert torch.equal(state[key], state_whole[key]), key
+        # stage 0: 2 blocks x 4 micro-batches gathered in forward, block 1 again in each
+        # backward (block 0's input needs no gradient); stage 1: 2 blocks and the head,
+        # each gathered in forward and in backward
+        forward, backward = (8, 4) if stage == 0 else (12, 12)
+        for step, whole_step in zip(gathers, gathers_whole):
+            assert whole_step == {"dp": forward + backward}, whole_step
+            assert step == {"dp": forward, "dp_within_2": backward}, step
+
+
 def refusals():
     from torch.distributed.fsdp import CPUOffloadPolicy
     from torch.distributed.tensor import Replicate, Shard

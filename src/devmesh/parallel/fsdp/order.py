@@ -71,8 +71,8 @@ class ForwardOrder:
         for other in reversed(self.order[: self.order.index(unit)]):
             if other._needed_regather and other.params:
                 if other._full is None and other._regather_pending is None:
-                    other._regather_pending = other.start_gather(
-                        [p.sharded for p in other.params])
+                    # within its group of n when it kept rows (reshard_after_forward=n)
+                    other._regather_pending = other._start_regather()
                 return
 
     def exit(self, unit: FSDPUnit, failed: bool = False) -> None:

@@ -451,9 +451,12 @@ class FSDPUnit:
 
     def _release_full(self) -> None:
         """Drop the parameters gathered for a backward, a re-gather started for one, and the
-        rows kept after forward for it."""
+        rows kept after forward for it — those stay while gradients accumulate without sync
+        (a pipeline's micro-batches: their forwards ran before the first backward, and each
+        backward gathers from them; the parameters change only after a synced step)."""
         self._full = None
-        self._post_forward = None
+        if self.requires_gradient_sync:
+            self._post_forward = None
         self._full_for_weight_grads = False
         if self._regather_pending is not None:  # prefetched but not needed this time
             self._regather_pending.wait()
