@@ -312,8 +312,6 @@ class DataParallelState:
                 f"replicate: a parameter of shape {tuple(sparse[0].shape)} got a sparse "
                 "gradient, but only the weights of nn.Embedding/nn.EmbeddingBag with "
                 "sparse=True are reduced as sparse (as in DDP); make its gradient dense")
-        used = torch.tensor([float(p.grad is not None) for p in bucket.params],
-                            dtype=grads[0].dtype, device=grads[0].device)
         if self.comm_hook is not None:  # the hook reduces the gradients; the flags: _finish
             state, hook = self.comm_hook
             # a hook may issue collectives from its futures' callbacks (PowerSGD's second
@@ -323,7 +321,8 @@ class DataParallelState:
                 if other is not bucket and other.pending is not None:
                     other.pending.wait()
             bucket.buffer = torch.cat([g.reshape(-1) for g in grads])
-            bucket.used = used
+            bucket.used = torch.tensor([float(p.grad is not None) for p in bucket.params],
+                                       device=grads[0].device)
             index = self.buckets.index(bucket)
             bucket.pending = hook(state, GradBucket(index, index == len(self.buckets) - 1,
                                                     bucket.buffer, bucket.params))
@@ -334,6 +333,8 @@ class DataParallelState:
                     "torch.futures.Future of the bucket's reduced buffer, as DDP's do "
                     "(dist.all_reduce(..., async_op=True).get_future())")
             return
+        used = torch.tensor([float(p.grad is not None) for p in bucket.params],
+                            dtype=grads[0].dtype, device=grads[0].device)
         bucket.buffer = torch.cat([g.reshape(-1) for g in grads] + [used])
         bucket.pending = comm.all_reduce_async(bucket.buffer, self.mesh, self.dims, "avg")
 
@@ -391,8 +392,7 @@ class DataParallelState:
         its "locally used" map apart from the hook), on a group of its own."""
         if self.comm_hook is None or not self.buckets:
             return None
-        flags = torch.cat([b.used.real.float() if b.used.is_complex() else b.used.float()
-                           for b in self.buckets if b.used is not None])
+        flags = torch.cat([b.used for b in self.buckets if b.used is not None])
         return comm.all_reduce_async(flags, self.mesh, self.dims, "sum", _FLAGS)
 
     def register_comm_hook(self, state: object, hook: Callable) -> None:

@@ -72,7 +72,7 @@ class ForwardOrder:
             if other._needed_regather and other.params:
                 if other._full is None and other._regather_pending is None:
                     # within its group of n when it kept rows (reshard_after_forward=n)
-                    other._regather_pending = other._start_regather()
+                    other._regather_pending = other.start_regather()
                 return
 
     def exit(self, unit: FSDPUnit, failed: bool = False) -> None:

@@ -294,7 +294,7 @@ class FSDPUnit:
             rows.append(pack_shards(self.params, shards, dtypes))
         return torch.stack(rows)
 
-    def _start_regather(self) -> comm.Pending:
+    def start_regather(self) -> comm.Pending:
         """Start gathering the unit's parameters for backward: within this rank's group of
         ``n`` from the rows it kept after forward, else over the whole shard dim."""
         if self._post_forward is not None:
@@ -351,7 +351,7 @@ class FSDPUnit:
             return
         if (self.params and self._full is None and self._kept is None
                 and self._regather_pending is None):
-            self._regather_pending = self._start_regather()
+            self._regather_pending = self.start_regather()
 
     def unshard(self) -> None:
         """torch's ``unshard()``: the unit's gathered parameters in its modules' places now
@@ -637,7 +637,7 @@ class FSDPUnit:
             with torch.no_grad():
                 pending, self._regather_pending = self._regather_pending, None
                 if pending is None:
-                    pending = self._start_regather()
+                    pending = self.start_regather()
                 self._full = self.finish_gather(pending)
             self._regathered_now = True
             if self._order is not None:
