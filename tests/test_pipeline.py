@@ -552,6 +552,37 @@ def pipeline_errors():
     return out
 
 
+def test_a_model_split_into_more_stages_than_the_schedule_runs_is_refused(mesh_pool):
+    # a 7-layer model split into 4 parts under a 2-stage schedule on (pp, dp) = (2, 2) trained
+    # layers 0-2 only, without a word: now every rank refuses, naming both counts and the fix
+    for errors in mesh_pool.run(truncated_pipelines, 4):
+        assert len(errors) == 3, errors
+        too_many, swapped, too_few = errors
+        assert "split_sequential split the model into 4 stages, the schedule runs 2" in too_many
+        assert "would never run" in too_many and "split_sequential(model, 2)" in too_many
+        assert "was given split_sequential's part" in swapped, swapped
+        assert "split_sequential split the model into 2 stages, the schedule runs 4" in too_few
+
+
+def truncated_pipelines():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    me = mesh.get_coordinate()[0]
+    model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(6)), nn.Linear(8, 4))
+    out = []
+    for parts, schedule, pick in [
+        (split_sequential(model, 4), build_schedule("1f1b", 2, 2), lambda s: s),
+        (split_sequential(model, 2), build_schedule("1f1b", 2, 2), lambda s: 1 - s),
+        (split_sequential(model, 2), build_schedule("interleaved-1f1b", 2, 2, virtual=2),
+         lambda s: s % 2)]:
+        stages = {s: parts[pick(s)] for s in range(schedule.stages) if schedule.rank_of(s) == me}
+        try:
+            PipelineRunner(stages, mesh, schedule, F.cross_entropy)
+            out.append("built")
+        except PipelineError as exc:
+            out.append(str(exc))
+    return out
+
+
 def test_devmesh_plan_prints_and_draws_a_schedule_without_launching(tmp_path):
     png = tmp_path / "1f1b.png"
     proc = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--pp", "4",

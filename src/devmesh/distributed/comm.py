@@ -361,7 +361,7 @@ def all_to_all(
         stops.wait(work, watch, polled=recv.device.type == "cpu")
     _record("all_to_all", mesh, dims, send.numel() * send.element_size())
     outputs: list[torch.Tensor] = [like] * g.size
-    for i, piece in zip(order, torch.split(recv, recv_numels)):
+    for i, piece in zip(order, torch.split(recv, recv_numels), strict=True):
         outputs[i] = piece.view(tuple(recv_shapes[i]))
     return outputs
 
@@ -416,7 +416,7 @@ def agree(mesh: DeviceMesh, dims: Sequence[int], what: str, value: str) -> None:
     texts = all_gather(padded, mesh, dims)
     ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
     by_value: dict[str, list[int]] = defaultdict(list)
-    for rank, text, n in zip(ranks, texts, lengths.tolist()):
+    for rank, text, n in zip(ranks, texts, lengths.tolist(), strict=True):
         by_value[bytes(text[:n].tolist()).decode(errors="replace")].append(rank)
     listing = describe_disagreement(by_value)
     raise MeshMismatchError(f"{what}: the ranks disagree — {listing}")
@@ -479,7 +479,8 @@ def gather_texts(text: str, group: dist.ProcessGroup | None) -> list[str]:
     padded[: data.numel()] = data
     out = [torch.zeros_like(padded) for _ in range(size)]
     dist.all_gather(out, padded, group=group)
-    return [bytes(t[: int(n)].tolist()).decode(errors="replace") for t, n in zip(out, lengths)]
+    return [bytes(t[: int(n)].tolist()).decode(errors="replace") for t, n in zip(out, lengths,
+                                                                                 strict=True)]
 
 
 def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[int, str]:
@@ -502,7 +503,7 @@ def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[
     dist.all_gather(flags, torch.tensor([int(error is not None)], device=device), group=group)
     texts = gather_texts(error or "", group)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
-    return {r: t for r, t, f in zip(ranks, texts, flags) if int(f)}
+    return {r: t for r, t, f in zip(ranks, texts, flags, strict=True) if int(f)}
 
 
 @contextlib.contextmanager
@@ -574,7 +575,8 @@ def _posted(value: str, ranks: Sequence[int], name: str, seconds: float
     try:
         store.wait(keys, datetime.timedelta(seconds=seconds))
     except Exception:  # noqa: BLE001 - the store's timeout (DistStoreError, RuntimeError)
-        return store, keys, [rank for rank, key in zip(ranks, keys) if not store.check([key])]
+        return store, keys, [rank for rank, key in zip(ranks, keys,
+                                                       strict=True) if not store.check([key])]
     return store, keys, []
 
 
@@ -592,7 +594,8 @@ def texts_through_store(text: str, ranks: Sequence[int], name: str, *, seconds: 
         # under the same name (a call refused does not count) cannot read it as new
         store.delete_key(keys[list(ranks).index(dist.get_rank())])
         return {}, missing
-    return {rank: store.get(key).decode(errors="replace") for rank, key in zip(ranks, keys)}, []
+    return {rank: store.get(key).decode(errors="replace") for rank, key in zip(ranks, keys,
+                                                                               strict=True)}, []
 
 
 #: How long :func:`warn_if_called_alone` waits before it warns.
@@ -706,7 +709,7 @@ def batch_p2p(ops: Sequence[tuple[str, torch.Tensor, int]], mesh: DeviceMesh, di
         _record(kind, mesh, (dim,), tensor.numel() * tensor.element_size())
     if len(works) == len(ops):  # one work per message (gloo)
         return [Pending(work, functools.partial(_same, tensor), watch)
-                for work, (_, tensor, _) in zip(works, ops)]
+                for work, (_, tensor, _) in zip(works, ops, strict=True)]
     together = _AllOf(works)  # NCCL: one work for the whole batch
     return [Pending(together, functools.partial(_same, tensor), watch) for _, tensor, _ in ops]
 

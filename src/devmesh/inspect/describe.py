@@ -76,7 +76,7 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
         rows.append((name, str(global_shape), what, local,
                      f"{mine.numel() * mine.element_size():,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows]
     if per_rank:
         by_total: dict[int, list[int]] = defaultdict(list)
         for rank, nbytes in per_rank.items():
@@ -130,7 +130,7 @@ def _describe_png(by_param: dict[str, dict[int, int]], ranks: list[int], path: s
     for name, sizes in by_param.items():
         heights = [sizes.get(r, 0) for r in ranks]
         ax.bar([str(r) for r in ranks], heights, bottom=bottom, label=name)
-        bottom = [b + h for b, h in zip(bottom, heights)]
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.set_xlabel("rank")
     ax.set_ylabel("parameter bytes")
     ax.set_title("parameter bytes held by each rank")

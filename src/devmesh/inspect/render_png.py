@@ -61,7 +61,8 @@ def layout_png(
     ax.set_ylim(rows, 0)
     ax.set_xticks([j + 0.5 for j in range(cols)], [str(j) for j in range(cols)])
     lead = [layout.dim_name(d) for d in range(layout.ndim - 1)]
-    labels = [", ".join(f"{n}={int(c)}" for n, c in zip(lead, np.unravel_index(i, layout.shape[:-1])))
+    labels = [", ".join(f"{n}={int(c)}" for n, c in
+                        zip(lead, np.unravel_index(i, layout.shape[:-1]), strict=True))
               if lead else "" for i in range(rows)]
     ax.set_yticks([i + 0.5 for i in range(rows)], labels)
     ax.set_xlabel(layout.dim_name(-1))

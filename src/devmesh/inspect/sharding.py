@@ -67,7 +67,8 @@ def _text(spec: ShardingSpec, layout: MeshLayout) -> str:
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     lines = [_title(spec)]
-    lines += ["  " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in table]
+    lines += ["  " + " | ".join(cell.ljust(w) for cell, w in zip(row, widths,
+                                                                 strict=True)) for row in table]
     return "\n".join(lines)
 
 

@@ -297,7 +297,7 @@ class MeshLayout:
         """Global rank at ``coordinate``."""
         coordinate = tuple(coordinate)
         if len(coordinate) != self.ndim or any(
-            not 0 <= c < s for c, s in zip(coordinate, self._shape)
+            not 0 <= c < s for c, s in zip(coordinate, self._shape, strict=True)
         ):
             raise MeshRankError(f"coordinate {coordinate} is outside a mesh of shape {self._shape}")
         return int(self._ranks[coordinate])

@@ -145,7 +145,7 @@ def fifo_problem(schedule: Schedule) -> str | None:
             data = [m for m in sent if (m.kind, m.stage) == stream]
             mine = [m for m in used if (m.kind, m.stage) == stream]
             if data != mine:  # the same messages (a Schedule has each action once), reordered
-                at = next(i for i, (x, y) in enumerate(zip(data, mine)) if x != y)
+                at = next(i for i, (x, y) in enumerate(zip(data, mine, strict=True)) if x != y)
                 return (f"rank {receiver} uses rank {sender}'s {stream[0]}s for stage "
                         f"{stream[1]} in another order than rank {sender} sends them "
                         f"({stream[0]} {at}: sent {data[at]}, used {mine[at]}); messages "

@@ -49,7 +49,7 @@ def _block_bounds(mesh_shape: tuple[int, ...], global_shape: tuple[int, ...],
     blocks at every coordinate over and over (traffic counting, candidate plans), through
     specs rebuilt by ``dataclasses.replace``, so the memo is keyed by value, not by object."""
     bounds = []
-    for size, dims in zip(global_shape, dim_map):
+    for size, dims in zip(global_shape, dim_map, strict=True):
         start = 0
         for m in dims:
             offset, size = chunk_bounds(size, mesh_shape[m], coordinate[m])

@@ -91,5 +91,5 @@ def hybrid_layout(
     # ranks[a_0*intra_0 + b_0, ...] = host(a) * per_host + device(b)
     ranks = host_grid.reshape(sum(([s, 1] for s in inter), []))[...] * per_host
     ranks = ranks + device_grid.reshape(sum(([1, s] for s in intra), []))
-    shape = tuple(a * b for a, b in zip(inter, intra))
+    shape = tuple(a * b for a, b in zip(inter, intra, strict=True))
     return MeshLayout(shape, names, ranks.reshape(shape))

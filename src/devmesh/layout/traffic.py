@@ -35,7 +35,7 @@ _EXHAUSTIVE_RANKS = 64
 def sub_bounds(length: int, sizes: Sequence[int], index: Sequence[int]) -> tuple[int, int]:
     """Bounds of the piece at ``index`` when ``length`` is split hierarchically by ``sizes``."""
     start = 0
-    for k, i in zip(sizes, index):
+    for k, i in zip(sizes, index, strict=True):
         offset, length = chunk_bounds(length, k, i)
         start += offset
     return start, length
@@ -44,7 +44,7 @@ def sub_bounds(length: int, sizes: Sequence[int], index: Sequence[int]) -> tuple
 def overlap(a: Box, b: Box) -> Box:
     """The intersection of two boxes of ``(start, size)`` per dim (size 0 where disjoint)."""
     out = []
-    for (s, n), (t, m) in zip(a, b):
+    for (s, n), (t, m) in zip(a, b, strict=True):
         lo, hi = max(s, t), min(s + n, t + m)
         out.append((lo, max(hi - lo, 0)))
     return tuple(out)
@@ -55,7 +55,7 @@ def group_coordinates(coord: Sequence[int], dims: Sequence[int], mesh_shape: Seq
     """The coordinates of ``coord``'s group over ``dims``, in mesh order (``dims`` major)."""
     for index in itertools.product(*[range(mesh_shape[m]) for m in dims]):
         peer = list(coord)
-        for m, i in zip(dims, index):
+        for m, i in zip(dims, index, strict=True):
             peer[m] = i
         yield tuple(peer)
 

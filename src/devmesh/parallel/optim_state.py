@@ -73,7 +73,7 @@ def _param_of_key(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict[An
     ``load_state_dict`` pairs them: the groups' ``params`` entries (indices, or names from
     ``get_optimizer_state_dict``) in order, with the optimizer's parameters in order."""
     keys = [k for group in state_dict.get("param_groups", ()) for k in group["params"]]
-    return dict(zip(keys, _params(optimizer)))
+    return dict(zip(keys, _params(optimizer), strict=True))
 
 
 def _states_as_dtensors(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:

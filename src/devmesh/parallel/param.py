@@ -324,7 +324,7 @@ def combined_mesh(a: DeviceMesh, b: DeviceMesh) -> DeviceMesh:
         raise ParallelizeError("composing parallelisms needs a mesh with mesh_dim_names")
     dims: dict[str, tuple[int, ...]] = {}
     for m in (a, b):  # a flattened dim ("dp_shard_cp", torchtitan's) stays one dim
-        for name, roots in zip(m.mesh_dim_names or (), m._dim_roots):
+        for name, roots in zip(m.mesh_dim_names or (), m._dim_roots, strict=True):
             dims[name] = roots
     covered = [d for roots in dims.values() for d in roots]
     if len(covered) != len(set(covered)):

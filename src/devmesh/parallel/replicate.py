@@ -165,9 +165,9 @@ class DataParallelState:
         buckets: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
         size = 0
-        self.sparse_params = [p for p, t in zip(self._params, trainable)
+        self.sparse_params = [p for p, t in zip(self._params, trainable, strict=True)
                               if t and id(p) in self._sparse]
-        for p, t in zip(reversed(self._params), reversed(trainable)):
+        for p, t in zip(reversed(self._params), reversed(trainable), strict=True):
             if not t or id(p) in self._sparse:
                 continue
             current.append(p)
@@ -209,7 +209,7 @@ class DataParallelState:
             return
         comm.agree(self.mesh, self.dims, "replicate: every replica must train the same "
                    "parameters (requires_grad was changed differently on some ranks)",
-                   " ".join(n for n, t in zip(self._names, trainable) if t))
+                   " ".join(n for n, t in zip(self._names, trainable, strict=True) if t))
         self._bucket(trainable)
 
     def __deepcopy__(self, memo: dict) -> DataParallelState:
@@ -221,7 +221,8 @@ class DataParallelState:
         memo[id(self)] = new
         new._ignored = [copy.deepcopy(t, memo) for t in self._ignored]
         new._params = [copy.deepcopy(p, memo) for p in self._params]
-        new._sparse = {id(c) for p, c in zip(self._params, new._params) if id(p) in self._sparse}
+        new._sparse = {id(c) for p, c in zip(self._params, new._params,
+                                             strict=True) if id(p) in self._sparse}
         new._first_broadcast = [copy.deepcopy(t, memo) for t in self._first_broadcast]
         new._hooked = set()
         new._bucket(self._trainable)
@@ -306,7 +307,7 @@ class DataParallelState:
         # computed a gradient for keeps none (as in DDP and single-process training), so
         # optimizers skip it rather than moving it with a zero gradient
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket.params]
-        sparse = [p for p, g in zip(bucket.params, grads) if g.is_sparse]
+        sparse = [p for p, g in zip(bucket.params, grads, strict=True) if g.is_sparse]
         if sparse:  # the same parameters on every rank: all raise, none waits
             raise ParallelizeError(
                 f"replicate: a parameter of shape {tuple(sparse[0].shape)} got a sparse "
@@ -369,7 +370,7 @@ class DataParallelState:
                 flags = flat[flat.numel() - len(bucket.params):]
             used = (flags.real if flags.is_complex() else flags).tolist()
             offset = 0
-            for p, used_somewhere in zip(bucket.params, used):
+            for p, used_somewhere in zip(bucket.params, used, strict=True):
                 chunk = flat[offset: offset + p.numel()].view_as(p)
                 offset += p.numel()
                 if chunk.is_complex() and not p.dtype.is_complex:
@@ -381,7 +382,7 @@ class DataParallelState:
                 else:
                     p.grad.copy_(chunk)
             bucket.pending, bucket.buffer, bucket.used, bucket.ready = None, None, None, 0
-        for p, pending in zip(self.sparse_params, sparse):
+        for p, pending in zip(self.sparse_params, sparse, strict=True):
             grad = pending.wait()
             if p.grad is not None or grad._nnz() > 0:  # none where no rank used it
                 p.grad = grad

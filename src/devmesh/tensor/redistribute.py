@@ -36,7 +36,7 @@ def _pad_to(t: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
     if tuple(t.shape) == tuple(shape):
         return t
     pad: list[int] = []
-    for have, want in reversed(list(zip(t.shape, shape))):
+    for have, want in reversed(list(zip(t.shape, shape, strict=True))):
         pad += [0, want - have]
     return comm.count_copy(F.pad(t, pad))
 
@@ -58,7 +58,7 @@ def _reduce_scatter(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) ->
         # one copy: each piece into its slot of a zeroed buffer (padding stays zero)
         stacked = local.new_zeros((k, *block)) if any(
             p.shape[d] != block[d] for p in pieces) else local.new_empty((k, *block))
-        for slot, piece in zip(stacked, pieces):
+        for slot, piece in zip(stacked, pieces, strict=True):
             slot.narrow(d, 0, piece.shape[d]).copy_(piece)
         comm.count_copy(stacked)
     out = comm.reduce_scatter(stacked, mesh, dims, step.op or "sum")
@@ -84,7 +84,7 @@ def _all_gather(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> tor
     peers = []
     for i, index in enumerate(itertools.product(*[range(k) for k in sizes])):
         peer = list(coord)
-        for m, c in zip(dims, index):
+        for m, c in zip(dims, index, strict=True):
             peer[m] = c
         peers.append((i, before.local_bounds(peer)))
     region = after.local_bounds(coord)
@@ -127,7 +127,7 @@ def _all_to_all(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> tor
 
 def _box_slice(t: torch.Tensor, box, origin) -> torch.Tensor:
     """The part of ``t`` (a block starting at global ``origin``) inside global ``box``."""
-    for d, ((start, size), (offset, _)) in enumerate(zip(box, origin)):
+    for d, ((start, size), (offset, _)) in enumerate(zip(box, origin, strict=True)):
         t = t.narrow(d, min(max(start - offset, 0), t.shape[d]) if size == 0 else start - offset,
                      size)  # an empty overlap may start anywhere
     return t
@@ -147,7 +147,7 @@ def _permute(local: torch.Tensor, mesh: DeviceMesh, coord, step: Step) -> torch.
         recv_shapes.append([size for _, size in box])
     parts = comm.all_to_all(chunks, mesh, dims, recv_shapes)
     out = local.new_empty([size for _, size in mine_after])
-    for box, part in zip(receiving, parts):
+    for box, part in zip(receiving, parts, strict=True):
         _box_slice(out, box, mine_after).copy_(part)
     return comm.count_copy(out)
 

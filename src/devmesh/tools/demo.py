@@ -139,10 +139,10 @@ def run_pipeline_demo(plain: bool = False, epochs: int = 1, mesh_text: str | Non
                  "every rank)")
     console.out(results[0].describe, highlight=False)
     result = results[0]
-    gap = max(abs(a - b) for a, b in zip(result.losses, result.reference_losses))
+    gap = max(abs(a - b) for a, b in zip(result.losses, result.reference_losses, strict=True))
     matches = gap <= 1e-5 and (result.max_param_diff or 0.0) <= 1e-5
     for epoch, (accuracy, expected) in enumerate(zip(result.accuracies,
-                                                     result.reference_accuracies)):
+                                                     result.reference_accuracies, strict=True)):
         console.out(f"epoch {epoch + 1}: test accuracy {100 * accuracy:.1f}% (a forward-only "
                     f"pass through the pipeline, runner.evaluate; single process "
                     f"{100 * expected:.1f}%)", highlight=False)
@@ -180,7 +180,7 @@ def run_training_demo(plain: bool = False, epochs: int = 5, plot: str = "digits_
     console.rule("results")
     for epoch, accuracy in enumerate(result.accuracies):
         console.out(f"epoch {epoch + 1}: test accuracy {100 * accuracy:.1f}%", highlight=False)
-    gap = max(abs(a - b) for a, b in zip(result.losses, result.reference_losses))
+    gap = max(abs(a - b) for a, b in zip(result.losses, result.reference_losses, strict=True))
     if plot:
         plot_losses(result, plot)
         console.out(f"loss curve written to {plot}", highlight=False)

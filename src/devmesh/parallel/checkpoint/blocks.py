@@ -80,7 +80,8 @@ def distinct_blocks(layout: TensorLayout, world_size: int) -> list[Block]:
     by_bounds: dict[tuple[tuple[int, int], ...], list[int]] = {}
     root_shape = layout.root_shape or layout.spec.mesh_shape
     dim_roots = layout.dim_roots or tuple((d,) for d in range(len(root_shape)))
-    for rank, root_coord in zip(layout.ranks, itertools.product(*map(range, root_shape))):
+    for rank, root_coord in zip(layout.ranks, itertools.product(*map(range, root_shape)),
+                                strict=True):
         coord = []
         for roots in dim_roots:  # the mesh coordinate: each dim's root coordinates, flattened
             index = 0
@@ -111,7 +112,7 @@ def overlap(a_start: Sequence[int], a_size: Sequence[int], b_start: Sequence[int
             b_size: Sequence[int]) -> tuple[tuple[int, int], ...] | None:
     """``(start, stop)`` per dim of the intersection of two boxes, or ``None`` if empty."""
     box = []
-    for s0, n0, s1, n1 in zip(a_start, a_size, b_start, b_size):
+    for s0, n0, s1, n1 in zip(a_start, a_size, b_start, b_size, strict=True):
         lo, hi = max(s0, s1), min(s0 + n0, s1 + n1)
         if hi <= lo:
             return None

@@ -89,7 +89,7 @@ def _tensor_meta(key: str, raw: Any, files: dict[str, int]) -> TensorMeta:
         block = BlockMeta(b["file"], _ints([b.get("offset")], where)[0],
                           _ints(b.get("start"), f"{where}.start", len(shape)),
                           _ints(b.get("size"), f"{where}.size", len(shape)))
-        if any(s + n > d for s, n, d in zip(block.start, block.size, shape)):
+        if any(s + n > d for s, n, d in zip(block.start, block.size, shape, strict=True)):
             raise Malformed(f"{where} lies outside the tensor's shape {shape}")
         nbytes = math.prod(block.size) * dtype.itemsize
         if block.offset + nbytes > files[block.file]:
@@ -192,7 +192,7 @@ class CheckpointReader:
         self._check_tiled(key, start, size, [box for _, box in pieces])
         out = torch.empty(size, dtype=meta.dtype)
         for block, box in pieces:
-            out[tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(box, start))] = \
+            out[tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(box, start, strict=True))] = \
                 self._read_block_box(meta, block, box)
         return out
 
@@ -207,7 +207,8 @@ class CheckpointReader:
         if once and len(boxes) > 1 and all(size):
             hits = torch.zeros(size, dtype=torch.uint8)
             for box in boxes:
-                hits[tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(box, start))] += 1
+                hits[tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(box, start,
+                                                                        strict=True))] += 1
             once = bool(hits.eq(1).all())
         if not once:
             raise CheckpointError(
@@ -224,7 +225,7 @@ class CheckpointReader:
         raw = self._bytes(block.file, block.offset + first * row, (last - first) * row)
         rows = raw.view(meta.dtype).reshape((last - first, *block.size[1:]))
         return rows[(slice(None), *(slice(lo - s, hi - s) for (lo, hi), s in
-                                    zip(box[1:], block.start[1:])))]
+                                    zip(box[1:], block.start[1:], strict=True)))]
 
     def _bytes(self, name: str, offset: int, nbytes: int) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8)

@@ -106,7 +106,7 @@ def _optimizer_state(reader: CheckpointReader, model: nn.Module,
     stored = [[n for n in g.get("params", []) if n in by_name] if isinstance(g, dict) else None
               for g in saved_groups]
     if len(current) != len(stored) or any(s is None or set(c) != set(s)
-                                          for c, s in zip(current, stored)):
+                                          for c, s in zip(current, stored, strict=True)):
         raise CheckpointError(
             f"{reader.path}: the optimizer's parameter groups differ from the saved ones "
             f"(saved {[len(g or ()) for g in stored]} parameters per group, this optimizer "
@@ -134,7 +134,7 @@ def _optimizer_state(reader: CheckpointReader, model: nn.Module,
 
         state[index[name]] = decode(entry, tensor, f"optimizer state of {name}")
     groups = [g | {"params": [index[n] for n in names_]}
-              for g, names_ in zip(saved_groups, current)]
+              for g, names_ in zip(saved_groups, current, strict=True)]
     return {"state": state, "param_groups": groups}
 
 
@@ -171,7 +171,7 @@ def _unloaded(saved: list[str], model: nn.Module) -> list[str]:
     loaded = torch.tensor([name in mine for name in saved], dtype=torch.int32,
                           device=comm.small_tensor_device(None))
     dist.all_reduce(loaded, op=dist.ReduceOp.MAX)
-    return [name for name, flag in zip(saved, loaded.tolist()) if not flag]
+    return [name for name, flag in zip(saved, loaded.tolist(), strict=True) if not flag]
 
 
 def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None = None

@@ -59,7 +59,8 @@ def info(path: str) -> str:
         lines = [f"devmesh checkpoint {path}: saved by {reader.world_size} rank(s), "
                  f"{len(reader.tensors)} tensors, {_size(sum(reader.files.values()))} in "
                  f"{len(reader.files)} data file(s)"]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths,
+                                                       strict=True)).rstrip() for r in rows]
         lines.append("")
         lines += [f"{name}  {_size(size)}" for name, size in sorted(reader.files.items())]
         return "\n".join(lines)

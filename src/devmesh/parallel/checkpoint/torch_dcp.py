@@ -83,7 +83,8 @@ class DevmeshReader(dcp.StorageReader):
             for request in plan.items:
                 index: MetadataIndex = request.storage_index
                 chunk_start = tuple(index.offset or ())
-                start = tuple(c + o for c, o in zip(chunk_start, request.storage_offsets))
+                start = tuple(c + o for c, o in zip(chunk_start, request.storage_offsets,
+                                                    strict=True))
                 value = reader.read(index.fqn, start, tuple(request.lengths))
                 target = planner.resolve_tensor(request).detach()
                 target.copy_(value.reshape(target.shape))

@@ -169,7 +169,7 @@ def _merge_optimizers(optimizers: list[tuple[dict[str, Any], list[int]]]
                 f"save_checkpoint: the optimizers of ranks {format_ranks(base_ranks)} and "
                 f"{format_ranks(ranks)} have {len(groups)} and {len(theirs)} parameter groups: "
                 "build every rank's optimizer with the same groups")
-        for i, (group, mine) in enumerate(zip(theirs, groups)):
+        for i, (group, mine) in enumerate(zip(theirs, groups, strict=True)):
             settings = {k: v for k, v in group.items() if k != "params"}
             if settings != {k: v for k, v in mine.items() if k != "params"}:
                 raise CheckpointError(

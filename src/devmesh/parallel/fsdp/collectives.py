@@ -84,7 +84,7 @@ def _segments(params: list[ShardedParam], dtypes: list[torch.dtype]) -> tuple[li
     the row's length; every segment starts at a multiple of the widest element size."""
     align = max(d.itemsize for d in dtypes)
     offsets, end = [], 0
-    for p, dtype in zip(params, dtypes):
+    for p, dtype in zip(params, dtypes, strict=True):
         offsets.append(end)
         end += -(-p.padded_numel * dtype.itemsize // align) * align
     return offsets, end
@@ -96,7 +96,7 @@ def pack_shards(params: list[ShardedParam], shards: list[torch.Tensor],
     cast on the way), its padding zeroed."""
     offsets, row_bytes = _segments(params, dtypes)
     buffer = torch.empty(row_bytes, dtype=torch.uint8)
-    for p, shard, dtype, start in zip(params, shards, dtypes, offsets):
+    for p, shard, dtype, start in zip(params, shards, dtypes, offsets, strict=True):
         segment = buffer[start: start + p.padded_numel * dtype.itemsize].view(dtype)
         n = shard.numel()
         segment[:n].copy_(shard.detach().reshape(-1))
@@ -109,7 +109,7 @@ def unpack_gathered(params: list[ShardedParam], stacked: torch.Tensor,
     """The full parameters from the gathered rows (one per rank, padding dropped)."""
     offsets, _ = _segments(params, dtypes)
     out = []
-    for p, dtype, start in zip(params, dtypes, offsets):
+    for p, dtype, start in zip(params, dtypes, offsets, strict=True):
         nbytes_per_row = p.slice_numel * dtype.itemsize
         blocks = []
         for j in range(k):
@@ -135,7 +135,7 @@ def pack_gradients(params: list[ShardedParam], grads: list[torch.Tensor | None],
     stacked = torch.empty(k, total + len(params), dtype=dtype)
     stacked[:, total:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
     offset = 0
-    for p, grad in zip(params, grads):
+    for p, grad in zip(params, grads, strict=True):
         row = p.slice_numel
         for j in range(k):
             start, size = chunk_bounds(p.full_shape[p.dim], k, j)
@@ -166,7 +166,7 @@ def unpack_reduced(params: list[ShardedParam], mine: torch.Tensor, k: int, index
     used = (flags.real if flags.is_complex() else flags).tolist()
     out: list[torch.Tensor | None] = []
     offset = 0
-    for p, used_somewhere in zip(params, used):
+    for p, used_somewhere in zip(params, used, strict=True):
         size = chunk_bounds(p.full_shape[p.dim], k, index)[1]
         local = mine[offset: offset + size * p.slice_numel].view(p.block_shape(size))
         if local.is_complex() and not p.sharded.dtype.is_complex:

@@ -290,7 +290,7 @@ class FSDPUnit:
         rows = []
         for j in range(first, first + per):
             shards = [full.detach().narrow(p.dim, *chunk_bounds(p.full_shape[p.dim], self.k, j))
-                      for p, full in zip(self.params, fulls)]
+                      for p, full in zip(self.params, fulls, strict=True)]
             rows.append(pack_shards(self.params, shards, dtypes))
         return torch.stack(rows)
 
@@ -365,7 +365,7 @@ class FSDPUnit:
             self._unsharded = self.finish_gather(pending)
         fulls = self._unsharded if self._unsharded is not None else self._kept
         with torch.no_grad():
-            for p, full in zip(self.params, fulls):
+            for p, full in zip(self.params, fulls, strict=True):
                 for holder, name in p.places:
                     holder._parameters[name] = p.in_place(full)
 
@@ -400,7 +400,7 @@ class FSDPUnit:
         dtype = self._reduce_dtype()
         self._backward_ran = True
         if self._accumulated is not None:
-            grads = [_add(a, g, dtype) for a, g in zip(self._accumulated, grads)]
+            grads = [_add(a, g, dtype) for a, g in zip(self._accumulated, grads, strict=True)]
             self._accumulated = None
         if not self.requires_gradient_sync:
             self._accumulated = [None if g is None else g.detach().to(dtype) for g in grads]
@@ -538,7 +538,7 @@ class FSDPUnit:
         else:
             self._close()  # a module of the group running again: its own gather
             fulls = _Unshard.apply(self, *shards)
-            for p, full in zip(self.params, fulls):
+            for p, full in zip(self.params, fulls, strict=True):
                 for holder, name in p.places:
                     holder._parameters[name] = p.in_place(full)
             self._open, self._to_run = fulls, {id(m) for m in self.modules}

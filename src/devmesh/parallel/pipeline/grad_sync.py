@@ -100,7 +100,7 @@ class StageGradSync:
         """Before a backward action that computes weight gradients: ``final`` is the step's
         last one for this stage (it reduces, if the user's setting lets it), ``outputs`` what
         it starts from."""
-        for module, wanted in zip(self._switches, self._wanted):
+        for module, wanted in zip(self._switches, self._wanted, strict=True):
             module.set_requires_gradient_sync(final and wanted and id(module) not in self._held)
         if final:
             for ddp in self._reducers():
@@ -135,7 +135,7 @@ class StageGradSync:
         """After the step: every switch back as the user set it (torch's composable
         replicate: on, as outside a pipeline). The modules come parent first, so a child
         unit's own setting is the one it keeps."""
-        for module, wanted in zip(self._switches, self._wanted):
+        for module, wanted in zip(self._switches, self._wanted, strict=True):
             module.set_requires_gradient_sync(wanted)
         for module in self._composable:
             module.set_requires_gradient_sync(True)

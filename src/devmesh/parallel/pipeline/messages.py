@@ -112,7 +112,7 @@ def _pack(tensors: tuple[torch.Tensor, ...], device: torch.device) -> torch.Tens
         return tensors[0]
     offsets, size = _offsets(layout_of(tensors))
     buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-    for tensor, start in zip(tensors, offsets):
+    for tensor, start in zip(tensors, offsets, strict=True):
         nbytes = tensor.numel() * tensor.element_size()
         buffer[start:start + nbytes].copy_(tensor.detach().contiguous().view(-1)
                                            .view(torch.uint8))
@@ -124,7 +124,7 @@ def _unpack(buffer: torch.Tensor, layout: Layout) -> tuple[torch.Tensor, ...]:
         return (buffer,)
     offsets, _ = _offsets(layout)
     return tuple(buffer[start:start + _nbytes(part)].view(part[1]).view(part[0])
-                 for part, start in zip(layout, offsets))
+                 for part, start in zip(layout, offsets, strict=True))
 
 
 class StageLinks:
@@ -248,7 +248,7 @@ class StageLinks:
         queue, self._queue = self._queue, []
         pending = comm.batch_p2p([(kind, tensor, peer) for kind, tensor, peer, _ in queue],
                                  self.mesh, self.dim, self.watch)
-        for (kind, _, _, message), started in zip(queue, pending):
+        for (kind, _, _, message), started in zip(queue, pending, strict=True):
             if kind == "send":
                 self.sends.append(started)
             else:
@@ -340,7 +340,7 @@ class StageLinks:
             self._handed[("gradient", stage - 1, microbatch)] = (
                 None if grads is None or layout is None else
                 tuple(g if g is not None else self._zeros(part)
-                      for g, part in zip(grads, gradient_layout(layout))))
+                      for g, part in zip(grads, gradient_layout(layout), strict=True)))
             return
         layout = self.received.get(stage)
         if layout is None:
@@ -349,7 +349,8 @@ class StageLinks:
         if not layout:
             return
         grads = grads if grads is not None else (None,) * len(layout)
-        parts = tuple(g if g is not None else self._zeros(part) for g, part in zip(grads, layout))
+        parts = tuple(g if g is not None else self._zeros(part) for g, part in zip(grads, layout,
+                                                                                   strict=True))
         self._send(_pack(parts, self.device), stage - 1)
 
     def _local(self, stage: int) -> bool:

@@ -85,7 +85,7 @@ from devmesh.parallel.grads import (
 from devmesh.parallel.pipeline.grad_sync import StageGradSync
 from devmesh.parallel.pipeline.messages import MAX_TENSORS, StageLinks, describe, layout_of
 from devmesh.parallel.pipeline.layer_cuts import LayerCuts
-from devmesh.parallel.pipeline.split import PipelineError
+from devmesh.parallel.pipeline.split import PipelineError, split_mismatch
 from devmesh.parallel.pipeline.split_backward import SplitBackward
 from devmesh.parallel.pipeline.tied import TiedCopies, ties_of
 from devmesh.parallel.pipeline.whole_model import (
@@ -147,9 +147,15 @@ class PipelineRunner:
                 raise PipelineError(problem)
         mine = {s for s in range(schedule.stages) if schedule.rank_of(s) == self.index}
         problem = None
+        if not isinstance(stages, Mapping):
+            raise PipelineError(
+                f"stages must map each of this rank's stage indices to its module, "
+                f"{{s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == "
+                f"{self.index}}}, got a {type(stages).__name__}")
         if set(stages) != mine:
             problem = (f"pp index {self.index} holds stages {sorted(mine)} of this schedule, "
                        f"got modules for {sorted(stages)}")
+        problem = problem or split_mismatch(stages, schedule.stages)
         self._sync = {s: StageGradSync(stages[s]) for s in stages}
         problem = problem or next(filter(None, (sync.problem(f"stage {s}")
                                                 for s, sync in self._sync.items())), None)
@@ -286,7 +292,7 @@ class PipelineRunner:
                                         f"{part.shape[0]} {name}: use a batch that is a "
                                         f"multiple of {m}, or another micro-batch count")
             cut = [part.chunk(m) for part in parts]
-            chunks[name] = tuple(zip(*cut)) if name == "inputs" else cut[0]
+            chunks[name] = tuple(zip(*cut, strict=True)) if name == "inputs" else cut[0]
         if input_kwargs:  # tensors cut along dim 0 as the inputs; other values go to all
             for key, value in input_kwargs.items():
                 if isinstance(value, torch.Tensor) and (value.ndim == 0 or value.shape[0] % m):
@@ -368,7 +374,7 @@ class PipelineRunner:
             return None
         if isinstance(outputs[0], torch.Tensor):
             return torch.cat(outputs)
-        return type(outputs[0])(torch.cat(parts) for parts in zip(*outputs))
+        return type(outputs[0])(torch.cat(parts) for parts in zip(*outputs, strict=True))
 
     def _start(self, inputs, targets, input_kwargs, loss_kwargs, *, training: bool) -> _Step:
         """The step's micro-batches, or the reason this rank cannot start it: the other
@@ -675,7 +681,7 @@ def _differentiable(outs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, .
     if grads is None:
         return [o for o in outs if o.requires_grad], [None for o in outs if o.requires_grad]
     floats = [o for o in outs if o.is_floating_point()]
-    pairs = [(o, g) for o, g in zip(floats, grads) if o.requires_grad]
+    pairs = [(o, g) for o, g in zip(floats, grads, strict=True) if o.requires_grad]
     return [o for o, _ in pairs], [g for _, g in pairs]
 
 

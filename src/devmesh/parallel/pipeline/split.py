@@ -13,18 +13,60 @@ stage unchanged.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 
 from torch import nn
 
 from devmesh.errors import ParallelizeError
 from devmesh.parallel.pipeline.tied import mark_ties
 
-__all__ = ["PipelineError", "split_sequential", "balanced_boundaries"]
+__all__ = ["PipelineError", "split_sequential", "balanced_boundaries", "SplitPart",
+           "split_mismatch"]
+
+_PART = "pipeline_part"  # set on every stage split_sequential returns
 
 
 class PipelineError(ParallelizeError, ValueError):
     """A pipeline cannot be built or run as asked (sizes, splits, shapes)."""
+
+
+@dataclass(frozen=True)
+class SplitPart:
+    """Where a stage came from: part ``index`` of ``count`` that :func:`split_sequential`
+    cut, holding the model's layers ``first`` to ``last``. The runner reads it to refuse a
+    pipeline that would run only some of the parts (a model split into 4 given to a 2-stage
+    schedule trains half the model, and nothing else would notice)."""
+
+    index: int
+    count: int
+    first: str
+    last: str
+
+
+def split_mismatch(stages: Mapping[int, nn.Module], schedule_stages: int) -> str | None:
+    """What is wrong with running ``stages`` (this rank's, by stage index) under a schedule
+    of ``schedule_stages`` stages, judged by the parts :func:`split_sequential` recorded on
+    them; ``None`` when they agree (or were not made by ``split_sequential``)."""
+    for s, module in sorted(stages.items()):
+        part = getattr(module, _PART, None)
+        if not isinstance(part, SplitPart):
+            continue
+        if part.count != schedule_stages:
+            lost = (f"layers {part.first}..{part.last} of part {part.index} and those of the "
+                    f"other parts past stage {schedule_stages - 1} would never run"
+                    if part.count > schedule_stages else
+                    f"the schedule's stages {part.count}..{schedule_stages - 1} have no layers")
+            return (f"split_sequential split the model into {part.count} stages, the schedule "
+                    f"runs {schedule_stages} ({lost}): split with "
+                    f"split_sequential(model, schedule.stages), i.e. "
+                    f"split_sequential(model, {schedule_stages})")
+        if part.index != s:
+            return (f"stage {s} was given split_sequential's part {part.index} (layers "
+                    f"{part.first}..{part.last}): give part s as stage s, "
+                    f"{{s: parts[s] for s in range(schedule.stages) "
+                    f"if schedule.rank_of(s) == rank}}")
+    return None
 
 
 def balanced_boundaries(weights: Sequence[int], parts: int) -> list[int]:
@@ -101,6 +143,9 @@ def split_sequential(model: nn.Module, stages: int, *, starts: Sequence[str] | N
         index = balanced_boundaries([max(w, 1) for w in weights], stages)
     bounds = index + [len(units)]
     parts = [_assemble(model, units[a:b]) for a, b in zip(bounds, bounds[1:])]
+    for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+        setattr(parts[i], _PART, SplitPart(i, stages, ".".join(units[a][0]),
+                                           ".".join(units[b - 1][0])))
     mark_ties(parts)
     return parts
 

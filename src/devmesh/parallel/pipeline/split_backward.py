@@ -119,7 +119,7 @@ class SplitBackward:
         for :meth:`weight_grads` (unless :attr:`whole`: then the parameters' gradients are
         accumulated too, and the graph freed)."""
         got: dict[int, torch.Tensor] = {}  # id(input or leaf) -> its gradient so far
-        for piece, seeds in zip(self._pieces, self._seeds_of_pieces(got)):
+        for piece, seeds in zip(self._pieces, self._seeds_of_pieces(got), strict=True):
             for tensor, grad in piece.run_input_grad(seeds, whole=self.whole):
                 if grad is not None:
                     got[id(tensor)] = grad if id(tensor) not in got else got[id(tensor)] + grad
@@ -175,7 +175,7 @@ class SplitBackward:
                 found = torch.autograd.grad([e for e, _ in seeds], asked,
                                             [g for _, g in seeds], allow_unused=True,
                                             retain_graph=True)
-                for edge, g in zip(asked, found):
+                for edge, g in zip(asked, found, strict=True):
                     if g is not None:
                         edges.append(edge)
                         grads.append(g)
@@ -307,7 +307,7 @@ class _Piece:
                        ) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
         """This piece's part of ``I`` (``whole``: of the whole backward) from its outputs'
         gradients ``grads``: the gradient reaching each of its inputs."""
-        pairs = [(o, g) for o, g in zip(self.outputs, grads)
+        pairs = [(o, g) for o, g in zip(self.outputs, grads, strict=True)
                  if o.requires_grad and (g is not None or o.numel() == 1)]
         passed = [(o, g) for o, g in pairs if id(o) in self.passed]
         pairs = [(o, g) for o, g in pairs if o.grad_fn is not None]
@@ -322,11 +322,11 @@ class _Piece:
                 x.grad = None
             torch.autograd.backward(outputs, seeds)
             got = [(x, x.grad) for x in leaves]
-            for x, grad in zip(leaves, before):
+            for x, grad in zip(leaves, before, strict=True):
                 x.grad = grad
             return passed + got
         if not inputs:  # nothing of the input path here: W runs all of it
-            self.seeds = [(get_gradient_edge(o), g) for o, g in zip(outputs, seeds)
+            self.seeds = [(get_gradient_edge(o), g) for o, g in zip(outputs, seeds, strict=True)
                           if g is not None]
             self.input_path = self.nodes()
             return passed
@@ -337,7 +337,7 @@ class _Piece:
         self.input_path = _input_path(nodes, self.consumers)
         self.boundaries = None if several else _boundaries(self.roots, self.input_path)
         if self.boundaries is None:
-            self.seeds = [(get_gradient_edge(o), g) for o, g in zip(outputs, seeds)
+            self.seeds = [(get_gradient_edge(o), g) for o, g in zip(outputs, seeds, strict=True)
                           if g is not None]
             self.input_path = self.nodes()  # W runs all of it
         handles = [node.register_prehook(self._keeper(node)) for node in self.boundaries or ()]
@@ -348,13 +348,13 @@ class _Piece:
         finally:
             for handle in handles:
                 handle.remove()
-        for x, grad in zip(inputs, grads):
+        for x, grad in zip(inputs, grads, strict=True):
             edge = get_gradient_edge(x)
             if self.boundaries and edge.node in self.boundaries and grad is not None:
                 # an input computed inside the stage (the first stage splits at its first
                 # child's output): autograd stopped at it, so its node's gradient is this one
                 self.kept.setdefault(edge.node, (None,) * edge.output_nr + (grad,))
-        return passed + list(zip(inputs, grads))
+        return passed + list(zip(inputs, grads, strict=True))
 
     def nodes(self) -> dict[Node, None]:
         """Every node of this piece's graph."""

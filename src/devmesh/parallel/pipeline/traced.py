@@ -153,7 +153,7 @@ def route_stage(stage_module: fx.GraphModule, route: StageRoute) -> None:
                             f"split graph passes {route.call.args}: not a stage module of "
                             "this pipeline")
     result = graph.graph_copy(stage_module.graph,
-                              {p: env[a] for p, a in zip(inner, route.call.args)})
+                              {p: env[a] for p, a in zip(inner, route.call.args, strict=True)})
     codegen = stage_module.graph._codegen
     out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
     if out_spec is not None:  # torch.export's flat outputs, back to the stage's structure
@@ -188,7 +188,12 @@ class _InputCheck:
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         names = list(self.traced)
-        given = {**dict(zip(names, args)), **kwargs}
+        if len(args) > len(names):
+            raise PipelineError(
+                f"the traced pipeline's first stage takes {len(names)} inputs ({names}), got "
+                f"{len(args)} positional ones: pass the inputs the model was traced with")
+        # fewer positional inputs than names: the rest come as keywords
+        given = {**dict(zip(names[:len(args)], args, strict=True)), **kwargs}
         for name, value in given.items():
             shape = self.traced.get(name)
             if (shape is not None and isinstance(value, torch.Tensor)

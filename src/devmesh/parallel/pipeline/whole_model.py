@@ -80,7 +80,7 @@ def full_state_dict(runner: PipelineRunner) -> dict[str, torch.Tensor]:
             data = torch.empty(sum(sizes), dtype=torch.uint8, device=device)
         if len(data):
             comm.broadcast(data, runner.mesh, (runner.dim,), src_index=index)
-        for (s, k, dtype, shape), piece in zip(entries, data.split(sizes)):
+        for (s, k, dtype, shape), piece in zip(entries, data.split(sizes), strict=True):
             # copied first: a piece starts where the one before it ended (an int64 buffer
             # after three float32 values), too unaligned to be viewed as its own dtype
             found.append((s, k, piece.clone().view(dtype_of(dtype)).reshape(shape)))

@@ -339,7 +339,7 @@ def _prepare_input(style: PrepareModuleInput, mesh: DeviceMesh, module: nn.Modul
                 f"{type(module).__name__}, got {len(args)}"
             )
         for i, (have, want) in enumerate(zip(style.input_layouts,
-                                             style.desired_input_layouts or ())):
+                                             style.desired_input_layouts or (), strict=True)):
             args[i] = style.convert(args[i], have, want, mesh)
     for key, have in style.input_kwarg_layouts.items():
         if key in kwargs:
@@ -373,7 +373,7 @@ def _prepare_output(style: PrepareModuleOutput, mesh: DeviceMesh, module: nn.Mod
                     outputs):
     single = not isinstance(outputs, tuple)
     items = [outputs] if single else list(outputs)
-    layouts = list(zip(style.output_layouts or (), style.desired_output_layouts or ()))
+    layouts = list(zip(style.output_layouts or (), style.desired_output_layouts or (), strict=True))
     if len(items) != len(layouts):
         raise ParallelizeError(
             f"PrepareModuleOutput was given {len(layouts)} output layouts but "
@@ -381,7 +381,7 @@ def _prepare_output(style: PrepareModuleOutput, mesh: DeviceMesh, module: nn.Mod
         )
     converted = [x if have is None else
                  A.convert(x, have, want or have, mesh, use_local_output=style.use_local_output)
-                 for x, (have, want) in zip(items, layouts)]
+                 for x, (have, want) in zip(items, layouts, strict=True)]
     return converted[0] if single else tuple(converted)
 
 

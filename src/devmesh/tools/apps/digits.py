@@ -191,7 +191,7 @@ def _data_parallel_position(dp_mesh) -> tuple[int, int]:
     if dp_mesh is None:
         return 1, 0
     index = 0
-    for c, s in zip(dp_mesh.get_coordinate(), dp_mesh.shape):
+    for c, s in zip(dp_mesh.get_coordinate(), dp_mesh.shape, strict=True):
         index = index * s + c
     return dp_mesh.size(), index
 
