@@ -129,3 +129,81 @@ def test_a_task_leaves_no_process_group_behind():
         for _ in range(3):
             pool.run(uses_groups_of_every_dim, 4)
         assert pool.run(gloo_threads, 4) == [0, 0, 0, 0]
+
+
+def test_more_ranks_than_the_machine_holds_are_refused_before_anything_starts(tmp_path,
+                                                                               monkeypatch):
+    import subprocess
+    import sys
+
+    from devmesh.errors import LaunchCapacityError
+    from devmesh.launching import capacity
+
+    started = tmp_path / "started"
+    script = tmp_path / "script.py"
+    script.write_text(f"open({str(started)!r}, 'a').write('x')\n")
+    monkeypatch.delenv(capacity.OVERSUBSCRIBE_VARIABLE, raising=False)
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "devmesh", "run", "-n", "999", str(script)],
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items()
+                               if k != capacity.OVERSUBSCRIBE_VARIABLE})
+    assert proc.returncode != 0
+    assert "devmesh run -n 999: 999 local ranks need at least" in proc.stderr, proc.stderr
+    assert "GiB available" in proc.stderr and "--oversubscribe" in proc.stderr
+    assert not started.exists()  # no rank ran
+    assert time.monotonic() - began < 60
+    # the same for devmesh.launch and the pool, before any process starts
+    with pytest.raises(LaunchCapacityError, match="oversubscribe=True"):
+        devmesh.launch(whoami, 999, 0)
+    # a footprint of one's own: two ranks of 10 TiB each do not fit
+    monkeypatch.setenv(capacity.RANK_MEMORY_VARIABLE, "10240GB")
+    with pytest.raises(LaunchCapacityError, match="2 local ranks need at least 20480.0 GiB"):
+        devmesh.launch(whoami, 2, 0)
+    # cores: many small ranks still need a share of a core each
+    monkeypatch.setenv(capacity.RANK_MEMORY_VARIABLE, "1KB")
+    cores = len(os.sched_getaffinity(0))
+    too_many = capacity.RANKS_PER_CORE * cores + 1
+    with pytest.raises(LaunchCapacityError, match=f"{too_many} local ranks on {cores} core"):
+        capacity.check_local_ranks(too_many, what="test")
+    monkeypatch.setenv(capacity.OVERSUBSCRIBE_VARIABLE, "1")  # lifted: nothing raises
+    monkeypatch.setenv(capacity.RANK_MEMORY_VARIABLE, "10240GB")
+    capacity.check_local_ranks(too_many, what="test")
+
+
+def test_a_rank_killed_while_the_oom_counter_moved_is_named_as_out_of_memory(monkeypatch):
+    from devmesh.launching import capacity, launcher
+
+    monkeypatch.setattr(capacity, "oom_kills", lambda: 4)
+    assert "out-of-memory killer" in launcher._death(-9, 3)
+    assert "out-of-memory killer" not in launcher._death(-9, 4)
+    assert "SIGKILL" in launcher._death(-9, 4)
+    assert "out-of-memory" not in launcher._death(-15, 3)
+
+
+def test_workers_that_start_too_slowly_say_what_to_set(monkeypatch):
+    from devmesh.errors import WorkerStartError
+    from devmesh.launching import capacity
+
+    monkeypatch.setenv(capacity.START_TIMEOUT_VARIABLE, "0.2")
+    with pytest.raises(WorkerStartError) as caught:
+        devmesh.launch(whoami, 2, 0)
+    text = str(caught.value)
+    assert "within 0.2 s" in text and "load average" in text, text
+    assert "DEVMESH_START_TIMEOUT=600" in text
+    monkeypatch.setenv(capacity.START_TIMEOUT_VARIABLE, "soon")
+    with pytest.raises(devmesh.errors.LaunchCapacityError, match="not a positive number"):
+        capacity.start_timeout(2)
+    monkeypatch.delenv(capacity.START_TIMEOUT_VARIABLE)
+    # the default grows with the ranks
+    assert capacity.start_timeout(16) > capacity.start_timeout(2) >= 70
+    assert not [p for p in _children() if "devmesh.launching._worker" in p]  # none left
+
+
+def _children() -> list[str]:
+    """The command lines of this process's living children."""
+    import subprocess
+
+    out = subprocess.run(["ps", "-o", "args=", "--ppid", str(os.getpid())],
+                         capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if line.strip()]

@@ -38,6 +38,12 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "StateDictError",
+    "PipelineError",
+    "ScheduleError",
+    "CheckpointFormatError",
+    "CheckpointChecksumError",
+    "LaunchCapacityError",
+    "WorkerStartError",
     "TopologyWarning",
     "WaitingForRanksWarning",
     "BlockwiseOptimizerWarning",
@@ -201,6 +207,34 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 class StateDictError(ParallelizeError, RuntimeError):
     """A state dict does not fit the model (missing or unexpected keys, shapes): a
     ``RuntimeError`` as ``nn.Module.load_state_dict`` raises; nothing was copied."""
+
+
+class PipelineError(ParallelizeError, ValueError):
+    """A pipeline cannot be built or run as asked (sizes, splits, shapes)."""
+
+
+class ScheduleError(DevmeshError, ValueError):
+    """A schedule cannot be built (bad sizes) or cannot run (it waits on itself)."""
+
+
+class CheckpointFormatError(CheckpointError):
+    """The checkpoint's metadata does not have the structure devmesh writes (damaged or
+    foreign)."""
+
+
+class CheckpointChecksumError(CheckpointError):
+    """A block of a checkpoint's data does not match the checksum written with it: the file
+    was changed or damaged after it was saved. Names the file, the tensor and the block."""
+
+
+class LaunchCapacityError(DevmeshError, ValueError):
+    """A local launch asked for more ranks than this machine can hold (memory or cores);
+    refused before any process starts."""
+
+
+class WorkerStartError(DevmeshError, RuntimeError):
+    """Local worker processes did not start (import torch, connect back) within the start
+    timeout: a busy machine, or too many ranks for it."""
 
 
 class TopologyError(DevmeshError, RuntimeError):

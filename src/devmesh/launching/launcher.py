@@ -31,8 +31,8 @@ from typing import Any
 
 import cloudpickle
 
-from devmesh.launching import _auth
-from devmesh.errors import RankFailedError, RankTimeoutError, is_peer_gone
+from devmesh.launching import _auth, capacity
+from devmesh.errors import RankFailedError, RankTimeoutError, WorkerStartError, is_peer_gone
 
 __all__ = ["launch", "WorkerPool"]
 
@@ -40,14 +40,16 @@ __all__ = ["launch", "WorkerPool"]
 FAILURE_GRACE_SECONDS = 5.0
 
 
-def _death(code: int) -> str:
-    """How a worker process ended, in words."""
+def _death(code: int, oom_kills_before: int | None = None) -> str:
+    """How a worker process ended, in words; a ``SIGKILL`` while the cgroup's out-of-memory
+    counter moved past ``oom_kills_before`` is named as the kernel's out-of-memory killer."""
     if code < 0:
         try:
             name = signal.Signals(-code).name
         except ValueError:
             name = f"signal {-code}"
-        return f"its process was killed by {name} (exit code {code})"
+        return (f"its process was killed by {name} (exit code {code})"
+                f"{capacity.describe_kill(name, oom_kills_before)}")
     return f"its process exited with code {code} without reporting"
 
 
@@ -118,19 +120,26 @@ class WorkerPool:
         [0, 1, 4, 9]
     """
 
-    def __init__(self, size: int, *, start_timeout: float = 120.0) -> None:
+    def __init__(self, size: int, *, start_timeout: float | None = None,
+                 oversubscribe: bool = False) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"a WorkerPool needs a positive number of workers, got {size!r}")
+        capacity.check_local_ranks(size, what=f"a local launch of {size} ranks",
+                                   override="oversubscribe=True", oversubscribe=oversubscribe)
         self.size = size
-        self._start_timeout = start_timeout
+        self._start_timeout = start_timeout  # None: scaled to the ranks and the machine's load
+        self._oom_kills = capacity.oom_kills()
         self._authkey = secrets.token_bytes(32)  # sent to each worker on its stdin, never argv
         self._server = socket.create_server(("127.0.0.1", 0))
-        self._server.settimeout(start_timeout)
         self._stack_dir = tempfile.TemporaryDirectory(prefix="devmesh-pool-")
         self._workers: list[_Worker | None] = [None] * size
         self._task_ids = itertools.count()
         self._closed = False
-        self._start(list(range(size)))
+        try:
+            self._start(list(range(size)))
+        except BaseException:
+            self.close()  # no worker outlives a pool that failed to start
+            raise
 
     # -- process management ----------------------------------------------------------------
     def _start(self, indices: list[int]) -> None:
@@ -157,15 +166,14 @@ class WorkerPool:
             self._workers[index] = worker
             by_pid[process.pid] = worker
         pending = set(indices)
-        deadline = time.monotonic() + self._start_timeout
+        limit = self._start_timeout or capacity.start_timeout(len(indices))
+        deadline = time.monotonic() + limit
         while pending:
+            self._server.settimeout(max(0.1, deadline - time.monotonic()))
             try:
                 sock, _ = self._server.accept()
             except TimeoutError:
-                raise RuntimeError(
-                    f"devmesh worker(s) {sorted(pending)} did not start within "
-                    f"{self._start_timeout:g} s"
-                ) from None
+                raise self._start_failed(sorted(pending), "did not start", limit) from None
             sock.settimeout(None)
             conn = Connection(sock.detach())
             try:  # HMAC challenge both ways before anything is unpickled from the peer
@@ -188,8 +196,30 @@ class WorkerPool:
             worker = self._workers[index]
             assert worker is not None and worker.conn is not None
             if not worker.conn.poll(max(1.0, deadline - time.monotonic())):
-                raise RuntimeError(f"devmesh worker {index} did not finish importing torch")
+                late = [i for i in indices if not self._workers[i].conn.poll(0)]
+                raise self._start_failed(late, "did not finish importing torch", limit)
             worker.conn.recv()  # "ready"
+
+    def _start_failed(self, workers: list[int], what: str, limit: float) -> WorkerStartError:
+        """The error for workers that did not start in time: what happened, how busy the
+        machine was, and what to set."""
+        died = [i for i in workers if self._workers[i] is not None
+                and self._workers[i].process.poll() is not None]
+        if died:
+            codes = ", ".join(
+                f"worker {i}: {_death(self._workers[i].process.returncode, self._oom_kills)}"
+                for i in died)
+            return WorkerStartError(f"devmesh worker(s) {died} died while starting ({codes})")
+        try:
+            load = f"{os.getloadavg()[0]:.1f}"
+        except OSError:
+            load = "unknown"
+        return WorkerStartError(
+            f"devmesh worker(s) {workers} of {self.size} {what} within {limit:g} s (load "
+            f"average {load} on {os.cpu_count()} cores: each worker imports torch, which takes "
+            f"seconds on an idle core and longer on a busy machine). Wait for the machine to "
+            f"be less busy, run fewer ranks, or allow more time: "
+            f"{capacity.START_TIMEOUT_VARIABLE}=600 (seconds)")
 
     def _kill(self, indices: list[int]) -> None:
         for index in indices:
@@ -263,6 +293,7 @@ class WorkerPool:
         dead = [i for i in range(world_size)
                 if self._workers[i] is None or not self._workers[i].alive()]  # type: ignore[union-attr]
         self._replace(dead)
+        self._oom_kills = capacity.oom_kills()  # a SIGKILL after this and a moved count: OOM
         task_id = next(self._task_ids)
         payload = cloudpickle.dumps((fn, args, kwargs))
         port = _free_port()
@@ -299,7 +330,7 @@ class WorkerPool:
                 try:
                     got_id, result = conn.recv()
                 except (EOFError, OSError):
-                    result = ("error", _death(workers[rank].process.wait()), "")
+                    result = ("error", _death(workers[rank].process.wait(), self._oom_kills), "")
                     got_id = task_id
                 if got_id != task_id:
                     continue
@@ -342,13 +373,19 @@ class WorkerPool:
 
 def launch(
     fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0,
-    start_timeout: float = 120.0, **kwargs: Any
+    start_timeout: float | None = None, oversubscribe: bool = False, **kwargs: Any
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh local processes; return their results.
 
     Each process sees torchrun's environment, so ``init_device_mesh("cpu", ...)`` inside
     ``fn`` just works. Errors and hangs are raised here, naming the rank (a rank killed by a
-    signal is named with the signal). ``start_timeout`` bounds starting the processes.
+    signal is named with the signal, the kernel's out-of-memory killer as such).
+
+    ``start_timeout`` bounds starting the processes (default: scaled to ``world_size`` and
+    the machine's load, or ``DEVMESH_START_TIMEOUT``). A ``world_size`` this machine cannot
+    hold (memory, cores) is refused before any process starts
+    (:class:`~devmesh.errors.LaunchCapacityError`); ``oversubscribe=True`` launches anyway.
     """
-    with WorkerPool(world_size, start_timeout=start_timeout) as pool:
+    with WorkerPool(world_size, start_timeout=start_timeout,
+                    oversubscribe=oversubscribe) as pool:
         return pool.run(fn, world_size, *args, timeout=timeout, **kwargs)

@@ -23,6 +23,8 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from devmesh.errors import ScheduleError
+
 __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_1f1b",
            "looped_bfs", "zero_bubble", "interleaved_zero_bubble", "zbv_zero_bubble",
            "dualpipe_v", "SCHEDULES", "PLACEMENTS", "LOOPED", "IN_A_V", "build_schedule",
@@ -31,8 +33,6 @@ __all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "inter
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 
 
-class ScheduleError(ValueError):
-    """A schedule cannot be built (bad sizes) or cannot run (it waits on itself)."""
 
 
 @dataclass(frozen=True, order=True)

@@ -217,21 +217,28 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-MAX_LOCAL_PROCESSES = 4096
-
-
-def _check_nproc(n: int) -> None:
-    """Refuse a process count that cannot work before spawning anything."""
-    import resource
+def _check_nproc(n: int, oversubscribe: bool) -> None:
+    """Refuse a process count that cannot work before spawning anything: fewer than one, or
+    more than this machine's memory and cores hold (:mod:`devmesh.launching.capacity`)."""
+    from devmesh.errors import LaunchCapacityError
+    from devmesh.launching.capacity import check_local_ranks
 
     if n < 1:
         raise SystemExit(f"devmesh run: -n must be at least 1, got {n}")
-    limit = resource.getrlimit(resource.RLIMIT_NPROC)[0]
-    if n > MAX_LOCAL_PROCESSES or (limit != resource.RLIM_INFINITY and n > limit):
-        cap = MAX_LOCAL_PROCESSES if limit == resource.RLIM_INFINITY else min(
-            limit, MAX_LOCAL_PROCESSES)
-        raise SystemExit(f"devmesh run: -n {n} is more processes than this machine can "
-                         f"start locally (at most {cap}); use torchrun across several hosts")
+    try:
+        check_local_ranks(n, what=f"devmesh run -n {n}", override="--oversubscribe",
+                          oversubscribe=oversubscribe)
+    except LaunchCapacityError as exc:
+        raise SystemExit(f"devmesh run: error: {exc}") from None
+
+
+def _killed_for_memory(failures: dict, oom_kills_before: int | None) -> str:
+    """A line naming the ranks the kernel's out-of-memory killer took, or ``""``."""
+    from devmesh.launching.capacity import describe_kill
+
+    killed = sorted(r for r, f in failures.items() if f.exitcode == -signal.SIGKILL)
+    why = describe_kill("SIGKILL", oom_kills_before) if killed else ""
+    return f"devmesh run: ranks {killed} were killed by SIGKILL{why}" if killed else ""
 
 
 def _root_exit_code(failures: dict) -> int:
@@ -246,8 +253,10 @@ def _root_exit_code(failures: dict) -> int:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    _check_nproc(args.nproc)
+    _check_nproc(args.nproc, args.oversubscribe)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from devmesh.launching.capacity import oom_kills
     from torch.distributed.run import main as torchrun_main
 
     # the workers' own gloo sockets stay on loopback (torchrun's agent store is torch's)
@@ -274,12 +283,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
                      "--rdzv-conf=is_host=false", "--local-addr=127.0.0.1",
                      f"--max-restarts={args.max_restarts}", "-m",
                      "devmesh.launching.child", args.script]
+    kills_before = oom_kills()
     try:
         torchrun_main(torchrun_args)
     except SystemExit as exc:
         return int(exc.code or 0)
     except ChildFailedError as exc:  # the failing rank's own exit code, as a shell would
         print(str(exc), file=sys.stderr)
+        memory = _killed_for_memory(exc.failures, kills_before)
+        if memory:
+            print(memory, file=sys.stderr)
         return _root_exit_code(exc.failures)
     except Exception as exc:
         print(str(exc), file=sys.stderr)
@@ -427,6 +440,9 @@ def _add_run(sub) -> None:
     run.add_argument("--max-restarts", type=int, default=0,
                      help="restart every rank this many times after one fails (torchrun's "
                           "elastic restart: resume from your last checkpoint)")
+    run.add_argument("--oversubscribe", action="store_true",
+                     help="start -n ranks even where this machine's memory or cores cannot "
+                          "hold them (refused by default, before anything starts)")
     run.add_argument("script", help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=_cmd_run)

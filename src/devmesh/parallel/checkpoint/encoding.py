@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from devmesh.errors import CheckpointError
+from devmesh.errors import CheckpointError, CheckpointFormatError
 
 __all__ = ["check_plain", "encode", "decode", "dtype_name", "dtype_of", "Malformed"]
 
@@ -28,8 +28,7 @@ _DTYPES = {str(d).removeprefix("torch."): d for d in (
     torch.bool, torch.float8_e4m3fn, torch.float8_e5m2)}
 
 
-class Malformed(CheckpointError):
-    """The metadata does not have the structure devmesh writes (damaged or foreign)."""
+Malformed = CheckpointFormatError  # the metadata is not what devmesh writes
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -18,17 +18,13 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from devmesh.errors import ParallelizeError
+from devmesh.errors import PipelineError
 from devmesh.parallel.pipeline.tied import mark_ties
 
 __all__ = ["PipelineError", "split_sequential", "balanced_boundaries", "SplitPart",
            "split_mismatch"]
 
 _PART = "pipeline_part"  # set on every stage split_sequential returns
-
-
-class PipelineError(ParallelizeError, ValueError):
-    """A pipeline cannot be built or run as asked (sizes, splits, shapes)."""
 
 
 @dataclass(frozen=True)
