@@ -124,3 +124,54 @@ def test_ranks_that_gather_over_different_groups_still_arrive_together(mesh_pool
         assert heard == []
         assert shapes == {"0.weight": (8, 4), "0.bias": (8,), "1.weight": (2, 8),
                           "1.bias": (2,)}
+
+
+def called_on_rank_0_only(path: str, rank_1_exits: bool):
+    """save_checkpoint on rank 0 alone under a 6 s mesh timeout, rank 1 busy past it (or gone
+    at once); then devmesh's failure check entered by rank 0 alone. What rank 0 raised, and
+    how long each took."""
+    from devmesh.errors import CollectiveTimeoutError
+
+    comm.ALONE_SECONDS = 1.0
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), timeout=6)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    fully_shard(model, mesh=mesh)
+    if mesh.get_rank() == 1:
+        if not rank_1_exits:
+            time.sleep(16)
+        return None
+    out = []
+    for call in (lambda: save_checkpoint(path, model),
+                 lambda: comm.failures(None, mesh.get_group())):
+        began = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                call()
+                out.append(("returned", None, time.monotonic() - began))
+            except CollectiveTimeoutError as exc:
+                out.append(("CollectiveTimeoutError", (str(exc), exc.missing),
+                            time.monotonic() - began))
+            except Exception as exc:  # noqa: BLE001 - the test reports what it was
+                out.append((type(exc).__name__, str(exc), time.monotonic() - began))
+    return out
+
+
+def test_a_collective_called_on_one_rank_names_the_other_within_the_timeout(mesh_pool,
+                                                                              tmp_path):
+    import os
+
+    for rank_1_exits in (False, True):
+        path = tmp_path / f"c{rank_1_exits}"
+        saved, checked = mesh_pool.run(called_on_rank_0_only, 2, str(path), rank_1_exits,
+                                       timeout=120)[0]
+        assert saved[0] == "CollectiveTimeoutError", saved
+        text, missing = saved[1]
+        assert missing == [1]
+        assert "save_checkpoint is a collective over ranks 0-1, and rank 1 has not called " \
+               "it within the timeout (6 s)" in text, text
+        assert saved[2] < 6 + 2  # within the mesh's timeout, not after it
+        assert not os.path.exists(path)  # nothing written
+        # devmesh's own agreement, entered alone: names rank 1 too, not gloo's bare timeout
+        assert checked[0] == "CollectiveTimeoutError", checked
+        assert checked[1][1] == [1] and "the failure check" in checked[1][0], checked

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from devmesh.distributed import groups, stops
-from devmesh.distributed.timeouts import Watch
+from devmesh.distributed.timeouts import AGREEMENTS, Watch
 
 if TYPE_CHECKING:
     from devmesh.mesh import DeviceMesh
@@ -493,17 +493,31 @@ def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {0: error} if error is not None else {}
     stops.refuse_if_broken()
-    device = small_tensor_device(group)
-    count = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
-    dist.all_reduce(count, group=group)
-    if not int(count):
-        return {}
-    size = dist.get_world_size(group)
-    flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-    dist.all_gather(flags, torch.tensor([int(error is not None)], device=device), group=group)
-    texts = gather_texts(error or "", group)
+    with _agreement("the failure check (an all-reduce of who failed)", group):
+        device = small_tensor_device(group)
+        count = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
+        dist.all_reduce(count, group=group)
+        if not int(count):
+            return {}
+        size = dist.get_world_size(group)
+        flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
+        dist.all_gather(flags, torch.tensor([int(error is not None)], device=device),
+                        group=group)
+        texts = gather_texts(error or "", group)
     ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
     return {r: t for r, t, f in zip(ranks, texts, flags, strict=True) if int(f)}
+
+
+def _agreement(what: str, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager:
+    """Guard one of devmesh's agreements on ``group`` (numbered on a count of their own): a
+    timeout or a peer gone inside it raises :class:`~devmesh.errors.CollectiveTimeoutError`
+    naming the ranks that never reached it, as devmesh's counted collectives do."""
+    ranks = tuple(dist.get_process_group_ranks(group) if group is not None
+                  else range(dist.get_world_size()))
+    from devmesh.layout import format_ranks
+
+    return Watch(what, ranks, lambda: f"ranks {format_ranks(list(ranks))}",
+                 series=AGREEMENTS).guard()
 
 
 @contextlib.contextmanager
@@ -540,6 +554,11 @@ def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, l
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {}
     stops.refuse_if_broken()
+    with _agreement("the agreement check (an all-reduce of digests)", group):
+        return _differing(value, group)
+
+
+def _differing(value: str, group: dist.ProcessGroup | None) -> dict[str, list[int]]:
     size = dist.get_world_size(group)
     digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
     mine = int.from_bytes(digest, "little") >> 1  # 63 bits: its negation fits an int64
@@ -603,17 +622,21 @@ ALONE_SECONDS = 60.0
 
 
 def warn_if_called_alone(what: str, ranks: Sequence[int] | None = None, *,
-                         seconds: float | None = None) -> None:
+                         seconds: float | None = None,
+                         timeout: datetime.timedelta | None = None) -> None:
     """Before the collectives of ``what`` (a call users make inside ``if rank == 0:``, the
     way torch code saves and prints): each rank of ``ranks`` (default: the world) posts its
     arrival in the rendezvous store and waits for the others' up to ``seconds``
-    (:data:`ALONE_SECONDS`); ranks missing then are named in a
-    :class:`~devmesh.errors.WaitingForRanksWarning`, and the call goes on into its
-    collectives, which wait until the timeout names them — a rank only late (evaluating
-    alone first) still joins. Costs one store round trip when every rank comes."""
+    (:data:`ALONE_SECONDS`, or half the timeout where that is shorter); ranks missing then
+    are named in a :class:`~devmesh.errors.WaitingForRanksWarning`, and the wait goes on —
+    a rank only late (evaluating alone first) still joins — until ``timeout`` (the default
+    group's, as the call's collectives would wait) has passed since the call: then
+    :class:`~devmesh.errors.CollectiveTimeoutError` names the ranks that never called it,
+    before any collective is entered (none is left posted). Costs one store round trip when
+    every rank comes."""
     import warnings
 
-    from devmesh.errors import WaitingForRanksWarning
+    from devmesh.errors import CollectiveTimeoutError, WaitingForRanksWarning
     from devmesh.layout import format_ranks
 
     if not dist.is_initialized():
@@ -623,16 +646,26 @@ def warn_if_called_alone(what: str, ranks: Sequence[int] | None = None, *,
         return
     calls = groups.world_cache()
     number = calls[("arrivals", what, ranks)] = calls.get(("arrivals", what, ranks), 0) + 1
-    patience = ALONE_SECONDS if seconds is None else seconds
-    _, _, missing = _posted("", ranks, f"{what} on {format_ranks(list(ranks))} #{number}",
-                            patience)
+    limit = (timeout or groups.timeout_of(None)).total_seconds()
+    patience = min(ALONE_SECONDS if seconds is None else seconds, limit / 2)
+    name = f"{what} on {format_ranks(list(ranks))} #{number}"
+    _, _, missing = _posted("", ranks, name, patience)
+    if not missing:
+        return
+    warnings.warn(
+        f"{what} is a collective over ranks {format_ranks(list(ranks))}, and "
+        f"{_ranks_have(missing)} not called it in {patience:g} s: if it runs "
+        "inside `if rank == 0:`, call it on every rank and save or print on one. "
+        "Waiting on, until the timeout names them", WaitingForRanksWarning,
+        stacklevel=3)
+    _, _, missing = _posted("", ranks, name, limit - patience)
     if missing:
-        warnings.warn(
+        raise CollectiveTimeoutError(
             f"{what} is a collective over ranks {format_ranks(list(ranks))}, and "
-            f"{_ranks_have(missing)} not called it in {patience:g} s: if it runs "
-            "inside `if rank == 0:`, call it on every rank and save or print on one. "
-            "Waiting on, until the timeout names them", WaitingForRanksWarning,
-            stacklevel=3)
+            f"{_ranks_have(missing)} not called it within the timeout ({limit:g} s): they "
+            "are elsewhere in their code, or exited. If it runs inside `if rank == 0:`, "
+            "call it on every rank and save or print on one",
+            missing=list(missing), waited=[r for r in ranks if r not in missing])
 
 
 def _ranks_have(ranks: Sequence[int]) -> str:

@@ -309,3 +309,21 @@ def world_hosts():
             keys = [f"devmesh/host/{r}" for r in range(world_size)]
             cache.hosts = np.array([int(v) for v in store.multi_get(keys)])
     return cache.hosts
+
+
+#: torch's default for a process group made without ``timeout=``.
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+
+
+def timeout_of(group: ProcessGroup | None = None) -> datetime.timedelta:
+    """The timeout ``group``'s collectives run under (the default group's for ``None``), read
+    from its CPU backend's options; torch's 30-minute default where they cannot be read."""
+    import torch
+    import torch.distributed as dist
+
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        timeout = pg._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError, ValueError):
+        return DEFAULT_TIMEOUT
+    return timeout if isinstance(timeout, datetime.timedelta) else DEFAULT_TIMEOUT

@@ -25,10 +25,11 @@ import torch.distributed as dist
 from devmesh.distributed import groups
 from devmesh.errors import CollectiveTimeoutError, is_peer_gone
 
-__all__ = ["Watch", "is_timeout", "numbered"]
+__all__ = ["Watch", "is_timeout", "numbered", "AGREEMENTS"]
 
 GRACE_SECONDS = 3.0  # how long a timed-out rank waits for the others of its group to say so
 _SEQUENCE = "timeouts.sequence"  # world-cache key of a group's collective count
+AGREEMENTS = "timeouts.agreements"  # the count of devmesh's agreements (consensus) on a group
 
 
 def is_timeout(exc: BaseException) -> bool:
@@ -53,11 +54,14 @@ class Watch:
 
     def __init__(self, collective: str, ranks: Sequence[int], label: Callable[[], str], *,
                  absent: str = "never entered it — they are stuck elsewhere in their code, or "
-                               "dead") -> None:
+                               "dead", series: str = _SEQUENCE) -> None:
         self.collective, self.ranks, self.label = collective, tuple(ranks), label
         self.absent = absent  # what the ranks that never said they waited did, in words
+        # the count this collective is numbered in: devmesh's counted collectives share one
+        # (the stops compare it), its agreements keep their own (AGREEMENTS)
+        self.series = series
         numbers = groups.world_cache()  # a new world numbers from 1 again
-        key = (_SEQUENCE, self.ranks)
+        key = (series, self.ranks)
         self.number = numbers[key] = numbers.get(key, 0) + 1
 
     @contextlib.contextmanager
@@ -109,7 +113,8 @@ class Watch:
         under them (and torchrun stops every rank as soon as one exits)."""
         store = dist.distributed_c10d._get_default_store()
         rank = dist.get_rank()
-        prefix = f"devmesh/timeout/{','.join(map(str, self.ranks))}/{self.number}/"
+        prefix = (f"devmesh/timeout/{self.series}/{','.join(map(str, self.ranks))}/"
+                  f"{self.number}/")
         store.set(prefix + str(rank), "1")
         arrived = self._wait_for(store, prefix, {rank})
         store.set(prefix + f"read/{rank}", "1")
