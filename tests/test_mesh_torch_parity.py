@@ -256,3 +256,39 @@ def test_a_fake_world_plans_as_torchs():
     assert seen["devmesh"] == seen["torch"]
     assert seen["devmesh"]["coordinate"] == [rank // 8, rank // 4 % 2, rank % 4]
     assert seen["devmesh"]["grads"]
+
+
+_FAKE_CUDA_WORLD = r"""
+import json, sys
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+library = sys.argv[1]
+if library == "torch":
+    from torch.distributed.device_mesh import init_device_mesh
+else:
+    from devmesh import init_device_mesh
+dist.init_process_group("fake", store=FakeStore(), rank=13, world_size=16)
+mesh = init_device_mesh("cuda", (2, 2, 4), mesh_dim_names=("pp", "dp", "tp"))
+flat = mesh["dp", "tp"]._flatten()
+print(json.dumps({"device": mesh.device_type, "coordinate": list(mesh.get_coordinate()),
+                  "tp": mesh["tp"].mesh.tolist(), "flat": flat.mesh.tolist(),
+                  "group": dist.get_process_group_ranks(mesh["dp"].get_group())}))
+"""
+
+
+def test_a_fake_world_takes_a_cuda_mesh_on_a_machine_without_a_gpu():
+    """Large jobs are dry-run on a laptop as torch's ``fake`` world with the job's own
+    ``init_device_mesh("cuda", ...)``: torch takes it without a GPU, and so does devmesh."""
+    import json
+    import subprocess
+    import sys
+
+    seen = {}
+    for library in ("torch", "devmesh"):
+        done = subprocess.run([sys.executable, "-c", _FAKE_CUDA_WORLD, library],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
+        seen[library] = json.loads(done.stdout.splitlines()[-1])
+    assert seen["devmesh"] == seen["torch"]
+    assert seen["devmesh"]["device"] == "cuda" and seen["devmesh"]["group"] == [9, 13]

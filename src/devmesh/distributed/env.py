@@ -104,9 +104,11 @@ def check_device(device_type: str, local_world_size: int | None = None) -> None:
     """Refuse a device type this machine cannot serve, before any group is created.
 
     torch accepts ``init_device_mesh("cuda", ...)`` on a CPU-only machine and fails later;
-    devmesh says so up front, and also when there are fewer GPUs than local ranks.
+    devmesh says so up front, and also when there are fewer GPUs than local ranks. Under
+    torch's ``fake`` process group (a dry run: one process plans a large job's mesh, no
+    collective runs) any device type is taken, as torch takes it.
     """
-    if device_type == "cpu":
+    if device_type == "cpu" or is_fake_world():
         return
     if device_type == "cuda":
         if not torch.cuda.is_available():
@@ -126,6 +128,16 @@ def check_device(device_type: str, local_world_size: int | None = None) -> None:
     raise DeviceUnavailableError(
         f"device_type {device_type!r} is not supported; use 'cpu' (gloo) or 'cuda' (NCCL)"
     )
+
+
+def is_fake_world() -> bool:
+    """Whether the default process group is torch's ``fake`` backend (a dry run)."""
+    if not dist.is_initialized():
+        return False
+    try:
+        return "fake" in str(dist.get_backend()).lower()
+    except (RuntimeError, ValueError):
+        return False
 
 
 def launched_world_size() -> int | None:
