@@ -4,8 +4,11 @@ splits each TP piece; devmesh records the nesting (dim 0 split by ("TP", "FSDP")
 reassembles the original exactly.
 
     torchrun --nproc_per_node=8 examples/fsdp_tp.py
-    devmesh run -n 8 examples/fsdp_tp.py
+    devmesh run -n 8 examples/fsdp_tp.py     # (FSDP, TP) = (2, 4)
+    devmesh run -n 4 examples/fsdp_tp.py     # (2, 2); 2 ranks: (1, 2)
 """
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -27,8 +30,16 @@ class ToyModel(nn.Module):
         return self.relu(self.net1(x))
 
 
+def fsdp_tp_shape(world: int) -> tuple[int, int]:
+    """(FSDP, TP) for ``world`` ranks: TP 4 from 8 ranks on, else 2 (or 1 on an odd world);
+    12 columns split evenly by either."""
+    tp = 4 if world % 4 == 0 and world >= 8 else 2 if world % 2 == 0 else 1
+    return world // tp, tp
+
+
 def fsdp_over_tp():
-    mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("FSDP", "TP"))
+    shape = fsdp_tp_shape(int(os.environ["WORLD_SIZE"]))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("FSDP", "TP"))
     model = ToyModel()
     original = model.net1.weight.detach().clone()
     model = parallelize_module(model, mesh["TP"], {"net1": ColwiseParallel()})

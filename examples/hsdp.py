@@ -1,10 +1,14 @@
-"""Seed 001's HSDP example on a (2, 4) mesh: FSDP inside each group of 4, DDP across the 2.
-With seed 004's trick of arange weights, every rank prints the rows it holds: ranks with the
-same shard index hold the same rows.
+"""Seed 001's HSDP example: on 8 ranks a (2, 4) mesh, FSDP inside each group of 4, DDP across
+the 2 (on another even number of ranks, 2 replicas of half the ranks each; on an odd one, a
+single replica). With seed 004's trick of arange weights, every rank prints the rows it holds:
+ranks with the same shard index hold the same rows.
 
     torchrun --nproc_per_node=8 examples/hsdp.py
     devmesh run -n 8 examples/hsdp.py
+    devmesh run -n 4 examples/hsdp.py     # (2, 2)
 """
+
+import os
 
 import torch
 import torch.distributed as dist
@@ -27,10 +31,17 @@ class ToyModel(nn.Module):
         return self.net2(self.relu(self.net1(x)))
 
 
+def hsdp_shape(world: int) -> tuple[int, int]:
+    """(replicas, shard size) for ``world`` ranks: 2 replicas where the world splits evenly."""
+    replicas = 2 if world % 2 == 0 and world >= 4 else 1
+    return replicas, world // replicas
+
+
 def hsdp_step():
-    """HSDP on (2, 4); returns (rank, dp index, shard index, first column of my net1 rows,
-    full weight equals the original after the step's all-gather)."""
-    mesh_2d = init_device_mesh("cpu", (2, 4), mesh_dim_names=("replicate", "shard"))
+    """HSDP on (2, world / 2); returns (rank, dp index, shard index, first column of my net1
+    rows, full weight equals the original after the step's all-gather)."""
+    shape = hsdp_shape(int(os.environ["WORLD_SIZE"]))
+    mesh_2d = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(0)
     model = ToyModel()
     original = model.net1.weight.detach().clone()

@@ -201,7 +201,7 @@ def test_pipelined_digits_mesh_errors(text, words):
         parse_pipeline_mesh(text)
     plan = parse_pipeline_mesh("tp=2,shard=2,pp=2,dp=2")
     assert plan.names == ("pp", "dp", "shard", "tp")
-    assert plan.describe() == "PP=2 + TP=2 + HSDP (replicate=2, shard=2)"
+    assert plan.describe() == "PP=2 + TP=2 + HSDP (dp=2 replicates, shard=2 shards)"
 
 
 def test_demo_bad_mesh_is_an_error_before_launch():
@@ -226,7 +226,7 @@ def test_digits_mesh_flag_errors(text, words):
 
     with pytest.raises(ValueError, match=words):
         parse_mesh(text)
-    assert parse_mesh("dp=2,shard=2,tp=2").describe() == "TP=2 + HSDP (replicate=2, shard=2)"
+    assert parse_mesh("dp=2,shard=2,tp=2").describe() == "TP=2 + HSDP (dp=2 replicates, shard=2 shards)"
 
 
 def test_hsdp_example_replicas_hold_the_same_rows(mesh_pool):
@@ -281,3 +281,14 @@ def test_show_all_lists_every_rank_of_every_group():
     assert result.returncode == 0
     assert "[20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39]" \
         in result.stdout and "…" not in result.stdout
+
+
+def test_the_hsdp_and_fsdp_tp_examples_run_on_fewer_ranks(mesh_pool):
+    hsdp, fsdp_tp = _example("hsdp"), _example("fsdp_tp")
+    for world in (2, 4):
+        results = mesh_pool.run(hsdp.hsdp_step, world)
+        assert all(ok for *_, ok in results)
+        assert [r[1] for r in results] == [r // (world // hsdp.hsdp_shape(world)[0])
+                                           for r in range(world)]
+        for info in mesh_pool.run(fsdp_tp.fsdp_over_tp, world):
+            assert info["full_equal"], info

@@ -314,8 +314,8 @@ def test_fsdp_memory_clip_and_describe(mesh_pool, tmp_path):
     # rank 0's describe predicts the bytes every rank really holds (measured on each rank)
     measured = [r[1] for r in results]
     assert measured[0] == measured[1] > measured[2] > measured[3]
-    assert (f"bytes per rank: {measured[0]:,} on 0-1; {measured[2]:,} on 2; {measured[3]:,} on 3"
-            f" (the full model: {results[0][0]:,})") in text
+    assert (f"bytes per rank: {measured[0]:,} on ranks 0-1; {measured[2]:,} on rank 2; "
+            f"{measured[3]:,} on rank 3 (the full model: {results[0][0]:,})") in text
     assert (tmp_path / "describe0.png").read_bytes()[:4] == b"\x89PNG"
 
 

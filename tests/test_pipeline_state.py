@@ -177,7 +177,7 @@ def test_whole_model_state_dict_and_describe_of_a_pipeline(mesh_pool):
         stage0 = text.split("stage 1 (")[0]
         assert "0.0.weight" in stage0 and "1.0.weight" not in stage0
         assert "4-7" not in stage0 and "(8, 16) on ranks 0-3" in stage0  # (32, 16) / (dp x tp)
-        assert "bytes per rank: 1,088 on 0-3" in stage0
+        assert "bytes per rank: 1,088 on ranks 0-3" in stage0
 
 
 def _listed(key: str, holders: tuple[int, ...], shape=(4,), slice_of=None) -> Listed:

@@ -155,7 +155,9 @@ def test_doctor_passes_and_fails_clearly():
     assert wrong.stdout.count("WorldSizeMismatchError") == 1
     assert "FAIL  mesh agreement (ranks 0-1): WorldSizeMismatchError" in wrong.stdout
     assert "needs 4 ranks but the world has 2" in wrong.stdout
-    assert wrong.stdout.strip().splitlines()[-1].startswith("2 check(s) failed")
+    # one FAIL line, one failed check (on both ranks)
+    assert [line[:4] for line in wrong.stdout.splitlines()].count("FAIL") == 1
+    assert wrong.stdout.strip().splitlines()[-1].startswith("1 check failed (on ranks 0-1)")
     unlaunched = _run(DEVMESH + ["doctor"])
     assert unlaunched.returncode == 1 and "devmesh doctor -n N" in unlaunched.stdout
 
@@ -197,3 +199,25 @@ def test_mesh_visualize(mesh_pool, tmp_path):
     text = mesh_pool.run(visualize_mesh, 4, str(tmp_path))[0]
     assert "hosts:" in text and "dp (size 2, 2 groups): [0, 2] [1, 3]" in text
     assert (tmp_path / "mesh0.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_every_commands_help_says_each_default_once():
+    import argparse
+
+    from devmesh.tools.cli import build_parser
+
+    parser = build_parser()
+    commands = [parser] + [sub for action in parser._actions
+                           if isinstance(action, argparse._SubParsersAction)
+                           for sub in action.choices.values()]
+    nested = [sub for command in commands for action in command._actions
+              if isinstance(action, argparse._SubParsersAction)
+              for sub in action.choices.values()]
+    for command in commands + nested:
+        text = command.format_help()
+        assert "(default: None)" not in text and "(default: False)" not in text, text
+        formatter = command.formatter_class(prog=command.prog)
+        for action in command._actions:
+            shown = formatter._get_help_string(action) or ""
+            if "default" in (action.help or ""):  # it says its default itself: nothing added
+                assert shown == action.help, (command.prog, shown)

@@ -595,7 +595,7 @@ def test_devmesh_load_state_dict_into_torch_tensor_parallelism(mesh_pool):
         assert ["0.weight", "(16,", "8)", "dim", "0", "split", "by", "(tp)", "(8,", "8)", "on",
                 "every", "rank", "256"] in rows, table
         assert ["2.bias", "(4,)", "replicated", "(4,)", "on", "every", "rank", "16"] in rows
-        assert "bytes per rank: 432 on 0-1 (the full model: 848)" in table
+        assert "bytes per rank: 432 on ranks 0-1 (the full model: 848)" in table
         assert torch_refused and keys == "<All keys matched successfully>"
         for key in source:
             assert not from_full[key].requires_grad, key

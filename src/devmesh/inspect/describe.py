@@ -13,7 +13,7 @@ from torch import nn
 
 from devmesh.distributed import comm, groups
 from devmesh.errors import MeshUsageError
-from devmesh.layout import format_ranks
+from devmesh.layout import format_ranks, ranks_phrase
 from devmesh.parallel.param import layout_of, local_of
 from devmesh.parallel.pipeline.runner import PipelineRunner
 from devmesh.parallel.pipeline.whole_model import stage_ranks
@@ -69,9 +69,9 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
         by_param[name] = {r: math.prod(sh) * p.element_size() for r, sh in shapes.items()}
         if len(groups) <= 1:
             local = f"{tuple(mine.shape)} on " + ("every rank" if ranks is None
-                                               else f"ranks {format_ranks(sorted(ranks))}")
+                                               else ranks_phrase(ranks))
         else:
-            local = "; ".join(f"{shape} on {format_ranks(ranks)}"
+            local = "; ".join(f"{shape} on {ranks_phrase(ranks)}"
                               for shape, ranks in sorted(groups.items(), key=lambda g: min(g[1])))
         rows.append((name, str(global_shape), what, local,
                      f"{mine.numel() * mine.element_size():,}"))
@@ -82,7 +82,7 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
         for rank, nbytes in per_rank.items():
             by_total[nbytes].append(rank)
         lines.append("bytes per rank: " + "; ".join(
-            f"{nbytes:,} on {format_ranks(ranks)}"
+            f"{nbytes:,} on {ranks_phrase(ranks)}"
             for nbytes, ranks in sorted(by_total.items(), key=lambda g: min(g[1])))
             + (f" (the full model: {total_global:,})" if ranks is None
                else f" (the whole module, unsharded: {total_global:,})"))
@@ -111,14 +111,14 @@ def _describe_pipeline(runner: PipelineRunner) -> str:
         raise MeshUsageError(
             f"describe(runner) shows every stage, and each rank holds only its own: the "
             f"pipeline's ranks call it together, and "
-            f"{'rank' if len(missing) == 1 else 'ranks'} {format_ranks(missing)} did not "
+            f"{ranks_phrase(missing)} did not "
             f"within {PIPELINE_SECONDS:g} s. Call it on every rank and print on one: "
             "text = describe(runner); if rank == 0: print(text)")
     calls[key] = number + 1  # a call refused on its own rank does not count
     tables = {int(s): t for text in texts.values() for s, t in json.loads(text).items()}
     return "\n".join(
-        f"stage {s} (pipeline index {runner.schedule.rank_of(s)} of {runner.pp}, ranks "
-        f"{format_ranks(stage_ranks(runner, s))}):\n{tables[s]}" for s in sorted(tables))
+        f"stage {s} (pipeline index {runner.schedule.rank_of(s)} of {runner.pp}, "
+        f"{ranks_phrase(stage_ranks(runner, s))}):\n{tables[s]}" for s in sorted(tables))
 
 
 def _describe_png(by_param: dict[str, dict[int, int]], ranks: list[int], path: str) -> None:

@@ -18,6 +18,7 @@ from devmesh.layout.mesh_layout import (
     _check_names,
     _check_shape,
     format_ranks,
+    ranks_phrase,
 )
 
-__all__ = ["MeshLayout", "Dim", "Dims", "format_ranks", "_check_names", "_check_shape"]
+__all__ = ["MeshLayout", "Dim", "Dims", "format_ranks", "ranks_phrase", "_check_names", "_check_shape"]

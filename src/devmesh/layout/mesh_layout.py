@@ -53,6 +53,12 @@ def format_ranks(ranks: Iterable[int]) -> str:
     return ", ".join(parts)
 
 
+def ranks_phrase(ranks: Iterable[int]) -> str:
+    """``[0]`` -> ``"rank 0"``, ``[0, 1, 2]`` -> ``"ranks 0-2"``: ranks named in a sentence."""
+    values = sorted(int(r) for r in ranks)
+    return f"rank {values[0]}" if len(values) == 1 else f"ranks {format_ranks(values)}"
+
+
 def _check_shape(shape: object) -> tuple[int, ...]:
     if isinstance(shape, (int, np.integer)) and not isinstance(shape, bool):
         shape = (shape,)

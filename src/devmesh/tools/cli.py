@@ -476,7 +476,7 @@ def _add_ckpt(sub) -> None:
     info.set_defaults(handler=_cmd_ckpt_info)
     merge = actions.add_parser(
         "consolidate", help="write the model's full tensors as one safetensors file, streaming",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=_DefaultsOnce)
     merge.add_argument("path", help="the checkpoint directory")
     merge.add_argument("out", help="the safetensors file to write")
     merge.add_argument("--buffer-mb", type=float, default=64.0,
@@ -484,19 +484,30 @@ def _add_ckpt(sub) -> None:
     merge.set_defaults(handler=_cmd_ckpt_consolidate)
 
 
+class _DefaultsOnce(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's defaults in --help, but only where the help does not already say its
+    default, and never ``(default: None)`` (an option with no default)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text or action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from devmesh import __version__
 
     parser = argparse.ArgumentParser(
         prog="devmesh", description="N-dimensional device meshes on PyTorch's distributed runtime.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_DefaultsOnce,
     )
     parser.add_argument("--version", action="version", version=f"devmesh {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_parser = sub.add_parser
 
     def add_parser(name: str, **kw):  # every command shows its defaults in --help
-        return _add_parser(name, formatter_class=argparse.ArgumentDefaultsHelpFormatter, **kw)
+        return _add_parser(name, formatter_class=_DefaultsOnce, **kw)
 
     sub.add_parser = add_parser  # type: ignore[method-assign]
 

@@ -204,11 +204,14 @@ def format_report(reports: list[RankReport]) -> tuple[str, bool]:
         for detail, ranks in failures.items():
             who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"
             lines.append(f"FAIL  {check} ({who}): {detail}")
-    failed = sum(len(ranks) for check in order
-                 for ranks in [[r for r, f in outcomes[check] if not f.ok]] if ranks)
+    failed = sum(1 for line in lines if line.startswith("FAIL"))  # as many as printed
+    failing = sorted({r for found in outcomes.values() for r, f in found if not f.ok})
     if len(reports) > 1:
         per_rank_ok = [r.rank for r in reports if all(f.ok for f in r.findings)]
         lines.append(f"ranks with every check passing: {len(per_rank_ok)} of {len(reports)}")
+    on = ("" if not failing else f" (on rank {failing[0]})" if len(failing) == 1
+          else f" (on ranks {format_ranks(failing)})")
     lines.append("all checks passed" if not failed else
-                 f"{failed} check(s) failed: fix the first FAIL above and run again")
+                 f"{failed} check{'s' if failed > 1 else ''} failed{on}: fix the first "
+                 "FAIL above and run again")
     return "\n".join(lines), not failed

@@ -114,7 +114,7 @@ class PipelineRunner:
         if pp_dim not in names:
             raise PipelineError(
                 f"the mesh has no {pp_dim!r} dim (dims: {list(names)}): build it with one, "
-                f"e.g. init_device_mesh('cpu', (4,), mesh_dim_names=('{pp_dim}',))")
+                f"e.g. {_with_pp(mesh, names, pp_dim)} on these {mesh.size()} ranks")
         self.mesh = mesh
         self.dim = names.index(pp_dim)
         self.pp = mesh.shape[self.dim]
@@ -640,6 +640,17 @@ class PipelineRunner:
             step.fail(exc, f"stage {action.stage}, weight gradients of micro-batch "
                            f"{action.microbatch}")
         step.compute[action] = time.perf_counter() - start
+
+
+def _with_pp(mesh: DeviceMesh, names: Sequence[str], pp_dim: str) -> str:
+    """An ``init_device_mesh`` call that gives ``mesh``'s ranks a pipeline dim: its first
+    dim split in two (``(4, 2)`` over (dp, tp) -> ``(2, 2, 2)`` over (pp, dp, tp)), or a
+    pipeline over all of them."""
+    shape, device = tuple(mesh.shape), mesh.device_type
+    if names and shape[0] % 2 == 0:
+        return (f"init_device_mesh({device!r}, {(2, shape[0] // 2, *shape[1:])}, "
+                f"mesh_dim_names={(pp_dim, *names)!r})")
+    return f"init_device_mesh({device!r}, ({mesh.size()},), mesh_dim_names=({pp_dim!r},))"
 
 
 def _holds_torch_fsdp(stage: nn.Module) -> bool:

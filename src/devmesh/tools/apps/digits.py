@@ -41,7 +41,8 @@ class MeshPlan:
         if "tp" in self.names:
             parts.append(f"TP={self.size('tp')}")
         if "shard" in self.names and "dp" in self.names:
-            parts.append(f"HSDP (replicate={self.size('dp')}, shard={self.size('shard')})")
+            parts.append(f"HSDP (dp={self.size('dp')} replicates, shard={self.size('shard')} "
+                         "shards)")
         elif "shard" in self.names:
             parts.append(f"FSDP={self.size('shard')}")
         elif "dp" in self.names:
