@@ -1,16 +1,20 @@
 """Checkpoint save and load: devmesh's sharded checkpoint vs torch.distributed.checkpoint.
 
-Same model, same FSDP layout (8 gloo ranks, 1-D), same data, in one run: an 8.4M-parameter
-MLP (4 blocks of Linear(512, 2048) -> ReLU -> Linear(2048, 512)) after one AdamW step, so a
-checkpoint holds the weights and both Adam moments (~101 MB; ~12.6 MB per rank). devmesh
-uses its own ``fully_shard`` and ``save_checkpoint``/``load_checkpoint``; torch uses FSDP2
-``fully_shard`` on the same process groups and ``dcp.save``/``dcp.load`` of
-``get_state_dict``. Prints the slowest rank's median time, the ratio devmesh / torch, each
-rank's peak memory growth during the save (RSS sampled every millisecond, minus the RSS
-before), the bytes written, and for devmesh's ``async_=True`` how long the call blocks and
-how much a training step slows while the write runs.
+Same model, same layout (8 gloo ranks), same data, in one run: an 8.4M-parameter MLP (4
+blocks of Linear(512, 2048) -> ReLU -> Linear(2048, 512)) after one AdamW step, so a
+checkpoint holds the weights and both Adam moments (~101 MB). Layouts (``--strategies``):
+``fsdp`` (1-D over 8 ranks, ~12.6 MB a rank), ``hsdp`` ((2, 4): every block on 2 ranks) and
+``ddp`` (every tensor on every rank). devmesh uses its own ``fully_shard``/``replicate`` and
+``save_checkpoint``/``load_checkpoint`` (which checks that replicas agree, digesting each
+replicated block); torch uses FSDP2 ``fully_shard`` / ``DistributedDataParallel`` on the same
+process groups and ``dcp.save``/``dcp.load`` of ``get_state_dict``. Prints the slowest rank's
+median time, the ratio devmesh / torch, each rank's peak memory growth during the save (RSS
+sampled every millisecond, minus the RSS before), the bytes written, the time devmesh spends
+computing its blocks' checksums (CRC-32, against the save's time), and for FSDP, devmesh's
+``async_=True``: how long the call blocks and how much a training step slows while the
+write runs.
 
-    .venv/bin/python bench/checkpoint.py [--repeats 3] [--dir /tmp]
+    .venv/bin/python bench/checkpoint.py [--repeats 3] [--dir /tmp] [--strategies fsdp,hsdp,ddp]
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ class PeakRSS:
         return (self.peak - self.base) / 2**20
 
 
-def run(library: str, directory: str, repeats: int):
+def run(library: str, directory: str, repeats: int, strategy: str = "fsdp"):
     import logging
 
     import torch
@@ -70,23 +74,26 @@ def run(library: str, directory: str, repeats: int):
     logging.disable(logging.WARNING)
     from devmesh import init_device_mesh
 
-    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp",))
+    shape, names = ((2, 4), ("replicate", "shard")) if strategy == "hsdp" else ((8,), ("dp",))
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = build_model()
     if library == "torch":
         from torch.distributed.fsdp import fully_shard
 
         tmesh = mesh.to_torch()
+    else:
+        from devmesh.parallel import fully_shard, replicate
+
+        tmesh = mesh
+    if strategy == "ddp" and library == "torch":
+        model = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.get_group())
+    elif strategy == "ddp":
+        replicate(model, mesh=mesh)
+    else:
         for i in range(0, len(model), 3):
             fully_shard(model[i], mesh=tmesh)
             fully_shard(model[i + 2], mesh=tmesh)
         fully_shard(model, mesh=tmesh)
-    else:
-        from devmesh.parallel import fully_shard
-
-        for i in range(0, len(model), 3):
-            fully_shard(model[i], mesh=mesh)
-            fully_shard(model[i + 2], mesh=mesh)
-        fully_shard(model, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     x = torch.randn(32, 512, generator=torch.Generator().manual_seed(dist.get_rank()))
 
@@ -142,8 +149,18 @@ def run(library: str, directory: str, repeats: int):
         loads.append(time.perf_counter() - start)
     written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
                   if not f.startswith("."))
-    blocking = slowed = None
-    if library == "devmesh":
+    blocking = slowed = crc_seconds = None
+    if library == "devmesh":  # what the blocks' checksums cost: the CRC of this rank's files
+        from devmesh.parallel.checkpoint.checksums import crcs_of
+
+        files = [os.path.join(path, f) for f in os.listdir(path)
+                 if f.endswith(f"r{dist.get_rank():05d}.bin")]
+        data = [open(f, "rb").read() for f in files]
+        start = time.perf_counter()
+        for raw in data:
+            crcs_of(raw, (len(raw),), 1)
+        crc_seconds = time.perf_counter() - start
+    if library == "devmesh" and strategy == "fsdp":
         plain = statistics.median(step() for _ in range(3))
         dist.barrier()
         start = time.perf_counter()
@@ -153,24 +170,32 @@ def run(library: str, directory: str, repeats: int):
         handle.wait()
         slowed = during / plain
     return (statistics.median(saves), statistics.median(loads), max(growth), own_mb, written,
-            blocking, slowed)
+            blocking, slowed, crc_seconds)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
+    parser.add_argument("--strategies", default="fsdp,hsdp,ddp",
+                        help="layouts to compare, comma-separated: fsdp, hsdp, ddp")
     args = parser.parse_args()
     from devmesh.launching.launcher import launch
 
     directory = tempfile.mkdtemp(prefix="devmesh-bench-", dir=args.dir)
-    try:
-        results = {lib: launch(run, 8, lib, directory, args.repeats, timeout=1800)
-                   for lib in ("devmesh", "torch")}
-    finally:
-        shutil.rmtree(directory, ignore_errors=True)
-    print("8.4M-parameter MLP + AdamW state, FSDP over 8 gloo ranks; slowest rank's median of "
-          f"{args.repeats}; written to {directory}")
+    for strategy in args.strategies.split(","):
+        try:
+            results = {lib: launch(run, 8, lib, directory, args.repeats, strategy,
+                                   timeout=1800) for lib in ("devmesh", "torch")}
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+        report(strategy, results, args.repeats)
+
+
+def report(strategy: str, results: dict, repeats: int) -> None:
+    layout = {"fsdp": "FSDP over 8", "hsdp": "HSDP (2, 4) over 8", "ddp": "DDP over 8"}
+    print(f"\n8.4M-parameter MLP + AdamW state, {layout[strategy]} gloo ranks; slowest "
+          f"rank's median of {repeats}")
     print(f"{'':<26}{'devmesh':>12}{'torch DCP':>12}{'ratio':>8}")
     ours, theirs = results["devmesh"], results["torch"]
     for label, index, unit, scale in (("save", 0, "ms", 1e3), ("load", 1, "ms", 1e3)):
@@ -180,14 +205,18 @@ def main() -> None:
     a, b = max(r[2] for r in ours), max(r[2] for r in theirs)
     own = max(r[3] for r in ours)
     print(f"{'peak RSS growth in save':<26}{a:>10.1f}MB{b:>10.1f}MB{a / max(b, 1e-9):>8.2f}"
-          f"   (a rank's own shard + Adam state: {own:.1f} MB)")
+          f"   (a rank's own blocks + Adam state: {own:.1f} MB)")
     a, b = ours[0][4], theirs[0][4]
     print(f"{'bytes written':<26}{a / 2**20:>10.1f}MB{b / 2**20:>10.1f}MB{a / b:>8.2f}")
-    blocking = max(r[5] for r in ours)
-    slowed = max(r[6] for r in ours)
-    print(f"devmesh async_=True: the call blocks {blocking * 1e3:.0f} ms (sync save "
-          f"{max(r[0] for r in ours) * 1e3:.0f} ms); a training step during the write takes "
-          f"{slowed:.2f}x a normal one")
+    crc = max(r[7] for r in ours)
+    print(f"devmesh's checksums (CRC-32 of a rank's data file): {crc * 1e3:.1f} ms of a "
+          f"{max(r[0] for r in ours) * 1e3:.0f} ms save")
+    if strategy == "fsdp":
+        blocking = max(r[5] for r in ours)
+        slowed = max(r[6] for r in ours)
+        print(f"devmesh async_=True: the call blocks {blocking * 1e3:.0f} ms (sync save "
+              f"{max(r[0] for r in ours) * 1e3:.0f} ms); a training step during the write "
+              f"takes {slowed:.2f}x a normal one")
 
 
 if __name__ == "__main__":

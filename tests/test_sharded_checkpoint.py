@@ -577,3 +577,50 @@ def test_paths_that_differ_between_ranks_are_refused_on_every_rank(mesh_pool, tm
         assert out["load"] is not None and "load_checkpoint: the ranks read different " \
             "checkpoints (ranks 0, 2:" in out["load"] and "ranks 1, 3:" in out["load"]
         assert unchanged and written == [], (unchanged, written)
+
+
+def flipped_byte_in_rows_one_rank_reads(path: str, damaged_row: int):
+    """A replicated 16x16 weight saved whole (one block, one chunk a row), one byte of row
+    ``damaged_row`` flipped, then loaded sharded over 2 ranks: each rank reads (and checks)
+    only its 8 rows. What each rank raised, and whether its parameters stayed as they were."""
+    import torch.distributed as dist
+
+    from devmesh.errors import CheckpointError
+    from devmesh.parallel import replicate
+    from devmesh.parallel.checkpoint import checksums
+
+    checksums.CHUNK_BYTES = 64  # one 16-float row a chunk: reads of a few rows are checked
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    torch.manual_seed(0)
+    saved = torch.nn.Linear(16, 16, bias=False)
+    replicate(saved, mesh=mesh)
+    save_checkpoint(path, saved)
+    if dist.get_rank() == 0:
+        meta = json.load(open(os.path.join(path, "metadata.json")))
+        block = meta["tensors"]["model.weight"]["blocks"][0]
+        assert len(block["crc32"]) == 16
+        name = os.path.join(path, block["file"])
+        raw = bytearray(open(name, "rb").read())
+        raw[block["offset"] + damaged_row * 64 + 3] ^= 0x10
+        open(name, "wb").write(bytes(raw))
+    dist.barrier()
+    torch.manual_seed(1)
+    target = torch.nn.Linear(16, 16, bias=False)
+    fully_shard(target, mesh=mesh)
+    before = target.weight.detach().clone()
+    try:
+        load_checkpoint(path, target)
+        outcome = "loaded"
+    except CheckpointError as exc:
+        outcome = f"{type(exc).__name__}: {exc}"
+    return outcome, torch.equal(before, target.weight.detach())
+
+
+def test_a_flipped_byte_is_found_by_the_rank_that_reads_it_and_refused_everywhere(mesh_pool,
+                                                                                  tmp_path):
+    (r0, same0), (r1, same1) = mesh_pool.run(flipped_byte_in_rows_one_rank_reads, 2,
+                                             str(tmp_path / "c"), 12)
+    assert r1.startswith("CheckpointChecksumError") and "rows 12..12" in r1, r1
+    assert "the block of 'model.weight' starting at [0, 0], size [16, 16]" in r1
+    assert r0 != "loaded" and "rank 1" in r0, r0  # the rank whose rows were clean refuses too
+    assert same0 and same1  # nothing was loaded anywhere

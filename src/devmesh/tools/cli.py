@@ -307,7 +307,7 @@ def _cmd_ckpt_info(args: argparse.Namespace) -> int:
     from devmesh.parallel.checkpoint.offline import info
 
     try:
-        print(info(args.path))
+        print(info(args.path, verify=args.verify))
     except CheckpointError as exc:
         print(f"devmesh ckpt info: {exc}", file=sys.stderr)
         return 1
@@ -473,6 +473,8 @@ def _add_ckpt(sub) -> None:
     actions = ckpt.add_subparsers(dest="action", metavar="ACTION", required=True)
     info = actions.add_parser("info", help="tensors, shapes, layouts, bytes and files")
     info.add_argument("path", help="the checkpoint directory")
+    info.add_argument("--verify", action="store_true",
+                      help="also read every block and check it against its checksums")
     info.set_defaults(handler=_cmd_ckpt_info)
     merge = actions.add_parser(
         "consolidate", help="write the model's full tensors as one safetensors file, streaming",

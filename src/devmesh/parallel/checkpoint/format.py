@@ -9,7 +9,9 @@ metadata file, and the reader that checks and reads them.
 
 ``metadata.json`` names every tensor (``model.<name>``, ``optim.state.<name>.<key>``,
 ``extra...``), its dtype, global shape and layout, and for each distinct block the file,
-byte offset, start and size; tied parameters are aliases of one entry. Data files are raw
+byte offset, start, size and the CRC-32 of each chunk of its rows
+(:mod:`~devmesh.parallel.checkpoint.checksums`: a load checks every byte it uses); tied
+parameters are aliases of one entry. Data files are raw
 little-endian bytes in row-major order: no pickle anywhere, so reading a checkpoint can never
 run code. Each save writes data files under a fresh id, so a save killed half-way leaves the
 previous metadata and the data files it names intact; the next save removes the orphans.
@@ -31,8 +33,9 @@ from typing import Any
 
 import torch
 
-from devmesh.errors import CheckpointError, CheckpointNotFoundError
+from devmesh.errors import CheckpointChecksumError, CheckpointError, CheckpointNotFoundError
 from devmesh.parallel.checkpoint.blocks import overlap
+from devmesh.parallel.checkpoint.checksums import chunk_bounds, chunk_count, chunk_rows, crcs_of
 from devmesh.parallel.checkpoint.encoding import Malformed, dtype_of
 
 __all__ = ["FORMAT", "METADATA", "BlockMeta", "TensorMeta", "CheckpointReader", "data_file_name",
@@ -53,6 +56,9 @@ class BlockMeta:
     offset: int
     start: tuple[int, ...]
     size: tuple[int, ...]
+    # CRC-32 of each chunk of rows (:mod:`~devmesh.parallel.checkpoint.checksums`); None in
+    # a checkpoint written before devmesh stored them (read unchecked)
+    crc32: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -86,9 +92,14 @@ def _tensor_meta(key: str, raw: Any, files: dict[str, int]) -> TensorMeta:
         where = f"{key}.blocks[{i}]"
         if not isinstance(b, dict) or b.get("file") not in files:
             raise Malformed(f"{where} names a data file the metadata does not list")
+        size = _ints(b.get("size"), f"{where}.size", len(shape))
+        crc32 = None
+        if "crc32" in b:
+            crc32 = _ints(b["crc32"], f"{where}.crc32", chunk_count(size, dtype.itemsize))
+            if any(c >= 1 << 32 for c in crc32):
+                raise Malformed(f"{where}.crc32 holds values that are not CRC-32s")
         block = BlockMeta(b["file"], _ints([b.get("offset")], where)[0],
-                          _ints(b.get("start"), f"{where}.start", len(shape)),
-                          _ints(b.get("size"), f"{where}.size", len(shape)))
+                          _ints(b.get("start"), f"{where}.start", len(shape)), size, crc32)
         if any(s + n > d for s, n, d in zip(block.start, block.size, shape, strict=True)):
             raise Malformed(f"{where} lies outside the tensor's shape {shape}")
         nbytes = math.prod(block.size) * dtype.itemsize
@@ -218,14 +229,59 @@ class CheckpointReader:
     def _read_block_box(self, meta: TensorMeta, block: BlockMeta,
                         box: tuple[tuple[int, int], ...]) -> torch.Tensor:
         if not block.size:  # a 0-d tensor
-            return self._bytes(block.file, block.offset, meta.dtype.itemsize).view(
-                meta.dtype).reshape(())
+            raw = self._bytes(block.file, block.offset, meta.dtype.itemsize)
+            if block.crc32 is not None:
+                self._check_chunks(meta, block, raw, 0, 0)
+            return raw.view(meta.dtype).reshape(())
         row = math.prod(block.size[1:]) * meta.dtype.itemsize
         first, last = box[0][0] - block.start[0], box[0][1] - block.start[0]
-        raw = self._bytes(block.file, block.offset + first * row, (last - first) * row)
+        if block.crc32 is None:
+            raw = self._bytes(block.file, block.offset + first * row, (last - first) * row)
+        else:  # read whole chunks and check them, then keep the rows asked for
+            chunk, lo, hi = chunk_bounds(block.size, meta.dtype.itemsize, first, last)
+            raw = self._bytes(block.file, block.offset + lo * row, (hi - lo) * row)
+            self._check_chunks(meta, block, raw, chunk, lo * row)
+            raw = raw[(first - lo) * row:(last - lo) * row]
         rows = raw.view(meta.dtype).reshape((last - first, *block.size[1:]))
         return rows[(slice(None), *(slice(lo - s, hi - s) for (lo, hi), s in
                                     zip(box[1:], block.start[1:], strict=True)))]
+
+    def _check_chunks(self, meta: TensorMeta, block: BlockMeta, raw: torch.Tensor,
+                      chunk: int, start: int) -> None:
+        """``raw``, the block's bytes from ``start`` (chunk ``chunk``'s first), against the
+        checksums written with them."""
+        found = crcs_of(raw.numpy(), block.size, meta.dtype.itemsize)
+        wanted = block.crc32[chunk:chunk + len(found)]
+        for i, (got, want) in enumerate(zip(found, wanted, strict=True)):
+            if got != want:
+                per = chunk_rows(block.size, meta.dtype.itemsize)
+                first = (chunk + i) * per
+                rows = f"rows {first}..{min(first + per, block.size[0]) - 1} of " \
+                    if block.size else ""
+                raise CheckpointChecksumError(
+                    f"{self.path}: {block.file} does not match the checksum written with it "
+                    f"at bytes {block.offset + start}.. ({rows}the block of {meta.key!r} "
+                    f"starting at {list(block.start)}, size {list(block.size)}): the file "
+                    "was changed or damaged after the save; nothing was loaded. Restore the "
+                    "checkpoint from a copy, or load an earlier one")
+
+    def verify(self) -> tuple[int, int]:
+        """Read every block and check it against its checksums: ``(blocks, bytes)`` checked;
+        raises :class:`~devmesh.errors.CheckpointChecksumError` at the first mismatch."""
+        checked = nbytes = 0
+        for meta in self.tensors.values():
+            for block in meta.blocks:
+                if block.crc32 is None or not math.prod(block.size):
+                    continue
+                whole = tuple((s, s + n) for s, n in zip(block.start, block.size, strict=True))
+                per = chunk_rows(block.size, meta.dtype.itemsize) if block.size else 1
+                for row in range(0, block.size[0] if block.size else 1, per):  # chunk by chunk
+                    top = block.start[0] + row if block.size else 0
+                    box = whole and ((top, min(top + per, whole[0][1])),) + whole[1:]
+                    self._read_block_box(meta, block, box)
+                checked += 1
+                nbytes += math.prod(block.size) * meta.dtype.itemsize
+        return checked, nbytes
 
     def _bytes(self, name: str, offset: int, nbytes: int) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8)

@@ -44,10 +44,20 @@ def _ranks(files: list[str]) -> str:
     return format_ranks(ranks) if ranks else "-"
 
 
-def info(path: str) -> str:
+def info(path: str, *, verify: bool = False) -> str:
     """What the checkpoint at ``path`` holds: every tensor with its dtype, shape, layout when
-    saved, bytes and which ranks' files hold its blocks; then the files."""
+    saved, bytes and which ranks' files hold its blocks; then the files. ``verify``: also
+    read every block and check it against the checksums written with it (raises
+    :class:`~devmesh.errors.CheckpointChecksumError` naming the file, tensor and block)."""
     with CheckpointReader(path) as reader:
+        verified = ""
+        if verify:
+            import time
+
+            began = time.perf_counter()
+            blocks, nbytes = reader.verify()
+            verified = (f"\nverified: {blocks} blocks, {_size(nbytes)}, every checksum "
+                        f"matches ({time.perf_counter() - began:.2f} s)")
         rows = [("tensor", "dtype", "shape", "saved layout", "bytes", "blocks", "files of ranks")]
         for key, meta in reader.tensors.items():
             rows.append((key, str(meta.dtype).removeprefix("torch."), str(list(meta.shape)),
@@ -63,7 +73,7 @@ def info(path: str) -> str:
                                                        strict=True)).rstrip() for r in rows]
         lines.append("")
         lines += [f"{name}  {_size(size)}" for name, size in sorted(reader.files.items())]
-        return "\n".join(lines)
+        return "\n".join(lines) + verified
 
 
 def consolidate(path: str, out: str, *, buffer_mb: float = 64) -> list[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import secrets
 import threading
@@ -39,6 +40,7 @@ from devmesh.distributed import comm, groups
 from devmesh.errors import CheckpointError
 from devmesh.layout import format_ranks
 from devmesh.parallel.checkpoint.blocks import Placed, TensorLayout, distinct_blocks, place_blocks
+from devmesh.parallel.checkpoint.checksums import chunk_count, crcs_of
 from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
 from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data_file_name
 from devmesh.parallel.checkpoint.union import Listed, Merged, listed_json, merge_listings
@@ -358,17 +360,28 @@ def _refuse_differing_replicas(placed: list[Placed], local: dict[str, torch.Tens
             "as torch's DCP does). Nothing was written")
 
 
+#: Bytes of a block digested at a time: the sum widens its words to 64 bits (a copy twice
+#: the slab's size), so a block is digested slab by slab, never copied whole.
+DIGEST_SLAB_BYTES = 1 << 20
+
+
 def _digest(block: torch.Tensor) -> int:
     """A 62-bit digest of ``block``'s bytes (their 32-bit words summed, or bytes where they
     do not make whole words): equal for equal blocks, and different blocks — other layers,
-    diverged replicas — differ in it. Not a defence against crafted collisions."""
+    diverged replicas — differ in it. Not a defence against crafted collisions. Summed in
+    slabs of :data:`DIGEST_SLAB_BYTES` (the sum is the same, modulo 2^62, as one sum of the
+    whole block), so saving a replicated model costs no memory beyond it."""
     raw = block.detach().contiguous().reshape(-1).view(torch.uint8)
-    if raw.numel() % 4:  # the same rule on every holder: it depends on the size alone
-        return int(torch.sum(raw, dtype=torch.int64)) % (1 << 62)
-    if raw.storage_offset() % 4:  # a view into a buffer, off a word boundary
-        raw = raw.clone()
-    words = raw.view(torch.int32)
-    return int(torch.sum(words, dtype=torch.int64)) % (1 << 62)
+    as_words = raw.numel() % 4 == 0  # the same rule on every holder: it depends on the size
+    total = 0
+    for start in range(0, raw.numel(), DIGEST_SLAB_BYTES):
+        slab = raw[start:start + DIGEST_SLAB_BYTES]
+        if as_words:
+            if slab.storage_offset() % 4:  # a view into a buffer, off a word boundary
+                slab = slab.clone()
+            slab = slab.view(torch.int32)
+        total += int(torch.sum(slab, dtype=torch.int64))
+    return total % (1 << 62)
 
 
 def _agree_on_save_id(group) -> str:
@@ -384,23 +397,27 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                       merged: Merged, extras: list[Listed], extra: Any, group) -> None:
     name = data_file_name(save_id, rank)
     error: BaseException | None = None
+    written: dict[int, list[int]] = {}  # id(placed block) -> its chunks' checksums
     try:
         os.makedirs(path, exist_ok=True)
         if blocks:
             with atomic_file(os.path.join(path, name), "wb") as f:
                 for p, tensor in blocks:
                     assert f.tell() == p.offset
-                    f.write(memoryview(tensor.reshape(-1).view(torch.uint8).numpy()))
+                    data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+                    f.write(data)
+                    written[id(p)] = crcs_of(data, p.block.size, _itemsize(p))
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = CheckpointError(f"save_checkpoint could not write {os.path.join(path, name)}: "
                                 f"{type(exc).__name__}: {exc}; the previous checkpoint, if "
                                 "any, is untouched")
     _raise_if_failed(error, "save_checkpoint (writing data files; the previous checkpoint, if "
                      "any, is untouched)", group)
+    checksums = _checksums_on_every_rank(placed, written, group)
     commit_error = None
     if rank == 0:
         try:
-            _commit(path, save_id, world, placed, merged, extras, extra)
+            _commit(path, save_id, world, placed, merged, extras, extra, checksums)
         except Exception as exc:  # noqa: BLE001
             commit_error = CheckpointError(
                 f"save_checkpoint could not write {os.path.join(path, METADATA)}: "
@@ -409,8 +426,35 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                      "previous checkpoint, if any, is untouched)", group)
 
 
+def _itemsize(p: Placed) -> int:
+    """The bytes of one element of ``p``'s tensor (its blocks are never empty)."""
+    return p.nbytes // max(1, math.prod(p.block.size))
+
+
+def _checksums_on_every_rank(placed: list[Placed], written: dict[int, list[int]], group
+                             ) -> list[list[int]]:
+    """Every placed block's chunk checksums, for rank 0 to write in the metadata: each rank
+    fills the slots of the blocks it wrote (every rank knows every block's slots, from the
+    placement), and one all-reduce sums them (each slot has one writer)."""
+    counts = [chunk_count(p.block.size, _itemsize(p)) for p in placed]
+    slots = torch.zeros(sum(counts), dtype=torch.int64)
+    at = 0
+    for p, n in zip(placed, counts, strict=True):
+        if id(p) in written:
+            slots[at:at + n] = torch.tensor(written[id(p)], dtype=torch.int64)
+        at += n
+    if group is not None:
+        dist.all_reduce(slots, group=group)
+    values = slots.tolist()
+    out, at = [], 0
+    for n in counts:
+        out.append(values[at:at + n])
+        at += n
+    return out
+
+
 def _commit(path: str, save_id: str, world: int, placed: list[Placed], merged: Merged,
-            extras: list[Listed], extra: Any) -> None:
+            extras: list[Listed], extra: Any, checksums: list[list[int]]) -> None:
     """Rank 0: write the metadata (the checkpoint now exists), then drop unnamed data files."""
     sizes: dict[str, int] = {}
     for p in placed:
@@ -420,10 +464,10 @@ def _commit(path: str, save_id: str, world: int, placed: list[Placed], merged: M
     for t in merged.tensors + extras:
         tensors[t.key] = {"dtype": t.dtype, "shape": list(t.shape), "layout": t.text,
                           "mesh": t.mesh, "blocks": []}
-    for p in placed:
+    for p, crc32 in zip(placed, checksums, strict=True):
         tensors[p.key]["blocks"].append({
             "file": data_file_name(save_id, p.rank), "offset": p.offset,
-            "start": list(p.block.start), "size": list(p.block.size)})
+            "start": list(p.block.start), "size": list(p.block.size), "crc32": crc32})
     metadata = {"format": FORMAT, "world_size": world, "files": sizes, "tensors": tensors,
                 "aliases": merged.aliases, "model": merged.model_keys,
                 "optimizer": merged.optimizer, "extra": extra}
