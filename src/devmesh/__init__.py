@@ -85,3 +85,17 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(list(globals()) + __all__)
+
+
+def _trace_if_asked() -> None:
+    """``DEVMESH_TRACE_COLLECTIVES=1``: record every collective from the start
+    (:mod:`devmesh.distributed.trace`); torch is imported only then."""
+    import os
+
+    if os.environ.get("DEVMESH_TRACE_COLLECTIVES", "").strip().lower() in ("1", "true", "yes"):
+        from devmesh.distributed.trace import install
+
+        install()
+
+
+_trace_if_asked()

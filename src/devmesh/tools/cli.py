@@ -271,6 +271,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from devmesh.launching.child import ARGV_VARIABLE
 
     os.environ[ARGV_VARIABLE] = json.dumps(list(args.args))
+    if args.trace_collectives:  # each rank records its collectives (devmesh.distributed.trace)
+        os.environ["DEVMESH_TRACE_COLLECTIVES"] = "1"
     # a store per restart (pytorch/pytorch#135712), served by rank 0 on loopback only
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # torchrun --standalone's agent serves its rendezvous store on every interface; this
@@ -443,6 +445,10 @@ def _add_run(sub) -> None:
     run.add_argument("--oversubscribe", action="store_true",
                      help="start -n ranks even where this machine's memory or cores cannot "
                           "hold them (refused by default, before anything starts)")
+    run.add_argument("--trace-collectives", action="store_true",
+                     help="record each rank's collectives; on a timeout, name the ranks that "
+                          "diverged and their source lines (DEVMESH_TRACE_COLLECTIVES=1 does "
+                          "the same under torchrun)")
     run.add_argument("script", help="the Python script")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=_cmd_run)
