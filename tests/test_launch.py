@@ -149,7 +149,7 @@ def test_more_ranks_than_the_machine_holds_are_refused_before_anything_starts(tm
                           env={k: v for k, v in os.environ.items()
                                if k != capacity.OVERSUBSCRIBE_VARIABLE})
     assert proc.returncode != 0
-    assert "devmesh run -n 999: 999 local ranks need at least" in proc.stderr, proc.stderr
+    assert "devmesh run: -n 999: 999 local ranks need at least" in proc.stderr, proc.stderr
     assert "GiB available" in proc.stderr and "--oversubscribe" in proc.stderr
     assert not started.exists()  # no rank ran
     assert time.monotonic() - began < 60

@@ -226,10 +226,10 @@ def _check_nproc(n: int, oversubscribe: bool) -> None:
     if n < 1:
         raise SystemExit(f"devmesh run: -n must be at least 1, got {n}")
     try:
-        check_local_ranks(n, what=f"devmesh run -n {n}", override="--oversubscribe",
+        check_local_ranks(n, what=f"devmesh run: -n {n}", override="--oversubscribe",
                           oversubscribe=oversubscribe)
     except LaunchCapacityError as exc:
-        raise SystemExit(f"devmesh run: error: {exc}") from None
+        raise SystemExit(str(exc)) from None
 
 
 def _killed_for_memory(failures: dict, oom_kills_before: int | None) -> str:
