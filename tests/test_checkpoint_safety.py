@@ -396,3 +396,26 @@ def test_checking_replicas_digests_a_block_without_copying_it():
     assert growth_mb < 8, growth_mb
     words = torch.ones(16 << 20).view(torch.int32)
     assert digest == int(words.to(torch.int64).sum()) % (1 << 62)
+
+
+def test_writers_of_one_file_at_once_keep_their_own_temporary_files(tmp_path):
+    """Every rank drawing the same picture (visualize_sharding(w, to_file=...) on each rank)
+    writes one file from several processes at once: a writer used to delete the others'
+    temporary files as if their writers had been killed, and their rename failed."""
+    from devmesh._files import atomic_file
+
+    target = tmp_path / "w.png"
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        alive = tmp_path / f".w.png.{sleeper.pid}.abc.devmesh-tmp"
+        alive.write_bytes(b"half")
+        dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                              capture_output=True, text=True).stdout.strip()
+        left = tmp_path / f".w.png.{dead}.def.devmesh-tmp"
+        left.write_bytes(b"half")
+        with atomic_file(str(target)) as f:
+            f.write(b"picture")
+        assert alive.exists() and not left.exists() and target.read_bytes() == b"picture"
+    finally:
+        sleeper.kill()
+        sleeper.wait()

@@ -1,4 +1,4 @@
-"""DESIGN.md's layer order, checked on the source: a module never imports a higher layer
+"""The layer order of docs/design/index.md, checked on the source: a module never imports a higher layer
 (lazy imports inside functions included)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ a taken name, ``_concatenate``, ``from_group`` with a mesh that does not fit, a 
 without process groups). Each case runs with both libraries in the same task, and their
 outcomes must agree: the same values, or an exception of (a subclass of) torch's type whose
 message keeps torch's phrase. Differences devmesh makes on purpose (slicing in any order,
-a mesh smaller than the world refused by ``init_device_mesh``) are in README's list and not
+a mesh smaller than the world refused by ``init_device_mesh``) are in docs/reference/differences.md and not
 repeated here."""
 
 from __future__ import annotations

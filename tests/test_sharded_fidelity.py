@@ -297,7 +297,7 @@ def test_from_local_grad_placements_and_mesh_context_as_torch(mesh_pool):
     ours = mesh_pool.run(from_local_and_mesh_context, 4, "devmesh")
     theirs = mesh_pool.run(from_local_and_mesh_context, 4, "torch")
     for name in ("replicate->partial", "shard->partial", "partial->default"):
-        # the partial sums differ per rank (see README), their sums are torch's
+        # the partial sums differ per rank (docs/guide/sharded-tensors.md), their sums are torch's
         for group in ([0, 2], [1, 3]) if name == "replicate->partial" else ([0, 1], [2, 3]):
             if name == "partial->default":
                 for rank in range(4):

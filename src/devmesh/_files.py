@@ -7,7 +7,8 @@ unique name, ``O_EXCL``, so a symlink planted there is never followed), written,
 fsynced, renamed over the target (atomic on POSIX), and the directory is fsynced so the rename
 survives a power cut. On any failure the temporary file is removed and the old target stays.
 A writer killed outright (SIGKILL) cannot clean up: its temporary file is hidden
-(``.NAME.*.devmesh-tmp``) and removed by the next write of the same target.
+(``.NAME.PID.*.devmesh-tmp``) and removed by the next write of the same target, unless its
+process still runs (several ranks writing the same picture at once each keep their own).
 """
 
 from __future__ import annotations
@@ -44,9 +45,12 @@ def atomic_file(path: str, mode: str = "wb") -> Iterator[IO[Any]]:
     prefix = f".{os.path.basename(path)}."
     for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*"
                                         + TMP_SUFFIX)):
+        if _writer_alive(os.path.basename(stale)[len(prefix):]):
+            continue  # another process writing the same file now (every rank drawing it)
         with contextlib.suppress(OSError):
             os.remove(stale)  # left by a writer that was killed
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=prefix, suffix=TMP_SUFFIX)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f"{prefix}{os.getpid()}.",
+                               suffix=TMP_SUFFIX)
     try:
         with os.fdopen(fd, mode, **({} if "b" in mode else {"newline": ""})) as f:
             yield f
@@ -57,6 +61,21 @@ def atomic_file(path: str, mode: str = "wb") -> Iterator[IO[Any]]:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def _writer_alive(rest: str) -> bool:
+    """Whether the temporary file whose name goes on with ``rest`` (``PID.RANDOM...``) belongs
+    to a process that is still running on this machine (then it is being written, not left)."""
+    pid = rest.split(".", 1)[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, but not ours to signal
+        return True
+    return True
 
 
 def atomic_write(path: str, write: Callable[[IO[str]], Any]) -> None:

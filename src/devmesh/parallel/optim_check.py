@@ -1,7 +1,7 @@
 """Which optimizers can step devmesh's split parameters.
 
 Under ``fully_shard`` and tensor parallelism a parameter is this rank's block as a plain
-tensor (DESIGN: parameters are blocks, the layout rides along). An optimizer that updates
+tensor (docs/design/index.md: parameters stay parameters, their layout beside them). An optimizer that updates
 each element from that element's own gradient and state — SGD, Adam, AdamW, RMSprop, ... —
 gives every block exactly what it would give the whole tensor's elements, so training equals
 single-process training. An optimizer that looks across elements does not: torch's
