@@ -251,3 +251,29 @@ def test_arguments_one_rank_passes_differently_are_refused_on_every_rank(mesh_po
             name, message, _ = out[case]
             assert name == "MeshMismatchError" and words in message, (case, out[case])
             assert "ranks 0:" in message and "ranks 1:" in message, message
+
+
+def test_every_public_exception_is_importable_from_devmesh_errors():
+    """PipelineError lived in devmesh.parallel.pipeline and ScheduleError in the layout: a user
+    catching them had to know where each was raised. Every exception and warning class devmesh
+    defines is in devmesh.errors."""
+    import importlib
+    import inspect
+    import pkgutil
+
+    import devmesh
+    import devmesh.errors as errors
+
+    found = {}
+    for info in pkgutil.walk_packages(devmesh.__path__, "devmesh."):
+        if info.name.endswith("__main__"):
+            continue
+        module = importlib.import_module(info.name)
+        for name, value in vars(module).items():
+            if (inspect.isclass(value) and issubclass(value, (Exception, Warning))
+                    and value.__module__.startswith("devmesh") and not name.startswith("_")):
+                found[name] = value
+    missing = sorted(n for n, cls in found.items() if getattr(errors, cls.__name__, None) is not cls)
+    assert not missing, f"not importable from devmesh.errors: {missing}"
+    assert {"PipelineError", "ScheduleError", "CheckpointChecksumError",
+            "LaunchCapacityError"} <= set(errors.__all__)
