@@ -414,3 +414,41 @@ def test_a_stuck_rank_is_named_by_the_other_pipelines_too(mesh_pool):
         assert "pipeline step's end over pp+dp" in text and "ranks [0, 2] never reached the " \
             "end of the step — they are stuck in their own code" in text, text
     assert mesh_pool.run(lambda: 5, 4) == [5, 5, 5, 5]
+
+
+def test_devmesh_run_takes_a_module_a_log_dir_and_a_ranks_filter(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "train.py").write_text(
+        "import os, sys\nprint('rank', os.environ['RANK'], sys.argv[1:], flush=True)\n"
+        "if os.environ['RANK'] == '1':\n    raise SystemExit(3)\n")
+    proc = _devmesh("run", "-n", "2", "--log-dir", str(tmp_path / "logs"),
+                    "--local-ranks-filter", "0", "-m", "pkg.train", "--lr", "3", cwd=tmp_path)
+    assert proc.returncode == 3, proc.stderr[-2000:]
+    assert "rank 0 ['--lr', '3']" in proc.stdout and "rank 1" not in proc.stdout
+    # the summary names the user's module, not devmesh's rank wrapper
+    assert "pkg.train FAILED" in proc.stderr and "devmesh.launching.child" not in proc.stderr
+    logged = sorted(p.read_text() for p in (tmp_path / "logs").rglob("stdout.log"))
+    assert logged == ["rank 0 ['--lr', '3']\n", "rank 1 ['--lr', '3']\n"]
+
+
+def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
+    import signal
+    import time
+
+    script = tmp_path / "sleepy.py"
+    script.write_text("import os, time\nprint('ready', os.environ['RANK'], flush=True)\n"
+                      "time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "devmesh", "run", "-n", "2", str(script)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    ready, deadline = 0, time.monotonic() + 120
+    while ready < 2 and time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        ready += "ready" in line
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 130, out[-2000:]
+    assert "stopped by SIGINT" in out
+    left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
+    assert not left.strip()

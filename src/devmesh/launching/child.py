@@ -42,11 +42,19 @@ def main(argv: list[str]) -> None:
     if ARGV_VARIABLE in os.environ:
         import json
 
-        argv = argv[:1] + json.loads(os.environ[ARGV_VARIABLE])
+        target = 2 if argv[:1] == ["-m"] else 1  # the script, or -m and the module
+        argv = argv[:target] + json.loads(os.environ[ARGV_VARIABLE])
     if not argv:
         raise SystemExit("usage: python -m devmesh.launching.child SCRIPT [ARGS...]")
     die_with_parent()
     settle_collective_threads_at_exit()
+    if argv[0] == "-m":  # devmesh run -m package.module: as python -m runs it
+        if len(argv) < 2:
+            raise SystemExit("usage: python -m devmesh.launching.child -m MODULE [ARGS...]")
+        sys.argv = list(argv[1:])
+        sys.path.insert(0, os.getcwd())
+        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        return
     script = argv[0]
     sys.argv = list(argv)
     sys.path.insert(0, os.path.dirname(os.path.abspath(script)))

@@ -283,19 +283,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
     torchrun_args = ["--nnodes=1", f"--nproc_per_node={args.nproc}", "--rdzv-backend=c10d",
                      f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=devmesh-run-{port}",
                      "--rdzv-conf=is_host=false", "--local-addr=127.0.0.1",
-                     f"--max-restarts={args.max_restarts}", "-m",
-                     "devmesh.launching.child", args.script]
+                     f"--max-restarts={args.max_restarts}"]
+    if args.log_dir:  # one file per rank, and the console as well
+        torchrun_args += [f"--log-dir={args.log_dir}", "--tee=3"]
+    if args.local_ranks_filter:
+        torchrun_args += [f"--local-ranks-filter={args.local_ranks_filter}"]
+    target = ["-m", args.script] if args.module else [args.script]
+    torchrun_args += ["-m", "devmesh.launching.child", *target]
     kills_before = oom_kills()
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         torchrun_main(torchrun_args)
     except SystemExit as exc:
         return int(exc.code or 0)
     except ChildFailedError as exc:  # the failing rank's own exit code, as a shell would
-        print(str(exc), file=sys.stderr)
+        # torchrun names the entry point it ran: the rank wrapper; name the user's script
+        print(str(exc).replace("devmesh.launching.child", args.script), file=sys.stderr)
         memory = _killed_for_memory(exc.failures, kills_before)
         if memory:
             print(memory, file=sys.stderr)
         return _root_exit_code(exc.failures)
+    except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C: 130, as a shell says
+        number = getattr(exc, "sigval", signal.SIGINT)
+        print(f"devmesh run: stopped by {signal.Signals(number).name}; every rank was stopped",
+              file=sys.stderr)
+        return 128 + int(number)
     except Exception as exc:
         print(str(exc), file=sys.stderr)
         return 1
@@ -449,7 +462,13 @@ def _add_run(sub) -> None:
                      help="record each rank's collectives; on a timeout, name the ranks that "
                           "diverged and their source lines (DEVMESH_TRACE_COLLECTIVES=1 does "
                           "the same under torchrun)")
-    run.add_argument("script", help="the Python script")
+    run.add_argument("-m", "--module", action="store_true",
+                     help="run the script as a module, as python -m (devmesh run -n 2 -m pkg.train)")
+    run.add_argument("--log-dir", default=None,
+                     help="also write each rank's output to a file of its own in this folder")
+    run.add_argument("--local-ranks-filter", default=None,
+                     help="show only these ranks' output on the console, e.g. 0 or 0,3")
+    run.add_argument("script", help="the Python script (with -m: the module)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=_cmd_run)
 
