@@ -25,6 +25,7 @@ from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
 from devmesh.distributed import env, groups
+from devmesh._log import get_logger
 from devmesh.errors import (
     DeviceTypeError,
     MeshFlattenNameError,
@@ -868,6 +869,7 @@ def init_device_mesh(
     world = dist.get_world_size()
     if size != world:
         raise _world_size_mismatch(device_type, shape, size, world)
+    created, reused = groups.created_count(), groups.reused_count()
     mesh = DeviceMesh(
         device_type,
         np.arange(size).reshape(shape),
@@ -876,6 +878,10 @@ def init_device_mesh(
         backend_override=backend_override,
     )
     _check_topology(mesh, heavy_dims, strict)
+    get_logger("mesh").info(
+        "mesh %s built on %d ranks (%s, %s): %d process group(s) created, %d reused",
+        dict(zip(names or range(len(shape)), shape, strict=True)), size, device_type,
+        dist.get_backend(), groups.created_count() - created, groups.reused_count() - reused)
     return mesh
 
 

@@ -23,6 +23,7 @@ import contextlib
 import datetime
 import functools
 import hashlib
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -32,6 +33,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from devmesh._log import get_logger
 from devmesh.distributed import groups, stops
 from devmesh.distributed.timeouts import AGREEMENTS, Watch
 
@@ -130,7 +132,14 @@ def count_copy(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+_log = get_logger("comm")
+
+
 def _record(collective: str, mesh: DeviceMesh, dims: Sequence[int], nbytes: int) -> None:
+    if _log.isEnabledFor(logging.DEBUG):  # DEVMESH_LOG=debug: every collective, as issued
+        _log.debug("%s over %s (ranks %s): %d bytes", collective,
+                   "+".join(mesh.layout.dim_name(d) for d in dims),
+                   list(mesh.layout.group_of(mesh.get_rank(), tuple(dims))), nbytes)
     if not _active:
         return
     label = "+".join(mesh.layout.dim_name(d) for d in dims)

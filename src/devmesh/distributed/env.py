@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from devmesh._exit import settle_collective_threads_at_exit
+from devmesh._log import get_logger
 from devmesh.errors import DeviceUnavailableError, LaunchEnvironmentError, MeshTimeoutError
 from devmesh.layout import format_ranks
 
@@ -179,6 +180,12 @@ def ensure_default_group(
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         return
     env = read_launch_env()
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart:
+        get_logger("launch").info(
+            "restart %d (of at most %s): rank %d of %d joins again; resume from your last "
+            "checkpoint", restart, os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?"), env.rank,
+            env.world_size)
     check_device(device_type, env.local_world_size)
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)

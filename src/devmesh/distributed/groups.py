@@ -33,6 +33,7 @@ __all__ = [
     "create_dim_groups",
     "register_group",
     "created_count",
+    "reused_count",
     "check_agreement",
     "as_timedelta",
     "reset",
@@ -56,6 +57,7 @@ class _Cache:
         self.generation = next(_generations)
         self.groups: dict[GroupKey, ProcessGroup] = {}
         self.created = 0
+        self.reused = 0  # asks answered from the cache (logged: groups created or reused)
         self.agreements = itertools.count()
         self.hosts = None  # host index of every rank, once gathered
         self.host_published = False  # this rank posted its host index in this world
@@ -112,6 +114,11 @@ def created_count() -> int:
     return _current().created
 
 
+def reused_count() -> int:
+    """How many times a group was asked for and found already made, in this world."""
+    return _current().reused
+
+
 def register_group(
     group: ProcessGroup, *, backend: str | None = None, timeout: datetime.timedelta | None = None
 ) -> None:
@@ -145,6 +152,7 @@ def get_group(
         return None
     group = cache.groups.get(key)
     if group is not None:
+        cache.reused += 1
         return group
     if (_is_world(key[0]) and backend is None and timeout is None and options is None
             and purpose is None):

@@ -31,6 +31,7 @@ from typing import Any
 
 import cloudpickle
 
+from devmesh._log import get_logger
 from devmesh.launching import _auth, capacity
 from devmesh.errors import RankFailedError, RankTimeoutError, WorkerStartError, is_peer_gone
 
@@ -350,6 +351,7 @@ class WorkerPool:
             # ended and its groups closed their connections) are consequences
             rank = min(errors, key=lambda r: (r not in died, is_peer_gone(results[r][1]), r))
             _, summary, remote_tb = results[rank]
+            get_logger("launch").info("rank %d of %d failed: %s", rank, len(workers), summary)
             rest = [r for r in errors if r != rank]
             others = f" (ranks {rest} failed too)" if rest else ""
             stuck = f"; ranks {unfinished} were stopped" if unfinished else ""

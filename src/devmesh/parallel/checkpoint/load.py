@@ -18,12 +18,14 @@ load all of it — a saved name no rank's model has is an error, as a strict
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from devmesh._log import get_logger
 from devmesh.distributed import comm
 from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictError
 from devmesh.parallel.checkpoint import legacy
@@ -187,6 +189,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     ``model`` may be a pipeline runner: each rank loads its stages' part."""
     wait_for_pending_save()
     comm.warn_if_called_alone("load_checkpoint")  # inside `if rank == 0:`, say so
+    began = time.perf_counter()
     model = module_of(model, "load_checkpoint")  # the same kind of object on every rank
     prepared = extra = None
     saved: list[str] = []
@@ -223,4 +226,9 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
             target.copy_(value)
     if optimizer is not None and optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
+    get_logger("checkpoint").info(
+        "loaded checkpoint %s: %d bytes into this rank's model%s in %.2f s; extra %s", path,
+        sum(value.numel() * value.element_size() for _, value in writes),
+        " and optimizer" if optimizer_state is not None else "", time.perf_counter() - began,
+        extra)
     return extra

@@ -28,6 +28,7 @@ import math
 import os
 import secrets
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from devmesh._files import TMP_SUFFIX, atomic_file
+from devmesh._log import get_logger
 from devmesh.distributed import comm, groups
 from devmesh.errors import CheckpointError
 from devmesh.layout import format_ranks
@@ -396,6 +398,7 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                       blocks: list[tuple[Placed, torch.Tensor]], placed: list[Placed],
                       merged: Merged, extras: list[Listed], extra: Any, group) -> None:
     name = data_file_name(save_id, rank)
+    began = time.perf_counter()
     error: BaseException | None = None
     written: dict[int, list[int]] = {}  # id(placed block) -> its chunks' checksums
     try:
@@ -424,6 +427,10 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                 f"{type(exc).__name__}: {exc}; the previous checkpoint, if any, is untouched")
     _raise_if_failed(commit_error, "save_checkpoint (rank 0 writing the metadata; the "
                      "previous checkpoint, if any, is untouched)", group)
+    get_logger("checkpoint").info(
+        "saved checkpoint %s: this rank wrote %d bytes (%d blocks) of %d in %.2f s", path,
+        sum(p.nbytes for p, _ in blocks), len(blocks), sum(p.nbytes for p in placed),
+        time.perf_counter() - began)
 
 
 def _itemsize(p: Placed) -> int:
