@@ -310,7 +310,7 @@ def test_fsdp_memory_clip_and_describe(mesh_pool, tmp_path):
     text = results[0][4]
     assert "0.weight" in text and "dim 0 split by (dp)" in text
     # every rank's block, from the spec: 5 bias rows split 2, 2, 1, 0 like torch.chunk
-    assert "(2,) on 0-1; (1,) on 2; (0,) on 3" in text
+    assert "(2,) on ranks 0-1; (1,) on rank 2; (0,) on rank 3" in text
     # rank 0's describe predicts the bytes every rank really holds (measured on each rank)
     measured = [r[1] for r in results]
     assert measured[0] == measured[1] > measured[2] > measured[3]

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from devmesh._log import get_logger
-from devmesh.distributed import groups, stops
+from devmesh.distributed import groups, stops, timeouts
 from devmesh.distributed.timeouts import AGREEMENTS, Watch
 
 if TYPE_CHECKING:
@@ -520,7 +520,10 @@ def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[
 def _agreement(what: str, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager:
     """Guard one of devmesh's agreements on ``group`` (numbered on a count of their own): a
     timeout or a peer gone inside it raises :class:`~devmesh.errors.CollectiveTimeoutError`
-    naming the ranks that never reached it, as devmesh's counted collectives do."""
+    naming the ranks that never reached it, as devmesh's counted collectives do. Inside a
+    watch of the caller's (a pipeline step's end), that watch names them."""
+    if timeouts.guarded():
+        return contextlib.nullcontext()
     ranks = tuple(dist.get_process_group_ranks(group) if group is not None
                   else range(dist.get_world_size()))
     from devmesh.layout import format_ranks

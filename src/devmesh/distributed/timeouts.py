@@ -17,6 +17,7 @@ the same path, so every rank of the group names the culprit, not only the first 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
@@ -25,11 +26,21 @@ import torch.distributed as dist
 from devmesh.distributed import groups
 from devmesh.errors import CollectiveTimeoutError, is_peer_gone
 
-__all__ = ["Watch", "is_timeout", "numbered", "AGREEMENTS"]
+__all__ = ["Watch", "is_timeout", "numbered", "AGREEMENTS", "guarded"]
 
 GRACE_SECONDS = 3.0  # how long a timed-out rank waits for the others of its group to say so
 _SEQUENCE = "timeouts.sequence"  # world-cache key of a group's collective count
 AGREEMENTS = "timeouts.agreements"  # the count of devmesh's agreements (consensus) on a group
+
+
+_guards = threading.local()  # how many guards this thread is inside
+
+
+def guarded() -> bool:
+    """Whether this thread runs inside a :meth:`Watch.guard`: an inner watch would name the
+    culprits of the same wait under another number (the pipeline's step end guards the
+    failure check it runs)."""
+    return getattr(_guards, "depth", 0) > 0
 
 
 def is_timeout(exc: BaseException) -> bool:
@@ -67,6 +78,7 @@ class Watch:
     @contextlib.contextmanager
     def guard(self) -> Iterator[None]:
         """Run the collective (or wait for it) inside this: a timeout names the culprits."""
+        _guards.depth = getattr(_guards, "depth", 0) + 1
         try:
             yield
         except RuntimeError as exc:
@@ -74,6 +86,8 @@ class Watch:
             if error is exc:
                 raise
             raise error from exc
+        finally:
+            _guards.depth -= 1
 
     def explain(self, exc: BaseException) -> BaseException:
         """The error to raise for ``exc``: a :class:`CollectiveTimeoutError` naming the ranks
