@@ -452,3 +452,36 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
     assert "stopped by SIGINT" in out
     left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
     assert not left.strip()
+
+
+def test_a_failure_is_summarised_once_naming_the_first_rank_and_the_script(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(textwrap.dedent("""
+        import torch
+        from devmesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+
+
+        def step(batch):
+            if mesh.get_rank() == 1:
+                raise ValueError("a bad batch on rank 1")
+            return batch.sum()
+
+
+        step(torch.ones(2))
+        torch.distributed.barrier()
+    """))
+    proc = _devmesh("run", "-n", "4", str(script))
+    assert proc.returncode == 1
+    err = proc.stderr
+    assert f"devmesh run: rank 1 of 4 failed first, running {script}:" in err, err[-3000:]
+    assert 'train.py", line 10, in step' in err
+    assert "ValueError: a bad batch on rank 1" in err
+    # the launcher's and runpy's frames are hidden, and the traceback is printed once
+    assert "runpy" not in err and "devmesh/launching" not in err and "child.py" not in err
+    assert err.count("Traceback (most recent call last)") == 1
+    for rank in (0, 2, 3):
+        assert (f"  rank {rank}: at train.py:15: lost its peers (a collective broke off or "
+                "timed out after rank 1 failed)") in err
+    assert "devmesh.launching.child FAILED" not in err

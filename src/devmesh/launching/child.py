@@ -17,6 +17,7 @@ import signal
 import sys
 
 from devmesh._exit import settle_collective_threads_at_exit
+from devmesh.launching.reports import REPORTS_VARIABLE, write_report
 
 
 def die_with_parent() -> None:
@@ -48,17 +49,28 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m devmesh.launching.child SCRIPT [ARGS...]")
     die_with_parent()
     settle_collective_threads_at_exit()
-    if argv[0] == "-m":  # devmesh run -m package.module: as python -m runs it
-        if len(argv) < 2:
-            raise SystemExit("usage: python -m devmesh.launching.child -m MODULE [ARGS...]")
-        sys.argv = list(argv[1:])
-        sys.path.insert(0, os.getcwd())
-        runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
-        return
-    script = argv[0]
-    sys.argv = list(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-    runpy.run_path(script, run_name="__main__")
+    if argv[0] == "-m" and len(argv) < 2:
+        raise SystemExit("usage: python -m devmesh.launching.child -m MODULE [ARGS...]")
+    try:
+        if argv[0] == "-m":  # devmesh run -m package.module: as python -m runs it
+            sys.argv = list(argv[1:])
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+    except Exception as exc:
+        report = write_report(exc) if os.environ.get(REPORTS_VARIABLE) else None
+        if report is None:
+            raise
+        # devmesh run prints the traceback once, in its summary; a rank failing on its own
+        # (not one that lost its peers) says so at once too
+        if not report["consequence"]:
+            print(f"[rank {report['rank']}] {report['exception'].splitlines()[0][:300]} "
+                  f"(at {report['where']}; devmesh run's summary follows)", file=sys.stderr,
+                  flush=True)
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

@@ -291,15 +291,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
     target = ["-m", args.script] if args.module else [args.script]
     torchrun_args += ["-m", "devmesh.launching.child", *target]
     kills_before = oom_kills()
+    import logging
+    import tempfile
+
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
+    from devmesh.launching.reports import REPORTS_VARIABLE, summary
+
+    reports = tempfile.TemporaryDirectory(prefix="devmesh-run-")
+    os.environ[REPORTS_VARIABLE] = reports.name  # each failing rank reports there
+    # the failure is summarised below, once: torchrun's own error lines would repeat it
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
     try:
         torchrun_main(torchrun_args)
     except SystemExit as exc:
         return int(exc.code or 0)
     except ChildFailedError as exc:  # the failing rank's own exit code, as a shell would
+        codes = {f.local_rank: f.exitcode for f in exc.failures.values()}
+        told = summary(reports.name, args.script, codes)
         # torchrun names the entry point it ran: the rank wrapper; name the user's script
-        print(str(exc).replace("devmesh.launching.child", args.script), file=sys.stderr)
+        print(told or str(exc).replace("devmesh.launching.child", args.script),
+              file=sys.stderr)
         memory = _killed_for_memory(exc.failures, kills_before)
         if memory:
             print(memory, file=sys.stderr)
@@ -314,6 +326,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     finally:
         del store
+        reports.cleanup()
     return 0
 
 

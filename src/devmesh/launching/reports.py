@@ -1,0 +1,101 @@
+"""One summary of a failed ``devmesh run``, instead of every rank's traceback through the
+launcher's frames.
+
+When a rank's script raises, every other rank soon fails too (a peer closed its connection)
+and torchrun prints each traceback — ``runpy`` and launcher frames first — then a table naming
+its own entry point. Under ``devmesh run`` each rank instead writes a report (JSON, no
+pickle) to a folder the launcher made: its exception, the traceback of the user's frames only,
+whether the error was a peer gone, and when. The launcher then prints one summary: the rank
+that failed first on its own, with its traceback, and one line per other rank saying what it
+was doing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import traceback
+from typing import Any
+
+__all__ = ["REPORTS_VARIABLE", "write_report", "summary"]
+
+REPORTS_VARIABLE = "DEVMESH_RUN_REPORTS"
+_HIDDEN = ("runpy", os.path.join("devmesh", "launching"))
+
+
+def _user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
+    frames = traceback.extract_tb(exc.__traceback__)
+    return [f for f in frames if not any(h in f.filename for h in _HIDDEN)]
+
+
+def write_report(exc: BaseException) -> dict[str, Any] | None:
+    """Record this rank's failure for ``devmesh run``'s summary (nothing outside it)."""
+    folder = os.environ.get(REPORTS_VARIABLE)
+    if not folder:
+        return None
+    from devmesh.errors import is_peer_gone
+    from devmesh.distributed.timeouts import is_timeout
+
+    frames = _user_frames(exc)
+    import torch
+
+    library = (os.path.dirname(torch.__file__), os.path.join("devmesh", ""))
+    mine = [f for f in frames if not f.filename.startswith(library[0])
+            and library[1] not in f.filename]
+    where = f"{os.path.basename(mine[-1].filename)}:{mine[-1].lineno}" if mine else "?"
+    text = f"{type(exc).__name__}: {exc}".strip()
+    report = {
+        "rank": int(os.environ.get("RANK", "-1")),
+        "attempt": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        "world": int(os.environ.get("WORLD_SIZE", "0")),
+        "time": time.time(),
+        "exception": text,
+        "where": where,
+        "traceback": "Traceback (most recent call last):\n"
+                     + "".join(traceback.format_list(frames)) + text,
+        "consequence": is_peer_gone(exc) or is_timeout(exc),
+    }
+    path = os.path.join(folder, f"rank{report['rank']}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(report, f)
+    os.replace(path + ".tmp", path)
+    return report
+
+
+def summary(folder: str, target: str, codes: dict[int, int]) -> str | None:
+    """The failure in words from the ranks' reports in ``folder`` (``None`` without any):
+    the rank that failed first on its own — not one that only heard a peer go — with its
+    traceback, then what every other rank of ``codes`` (rank -> exit code) was doing."""
+    reports: dict[int, dict[str, Any]] = {}
+    for name in os.listdir(folder) if os.path.isdir(folder) else ():
+        if name.endswith(".json"):
+            with open(os.path.join(folder, name)) as f:
+                report = json.load(f)
+            reports[int(report["rank"])] = report
+    if not reports:
+        return None
+    attempt = max(r.get("attempt", 0) for r in reports.values())  # the last restart's
+    reports = {rank: r for rank, r in reports.items() if r.get("attempt", 0) == attempt}
+    first = min(reports.values(), key=lambda r: (r["consequence"], r["time"]))
+    world = first["world"] or len(codes)
+    after = f" (restart {attempt})" if attempt else ""
+    lines = [f"devmesh run: rank {first['rank']} of {world} failed first{after}, running "
+             f"{target}:",
+             first["traceback"], "the other ranks:"]
+    for rank in sorted(set(codes) | set(reports)):
+        if rank == first["rank"]:
+            continue
+        report = reports.get(rank)
+        if report is not None and report["consequence"]:
+            lines.append(f"  rank {rank}: at {report['where']}: lost its peers (a collective "
+                         f"broke off or timed out after rank {first['rank']} failed)")
+        elif report is not None:
+            head = report["exception"].splitlines()[0][:200]
+            lines.append(f"  rank {rank}: at {report['where']}: {head}")
+        elif codes.get(rank, 0) < 0:
+            lines.append(f"  rank {rank}: stopped by signal {-codes[rank]} after rank "
+                         f"{first['rank']} failed")
+        else:
+            lines.append(f"  rank {rank}: exited with code {codes.get(rank, 0)}")
+    return "\n".join(lines)
