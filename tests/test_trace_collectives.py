@@ -80,3 +80,36 @@ def test_the_comparison_finds_the_first_difference_and_who_never_came():
     assert "rank 0 waits in all_reduce #3 at a.py:3" in lines[1]
     assert "rank 1 never called #3" in lines[2] and "it exited" in lines[2]
     assert lines[3] == "rank 2 did not answer (stuck in native code, or gone)"
+
+
+_DTENSOR_ON_ONE_RANK = textwrap.dedent("""
+    import datetime, time
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from devmesh import init_device_mesh
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    w = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
+    full = w.full_tensor()  # line 11: both ranks
+    if dist.get_rank() == 0:
+        again = w.full_tensor()  # line 13: rank 0 alone
+    time.sleep(20)
+""")
+
+
+def test_a_dtensor_collective_on_one_rank_is_named_too(tmp_path):
+    """torch's DTensor communicates through functional collectives: recorded and compared
+    alike (their timeout surfaces inside the call here, or at the tensor's wait)."""
+    script = tmp_path / "train.py"
+    script.write_text(_DTENSOR_ON_ONE_RANK)
+    done = subprocess.run([sys.executable, "-m", "devmesh", "run", "-n", "2",
+                           "--trace-collectives", str(script)],
+                          capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    out = done.stdout + done.stderr
+    assert done.returncode != 0 and "CollectiveTimeoutError" in out, out[-3000:]
+    waits = [line for line in out.splitlines() if line.startswith("rank 0 waits in all_gather")]
+    assert waits and waits[0].split(" at ")[1].startswith("train.py:13"), out[-3000:]
+    never = [line for line in out.splitlines() if line.startswith("rank 1 never called")]
+    assert never and "all_gather" in never[0] and "train.py:11" in never[0], out[-3000:]

@@ -61,9 +61,15 @@ _C10D = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
          "reduce", "gather", "scatter", "all_gather_object", "broadcast_object_list",
          "gather_object", "scatter_object_list", "monitored_barrier", "send", "recv")
 # torch's functional collectives (DTensor's redistributions go through these)
-_FUNCTIONAL = ("all_reduce", "all_gather_tensor", "reduce_scatter_tensor",
-               "all_to_all_single", "broadcast", "all_reduce_coalesced",
-               "all_gather_into_tensor_coalesced", "reduce_scatter_tensor_coalesced")
+# (names differ between torch releases: those present are wrapped)
+_FUNCTIONAL = ("all_reduce", "broadcast", "all_gather_tensor", "all_gather_tensor_autograd",
+               "all_gather_single", "all_gather_single_autograd", "reduce_scatter_tensor",
+               "reduce_scatter_tensor_autograd", "reduce_scatter_single",
+               "reduce_scatter_single_autograd", "all_to_all_single",
+               "all_to_all_single_autograd", "all_reduce_coalesced",
+               "all_gather_into_tensor_coalesced", "all_gather_single_coalesced",
+               "reduce_scatter_tensor_coalesced", "reduce_scatter_single_coalesced",
+               "permute_tensor")
 
 
 @dataclass
@@ -123,6 +129,9 @@ def install() -> None:
             _originals.append((funcol, name, original))
             setattr(funcol, name, _wrap(name, original, _group_finder(original),
                                         functional=True))
+    if funcol is not None and hasattr(funcol, "wait_tensor"):
+        _originals.append((funcol, "wait_tensor", funcol.wait_tensor))
+        funcol.wait_tensor = _wrap_wait(funcol.wait_tensor)
     atexit.register(_post_at_exit)
 
 
@@ -245,6 +254,25 @@ def _wrap(name: str, original: Callable, find_group: Callable, *,
         return result
     recorded.__devmesh_traced__ = True  # type: ignore[attr-defined]
     return recorded
+
+
+def _wrap_wait(original: Callable) -> Callable:
+    """The wait of a functional collective (DTensor's): where a timeout surfaces. It does not
+    say which collective it waits for; the latest one issued and not yet waited for is taken
+    (a redistribution waits for each collective right after issuing it)."""
+    @functools.wraps(original)
+    def waited(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(*args, **kwargs)
+        except RuntimeError as exc:
+            with _lock:
+                pending = [r for r in _records if r.state == "issued"]
+            if not pending:
+                raise
+            record = pending[-1]
+            record.state = "failed"
+            raise _explained(record, exc) from exc
+    return waited
 
 
 # -- asking the other ranks ---------------------------------------------------------------------
