@@ -193,6 +193,8 @@ class WorkerPool:
             pending.discard(index)
             if time.monotonic() > deadline:
                 break
+        if pending:  # the deadline passed between two workers' connections
+            raise self._start_failed(sorted(pending), "did not start", limit)
         for index in indices:
             worker = self._workers[index]
             assert worker is not None and worker.conn is not None
