@@ -162,7 +162,8 @@ def _group_finder(fn: Callable) -> Callable[[tuple, dict], Any]:
     return find
 
 
-_ranks_cache: dict[int, tuple[int, ...]] = {}
+# process groups seen, by id, with the group itself held (so its id is never reused)
+_ranks_cache: dict[int, tuple[Any, tuple[int, ...]]] = {}
 
 
 def _ranks_of(group: Any) -> tuple[int, ...]:
@@ -172,10 +173,9 @@ def _ranks_of(group: Any) -> tuple[int, ...]:
 
     if isinstance(group, (list, tuple)) and all(isinstance(r, int) for r in group):
         return tuple(group)
-    key = id(group)
-    found = _ranks_cache.get(key)
-    if found is not None:
-        return found
+    found = _ranks_cache.get(id(group))
+    if found is not None and found[0] is group:
+        return found[1]
     try:
         if group is None or isinstance(group, dist.ProcessGroup):
             ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
@@ -187,8 +187,8 @@ def _ranks_of(group: Any) -> tuple[int, ...]:
             ranks = tuple(dist.get_process_group_ranks(pg))
     except Exception:  # noqa: BLE001 - a group it cannot name is recorded as unknown
         return ()
-    if group is not None:
-        _ranks_cache[key] = ranks
+    if isinstance(group, dist.ProcessGroup):  # long-lived; a (mesh, dim) pair is made anew
+        _ranks_cache[id(group)] = (group, ranks)
     return ranks
 
 
