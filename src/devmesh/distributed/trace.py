@@ -173,12 +173,14 @@ def _ranks_of(group: Any) -> tuple[int, ...]:
 
     if isinstance(group, (list, tuple)) and all(isinstance(r, int) for r in group):
         return tuple(group)
+    if group is None:
+        group = dist.group.WORLD
     found = _ranks_cache.get(id(group))
     if found is not None and found[0] is group:
         return found[1]
     try:
-        if group is None or isinstance(group, dist.ProcessGroup):
-            ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        if isinstance(group, dist.ProcessGroup):
+            ranks = tuple(dist.get_process_group_ranks(group))
         else:  # a mesh, (mesh, dim) or a group name: resolve as torch's functional API does
             from torch.distributed import _functional_collectives as funcol
             from torch.distributed.distributed_c10d import _resolve_process_group
