@@ -670,8 +670,11 @@ def warn_if_called_alone(what: str, ranks: Sequence[int] | None = None, *,
         "inside `if rank == 0:`, call it on every rank and save or print on one. "
         "Waiting on, until the timeout names them", WaitingForRanksWarning,
         stacklevel=3)
-    _, _, missing = _posted("", ranks, name, limit - patience)
-    if missing:
+    store, keys, missing = _posted("", ranks, name, limit - patience)
+    if missing:  # take this rank's arrival back: a rank coming later must not take it as
+        # company and enter the collectives alone; it waits and raises in turn
+        with contextlib.suppress(Exception):
+            store.delete_key(keys[ranks.index(dist.get_rank())])
         raise CollectiveTimeoutError(
             f"{what} is a collective over ranks {format_ranks(list(ranks))}, and "
             f"{_ranks_have(missing)} not called it within the timeout ({limit:g} s): they "
