@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from devmesh import init_device_mesh
-from devmesh.distributed import comm
+from devmesh.distributed import consensus
 from devmesh.errors import WaitingForRanksWarning
 from devmesh.parallel import (
     fully_shard,
@@ -33,7 +33,7 @@ from devmesh.parallel import (
 def late_rank_1(path: str):
     """Each collective call made by rank 0 first and by rank 1 3 s later: the warnings each
     rank got, and what the calls returned."""
-    comm.ALONE_SECONDS = 1.0  # the test's patience
+    consensus.ALONE_SECONDS = 1.0  # the test's patience
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
@@ -97,7 +97,7 @@ def mixed_layouts():
     the warnings and the model's state's shapes."""
     from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-    comm.ALONE_SECONDS = 1.0
+    consensus.ALONE_SECONDS = 1.0
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     fully_shard(model[0], mesh=mesh["dp"])
@@ -132,7 +132,7 @@ def called_on_rank_0_only(path: str, rank_1_exits: bool):
     how long each took."""
     from devmesh.errors import CollectiveTimeoutError
 
-    comm.ALONE_SECONDS = 1.0
+    consensus.ALONE_SECONDS = 1.0
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), timeout=6)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     fully_shard(model, mesh=mesh)
@@ -142,7 +142,7 @@ def called_on_rank_0_only(path: str, rank_1_exits: bool):
         return None
     out = []
     for call in (lambda: save_checkpoint(path, model),
-                 lambda: comm.failures(None, mesh.get_group())):
+                 lambda: consensus.failures(None, mesh.get_group())):
         began = time.monotonic()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -583,13 +583,22 @@ def flipped_byte_in_rows_one_rank_reads(path: str, damaged_row: int):
     """A replicated 16x16 weight saved whole (one block, one chunk a row), one byte of row
     ``damaged_row`` flipped, then loaded sharded over 2 ranks: each rank reads (and checks)
     only its 8 rows. What each rank raised, and whether its parameters stayed as they were."""
+    from devmesh.parallel.checkpoint import checksums
+
+    chunk_bytes = checksums.CHUNK_BYTES
+    checksums.CHUNK_BYTES = 64  # one 16-float row a chunk: reads of a few rows are checked
+    try:
+        return _flip_and_load(path, damaged_row)
+    finally:  # this worker serves other tests next
+        checksums.CHUNK_BYTES = chunk_bytes
+
+
+def _flip_and_load(path: str, damaged_row: int):
     import torch.distributed as dist
 
     from devmesh.errors import CheckpointError
     from devmesh.parallel import replicate
-    from devmesh.parallel.checkpoint import checksums
 
-    checksums.CHUNK_BYTES = 64  # one 16-float row a chunk: reads of a few rows are checked
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
     saved = torch.nn.Linear(16, 16, bias=False)

@@ -49,6 +49,7 @@ __all__ = [
     "BlockwiseOptimizerWarning",
     "rank_prefix",
     "is_peer_gone",
+    "is_timeout",
 ]
 
 
@@ -264,3 +265,11 @@ def is_peer_gone(error: BaseException | str) -> bool:
         return False
     text = str(error)
     return "Connection closed by peer" in text or "Connection reset by peer" in text
+
+
+def is_timeout(error: BaseException) -> bool:
+    """Whether ``error`` is torch's collective timeout (gloo: ``Timed out waiting``; NCCL's
+    watchdog: ``Watchdog caught collective operation timeout``)."""
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("Timed out waiting" in text
+                                                 or "operation timeout" in text)

@@ -20,9 +20,7 @@ broadcast.
 from __future__ import annotations
 
 import contextlib
-import datetime
 import functools
-import hashlib
 import logging
 import math
 from collections import defaultdict
@@ -34,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from devmesh._log import get_logger
-from devmesh.distributed import groups, stops, timeouts
-from devmesh.distributed.timeouts import AGREEMENTS, Watch
+from devmesh.distributed import groups, stops
+from devmesh.distributed.timeouts import Watch
 
 if TYPE_CHECKING:
     from devmesh.mesh import DeviceMesh
@@ -44,7 +42,6 @@ __all__ = [
     "CommStats",
     "comm_stats",
     "process_group",
-    "refused_everywhere",
     "count_copy",
     "all_gather",
     "all_reduce",
@@ -54,10 +51,6 @@ __all__ = [
     "all_reduce_async",
     "all_gather_async",
     "Pending",
-    "agree",
-    "failures",
-    "differing",
-    "gather_texts",
     "mesh_device",
     "small_tensor_device",
     "send_async",
@@ -189,7 +182,8 @@ def _group(mesh: DeviceMesh, dims: Sequence[int], purpose: str | None = None) ->
 def process_group(mesh: DeviceMesh, dims: Sequence[int], purpose: str | None = None
                   ) -> dist.ProcessGroup:
     """This rank's process group over ``dims`` of ``mesh`` (all of them: the mesh's ranks),
-    for agreements that :func:`failures` and :func:`differing` run on a group; with
+    for agreements that :func:`~devmesh.distributed.consensus.failures` and
+    :func:`~devmesh.distributed.consensus.differing` run on a group; with
     ``purpose``, that purpose's own group over the same ranks (made now if new: every rank
     of the group must ask)."""
     return _group(mesh, tuple(dims), purpose).group
@@ -402,57 +396,6 @@ def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], src_i
     return tensor
 
 
-def agree(mesh: DeviceMesh, dims: Sequence[int], what: str, value: str) -> None:
-    """Check that every rank of the group over ``dims`` passed the same ``value``.
-
-    One all-gather of an 8-byte digest when they agree. When they do not, every rank sees it
-    in the same gathered digests, so every rank goes on to gather the texts and raises the
-    same :class:`~devmesh.errors.MeshMismatchError` naming which ranks passed what — an
-    error on all ranks rather than on some (which would leave the others hanging).
-    """
-    from devmesh.errors import MeshMismatchError
-    device = small_tensor_device(_group(mesh, dims).group)
-    digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
-                        device=device)
-    digests = all_gather(mine, mesh, dims).reshape(-1)
-    if bool((digests == digests[0]).all()):
-        return
-    data = torch.tensor(list(value.encode()), dtype=torch.uint8, device=device)
-    lengths = all_gather(torch.tensor([data.numel()], device=device), mesh, dims).reshape(-1)
-    padded = torch.zeros(int(lengths.max()), dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    texts = all_gather(padded, mesh, dims)
-    ranks = mesh.layout.group_of(mesh.get_rank(), tuple(dims))
-    by_value: dict[str, list[int]] = defaultdict(list)
-    for rank, text, n in zip(ranks, texts, lengths.tolist(), strict=True):
-        by_value[bytes(text[:n].tolist()).decode(errors="replace")].append(rank)
-    listing = describe_disagreement(by_value)
-    raise MeshMismatchError(f"{what}: the ranks disagree — {listing}")
-
-
-def describe_disagreement(by_value: dict[str, list[int]]) -> str:
-    """``ranks 0-3: value; ranks 4-7: other value``, long values cut to where they differ."""
-    from devmesh.layout import format_ranks
-
-    values = list(by_value)
-    start = len(_common_prefix(values))
-    if max(map(len, values)) > 240:  # long descriptions: show where they start to differ
-        start = max(0, start - 40)
-        shown = {v: ("…" if start else "") + v[start: start + 160] + "…" for v in values}
-    else:
-        shown = {v: v for v in values}
-    return "; ".join(f"ranks {format_ranks(r)}: {shown[v]}" for v, r in by_value.items())
-
-
-def _common_prefix(values: list[str]) -> str:
-    first, last = min(values), max(values)
-    n = 0
-    while n < min(len(first), len(last)) and first[n] == last[n]:
-        n += 1
-    return first[:n]
-
-
 # -- outcomes over a whole group (not a mesh): checkpoints agree on success this way ---------
 def small_tensor_device(group: dist.ProcessGroup | None) -> torch.device:
     """Where the small tensors of devmesh's agreements (flags, digests, texts) go: the CPU
@@ -473,237 +416,6 @@ def mesh_device(mesh: DeviceMesh) -> torch.device:
         return torch.device("cpu")
     return torch.device(mesh.device_type,
                         torch.get_device_module(mesh.device_type).current_device())
-
-
-def gather_texts(text: str, group: dist.ProcessGroup | None) -> list[str]:
-    """Every rank's ``text``, on every rank: two small all-gathers (lengths, then bytes).
-    Bytes, not pickles: nothing from a peer is unpickled."""
-    size = dist.get_world_size(group)
-    device = small_tensor_device(group)
-    data = torch.tensor(list(text.encode()), dtype=torch.uint8, device=device)
-    lengths = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-    dist.all_gather(lengths, torch.tensor([data.numel()], device=device), group=group)
-    longest = max(int(n) for n in lengths)
-    padded = torch.zeros(max(longest, 1), dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    out = [torch.zeros_like(padded) for _ in range(size)]
-    dist.all_gather(out, padded, group=group)
-    return [bytes(t[: int(n)].tolist()).decode(errors="replace") for t, n in zip(out, lengths,
-                                                                                 strict=True)]
-
-
-def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[int, str]:
-    """``{rank: error}`` of every rank of ``group`` that failed, the same dict on every rank.
-
-    One all-reduce of a flag when every rank succeeded (on gloo a tiny all-reduce costs a
-    quarter of a tiny all-gather); the flags and texts travel only after a failure. Call it
-    where some ranks may have raised, before the next collective, and raise on every rank if
-    the result is not empty: an error on some ranks alone is a hang for the others."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return {0: error} if error is not None else {}
-    stops.refuse_if_broken()
-    with _agreement("the failure check (an all-reduce of who failed)", group):
-        device = small_tensor_device(group)
-        count = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
-        dist.all_reduce(count, group=group)
-        if not int(count):
-            return {}
-        size = dist.get_world_size(group)
-        flags = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-        dist.all_gather(flags, torch.tensor([int(error is not None)], device=device),
-                        group=group)
-        texts = gather_texts(error or "", group)
-    ranks = dist.get_process_group_ranks(group) if group is not None else range(size)
-    return {r: t for r, t, f in zip(ranks, texts, flags, strict=True) if int(f)}
-
-
-def _agreement(what: str, group: dist.ProcessGroup | None) -> contextlib.AbstractContextManager:
-    """Guard one of devmesh's agreements on ``group`` (numbered on a count of their own): a
-    timeout or a peer gone inside it raises :class:`~devmesh.errors.CollectiveTimeoutError`
-    naming the ranks that never reached it, as devmesh's counted collectives do. Inside a
-    watch of the caller's (a pipeline step's end), that watch names them."""
-    if timeouts.guarded():
-        return contextlib.nullcontext()
-    ranks = tuple(dist.get_process_group_ranks(group) if group is not None
-                  else range(dist.get_world_size()))
-    from devmesh.layout import format_ranks
-
-    return Watch(what, ranks, lambda: f"ranks {format_ranks(list(ranks))}",
-                 series=AGREEMENTS).guard()
-
-
-@contextlib.contextmanager
-def refused_everywhere(group: dist.ProcessGroup | None, what: str,
-                       error_type: type[Exception], *, outcome: str = "was refused"
-                       ) -> Iterator[None]:
-    """Run checks of this rank's own arguments inside: if any rank of ``group`` raised
-    ``error_type`` there, every rank raises after one tiny all-reduce — its own error, or an
-    ``error_type`` saying ``what {outcome} on other ranks`` and why. A refusal on some ranks
-    alone (an argument one rank computed differently, a file one rank cannot read) would
-    leave the others waiting in the next collective."""
-    from devmesh.errors import rank_prefix
-
-    error: Exception | None = None
-    try:
-        yield
-    except error_type as exc:
-        error = exc
-    failed = failures(None if error is None else str(error).removeprefix(rank_prefix()),
-                      group)
-    if error is not None:
-        raise error
-    if failed:
-        raise error_type(f"{what} {outcome} on other ranks — " + "; ".join(
-            f"rank {rank}: {text}" for rank, text in sorted(failed.items())))
-
-
-def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, list[int]]:
-    """``{value: ranks}`` if the ranks of ``group`` passed different values, else ``{}`` (the
-    same on every rank): one all-reduce of a 63-bit digest and its negation (the largest and
-    the smallest digest) when they agree; otherwise the
-    lowest rank passing each distinct value broadcasts it (a pipeline's stages send one
-    listing per stage, not one per rank)."""
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return {}
-    stops.refuse_if_broken()
-    with _agreement("the agreement check (an all-reduce of digests)", group):
-        return _differing(value, group)
-
-
-def _differing(value: str, group: dist.ProcessGroup | None) -> dict[str, list[int]]:
-    size = dist.get_world_size(group)
-    digest = hashlib.blake2b(value.encode(), digest_size=8).digest()
-    mine = int.from_bytes(digest, "little") >> 1  # 63 bits: its negation fits an int64
-    device = small_tensor_device(group)
-    extremes = torch.tensor([mine, -mine], dtype=torch.int64, device=device)
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    if int(extremes[0]) == -int(extremes[1]):  # the largest digest is the smallest: all equal
-        return {}
-    digests = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(size)]
-    dist.all_gather(digests, torch.tensor([mine], dtype=torch.int64, device=device),
-                    group=group)
-    ranks = list(dist.get_process_group_ranks(group) if group is not None else range(size))
-    me = ranks.index(dist.get_rank())
-    members: dict[int, list[int]] = defaultdict(list)
-    for index, d in enumerate(digests):
-        members[int(d)].append(index)
-    by_value: dict[str, list[int]] = {}
-    for indices in members.values():
-        text = _broadcast_text(value if me == indices[0] else "", ranks[indices[0]], group)
-        by_value[text] = [ranks[i] for i in indices]
-    return by_value
-
-
-def _posted(value: str, ranks: Sequence[int], name: str, seconds: float
-            ) -> tuple[dist.Store, list[str], list[int]]:
-    """Post this rank's ``value`` under ``name`` in the rendezvous store, and wait at most
-    ``seconds`` for every rank of ``ranks`` to post theirs: the store, the ranks' keys, and
-    the ranks that had not posted by then (empty when all came)."""
-    store = dist.distributed_c10d._get_default_store()
-    prefix = f"devmesh/posted/{name}/"
-    store.set(prefix + str(dist.get_rank()), value)
-    keys = [prefix + str(rank) for rank in ranks]
-    try:
-        store.wait(keys, datetime.timedelta(seconds=seconds))
-    except Exception:  # noqa: BLE001 - the store's timeout (DistStoreError, RuntimeError)
-        return store, keys, [rank for rank, key in zip(ranks, keys,
-                                                       strict=True) if not store.check([key])]
-    return store, keys, []
-
-
-def texts_through_store(text: str, ranks: Sequence[int], name: str, *, seconds: float
-                        ) -> tuple[dict[int, str], list[int]]:
-    """Every rank of ``ranks``'s ``text`` through the rendezvous store, waiting at most
-    ``seconds`` for them: ``({rank: text}, [])``, or ``({}, ranks that never posted one)``.
-    For an exchange a user may call on one rank by mistake (``if rank == 0:
-    print(describe(runner))``), where a collective would wait for the process group's
-    timeout, 30 minutes by default. ``name`` keys it: the same on every rank, new for each
-    exchange (a caller that retries a failed exchange may reuse its name: a failed one
-    leaves nothing behind). Text, not pickles: nothing read from the store is unpickled."""
-    store, keys, missing = _posted(text, ranks, name, seconds)
-    if missing:  # the exchange failed: take this rank's text back, so the next exchange
-        # under the same name (a call refused does not count) cannot read it as new
-        store.delete_key(keys[list(ranks).index(dist.get_rank())])
-        return {}, missing
-    return {rank: store.get(key).decode(errors="replace") for rank, key in zip(ranks, keys,
-                                                                               strict=True)}, []
-
-
-#: How long :func:`warn_if_called_alone` waits before it warns.
-ALONE_SECONDS = 60.0
-
-
-def warn_if_called_alone(what: str, ranks: Sequence[int] | None = None, *,
-                         seconds: float | None = None,
-                         timeout: datetime.timedelta | None = None) -> None:
-    """Before the collectives of ``what`` (a call users make inside ``if rank == 0:``, the
-    way torch code saves and prints): each rank of ``ranks`` (default: the world) posts its
-    arrival in the rendezvous store and waits for the others' up to ``seconds``
-    (:data:`ALONE_SECONDS`, or half the timeout where that is shorter); ranks missing then
-    are named in a :class:`~devmesh.errors.WaitingForRanksWarning`, and the wait goes on —
-    a rank only late (evaluating alone first) still joins — until ``timeout`` (the default
-    group's, as the call's collectives would wait) has passed since the call: then
-    :class:`~devmesh.errors.CollectiveTimeoutError` names the ranks that never called it,
-    before any collective is entered (none is left posted). Costs one store round trip when
-    every rank comes."""
-    import warnings
-
-    from devmesh.errors import CollectiveTimeoutError, WaitingForRanksWarning
-    from devmesh.layout import format_ranks
-
-    if not dist.is_initialized():
-        return
-    ranks = tuple(range(dist.get_world_size())) if ranks is None else tuple(ranks)
-    if len(ranks) < 2:
-        return
-    calls = groups.world_cache()
-    number = calls[("arrivals", what, ranks)] = calls.get(("arrivals", what, ranks), 0) + 1
-    limit = (timeout or groups.timeout_of(None)).total_seconds()
-    patience = min(ALONE_SECONDS if seconds is None else seconds, limit / 2)
-    name = f"{what} on {format_ranks(list(ranks))} #{number}"
-    _, _, missing = _posted("", ranks, name, patience)
-    if not missing:
-        return
-    warnings.warn(
-        f"{what} is a collective over ranks {format_ranks(list(ranks))}, and "
-        f"{_ranks_have(missing)} not called it in {patience:g} s: if it runs "
-        "inside `if rank == 0:`, call it on every rank and save or print on one. "
-        "Waiting on, until the timeout names them", WaitingForRanksWarning,
-        stacklevel=3)
-    store, keys, missing = _posted("", ranks, name, limit - patience)
-    if missing:  # take this rank's arrival back: a rank coming later must not take it as
-        # company and enter the collectives alone; it waits and raises in turn
-        with contextlib.suppress(Exception):
-            store.delete_key(keys[ranks.index(dist.get_rank())])
-        raise CollectiveTimeoutError(
-            f"{what} is a collective over ranks {format_ranks(list(ranks))}, and "
-            f"{_ranks_have(missing)} not called it within the timeout ({limit:g} s): they "
-            "are elsewhere in their code, or exited. If it runs inside `if rank == 0:`, "
-            "call it on every rank and save or print on one",
-            missing=list(missing), waited=[r for r in ranks if r not in missing])
-
-
-def _ranks_have(ranks: Sequence[int]) -> str:
-    """``rank 1 has`` / ``ranks 1-3 have``."""
-    from devmesh.layout import format_ranks
-
-    return (f"rank {ranks[0]} has" if len(ranks) == 1
-            else f"ranks {format_ranks(list(ranks))} have")
-
-
-def _broadcast_text(text: str, src: int, group: dist.ProcessGroup | None) -> str:
-    """Global rank ``src``'s ``text`` on every rank of ``group``: its length, then its bytes
-    (nothing unpickled)."""
-    data = text.encode()
-    device = small_tensor_device(group)
-    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    dist.broadcast(length, src=src, group=group)
-    buffer = torch.zeros(int(length), dtype=torch.uint8, device=device)
-    if dist.get_rank() == src:
-        buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    if int(length):
-        dist.broadcast(buffer, src=src, group=group)
-    return buffer.cpu().numpy().tobytes().decode(errors="replace")
 
 
 # -- point to point (pipeline stages): counted as "send" / "recv" over the mesh dim ----------

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch.distributed as dist
 
 from devmesh.distributed import groups
-from devmesh.errors import CollectiveTimeoutError, is_peer_gone
+from devmesh.errors import CollectiveTimeoutError, is_peer_gone, is_timeout
 
 __all__ = ["Watch", "is_timeout", "numbered", "AGREEMENTS", "guarded"]
 
@@ -41,14 +41,6 @@ def guarded() -> bool:
     culprits of the same wait under another number (the pipeline's step end guards the
     failure check it runs)."""
     return getattr(_guards, "depth", 0) > 0
-
-
-def is_timeout(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch's collective timeout (gloo: ``Timed out waiting``; NCCL's
-    watchdog: ``Watchdog caught collective operation timeout``)."""
-    text = str(exc)
-    return isinstance(exc, RuntimeError) and ("Timed out waiting" in text
-                                               or "operation timeout" in text)
 
 
 def numbered() -> dict[tuple[int, ...], int]:

@@ -206,10 +206,9 @@ def _user_line() -> str:
 
         import torch
 
-        import devmesh
-
-        _SKIP = (os.path.dirname(torch.__file__) + os.sep,
-                 os.path.dirname(devmesh.__file__) + os.sep, runpy.__file__, "<frozen ")
+        package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # devmesh/
+        _SKIP = (os.path.dirname(torch.__file__) + os.sep, package + os.sep, runpy.__file__,
+                 "<frozen ")
     frame = sys._getframe(2)
     while frame is not None:
         if not frame.f_code.co_filename.startswith(_SKIP):

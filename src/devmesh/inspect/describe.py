@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 from torch import nn
 
-from devmesh.distributed import comm, groups
+from devmesh.distributed import consensus, groups
 from devmesh.errors import MeshUsageError
 from devmesh.layout import format_ranks, ranks_phrase
 from devmesh.parallel.param import layout_of, local_of
@@ -104,7 +104,7 @@ def _describe_pipeline(runner: PipelineRunner) -> str:
     calls = groups.world_cache()
     key = ("describe(runner)", pipeline)
     number = calls.get(key, 0)  # the ranks of a pipeline call it in the same order
-    texts, missing = comm.texts_through_store(
+    texts, missing = consensus.texts_through_store(
         json.dumps(mine), pipeline, f"describe {format_ranks(pipeline)} #{number}",
         seconds=PIPELINE_SECONDS)
     if missing:

@@ -34,8 +34,7 @@ def write_report(exc: BaseException) -> dict[str, Any] | None:
     folder = os.environ.get(REPORTS_VARIABLE)
     if not folder:
         return None
-    from devmesh.errors import is_peer_gone
-    from devmesh.distributed.timeouts import is_timeout
+    from devmesh.errors import is_peer_gone, is_timeout
 
     frames = _user_frames(exc)
     import torch

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from devmesh.distributed import comm
+from devmesh.distributed import comm, consensus
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.conversion import KeepsLayouts
 from devmesh.parallel.dtensor_params import (
@@ -121,7 +121,7 @@ class DataParallelState:
         named = [(n, p) for n, p in module.named_parameters() if id(p) not in ignored]
         ignored_names = [n for n, p in module.named_parameters() if id(p) in ignored]
         # the settings too: another bucket size or buffer sync mismatches the collectives
-        comm.agree(mesh, self.dims, "replicate: every replica must hold the same parameters "
+        consensus.agree(mesh, self.dims, "replicate: every replica must hold the same parameters "
                    "(and ignore the same ones) and pass the same settings",
                    describe_tensors(module) + f"\nignored: {ignored_names}\n"
                    f"bucket_cap_mb={bucket_cap_mb}, forward_sync_buffers="
@@ -207,7 +207,7 @@ class DataParallelState:
         trainable = tuple(p.requires_grad for p in self._params)
         if trainable == self._trainable:
             return
-        comm.agree(self.mesh, self.dims, "replicate: every replica must train the same "
+        consensus.agree(self.mesh, self.dims, "replicate: every replica must train the same "
                    "parameters (requires_grad was changed differently on some ranks)",
                    " ".join(n for n, t in zip(self._names, trainable, strict=True) if t))
         self._bucket(trainable)
@@ -517,7 +517,7 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
     resolved = mesh if mesh is not None else device_mesh
     resolved = resolved if resolved is not None else world_mesh()
     # a refusal of one rank's own arguments is raised on every rank, not left to a hang
-    with comm.refused_everywhere(comm.process_group(resolved, range(resolved.ndim)),
+    with consensus.refused_everywhere(comm.process_group(resolved, range(resolved.ndim)),
                                  "replicate", ParallelizeError):
         if not isinstance(module, nn.Module):  # torch's FSDP-based replicate groups a list
             raise ParallelizeError(

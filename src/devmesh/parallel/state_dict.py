@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules.module import _IncompatibleKeys
 
-from devmesh.distributed import comm
+from devmesh.distributed import consensus
 from devmesh.errors import ParallelizeError, StateDictError
 from devmesh.parallel.param import (
     adopt_replaced_parameters,
@@ -90,7 +90,7 @@ def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor
         return model.state_dict(full=full)
     model = module_of(model, "state_dict")
     if full:  # inside `if rank == 0:` (torch's way to save), say so
-        comm.warn_if_called_alone("state_dict(full=True)", _gathering_ranks(model))
+        consensus.warn_if_called_alone("state_dict(full=True)", _gathering_ranks(model))
     return local_state_dict(model, full=full)
 
 

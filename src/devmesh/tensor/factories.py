@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from devmesh.distributed import comm
+from devmesh.distributed import comm, consensus
 from devmesh.layout.placement import Replicate
 from devmesh.layout.spec import ShardingSpecError
 from devmesh.mesh import DeviceMesh
@@ -70,7 +70,7 @@ def _make(size: tuple, fill: Callable[[tuple[int, ...], torch.dtype], torch.Tens
 
 def _check_rng_agrees(mesh: DeviceMesh, what: str) -> None:
     state = hashlib.blake2b(torch.get_rng_state().numpy().tobytes(), digest_size=8).hexdigest()
-    comm.agree(mesh, tuple(range(mesh.ndim)),
+    consensus.agree(mesh, tuple(range(mesh.ndim)),
                f"{what}: every rank must have the same random state (call torch.manual_seed "
                "with the same seed on every rank first)", f"torch RNG state {state}")
 

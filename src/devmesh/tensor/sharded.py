@@ -18,7 +18,7 @@ from typing import Union
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
-from devmesh.distributed import comm
+from devmesh.distributed import comm, consensus
 from devmesh.mesh import DeviceMesh
 from devmesh.layout.placement import Placement, Replicate, Shard, as_placement
 from devmesh.layout.plan import plan_redistribute
@@ -357,7 +357,7 @@ def distribute_tensor(
 
 def _check_agreement(mesh: DeviceMesh, spec: ShardingSpec, dtype: torch.dtype,
                      what: str) -> None:
-    comm.agree(mesh, tuple(range(mesh.ndim)), what,
+    consensus.agree(mesh, tuple(range(mesh.ndim)), what,
                f"global shape {spec.global_shape}, {dtype}, layout [{spec}]")
 
 

@@ -35,7 +35,7 @@ import torch
 
 from devmesh.errors import CheckpointChecksumError, CheckpointError, CheckpointNotFoundError
 from devmesh.parallel.checkpoint.blocks import overlap
-from devmesh.parallel.checkpoint.checksums import chunk_bounds, chunk_count, chunk_rows, crcs_of
+from devmesh.parallel.checkpoint.checksums import chunk_bounds, chunk_count, crcs_of
 from devmesh.parallel.checkpoint.encoding import Malformed, dtype_of
 
 __all__ = ["FORMAT", "METADATA", "BlockMeta", "TensorMeta", "CheckpointReader", "data_file_name",
@@ -59,6 +59,7 @@ class BlockMeta:
     # CRC-32 of each chunk of rows (:mod:`~devmesh.parallel.checkpoint.checksums`); None in
     # a checkpoint written before devmesh stored them (read unchecked)
     crc32: tuple[int, ...] | None = None
+    crc_rows: int = 1  # the rows each checksum covers
 
 
 @dataclass(frozen=True)
@@ -93,13 +94,17 @@ def _tensor_meta(key: str, raw: Any, files: dict[str, int]) -> TensorMeta:
         if not isinstance(b, dict) or b.get("file") not in files:
             raise Malformed(f"{where} names a data file the metadata does not list")
         size = _ints(b.get("size"), f"{where}.size", len(shape))
-        crc32 = None
+        crc32, per = None, 1
         if "crc32" in b:
-            crc32 = _ints(b["crc32"], f"{where}.crc32", chunk_count(size, dtype.itemsize))
+            per = _ints([b.get("crc_rows")], f"{where}.crc_rows")[0]
+            if per < 1:
+                raise Malformed(f"{where}.crc_rows is not a positive number of rows")
+            crc32 = _ints(b["crc32"], f"{where}.crc32", chunk_count(size, dtype.itemsize, per))
             if any(c >= 1 << 32 for c in crc32):
                 raise Malformed(f"{where}.crc32 holds values that are not CRC-32s")
         block = BlockMeta(b["file"], _ints([b.get("offset")], where)[0],
-                          _ints(b.get("start"), f"{where}.start", len(shape)), size, crc32)
+                          _ints(b.get("start"), f"{where}.start", len(shape)), size, crc32,
+                          per)
         if any(s + n > d for s, n, d in zip(block.start, block.size, shape, strict=True)):
             raise Malformed(f"{where} lies outside the tensor's shape {shape}")
         nbytes = math.prod(block.size) * dtype.itemsize
@@ -238,7 +243,8 @@ class CheckpointReader:
         if block.crc32 is None:
             raw = self._bytes(block.file, block.offset + first * row, (last - first) * row)
         else:  # read whole chunks and check them, then keep the rows asked for
-            chunk, lo, hi = chunk_bounds(block.size, meta.dtype.itemsize, first, last)
+            chunk, lo, hi = chunk_bounds(block.size, meta.dtype.itemsize, block.crc_rows,
+                                         first, last)
             raw = self._bytes(block.file, block.offset + lo * row, (hi - lo) * row)
             self._check_chunks(meta, block, raw, chunk, lo * row)
             raw = raw[(first - lo) * row:(last - lo) * row]
@@ -250,11 +256,11 @@ class CheckpointReader:
                       chunk: int, start: int) -> None:
         """``raw``, the block's bytes from ``start`` (chunk ``chunk``'s first), against the
         checksums written with them."""
-        found = crcs_of(raw.numpy(), block.size, meta.dtype.itemsize)
+        found = crcs_of(raw.numpy(), block.size, meta.dtype.itemsize, block.crc_rows)
         wanted = block.crc32[chunk:chunk + len(found)]
         for i, (got, want) in enumerate(zip(found, wanted, strict=True)):
             if got != want:
-                per = chunk_rows(block.size, meta.dtype.itemsize)
+                per = block.crc_rows
                 first = (chunk + i) * per
                 rows = f"rows {first}..{min(first + per, block.size[0]) - 1} of " \
                     if block.size else ""
@@ -274,7 +280,7 @@ class CheckpointReader:
                 if block.crc32 is None or not math.prod(block.size):
                     continue
                 whole = tuple((s, s + n) for s, n in zip(block.start, block.size, strict=True))
-                per = chunk_rows(block.size, meta.dtype.itemsize) if block.size else 1
+                per = block.crc_rows if block.size else 1
                 for row in range(0, block.size[0] if block.size else 1, per):  # chunk by chunk
                     top = block.start[0] + row if block.size else 0
                     box = whole and ((top, min(top + per, whole[0][1])),) + whole[1:]

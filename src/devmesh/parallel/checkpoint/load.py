@@ -26,7 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from devmesh._log import get_logger
-from devmesh.distributed import comm
+from devmesh.distributed import comm, consensus
 from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictError
 from devmesh.parallel.checkpoint import legacy
 from devmesh.parallel.checkpoint.encoding import Malformed, decode
@@ -188,7 +188,7 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     devmesh before sharded checkpoints existed loads too (with ``weights_only=True``).
     ``model`` may be a pipeline runner: each rank loads its stages' part."""
     wait_for_pending_save()
-    comm.warn_if_called_alone("load_checkpoint")  # inside `if rank == 0:`, say so
+    consensus.warn_if_called_alone("load_checkpoint")  # inside `if rank == 0:`, say so
     began = time.perf_counter()
     model = module_of(model, "load_checkpoint")  # the same kind of object on every rank
     prepared = extra = None

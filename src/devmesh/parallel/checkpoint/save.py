@@ -38,11 +38,11 @@ from torch import nn
 
 from devmesh._files import TMP_SUFFIX, atomic_file
 from devmesh._log import get_logger
-from devmesh.distributed import comm, groups
+from devmesh.distributed import comm, consensus, groups
 from devmesh.errors import CheckpointError
 from devmesh.layout import format_ranks
 from devmesh.parallel.checkpoint.blocks import Placed, TensorLayout, distinct_blocks, place_blocks
-from devmesh.parallel.checkpoint.checksums import chunk_count, crcs_of
+from devmesh.parallel.checkpoint.checksums import chunk_count, chunk_rows, crcs_of
 from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
 from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data_file_name
 from devmesh.parallel.checkpoint.union import Listed, Merged, listed_json, merge_listings
@@ -168,7 +168,7 @@ def _agree_on_contents(contents: _Contents, world_size: int) -> Merged:
     """The union of what every rank saves, the same on every rank (one digest all-reduce
     when every rank lists the same tensors)."""
     mine = contents.listing(world_size)
-    by_listing = comm.differing(listed_json(mine)) if world_size > 1 else {}
+    by_listing = consensus.differing(listed_json(mine)) if world_size > 1 else {}
     return merge_listings(list(by_listing.items())) if by_listing else mine
 
 
@@ -226,7 +226,7 @@ def _raise_if_failed(error: BaseException | str | None, what: str, group=None) -
     """Every rank raises if any rank failed (this rank's own exception where it failed)."""
     text = None if error is None else (error if isinstance(error, str)
                                        else f"{type(error).__name__}: {error}")
-    failed = comm.failures(text, group)
+    failed = consensus.failures(text, group)
     if not failed:
         return
     if isinstance(error, BaseException):
@@ -240,7 +240,7 @@ def refuse_differing(value: str, what: str, fix: str) -> None:
     (one all-reduce of a digest; the values travel only when they differ)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return
-    held = comm.differing(value)
+    held = consensus.differing(value)
     if held:
         listing = "; ".join(f"ranks {format_ranks(ranks)}: {text}"
                             for text, ranks in held.items())
@@ -268,7 +268,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     does."""
     global _pending
     wait_for_pending_save()
-    comm.warn_if_called_alone("save_checkpoint")  # inside `if rank == 0:`, say so
+    consensus.warn_if_called_alone("save_checkpoint")  # inside `if rank == 0:`, say so
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     world = dist.get_world_size() if distributed else 1
@@ -409,7 +409,7 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                     assert f.tell() == p.offset
                     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
                     f.write(data)
-                    written[id(p)] = crcs_of(data, p.block.size, _itemsize(p))
+                    written[id(p)] = crcs_of(data, p.block.size, _itemsize(p), _per(p))
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = CheckpointError(f"save_checkpoint could not write {os.path.join(path, name)}: "
                                 f"{type(exc).__name__}: {exc}; the previous checkpoint, if "
@@ -438,12 +438,17 @@ def _itemsize(p: Placed) -> int:
     return p.nbytes // max(1, math.prod(p.block.size))
 
 
+def _per(p: Placed) -> int:
+    """The rows of ``p``'s block one checksum covers (written in the metadata with them)."""
+    return chunk_rows(p.block.size, _itemsize(p))
+
+
 def _checksums_on_every_rank(placed: list[Placed], written: dict[int, list[int]], group
                              ) -> list[list[int]]:
     """Every placed block's chunk checksums, for rank 0 to write in the metadata: each rank
     fills the slots of the blocks it wrote (every rank knows every block's slots, from the
     placement), and one all-reduce sums them (each slot has one writer)."""
-    counts = [chunk_count(p.block.size, _itemsize(p)) for p in placed]
+    counts = [chunk_count(p.block.size, _itemsize(p), _per(p)) for p in placed]
     slots = torch.zeros(sum(counts), dtype=torch.int64)
     at = 0
     for p, n in zip(placed, counts, strict=True):
@@ -474,7 +479,8 @@ def _commit(path: str, save_id: str, world: int, placed: list[Placed], merged: M
     for p, crc32 in zip(placed, checksums, strict=True):
         tensors[p.key]["blocks"].append({
             "file": data_file_name(save_id, p.rank), "offset": p.offset,
-            "start": list(p.block.start), "size": list(p.block.size), "crc32": crc32})
+            "start": list(p.block.start), "size": list(p.block.size), "crc32": crc32,
+            "crc_rows": _per(p)})
     metadata = {"format": FORMAT, "world_size": world, "files": sizes, "tensors": tensors,
                 "aliases": merged.aliases, "model": merged.model_keys,
                 "optimizer": merged.optimizer, "extra": extra}

@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
 
-from devmesh.distributed import comm
+from devmesh.distributed import consensus
 from devmesh.errors import CheckpointError
 from devmesh.parallel.checkpoint.format import METADATA, CheckpointReader
 from devmesh.parallel.checkpoint.save import wait_for_pending_save
@@ -156,7 +156,7 @@ def load_torch_dcp(path: str | os.PathLike, model: nn.Module, *, prefix: str = "
     wait_for_pending_save()
     reader = SafeFileSystemReader(os.fspath(path))
     # a refused or missing file: our error, before torch's loader runs, on every rank
-    with comm.refused_everywhere(None, "load_torch_dcp", CheckpointError, outcome="failed"):
+    with consensus.refused_everywhere(None, "load_torch_dcp", CheckpointError, outcome="failed"):
         reader.read_metadata()
     views: dict[str, torch.Tensor] = {}
     targets: list[tuple[torch.Tensor, torch.Tensor]] = []

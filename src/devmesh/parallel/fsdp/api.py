@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from devmesh.mesh import DeviceMesh
-from devmesh.distributed import comm
+from devmesh.distributed import comm, consensus
 from devmesh.parallel.dtensor_params import refuse_partial_dtensors
 from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from devmesh.parallel.fsdp.module import FSDPModule, units_named
@@ -66,7 +66,7 @@ def fully_shard(
     them, and ``replicate``)."""
     mesh = mesh if mesh is not None else world_mesh()
     # a refusal of one rank's own arguments is raised on every rank, not left to a hang
-    with comm.refused_everywhere(comm.process_group(mesh, range(mesh.ndim)), "fully_shard",
+    with consensus.refused_everywhere(comm.process_group(mesh, range(mesh.ndim)), "fully_shard",
                                  ParallelizeError):
         modules = _grouped(module)
         for one in modules:

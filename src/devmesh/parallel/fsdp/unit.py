@@ -36,7 +36,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
-from devmesh.distributed import comm
+from devmesh.distributed import comm, consensus
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.fsdp.collectives import (
     ShardedParam,
@@ -148,7 +148,7 @@ class FSDPUnit:
         # collective of the unit (gloo aborts the process on the first one)
         settings = ", ".join(f"{f}={getattr(self.mp, f, None)}" for f in (
             "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"))
-        comm.agree(mesh, tuple(range(mesh.ndim)),
+        consensus.agree(mesh, tuple(range(mesh.ndim)),
                    "fully_shard: every rank must hold the same parameters (and ignore the "
                    "same ones) and pass the same settings",
                    "\n".join(map(describe_tensors, roots)) + f"\nignored: {ignored}\n"

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from devmesh.distributed import comm, groups, stops
+from devmesh.distributed import comm, consensus, groups, stops
 from devmesh.errors import CollectiveAbandonedError, rank_prefix
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
 from devmesh.layout.schedule import Action, Schedule
@@ -127,7 +127,7 @@ class PipelineRunner:
         # the ranks holding this rank's stages (its copies over the other dims): see _start
         self._copies = (comm.process_group(mesh, others)
                         if mesh.size() > self.pp else None)
-        held = comm.differing(str(schedule), everyone)
+        held = consensus.differing(str(schedule), everyone)
         if held:  # every check below depends on the schedule: agree on it first
             which = "; ".join(f"ranks {ranks}: {text.splitlines()[0]}"
                               for text, ranks in held.items())
@@ -161,7 +161,7 @@ class PipelineRunner:
                                                 for s, sync in self._sync.items())), None)
         self._agree_or_raise(problem, "cannot build the pipeline", everyone)
         ties = ties_of(stages)
-        differ = comm.differing(repr([tie.stages for tie in ties]), mesh.get_group(self.dim))
+        differ = consensus.differing(repr([tie.stages for tie in ties]), mesh.get_group(self.dim))
         if differ:  # exchanging copies of different ties would hang: refused on every rank
             which = "; ".join(f"ranks {ranks}: {text}" for text, ranks in differ.items())
             raise PipelineError(
@@ -246,7 +246,7 @@ class PipelineRunner:
     def _agree_or_raise(self, problem: str | None, what: str, group=None) -> None:
         """Raise on every rank of ``group`` (the pipeline dim's by default) if any has a
         ``problem`` (one tiny all-reduce)."""
-        failed = comm.failures(problem, group or self.mesh.get_group(self.dim))
+        failed = consensus.failures(problem, group or self.mesh.get_group(self.dim))
         if failed:
             listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
             raise PipelineError(f"{what} — {listing}")
@@ -395,7 +395,7 @@ class PipelineRunner:
             step.fail(PipelineError("step() trains, and the runner has no loss function: "
                                     "build it with one, or call evaluate() for a forward-only "
                                     "pass"))
-        if self._copies is not None and comm.failures(step.error, self._copies):
+        if self._copies is not None and consensus.failures(step.error, self._copies):
             step.halted = True  # the copy's own error is reported at the end of the step
         step.announced = step.halted  # every copy stopped here: none waits for another
         return step
@@ -458,7 +458,7 @@ class PipelineRunner:
                        "code (a stage's forward or backward, the loss), waiting for a "
                        "message from a rank that is, or dead"), self._everyone
         with watch.guard():  # a rank stuck in its code is named here too
-            failed = comm.failures(step.error, group)
+            failed = consensus.failures(step.error, group)
         listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
         if not listing:
             return

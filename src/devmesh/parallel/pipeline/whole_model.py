@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from devmesh.distributed import comm
+from devmesh.distributed import comm, consensus
 from devmesh.errors import StateDictError
 from devmesh.parallel.checkpoint.encoding import dtype_name, dtype_of
 from devmesh.parallel.state_dict import (
@@ -54,13 +54,13 @@ def full_state_dict(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     rank: each rank gathers its stages' full tensors (over their own meshes), then each
     pipeline index broadcasts its bytes to the others (one broadcast per index)."""
     # inside `if rank == 0:` (torch's way to save), say so
-    comm.warn_if_called_alone("runner.state_dict(full=True)", runner.mesh.layout.rank_list())
+    consensus.warn_if_called_alone("runner.state_dict(full=True)", runner.mesh.layout.rank_list())
     mine: list[tuple[int, str, torch.Tensor]] = []
     for s in sorted(runner.stages):
         mine += [(s, k, v) for k, v in local_state_dict(_unwrapped(runner.stages[s]),
                                                         full=True).items()]
     listing = json.dumps([[s, k, dtype_name(v.dtype), list(v.shape)] for s, k, v in mine])
-    listings = [json.loads(t) for t in comm.gather_texts(listing, _pp_group(runner))]
+    listings = [json.loads(t) for t in consensus.gather_texts(listing, _pp_group(runner))]
     keys = [k for entries in listings for _, k, _, _ in entries]
     twice = sorted({k for k in keys if keys.count(k) > 1})
     if twice:
@@ -97,10 +97,10 @@ def load_full_state_dict(runner: PipelineRunner, state: Mapping[str, Any], *,
     state = {state_dict_name(key): value for key, value in state.items()}  # as prepare_load
     names = set(dict(named_parameters(module))) | set(
         persistent_buffers(module))
-    union = {k for t in comm.gather_texts(json.dumps(sorted(names)), _pp_group(runner))
+    union = {k for t in consensus.gather_texts(json.dumps(sorted(names)), _pp_group(runner))
              for k in json.loads(t)}
     unexpected = sorted(set(state) - union)
-    with comm.refused_everywhere(_pp_group(runner), "loading the pipelined model's state "
+    with consensus.refused_everywhere(_pp_group(runner), "loading the pipelined model's state "
                                  "dict", StateDictError, outcome="failed"):
         if strict and unexpected:
             raise StateDictError("Error(s) in loading state_dict for the pipelined model: "

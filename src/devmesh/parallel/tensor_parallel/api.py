@@ -14,7 +14,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from devmesh.distributed import comm
+from devmesh.distributed import comm, consensus
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.conversion import KeepsLayouts
@@ -124,7 +124,7 @@ def parallelize_module(
         return module
     # a refusal on one rank is raised on every rank; then the ranks agree on the plan itself
     # (ranks splitting different modules would wait in each other's collectives)
-    with comm.refused_everywhere(comm.process_group(mesh, (0,)), "parallelize_module",
+    with consensus.refused_everywhere(comm.process_group(mesh, (0,)), "parallelize_module",
                                  ParallelizeError):
         entries = _resolve_plan(module, parallelize_plan)
         for name, target, style in entries:
@@ -136,7 +136,7 @@ def parallelize_module(
                     f"{name or 'the module'!r}; applying {type(style).__name__} too would "
                     "split an already split weight. Each module takes one "
                     "parameter-distributing style")
-    comm.agree(mesh, (0,), "parallelize_module: every rank must apply the same plan",
+    consensus.agree(mesh, (0,), "parallelize_module: every rank must apply the same plan",
                "; ".join(f"{name or '(the module)'}: {_describe_style(style)}"
                          for name, _, style in entries))
     aliases = parameter_aliases(module)
