@@ -276,7 +276,7 @@ def test_a_gpu_mesh_refuses_only_a_schedule_that_would_deadlock_on_nccl(monkeypa
     monkeypatch.setattr(runner_module.comm, "process_group", lambda mesh, dims: None)
     monkeypatch.setattr(runner_module, "nccl_problem", lambda schedule: "would deadlock on "
                         "NCCL in a training step: use a CPU mesh")
-    monkeypatch.setattr(runner_module.comm, "differing", lambda text, group: {})
+    monkeypatch.setattr(runner_module.consensus, "differing", lambda text, group: {})
     with pytest.raises(PipelineError, match="would deadlock on NCCL in a training step.*CPU "
                                             "mesh"):
         PipelineRunner({}, gpu_mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
