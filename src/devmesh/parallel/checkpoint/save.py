@@ -455,7 +455,7 @@ def _checksums_on_every_rank(placed: list[Placed], written: dict[int, list[int]]
         if id(p) in written:
             slots[at:at + n] = torch.tensor(written[id(p)], dtype=torch.int64)
         at += n
-    if group is not None:
+    if group is not None and slots.numel():  # the same on every rank: from the placement
         dist.all_reduce(slots, group=group)
     values = slots.tolist()
     out, at = [], 0
