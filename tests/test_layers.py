@@ -74,3 +74,43 @@ def test_layout_imports_no_torch():
             "devmesh.inspect.render; assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
+    """The devmesh modules ``name`` imports, at run time (lazy imports inside functions
+    included, ``TYPE_CHECKING`` blocks not): ``from a.b import c`` names ``a.b.c`` where that is
+    a module, else the package ``a.b``."""
+    tree = ast.parse(path.read_text())
+    type_only = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and getattr(block.test, "id", None) == "TYPE_CHECKING"
+                 for stmt in block.body for n in ast.walk(stmt)}
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in type_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("devmesh"):
+            assert node.level == 0, f"{name}: relative import"
+            found |= {f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules
+                      else node.module for a in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name.startswith("devmesh")}
+    return (found & modules) - {name}
+
+
+def test_no_module_imports_itself_through_others():
+    """No import cycle anywhere in devmesh, lazy imports included: a cycle hidden inside a
+    function is still two modules that cannot be understood (or moved) one without the other."""
+    paths = dict(_modules())
+    graph = {name: _imports(name, path, set(paths)) for name, path in paths.items()}
+    cycles = []
+    for start in graph:  # a path from start back to itself
+        stack, seen = [(start, (start,))], set()
+        while stack:
+            node, route = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    cycles.append(" -> ".join(route + (start,)))
+                elif nxt not in seen:
+                    seen.add(nxt)
+                    stack.append((nxt, route + (nxt,)))
+    assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from devmesh.parallel.param import keep_layout
+from devmesh.parallel.placement import keep_layout
 
 __all__ = ["KeepsLayouts"]
 

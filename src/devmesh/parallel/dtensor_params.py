@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from devmesh.parallel.param import ParallelizeError, place_parameter, sharded_parameter
+from devmesh.parallel.param import ParallelizeError, sharded_parameter
+from devmesh.parallel.placement import place_parameter
 from devmesh.tensor import ShardedTensor
 
 __all__ = ["adopt_dtensor_parameters", "refuse_partial_dtensors", "show_dtensor_views",

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,34 +24,11 @@ from devmesh.errors import DevmeshError, ParallelizeError  # noqa: F401 - re-exp
 from devmesh.mesh import DeviceMesh, init_device_mesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
-__all__ = ["refuse_torch_fsdp_over_blocks", "with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
+__all__ = ["with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
            "layout_of", "local_of", "shaped_like", "is_dtensor",
-           "place_parameter", "local_block", "as_sharded", "combined_mesh", "describe_tensors"]
+           "local_block", "as_sharded", "combined_mesh", "describe_tensors"]
 
 _ATTR = "_devmesh_layout"
-
-
-def refuse_torch_fsdp_over_blocks(module: nn.Module, module_name: str | None = None) -> None:
-    """Refuse ``module`` if torch's ``fully_shard`` manages it while it holds blocks devmesh's
-    tensor parallelism split: torch's FSDP2 takes each block for a whole parameter (a
-    DTensor of the block's shape), so the training runs but saving fails after it
-    (``model.state_dict()`` raised "the local_tensor argument only accepts torch.Tensor",
-    devmesh's ``state_dict`` "got mixed torch.Tensor and DTensor"). torch marks every module its ``fully_shard`` manages; every rank has the same modules, so every
-    rank raises alike, before this module's own collectives."""
-    if not getattr(module, "_is_fsdp_managed_module", False):
-        return
-    split = [name for name, held in module.__dict__.get(_PLACED, {}).items()
-             if split_layout(held) is not None]
-    if split:
-        where = (f"module {module_name!r} ({type(module).__name__})" if module_name
-                 else f"a {type(module).__name__} module")
-        raise ParallelizeError(
-            f"{where} holds parameter(s) {split} split by devmesh's "
-            "parallelize_module and is managed by torch's fully_shard, which takes each "
-            "block for a whole parameter: the state dict and checkpoints would name one "
-            "rank's block as the full tensor. Apply devmesh.parallel.fully_shard instead "
-            "(it nests its shards inside the tensor-parallel blocks), or split the model "
-            "with torch's parallelize_module and styles for torch's fully_shard")
 
 
 @dataclass(frozen=True)
@@ -137,74 +114,6 @@ def sharded_parameter(local: torch.Tensor, requires_grad: bool, mesh: DeviceMesh
     return param
 
 
-def place_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
-    """Register ``param`` (laid out on a mesh) as ``module.<name>``.
-
-    ``module.state_dict()`` then gives it as a torch ``DTensor`` on its mesh (this rank's
-    block, not copied), as torch's FSDP2 and TP do, so ``torch.distributed.checkpoint``
-    saves and loads it by its global layout (given the block as a plain tensor, DCP would
-    take it for a replicated tensor and keep rank 0's block only). ``module.load_state_dict``
-    takes such a DTensor, the full tensor — a pretrained checkpoint, a single-process
-    ``state_dict()`` — keeping this rank's block, as ``devmesh.parallel.load_state_dict``
-    does, or a tensor of this rank's block shape as it is."""
-    module._parameters[name] = param
-    module.__dict__.setdefault(_PLACED, {})[name] = param
-    if not getattr(module, _TAKES_FULL, False):
-        module.register_load_state_dict_pre_hook(_take_local_blocks)
-        module.register_state_dict_post_hook(_give_dtensors)
-        setattr(module, _TAKES_FULL, True)
-    if split_layout(param) is not None:
-        from devmesh.parallel.optim_state import watch_optimizers
-
-        watch_optimizers()  # and their states as DTensors too
-
-
-_TAKES_FULL = "_devmesh_takes_full_tensors"
-_PLACED = "_devmesh_placed"  # module attribute: name -> the parameter devmesh placed there
-
-
-def keep_layout(old: torch.Tensor, new: torch.Tensor) -> None:
-    """Give ``new`` (a parameter torch made in place of ``old``) ``old``'s layout and kind,
-    keeping the object: an optimizer already holding ``new`` steps the parameter the model
-    trains."""
-    layout = get_layout(old)
-    if layout is None or get_layout(new) is not None:
-        return
-    if isinstance(old, ShardedParameter) and type(new) is nn.Parameter:
-        new.__class__ = ShardedParameter
-    set_layout(new, layout.mesh, layout.spec, layout.shape)
-
-
-def replaced_parameters(places: Iterable[tuple[nn.Module, str, torch.Tensor]]
-                        ) -> dict[int, nn.Parameter]:
-    """``places``: (module, name, the parameter devmesh holds there). For each slot where a
-    conversion devmesh did not see (``child.to_empty()``) left another parameter: ``{id(held):
-    the new one}``, the new one laid out as the held one (the first found, where a tied
-    weight was replaced in several places)."""
-    replaced: dict[int, nn.Parameter] = {}
-    for module, name, held in places:
-        new = module._parameters.get(name)
-        if isinstance(new, nn.Parameter) and new is not held and id(held) not in replaced:
-            keep_layout(held, new)
-            replaced[id(held)] = new
-    return replaced
-
-
-def adopt_replaced_parameters(module: nn.Module) -> None:
-    """Lay out the parameters that torch's conversions run on ``module`` itself replaced.
-
-    ``child.to_empty(device=...)`` on a module inside an FSDP unit (or under ``replicate``)
-    makes new, plain parameters in the child's slots: the child's class is torch's, so
-    devmesh's conversion (:mod:`devmesh.parallel.conversion`) did not run. Each such slot's
-    new parameter takes the layout of the one devmesh placed there, so loading a state dict
-    into it cuts this rank's block; the unit holding the parameter takes the new objects at
-    its next forward, as torch's FSDP2 re-reads its parameters by name."""
-    placed = module.__dict__.get(_PLACED, {})
-    replaced = replaced_parameters((module, name, held) for name, held in placed.items())
-    for name, held in placed.items():
-        placed[name] = replaced.get(id(held), held)
-
-
 def split_layout(param: torch.Tensor | None) -> ParamLayout | None:
     """The layout of ``param`` if it is split on its mesh (not whole on every rank, and not a
     0-d parameter, which FSDP keeps as one element on one rank)."""
@@ -220,29 +129,6 @@ def as_dtensor(block: torch.Tensor, param: torch.Tensor):
     layout = get_layout(param)
     assert layout is not None
     return ShardedTensor(block.detach(), layout.mesh, layout.spec).to_dtensor()
-
-
-def _give_dtensors(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
-    refuse_torch_fsdp_over_blocks(module, prefix.removesuffix(".") or None)
-    adopt_replaced_parameters(module)
-    for name, param in module._parameters.items():
-        if prefix + name in state and split_layout(param) is not None:
-            state[prefix + name] = as_dtensor(param, param)
-
-
-def _take_local_blocks(module: nn.Module, state: dict, prefix: str, local_metadata: dict,
-                       strict: bool, missing: list, unexpected: list, errors: list) -> None:
-    refuse_torch_fsdp_over_blocks(module, prefix.removesuffix(".") or None)
-    adopt_replaced_parameters(module)
-    for name, param in module._parameters.items():
-        layout = get_layout(param) if param is not None else None
-        value = state.get(prefix + name)
-        if layout is None or not isinstance(value, torch.Tensor) or value.shape == param.shape:
-            continue
-        try:
-            state[prefix + name] = block_of(value, param, prefix + name)
-        except ParallelizeError as exc:
-            errors.append(str(exc))
 
 
 def block_of(value: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:

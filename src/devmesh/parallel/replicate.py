@@ -49,12 +49,12 @@ from devmesh.parallel.param import (
     ParallelizeError,
     describe_tensors,
     get_layout,
-    replaced_parameters,
     set_layout,
     world_mesh,
     GradientSyncControl,
     with_methods,
 )
+from devmesh.parallel.placement import replaced_parameters
 from devmesh.tensor import ShardingSpec
 
 __all__ = ["replicate", "DataParallelState", "ReplicateModule", "GradBucket"]

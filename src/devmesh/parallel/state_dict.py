@@ -27,7 +27,6 @@ from torch.nn.modules.module import _IncompatibleKeys
 from devmesh.distributed import consensus
 from devmesh.errors import ParallelizeError, StateDictError
 from devmesh.parallel.param import (
-    adopt_replaced_parameters,
     as_sharded,
     get_layout,
     is_dtensor,
@@ -35,6 +34,7 @@ from devmesh.parallel.param import (
     local_block,
     local_of,
 )
+from devmesh.parallel.placement import adopt_replaced_parameters
 from devmesh.tensor import ShardedTensor
 
 __all__ = ["state_dict", "local_state_dict", "load_state_dict", "prepare_load", "apply_load",

@@ -56,10 +56,9 @@ from devmesh.parallel.param import (
     combined_mesh,
     describe_tensors,
     get_layout,
-    place_parameter,
-    replaced_parameters,
     sharded_parameter,
 )
+from devmesh.parallel.placement import place_parameter, replaced_parameters
 from devmesh.parallel.saved_activation import SavedActivation
 from devmesh.tensor import ShardedTensor, ShardingSpec
 from devmesh.layout import MeshLayout

@@ -49,6 +49,7 @@ from torch.distributed.pipelining import pipeline as _torch_pipeline
 from torch.utils import _pytree as pytree
 
 from devmesh.parallel.pipeline.split import PipelineError
+from devmesh.parallel.pipeline.stage import PipelineStage
 from devmesh.parallel.pipeline.tied import Tie, record_ties
 
 __all__ = ["pipeline", "Pipe", "SplitPoint", "pipe_split", "build_stage", "StageRoute",
@@ -227,8 +228,6 @@ def build_stage(stage_module: nn.Module, stage_index: int, pipe_info,
     as torch's ``build_stage``; devmesh's schedules also take the stage torch's
     ``pipe.build_stage`` returns. Rewrites the stage module in place (see the module's doc)
     and records the parameters tied across stages."""
-    from devmesh.parallel.pipeline.torch_api import PipelineStage
-
     if pipe_info.has_loss_and_backward:
         raise PipelineError("the traced model computes its own loss: devmesh's schedules take "
                             "the loss as loss_fn; trace the model without it")

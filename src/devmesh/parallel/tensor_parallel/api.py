@@ -18,7 +18,8 @@ from devmesh.distributed import comm, consensus
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.conversion import KeepsLayouts
-from devmesh.parallel.param import get_layout, place_parameter, sharded_parameter, with_methods
+from devmesh.parallel.param import get_layout, sharded_parameter, with_methods
+from devmesh.parallel.placement import place_parameter
 from devmesh.parallel.tensor_parallel.styles import ParallelStyle
 from devmesh.tensor import Placement, ShardingSpec, distribute_tensor
 

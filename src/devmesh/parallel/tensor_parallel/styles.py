@@ -27,7 +27,7 @@ from torch import nn
 
 from devmesh.errors import ParallelizeError, ShardingSpecError
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.param import refuse_torch_fsdp_over_blocks
+from devmesh.parallel.placement import refuse_torch_fsdp_over_blocks
 from devmesh.parallel.tensor_parallel import activations as A
 from devmesh.parallel.tensor_parallel import functional as PF
 from devmesh.tensor import Partial, Placement, Replicate, Shard, as_placement
