@@ -182,14 +182,21 @@ def main() -> None:
     args = parser.parse_args()
     from devmesh.launching.launcher import launch
 
+    from devmesh._progress import Progress
+
     directory = tempfile.mkdtemp(prefix="devmesh-bench-", dir=args.dir)
-    for strategy in args.strategies.split(","):
-        try:
-            results = {lib: launch(run, 8, lib, directory, args.repeats, strategy,
-                                   timeout=1800) for lib in ("devmesh", "torch")}
-        finally:
-            shutil.rmtree(directory, ignore_errors=True)
-        report(strategy, results, args.repeats)
+    strategies = args.strategies.split(",")
+    with Progress("bench checkpoint", 2 * len(strategies), bar=False, unit="runs") as progress:
+        for strategy in strategies:
+            results = {}
+            try:
+                for lib in ("devmesh", "torch"):
+                    results[lib] = launch(run, 8, lib, directory, args.repeats, strategy,
+                                          timeout=1800)
+                    progress.advance()
+            finally:
+                shutil.rmtree(directory, ignore_errors=True)
+            report(strategy, results, args.repeats)
 
 
 def report(strategy: str, results: dict, repeats: int) -> None:

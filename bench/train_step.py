@@ -127,10 +127,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--strategies", default="ddp,fsdp,tp,fsdp+tp")
     args = parser.parse_args()
+    from devmesh._progress import Progress
     from devmesh.launching.launcher import launch
+
+    strategies = args.strategies.split(",")
+    progress = Progress("bench train_step", 1 + 2 * len(strategies), bar=False, unit="runs")
 
     def measure(library, strategy):
         per_rank = launch(run, 8, library, strategy, args.steps, timeout=1800)
+        progress.advance()
         return max(t for t, _ in per_rank), max(m for _, m in per_rank)
 
     base_time, base_mem = measure("none", "ddp")
@@ -139,11 +144,12 @@ def main() -> None:
     print(f"no communication (plain model on every rank): {base_time * 1e3:.0f} ms/step, "
           f"peak RSS {base_mem:.0f} MB")
     print(f"{'strategy':<10}{'devmesh':>12}{'torch':>12}{'ratio':>8}{'devmesh RSS':>14}{'torch RSS':>12}")
-    for strategy in args.strategies.split(","):
+    for strategy in strategies:
         ours_t, ours_m = measure("devmesh", strategy)
         theirs_t, theirs_m = measure("torch", strategy)
         print(f"{strategy:<10}{ours_t * 1e3:>10.0f}ms{theirs_t * 1e3:>10.0f}ms"
-              f"{ours_t / theirs_t:>8.2f}{ours_m:>12.0f}MB{theirs_m:>10.0f}MB")
+              f"{ours_t / theirs_t:>8.2f}{ours_m:>12.0f}MB{theirs_m:>10.0f}MB", flush=True)
+    progress.close()
 
 
 if __name__ == "__main__":

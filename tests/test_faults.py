@@ -6,8 +6,10 @@ process table."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
+import re
 import signal
 import socket
 import subprocess
@@ -485,3 +487,37 @@ def test_a_failure_is_summarised_once_naming_the_first_rank_and_the_script(tmp_p
         assert (f"  rank {rank}: at train.py:15: lost its peers (a collective broke off or "
                 "timed out after rank 1 failed)") in err
     assert "devmesh.launching.child FAILED" not in err
+
+
+def test_each_line_of_every_rank_reaches_the_console_whole_with_its_rank(tmp_path):
+    """print with several arguments writes them in pieces; the console still gets each line
+    whole, prefixed with the rank that printed it, and no line of one rank inside another's."""
+    script = tmp_path / "chatty.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        rank = int(os.environ["RANK"])
+        for i in range(300):
+            print("line", rank, i, "of", "a", "chatty", "rank")
+    """))
+    proc = _devmesh("run", "-n", "2", str(script))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    for line in lines:
+        match = re.fullmatch(r"\[rank(\d)\]:line (\d) (\d+) of a chatty rank", line)
+        assert match and match[1] == match[2], line
+    assert sorted(lines) == sorted(f"[rank{r}]:line {r} {i} of a chatty rank"
+                                   for r in (0, 1) for i in range(300))
+
+
+def test_the_summary_says_which_ranks_had_finished(tmp_path):
+    from devmesh.launching.reports import summary
+
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    (folder / "rank1.json").write_text(json.dumps({
+        "rank": 1, "world": 3, "attempt": 0, "time": 1.0, "consequence": False,
+        "where": "train.py:9", "exception": "ValueError: bad", "traceback": "Traceback ...\n"}))
+    told = summary(str(folder), "train.py", {1: 1, 2: -15}, ranks=3)
+    assert "rank 1 of 3 failed first, running train.py" in told
+    assert "  rank 0: had finished (exit code 0)" in told
+    assert "  rank 2: stopped by signal 15 after rank 1 failed" in told

@@ -207,6 +207,7 @@ def test_ckpt_info_and_consolidate_without_launching(mesh_pool, tmp_path):
                              "--buffer-mb", "0.0001"], capture_output=True, text=True,
                             timeout=120)  # a few rows at a time
     assert merged.returncode == 0, merged.stderr
+    assert f"load them with safetensors.torch.load_file({out!r})" in merged.stdout
     tensors = load_file(out)  # the real safetensors library reads it
     model = make_model()
     assert tensors.keys() == model.state_dict().keys()
@@ -633,3 +634,19 @@ def test_a_flipped_byte_is_found_by_the_rank_that_reads_it_and_refused_everywher
     assert "the block of 'model.weight' starting at [0, 0], size [16, 16]" in r1
     assert r0 != "loaded" and "rank 1" in r0, r0  # the rank whose rows were clean refuses too
     assert same0 and same1  # nothing was loaded anywhere
+
+
+def test_consolidate_names_the_extra_that_reads_its_file_where_it_is_missing(
+        tmp_path, monkeypatch, capsys):
+    """``devmesh ckpt consolidate`` writes safetensors without the library; where the library
+    is missing, its message says how to get the reader."""
+    from devmesh.parallel import save_checkpoint
+    from devmesh.tools import cli
+
+    save_checkpoint(str(tmp_path / "ckpt"), torch.nn.Linear(2, 2)).wait()
+    out = str(tmp_path / "m.safetensors")
+    monkeypatch.setattr(cli, "_installed", lambda package: False)
+    assert cli.main(["ckpt", "consolidate", str(tmp_path / "ckpt"), out]) == 0
+    told = capsys.readouterr().out
+    assert f"wrote 2 tensors to {out}: load them with safetensors.torch.load_file" in told
+    assert "pip install 'devmesh[safetensors]'" in told

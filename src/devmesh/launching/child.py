@@ -49,6 +49,11 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m devmesh.launching.child SCRIPT [ARGS...]")
     die_with_parent()
     settle_collective_threads_at_exit()
+    # whole lines: the launcher copies each rank's output to the console line by line, and a
+    # line written in pieces (print's arguments, unbuffered) would reach it in pieces
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(line_buffering=True, write_through=False)
     if argv[0] == "-m" and len(argv) < 2:
         raise SystemExit("usage: python -m devmesh.launching.child -m MODULE [ARGS...]")
     try:
@@ -67,7 +72,7 @@ def main(argv: list[str]) -> None:
         # devmesh run prints the traceback once, in its summary; a rank failing on its own
         # (not one that lost its peers) says so at once too
         if not report["consequence"]:
-            print(f"[rank {report['rank']}] {report['exception'].splitlines()[0][:300]} "
+            print(f"{report['exception'].splitlines()[0][:300]} "
                   f"(at {report['where']}; devmesh run's summary follows)", file=sys.stderr,
                   flush=True)
         raise SystemExit(1) from None

@@ -62,10 +62,12 @@ def write_report(exc: BaseException) -> dict[str, Any] | None:
     return report
 
 
-def summary(folder: str, target: str, codes: dict[int, int]) -> str | None:
+def summary(folder: str, target: str, codes: dict[int, int], ranks: int = 0) -> str | None:
     """The failure in words from the ranks' reports in ``folder`` (``None`` without any):
     the rank that failed first on its own — not one that only heard a peer go — with its
-    traceback, then what every other rank of ``codes`` (rank -> exit code) was doing."""
+    traceback, then what every other rank was doing: those of ``codes`` (rank -> exit code
+    of the ranks that failed) and of ``range(ranks)`` (the ranks started here; one in
+    neither had finished)."""
     reports: dict[int, dict[str, Any]] = {}
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
         if name.endswith(".json"):
@@ -82,7 +84,7 @@ def summary(folder: str, target: str, codes: dict[int, int]) -> str | None:
     lines = [f"devmesh run: rank {first['rank']} of {world} failed first{after}, running "
              f"{target}:",
              first["traceback"], "the other ranks:"]
-    for rank in sorted(set(codes) | set(reports)):
+    for rank in sorted(set(codes) | set(reports) | set(range(ranks))):
         if rank == first["rank"]:
             continue
         report = reports.get(rank)
@@ -95,6 +97,8 @@ def summary(folder: str, target: str, codes: dict[int, int]) -> str | None:
         elif codes.get(rank, 0) < 0:
             lines.append(f"  rank {rank}: stopped by signal {-codes[rank]} after rank "
                          f"{first['rank']} failed")
+        elif rank in codes:
+            lines.append(f"  rank {rank}: exited with code {codes[rank]}")
         else:
-            lines.append(f"  rank {rank}: exited with code {codes.get(rank, 0)}")
+            lines.append(f"  rank {rank}: had finished (exit code 0)")
     return "\n".join(lines)

@@ -273,6 +273,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     os.environ[ARGV_VARIABLE] = json.dumps(list(args.args))
     if args.trace_collectives:  # each rank records its collectives (devmesh.distributed.trace)
         os.environ["DEVMESH_TRACE_COLLECTIVES"] = "1"
+    import tempfile
+
     # a store per restart (pytorch/pytorch#135712), served by rank 0 on loopback only
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # torchrun --standalone's agent serves its rendezvous store on every interface; this
@@ -284,15 +286,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
                      f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=devmesh-run-{port}",
                      "--rdzv-conf=is_host=false", "--local-addr=127.0.0.1",
                      f"--max-restarts={args.max_restarts}"]
-    if args.log_dir:  # one file per rank, and the console as well
-        torchrun_args += [f"--log-dir={args.log_dir}", "--tee=3"]
+    # every rank's output goes to a file that torchrun's agent copies to the console a whole
+    # line at a time, each line prefixed "[rank3]:" (global rank): lines of several ranks
+    # never mix; --log-dir keeps the files, else they are removed with the run
+    logs = None if args.log_dir else tempfile.TemporaryDirectory(prefix="devmesh-run-logs-")
+    torchrun_args += [f"--log-dir={args.log_dir or logs.name}", "--tee=3"]
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:")
+    # torchrun's own default, set here so that it does not print a banner saying so
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.local_ranks_filter:
         torchrun_args += [f"--local-ranks-filter={args.local_ranks_filter}"]
     target = ["-m", args.script] if args.module else [args.script]
     torchrun_args += ["-m", "devmesh.launching.child", *target]
     kills_before = oom_kills()
     import logging
-    import tempfile
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -308,7 +315,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return int(exc.code or 0)
     except ChildFailedError as exc:  # the failing rank's own exit code, as a shell would
         codes = {f.local_rank: f.exitcode for f in exc.failures.values()}
-        told = summary(reports.name, args.script, codes)
+        told = summary(reports.name, args.script, codes, ranks=args.nproc)
         # torchrun names the entry point it ran: the rank wrapper; name the user's script
         print(told or str(exc).replace("devmesh.launching.child", args.script),
               file=sys.stderr)
@@ -327,6 +334,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     finally:
         del store
         reports.cleanup()
+        if logs is not None:
+            logs.cleanup()
     return 0
 
 
@@ -351,8 +360,17 @@ def _cmd_ckpt_consolidate(args: argparse.Namespace) -> int:
     except (CheckpointError, ValueError, OSError) as exc:
         print(f"devmesh ckpt consolidate: {exc}", file=sys.stderr)
         return 1
-    print(f"wrote {len(names)} tensors to {args.out}")
+    print(f"wrote {len(names)} tensors to {args.out}: load them with "
+          f"safetensors.torch.load_file({args.out!r})"
+          + ("" if _installed("safetensors") else
+             " (safetensors is not installed here: pip install 'devmesh[safetensors]')"))
     return 0
+
+
+def _installed(package: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(package) is not None
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from devmesh._log import get_logger
+from devmesh._progress import Progress, bytes_text
 from devmesh.distributed import comm, consensus
 from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictError
 from devmesh.parallel.checkpoint import legacy
@@ -82,17 +83,26 @@ def _model_writes(reader: CheckpointReader, model: nn.Module
             f"Missing key(s): {', '.join(map(repr, missing))}. Nothing was loaded; the "
             "checkpoint must come from the same model")
     writes = []
-    done: set[int] = set()
+    blocks, done = [], set()
     for name, target in list(params.items()) + list(buffers.items()):
-        if id(target) in done:
-            continue
-        done.add(id(target))
-        # a saved dtype other than the model's is converted by the copy, as torch's DCP and
-        # ``load_state_dict`` do (a float32 checkpoint into a bfloat16 model for inference)
-        # (a DTensor's local tensor is written: torch's tensor parallelism alone)
-        block = local_of(target)
-        writes.append((block, read_block(reader, f"model.{name}", block, like=target)))
+        if id(target) not in done:  # a tied parameter once, under its first name
+            done.add(id(target))
+            blocks.append((name, local_of(target), target))
+    with _progress("checkpoint load", sum(b.nbytes for _, b, _ in blocks)) as progress:
+        for name, block, target in blocks:
+            # a saved dtype other than the model's is converted by the copy, as torch's DCP
+            # and ``load_state_dict`` do (a float32 checkpoint into a bfloat16 model for
+            # inference); a DTensor's local tensor is written (torch's tensor parallelism)
+            writes.append((block, read_block(reader, f"model.{name}", block, like=target)))
+            progress.advance(block.nbytes)
     return writes
+
+
+def _progress(title: str, total: int) -> Progress:
+    """Plain progress lines from rank 0 for a load that takes long (its own blocks' bytes)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return Progress(f"{title} (rank {rank}'s blocks)", total, show=rank == 0, bar=False,
+                    amount=bytes_text)
 
 
 def _optimizer_state(reader: CheckpointReader, model: nn.Module,

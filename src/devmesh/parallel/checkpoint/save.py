@@ -38,6 +38,7 @@ from torch import nn
 
 from devmesh._files import TMP_SUFFIX, atomic_file
 from devmesh._log import get_logger
+from devmesh._progress import Progress, bytes_text
 from devmesh.distributed import comm, consensus, groups
 from devmesh.errors import CheckpointError
 from devmesh.layout import format_ranks
@@ -394,6 +395,9 @@ def _agree_on_save_id(group) -> str:
     return f"{int(value.item()):016x}"
 
 
+_SLAB = 64 << 20  # bytes written at a time
+
+
 def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                       blocks: list[tuple[Placed, torch.Tensor]], placed: list[Placed],
                       merged: Merged, extras: list[Listed], extra: Any, group) -> None:
@@ -404,11 +408,16 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
     try:
         os.makedirs(path, exist_ok=True)
         if blocks:
-            with atomic_file(os.path.join(path, name), "wb") as f:
+            total = sum(p.nbytes for p, _ in blocks)
+            with (atomic_file(os.path.join(path, name), "wb") as f,
+                  Progress(f"checkpoint save (rank {rank}'s blocks)", total, show=rank == 0,
+                           bar=False, amount=bytes_text) as progress):
                 for p, tensor in blocks:
                     assert f.tell() == p.offset
                     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
-                    f.write(data)
+                    for start in range(0, len(data), _SLAB):  # slabs: progress as it goes
+                        f.write(data[start:start + _SLAB])
+                        progress.advance(min(_SLAB, len(data) - start))
                     written[id(p)] = crcs_of(data, p.block.size, _itemsize(p), _per(p))
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = CheckpointError(f"save_checkpoint could not write {os.path.join(path, name)}: "

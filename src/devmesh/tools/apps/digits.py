@@ -21,6 +21,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from devmesh._progress import Progress
+
 __all__ = ["MeshPlan", "parse_mesh", "train", "NeuralNetwork", "load_data"]
 
 
@@ -160,8 +162,8 @@ def train(mesh_text: str = "dp=2,shard=2,tp=2", *, epochs: int = 3, batch_size: 
     ref_opt = torch.optim.SGD(reference.parameters(), lr=lr) if reference is not None else None
     result = Result(describe=describe(model), mesh=repr(mesh))
     steps_per_epoch = len(y_train) // batch_size
-    bar = _ProgressBar(progress and dist.get_rank() == 0, f"training ({plan.describe()})",
-                       epochs * steps_per_epoch)
+    bar = Progress(f"training ({plan.describe()})", epochs * steps_per_epoch,
+                   show=progress and dist.get_rank() == 0, unit="steps")
     per_rank = batch_size // dp_size
     mine = slice(dp_index * per_rank, (dp_index + 1) * per_rank)
     for epoch in range(epochs):
@@ -179,7 +181,7 @@ def train(mesh_text: str = "dp=2,shard=2,tp=2", *, epochs: int = 3, batch_size: 
         result.accuracies.append(correct)
         bar.print(f"epoch {epoch + 1}: loss {result.losses[-1]:.4f}, "
                   f"test accuracy {100 * correct:.1f}%")
-    bar.stop()
+    bar.close()
     if reference is not None:
         full = state_dict(model)
         ref = reference.state_dict()
@@ -208,31 +210,6 @@ def _train_step(model, opt, x, y, *, average: bool = True) -> float:
     global_loss = loss.detach().clone()
     dist.all_reduce(global_loss)
     return global_loss.item() / dist.get_world_size()
-
-
-class _ProgressBar:
-    """rich's progress bar on rank 0 (nothing elsewhere)."""
-
-    def __init__(self, show: bool, title: str, total: int) -> None:
-        self._bar = None
-        if show:
-            from rich.progress import Progress
-
-            self._bar = Progress(transient=False)
-            self._bar.start()
-            self._task = self._bar.add_task(title, total=total)
-
-    def advance(self) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._task)
-
-    def print(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.console.print(text)
-
-    def stop(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
 
 
 def plot_losses(result: Result, path: str) -> None:
