@@ -64,12 +64,13 @@ def test_the_wheel_in_a_fresh_environment_shows_and_runs(built, tmp_path):
     python = env_dir / "bin" / "python"
     site = Path(_check([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
                        ).strip())
-    # the dependencies (torch, numpy, rich, cloudpickle) from the test environment; devmesh
-    # itself from the wheel only (an editable install's finder is not carried over)
-    (site / "borrowed_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    _check([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
-            "--no-index", wheel])
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTHON", "DEVMESH_"))}
+    _check([sys.executable, "-m", "pip", "--python", python, "install", "-q", "--no-deps",
+            "--no-index", wheel], env=env)
+    # then the dependencies (torch, numpy, rich, cloudpickle) from the test environment, after
+    # the environment's own site-packages; devmesh itself comes from the wheel only (an
+    # editable install's finder is not carried over)
+    (site / "borrowed_dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
     env["PATH"] = f"{env_dir / 'bin'}{os.pathsep}{env.get('PATH', '')}"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
