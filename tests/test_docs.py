@@ -4,8 +4,9 @@ of README and ``docs/`` either runs here or says why it cannot.
 
 A block is marked by an HTML comment on the line before it (invisible in the rendered page):
 
-- ``<!-- docs-test: run -->``: a ``console`` block's ``$ devmesh ...`` commands run and each
-  output line shown (but ``...`` elisions) must appear in the output; a ``python`` block runs
+- ``<!-- docs-test: run -->``: a ``console`` block's ``$ devmesh ...`` commands run, exit 0
+  (or fail, where the output shown says ``ERROR``) and each output line shown (but ``...``
+  elisions) must appear in the output; a ``python`` block runs
   in a fresh interpreter.
 - ``<!-- docs-test: launch N; given: CODE -->``: a ``python`` block runs on N ranks of the test
   pool, after ``CODE`` (what the page assumes the reader has: a model, a batch).
@@ -74,6 +75,10 @@ def _console(text: str, tmp_path: Path) -> None:
                                                          *words[1:]],
                               capture_output=True, text=True, timeout=120, cwd=tmp_path)
         out = done.stdout + done.stderr
+        # a command shown failing (its output says ERROR) must fail; every other must succeed
+        refused = any(line.startswith("ERROR") or "error:" in line for line in shown)
+        assert (done.returncode != 0) == refused, \
+            f"{command!r} exited {done.returncode}:\n{out}"
         for line in shown:
             wanted = line.split("...")[0].split("…")[0].rstrip()
             if wanted:
