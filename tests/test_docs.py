@@ -11,6 +11,8 @@ A block is marked by an HTML comment on the line before it (invisible in the ren
 - ``<!-- docs-test: launch N; given: CODE -->``: a ``python`` block runs on N ranks of the test
   pool, after ``CODE`` (what the page assumes the reader has: a model, a batch).
 - ``<!-- docs-test: skip: REASON -->``: not run, for the reason given.
+- ``<!-- docs-test: file NAME -->``: a script the page's console blocks run: written as
+  ``NAME`` into their folder (a console command may set variables first: ``VAR=1 devmesh ...``).
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 CODE = ("python", "console", "bash")
-MARK = re.compile(r"<!-- docs-test: (run|launch (\d+)(?:; given: (.*?))?|skip: (.+?)) -->")
+MARK = re.compile(r"<!-- docs-test: (run|launch (\d+)(?:; given: (.*?))?|skip: (.+?)|file (\S+)) -->")
 
 
 def _blocks():
@@ -60,7 +62,9 @@ def _ids(block):
     return f"{page}:{line}"
 
 
-def _console(text: str, tmp_path: Path) -> None:
+def _console(text: str, tmp_path: Path, files: dict[str, str]) -> None:
+    for name, content in files.items():
+        (tmp_path / name).write_text(content + "\n")
     commands: list[tuple[str, list[str]]] = []
     for line in text.splitlines():
         if line.startswith("$ "):
@@ -69,11 +73,16 @@ def _console(text: str, tmp_path: Path) -> None:
             commands[-1][1].append(line)
     for command, shown in commands:
         words = command.split()
+        env = dict(os.environ)
+        while "=" in words[0]:  # VAR=value before the command
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
         assert words[0] == "devmesh", command
         done = subprocess.run([sys.executable, "-m", "devmesh", *words[1:], "--plain"]
                               if words[1] == "show" else [sys.executable, "-m", "devmesh",
                                                          *words[1:]],
-                              capture_output=True, text=True, timeout=120, cwd=tmp_path)
+                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
+                              env=env)
         out = done.stdout + done.stderr
         # a command shown failing (its output says ERROR) must fail; every other must succeed
         refused = any(line.startswith("ERROR") or "error:" in line for line in shown)
@@ -101,12 +110,15 @@ def _exec_block(code: str, directory: str):
 
 
 @pytest.mark.parametrize("block", [b for b in BLOCKS if b[3] is not None
-                                   and not b[3].group(1).startswith("skip")], ids=_ids)
+                                   and not b[3].group(1).startswith(("skip", "file"))],
+                         ids=_ids)
 def test_a_documented_block_runs(block, tmp_path, mesh_pool):
     page, line, kind, mark, text = block
     if kind == "console":
         assert mark.group(1) == "run"
-        _console(text, tmp_path)
+        files = {m.group(5): t for p, _, _, m, t in BLOCKS
+                 if p == page and m is not None and m.group(5)}
+        _console(text, tmp_path, files)
     elif mark.group(1) == "run":
         done = subprocess.run([sys.executable, "-c", text], capture_output=True, text=True,
                               timeout=300, cwd=tmp_path)
@@ -134,7 +146,8 @@ def test_the_site_builds_strictly(tmp_path):
 
 def test_readme_is_short_and_the_docs_tell_no_history():
     assert len((ROOT / "README.md").read_bytes()) <= 12 * 1024
-    history = re.compile(r"[Ss]ession \d+|\(before[:,]|\(was \d|tests/test_")
+    history = re.compile(r"[Ss]ession \d+|[(;—] ?before[:,]|\(was \d|tests/test_|went from "
+                         r"|used to (?:be|give|raise)")
     for page in PAGES:
         found = history.search(page.read_text())
         assert found is None, f"{page.relative_to(ROOT)} tells history: {found.group(0)!r}"

@@ -114,3 +114,14 @@ def test_no_module_imports_itself_through_others():
                     seen.add(nxt)
                     stack.append((nxt, route + (nxt,)))
     assert not cycles, "import cycles:\n" + "\n".join(sorted(set(cycles)))
+
+
+def test_subpackages_are_reached_from_the_package_as_torch_users_expect():
+    """``import devmesh`` then ``devmesh.parallel.fully_shard`` (as ``torch.distributed``
+    after ``import torch``), each subpackage imported on first use: ``import devmesh`` alone
+    still loads no torch."""
+    code = ("import sys, devmesh; assert 'torch' not in sys.modules; "
+            "assert devmesh.parallel.load_checkpoint and devmesh.errors.DevmeshError "
+            "and devmesh.tensor.Shard and devmesh.layout.MeshLayout")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr

@@ -74,8 +74,17 @@ if TYPE_CHECKING:
     from devmesh.inspect.sharding import visualize_sharding
 
 
+# subpackages reached as attributes (``devmesh.parallel.fully_shard`` after ``import devmesh``),
+# imported on first use as the names above are
+_SUBPACKAGES = ("parallel", "tensor", "distributed", "launching", "layout", "inspect", "errors")
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
+    if module is None and name in _SUBPACKAGES:
+        value = importlib.import_module(f"devmesh.{name}")
+        globals()[name] = value
+        return value
     if module is None:
         raise AttributeError(f"module 'devmesh' has no attribute {name!r}")
     value = getattr(importlib.import_module(module), name)

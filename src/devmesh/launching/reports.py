@@ -13,10 +13,13 @@ was doing.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 import traceback
 from typing import Any
+
+from devmesh._log import get_logger
 
 __all__ = ["REPORTS_VARIABLE", "write_report", "summary"]
 
@@ -102,3 +105,43 @@ def summary(folder: str, target: str, codes: dict[int, int], ranks: int = 0) -> 
         else:
             lines.append(f"  rank {rank}: had finished (exit code 0)")
     return "\n".join(lines)
+
+
+class _ElasticNews(logging.Handler):
+    """torchrun's agent, told in devmesh's words: which rank failed first and with what exit
+    code, and that every rank restarts (k of n). Everything else the agent logs is dropped:
+    devmesh run summarises a final failure itself."""
+
+    def __init__(self, max_restarts: int) -> None:
+        super().__init__(logging.INFO)
+        self.max_restarts = max_restarts
+        self.log = get_logger("launch")
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = str(record.msg)
+        if text.startswith("failed (exitcode") and len(record.args or ()) >= 2:
+            code, local_rank = record.args[0], record.args[1]
+            how = f"signal {-code}" if isinstance(code, int) and code < 0 else f"exit code {code}"
+            self.log.info("local rank %s failed first (%s); the other ranks are stopped",
+                          local_rank, how)
+        elif "attempts left" in text and len(record.args or ()) >= 4:
+            left = int(record.args[2])
+            self.log.info("restarting every rank: restart %d of at most %d (resume from your "
+                          "last checkpoint)", self.max_restarts - left + 1, self.max_restarts)
+
+
+ELASTIC_LOGGERS = ("torch.distributed.elastic.multiprocessing.api",
+                   "torch.distributed.elastic.agent.server.api")
+
+
+def relay_restarts(max_restarts: int) -> None:
+    """With ``DEVMESH_LOG=info``: say, in the launching process, when a rank fails and every
+    rank restarts (torchrun's agent logs it at its own level, which devmesh run keeps quiet)."""
+    if not get_logger("launch").isEnabledFor(logging.INFO):
+        return
+    news = _ElasticNews(max_restarts)
+    for name in ELASTIC_LOGGERS:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(news)
+        logger.propagate = False

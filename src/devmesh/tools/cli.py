@@ -303,12 +303,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from devmesh.launching.reports import REPORTS_VARIABLE, summary
+    from devmesh.launching.reports import REPORTS_VARIABLE, relay_restarts, summary
 
     reports = tempfile.TemporaryDirectory(prefix="devmesh-run-")
     os.environ[REPORTS_VARIABLE] = reports.name  # each failing rank reports there
     # the failure is summarised below, once: torchrun's own error lines would repeat it
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    relay_restarts(args.max_restarts)  # DEVMESH_LOG=info: a failed rank and each restart
     try:
         torchrun_main(torchrun_args)
     except SystemExit as exc:
