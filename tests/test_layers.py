@@ -125,3 +125,54 @@ def test_subpackages_are_reached_from_the_package_as_torch_users_expect():
             "and devmesh.tensor.Shard and devmesh.layout.MeshLayout")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# calls whose result is a value that never changes (a constant, a compiled pattern, a logger)
+_IMMUTABLE_CALLS = {"frozenset", "tuple", "object", "TypeVar", "get_logger", "getLogger",
+                    "compile", "MappingProxyType", "namedtuple", "field", "dataclass"}
+
+
+def _module_level_state(tree: ast.Module) -> set[str]:
+    """Names a module binds at its top level to something that can change: a list, dict or
+    set display, or an object made by a call (an instance of a class of its own)."""
+    names = set()
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        mutable = isinstance(value, (ast.List, ast.Dict, ast.Set, ast.ListComp, ast.DictComp,
+                                     ast.SetComp))
+        if isinstance(value, ast.Call):
+            called = value.func.attr if isinstance(value.func, ast.Attribute) else \
+                getattr(value.func, "id", "")
+            mutable = called not in _IMMUTABLE_CALLS and not called.isupper()
+        if mutable:
+            names |= {t.id for t in targets if isinstance(t, ast.Name) and t.id != "__all__"}
+    return names
+
+
+def test_no_module_level_state_coordinates_the_parallel_layer_between_files():
+    """State that several files of ``devmesh.parallel`` read and write (the forward in
+    progress, gathers kept for a pipeline's weight gradients) lives in one file, private,
+    behind functions that say what they do: no other module imports or reaches into it."""
+    modules = {name: path for name, path in _modules() if name.startswith("devmesh.parallel")}
+    state = {}
+    for name, path in modules.items():
+        for held in _module_level_state(ast.parse(path.read_text())):
+            assert held.startswith("_"), (
+                f"{name}.{held} is module-level state with a public name: make it private "
+                "and give the files that need it functions")
+            state[held] = name
+    for name, path in _modules():
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module in modules:
+                shared = {a.name for a in node.names} & {k for k, v in state.items()
+                                                          if v == node.module}
+                assert not shared, f"{name} imports {sorted(shared)} from {node.module}"
+            if isinstance(node, ast.Attribute) and node.attr in state and \
+                    state[node.attr] != name and isinstance(node.value, ast.Name):
+                raise AssertionError(f"{name} reaches into {state[node.attr]}.{node.attr}")

@@ -102,10 +102,15 @@ class ForwardOrders:
     """One :class:`ForwardOrder` per root: the unit that starts a forward (the outermost one)
     owns the record of that model's units, so two models (a copy, an EMA model) trained side
     by side each keep their own order and prefetches. A unit remembers the record its last
-    forward used, for its backward."""
+    forward used, for its backward.
+
+    ``active``: the record of the forward running now (``None`` between forwards);
+    ``open_groups``: units whose gather stays in their modules' places until each module of
+    the group ran, closed at the latest when the outermost forward ends."""
 
     def __init__(self) -> None:
         self.active: ForwardOrder | None = None
+        self.open_groups: list[FSDPUnit] = []
 
     def enter(self, unit: FSDPUnit) -> None:
         if self.active is None:
@@ -123,9 +128,29 @@ class ForwardOrders:
         # an exception runs inside torch's `except` block
         if order.depth == 0:
             self.active = None
-            while OPEN_GROUPS:  # a group some of whose modules did not run: resharded at
-                OPEN_GROUPS.pop()._close()  # the end of the forward, as torch's FSDP2 does
+            while self.open_groups:  # a group some of whose modules did not run: resharded
+                self.open_groups.pop()._close()  # at the end of the forward, as FSDP2 does
 
 
-ORDERS = ForwardOrders()
-OPEN_GROUPS: list[FSDPUnit] = []  # units whose gather is still in their modules' places
+# The one place the forward in progress is recorded: every unit's hooks read it through the
+# functions below (a forward crosses units of any model, started by whichever runs first).
+_FORWARDS = ForwardOrders()
+
+
+def forward_running() -> bool:
+    """Whether a unit's forward is running now (a unit entering otherwise starts one)."""
+    return _FORWARDS.active is not None
+
+
+def enter_forward(unit: FSDPUnit) -> None:
+    _FORWARDS.enter(unit)
+
+
+def exit_forward(unit: FSDPUnit) -> None:
+    _FORWARDS.exit(unit)
+
+
+def keep_open(unit: FSDPUnit) -> None:
+    """``unit``'s gather stays in its modules' places until each of them ran, or until the
+    outermost forward ends."""
+    _FORWARDS.open_groups.append(unit)

@@ -48,8 +48,14 @@ from devmesh.parallel.fsdp.collectives import (
     unpack_reduced,
 )
 from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
-from devmesh.parallel.fsdp.order import OPEN_GROUPS, ORDERS, ForwardOrder
-from devmesh.parallel.fsdp.weight_grads import KEPT_FOR_WEIGHT_GRADS, WEIGHT_GRADS_LATER
+from devmesh.parallel.fsdp.order import (
+    ForwardOrder,
+    enter_forward,
+    exit_forward,
+    forward_running,
+    keep_open,
+)
+from devmesh.parallel.fsdp.weight_grads import keep_for_weight_gradients, weight_gradients_later
 from devmesh.parallel.param import (
     ParallelizeError,
     ParamLayout,
@@ -477,9 +483,9 @@ class FSDPUnit:
             self._release_task = -1
             self._recomputed = None
             if self._full is not None:
-                if WEIGHT_GRADS_LATER[0]:
+                if weight_gradients_later():
                     self._full_for_weight_grads = True
-                    KEPT_FOR_WEIGHT_GRADS.append(self)
+                    keep_for_weight_gradients(self)
                 else:
                     self._release_full()
 
@@ -514,7 +520,7 @@ class FSDPUnit:
 
     @torch._dynamo.disable  # collectives on devmesh's mesh: eager under torch.compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        root = ORDERS.active is None  # this unit starts the forward
+        root = not forward_running()  # this unit starts the forward
         if torch._C._current_graph_task_id() == -1:
             self._recomputed = None  # left by a backward that raised before its end
             if self._full is not None and not self._full_for_weight_grads:
@@ -522,7 +528,7 @@ class FSDPUnit:
         self.adopt_replaced()
         if root:
             self._running = 0  # nothing runs: a count left by a forward that raised
-        ORDERS.enter(self)
+        enter_forward(self)
         shards = [p.sharded for p in self.params]
         cast = self._cast_inputs(args, kwargs)
         if self._running:  # a module of this group called inside another's forward: the
@@ -541,7 +547,7 @@ class FSDPUnit:
                 for holder, name in p.places:
                     holder._parameters[name] = p.in_place(full)
             self._open, self._to_run = fulls, {id(m) for m in self.modules}
-            OPEN_GROUPS.append(self)
+            keep_open(self)
         self._order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
         for other in self.forward_prefetch:  # torch's explicit list, the same on every rank
             other.prefetch()
@@ -573,7 +579,7 @@ class FSDPUnit:
     def post_forward(self, module: nn.Module, args, output):
         self._running = max(0, self._running - 1)
         if self._running:  # the outer module of the group is still running
-            ORDERS.exit(self)
+            exit_forward(self)
             return self._cast_output(output)
         if self._hooks is not None:
             self._hooks.__exit__(None, None, None)
@@ -581,7 +587,7 @@ class FSDPUnit:
         self._to_run.discard(id(module))
         if not self._to_run:  # every module of the unit ran: reshard
             self._close()
-        ORDERS.exit(self)
+        exit_forward(self)
         return self._cast_output(output)
 
     def _close(self) -> None:

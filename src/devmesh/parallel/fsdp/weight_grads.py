@@ -10,10 +10,17 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from devmesh.parallel.fsdp.unit import FSDPUnit
 
-# set while a pipeline computes input gradients only (zero-bubble's I): the weight-gradient
-# half (W) follows later and may need the units' gathered parameters again
-WEIGHT_GRADS_LATER = [False]
-KEPT_FOR_WEIGHT_GRADS: list[FSDPUnit] = []  # units keeping a gather for a W to come
+class _WeightGradientGathers:
+    """Whether a pipeline computes input gradients only now (zero-bubble's ``I``, whose
+    weight-gradient half ``W`` follows later and may need the units' gathered parameters
+    again), and the units keeping a gather for such a ``W``."""
+
+    def __init__(self) -> None:
+        self.later = False
+        self.kept: list[FSDPUnit] = []
+
+
+_STATE = _WeightGradientGathers()
 
 
 @contextlib.contextmanager
@@ -21,18 +28,26 @@ def weight_gradients_follow():
     """Around a backward of the input gradients alone whose weight gradients a later
     backward computes: units keep what they gathered for it until that one reduces, or
     until :func:`release_weight_gradient_gathers`."""
-    before, WEIGHT_GRADS_LATER[0] = WEIGHT_GRADS_LATER[0], True
+    before, _STATE.later = _STATE.later, True
     try:
         yield
     finally:
-        WEIGHT_GRADS_LATER[0] = before
+        _STATE.later = before
+
+
+def weight_gradients_later() -> bool:
+    """Whether the backward running now leaves the weight gradients to a later one."""
+    return _STATE.later
+
+
+def keep_for_weight_gradients(unit: FSDPUnit) -> None:
+    _STATE.kept.append(unit)
 
 
 def release_weight_gradient_gathers() -> None:
     """Drop what units kept for weight gradients still to come (a pipeline step's end: a
     unit whose parameters are frozen has no ``W`` that would reduce and drop it)."""
-    while KEPT_FOR_WEIGHT_GRADS:
-        unit = KEPT_FOR_WEIGHT_GRADS.pop()
+    while _STATE.kept:
+        unit = _STATE.kept.pop()
         if unit._full_for_weight_grads:
             unit._release_full()
-
