@@ -88,13 +88,18 @@ def op_cases(repeats: int) -> list[tuple[str, float, float]]:
     weight = torch.randn(64, 64)
     dt_weight = distribute_tensor(weight, mesh, [Replicate()])
     rows = []
-    n = 200
-    ours = _median_seconds(lambda: [block_a + block_b for _ in range(n)], repeats) / n
-    theirs = _median_seconds(lambda: [dt_a + dt_b for _ in range(n)], repeats) / n
-    rows.append(("a + b, 64 x 64 block (per op)", ours, theirs))
-    ours = _median_seconds(lambda: [block_a @ weight for _ in range(n)], repeats) / n
-    theirs = _median_seconds(lambda: [dt_a @ dt_weight for _ in range(n)], repeats) / n
-    rows.append(("block @ weight (per op)", ours, theirs))
+    n = 500
+
+    def per_op(op):
+        def loop():
+            for _ in range(n):
+                op()
+        return _median_seconds(loop, repeats) / n
+
+    rows.append(("a + b, 64 x 64 block (per op)", per_op(lambda: block_a + block_b),
+                 per_op(lambda: dt_a + dt_b)))
+    rows.append(("block @ weight (per op)", per_op(lambda: block_a @ weight),
+                 per_op(lambda: dt_a @ dt_weight)))
 
     def optimizer_step(params):
         for p in params:
