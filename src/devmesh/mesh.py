@@ -260,6 +260,9 @@ class DeviceMesh(TorchDeviceMesh):
             for dims in self._dim_roots
         ])
         self._root_mesh = None if root is self else root
+        # torch >= 2.15: whether slicing and flattening keep a mesh's own rank order (its
+        # default, False, is what torch's init_device_mesh gives; torch 2.13 and 2.14 lack it)
+        self._preserve_rank_order = False
         self._mesh_dim_names = self._mesh_layout.names
         self._flatten_mapping: dict[str, TorchDeviceMesh] = {}
         self._pg_registry: dict[str, ProcessGroup] = {}
