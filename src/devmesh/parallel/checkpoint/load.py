@@ -26,7 +26,6 @@ import torch.distributed as dist
 from torch import nn
 
 from devmesh._log import get_logger
-from devmesh._progress import Progress, bytes_text
 from devmesh.distributed import comm, consensus
 from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictError
 from devmesh.parallel.checkpoint import legacy
@@ -34,6 +33,7 @@ from devmesh.parallel.checkpoint.encoding import Malformed, decode
 from devmesh.parallel.checkpoint.format import CheckpointReader
 from devmesh.parallel.checkpoint.save import (
     _raise_if_failed,
+    checkpoint_progress,
     refuse_differing,
     wait_for_pending_save,
 )
@@ -88,7 +88,9 @@ def _model_writes(reader: CheckpointReader, model: nn.Module
         if id(target) not in done:  # a tied parameter once, under its first name
             done.add(id(target))
             blocks.append((name, local_of(target), target))
-    with _progress("checkpoint load", sum(b.nbytes for _, b, _ in blocks)) as progress:
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    with checkpoint_progress("checkpoint load", sum(b.nbytes for _, b, _ in blocks),
+                             rank) as progress:
         for name, block, target in blocks:
             # a saved dtype other than the model's is converted by the copy, as torch's DCP
             # and ``load_state_dict`` do (a float32 checkpoint into a bfloat16 model for
@@ -96,13 +98,6 @@ def _model_writes(reader: CheckpointReader, model: nn.Module
             writes.append((block, read_block(reader, f"model.{name}", block, like=target)))
             progress.advance(block.nbytes)
     return writes
-
-
-def _progress(title: str, total: int) -> Progress:
-    """Plain progress lines from rank 0 for a load that takes long (its own blocks' bytes)."""
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    return Progress(f"{title} (rank {rank}'s blocks)", total, show=rank == 0, bar=False,
-                    amount=bytes_text)
 
 
 def _optimizer_state(reader: CheckpointReader, model: nn.Module,

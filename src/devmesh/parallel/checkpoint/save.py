@@ -398,6 +398,13 @@ def _agree_on_save_id(group) -> str:
 _SLAB = 64 << 20  # bytes written at a time
 
 
+def checkpoint_progress(title: str, total: int, rank: int) -> Progress:
+    """Plain progress lines from rank 0 for a save or load that takes long (the bytes of
+    this rank's own blocks)."""
+    return Progress(f"{title} (rank {rank}'s blocks)", total, show=rank == 0, bar=False,
+                    amount=bytes_text)
+
+
 def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                       blocks: list[tuple[Placed, torch.Tensor]], placed: list[Placed],
                       merged: Merged, extras: list[Listed], extra: Any, group) -> None:
@@ -410,8 +417,7 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
         if blocks:
             total = sum(p.nbytes for p, _ in blocks)
             with (atomic_file(os.path.join(path, name), "wb") as f,
-                  Progress(f"checkpoint save (rank {rank}'s blocks)", total, show=rank == 0,
-                           bar=False, amount=bytes_text) as progress):
+                  checkpoint_progress("checkpoint save", total, rank) as progress):
                 for p, tensor in blocks:
                     assert f.tell() == p.offset
                     data = memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
