@@ -24,6 +24,16 @@ import torch.distributed as dist
 from torch.distributed import ProcessGroup
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
+from devmesh._torch_compat import (
+    BackendOptions,
+    fill_torch_mesh_state,
+    register_dim_groups,
+    register_flattened,
+    restore_torch_mesh_state,
+    torch_concatenate,
+    torch_mesh_state_for_pickle,
+    unwrap_fake_script_object,
+)
 from devmesh.distributed import env, groups
 from devmesh._log import get_logger
 from devmesh.errors import (
@@ -58,16 +68,14 @@ BackendConfig = tuple  # (name or None, options or None); (None, None): the defa
 
 def _backend_config(where: str, value: object) -> BackendConfig:
     """One ``backend_override`` value as ``(name, options)``, as torch reads it."""
-    from torch._C._distributed_c10d import Backend
-
-    if isinstance(value, Backend.Options):
+    if isinstance(value, BackendOptions):
         name, options = None, value
     elif isinstance(value, tuple) and len(value) == 2:
         name, options = value
     else:
         name, options = value, None
     if not (name is None or isinstance(name, str)) or not (
-            options is None or isinstance(options, Backend.Options)):
+            options is None or isinstance(options, BackendOptions)):
         raise MeshShapeError(
             f"{where} = {value!r}: give a backend name ('gloo'), its options "
             "(e.g. ProcessGroupGloo._Options()), or a (name, options) pair")
@@ -233,50 +241,15 @@ class DeviceMesh(TorchDeviceMesh):
         self._init_torch_state()
 
     def _init_torch_state(self) -> None:
-        """Fill in what torch's own DeviceMesh code reads: a CuTe-style ``_layout`` of this
-        mesh's dims as strides into the root's ``_rank_map``, the root mesh, and (see
-        :meth:`_set_groups`) the names of this rank's groups."""
-        from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
-
+        """Fill in what torch's own DeviceMesh code reads (:mod:`devmesh._torch_compat`)."""
         root = self._root
-        if root is self:
-            shape = self._mesh_layout.shape
-            strides = [1] * len(shape)
-            for d in range(len(shape) - 2, -1, -1):
-                strides[d] = strides[d + 1] * shape[d + 1]
-            self._root_strides = tuple(strides)
-            # on the CPU whatever the default device (torch's mesh works inside
-            # ``with torch.device("meta"):``, where models too large to build are built)
-            self._rank_map = torch.tensor(self._mesh_layout.ranks.reshape(-1),
-                                          dtype=torch.int, device="cpu").contiguous()
-            self._flatten_rank_map = tuple(self._rank_map.tolist())
-        else:
-            self._rank_map = root._rank_map
-            self._flatten_rank_map = root._flatten_rank_map
-        root_shape = root._mesh_layout.shape
-        self._layout = _MeshLayout([
-            _FlatLayout(tuple(root_shape[d] for d in dims),
-                        tuple(root._root_strides[d] for d in dims))
-            for dims in self._dim_roots
-        ])
-        self._root_mesh = None if root is self else root
-        # torch >= 2.15: whether slicing and flattening keep a mesh's own rank order (its
-        # default, False, is what torch's init_device_mesh gives; torch 2.13 and 2.14 lack it)
-        self._preserve_rank_order = False
-        self._mesh_dim_names = self._mesh_layout.names
-        self._flatten_mapping: dict[str, TorchDeviceMesh] = {}
-        self._pg_registry: dict[str, ProcessGroup] = {}
-        self._dim_group_names: list[str] = []
-        self._thread_id = None
-        self._hash = None
-        self._coordinate_on_dim = self._coordinate
+        fill_torch_mesh_state(self, root=root, ranks=root._mesh_layout.ranks,
+                              root_shape=root._mesh_layout.shape, dim_roots=self._dim_roots,
+                              names=self._mesh_layout.names, coordinate=self._coordinate)
 
     def _set_groups(self, dim_groups: Sequence[ProcessGroup]) -> None:
         self._groups = tuple(dim_groups)
-        self._dim_group_names = [pg.group_name for pg in dim_groups]
-        registry = self._root._pg_registry
-        for pg in dim_groups:
-            registry[pg.group_name] = pg
+        register_dim_groups(self, self._root, self._groups)
 
     @staticmethod
     def _check_world_covers(layout: MeshLayout) -> None:
@@ -561,7 +534,7 @@ class DeviceMesh(TorchDeviceMesh):
         (``_concatenate([m["pp", "dp"], m["tp"]]) == m``); torch-built meshes go to torch's."""
         meshes = list(device_mesh_list)
         if not meshes or not all(isinstance(m, DeviceMesh) for m in meshes):
-            return TorchDeviceMesh._concatenate(meshes)
+            return torch_concatenate(meshes)
         root = meshes[0]._root
         if any(m._root is not root for m in meshes):
             raise MeshUsageError(
@@ -627,7 +600,7 @@ class DeviceMesh(TorchDeviceMesh):
             root._flattened_backends[name] = config
         layout = MeshLayout._trusted(self._mesh_layout.ranks.reshape(-1), (name,))
         flat = self._child(layout, (roots,))
-        root._flatten_mapping.setdefault(name, flat)  # where torch's own code looks it up
+        register_flattened(root, name, flat)
         return flat
 
     flatten = _flatten
@@ -756,8 +729,7 @@ class DeviceMesh(TorchDeviceMesh):
         returned from ``devmesh.launch`` can be inspected, not communicated on."""
         state = self.__dict__.copy()
         state["_groups"] = (None,) * self._mesh_layout.ndim
-        state["_dim_group_names"] = []
-        state.pop("_pg_registry", None)
+        torch_mesh_state_for_pickle(state)
         # backend options are process-local objects torch cannot pickle: their type stays
         state["_backends"] = tuple(_picklable(c) for c in self._backends)
         state["_flattened_backends"] = {k: _picklable(c)
@@ -766,7 +738,7 @@ class DeviceMesh(TorchDeviceMesh):
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
-        self._pg_registry = {}
+        restore_torch_mesh_state(self)
 
     def __deepcopy__(self, memo: dict) -> DeviceMesh:
         """A mesh names process groups of this process; copying a model (``copy.deepcopy``)
@@ -804,11 +776,7 @@ def _picklable(config: BackendConfig) -> BackendConfig:
 def _real_mesh(obj: object) -> object:
     """The mesh a ``torch.compile`` stand-in (torch's ``FakeScriptObject``) wraps; anything
     else as it is."""
-    try:
-        from torch._library.fake_class_registry import maybe_unwrap_fake_script_object
-    except ImportError:  # a torch without opaque objects hands over the mesh itself
-        return obj
-    return maybe_unwrap_fake_script_object(obj)
+    return unwrap_fake_script_object(obj)
 
 
 def _check_device_type(device_type: object) -> None:

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from devmesh import _torch_compat
 from devmesh.distributed import groups, stops, timeouts
 from devmesh.distributed.comm import _group, all_gather, small_tensor_device
 from devmesh.distributed.timeouts import AGREEMENTS, Watch
@@ -218,7 +219,7 @@ def _posted(value: str, ranks: Sequence[int], name: str, seconds: float
     """Post this rank's ``value`` under ``name`` in the rendezvous store, and wait at most
     ``seconds`` for every rank of ``ranks`` to post theirs: the store, the ranks' keys, and
     the ranks that had not posted by then (empty when all came)."""
-    store = dist.distributed_c10d._get_default_store()
+    store = _torch_compat.default_store()
     prefix = f"devmesh/posted/{name}/"
     store.set(prefix + str(dist.get_rank()), value)
     keys = [prefix + str(rank) for rank in ranks]

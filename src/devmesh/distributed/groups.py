@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from devmesh import _torch_compat
 from devmesh.errors import MeshMismatchError, MeshTimeoutError
 from devmesh.layout import format_ranks
 
@@ -70,7 +71,7 @@ _cache: _Cache | None = None
 
 def _current() -> _Cache:
     global _cache
-    world = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+    world = _torch_compat.default_group() if dist.is_initialized() else None
     if _cache is None or _cache.world is not world:
         _cache = _Cache(world)
     return _cache
@@ -189,7 +190,7 @@ def private_world_group(purpose: str) -> ProcessGroup:
 
 
 def _can_split() -> bool:
-    world = dist.distributed_c10d._get_default_group()
+    world = _torch_compat.default_group()
     return getattr(world, "bound_device_id", None) is not None
 
 
@@ -248,7 +249,7 @@ def check_agreement(
     if world_size == 1 or dist.get_backend() == "fake":
         return
     timeout = timeout or DEFAULT_AGREEMENT_TIMEOUT
-    store = dist.distributed_c10d._get_default_store()
+    store = _torch_compat.default_store()
     sequence = next(_current().agreements)
     prefix = f"devmesh/agree/{sequence}/"
     me = dist.get_rank()
@@ -286,7 +287,7 @@ def publish_host() -> None:
     cache = _current()
     if cache.host_published or dist.get_world_size() == 1 or dist.get_backend() == "fake":
         return
-    _publish_host(dist.distributed_c10d._get_default_store())
+    _publish_host(_torch_compat.default_store())
     cache.host_published = True
 
 
@@ -312,7 +313,7 @@ def world_hosts():
 
             cache.hosts = np.full(world_size, host_index())
         else:
-            store = dist.distributed_c10d._get_default_store()
+            store = _torch_compat.default_store()
             _publish_host(store)
             keys = [f"devmesh/host/{r}" for r in range(world_size)]
             cache.hosts = np.array([int(v) for v in store.multi_get(keys)])

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
+from devmesh import _torch_compat
 from devmesh.distributed import groups
 from devmesh.distributed.timeouts import Watch, numbered
 from devmesh.errors import CollectiveAbandonedError, MeshBrokenError
@@ -62,7 +63,7 @@ def _state() -> _Stops:
 
 
 def _store() -> dist.Store:
-    return dist.distributed_c10d._get_default_store()
+    return _torch_compat.default_store()
 
 
 @contextlib.contextmanager

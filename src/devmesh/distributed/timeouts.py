@@ -23,6 +23,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 
+from devmesh import _torch_compat
 from devmesh.distributed import groups
 from devmesh.errors import CollectiveTimeoutError, is_peer_gone, is_timeout
 
@@ -117,7 +118,7 @@ class Watch:
         so rank 0 does not return before the other ranks that were inside have read what
         they need, or a second grace period passed: leaving first would take the store down
         under them (and torchrun stops every rank as soon as one exits)."""
-        store = dist.distributed_c10d._get_default_store()
+        store = _torch_compat.default_store()
         rank = dist.get_rank()
         prefix = (f"devmesh/timeout/{self.series}/{','.join(map(str, self.ranks))}/"
                   f"{self.number}/")

@@ -119,17 +119,16 @@ def install() -> None:
             if getattr(module, name, None) is original:
                 _originals.append((module, name, original))
                 setattr(module, name, wrapped)
-    try:
-        import torch.distributed._functional_collectives as funcol
-    except ImportError:  # pragma: no cover - every supported torch has them
-        funcol = None
-    for name in _FUNCTIONAL if funcol is not None else ():
+    from devmesh import _torch_compat
+
+    funcol = _torch_compat.functional_collectives()
+    for name in _FUNCTIONAL:
         original = getattr(funcol, name, None)
         if original is not None:
             _originals.append((funcol, name, original))
             setattr(funcol, name, _wrap(name, original, _group_finder(original),
                                         functional=True))
-    if funcol is not None and hasattr(funcol, "wait_tensor"):
+    if hasattr(funcol, "wait_tensor"):
         _originals.append((funcol, "wait_tensor", funcol.wait_tensor))
         funcol.wait_tensor = _wrap_wait(funcol.wait_tensor)
     atexit.register(_post_at_exit)
@@ -182,10 +181,9 @@ def _ranks_of(group: Any) -> tuple[int, ...]:
         if isinstance(group, dist.ProcessGroup):
             ranks = tuple(dist.get_process_group_ranks(group))
         else:  # a mesh, (mesh, dim) or a group name: resolve as torch's functional API does
-            from torch.distributed import _functional_collectives as funcol
-            from torch.distributed.distributed_c10d import _resolve_process_group
+            from devmesh import _torch_compat
 
-            pg = _resolve_process_group(funcol._resolve_group_name(group))
+            pg = _torch_compat.resolve_group(group)
             ranks = tuple(dist.get_process_group_ranks(pg))
     except Exception:  # noqa: BLE001 - a group it cannot name is recorded as unknown
         return ()
@@ -283,7 +281,9 @@ def _default_store() -> Any:
         import torch.distributed as dist
 
         if dist.is_initialized():
-            _store = dist.distributed_c10d._get_default_store()
+            from devmesh import _torch_compat
+
+            _store = _torch_compat.default_store()
     return _store
 
 

@@ -52,20 +52,10 @@ def _forget_torch_mesh_caches() -> None:
     """Drop DTensor's plan and sharding caches: they are keyed by mesh *value*, so an entry
     made in an earlier task's world would hand the next task a mesh whose process groups are
     gone (torch's caches assume one world per process)."""
-    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
-    api = sys.modules.get("torch.distributed.tensor._api")
-    try:
-        if redistribute is not None:
-            redistribute._gen_transform_infos.cache_clear()
-        if api is not None:
-            propagator = api.DTensor._op_dispatcher.sharding_propagator
-            propagator.propagate_op_sharding.cache.cache_clear()
-            propagator._propagate_tensor_meta_cached.cache_clear()
-            import torch
+    if "torch" in sys.modules:
+        from devmesh import _torch_compat
 
-            torch._C._clear_DTensor_sharding_propagator_cache()  # the C++ fast path's cache
-    except AttributeError:  # a torch whose private caches moved: nothing to clear
-        pass
+        _torch_compat.clear_dtensor_caches()
 
 
 def _serve(conn: Connection) -> None:
@@ -111,10 +101,12 @@ def main(argv: list[str]) -> None:
     conn.send((int(index), os.getpid()))
     import torch  # noqa: F401 - pay the import once, before the first task
     import torch.distributed  # noqa: F401
-    # torch._dynamo (imported by the first optimizer a task builds) keeps the process group
+    from devmesh import _torch_compat
+
+    # torch's dynamo (imported by the first optimizer a task builds) keeps the process group
     # that is alive when it is imported, for the life of the process: import it now, while
     # none is, or the first task to build an optimizer leaves its gloo threads behind
-    import torch._dynamo  # noqa: F401
+    _torch_compat.import_dynamo()
 
     torch.set_num_threads(1)
     conn.send("ready")

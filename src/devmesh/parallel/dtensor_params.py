@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from devmesh import _torch_compat
 from devmesh.parallel.param import ParallelizeError, sharded_parameter
 from devmesh.parallel.placement import place_parameter
 from devmesh.tensor import ShardedTensor
@@ -95,14 +96,14 @@ def _hide(owner: nn.Module) -> None:
         owner._parameters[name] = plain
 
 
-@torch._dynamo.disable  # runs around the whole model, between compiled regions
+@torch.compiler.disable  # runs around the whole model, between compiled regions
 def show_dtensor_views(module: nn.Module) -> None:
     """Before the model runs: each adopted parameter's module holds its DTensor view."""
     for owner in module.modules():
         _show(owner)
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def hide_dtensor_views(module: nn.Module) -> None:
     """After the model ran (or raised): the plain parameters back in their places, where the
     optimizer, state dicts and checkpoints find them."""
@@ -114,7 +115,7 @@ def _show_for_recompute(owner: nn.Module, args) -> None:
     """A module's forward inside a backward (a recomputation): show its views for it. In a
     compiled region nothing is done (a compiled graph recomputes in its own backward), and
     returning at once keeps the hook out of the graph."""
-    if torch.compiler.is_compiling() or torch._C._current_graph_task_id() == -1:
+    if torch.compiler.is_compiling() or _torch_compat.current_graph_task_id() == -1:
         return
     if owner.__dict__.get(_SHOWN):
         return  # shown by the model's forward already

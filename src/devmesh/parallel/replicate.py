@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from devmesh import _torch_compat
 from devmesh.distributed import comm, consensus
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.conversion import KeepsLayouts
@@ -294,7 +295,7 @@ class DataParallelState:
             return
         if not self._callback_queued:
             self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._finish)
+            _torch_compat.queue_callback(self._finish)
         bucket = self.bucket_of.get(id(param))
         if bucket is None:  # a sparse gradient: reduced at the end of backward
             return
@@ -327,7 +328,7 @@ class DataParallelState:
             index = self.buckets.index(bucket)
             bucket.pending = hook(state, GradBucket(index, index == len(self.buckets) - 1,
                                                     bucket.buffer, bucket.params))
-            if not isinstance(bucket.pending, torch._C.Future):  # torch.futures.Future too
+            if not isinstance(bucket.pending, _torch_compat.CFuture):  # torch.futures.Future too
                 raise ParallelizeError(
                     f"the communication hook {getattr(hook, '__name__', hook)!r} returned "
                     f"a {type(bucket.pending).__name__}: a hook returns a "
@@ -439,12 +440,12 @@ def _call(method: weakref.WeakMethod, param: nn.Parameter) -> None:
         bound(param)
 
 
-@torch._dynamo.disable  # collectives on devmesh's mesh: eager under torch.compile
+@torch.compiler.disable  # collectives on devmesh's mesh: eager under torch.compile
 def _before_forward(module: nn.Module, args: tuple) -> None:
     module._devmesh_ddp.before_forward(module)  # type: ignore[attr-defined]
 
 
-@torch._dynamo.disable
+@torch.compiler.disable
 def _after_forward(module: nn.Module, args: tuple, output: object) -> None:
     module._devmesh_ddp.after_forward()  # type: ignore[attr-defined]
 

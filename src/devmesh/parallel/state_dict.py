@@ -22,8 +22,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.nn.modules.module import _IncompatibleKeys
 
+from devmesh._torch_compat import IncompatibleKeys
 from devmesh.distributed import consensus
 from devmesh.errors import ParallelizeError, StateDictError
 from devmesh.parallel.param import (
@@ -190,7 +190,7 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
-                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], _IncompatibleKeys]:
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], IncompatibleKeys]:
     """Check ``state`` against ``model`` and compute this rank's block of every entry,
     changing nothing: ``(writes, incompatible keys)``, where ``writes`` pairs each target
     tensor with the value to copy into it. Raises :class:`StateDictError` (torch's wording)
@@ -236,7 +236,7 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
             + ". Nothing was loaded; the state must come from the same model"
             + ("" if strict else " (shapes must match even with strict=False)")
         )
-    return writes, _IncompatibleKeys(missing, unexpected)
+    return writes, IncompatibleKeys(missing, unexpected)
 
 
 def apply_load(writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -246,7 +246,7 @@ def apply_load(writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
 
 
 def load_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
-                    ) -> _IncompatibleKeys:
+                    ) -> IncompatibleKeys:
     """Load full tensors (as ``state_dict(full=True)`` returns, or a plain single-process
     ``state_dict()``), ShardedTensors or DTensors (``model.state_dict()`` of a parallelized
     model, devmesh's or torch's) into a parallelized model: every rank copies its own block

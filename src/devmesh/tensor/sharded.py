@@ -18,6 +18,7 @@ from typing import Union
 import torch
 from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 
+from devmesh import _torch_compat
 from devmesh.distributed import comm, consensus
 from devmesh.mesh import DeviceMesh
 from devmesh.layout.placement import Placement, Replicate, Shard, as_placement
@@ -241,14 +242,14 @@ class ShardedTensor:
         from torch.distributed.tensor import Partial as TorchPartial
         from torch.distributed.tensor import Replicate as TorchReplicate
         from torch.distributed.tensor import Shard as TorchShard
-        from torch.distributed.tensor.placement_types import _StridedShard
+        strided_shard = _torch_compat.strided_shard_type()
 
         spec = self._spec
         placements: list = [TorchReplicate()] * len(spec.mesh_shape)
         for d, dims in enumerate(spec.dim_map):
             for m, factor in _split_factors(spec.mesh_shape, dims).items():
                 placements[m] = (TorchShard(d) if factor == 1
-                                 else _StridedShard(d, split_factor=factor))
+                                 else strided_shard(d, split_factor=factor))
         for m, op in spec.partial:
             placements[m] = TorchPartial(op)
         return DTensor.from_local(self._local, self._mesh, placements,
@@ -262,14 +263,14 @@ class ShardedTensor:
         no nesting explains raise :class:`NestedShardingError`."""
         from torch.distributed.tensor import Partial as TorchPartial
         from torch.distributed.tensor import Shard as TorchShard
-        from torch.distributed.tensor.placement_types import _StridedShard
+        strided_shard = _torch_compat.strided_shard_type()
 
         mesh = _as_devmesh(device_mesh or dtensor.device_mesh)
         shape = tuple(dtensor.shape)
         splits: dict[int, dict[int, int]] = {}
         partial = []
         for m, p in enumerate(dtensor.placements):
-            if isinstance(p, _StridedShard):
+            if isinstance(p, strided_shard):
                 splits.setdefault(p.dim % len(shape), {})[m] = p.split_factor
             elif isinstance(p, TorchShard):
                 splits.setdefault(p.dim % len(shape), {})[m] = 1
@@ -367,12 +368,11 @@ def current_mesh(device_mesh: object | None, what: str) -> DeviceMesh:
     context is the one used, and torch's and devmesh's calls see the same mesh)."""
     if device_mesh is not None:
         return _as_devmesh(device_mesh)
-    from torch.distributed.device_mesh import _mesh_resources
-
-    if not _mesh_resources.mesh_stack:
+    mesh = _torch_compat.innermost_torch_mesh()
+    if mesh is None:
         raise ShardingSpecError(
             f"{what} needs a mesh: pass device_mesh=..., or call it inside `with mesh:`")
-    return _as_devmesh(_mesh_resources.mesh_stack[-1])
+    return _as_devmesh(mesh)
 
 
 def _as_devmesh(mesh: object) -> DeviceMesh:

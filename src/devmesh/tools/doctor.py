@@ -149,7 +149,9 @@ def _collect(report: RankReport, world_size: int, timeout: float) -> list[RankRe
 
     if not dist.is_initialized():
         return [report] if report.rank == 0 else None
-    store = dist.distributed_c10d._get_default_store()
+    from devmesh import _torch_compat
+
+    store = _torch_compat.default_store()
     store.set(f"devmesh/doctor/{report.rank}", json.dumps(asdict(report)))
     if report.rank != 0:
         return None

@@ -7,8 +7,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING
 
-import torch
-
+from devmesh import _torch_compat
 from devmesh.distributed import groups
 
 if TYPE_CHECKING:
@@ -40,7 +39,7 @@ class ForwardOrder:
             for other in self.order:  # what backward needed last step predicts this step
                 other._needed_regather, other._regathered_now = other._regathered_now, False
                 other._running = 0  # no forward runs: a count left by one that raised
-            if torch._C._current_graph_task_id() == -1:  # not a recompute inside backward
+            if _torch_compat.current_graph_task_id() == -1:  # not a recompute inside backward
                 for other in self._explicit_backward_targets():  # a prefetch never used
                     if other._regather_pending is not None:
                         other._regather_pending.wait()

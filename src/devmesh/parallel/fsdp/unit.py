@@ -34,8 +34,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
+from devmesh import _torch_compat
 from devmesh.distributed import comm, consensus
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.fsdp.collectives import (
@@ -474,7 +474,7 @@ class FSDPUnit:
         inputs only), never reduces, and its gathered copy would otherwise serve the next
         backward after the values changed (an optimizer step, a load) — wrong gradients for
         the layers before it. Kept while a pipeline's ``W`` is to follow."""
-        task = torch._C._current_graph_task_id()
+        task = _torch_compat.current_graph_task_id()
         if task == self._release_task:
             return
         self._release_task = task
@@ -489,7 +489,7 @@ class FSDPUnit:
                 else:
                     self._release_full()
 
-        torch.autograd.Variable._execution_engine.queue_callback(at_end)
+        _torch_compat.queue_callback(at_end)
 
     def reset(self) -> None:
         """Forget every gathered copy and every gradient held back for a later reduction:
@@ -518,10 +518,10 @@ class FSDPUnit:
         if replaced:
             self.follow(replaced)
 
-    @torch._dynamo.disable  # collectives on devmesh's mesh: eager under torch.compile
+    @torch.compiler.disable  # collectives on devmesh's mesh: eager under torch.compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         root = not forward_running()  # this unit starts the forward
-        if torch._C._current_graph_task_id() == -1:
+        if _torch_compat.current_graph_task_id() == -1:
             self._recomputed = None  # left by a backward that raised before its end
             if self._full is not None and not self._full_for_weight_grads:
                 self._release_full()  # the same
@@ -571,11 +571,11 @@ class FSDPUnit:
         dtype = self.mp.param_dtype
         if dtype is None or not self.mp.cast_forward_inputs:
             return None
-        return torch.utils._pytree.tree_map_only(
+        return _torch_compat.pytree.tree_map_only(
             torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
             (args, kwargs))
 
-    @torch._dynamo.disable
+    @torch.compiler.disable
     def post_forward(self, module: nn.Module, args, output):
         self._running = max(0, self._running - 1)
         if self._running:  # the outer module of the group is still running
@@ -605,7 +605,7 @@ class FSDPUnit:
         dtype = self.mp.output_dtype
         if dtype is None:
             return output
-        return torch.utils._pytree.tree_map_only(
+        return _torch_compat.pytree.tree_map_only(
             torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, output)
 
     def _pack(self, t: torch.Tensor, storages: dict[int, int]):
@@ -684,14 +684,14 @@ class FSDPUnit:
         splitting the block's graph (reading the autograd task id is not traceable)."""
         if torch.compiler.is_compiling():
             return
-        task = torch._C._current_graph_task_id()
+        task = _torch_compat.current_graph_task_id()
         if task == -1:
             return
         if not any(module._parameters[name] is self.params[i].sharded for i, name in named):
             return  # the unit's forward is running (a forward called inside a backward)
         # outside any dispatch mode: selective checkpointing's replays the forward's
         # operations one for one, and the forward gathered outside the checkpointed region
-        with _disable_current_modes():
+        with _torch_compat.disable_current_modes():
             if self._recomputed is None or self._recomputed[0] != task:
                 shards = [p.sharded for p in self.params]
                 self._recomputed = (task, _Regather.apply(self, *shards))
@@ -731,7 +731,7 @@ def users_saved_tensor_hooks() -> bool:
     and keep every activation, the offload would copy none. With them active the unit sets
     none, and they save its gathered parameters too (as under torch's FSDP2): a checkpoint
     gathers them again to recompute, an offload copies them."""
-    top = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    top = _torch_compat.saved_tensors_hooks_in_force()
     return top is not None and getattr(top[1], "__func__", None) is not FSDPUnit._unpack
 
 
@@ -776,6 +776,6 @@ def _storage_address(t: torch.Tensor) -> int | None:
     tensor, or a wrapper subclass such as the DTensor activations TP styles hand on with
     ``use_local_output=False`` (touching its storage raises "invalid python storage"); such
     a tensor is never a view of a gathered parameter, so autograd keeps it as it is."""
-    if t.device.type == "meta" or is_traceable_wrapper_subclass(t):
+    if t.device.type == "meta" or _torch_compat.is_traceable_wrapper_subclass(t):
         return None
     return t.untyped_storage().data_ptr()

@@ -33,6 +33,8 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from devmesh import _torch_compat
+
 __all__ = ["StageGradSync"]
 
 
@@ -65,10 +67,8 @@ class StageGradSync:
         """Why this stage cannot run in a pipeline, if it cannot: DDP's ``static_graph``
         replays the first iteration's one-backward-per-forward order (measured: its reducer
         asserts in the first backward)."""
-        from torch.distributed._composable import replicate
-
         # a composable replicate builds its DDP at its first forward, from these arguments
-        pending = [replicate.state(m)._init_kwargs for m in self._composable]
+        pending = [_torch_compat.composable_replicate_state(m)[0] for m in self._composable]
         if any(ddp.static_graph for ddp in self._reducers()) or any(
                 kwargs.get("static_graph") for kwargs in pending):
             return (f"{where} is under torch's DistributedDataParallel with "
@@ -141,11 +141,9 @@ class StageGradSync:
             module.set_requires_gradient_sync(True)
 
     def _reducers(self) -> list[DistributedDataParallel]:
-        from torch.distributed._composable import replicate
-
         reducers = list(self._ddp)
         for module in self._composable:
-            ddp = getattr(replicate.state(module), "_ddp", None)
+            ddp = _torch_compat.composable_replicate_state(module)[1]
             if ddp is not None:  # built at the module's first forward
                 reducers.append(ddp)
         return reducers
@@ -160,7 +158,7 @@ def _user_sync(module: nn.Module) -> bool:
 
 def _is_composable_ddp(module: nn.Module) -> bool:
     """torch's DDP-based composable ``replicate`` (not the FSDP-based one, an FSDPModule)."""
-    from torch.distributed._composable.contract import _get_registry
     from torch.distributed.fsdp import FSDPModule
 
-    return "replicate" in (_get_registry(module) or {}) and not isinstance(module, FSDPModule)
+    return (_torch_compat.has_composable_replicate(module)
+            and not isinstance(module, FSDPModule))

@@ -68,8 +68,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
+from devmesh._torch_compat import IncompatibleKeys
 from devmesh.distributed import comm, consensus, groups, stops
 from devmesh.errors import CollectiveAbandonedError, rank_prefix
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
@@ -238,7 +238,7 @@ class PipelineRunner:
         return full_state_dict(self) if full else state_dict(self.module, full=False)
 
     def load_state_dict(self, state: Mapping[str, Any], *, strict: bool = True
-                        ) -> _IncompatibleKeys:
+                        ) -> IncompatibleKeys:
         """Load a whole model's state dict (a plain model's, or :meth:`state_dict`'s) into
         the stages; collective over the pipeline dim, all or nothing."""
         return load_full_state_dict(self, state, strict=strict)

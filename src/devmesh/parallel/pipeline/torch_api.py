@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from devmesh import _torch_compat
 from devmesh.layout.schedule import build_schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.pipeline.runner import PipelineRunner
@@ -50,12 +51,11 @@ def _devmesh_stage(stage: Any) -> PipelineStage:
     device and group, so code that builds torch's stages runs on devmesh's schedules."""
     if isinstance(stage, PipelineStage):
         return stage
-    from torch.distributed.pipelining.stage import _PipelineStage, _PipelineStageBase
-
-    if isinstance(stage, _PipelineStage):  # traced: the route between stages is rewritten
+    stage_base, traced_stage = _torch_compat.pipeline_stage_types()
+    if isinstance(stage, traced_stage):  # traced: the route between stages is rewritten
         return build_stage(stage.submod, stage.stage_index, stage.pipe_info, stage.device,
                            stage.group)
-    if isinstance(stage, _PipelineStageBase):
+    if isinstance(stage, stage_base):
         return PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device,
                              group=stage.group, dw_builder=stage.dw_builder)
     raise PipelineError(f"a schedule takes PipelineStage objects (devmesh's or torch's), not "
@@ -76,9 +76,8 @@ class _Schedule:
                  **options: Any) -> None:
         # defer_pp_recv: when torch posts its receives; devmesh posts each by its own rule
         # (ahead on gloo, with the last send before it on NCCL), with the same results
-        from torch.distributed.pipelining.stage import _PipelineStageBase
-
-        one = (isinstance(stages, (PipelineStage, _PipelineStageBase, nn.Module))
+        stage_base, _ = _torch_compat.pipeline_stage_types()
+        one = (isinstance(stages, (PipelineStage, stage_base, nn.Module))
                or not isinstance(stages, Iterable))
         self._stages = [_devmesh_stage(s) for s in ([stages] if one else list(stages))]
         if (args_chunk_spec, kwargs_chunk_spec, output_merge_spec) != (None, None, None):

@@ -46,8 +46,8 @@ import torch
 from torch import fx, nn
 from torch.distributed.pipelining import Pipe, SplitPoint, pipe_split
 from torch.distributed.pipelining import pipeline as _torch_pipeline
-from torch.utils import _pytree as pytree
 
+from devmesh import _torch_compat
 from devmesh.parallel.pipeline.split import PipelineError
 from devmesh.parallel.pipeline.stage import PipelineStage
 from devmesh.parallel.pipeline.tied import Tie, record_ties
@@ -159,7 +159,7 @@ def route_stage(stage_module: fx.GraphModule, route: StageRoute) -> None:
     out_spec = getattr(getattr(codegen, "pytree_info", None), "out_spec", None)
     if out_spec is not None:  # torch.export's flat outputs, back to the stage's structure
         flat = list(result) if isinstance(result, (tuple, list)) else [result]
-        result = pytree.tree_unflatten(flat, out_spec)
+        result = _torch_compat.pytree.tree_unflatten(flat, out_spec)
     env[route.call] = result
     for node in route.call.graph.nodes:  # the stage's outputs taken apart, in graph order
         if (node.op == "call_function" and node.target is operator.getitem
@@ -276,7 +276,6 @@ def _ties(stage_modules: list[nn.Module], tensors: tuple[tuple[str, ...], ...] |
 def _move_device_arguments(stage_module: fx.GraphModule, device: torch.device) -> None:
     """The device torch's tracer burned into factory calls (``torch.ones(..., device=)``),
     set to this stage's, as torch's ``build_stage`` does."""
-    from torch.distributed.pipelining._IR import _modify_graph_op_device
 
     with _own_class(stage_module):
-        _modify_graph_op_device(stage_module, device)
+        _torch_compat.modify_graph_op_device(stage_module, device)

@@ -10,15 +10,15 @@ the same among themselves. What travels is bytes and JSON, never pickles.
 from __future__ import annotations
 
 import json
-import sys
 from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import _IncompatibleKeys
 
+from devmesh import _torch_compat
+from devmesh._torch_compat import IncompatibleKeys
 from devmesh.distributed import comm, consensus
 from devmesh.errors import StateDictError
 from devmesh.parallel.checkpoint.encoding import dtype_name, dtype_of
@@ -88,7 +88,7 @@ def full_state_dict(runner: PipelineRunner) -> dict[str, torch.Tensor]:
 
 
 def load_full_state_dict(runner: PipelineRunner, state: Mapping[str, Any], *,
-                         strict: bool = True) -> _IncompatibleKeys:
+                         strict: bool = True) -> IncompatibleKeys:
     """Load a whole model's state dict (a plain model's ``state_dict()``, or
     :func:`full_state_dict`'s) into the stages: each rank copies its stages' blocks. With
     ``strict``, a name no stage has is an error, as is a stage name the state lacks; every
@@ -108,7 +108,7 @@ def load_full_state_dict(runner: PipelineRunner, state: Mapping[str, Any], *,
                                  "them). Nothing was loaded")
         writes, mine = prepare_load(module, {k: v for k, v in state.items() if k in names},
                                     strict=strict)
-    incompatible = _IncompatibleKeys(mine.missing_keys, unexpected)
+    incompatible = IncompatibleKeys(mine.missing_keys, unexpected)
     apply_load(writes)
     return incompatible
 
@@ -136,11 +136,11 @@ def _unwrapped(stage: nn.Module) -> nn.Module:
     """The module inside the wrappers a whole stage may come in — ``torch.compile(stage)``,
     torch's ``DistributedDataParallel(stage)``, either in the other — else ``stage``: names
     then carry no ``_orig_mod.`` or ``module.``, as torch's DCP state dicts of such models.
-    (No compiled module exists unless torch's dynamo was imported: no import here.)"""
+    """
     while True:
-        eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-        if eval_frame is not None and isinstance(stage, eval_frame.OptimizedModule):
-            stage = stage._orig_mod
+        compiled = _torch_compat.compiled_module_inner(stage)
+        if compiled is not None:
+            stage = compiled
         elif isinstance(stage, nn.parallel.DistributedDataParallel):
             stage = stage.module
         else:

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from devmesh import _torch_compat
 from devmesh.distributed import comm, consensus
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
@@ -46,10 +47,9 @@ def parameter_aliases(root: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]
 
 def _as_devmesh(mesh: object) -> DeviceMesh:
     from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
-    from torch.distributed.device_mesh import _mesh_resources
 
     if mesh is None:
-        mesh = _mesh_resources.get_current_mesh()  # torch's `with mesh:` context
+        mesh = _torch_compat.current_torch_mesh()  # torch's `with mesh:` context
     if isinstance(mesh, DeviceMesh):
         return mesh
     if isinstance(mesh, TorchDeviceMesh):

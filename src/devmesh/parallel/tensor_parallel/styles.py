@@ -43,7 +43,7 @@ Distribute = Callable[[nn.Module, str, Placement], None]
 
 # The functions below run in a module's forward and call collectives on devmesh's meshes:
 # under torch.compile they run eagerly, between compiled regions, rather than be traced
-_eager = torch._dynamo.disable
+_eager = torch.compiler.disable
 
 
 def _placement(value: object, what: str) -> Placement:
