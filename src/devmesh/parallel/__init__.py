@@ -1,7 +1,14 @@
-"""Parallelisms on a mesh: replicate (DDP), fully_shard (FSDP, HSDP), tensor parallelism, pipeline
-stages, gradient clipping, state dicts and sharded checkpoints."""
+"""Parallelisms on a mesh: replicate (DDP), fully_shard (FSDP, HSDP), tensor parallelism,
+context parallelism, pipeline stages, gradient clipping, state dicts and sharded checkpoints."""
 
 from devmesh.parallel.checkpoint import load_checkpoint, save_checkpoint
+from devmesh.parallel.context_parallel import (
+    context_parallel,
+    gather_sequence,
+    ring_attention,
+    sequence_positions,
+    shard_sequence,
+)
 from devmesh.parallel.fsdp import (
     FSDPModule,
     FSDPUnit,
@@ -31,7 +38,8 @@ from devmesh.parallel.state_dict import load_state_dict, state_dict
 __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
     "register_fsdp_forward_method", "share_comm_ctx", "replicate",
-    "ReplicateModule", "parallelize_module",
+    "ReplicateModule", "parallelize_module", "context_parallel", "ring_attention",
+    "shard_sequence", "gather_sequence", "sequence_positions",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict", "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",

@@ -1,0 +1,108 @@
+"""``context_parallel(module, mesh["cp"])``: the module's ``scaled_dot_product_attention``
+calls attend over the whole sequence while each rank holds a part of it.
+
+The module runs on this rank's tokens (:func:`~.sequence.shard_sequence`); every
+``torch.nn.functional.scaled_dot_product_attention`` call inside its forward is routed to
+:func:`~.ring.ring_attention` over the ``cp`` dim. Everything else in a transformer works
+token by token (projections, MLPs, norms), so it needs no change — except positions: a
+module that builds position ids or rotary tables from ``arange(local length)`` must take
+this rank's positions instead (:func:`~.sequence.sequence_positions`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from devmesh.errors import ParallelizeError
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.context_parallel.ring import METHODS, ring_attention
+from devmesh.parallel.context_parallel.sequence import check_cp_mesh
+
+__all__ = ["context_parallel", "context_parallel_attention"]
+
+
+def _key_padding(attn_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+    """The key padding mask an SDPA ``attn_mask`` stands for: a boolean ``(B, 1, 1, S)``
+    (true where a key is a real token) — the one mask that splits along keys alone."""
+    if attn_mask is None:
+        return None
+    batch, local = query.shape[0], query.shape[-2]
+    if attn_mask.dtype != torch.bool or attn_mask.ndim != 4 or tuple(
+            attn_mask.shape[1:3]) != (1, 1) or attn_mask.shape[-1] != local or (
+            attn_mask.shape[0] not in (1, batch)):
+        raise ParallelizeError(
+            "under context parallelism, scaled_dot_product_attention takes a key padding "
+            f"mask only: a boolean (batch, 1, 1, local sequence) = ({batch}, 1, 1, {local}) "
+            f"tensor of this rank's keys, got {attn_mask.dtype} {tuple(attn_mask.shape)}; "
+            "for causal attention pass is_causal=True (positions follow the sharding)")
+    return attn_mask[:, 0, 0, :].expand(batch, local)
+
+
+class _RouteAttention(TorchFunctionMode):
+    def __init__(self, mesh: DeviceMesh, load_balance: bool, method: str) -> None:
+        super().__init__()
+        self.mesh, self.load_balance, self.method = mesh, load_balance, method
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            return self._attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    def _attention(self, query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                   scale=None, enable_gqa=False):
+        if dropout_p:
+            raise ParallelizeError(
+                f"scaled_dot_product_attention(dropout_p={dropout_p}) under context "
+                "parallelism: attention dropout is not supported; use dropout_p=0.0")
+        if key.shape[-3] != query.shape[-3] and not enable_gqa:
+            raise ParallelizeError(
+                f"query has {query.shape[-3]} heads, key {key.shape[-3]}: pass "
+                "enable_gqa=True for grouped-query attention")
+        return ring_attention(query, key, value, self.mesh, is_causal=is_causal, scale=scale,
+                              key_padding_mask=_key_padding(attn_mask, query),
+                              load_balance=self.load_balance, method=self.method)
+
+
+def _check(mesh: DeviceMesh, method: str, what: str) -> None:
+    check_cp_mesh(mesh, what)
+    if method not in METHODS:
+        raise ParallelizeError(f"{what}: method must be one of {METHODS}, got {method!r}")
+
+
+@contextlib.contextmanager
+def context_parallel_attention(mesh: DeviceMesh, *, load_balance: bool = True,
+                               method: str = "ring") -> Iterator[None]:
+    """Inside the block, ``scaled_dot_product_attention`` attends over the ``cp`` dim's whole
+    sequence (for code that is not one module)."""
+    _check(mesh, method, "context_parallel_attention")
+    with _RouteAttention(mesh, load_balance, method):
+        yield
+
+
+def context_parallel(module: nn.Module, mesh: DeviceMesh, *, load_balance: bool = True,
+                     method: str = "ring") -> nn.Module:
+    """Route ``module``'s attention over the ``cp`` mesh dim ``mesh`` (in place; returns
+    ``module``). ``method``: ``"ring"`` (keys and values passed around, overlapped with
+    compute) or ``"allgather"`` (gathered at once: fewer, larger messages for short
+    sequences). Feed the module :func:`~.sequence.shard_sequence`'s tokens with the same
+    ``load_balance``."""
+    _check(mesh, method, "context_parallel")
+    route = _RouteAttention(mesh, load_balance, method)
+
+    def enter(_module: nn.Module, _args: Any) -> None:
+        route.__enter__()
+
+    def leave(_module: nn.Module, _args: Any, _output: Any) -> None:
+        route.__exit__(None, None, None)
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
+    return module

@@ -1,0 +1,243 @@
+"""Context parallelism (docs/tutorials/context-parallel.md): attention over a sequence split across a
+``cp`` mesh dim equals ``scaled_dot_product_attention`` on the whole sequence, forward and
+backward, and a transformer block trained under it equals one process."""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh import init_device_mesh
+from devmesh.distributed.comm import comm_stats
+from devmesh.parallel import (
+    context_parallel,
+    gather_sequence,
+    ring_attention,
+    sequence_positions,
+    shard_sequence,
+)
+from helpers import caught
+
+
+def _cp_mesh():
+    return init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),), mesh_dim_names=("cp",))
+
+
+def _inputs(heads: int = 4, kv_heads: int = 4, length: int = 16, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(2, heads, length, 8, generator=gen, dtype=torch.float64)
+    k = torch.randn(2, kv_heads, length, 8, generator=gen, dtype=torch.float64)
+    v = torch.randn(2, kv_heads, length, 8, generator=gen, dtype=torch.float64)
+    weight = torch.randn(2, heads, length, 8, generator=gen, dtype=torch.float64)
+    padding = torch.rand(2, length, generator=gen) > 0.3
+    padding[:, 0] = True  # every query keeps a key (the first token) under causality too
+    return q, k, v, weight, padding
+
+
+def _reference(q, k, v, weight, causal, padding):
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    mask = None
+    if padding is not None:
+        mask = padding[:, None, None, :]
+        if causal:
+            mask = mask & torch.ones(q.shape[-2], q.shape[-2], dtype=torch.bool).tril()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                         is_causal=causal and padding is None,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    (out * weight).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+CASES = [  # (causal, padding, load_balance, method, gqa): every pair of values appears
+    (causal, padding, balance, method, gqa)
+    for causal, padding, balance, method, gqa in itertools.product(
+        (True, False), (False, True), (True, False), ("ring", "allgather"), (False, True))
+]
+
+
+def attention_cases(cases):
+    """Each case on this rank: the whole sequence's output and gradients, gathered."""
+    mesh = _cp_mesh()
+    results = []
+    for causal, padding, balance, method, gqa in cases:
+        q, k, v, weight, mask = _inputs(kv_heads=2 if gqa else 4)
+        local = [shard_sequence(t, mesh, 2, load_balance=balance).requires_grad_()
+                 for t in (q, k, v)]
+        local_mask = shard_sequence(mask, mesh, 1, load_balance=balance) if padding else None
+        with comm_stats() as stats:
+            out = ring_attention(*local, mesh, is_causal=causal, load_balance=balance,
+                                 key_padding_mask=local_mask, method=method)
+            (out * shard_sequence(weight, mesh, 2, load_balance=balance)).sum().backward()
+        whole = [gather_sequence(t, mesh, 2, load_balance=balance).detach()
+                 for t in (out, *(x.grad for x in local))]
+        results.append((whole, stats.by_collective()))
+    return results
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_attention_over_the_split_sequence_equals_attention_over_the_whole(mesh_pool, cp):
+    """Causal and not, with and without a padding mask, load-balanced and contiguous, ring
+    and all-gather, grouped-query heads: output and the gradients of q, k and v equal torch's
+    scaled_dot_product_attention on the whole sequence (1e-10, float64)."""
+    for rank_results in mesh_pool.run(attention_cases, cp, CASES):
+        for case, (whole, stats) in zip(CASES, rank_results, strict=True):
+            causal, padding, _, method, gqa = case
+            q, k, v, weight, mask = _inputs(kv_heads=2 if gqa else 4)
+            expected = _reference(q, k, v, weight, causal, mask if padding else None)
+            for ours, theirs in zip(whole, expected, strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10, msg=str(case))
+            messages = 3 if padding else 2  # k, v (and the mask) per ring step
+            if method == "ring":
+                # forward: cp - 1 steps; backward: cp - 1 steps of the blocks, and cp of
+                # their gradients (dk, dv), the last one home to the owner
+                sends = 2 * (cp - 1) * messages + cp * 2
+                assert stats["send"][0] == stats["recv"][0] == sends, (case, stats)
+            else:
+                assert "send" not in stats and stats["all_gather"][0] >= 2, (case, stats)
+
+
+def sharding_round_trip():
+    mesh = _cp_mesh()
+    x = torch.arange(2 * 16).reshape(2, 16, 1)
+    local = shard_sequence(x, mesh, 1)
+    positions = sequence_positions(16, mesh)
+    errors = [caught(lambda: shard_sequence(torch.zeros(2, 12, 1), mesh, 1)),
+              caught(lambda: shard_sequence(torch.zeros(2, 10, 1), mesh, 1, load_balance=False))]
+    return (local[0, :, 0].tolist(), positions.tolist(),
+            gather_sequence(local, mesh, 1).equal(x), errors)
+
+
+def test_each_rank_holds_a_head_and_a_tail_chunk_and_bad_lengths_are_refused(mesh_pool):
+    results = mesh_pool.run(sharding_round_trip, 4)
+    chunks = [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    for rank, (tokens, positions, round_trip, errors) in enumerate(results):
+        assert tokens == positions == chunks[rank] + chunks[7 - rank]
+        assert round_trip
+        assert errors[0] == ("ParallelizeError",
+                             f"[rank {rank}] shard_sequence: a sequence of 12 tokens does not "
+                             "split into 8 equal chunks over cp = 4: pad it to a multiple of 8 "
+                             "(2 x cp, a head and a tail chunk per rank), or pass "
+                             "load_balance=False")
+        assert errors[1][1].endswith("a sequence of 10 tokens does not split into 4 equal "
+                                     "chunks over cp = 4: pad it to a multiple of 4")
+
+
+class Block(nn.Module):
+    """A pre-norm transformer block on scaled_dot_product_attention (causal)."""
+
+    def __init__(self, dim: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(b, s, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.mlp(self.norm2(x))
+
+
+class Model(nn.Module):
+    def __init__(self, vocab: int = 32, length: int = 16, dim: int = 16) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.pos = nn.Embedding(vocab, dim), nn.Embedding(length, dim)
+        self.blocks = nn.Sequential(Block(dim), Block(dim))
+        self.head = nn.Linear(dim, vocab)
+        self.double()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens) + self.pos(positions)))
+
+
+def _batches(steps: int = 3, length: int = 16):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 32, (2, length + 1), generator=gen) for _ in range(steps)]
+
+
+def train_one_process():
+    model = Model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for batch in _batches():
+        tokens, targets = batch[:, :-1], batch[:, 1:]
+        logits = model(tokens, torch.arange(16))
+        loss = F.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def train_context_parallel(method: str):
+    """Each rank runs the model on its tokens; the loss is the sum of its tokens' losses over
+    all tokens, and gradients are summed over cp (what FSDP over (dp, cp) does)."""
+    mesh = _cp_mesh()
+    model = context_parallel(Model(), mesh, method=method)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    positions = sequence_positions(16, mesh)
+    losses = []
+    for batch in _batches():
+        tokens, targets = (shard_sequence(t, mesh, 1) for t in (batch[:, :-1], batch[:, 1:]))
+        logits = model(tokens, positions)
+        loss = F.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1),
+                               reduction="sum") / targets.new_tensor(batch[:, 1:].numel())
+        opt.zero_grad()
+        loss.backward()
+        for p in model.parameters():
+            dist.all_reduce(p.grad)
+        whole = loss.detach().clone()
+        dist.all_reduce(whole)
+        opt.step()
+        losses.append(whole.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("cp, method", [(2, "ring"), (4, "ring"), (2, "allgather")])
+def test_a_transformer_trains_under_context_parallelism_as_in_one_process(mesh_pool, cp,
+                                                                          method):
+    losses, params = train_one_process()
+    for ours, mine in mesh_pool.run(train_context_parallel, cp, method):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-10,
+                                   atol=1e-10)
+        for name, value in params.items():
+            torch.testing.assert_close(mine[name], value, rtol=1e-10, atol=1e-10, msg=name)
+
+
+def refused_inputs():
+    mesh = _cp_mesh()
+    q = torch.zeros(1, 2, 4, 8)
+    return [
+        caught(lambda: ring_attention(q, q, q, mesh, method="flash")),
+        caught(lambda: ring_attention(q, torch.zeros(1, 3, 4, 8), torch.zeros(1, 3, 4, 8),
+                                      mesh)),
+        caught(lambda: context_parallel(nn.Linear(2, 2), init_device_mesh(
+            "cpu", (1, int(os.environ["WORLD_SIZE"]))))),
+        caught(lambda: context_parallel(Model(), mesh)(torch.zeros(1, 5, dtype=torch.long),
+                                                       torch.arange(5))),
+    ]
+
+
+def test_bad_inputs_are_refused_on_every_rank_naming_the_fix(mesh_pool):
+    for rank, errors in enumerate(mesh_pool.run(refused_inputs, 2)):
+        assert errors[0] == ("ParallelizeError", f"[rank {rank}] context parallelism's method "
+                             "must be one of ('ring', 'allgather'), got 'flash'")
+        assert "a head count dividing its heads" in errors[1][1]
+        assert "takes the 1-D mesh of the context-parallel dim, e.g. mesh['cp']" in errors[2][1]
+        # 5 local tokens on each of 2 ranks: 10 do not split into a head and a tail chunk each
+        assert errors[3][1].endswith("ring_attention: a sequence of 10 tokens does not split "
+                                     "into 4 equal "
+                                     "chunks over cp = 2: pad it to a multiple of 4 (2 x cp, "
+                                     "a head and a tail chunk per rank), or pass "
+                                     "load_balance=False")
