@@ -241,3 +241,114 @@ def test_bad_inputs_are_refused_on_every_rank_naming_the_fix(mesh_pool):
                                      "chunks over cp = 2: pad it to a multiple of 4 (2 x cp, "
                                      "a head and a tail chunk per rank), or pass "
                                      "load_balance=False")
+
+
+class HeadsBlock(nn.Module):
+    """Attention with separate q, k and v projections (tensor parallelism splits their
+    heads), head dim fixed, so a rank's heads follow from its projection's width."""
+
+    def __init__(self, dim: int = 16, head_dim: int = 4) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q, self.k, self.v = (nn.Linear(dim, dim) for _ in range(3))
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (proj(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for proj in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return x + self.out(a.transpose(1, 2).reshape(b, s, -1))
+
+
+class HeadsModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.pos = nn.Embedding(32, 16), nn.Embedding(16, 16)
+        self.blocks = nn.Sequential(HeadsBlock(), HeadsBlock())
+        self.head = nn.Linear(16, 32)
+        self.double()
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.embed(tokens) + self.pos(positions)))
+
+
+def _token_batches(rows: int, steps: int = 3):
+    gen = torch.Generator().manual_seed(2)
+    return [torch.randint(0, 32, (rows, 17), generator=gen) for _ in range(steps)]
+
+
+def train_heads_one_process(rows: int):
+    model = HeadsModel()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for batch in _token_batches(rows):
+        loss = F.cross_entropy(model(batch[:, :-1], torch.arange(16)).reshape(-1, 32),
+                               batch[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def train_cp_with(other: str):
+    """CP 2 with FSDP over the flattened (dp, cp) dims (dp 2), or with TP 2 on the heads."""
+    from devmesh.parallel import (ColwiseParallel, RowwiseParallel, fully_shard,
+                                  parallelize_module)
+
+    names = ("dp", "cp") if other == "fsdp" else ("cp", "tp")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
+    cp = mesh["cp"]
+    model = HeadsModel()
+    if other == "fsdp":
+        shard_over = mesh["dp", "cp"]._flatten("dp_cp")
+        for block in model.blocks:
+            fully_shard(block, mesh=shard_over)
+        fully_shard(model, mesh=shard_over)
+    else:
+        for block in model.blocks:
+            parallelize_module(block, mesh["tp"], {"q": ColwiseParallel(), "k": ColwiseParallel(),
+                                                   "v": ColwiseParallel(),
+                                                   "out": RowwiseParallel()})
+    context_parallel(model, cp)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    dp = mesh.get_local_rank("dp") if other == "fsdp" else 0
+    rows = 2 if other == "fsdp" else 4
+    losses = []
+    with comm_stats() as stats:
+        for batch in _token_batches(4):
+            batch = batch[dp * rows:(dp + 1) * rows]
+            tokens, targets = (shard_sequence(t, cp, 1) for t in (batch[:, :-1], batch[:, 1:]))
+            logits = model(tokens, sequence_positions(16, cp))
+            # each rank's mean over its tokens: FSDP averages over dp x cp ranks of equal
+            # token counts; without FSDP the cp ranks' gradients are summed, halved
+            loss = F.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            if other == "tp":
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, group=cp.get_group())
+                    p.grad /= 2
+            whole = loss.detach().clone()
+            dist.all_reduce(whole)
+            opt.step()
+            losses.append(whole.item() / 4)  # the mean of the 4 ranks' (equal-sized) means
+    full = {}
+    for name, value in model.state_dict().items():
+        full[name] = value.full_tensor() if hasattr(value, "full_tensor") else value
+    return losses, full, stats.by_collective()
+
+
+@pytest.mark.parametrize("other", ["fsdp", "tp"])
+def test_context_parallelism_composes_with_fsdp_and_tensor_parallelism(mesh_pool, other):
+    """CP x FSDP (FSDP over the flattened (dp, cp) dims, dp 2) and CP x TP (TP 2 on heads),
+    on 4 ranks, train equal to one process on the whole batch."""
+    losses, params = train_heads_one_process(4)
+    for ours, mine, stats in mesh_pool.run(train_cp_with, 4, other):
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-10,
+                                   atol=1e-10)
+        for name, value in params.items():
+            torch.testing.assert_close(mine[name], value, rtol=1e-10, atol=1e-10, msg=name)
+        assert stats["send"][0] > 0  # the ring ran
