@@ -1,5 +1,5 @@
 """Parallelisms on a mesh: replicate (DDP), fully_shard (FSDP, HSDP), tensor parallelism,
-context parallelism, pipeline stages, gradient clipping, state dicts and sharded checkpoints."""
+context parallelism, expert parallelism (mixture of experts), pipeline stages, gradient clipping, state dicts and sharded checkpoints."""
 
 from devmesh.parallel.checkpoint import load_checkpoint, save_checkpoint
 from devmesh.parallel.context_parallel import (
@@ -9,6 +9,7 @@ from devmesh.parallel.context_parallel import (
     sequence_positions,
     shard_sequence,
 )
+from devmesh.parallel.expert_parallel import MoE, expert_parallel
 from devmesh.parallel.fsdp import (
     FSDPModule,
     FSDPUnit,
@@ -39,7 +40,7 @@ __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
     "register_fsdp_forward_method", "share_comm_ctx", "replicate",
     "ReplicateModule", "parallelize_module", "context_parallel", "ring_attention",
-    "shard_sequence", "gather_sequence", "sequence_positions",
+    "shard_sequence", "gather_sequence", "sequence_positions", "MoE", "expert_parallel",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict", "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",

@@ -1,0 +1,78 @@
+"""Tokens to the ranks that hold their experts and back, over an ``ep`` mesh dim.
+
+Rank ``r`` of ``ep`` holds experts ``r * L .. (r + 1) * L - 1`` (``L = experts / ep``). A
+forward: (1) one all-to-all of ``L`` integers per rank pair says how many tokens each rank
+sends to each of the receiver's experts; (2) one all-to-all of the tokens, with uneven
+split sizes; (3) the received tokens regrouped by local expert and run; (4) the outputs put
+back in arrival order and (5) returned by one more all-to-all. Backward runs the two token
+all-to-alls the other way. Every exchange is devmesh's counted, watched all-to-all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from devmesh.distributed import comm
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.expert_parallel.moe import GroupedExperts
+
+__all__ = ["ExpertParallelDispatch"]
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows of ``tokens`` split ``send`` ways to the ranks, ``receive[i]`` rows from rank
+    ``i``; backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, tokens: torch.Tensor, send: list[int], receive: list[int],  # type: ignore[override]
+                mesh: DeviceMesh) -> torch.Tensor:
+        ctx.send, ctx.receive, ctx.mesh = send, receive, mesh
+        return _exchange(tokens, send, receive, mesh)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        return _exchange(grad.contiguous(), ctx.receive, ctx.send, ctx.mesh), None, None, None
+
+
+def _exchange(tokens: torch.Tensor, send: list[int], receive: list[int], mesh: DeviceMesh
+              ) -> torch.Tensor:
+    width = tokens.shape[1:]
+    pieces = comm.all_to_all(list(tokens.split(send)), mesh, (0,),
+                             [(n, *width) for n in receive])
+    return torch.cat(pieces)
+
+
+class ExpertParallelDispatch:
+    """Experts split over the 1-D ``ep`` mesh; assignment counts of the aux loss summed
+    over ``data_mesh`` (the ranks whose tokens differ)."""
+
+    def __init__(self, mesh: DeviceMesh, data_mesh: DeviceMesh) -> None:
+        self.mesh, self.data_mesh = mesh, data_mesh
+
+    def total_counts(self, counts: torch.Tensor) -> torch.Tensor:
+        total = counts.detach().clone()
+        return comm.all_reduce(total, self.data_mesh, tuple(range(self.data_mesh.ndim)))
+
+    def run(self, tokens: torch.Tensor, per_expert: list[int],
+            experts: GroupedExperts) -> torch.Tensor:
+        ep = self.mesh.size()
+        local = len(per_expert) // ep
+        counts = torch.tensor(per_expert, dtype=torch.int64).view(ep, local)
+        # (1) how many tokens each rank sends to each of my experts: received[s][l]
+        received = torch.stack(comm.all_to_all(list(counts), self.mesh, (0,),
+                                               [(local,)] * ep))
+        send = counts.sum(1).tolist()
+        arriving = received.sum(1).tolist()
+        # (2) the tokens, grouped by source rank, each source's sorted by my experts
+        mine = _AllToAll.apply(tokens, send, arriving, self.mesh)
+        # (3) regroup by expert: expert l's tokens from every source, in source order
+        runs = received.reshape(-1).tolist()  # (source, expert) runs in arrival order
+        starts = [0]
+        for n in runs[:-1]:
+            starts.append(starts[-1] + n)
+        by_expert = [s * local + e for e in range(local) for s in range(ep)]
+        index = torch.cat([torch.arange(starts[i], starts[i] + runs[i]) for i in by_expert])
+        out = experts(mine[index], received.sum(0).tolist())
+        # (4) back to arrival order, (5) back to the senders
+        back = torch.zeros_like(out).index_copy(0, index, out)
+        return _AllToAll.apply(back, arriving, send, self.mesh)

@@ -1,0 +1,188 @@
+"""Expert parallelism (docs/tutorials/expert-parallel.md): a mixture-of-experts transformer whose
+experts are split over an ``ep`` dim, tokens dispatched with all-to-all, trains equal to one
+process on the whole batch (float64, 1e-10) — alone, with FSDP, with tensor parallelism, with
+uneven routing and with a capacity."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh import init_device_mesh
+from devmesh.distributed.comm import comm_stats
+from devmesh.parallel.expert_parallel import MoE, expert_parallel, expert_parameters
+from helpers import caught
+
+STEPS, ROWS, LENGTH, AUX = 3, 4, 8, 0.01
+
+
+class MoEModel(nn.Module):
+    """Embedding, causal attention (q, k, v, out projections), a 4-expert top-2 MoE, head."""
+
+    def __init__(self, uneven: bool = False, capacity_factor: float | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(32, 16)
+        self.q, self.k, self.v, self.out = (nn.Linear(16, 16) for _ in range(4))
+        self.moe = MoE(16, 32, experts=4, top_k=2, capacity_factor=capacity_factor)
+        self.head = nn.Linear(16, 32)
+        if uneven:  # every token's first feature is 3, and expert 0 reads it: it gets them all
+            with torch.no_grad():
+                self.embed.weight[:, 0] = 3.0
+                self.moe.router.weight[0, 0] = 5.0
+        self.double()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, 4).transpose(1, 2) for p in (self.q, self.k, self.v))
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.out(a.transpose(1, 2).reshape(b, s, -1))
+        return self.head(x + self.moe(x))
+
+
+def _batches():
+    gen = torch.Generator().manual_seed(3)
+    return [torch.randint(0, 32, (ROWS, LENGTH + 1), generator=gen) for _ in range(STEPS)]
+
+
+def _loss(model: MoEModel, batch: torch.Tensor, aux: float) -> torch.Tensor:
+    logits = model(batch[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, 32), batch[:, 1:].reshape(-1)) + (
+        aux * model.moe.aux_loss)
+
+
+def one_process(uneven: bool = False, capacity_factor: float | None = None, slices: int = 1):
+    """The whole batch in one process; with a capacity, as ``slices`` micro-batches (each
+    rank's), since a capacity is per the tokens one forward sees."""
+    model = MoEModel(uneven, capacity_factor)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    aux = 0.0 if capacity_factor else AUX
+    losses, dropped, counts = [], [], []
+    for batch in _batches():
+        opt.zero_grad()
+        total = 0.0
+        for part in batch.chunk(slices):
+            loss = _loss(model, part, aux) / slices
+            loss.backward()
+            total += loss.item()
+            dropped.append(model.moe.dropped)
+        opt.step()
+        losses.append(total)
+    with torch.no_grad():
+        probs = torch.softmax(model.moe.router(model.embed(_batches()[0][:, :-1])), -1)
+        counts = torch.bincount(probs.topk(2, -1).indices.reshape(-1), minlength=4).tolist()
+    return losses, {k: v.detach() for k, v in model.state_dict().items()}, dropped, counts
+
+
+def _full(state: dict) -> dict:
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach()
+            for k, v in state.items()}
+
+
+def train(kind: str, uneven: bool = False, capacity_factor: float | None = None):
+    """``kind``: "ep" (EP over every rank), "ep-fsdp" (dp 2 x ep 2: experts split over ep and
+    FSDP over dp, the rest FSDP over both), "ep-tp" (ep 2 x tp 2: attention TP on heads)."""
+    from devmesh.parallel import (ColwiseParallel, RowwiseParallel, fully_shard,
+                                  parallelize_module)
+
+    world = int(os.environ["WORLD_SIZE"])
+    model = MoEModel(uneven, capacity_factor)
+    if kind == "ep":
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+        expert_parallel(model.moe, mesh)
+        data, data_rank, data_size = mesh, mesh.get_local_rank(), world
+    elif kind == "ep-fsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+        expert_parallel(model.moe, mesh["ep"], data_mesh=mesh)
+        fully_shard(model.moe.experts, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp", "ep"]._flatten("dp_ep"))
+        data, data_rank, data_size = mesh, dist.get_rank(), world
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+        expert_parallel(model.moe, mesh["ep"])
+        parallelize_module(model, mesh["tp"], {"q": ColwiseParallel(), "k": ColwiseParallel(),
+                                               "v": ColwiseParallel(),
+                                               "out": RowwiseParallel()})
+        data, data_rank, data_size = mesh["ep"], mesh.get_local_rank("ep"), 2
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    experts = {id(p) for p in expert_parameters(model)}
+    aux = 0.0 if capacity_factor else AUX
+    losses, dropped = [], []
+    rows = ROWS // data_size
+    with comm_stats() as stats:
+        for batch in _batches():
+            mine = batch[data_rank * rows:(data_rank + 1) * rows]
+            loss = _loss(model, mine, aux)
+            opt.zero_grad()
+            loss.backward()
+            dropped.append(model.moe.dropped)
+            if kind != "ep-fsdp":  # data parallelism by hand: the others' gradients averaged
+                for p in model.parameters():
+                    if id(p) not in experts:
+                        dist.all_reduce(p.grad, group=data.get_group())
+                        p.grad /= data_size
+            whole = loss.detach().clone()
+            dist.all_reduce(whole, group=None if data.ndim > 1 else data.get_group())
+            opt.step()
+            losses.append(whole.item() / data_size)
+    return losses, _full(model.state_dict()), dropped, stats.by_collective()
+
+
+def _check(results, expected, steps=STEPS):
+    losses, params = expected[0], expected[1]
+    for ours, mine, _, stats in results:
+        torch.testing.assert_close(torch.tensor(ours), torch.tensor(losses), rtol=1e-10,
+                                   atol=1e-10)
+        for name, value in params.items():
+            torch.testing.assert_close(mine[name], value, rtol=1e-10, atol=1e-10, msg=name)
+        # per step: the counts' all-to-all, the tokens' there and back, their gradients'
+        # there and back; one all-reduce of the 4 assignment counts (the aux loss)
+        assert stats["all_to_all"][0] == 5 * steps, stats
+
+
+@pytest.mark.parametrize("ep", [2, 4])
+def test_a_moe_transformer_trains_under_expert_parallelism_as_in_one_process(mesh_pool, ep):
+    expected = one_process()
+    _check(mesh_pool.run(train, ep, "ep"), expected)
+
+
+@pytest.mark.parametrize("kind", ["ep-fsdp", "ep-tp"])
+def test_expert_parallelism_composes_with_fsdp_and_tensor_parallelism(mesh_pool, kind):
+    _check(mesh_pool.run(train, 4, kind), one_process())
+
+
+def test_uneven_routing_sends_uneven_token_counts(mesh_pool):
+    expected = one_process(uneven=True)
+    assert expected[3][0] == ROWS * LENGTH and sum(expected[3][1:]) == ROWS * LENGTH, expected[3]
+    _check(mesh_pool.run(train, 2, "ep", True), expected)
+
+
+def test_a_capacity_drops_and_counts_the_same_assignments_as_one_process(mesh_pool):
+    expected = one_process(uneven=True, capacity_factor=1.0, slices=2)
+    results = mesh_pool.run(train, 2, "ep", True, 1.0)
+    _check(results, expected)
+    for rank, (_, _, dropped, _) in enumerate(results):
+        assert dropped == expected[2][rank::2] and min(dropped) > 0, (dropped, expected[2])
+
+
+def refused():
+    mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),), mesh_dim_names=("ep",))
+    return [caught(lambda: expert_parallel(MoE(8, 16, experts=3), mesh)),
+            caught(lambda: expert_parallel(nn.Linear(2, 2), mesh)),
+            caught(lambda: MoE(8, 16, experts=2, top_k=3))]
+
+
+def test_bad_inputs_are_refused_on_every_rank_naming_the_fix(mesh_pool):
+    for rank, errors in enumerate(mesh_pool.run(refused, 2)):
+        assert errors[0] == ("ParallelizeError", f"[rank {rank}] expert_parallel: 3 experts do "
+                             "not split evenly over ep = 2: use a number of experts divisible "
+                             "by 2, or an ep size dividing 3")
+        assert errors[1][1].endswith("expert_parallel takes a devmesh MoE layer, got Linear")
+        assert errors[2][1].endswith("MoE: top_k = 3 must be between 1 and the number of "
+                                     "experts, 2")
