@@ -37,7 +37,7 @@ __all__ = [
     "current_graph_task_id", "queue_callback", "saved_tensors_hooks_in_force",
     "disable_current_modes", "is_traceable_wrapper_subclass", "pytree", "CFuture",
     "clear_dtensor_caches", "import_dynamo", "IncompatibleKeys", "strided_shard_type",
-    "pipeline_stage_types", "modify_graph_op_device", "compiled_module_inner",
+    "pipeline_stage_types", "cpu_flash_attention", "cpu_flash_attention_backward", "modify_graph_op_device", "compiled_module_inner",
     "composable_replicate_state", "has_composable_replicate",
 ]
 
@@ -283,6 +283,23 @@ def import_dynamo() -> None:
 
 
 # -- subsystems checked on first use -----------------------------------------------------------
+@functools.cache
+def cpu_flash_attention() -> Callable:
+    """ATen's fused CPU attention returning the output and its log-sum-exp (what
+    ``scaled_dot_product_attention`` runs on the CPU): ``(q, k, v, dropout_p, is_causal, *,
+    attn_mask, scale) -> (out, lse)``."""
+    return _require(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu",
+                    "torch.ops.aten")
+
+
+@functools.cache
+def cpu_flash_attention_backward() -> Callable:
+    """Its backward: ``(grad_out, q, k, v, out, lse, dropout_p, is_causal, *, attn_mask,
+    scale) -> (grad_q, grad_k, grad_v)``."""
+    return _require(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward",
+                    "torch.ops.aten")
+
+
 @functools.cache
 def strided_shard_type() -> type:
     """DTensor's ``_StridedShard`` placement (what FSDP2 over TP produces)."""

@@ -22,6 +22,7 @@ import math
 
 import torch
 
+from devmesh import _torch_compat
 from devmesh.distributed import comm
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
@@ -89,74 +90,134 @@ class _Ring:
         return results[len(results) // 2:]
 
 
+def _chunk_ids(rank: int, cp: int, load_balance: bool) -> tuple[int, ...]:
+    return (rank, 2 * cp - 1 - rank) if load_balance else (rank,)
+
+
+def _pairs(q_rank: int, k_rank: int, cp: int, load_balance: bool, causal: bool):
+    """The (query chunk, key chunk, diagonal) sub-blocks that attend, as local chunk indices:
+    under causality a later chunk sees an earlier one whole, a chunk sees itself causally,
+    an earlier one sees nothing of a later one (skipped: no work, no message waits on it)."""
+    pairs = []
+    for i, qc in enumerate(_chunk_ids(q_rank, cp, load_balance)):
+        for j, kc in enumerate(_chunk_ids(k_rank, cp, load_balance)):
+            if not causal or qc > kc:
+                pairs.append((i, j, False))
+            elif qc == kc:
+                pairs.append((i, j, True))
+    return pairs
+
+
+def _rows(t: torch.Tensor, index: int, chunks: int) -> torch.Tensor:
+    size = t.shape[-2] // chunks
+    return t[..., index * size:(index + 1) * size, :]
+
+
+def _block_forward(q, k, v, diagonal: bool, key_mask, scale: float):
+    """One sub-block's softmax attention and its log-sum-exp ``(..., Sq, 1)``. On the CPU
+    without a padding mask, torch's fused kernel; else the scores written out."""
+    if key_mask is None and q.device.type == "cpu":
+        out, lse = _torch_compat.cpu_flash_attention()(q, k, v, 0.0, diagonal, scale=scale)
+        return out, lse.unsqueeze(-1)
+    s = _scores(q, k, scale, _sub_allowed(q, k, diagonal, key_mask))
+    lse = torch.logsumexp(s, dim=-1, keepdim=True)
+    p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
+    return torch.matmul(p, v), lse
+
+
+def _block_backward(do, q, k, v, out, lse, diagonal: bool, key_mask, scale: float):
+    """The sub-block's share of the gradients of q, k and v, given the whole row's output
+    and log-sum-exp (the flash-attention backward's inputs)."""
+    if key_mask is None and q.device.type == "cpu":
+        backward = _torch_compat.cpu_flash_attention_backward()
+        return backward(do, q, k, v, out, lse.squeeze(-1), 0.0, diagonal, scale=scale)
+    p = torch.exp(_scores(q, k, scale, _sub_allowed(q, k, diagonal, key_mask)) - lse)
+    dv = torch.matmul(p.transpose(-1, -2), do)
+    ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
+    return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
+
+
+def _sub_allowed(q, k, diagonal: bool, key_mask):
+    allowed = None
+    if diagonal:
+        allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
+                             device=q.device).tril()
+    if key_mask is not None:
+        keys = key_mask[:, None, None, :]
+        allowed = keys if allowed is None else allowed & keys
+    return allowed
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Two partial softmax results of the same rows as one (log-sum-exp rule), in place."""
+    new = torch.logaddexp(lse, block_lse)
+    safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+    out.mul_(torch.exp(lse - safe)).add_(block_out * torch.exp(block_lse - safe))
+    lse.copy_(new)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_mask, mesh, causal, scale, load_balance):  # type: ignore[override]
         ring = _Ring(mesh)
-        length = q.shape[-2] * ring.cp
-        q_pos = positions_of(ring.rank, ring.cp, length, load_balance, q.device)
+        chunks = 2 if load_balance else 1
         dtype = _compute_dtype(q.dtype)
-        qc = q.to(dtype)
         heads = q.shape[-3]
         out = torch.zeros(q.shape, dtype=dtype, device=q.device)
-        m = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=dtype, device=q.device)
-        l = torch.zeros_like(m)
+        lse = torch.full((*q.shape[:-1], 1), float("-inf"), dtype=dtype, device=q.device)
         block = [k, v] + ([key_mask.to(torch.uint8)] if key_mask is not None else [])
         for step in range(ring.cp):
             pending = ring.start(block, "ring attention") if step < ring.cp - 1 else None
             owner = (ring.rank - step) % ring.cp
-            k_pos = positions_of(owner, ring.cp, length, load_balance, q.device)
-            mask = block[2].bool() if key_mask is not None else None
-            allowed = _allowed(q_pos, k_pos, causal, mask)
-            if allowed is None or bool(allowed.any()):
-                s = _scores(qc, _expand(block[0], heads).to(dtype), scale, allowed)
-                m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-                shift = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-                p = torch.exp(s - shift)
-                alpha = torch.exp(m - shift)
-                l = l * alpha + p.sum(-1, keepdim=True)
-                out = out * alpha + torch.matmul(p, _expand(block[1], heads).to(dtype))
-                m = m_new
+            keys, values = _expand(block[0], heads), _expand(block[1], heads)
+            for i, j, diagonal in _pairs(ring.rank, owner, ring.cp, load_balance, causal):
+                mask = _rows(block[2][..., None], j, chunks)[..., 0].bool() if len(
+                    block) == 3 else None
+                o_b, lse_b = _block_forward(
+                    _rows(q, i, chunks), _rows(keys, j, chunks), _rows(values, j, chunks),
+                    diagonal, mask, scale)
+                _merge(_rows(out, i, chunks), _rows(lse, i, chunks), o_b.to(dtype),
+                       lse_b.to(dtype))
             if pending is not None:
                 block = ring.finish(pending)
-        empty = l == 0  # rows with no key to attend to give zeros
-        out = out / torch.where(empty, torch.ones_like(l), l)
-        shift = torch.where(torch.isinf(m), torch.zeros_like(m), m)
-        lse = torch.where(empty, torch.full_like(l, float("inf")),
-                          shift + torch.log(torch.where(empty, torch.ones_like(l), l)))
+        empty = torch.isinf(lse)  # rows with no key to attend to give zeros
+        out = torch.where(empty, torch.zeros_like(out), out).to(q.dtype)
+        lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
         ctx.save_for_backward(q, k, v, key_mask, out, lse)
         ctx.mesh, ctx.causal, ctx.scale, ctx.load_balance = mesh, causal, scale, load_balance
-        return out.to(q.dtype)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         q, k, v, key_mask, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.mesh)
-        length = q.shape[-2] * ring.cp
-        q_pos = positions_of(ring.rank, ring.cp, length, ctx.load_balance, q.device)
-        dtype = out.dtype
-        qc, do = q.to(dtype), grad_out.to(dtype)
+        chunks = 2 if ctx.load_balance else 1
+        do = grad_out.to(q.dtype).contiguous()
         heads, kv_heads = q.shape[-3], k.shape[-3]
-        delta = (do * out).sum(-1, keepdim=True)
-        dq = torch.zeros_like(qc)
+        dq = torch.zeros(q.shape, dtype=_compute_dtype(q.dtype), device=q.device)
+        lse = lse.to(q.dtype)
         block = [k, v] + ([key_mask.to(torch.uint8)] if key_mask is not None else [])
-        grads = [torch.zeros(k.shape, dtype=dtype, device=k.device),
-                 torch.zeros(v.shape, dtype=dtype, device=v.device)]
+        grads = [torch.zeros(k.shape, dtype=dq.dtype, device=k.device),
+                 torch.zeros(v.shape, dtype=dq.dtype, device=v.device)]
         for step in range(ring.cp):
             pending = (ring.start(block, "ring attention backward")
                        if step < ring.cp - 1 else None)
             owner = (ring.rank - step) % ring.cp
-            k_pos = positions_of(owner, ring.cp, length, ctx.load_balance, q.device)
-            mask = block[2].bool() if key_mask is not None else None
-            allowed = _allowed(q_pos, k_pos, ctx.causal, mask)
-            if allowed is None or bool(allowed.any()):
-                kc, vc = _expand(block[0], heads).to(dtype), _expand(block[1], heads).to(dtype)
-                p = torch.exp(_scores(qc, kc, ctx.scale, allowed) - lse)
-                dv = torch.matmul(p.transpose(-1, -2), do)
-                ds = p * (torch.matmul(do, vc.transpose(-1, -2)) - delta)
-                dq = dq + torch.matmul(ds, kc) * ctx.scale
-                dk = torch.matmul(ds.transpose(-1, -2), qc) * ctx.scale
-                grads = [grads[0] + _fold(dk, kv_heads), grads[1] + _fold(dv, kv_heads)]
+            keys, values = _expand(block[0], heads), _expand(block[1], heads)
+            dk = torch.zeros(keys.shape, dtype=dq.dtype, device=k.device)
+            dv = torch.zeros_like(dk)
+            for i, j, diagonal in _pairs(ring.rank, owner, ring.cp, ctx.load_balance,
+                                         ctx.causal):
+                mask = _rows(block[2][..., None], j, chunks)[..., 0].bool() if len(
+                    block) == 3 else None
+                dq_b, dk_b, dv_b = _block_backward(
+                    _rows(do, i, chunks), _rows(q, i, chunks), _rows(keys, j, chunks),
+                    _rows(values, j, chunks), _rows(out, i, chunks), _rows(lse, i, chunks),
+                    diagonal, mask, ctx.scale)
+                _rows(dq, i, chunks).add_(dq_b)
+                _rows(dk, j, chunks).add_(dk_b)
+                _rows(dv, j, chunks).add_(dv_b)
+            grads = [grads[0] + _fold(dk, kv_heads), grads[1] + _fold(dv, kv_heads)]
             # the block's gradients travel with it; the last step returns them to the owner
             grads = ring.finish(ring.start(grads, "ring attention backward"))
             if pending is not None:
