@@ -352,3 +352,68 @@ def test_context_parallelism_composes_with_fsdp_and_tensor_parallelism(mesh_pool
         for name, value in params.items():
             torch.testing.assert_close(mine[name], value, rtol=1e-10, atol=1e-10, msg=name)
         assert stats["send"][0] > 0  # the ring ran
+
+
+class Embed(nn.Module):
+    """Token and position embeddings; ``positions``: this rank's tokens' places."""
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        super().__init__()
+        self.tokens, self.places = nn.Embedding(32, 16), nn.Embedding(16, 16)
+        self.register_buffer("positions", positions, persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.tokens(tokens) + self.places(self.positions)
+
+
+def _pipeline_model(positions: torch.Tensor) -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(Embed(positions), Block(), Block(), nn.Linear(16, 32)).double()
+
+
+def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
+
+
+def pipeline_one_process():
+    model = _pipeline_model(torch.arange(16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for batch in _token_batches(4):
+        opt.zero_grad()
+        _token_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def train_cp_pipeline():
+    """PP 2 (1F1B, 2 micro-batches) x CP 2: each stage's attention runs over cp."""
+    from devmesh.parallel.pipeline import PipelineRunner, build_schedule, split_sequential
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    cp = mesh["cp"]
+    model = _pipeline_model(sequence_positions(16, cp))
+    schedule = build_schedule("1f1b", ranks=2, microbatches=2)
+    parts = split_sequential(model, schedule.stages)
+    me = mesh.get_local_rank("pp")
+    stages = {s: context_parallel(parts[s], cp) for s in range(schedule.stages)
+              if schedule.rank_of(s) == me}
+    runner = PipelineRunner(stages, mesh, schedule, _token_loss)
+    opt = torch.optim.AdamW(runner.module.parameters(), lr=1e-2)
+    with comm_stats() as stats:
+        for batch in _token_batches(4):
+            tokens, targets = (shard_sequence(t, cp, 1) for t in (batch[:, :-1], batch[:, 1:]))
+            opt.zero_grad()
+            runner.step(tokens if 0 in stages else None, targets if 1 in stages else None)
+            for p in runner.module.parameters():  # each cp rank's mean over its tokens
+                dist.all_reduce(p.grad, group=cp.get_group())
+                p.grad /= 2
+            opt.step()
+    return runner.state_dict(full=True), stats.by_collective()
+
+
+def test_context_parallel_stages_in_a_pipeline_train_as_one_process(mesh_pool):
+    expected = pipeline_one_process()
+    for full, stats in mesh_pool.run(train_cp_pipeline, 4):
+        for name, value in expected.items():
+            torch.testing.assert_close(full[name], value, rtol=1e-10, atol=1e-10, msg=name)
+        assert stats["send"][0] > 0

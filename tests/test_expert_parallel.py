@@ -186,3 +186,71 @@ def test_bad_inputs_are_refused_on_every_rank_naming_the_fix(mesh_pool):
         assert errors[1][1].endswith("expert_parallel takes a devmesh MoE layer, got Linear")
         assert errors[2][1].endswith("MoE: top_k = 3 must be between 1 and the number of "
                                      "experts, 2")
+
+
+class _Residual(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.inner(x)
+
+
+def _pipeline_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.GELU(),
+                         _Residual(MoE(16, 32, experts=4, top_k=2)), nn.Linear(16, 32)).double()
+
+
+def _token_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, 32), targets.reshape(-1))
+
+
+def pipeline_one_process():
+    model = _pipeline_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for batch in _batches():
+        opt.zero_grad()
+        _token_loss(model(batch[:, :-1]), batch[:, 1:]).backward()
+        opt.step()
+    return {k: v.detach() for k, v in model.state_dict().items()}
+
+
+def train_ep_pipeline():
+    """PP 2 (1F1B, 2 micro-batches) x EP 2: the MoE's stage splits its experts over ep."""
+    from devmesh.parallel.pipeline import PipelineRunner, build_schedule, split_sequential
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "ep"))
+    ep = mesh["ep"]
+    model = _pipeline_model()
+    expert_parallel(model[3].inner, ep)
+    schedule = build_schedule("1f1b", ranks=2, microbatches=2)
+    parts = split_sequential(model, schedule.stages)
+    me = mesh.get_local_rank("pp")
+    stages = {s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == me}
+    runner = PipelineRunner(stages, mesh, schedule, _token_loss)
+    opt = torch.optim.AdamW(runner.module.parameters(), lr=1e-2)
+    experts = {id(p) for p in expert_parameters(runner.module)}
+    e = ep.get_local_rank()
+    with comm_stats() as stats:
+        for batch in _batches():
+            mine = batch[e * 2:(e + 1) * 2]
+            opt.zero_grad()
+            runner.step(mine[:, :-1] if 0 in stages else None,
+                        mine[:, 1:] if 1 in stages else None)
+            for p in runner.module.parameters():
+                if id(p) not in experts:
+                    dist.all_reduce(p.grad, group=ep.get_group())
+                    p.grad /= 2
+            opt.step()
+    return runner.state_dict(full=True), stats.by_collective()
+
+
+def test_an_expert_parallel_stage_in_a_pipeline_trains_as_one_process(mesh_pool):
+    expected = pipeline_one_process()
+    for rank, (full, stats) in enumerate(mesh_pool.run(train_ep_pipeline, 4)):
+        for name, value in expected.items():
+            torch.testing.assert_close(full[name], value, rtol=1e-10, atol=1e-10, msg=name)
+        if rank >= 2:  # the MoE's stage: 5 all-to-alls per micro-batch, 2 of them per step
+            assert stats["all_to_all"][0] == 5 * 2 * STEPS, stats
