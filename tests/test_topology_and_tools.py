@@ -66,6 +66,27 @@ def test_crossing_and_heavy_dims():
         contiguous_hosts(8, 3)
 
 
+def test_plan_prices_context_and_expert_parallelism_as_devmesh_runs_them():
+    """cp: devmesh's ring sends K and V cp - 1 times forward and backward, and their
+    gradients cp times; ep: each token to its top_k experts and back, forward and backward.
+    ep splits shard x cp's ranks (no dim of its own); groups spanning hosts are flagged."""
+    model = ModelSize(params=8e9, hidden=4096, seq=8192, batch=64, layers=32, top_k=2)
+    plan = plan_cluster(4, 8, tp=4, cp=2, ep=4, model=model)
+    assert plan.ok and plan.degrees["ep"] == 4 and plan.degrees["shard"] == 4
+    traffic = {t.dim: t for t in plan.traffic}
+    act = 64 / 4 * 8192 / 2 * 4096 * 2  # this rank's tokens' activations, bytes
+    assert traffic["cp"].bytes_per_step == pytest.approx(32 * (4 * 1 + 2 * 2) * act / 4)
+    assert traffic["ep"].bytes_per_step == pytest.approx(32 * 4 * 2 * 0.75 * act)
+    # ep groups: 4 consecutive ranks of (shard, cp) -- shard pairs x cp, over two hosts
+    assert traffic["ep"].crosses_hosts and "ep" in plan.crossing
+    assert "ep     size 4     crosses hosts" in str(plan)
+    inside = plan_cluster(1, 8, tp=2, ep=2)  # shard 4: ep pairs on one host
+    assert inside.ok and "ep" not in inside.crossing
+    wrong = plan_cluster(4, 8, tp=8, dp=2, ep=4)  # shard 2 x cp 1
+    assert wrong.errors == ["ep=4 must divide shard * cp = 2: expert parallelism splits the "
+                            "ranks whose tokens differ (FSDP's and CP's)"]
+
+
 def test_plan_valid_layout_and_traffic():
     model = ModelSize(params=8e9, hidden=4096, seq=2048, batch=64, layers=32)
     plan = plan_cluster(4, 8, dp=2, tp=8, model=model)

@@ -161,9 +161,10 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             print(f"devmesh plan: error: --params needs --{', --'.join(missing)} too",
                   file=sys.stderr)
             return 2
-        model = ModelSize(args.params, args.hidden, args.seq, args.batch, args.layers)
+        model = ModelSize(args.params, args.hidden, args.seq, args.batch, args.layers,
+                          top_k=args.top_k)
     plan = plan_cluster(args.hosts, args.devices_per_host, dp=args.dp, shard=args.shard,
-                        tp=args.tp, pp=args.pp, cp=args.cp, model=model)
+                        tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, model=model)
     print(plan)
     return 0 if plan.ok else 1
 
@@ -420,7 +421,8 @@ def _add_plan(sub) -> None:
                       help="required for a cluster plan")
     for name, default, text in (("dp", 1, "replicas (DDP, or HSDP's replicate dim)"),
                                 ("tp", 1, "tensor parallel"), ("pp", 1, "pipeline stages"),
-                                ("cp", 1, "context parallel")):
+                                ("cp", 1, "context parallel"),
+                                ("ep", 1, "expert parallel (splits shard x cp's ranks)")):
         plan.add_argument(f"--{name}", type=int, default=default, help=text)
     plan.add_argument("--shard", "--fsdp", type=int, default=None,
                       help="FSDP shard degree (default: the devices left over)")
@@ -428,6 +430,7 @@ def _add_plan(sub) -> None:
     plan.add_argument("--hidden", type=int, default=None)
     plan.add_argument("--seq", type=int, default=None)
     plan.add_argument("--batch", type=int, default=None, help="global batch, in sequences")
+    plan.add_argument("--top-k", type=int, default=2, help="experts per token, with --ep")
     plan.add_argument("--layers", type=int, default=None)
     plan.add_argument("--schedule", default=None,
                       help="instead: print a pipeline schedule for --pp ranks (gpipe, 1f1b, "

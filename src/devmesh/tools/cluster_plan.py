@@ -32,6 +32,7 @@ class ModelSize:
     batch: int
     layers: int | None = None
     bytes_per_value: int = 2  # bf16 parameters, gradients and activations
+    top_k: int = 2  # experts per token, when expert parallelism is planned
 
     @property
     def num_layers(self) -> int:
@@ -74,6 +75,10 @@ class ClusterPlan:
                 name = self.layout.dim_name(d)
                 where = "crosses hosts" if name in self.crossing else "within each host"
                 lines.append(f"  {name:<6} size {self.layout.shape[d]:<5} {where}")
+            if "ep" in self.degrees:
+                where = "crosses hosts" if "ep" in self.crossing else "within each host"
+                lines.append(f"  {'ep':<6} size {self.degrees['ep']:<5} {where} (the ranks of "
+                             "shard x cp, innermost first)")
         if self.traffic:
             lines.append("estimated traffic per rank per step:")
             for t in self.traffic:
@@ -97,9 +102,12 @@ def _human(nbytes: float) -> str:
 
 
 def plan_cluster(hosts: int, devices_per_host: int, *, dp: int = 1, shard: int | None = None,
-                 tp: int = 1, pp: int = 1, cp: int = 1, model: ModelSize | None = None
-                 ) -> ClusterPlan:
-    """Lay out the degrees on the cluster; ``shard=None`` takes the devices left over."""
+                 tp: int = 1, pp: int = 1, cp: int = 1, ep: int = 1,
+                 model: ModelSize | None = None) -> ClusterPlan:
+    """Lay out the degrees on the cluster; ``shard=None`` takes the devices left over.
+    ``ep`` (expert parallelism) is no dim of its own: as in torchtitan's "dp2ep" layout, it
+    splits the ranks of the flattened ``(shard, cp)`` dims whose tokens differ, innermost
+    first, so it must divide ``shard * cp``."""
     world = hosts * devices_per_host
     given = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     plan = ClusterPlan(hosts, devices_per_host, {}, None)
@@ -134,11 +142,20 @@ def plan_cluster(hosts: int, devices_per_host: int, *, dp: int = 1, shard: int |
             f"tp={tp} does not divide {devices_per_host} devices per host: some TP groups would "
             "straddle two hosts"
         )
+    if ep < 1 or (shard * cp) % ep:
+        plan.errors.append(f"ep={ep} must divide shard * cp = {shard * cp}: expert parallelism "
+                           "splits the ranks whose tokens differ (FSDP's and CP's)")
+        return plan
     names = tuple(n for n in ORDER if plan.degrees[n] > 1) or ("dp",)
     shape = tuple(plan.degrees.get(n, 1) for n in names)
     plan.layout = MeshLayout(shape, names)
-    crossing = crossing_dims(plan.layout, contiguous_hosts(world, devices_per_host))
+    hosts_of = contiguous_hosts(world, devices_per_host)
+    crossing = crossing_dims(plan.layout, hosts_of)
     plan.crossing = [names[d] for d in crossing]
+    if ep > 1:
+        plan.degrees["ep"] = ep
+        if _ep_crosses_hosts(plan.layout, ep, hosts_of):
+            plan.crossing.append("ep")
     if "cp" in plan.crossing:
         plan.warnings.append("cp crosses hosts: ring attention traffic goes over the network; "
                              "keep cp * tp <= devices per host if you can")
@@ -148,6 +165,19 @@ def plan_cluster(hosts: int, devices_per_host: int, *, dp: int = 1, shard: int |
     if model is not None:
         plan.traffic = _traffic(plan, model)
     return plan
+
+
+def _ep_crosses_hosts(layout: MeshLayout, ep: int, hosts_of) -> bool:
+    """Whether an ``ep`` group — ``ep`` consecutive ranks of the flattened ``(shard, cp)``
+    dims, the other dims fixed — spans two hosts."""
+    import numpy as np
+
+    names = layout.names
+    inner = [i for i, n in enumerate(names) if n in ("shard", "cp")]
+    ranks = np.moveaxis(layout.ranks, inner, list(range(layout.ndim - len(inner), layout.ndim)))
+    rows = ranks.reshape(-1, ep)
+    host = np.asarray(hosts_of)[rows]
+    return bool((host != host[:, :1]).any())
 
 
 def _traffic(plan: ClusterPlan, model: ModelSize) -> list[Traffic]:
@@ -166,8 +196,16 @@ def _traffic(plan: ClusterPlan, model: ModelSize) -> list[Traffic]:
 
     add("tp", "4 all-reduces of activations per layer (2 forward, 2 backward)",
         layers * 4 * 2 * ring(d["tp"]) * act)
+    # devmesh's ring: forward, K and V cp - 1 times; backward, K and V cp - 1 times and
+    # their gradients cp times (the last home to the owner)
     add("cp", "ring attention: K and V pass around the ring, forward and backward",
-        layers * 3 * (d["cp"] - 1) * 2 * act / d["tp"])
+        layers * (4 * (d["cp"] - 1) + 2 * d["cp"]) * act / d["tp"])
+    if d.get("ep", 1) > 1:
+        rows.append(Traffic(
+            "ep", d["ep"], "ep" in plan.crossing,
+            f"all-to-all of each token to its {model.top_k} experts and back, forward and "
+            "backward, per MoE layer (every layer)",
+            layers * 4 * model.top_k * ring(d["ep"]) * act))
     add("shard", "FSDP: all-gather parameters (forward, backward), reduce-scatter gradients",
         3 * ring(d["shard"]) * stage_params * b)
     add("dp", "all-reduce of the gradient shard",
