@@ -253,6 +253,34 @@ def _root_exit_code(failures: dict) -> int:
     return code if code > 0 else 128 - code if code < 0 else 1
 
 
+def _hosts_of_run(args: argparse.Namespace) -> list[str] | None:
+    """torchrun's options for a run over several hosts (``None`` for one): node 0 hosts the
+    rendezvous at ``--rdzv-endpoint``; every node's ranks talk over the interface that
+    reaches it (``GLOO_SOCKET_IFNAME``, unless set)."""
+    if args.nnodes == 1 and args.rdzv_endpoint is None:
+        return None
+    from devmesh.launching.hosts import interface_of, local_address_towards, parse_endpoint
+
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise SystemExit(f"devmesh run: --node-rank {args.node_rank} must be in 0..{args.nnodes - 1} "
+                         f"for --nnodes {args.nnodes}")
+    if args.rdzv_endpoint is None:
+        raise SystemExit(f"devmesh run: --nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, "
+                         "node 0's address and a free port, the same on every node")
+    try:
+        host, port = parse_endpoint(args.rdzv_endpoint)
+    except ValueError as exc:
+        raise SystemExit(f"devmesh run: {exc}") from None
+    local = args.local_addr or local_address_towards(host, port)
+    interface = interface_of(local)
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    return [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={args.rdzv_id}",
+            f"--rdzv-conf=is_host={'true' if args.node_rank == 0 else 'false'}",
+            f"--local-addr={local}"]
+
+
 def _cmd_run(args: argparse.Namespace) -> int:
     _check_nproc(args.nproc, args.oversubscribe)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -260,8 +288,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from devmesh.launching.capacity import oom_kills
     from torch.distributed.run import main as torchrun_main
 
-    # the workers' own gloo sockets stay on loopback (torchrun's agent store is torch's)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    hosts = _hosts_of_run(args)  # (torchrun's rendezvous options) for --nnodes > 1
+    if hosts is None:
+        # the workers' own gloo sockets stay on loopback (torchrun's agent store is torch's)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     # each rank runs through a wrapper that dies with this process (no orphans on SIGKILL)
     if args.max_restarts < 0:
         raise SystemExit(f"devmesh run: --max-restarts must be 0 or more, got {args.max_restarts}")
@@ -282,11 +312,15 @@ def _cmd_run(args: argparse.Namespace) -> int:
     # process serves it on loopback instead and the agent joins it as a client
     from devmesh.distributed.env import serve_loopback_store
 
-    store, port = serve_loopback_store()
-    torchrun_args = ["--nnodes=1", f"--nproc_per_node={args.nproc}", "--rdzv-backend=c10d",
-                     f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=devmesh-run-{port}",
-                     "--rdzv-conf=is_host=false", "--local-addr=127.0.0.1",
-                     f"--max-restarts={args.max_restarts}"]
+    if hosts is None:
+        store, port = serve_loopback_store()
+        torchrun_args = ["--nnodes=1", f"--nproc_per_node={args.nproc}", "--rdzv-backend=c10d",
+                         f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=devmesh-run-{port}",
+                         "--rdzv-conf=is_host=false", "--local-addr=127.0.0.1",
+                         f"--max-restarts={args.max_restarts}"]
+    else:
+        store, torchrun_args = None, [f"--nproc_per_node={args.nproc}", *hosts,
+                                      f"--max-restarts={args.max_restarts}"]
     # every rank's output goes to a file that torchrun's agent copies to the console a whole
     # line at a time, each line prefixed "[rank3]:" (global rank): lines of several ranks
     # never mix; --log-dir keeps the files, else they are removed with the run
@@ -334,7 +368,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(str(exc), file=sys.stderr)
         return 1
     finally:
-        del store
+        del store  # the loopback rendezvous of a one-host run
         reports.cleanup()
         if logs is not None:
             logs.cleanup()
@@ -503,6 +537,19 @@ def _add_run(sub) -> None:
                      help="also write each rank's output to a file of its own in this folder")
     run.add_argument("--local-ranks-filter", default=None,
                      help="show only these ranks' output on the console, e.g. 0 or 0,3")
+    run.add_argument("--nnodes", type=int, default=1,
+                     help="hosts taking part, each running devmesh run with its --node-rank "
+                          "(default 1: this machine alone)")
+    run.add_argument("--node-rank", type=int, default=0,
+                     help="this host's index, 0..nnodes-1 (host 0 serves the rendezvous); its "
+                          "ranks are node_rank x nproc ... ")
+    run.add_argument("--rdzv-endpoint", default=None,
+                     help="HOST:PORT of host 0, the same on every host (with --nnodes)")
+    run.add_argument("--rdzv-id", default="devmesh-run",
+                     help="the job's name at the rendezvous, the same on every host")
+    run.add_argument("--local-addr", default=None,
+                     help="this host's address for the job (default: the one that reaches "
+                          "--rdzv-endpoint); its ranks' connections use its interface")
     run.add_argument("script", help="the Python script (with -m: the module)")
     run.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     run.set_defaults(handler=_cmd_run)

@@ -1,0 +1,113 @@
+"""devmesh run over several hosts, the hosts simulated by network namespaces this test makes
+(each host its own namespace and address, joined by a bridge in a namespace of its own) and
+removes: nothing outside what it made is contacted. Where namespaces cannot be made, the
+hosts are loopback aliases (127.0.0.2, 127.0.0.3, ...)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+@dataclass
+class Host:
+    address: str
+    prefix: list[str]  # what runs a command on the host
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def _namespaces_work() -> str | None:
+    """Why network namespaces cannot be made here, or None."""
+    probe = f"dm{os.getpid()}probe"
+    try:
+        _ip("netns", "add", probe)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"cannot make a network namespace ({exc})"
+    _ip("netns", "del", probe)
+    return None
+
+
+@contextlib.contextmanager
+def simulated_hosts(count: int) -> Iterator[list[Host]]:
+    """``count`` hosts: namespaces ``dm<pid>h<i>`` at 10.201.0.<i+1>/24 on a bridge in
+    ``dm<pid>sw``; every process left in them is killed and the namespaces deleted after."""
+    why = _namespaces_work()
+    if why is not None:  # loopback aliases: every 127/8 address is this machine's lo
+        yield [Host(f"127.0.0.{i + 2}", []) for i in range(count)]
+        return
+    tag = f"dm{os.getpid()}"
+    switch, names = f"{tag}sw", [f"{tag}h{i}" for i in range(count)]
+    made: list[str] = []
+    try:
+        for name in (switch, *names):
+            _ip("netns", "add", name)
+            made.append(name)
+            _ip("-n", name, "link", "set", "lo", "up")
+        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", switch, "link", "set", "br0", "up")
+        hosts = []
+        for i, name in enumerate(names):
+            _ip("-n", switch, "link", "add", f"port{i}", "type", "veth", "peer", "name", "eth0",
+                "netns", name)
+            _ip("-n", switch, "link", "set", f"port{i}", "master", "br0")
+            _ip("-n", switch, "link", "set", f"port{i}", "up")
+            address = f"10.201.0.{i + 1}"
+            _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
+            _ip("-n", name, "link", "set", "eth0", "up")
+            hosts.append(Host(address, ["ip", "netns", "exec", name]))
+        yield hosts
+    finally:
+        for name in made:
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                                  text=True).stdout.split()
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def _start(host: Host, node: int, nodes: int, endpoint: str, nproc: int, script: Path,
+           *args: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONWARNINGS="ignore::FutureWarning")
+    if not host.prefix:  # loopback aliases: the ranks' connections stay on lo
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    command = [*host.prefix, sys.executable, "-m", "devmesh", "run", "-n", str(nproc),
+               "--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint,
+               "--local-addr", host.address, *extra, str(script), *args]
+    return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT, env=env)
+
+
+def test_hsdp_over_tp_on_two_hosts_trains_as_one_process_with_tp_inside_each_host(tmp_path):
+    with simulated_hosts(2) as hosts:
+        endpoint = f"{hosts[0].address}:29511"
+        runs = [_start(host, node, 2, endpoint, 4, SCRIPTS / "hsdp_tp_hosts.py", str(tmp_path))
+                for node, host in enumerate(hosts)]
+        outputs = [run.communicate(timeout=300) for run in runs]
+    for run, (out, err) in zip(runs, outputs):
+        assert run.returncode == 0, (out + err)[-4000:]
+    results = sorted((json.loads(p.read_text()) for p in tmp_path.glob("rank*.json")),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == list(range(8))
+    for r in results:
+        assert r["my_host"] == r["rank"] // 4           # ranks 0-3 on host 0, 4-7 on host 1
+        assert r["crossing"] == ["dp"]                  # only the replicas span hosts
+        assert r["tp_group_hosts"] == [r["my_host"]]    # every TP group inside one host
+        assert r["max_difference"] < 1e-12, r
+        if hosts[0].prefix:  # namespaces: the ranks talk over the host's own interface
+            assert r["gloo_interface"] == "eth0"
