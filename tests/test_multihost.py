@@ -90,7 +90,7 @@ def _start(host: Host, node: int, nodes: int, endpoint: str, nproc: int, script:
                "--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint,
                "--local-addr", host.address, *extra, str(script), *args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT, env=env)
+                            cwd=ROOT, env=env, start_new_session=True)
 
 
 def test_hsdp_over_tp_on_two_hosts_trains_as_one_process_with_tp_inside_each_host(tmp_path):
@@ -111,3 +111,65 @@ def test_hsdp_over_tp_on_two_hosts_trains_as_one_process_with_tp_inside_each_hos
         assert r["max_difference"] < 1e-12, r
         if hosts[0].prefix:  # namespaces: the ranks talk over the host's own interface
             assert r["gloo_interface"] == "eth0"
+
+
+def _kill_host(host: Host, run: subprocess.Popen) -> None:
+    """Every process of the host, at once (a machine lost), or the run's process group."""
+    if host.prefix:
+        name = host.prefix[-1]
+        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True,
+                                  text=True).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(pid), signal.SIGKILL)
+    else:
+        os.killpg(run.pid, signal.SIGKILL)
+    run.wait(timeout=60)
+
+
+def _final(folder: Path) -> dict[int, dict]:
+    import torch
+
+    return {int(p.stem[4:]): torch.load(p) for p in sorted(folder.glob("rank*.pt"))}
+
+
+def test_a_host_killed_under_max_restarts_resumes_bit_for_bit(tmp_path):
+    """Host 1 is killed outright after step 2's checkpoint and started again (as a cluster
+    scheduler would); host 0's ranks restart (--max-restarts 1), every rank resumes from the
+    checkpoint, and the final parameters equal an uninterrupted run's exactly."""
+    import time
+
+    import torch
+
+    script = SCRIPTS / "hosts_restart.py"
+    whole, broken = tmp_path / "whole", tmp_path / "broken"
+    for folder in (whole, broken):
+        (folder / "out").mkdir(parents=True)
+    restarts = ("--max-restarts", "1")
+    with simulated_hosts(2) as hosts:
+        endpoint = f"{hosts[0].address}:29512"
+        runs = [_start(h, n, 2, endpoint, 4, script, str(whole / "out"), str(whole / "ckpt"),
+                       extra=restarts) for n, h in enumerate(hosts)]
+        for run in runs:
+            out, err = run.communicate(timeout=300)
+            assert run.returncode == 0, (out + err)[-4000:]
+
+        marker = broken / "kill-me"
+        args = (str(broken / "out"), str(broken / "ckpt"), str(marker))
+        endpoint = f"{hosts[0].address}:29513"
+        runs = [_start(h, n, 2, endpoint, 4, script, *args, extra=restarts)
+                for n, h in enumerate(hosts)]
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert time.monotonic() < deadline and runs[0].poll() is None, "never reached step 2"
+            time.sleep(0.2)
+        _kill_host(hosts[1], runs[1])
+        runs[1] = _start(hosts[1], 1, 2, endpoint, 4, script, *args, extra=restarts)
+        outputs = [run.communicate(timeout=300) for run in runs]
+    for run, (out, err) in zip(runs, outputs):
+        assert run.returncode == 0, (out + err)[-4000:]
+    expected, resumed = _final(whole / "out"), _final(broken / "out")
+    assert sorted(resumed) == list(range(8))
+    for rank, result in resumed.items():
+        assert result["start"] == 3, rank  # every rank resumed after step 2's checkpoint
+        for name, value in expected[rank]["params"].items():
+            assert torch.equal(result["params"][name], value), (rank, name)
