@@ -173,3 +173,48 @@ def test_a_host_killed_under_max_restarts_resumes_bit_for_bit(tmp_path):
         assert result["start"] == 3, rank  # every rank resumed after step 2's checkpoint
         for name, value in expected[rank]["params"].items():
             assert torch.equal(result["params"][name], value), (rank, name)
+
+
+def test_a_host_cut_off_makes_every_other_rank_raise_naming_it_and_nothing_is_left(tmp_path):
+    """After a first all-reduce, host 1's link goes down (its interface, in its namespace); the
+    next all-reduce over dp (across the hosts, timeout 15 s) raises on every rank of host 0
+    naming host 1, the ranks of host 1 raise too, host 1's devmesh run says it is cut off,
+    and both runs end, leaving no process in either host."""
+    import time
+
+    with simulated_hosts(2) as hosts:
+        if not hosts[0].prefix:
+            pytest.skip("a link can be cut only between network namespaces; this machine "
+                        "cannot make them (the other multi-host tests ran on loopback aliases)")
+        endpoint = f"{hosts[0].address}:29514"
+        runs = [_start(h, n, 2, endpoint, 4, SCRIPTS / "hosts_link_cut.py", str(tmp_path))
+                for n, h in enumerate(hosts)]
+        deadline = time.monotonic() + 240
+        while len(list(tmp_path.glob("ready*"))) < 8:
+            assert time.monotonic() < deadline and all(r.poll() is None for r in runs)
+            time.sleep(0.2)
+        _ip("-n", hosts[1].prefix[-1], "link", "set", "eth0", "down")
+        (tmp_path / "cut").touch()
+        cut = time.monotonic()
+        outputs = [run.communicate(timeout=180) for run in runs]
+        took = time.monotonic() - cut
+        left = {h.prefix[-1]: subprocess.run(["ip", "netns", "pids", h.prefix[-1]],
+                                             capture_output=True, text=True).stdout.split()
+                for h in hosts}
+    assert left == {h.prefix[-1]: [] for h in hosts}
+    assert took < 120, took
+    assert [run.returncode for run in runs] == [1, 1]
+    assert ("devmesh run: host 0's rendezvous at 10.201.0.1:29514 cannot be reached from this "
+            "host (host 1) and its ranks have stopped: this host is cut off from the others; "
+            "check its network link") in outputs[1][1]
+    results = {r["rank"]: r for r in (json.loads(p.read_text())
+                                      for p in tmp_path.glob("rank*.json"))}
+    assert sorted(results) == list(range(8))
+    for rank in range(4):
+        error = results[rank]["error"]
+        assert error.startswith(f"CollectiveTimeoutError: [rank {rank}] all_reduce over dp"), error
+        assert (f"ranks [{rank + 4}] never entered it — they are stuck elsewhere in their code, "
+                "or dead, or host 1 cannot be reached (its link down)") in error
+        assert results[rank]["seconds"] < 15 + 10  # the timeout, and the grace to ask
+    for rank in range(4, 8):
+        assert results[rank]["error"] is not None

@@ -17,6 +17,7 @@ the same path, so every rank of the group names the culprit, not only the first 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -90,14 +91,19 @@ class Watch:
         if not timed_out and not is_peer_gone(exc):
             return exc
         try:
-            arrived = self._ranks_inside()
+            # a store this host cannot reach (its link down) answers nothing, and a store
+            # call waits for an answer however long: the question gets a deadline of its own
+            arrived = _within(self._ranks_inside, 2 * GRACE_SECONDS + 2.0)
         except Exception as store_error:  # noqa: BLE001 - the store is gone too: torch's error
             exc.add_note(f"devmesh could not ask the other ranks which one never entered this "
-                         f"collective: the store failed ({type(store_error).__name__}: "
-                         f"{str(store_error).splitlines()[0] if str(store_error) else ''})")
+                         f"collective: the store{_store_address()} did not answer "
+                         f"({type(store_error).__name__}: "
+                         f"{str(store_error).splitlines()[0] if str(store_error) else ''})"
+                         f"{_cut_off_host()}")
             return exc
         missing = [r for r in self.ranks if r not in arrived]
         waited = sorted(arrived)
+        absent = self.absent + _unreachable_hosts(missing)
         if not missing:  # every rank was inside it: a slow or broken link, not a hang
             if timed_out:
                 exc.add_note(f"devmesh: every rank of {list(self.ranks)} was inside this "
@@ -106,7 +112,7 @@ class Watch:
         return CollectiveTimeoutError(
             f"{self.collective} over {self.label()} (collective #{self.number} on ranks "
             f"{list(self.ranks)}) {'timed out' if timed_out else 'broke off'}: ranks "
-            f"{missing} {self.absent}; ranks {waited} waited. Look at rank "
+            f"{missing} {absent}; ranks {waited} waited. Look at rank "
             f"{missing[0]}'s stack (py-spy dump, or faulthandler). torch's error: {exc}",
             missing=missing, waited=waited)
 
@@ -141,3 +147,57 @@ class Watch:
                     present.add(r)
             time.sleep(0.05)
         return present
+
+
+def _within(question: Callable[[], set[int]], seconds: float) -> set[int]:
+    """``question()``, asked on a thread of its own; a :class:`TimeoutError` if it has no
+    answer in ``seconds`` (the thread is left blocked; it does not keep the process alive)."""
+    answer: dict[str, object] = {}
+
+    def ask() -> None:
+        try:
+            answer["value"] = question()
+        except BaseException as exc:  # noqa: BLE001 - handed to the asking thread
+            answer["error"] = exc
+
+    thread = threading.Thread(target=ask, name="devmesh-timeout-question", daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        raise TimeoutError(f"no answer in {seconds:.0f} s")
+    if "error" in answer:
+        raise answer["error"]  # type: ignore[misc]
+    return answer["value"]  # type: ignore[return-value]
+
+
+def _store_address() -> str:
+    """`` at HOST:PORT`` of the rendezvous store, where the launcher says it."""
+    host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    return f" at {host}:{port}" if host and port else ""
+
+
+def _cut_off_host() -> str:
+    """Over several hosts: this host may be cut off from the others."""
+    from devmesh.distributed.env import host_index
+
+    nodes = int(os.environ.get("GROUP_WORLD_SIZE", os.environ.get("NNODES", "1")) or 1)
+    if nodes <= 1:
+        return ""
+    return (f"; this host (host {host_index()}) may be cut off from the others: check its "
+            "network link")
+
+
+def _unreachable_hosts(missing: list[int]) -> str:
+    """Over several hosts: the hosts of the ranks that never entered (whole hosts named as
+    possibly unreachable)."""
+    try:
+        hosts = groups.world_hosts()
+    except Exception:  # noqa: BLE001 - only a better message is lost
+        return ""
+    if len(set(hosts.tolist())) <= 1:
+        return ""
+    theirs = sorted({int(hosts[r]) for r in missing})
+    named = ", ".join(f"host {h}" for h in theirs)
+    return f", or {named} cannot be reached (its link down)" if len(theirs) == 1 else (
+        f", or hosts {named} cannot be reached")
+

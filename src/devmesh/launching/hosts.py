@@ -46,3 +46,62 @@ def interface_of(address: str) -> str | None:
             if socket.inet_ntoa(answer[20:24]) == address:
                 return name
     return None
+
+
+def _has_children() -> bool:
+    """Whether a child of this process is still running (exited ones not yet reaped do not
+    count)."""
+    import glob
+
+    for path in glob.glob("/proc/self/task/*/children"):
+        try:
+            with open(path) as f:
+                children = f.read().split()
+        except OSError:
+            continue
+        for child in children:
+            try:
+                with open(f"/proc/{child}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if state not in ("Z", "X"):
+                return True
+    return False
+
+
+def _reachable(host: str, port: int, seconds: float = 3.0) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=seconds):
+            return True
+    except OSError:
+        return False
+
+
+def exit_when_cut_off(host: str, port: int, node_rank: int, *, quiet_seconds: float = 20.0,
+                      poll_seconds: float = 2.0) -> None:
+    """Watch, on a daemon thread, for this host being cut off from host 0: its ranks have all
+    stopped for ``quiet_seconds`` and the rendezvous at ``host:port`` does not answer. Then
+    say so and exit (1): torchrun's agent would otherwise wait on the unreachable rendezvous
+    store for many minutes."""
+    import os
+    import sys
+    import threading
+    import time
+
+    def watch() -> None:
+        quiet_since = None
+        while True:
+            time.sleep(poll_seconds)
+            if _has_children():
+                quiet_since = None
+                continue
+            quiet_since = quiet_since or time.monotonic()
+            if time.monotonic() - quiet_since >= quiet_seconds and not _reachable(host, port):
+                print(f"devmesh run: host 0's rendezvous at {host}:{port} cannot be reached from "
+                      f"this host (host {node_rank}) and its ranks have stopped: this host is "
+                      "cut off from the others; check its network link", file=sys.stderr,
+                      flush=True)
+                os._exit(1)
+
+    threading.Thread(target=watch, name="devmesh-cut-off-watch", daemon=True).start()

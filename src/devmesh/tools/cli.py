@@ -253,13 +253,19 @@ def _root_exit_code(failures: dict) -> int:
     return code if code > 0 else 128 - code if code < 0 else 1
 
 
+# seconds a host's agent waits on one rendezvous-store operation (torchrun's default: 60):
+# a host cut off from host 0 gives up after a few of these, not after minutes
+RDZV_READ_TIMEOUT = 15
+
+
 def _hosts_of_run(args: argparse.Namespace) -> list[str] | None:
     """torchrun's options for a run over several hosts (``None`` for one): node 0 hosts the
     rendezvous at ``--rdzv-endpoint``; every node's ranks talk over the interface that
     reaches it (``GLOO_SOCKET_IFNAME``, unless set)."""
     if args.nnodes == 1 and args.rdzv_endpoint is None:
         return None
-    from devmesh.launching.hosts import interface_of, local_address_towards, parse_endpoint
+    from devmesh.launching.hosts import (exit_when_cut_off, interface_of,
+                                         local_address_towards, parse_endpoint)
 
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise SystemExit(f"devmesh run: --node-rank {args.node_rank} must be in 0..{args.nnodes - 1} "
@@ -272,12 +278,15 @@ def _hosts_of_run(args: argparse.Namespace) -> list[str] | None:
     except ValueError as exc:
         raise SystemExit(f"devmesh run: {exc}") from None
     local = args.local_addr or local_address_towards(host, port)
+    if args.node_rank != 0:  # host 0 serves the rendezvous; another host can lose it
+        exit_when_cut_off(host, port, args.node_rank)
     interface = interface_of(local)
     if interface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     return [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
             f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={args.rdzv_id}",
-            f"--rdzv-conf=is_host={'true' if args.node_rank == 0 else 'false'}",
+            f"--rdzv-conf=is_host={'true' if args.node_rank == 0 else 'false'},"
+            f"read_timeout={RDZV_READ_TIMEOUT}",
             f"--local-addr={local}"]
 
 
