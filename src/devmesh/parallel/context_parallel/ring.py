@@ -119,6 +119,8 @@ def _block_forward(q, k, v, diagonal: bool, key_mask, scale: float):
     if key_mask is None and q.device.type == "cpu":
         out, lse = _torch_compat.cpu_flash_attention()(q, k, v, 0.0, diagonal, scale=scale)
         return out, lse.unsqueeze(-1)
+    dtype = _compute_dtype(q.dtype)
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
     s = _scores(q, k, scale, _sub_allowed(q, k, diagonal, key_mask))
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
@@ -131,6 +133,8 @@ def _block_backward(do, q, k, v, out, lse, diagonal: bool, key_mask, scale: floa
     if key_mask is None and q.device.type == "cpu":
         backward = _torch_compat.cpu_flash_attention_backward()
         return backward(do, q, k, v, out, lse.squeeze(-1), 0.0, diagonal, scale=scale)
+    dtype = _compute_dtype(q.dtype)
+    do, q, k, v, out = (t.to(dtype) for t in (do, q, k, v, out))
     p = torch.exp(_scores(q, k, scale, _sub_allowed(q, k, diagonal, key_mask)) - lse)
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
@@ -195,7 +199,6 @@ class _RingAttention(torch.autograd.Function):
         do = grad_out.to(q.dtype).contiguous()
         heads, kv_heads = q.shape[-3], k.shape[-3]
         dq = torch.zeros(q.shape, dtype=_compute_dtype(q.dtype), device=q.device)
-        lse = lse.to(q.dtype)
         block = [k, v] + ([key_mask.to(torch.uint8)] if key_mask is not None else [])
         grads = [torch.zeros(k.shape, dtype=dq.dtype, device=k.device),
                  torch.zeros(v.shape, dtype=dq.dtype, device=v.device)]
@@ -219,7 +222,8 @@ class _RingAttention(torch.autograd.Function):
                 _rows(dv, j, chunks).add_(dv_b)
             grads = [grads[0] + _fold(dk, kv_heads), grads[1] + _fold(dv, kv_heads)]
             # the block's gradients travel with it; the last step returns them to the owner
-            grads = ring.finish(ring.start(grads, "ring attention backward"))
+            if ring.cp > 1:
+                grads = ring.finish(ring.start(grads, "ring attention backward"))
             if pending is not None:
                 block = ring.finish(pending)
         return (dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype),
