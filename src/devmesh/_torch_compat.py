@@ -29,16 +29,17 @@ from torch.distributed import device_mesh as _device_mesh
 from devmesh.errors import DevmeshError
 
 __all__ = [
-    "SUPPORTED_TORCH", "TorchVersionError", "TORCH_MESH_ATTRIBUTES",
-    "default_store", "default_group", "resolve_group", "functional_collectives",
-    "BackendOptions", "fill_torch_mesh_state", "register_dim_groups", "register_flattened",
-    "torch_mesh_state_for_pickle", "restore_torch_mesh_state", "torch_concatenate", "current_torch_mesh",
-    "innermost_torch_mesh", "unwrap_fake_script_object",
+    "SUPPORTED_TORCH", "TorchVersionError", "TORCH_MESH_ATTRIBUTES", "default_store",
+    "default_group", "resolve_group", "functional_collectives", "BackendOptions",
+    "fill_torch_mesh_state", "register_dim_groups", "register_flattened",
+    "torch_mesh_state_for_pickle", "restore_torch_mesh_state", "torch_concatenate",
+    "current_torch_mesh", "innermost_torch_mesh", "unwrap_fake_script_object",
     "current_graph_task_id", "queue_callback", "saved_tensors_hooks_in_force",
     "disable_current_modes", "is_traceable_wrapper_subclass", "pytree", "CFuture",
     "clear_dtensor_caches", "import_dynamo", "IncompatibleKeys", "strided_shard_type",
-    "pipeline_stage_types", "cpu_flash_attention", "cpu_flash_attention_backward", "modify_graph_op_device", "compiled_module_inner",
-    "composable_replicate_state", "has_composable_replicate",
+    "pipeline_stage_types", "cpu_flash_attention", "cpu_flash_attention_backward",
+    "modify_graph_op_device", "compiled_module_inner", "composable_replicate_state",
+    "has_composable_replicate",
 ]
 
 SUPPORTED_TORCH = ">=2.13,<2.15"  # pyproject.toml's requirement (checked by a test)

@@ -162,7 +162,8 @@ def _merge(out, lse, block_out, block_lse):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_mask, mesh, causal, scale, load_balance):  # type: ignore[override]
+    def forward(ctx, q, k, v, key_mask, mesh, causal, scale,  # type: ignore[override]
+                load_balance):
         ring = _Ring(mesh)
         chunks = 2 if load_balance else 1
         dtype = _compute_dtype(q.dtype)

@@ -24,8 +24,8 @@ class _AllToAll(torch.autograd.Function):
     ``i``; backward sends the gradients back the same way."""
 
     @staticmethod
-    def forward(ctx, tokens: torch.Tensor, send: list[int], receive: list[int],  # type: ignore[override]
-                mesh: DeviceMesh) -> torch.Tensor:
+    def forward(ctx, tokens: torch.Tensor,  # type: ignore[override]
+                send: list[int], receive: list[int], mesh: DeviceMesh) -> torch.Tensor:
         ctx.send, ctx.receive, ctx.mesh = send, receive, mesh
         return _exchange(tokens, send, receive, mesh)
 
