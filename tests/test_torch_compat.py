@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from devmesh import _torch_compat
+from devmesh.errors import TorchVersionError
 
 ROOT = Path(__file__).resolve().parents[1]
 SRC = ROOT / "src" / "devmesh"
@@ -130,7 +131,7 @@ def test_a_torch_without_a_private_name_is_refused_at_import_naming_it(patch, na
     result = _import_devmesh_after(patch)
     assert result.returncode != 0
     last = result.stderr.strip().splitlines()[-1]
-    assert last.startswith("devmesh._torch_compat.TorchVersionError: devmesh needs torch's "
+    assert last.startswith("devmesh.errors.TorchVersionError: devmesh needs torch's "
                            + named), result.stderr
     assert f"torch {torch.__version__} does not have" in last
     assert f"pip install 'torch{_torch_compat.SUPPORTED_TORCH}'" in last
@@ -144,7 +145,7 @@ def test_a_subsystem_is_checked_on_first_use(monkeypatch):
     monkeypatch.delattr(stage, "_PipelineStage")
     _torch_compat.pipeline_stage_types.cache_clear()
     try:
-        with pytest.raises(_torch_compat.TorchVersionError,
+        with pytest.raises(TorchVersionError,
                            match=r"torch.distributed.pipelining.stage._PipelineStage \(missing\)"):
             _torch_compat.pipeline_stage_types()
     finally:

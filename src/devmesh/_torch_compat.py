@@ -26,7 +26,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 from torch.distributed import device_mesh as _device_mesh
 
-from devmesh.errors import DevmeshError
+from devmesh.errors import TorchVersionError
 
 __all__ = [
     "SUPPORTED_TORCH", "TorchVersionError", "TORCH_MESH_ATTRIBUTES", "default_store",
@@ -43,10 +43,6 @@ __all__ = [
 ]
 
 SUPPORTED_TORCH = ">=2.13,<2.15"  # pyproject.toml's requirement (checked by a test)
-
-
-class TorchVersionError(DevmeshError, ImportError):
-    """The running torch lacks (or changed) a private name devmesh builds on."""
 
 
 def _missing(where: str, what: str) -> TorchVersionError:

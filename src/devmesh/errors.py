@@ -14,6 +14,7 @@ import os
 
 __all__ = [
     "DevmeshError",
+    "TorchVersionError",
     "MeshShapeError",
     "MeshDimNameError",
     "MeshNamesError",
@@ -72,6 +73,11 @@ class DevmeshError(Exception):
 
     def __str__(self) -> str:  # KeyError would otherwise print the message in quotes
         return self.message
+
+
+class TorchVersionError(DevmeshError, ImportError):
+    """The running torch lacks (or changed) a private name devmesh builds on
+    (``devmesh._torch_compat`` checks them): install a supported torch release."""
 
 
 class MeshShapeError(DevmeshError, ValueError):
