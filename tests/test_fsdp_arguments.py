@@ -1095,3 +1095,74 @@ def custom_collectives():
     model = fully_shard(make_model(), mesh=init_device_mesh("cpu", (2,)))
     return [caught(lambda: model.set_custom_all_gather(object())),
             caught(lambda: model.set_custom_reduce_scatter(object()))]
+
+
+def manual_finalization(async_op: bool):
+    """torch 2.15's manual backward finalization: two micro-batches per step with sync off,
+    then sync on and ``finalize_backward`` reduces what they summed; float64, two SGD steps.
+    Returns the full parameters, whether the gradients were held back before finalizing, and
+    the misuses' errors."""
+    from devmesh.parallel import fully_shard
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = make_model()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    mesh = init_device_mesh("cpu", (2,))
+    fully_shard(model[2], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    errors = [caught(model.finalize_backward)]  # before the first forward: nothing to do
+    model.set_manual_backward_finalization(True)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    held_back = []
+    for step in range(2):
+        model.set_requires_gradient_sync(False)
+        for micro in range(2):
+            x, y = _batch(4 * step + 2 * dist.get_rank() + micro)
+            F.cross_entropy(model(x.double()), y).backward()
+        held_back.append(all(p.grad is None for p in model.parameters()))
+        model.set_requires_gradient_sync(True)
+        handle = model.finalize_backward(async_op=async_op)
+        if async_op:
+            errors.append(caught(model.finalize_backward))  # the handle not waited on
+            handle.wait()
+        opt.step()
+        opt.zero_grad()
+    errors.append(caught(model[2].finalize_backward))  # not the root
+    model.set_manual_backward_finalization(False)
+    errors.append(caught(model.finalize_backward))  # manual mode off
+    return _params(model), held_back, errors
+
+
+def accumulated_in_one_process():
+    torch.set_default_dtype(torch.float64)
+    try:
+        model = make_model()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(2):
+        for index in range(4 * step, 4 * step + 4):  # both ranks' micro-batches
+            x, y = _batch(index)
+            (F.cross_entropy(model(x.double()), y) / 2).backward()  # averaged over 2 ranks
+        opt.step()
+        opt.zero_grad()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("async_op", [False, True])
+def test_manual_backward_finalization_reduces_held_back_gradients_as_one_process(
+        mesh_pool, async_op):
+    expected = accumulated_in_one_process()
+    for params, held_back, errors in mesh_pool.run(manual_finalization, 2, async_op):
+        assert held_back == [True, True]  # nothing reduced before finalize_backward
+        for key, value in expected.items():
+            torch.testing.assert_close(params[key], value, rtol=1e-12, atol=1e-12, msg=key)
+        assert errors[0] is None
+        if async_op:
+            assert "The previous gradient reduction must be waited on" in errors[1][1]
+            errors = [errors[0], *errors[3:]]
+        assert "finalize_backward must be called on the root module" in errors[1][1]
+        assert ("finalize_backward requires manual backward finalization: call "
+                "set_manual_backward_finalization(True) before forward") in errors[2][1]

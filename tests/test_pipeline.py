@@ -1640,3 +1640,108 @@ def test_stages_without_parameters_train_as_one_process(mesh_pool):
     for differing in mesh_pool.run(stages_without_parameters, 4):
         assert len(differing) == 9
         assert all(keys == [] for _, _, keys in differing), differing
+
+
+class _Raises(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner, self.fail = inner, False
+
+    def forward(self, x):
+        if self.fail:
+            raise ValueError("stage failed")
+        return self.inner(x)
+
+
+def forward_contexts(name: str):
+    """torch 2.15's ``PipelineStage.register_forward_context`` on devmesh's stages: each
+    forward of a micro-batch runs inside a fresh context told its stage and micro-batch."""
+    import contextlib
+
+    from devmesh.parallel.pipeline import PipelineStage, PipelineStageInfo, get_schedule_class
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    virtual = 2 if name == "Interleaved1F1B" else 1
+    parts = split_sequential(make_model(), 2 * virtual)
+    me = mesh.get_coordinate()[0]
+    mine = list(range(me, 2 * virtual, 2))
+    stages = [PipelineStage(_Raises(parts[s]), s, 2 * virtual, "cpu") for s in mine]
+    seen, inside = [], []
+
+    @contextlib.contextmanager
+    def recording(info):
+        assert isinstance(info, PipelineStageInfo) and not info.is_metadata_inference
+        seen.append((info.stage_index, info.microbatch_index))
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    handles = [stage.register_forward_context(recording) for stage in stages]
+    for stage in stages:  # the context must be entered around the module's forward
+        stage.submod.register_forward_pre_hook(lambda *a: seen.append("ran inside")
+                                               if inside else seen.append("ran outside"))
+    twice = None
+    try:
+        stages[0].register_forward_context(recording)
+    except PipelineError as exc:
+        twice = str(exc)
+    schedule = get_schedule_class(name)(stages if virtual > 1 else stages[0], 4,
+                                        loss_fn=F.cross_entropy)
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 16, generator=gen), torch.randint(0, 4, (8,), generator=gen)
+    args = (x,) if me == 0 else ()
+    kwargs = {"target": y} if me == 1 else {}
+    schedule.step(*args, **kwargs)
+    first = list(seen)
+    for handle in handles:
+        handle.remove()
+    seen.clear()
+    schedule.step(*args, **kwargs)
+    unrecorded = [s for s in seen if s != "ran outside"]
+
+    def swallowing(info):
+        return contextlib.suppress(ValueError)
+
+    stages[0].register_forward_context(swallowing)
+    stages[0].submod.fail = True
+    try:
+        schedule.step(*args, **kwargs)
+        swallowed = None
+    except PipelineError as exc:
+        swallowed = str(exc)
+    return first, unrecorded, twice, swallowed, schedule.schedule_data()
+
+
+@pytest.mark.parametrize("name", ["1F1B", "Interleaved1F1B"])
+def test_a_registered_forward_context_wraps_each_forward_as_torchs(mesh_pool, name):
+    for rank, (first, unrecorded, twice, swallowed, data) in enumerate(
+            mesh_pool.run(forward_contexts, 2, name)):
+        forwards = [(a.stage, a.microbatch) for a in data.actions[rank] if a.kind == "F"]
+        assert [s for s in first if s != "ran inside"] == forwards  # each forward, in order
+        assert first.count("ran inside") == len(forwards) and "ran outside" not in first
+        assert unrecorded == []  # removed: no context any more
+        assert "A pipeline forward context is already registered; remove its handle" in twice
+        assert "suppressed an exception from the stage module" in swallowed, swallowed
+
+
+def test_torch_2_15s_fsdp_residency_options_are_taken_and_checked():
+    from devmesh.parallel.pipeline import PipelineStage, ScheduleInterleaved1F1B
+
+    stages = [PipelineStage(nn.Linear(2, 2), s, 4, "cpu") for s in (0, 2)]
+    ScheduleInterleaved1F1B(stages, 4, F.mse_loss, max_active_stages=2,
+                            unshard_lookahead="auto", defer_reduce_grad_wait=True,
+                            max_outstanding_sends=0)
+    ScheduleInterleaved1F1B(stages, 4, F.mse_loss, unshard_lookahead=(1, 3))
+    for kwargs, words in (({"max_active_stages": 0}, "max_active_stages must be a positive "
+                                                      "integer, got 0"),
+                          ({"unshard_lookahead": "some"}, "unshard_lookahead must be 'full', "
+                                                          "'auto', or a tuple"),
+                          ({"unshard_lookahead": (1, 4)}, r"unshard_lookahead\[1\] must be "
+                                                          "an integer within .1, "
+                                                          "max_active_stages=3., got 4"),
+                          ({"max_outstanding_sends": -1}, "max_outstanding_sends must be a "
+                                                          "non-negative integer")):
+        with pytest.raises(PipelineError, match=words):
+            ScheduleInterleaved1F1B(stages, 4, F.mse_loss, **kwargs)

@@ -39,10 +39,17 @@ __all__ = [
     "clear_dtensor_caches", "import_dynamo", "IncompatibleKeys", "strided_shard_type",
     "pipeline_stage_types", "cpu_flash_attention", "cpu_flash_attention_backward",
     "modify_graph_op_device", "compiled_module_inner", "composable_replicate_state",
-    "has_composable_replicate",
+    "has_composable_replicate", "TORCH_RELEASE", "FSDP_REDUCES_IN_PARAM_DTYPE",
 ]
 
-SUPPORTED_TORCH = ">=2.13,<2.15"  # pyproject.toml's requirement (checked by a test)
+SUPPORTED_TORCH = ">=2.13,<2.16"  # pyproject.toml's requirement (checked by a test)
+
+# -- public behaviour that changed between releases ---------------------------------------------
+TORCH_RELEASE: tuple[int, int] = tuple(int(n) for n in torch.__version__.split(".")[:2])
+# FSDP2 with ``param_dtype`` set and no ``reduce_dtype``: up to 2.14 it reduces gradients in
+# ``param_dtype``; from 2.15 in the parameters' own dtype (the unsharded gradient is upcast to
+# it, its ``grad_dtype``). devmesh follows the running torch, so results equal torch's.
+FSDP_REDUCES_IN_PARAM_DTYPE: bool = TORCH_RELEASE < (2, 15)
 
 
 def _missing(where: str, what: str) -> TorchVersionError:

@@ -13,6 +13,7 @@ from devmesh.parallel.expert_parallel import MoE, expert_parallel
 from devmesh.parallel.fsdp import (
     FSDPModule,
     FSDPUnit,
+    GradientReductionHandle,
     MixedPrecisionPolicy,
     UnshardHandle,
     fully_shard,
@@ -38,7 +39,7 @@ from devmesh.parallel.state_dict import load_state_dict, state_dict
 
 __all__ = [
     "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
-    "register_fsdp_forward_method", "share_comm_ctx", "replicate",
+    "GradientReductionHandle", "register_fsdp_forward_method", "share_comm_ctx", "replicate",
     "ReplicateModule", "parallelize_module", "context_parallel", "ring_attention",
     "shard_sequence", "gather_sequence", "sequence_positions", "MoE", "expert_parallel",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",

@@ -27,7 +27,7 @@ from devmesh.parallel.fsdp.api import (
     share_comm_ctx,
 )
 from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
-from devmesh.parallel.fsdp.module import FSDPModule, UnshardHandle
+from devmesh.parallel.fsdp.module import FSDPModule, GradientReductionHandle, UnshardHandle
 from devmesh.parallel.fsdp.unit import FSDPUnit, users_saved_tensor_hooks
 from devmesh.parallel.fsdp.weight_grads import (
     release_weight_gradient_gathers,
@@ -35,6 +35,7 @@ from devmesh.parallel.fsdp.weight_grads import (
 )
 
 __all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
+           "GradientReductionHandle",
            "register_fsdp_forward_method", "share_comm_ctx", "parameters_grouped_with",
            "users_saved_tensor_hooks", "weight_gradients_follow",
            "release_weight_gradient_gathers"]

@@ -10,7 +10,8 @@ import torch
 @dataclass(frozen=True)
 class MixedPrecisionPolicy:
     """``param_dtype``: dtype of the gathered parameters (compute); ``reduce_dtype``: dtype of
-    gradient reduction (``None``: ``param_dtype``, as torch; neither: the parameters' own);
+    gradient reduction (``None``: as the running torch — ``param_dtype`` up to 2.14, the
+    parameters' own dtype from 2.15; neither set: the parameters' own);
     ``output_dtype``: floating-point outputs of the unit's forward are
     cast to it; ``cast_forward_inputs``: floating-point inputs of each unit's forward are
     cast to ``param_dtype`` (torch's default too). Sharded parameters (the optimizer's master

@@ -3,8 +3,11 @@ accumulation, resharding switches, explicit prefetching), applied to the module'
 
 from __future__ import annotations
 
+from typing import Literal, overload
+
 from torch import nn
 
+from devmesh import _torch_compat
 from devmesh.parallel.conversion import KeepsLayouts
 from devmesh.parallel.fsdp.unit import FSDPUnit
 from devmesh.parallel.param import GradientSyncControl, ParallelizeError
@@ -36,6 +39,14 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
       back gradient in the subtree; ``set_unshard_in_backward(bool)``: accepted (devmesh
       gathers in backward only what the backward uses); ``set_reduce_scatter_divide_factor``:
       torch's older name of ``set_gradient_divide_factor``.
+    * ``set_manual_backward_finalization(True)`` on the root, then ``finalize_backward()``
+      after the backwards of a step: gradients held back by backwards without sync are
+      reduced there once sync is on again (a schedule that reduces gradients as an action of
+      its own), as torch's; ``finalize_backward(async_op=True)`` returns a
+      ``GradientReductionHandle`` (devmesh's reductions are done when it returns);
+    * ``set_keep_unsharded_storage(bool)``: accepted; torch keeps the gathered parameters'
+      storage for CUDA graph capture, which devmesh's FSDP does not support (its gathered
+      copies are allocated anew each time).
 
     * ``set_all_reduce_hook(hook)``: ``hook(reduced)`` runs on the unit's reduced gradient
       shards (after the reduce-scatter, or HSDP's all-reduce), before any divide factor, as
@@ -98,6 +109,69 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
         for unit in self._units(recurse):
             unit.requires_all_reduce = bool(requires_all_reduce)
 
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """``True``: :meth:`finalize_backward` ends each step's backward, as torch's. Call it
+        on the root module (the outermost ``fully_shard``), and not during a backward."""
+        if not isinstance(enabled, bool):
+            raise ParallelizeError(f"set_manual_backward_finalization takes True or False, "
+                                   f"got {enabled!r}")
+        unit = unit_of(self, "set_manual_backward_finalization")
+        if unit.ran_forward and not unit.is_root:
+            raise ParallelizeError(f"set_manual_backward_finalization must be called on the "
+                                   f"root module (the outermost fully_shard), not on this "
+                                   f"{type(self).__name__}")
+        if _torch_compat.current_graph_task_id() != -1 and enabled != unit.manual_finalization:
+            raise ParallelizeError("set_manual_backward_finalization cannot change mode "
+                                   "during backward: set it before the forward")
+        for each in self._units(True):
+            each.manual_finalization = enabled
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[False] = False) -> None: ...
+
+    @overload
+    def finalize_backward(self, *, async_op: Literal[True]) -> GradientReductionHandle: ...
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """End the step's backward (torch's, with manual finalization on): every unit of the
+        subtree that summed gradients over backwards without sync reduces them now, if sync
+        is on again, into the parameters' ``.grad``. Before the first forward it does
+        nothing. ``async_op=True`` returns a handle to ``wait()`` on (the reductions are
+        already done when this returns: devmesh's collectives are issued and waited here)."""
+        unit = unit_of(self, "finalize_backward")
+        if not unit.ran_forward:
+            return GradientReductionHandle(None) if async_op else None
+        if not unit.is_root:
+            raise ParallelizeError(f"finalize_backward must be called on the root module "
+                                   f"(the outermost fully_shard), not on this "
+                                   f"{type(self).__name__}")
+        if not unit.manual_finalization:
+            raise ParallelizeError(f"{type(self).__name__}.finalize_backward requires manual "
+                                   "backward finalization: call "
+                                   "set_manual_backward_finalization(True) before forward")
+        if _torch_compat.current_graph_task_id() != -1:
+            raise ParallelizeError("finalize_backward cannot run inside a backward: call it "
+                                   "after every backward of the step returned")
+        if unit.reduction_handle is not None:
+            raise ParallelizeError("The previous gradient reduction must be waited on before "
+                                   "finalizing backward again: call wait() on the handle "
+                                   "finalize_backward(async_op=True) returned")
+        for each in reversed(self._units(True)):  # backward's order: the innermost first
+            each.reduce_held_back()
+        if not async_op:
+            return None
+        handle = GradientReductionHandle(unit)
+        unit.reduction_handle = handle
+        return handle
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """Accepted for torch's FSDP2 code: torch keeps the gathered parameters' storage
+        across reshard and unshard for CUDA graph capture, which devmesh's FSDP does not
+        support; devmesh allocates its gathered copies anew each time."""
+        if not isinstance(keep, bool):
+            raise ParallelizeError(f"set_keep_unsharded_storage takes True or False, got "
+                                   f"{keep!r}")
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """Gather this module's own unit now, as torch's: its modules then hold the full
         parameters (read them, run a method that uses them) until the next forward, which
@@ -131,6 +205,8 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
         it on the root (torch requires that; devmesh takes any ``fully_shard`` module)."""
         for unit in self._units(True):
             unit.reset()
+            if unit.reduction_handle is not None:
+                unit.reduction_handle._invalidate()
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """Accepted for torch's FSDP2 code: devmesh gathers a unit's parameters in backward
@@ -235,6 +311,31 @@ class UnshardHandle:
         if self._unit is not None:
             self._unit.unshard()
             self._unit = None
+
+
+class GradientReductionHandle:
+    """What ``finalize_backward(async_op=True)`` returns (torch's): ``wait()`` before reading
+    the gradients or finalizing again. devmesh's reductions are done when
+    ``finalize_backward`` returns, so ``wait()`` only releases the handle; after
+    ``reset_iter_state()`` it raises, as torch's."""
+
+    def __init__(self, unit: FSDPUnit | None) -> None:
+        self._unit = unit
+        self._invalid = False
+
+    def _invalidate(self) -> None:
+        self._invalid = True
+        if self._unit is not None:
+            self._unit.reduction_handle = None
+        self._unit = None
+
+    def wait(self) -> None:
+        if self._invalid:
+            raise ParallelizeError("this GradientReductionHandle was invalidated by "
+                                   "reset_iter_state(): the iteration's gradients were dropped")
+        if self._unit is not None and self._unit.reduction_handle is self:
+            self._unit.reduction_handle = None
+        self._unit = None
 
 
 def unit_of(module: nn.Module, method: str) -> FSDPUnit:

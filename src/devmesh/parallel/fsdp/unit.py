@@ -17,7 +17,8 @@ follow ``torch.chunk``), with its spec attached. Around the unit's forward:
   rows after forward, so that each group of ``n`` consecutive ranks holds them all, and the
   backward gathers within that group (inside a host, when ``n`` is its GPU count);
 * backward: the unit's gradients are reduce-scattered (averaged over the shard dim) in one
-  collective, in ``mp_policy.reduce_dtype`` (else ``param_dtype``); on a 2-D
+  collective, in ``mp_policy.reduce_dtype`` (else ``param_dtype`` up to torch
+  2.14, the parameters' own dtype from 2.15, as torch's); on a 2-D
   ``(replicate, shard)`` mesh they are then all-reduced (averaged) over the replicate dim:
   hybrid sharding.
 
@@ -145,6 +146,9 @@ class FSDPUnit:
         self._recomputing: set[int] = set()  # ids of the modules holding them now
         self._order: ForwardOrder | None = None  # the record the last forward used
         self._root_order: ForwardOrder | None = None  # owned when this unit is the root
+        # torch 2.15's manual backward finalization: finalize_backward() ends a step's backward
+        self.manual_finalization = False
+        self.reduction_handle = None  # finalize_backward(async_op=True)'s, until waited on
         ignored = [n for root in roots for n, p in root.named_parameters()
                    if id(p) in self._ignored]
         split = {n: self._split_dims[id(p)] for root in roots
@@ -432,13 +436,14 @@ class FSDPUnit:
         return out
 
     def _reduce_dtype(self) -> torch.dtype:
-        """The dtype of the unit's one reduction. torch's rule: ``reduce_dtype``, else the
-        compute dtype (``param_dtype``), else the parameters' own; mixed dtypes reduce in the
-        widest (float32 gradients beside float64 ones are averaged exactly and rounded once,
-        back into their own dtype). A complex parameter's gradient keeps its imaginary part:
-        a unit holding one reduces in a complex dtype (torch reduces each parameter in its
-        own dtype, and never casts a complex one to ``param_dtype``)."""
-        dtype = self.mp.reduce_dtype or self.mp.param_dtype or functools.reduce(
+        """The dtype of the unit's one reduction. torch's rule: ``reduce_dtype``, else (torch
+        up to 2.14) the compute dtype (``param_dtype``), else the parameters' own; mixed
+        dtypes reduce in the widest (float32 gradients beside float64 ones are averaged
+        exactly and rounded once, back into their own dtype). A complex parameter's gradient
+        keeps its imaginary part: a unit holding one reduces in a complex dtype (torch reduces
+        each parameter in its own dtype, and never casts a complex one to ``param_dtype``)."""
+        compute = self.mp.param_dtype if _torch_compat.FSDP_REDUCES_IN_PARAM_DTYPE else None
+        dtype = self.mp.reduce_dtype or compute or functools.reduce(
             torch.promote_types, (p.sharded.dtype for p in self.params))
         complex_dtypes = [p.sharded.dtype for p in self.params if p.sharded.dtype.is_complex]
         if complex_dtypes and not dtype.is_complex:
@@ -490,6 +495,32 @@ class FSDPUnit:
                     self._release_full()
 
         _torch_compat.queue_callback(at_end)
+
+    @property
+    def ran_forward(self) -> bool:
+        """Whether a forward ran through this unit (before it, which unit is the root of its
+        model is not known: torch's FSDP2 decides it lazily too)."""
+        return self._order is not None
+
+    @property
+    def is_root(self) -> bool:
+        """Whether this unit started the last forward it ran in (its model's outermost)."""
+        return self._root_order is not None
+
+    def reduce_held_back(self) -> bool:
+        """Reduce the gradients backwards without sync summed here, now that sync is on
+        (torch's ``finalize_backward``: a schedule that reduces gradients as an action of its
+        own), adding the reduced shards to the parameters' ``.grad`` as autograd would have.
+        Returns whether there was anything to reduce (the same on every rank: the same
+        backwards ran everywhere)."""
+        if not self.requires_gradient_sync or self._accumulated is None:
+            return False
+        reduced = self.reduce_grads([None] * len(self.params))
+        for param, grad in zip(self.params, reduced, strict=True):
+            if grad is not None:
+                held = param.sharded.grad
+                param.sharded.grad = grad if held is None else held + grad
+        return True
 
     def reset(self) -> None:
         """Forget every gathered copy and every gradient held back for a later reduction:

@@ -22,7 +22,9 @@ from devmesh.layout.schedule import (
 )
 from devmesh.parallel.pipeline.runner import PipelineRunner
 from devmesh.parallel.pipeline.split import PipelineError, balanced_boundaries, split_sequential
+from devmesh.parallel.pipeline.stage import PipelineStageInfo
 from devmesh.parallel.pipeline.torch_api import (
+    PipelineActivationLiveness,
     PipelineScheduleMulti,
     PipelineScheduleSingle,
     PipelineStage,
@@ -33,6 +35,7 @@ from devmesh.parallel.pipeline.torch_api import (
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
     ScheduleZBVZeroBubble,
+    analyze_pipeline_activation_liveness,
     get_schedule_class,
 )
 from devmesh.parallel.pipeline.traced import Pipe, SplitPoint, build_stage, pipe_split, pipeline
@@ -46,4 +49,5 @@ __all__ = ["PipelineRunner", "PipelineError", "split_sequential", "balanced_boun
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
            "PipelineScheduleSingle",
            "PipelineScheduleMulti", "get_schedule_class",
-           "pipeline", "Pipe", "SplitPoint", "pipe_split", "build_stage"]
+           "pipeline", "Pipe", "SplitPoint", "pipe_split", "build_stage", "PipelineStageInfo",
+           "PipelineActivationLiveness", "analyze_pipeline_activation_liveness"]

@@ -63,6 +63,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,6 +98,8 @@ from devmesh.parallel.state_dict import state_dict
 
 __all__ = ["PipelineRunner"]
 
+_NOT_RUN = object()  # a stage forward that a context cut short without an exception
+
 
 class PipelineRunner:
     """This rank's stages of a pipelined model, and the schedule they follow.
@@ -109,7 +112,9 @@ class PipelineRunner:
 
     def __init__(self, stages: dict[int, nn.Module], mesh: DeviceMesh, schedule: Schedule,
                  loss_fn: Callable[..., torch.Tensor] | None, *,
-                 pp_dim: str = "pp", scale_grads: bool = True) -> None:
+                 pp_dim: str = "pp", scale_grads: bool = True,
+                 forward_contexts: Mapping[int, Callable[[int], AbstractContextManager]]
+                 | None = None) -> None:
         names = mesh.mesh_dim_names or ()
         if pp_dim not in names:
             raise PipelineError(
@@ -175,6 +180,9 @@ class PipelineRunner:
         self.schedule = schedule
         self.loss_fn = loss_fn
         self.scale_grads = scale_grads  # divide each micro-batch's loss by their number
+        # per stage, the context its forward of a micro-batch runs in (torch's
+        # PipelineStage.register_forward_context)
+        self._forward_contexts = dict(forward_contexts or {})
         self.last = schedule.stages - 1
         self._links = StageLinks(mesh, self.dim, schedule)
         # names this runner's steps alike on every rank (see _scope)
@@ -494,9 +502,16 @@ class PipelineRunner:
                 # as torch's: this rank's keyword inputs reach each of its stages (a mask or
                 # positions every layer needs), not only the first stage
                 keywords = step.chunks["kwargs"][mb] if "kwargs" in step.chunks else {}
-                with self._sync[s].forward(), (cutter.recording() if cutter
-                                               else contextlib.nullcontext([])) as cuts:
+                context = self._forward_contexts.get(s)
+                out = _NOT_RUN
+                with (context(mb) if context else contextlib.nullcontext()), \
+                        self._sync[s].forward(), (cutter.recording() if cutter
+                                                  else contextlib.nullcontext([])) as cuts:
                     out = self.stages[s](*xs, **keywords)
+                if out is _NOT_RUN:
+                    raise PipelineError(f"the forward context registered on stage {s} "
+                                        "suppressed an exception from the stage module; "
+                                        "forward contexts must not suppress exceptions")
                 if s == self.last:
                     loss = None
                     if "targets" in step.chunks:

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from devmesh import _torch_compat
-from devmesh.layout.schedule import build_schedule
+from devmesh.layout.liveness import Granularity, PipelineActivationLiveness, activation_liveness
+from devmesh.layout.schedule import Schedule, build_schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.pipeline.runner import PipelineRunner
 from devmesh.parallel.pipeline.split import PipelineError
@@ -41,7 +42,8 @@ from devmesh.parallel.pipeline.traced import build_stage
 __all__ = ["PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe",
            "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
-           "get_schedule_class"]
+           "get_schedule_class", "analyze_pipeline_activation_liveness",
+           "PipelineActivationLiveness"]
 
 
 def _devmesh_stage(stage: Any) -> PipelineStage:
@@ -95,6 +97,16 @@ class _Schedule:
         self._scale_grads = scale_grads
         self._runner: PipelineRunner | None = None
 
+    def schedule_data(self) -> Schedule:
+        """The schedule this object runs, as devmesh's data (every rank's actions): what
+        :func:`analyze_pipeline_activation_liveness` reads. Needs the process group of the
+        stages (the world when they name none) for the number of pipeline ranks."""
+        if not self._stages:
+            raise PipelineError(f"this {type(self).__name__} holds no stage")
+        ranks = dist.get_world_size(self._stages[0].group)
+        return build_schedule(self.schedule_name, ranks, self._n_microbatches,
+                              **self._virtual(self._stages[0].num_stages, ranks))
+
     def _build(self) -> PipelineRunner:
         groups = {id(s.group) for s in self._stages}
         num_stages = {s.num_stages for s in self._stages}
@@ -111,7 +123,9 @@ class _Schedule:
                                   **self._virtual(num_stages.pop(), ranks))
         stages = {s.stage_index: s.submod for s in self._stages}
         return PipelineRunner(stages, mesh, schedule, self._loss_fn,
-                              scale_grads=self._scale_grads)
+                              scale_grads=self._scale_grads,
+                              forward_contexts={s.stage_index: s.forward_context
+                                                for s in self._stages})
 
     def register_custom_function(self, computation_type: Any, custom_function: Any) -> None:
         """torch's hook for running an action kind with one's own function (DualPipeV's
@@ -193,13 +207,68 @@ class PipelineScheduleSingle(_Schedule):
 
 
 class PipelineScheduleMulti(_Schedule):
-    """The schedules with several stages per rank (torch's base class of the same name)."""
+    """The schedules with several stages per rank (torch's base class of the same name).
+
+    torch 2.15's tuning of FSDP inside such a pipeline — ``max_active_stages`` (how many
+    stages' parameters stay gathered), ``unshard_lookahead`` (``"full"``, ``"auto"`` or one
+    count per pipeline rank: how far ahead all-gathers start), ``defer_reduce_grad_wait`` and
+    ``max_outstanding_sends`` — is taken and checked as torch checks it; devmesh's runner
+    gathers a stage's parameters when one of its actions runs and posts its messages by its
+    own rule, so they change no result (nor devmesh's memory)."""
+
+    def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
+                 loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None,
+                 output_merge_spec: Any = None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False,
+                 max_active_stages: int = 3, unshard_lookahead: str | tuple[int, ...] = "full",
+                 defer_reduce_grad_wait: bool = False, max_outstanding_sends: int | None = None,
+                 **options: Any) -> None:
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
+                         output_merge_spec, scale_grads, backward_requires_autograd,
+                         defer_pp_recv, **options)
+        _check_residency(max_active_stages, unshard_lookahead, max_outstanding_sends)
+        self._max_active_stages = max_active_stages
+        self._unshard_lookahead = unshard_lookahead
 
     def _virtual(self, num_stages: int, ranks: int) -> dict[str, int]:
         if num_stages % ranks or num_stages == ranks:
             raise PipelineError(f"{type(self).__name__} needs several stages per rank: "
                                 f"{num_stages} stages on {ranks} ranks")
         return {"virtual": num_stages // ranks}
+
+    def _build(self) -> PipelineRunner:
+        lookahead = self._unshard_lookahead
+        if isinstance(lookahead, tuple):  # one count per pipeline rank: checked on the group
+            ranks = dist.get_world_size(self._stages[0].group) if self._stages else 0
+            if len(lookahead) != ranks:
+                raise PipelineError(f"unshard_lookahead tuple length must equal the pipeline "
+                                    f"degree ({ranks}), got {len(lookahead)}")
+        return super()._build()
+
+
+def _check_residency(max_active_stages: Any, unshard_lookahead: Any,
+                     max_outstanding_sends: Any) -> None:
+    """torch's checks of its FSDP residency options, with torch's messages."""
+    def positive(value: Any) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+    if not positive(max_active_stages):
+        raise PipelineError(f"max_active_stages must be a positive integer, got "
+                            f"{max_active_stages!r}")
+    if isinstance(unshard_lookahead, tuple):
+        for rank, count in enumerate(unshard_lookahead):
+            if not positive(count) or count > max_active_stages:
+                raise PipelineError(f"unshard_lookahead[{rank}] must be an integer within "
+                                    f"[1, max_active_stages={max_active_stages}], got "
+                                    f"{count!r}")
+    elif unshard_lookahead not in ("full", "auto"):
+        raise PipelineError(f"unshard_lookahead must be 'full', 'auto', or a tuple of "
+                            f"integers (one per pipeline rank), got {unshard_lookahead!r}")
+    if max_outstanding_sends is not None and not (
+            isinstance(max_outstanding_sends, int) and not isinstance(max_outstanding_sends, bool)
+            and max_outstanding_sends >= 0):
+        raise PipelineError("max_outstanding_sends must be a non-negative integer")
 
 
 class ScheduleGPipe(PipelineScheduleSingle):
@@ -230,12 +299,18 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
     def __init__(self, stages: Sequence[PipelineStage], n_microbatches: int,
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  output_merge_spec: Any = None, scale_grads: bool = True,
-                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False,
+                 max_active_stages: int = 3, unshard_lookahead: str | tuple[int, ...] = "full",
+                 defer_reduce_grad_wait: bool = False, max_outstanding_sends: int | None = None
+                 ) -> None:
         # torch's ScheduleLoopedBFS takes no chunk specs: its parameters, in its positions
         super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
                          scale_grads=scale_grads,
                          backward_requires_autograd=backward_requires_autograd,
-                         defer_pp_recv=defer_pp_recv)
+                         defer_pp_recv=defer_pp_recv, max_active_stages=max_active_stages,
+                         unshard_lookahead=unshard_lookahead,
+                         defer_reduce_grad_wait=defer_reduce_grad_wait,
+                         max_outstanding_sends=max_outstanding_sends)
 
 
 class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
@@ -276,10 +351,14 @@ class ScheduleDualPipeV(_ScheduleInAV):
                  loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
                  args_chunk_spec: Any = None, kwargs_chunk_spec: Any = None,
                  output_merge_spec: Any = None, scale_grads: bool = True,
-                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False) -> None:
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False,
+                 max_active_stages: int = 3, unshard_lookahead: str | tuple[int, ...] = "full",
+                 defer_reduce_grad_wait: bool = False, max_outstanding_sends: int | None = None
+                 ) -> None:
         super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec,
                          output_merge_spec, scale_grads, backward_requires_autograd,
-                         defer_pp_recv)
+                         defer_pp_recv, max_active_stages, unshard_lookahead,
+                         defer_reduce_grad_wait, max_outstanding_sends)
         num_stages = self._stages[0].num_stages if self._stages else 0
         if n_microbatches < num_stages:
             raise PipelineError(f"ScheduleDualPipeV needs at least as many micro-batches as "
@@ -313,3 +392,18 @@ def get_schedule_class(schedule_name: str) -> type[_Schedule]:
                             f"{_ELSEWHERE[name]}")
     raise PipelineError(f"Unknown schedule name '{schedule_name}'. The valid options are "
                         f"{list(_BY_NAME)}")
+
+
+def analyze_pipeline_activation_liveness(
+        schedule: _Schedule | Schedule, *, pp_rank: int, stage_indices: Sequence[int],
+        granularity: Granularity) -> PipelineActivationLiveness:
+    """When each activation of ``stage_indices`` is live on pipeline rank ``pp_rank`` and the
+    fewest buffers (slots) that hold them all, as torch's function of the same name:
+    ``num_slots`` is the rank's peak of micro-batch activations held at once. ``schedule``:
+    one of devmesh's schedule objects (any, not only the multi-stage ones), or devmesh's
+    schedule data (:class:`~devmesh.layout.schedule.Schedule`, no process group needed).
+    Positions index the rank's actions in devmesh's order (see
+    :mod:`devmesh.layout.liveness`)."""
+    data = schedule if isinstance(schedule, Schedule) else schedule.schedule_data()
+    return activation_liveness(data, pp_rank=pp_rank, stage_indices=stage_indices,
+                               granularity=granularity)
