@@ -39,7 +39,7 @@ __all__ = [
     "clear_dtensor_caches", "import_dynamo", "IncompatibleKeys", "strided_shard_type",
     "pipeline_stage_types", "cpu_flash_attention", "cpu_flash_attention_backward",
     "modify_graph_op_device", "compiled_module_inner", "composable_replicate_state",
-    "has_composable_replicate", "TORCH_RELEASE", "FSDP_REDUCES_IN_PARAM_DTYPE",
+    "has_composable_replicate", "storage_key", "fake_store", "TORCH_RELEASE", "FSDP_REDUCES_IN_PARAM_DTYPE",
 ]
 
 SUPPORTED_TORCH = ">=2.13,<2.16"  # pyproject.toml's requirement (checked by a test)
@@ -248,6 +248,13 @@ _module_module = _import("torch.nn.modules.module")
 IncompatibleKeys: type = _require(_module_module, "_IncompatibleKeys", "torch.nn.modules.module")
 
 
+def storage_key(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage that its views share: its address, or for a ``meta``
+    tensor (whose storages have none) the storage object's own (a dry run's)."""
+    storage = t.untyped_storage()
+    return storage._cdata if t.is_meta else storage.data_ptr()
+
+
 def current_graph_task_id() -> int:
     """The id of the autograd graph task running on this thread; -1 outside backward."""
     return _graph_task_id()
@@ -287,6 +294,13 @@ def import_dynamo() -> None:
 
 
 # -- subsystems checked on first use -----------------------------------------------------------
+def fake_store() -> dist.Store:
+    """A store for torch's single-process ``fake`` process group (a dry run's world), from
+    torch's testing package, where torch keeps it."""
+    module = _import("torch.testing._internal.distributed.fake_pg")
+    return _require(module, "FakeStore", "torch.testing._internal.distributed.fake_pg")()
+
+
 @functools.cache
 def cpu_flash_attention() -> Callable:
     """ATen's fused CPU attention returning the output and its log-sum-exp (what

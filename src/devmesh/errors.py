@@ -41,6 +41,7 @@ __all__ = [
     "StateDictError",
     "PipelineError",
     "ScheduleError",
+    "DryRunError",
     "CheckpointFormatError",
     "CheckpointChecksumError",
     "LaunchCapacityError",
@@ -218,6 +219,14 @@ class StateDictError(ParallelizeError, RuntimeError):
 
 class PipelineError(ParallelizeError, ValueError):
     """A pipeline cannot be built or run as asked (sizes, splits, shapes)."""
+
+
+class DryRunError(DevmeshError, ValueError):
+    """A dry run (``devmesh plan --model``) asked for something it cannot build: an unknown
+    model config, a mesh that does not fit the model or the batch."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, with_rank=False)
 
 
 class ScheduleError(DevmeshError, ValueError):

@@ -369,7 +369,10 @@ class DataParallelState:
                 hooked_flags = hooked_flags[len(bucket.params):]
             else:
                 flags = flat[flat.numel() - len(bucket.params):]
-            used = (flags.real if flags.is_complex() else flags).tolist()
+            if flags.is_meta:  # a dry run (devmesh.tools.dry_run): every gradient counts
+                used = [1.0] * len(bucket.params)
+            else:
+                used = (flags.real if flags.is_complex() else flags).tolist()
             offset = 0
             for p, used_somewhere in zip(bucket.params, used, strict=True):
                 chunk = flat[offset: offset + p.numel()].view_as(p)

@@ -90,12 +90,18 @@ def _segments(params: list[ShardedParam], dtypes: list[torch.dtype]) -> tuple[li
     return offsets, end
 
 
+def _meta_or_default(tensors: list[torch.Tensor | None]) -> torch.device | None:
+    """``meta`` when the tensors are (a dry run computes shapes only), else the default
+    device, where the collective wrappers pick the buffers up."""
+    return torch.device("meta") if any(t is not None and t.is_meta for t in tensors) else None
+
+
 def pack_shards(params: list[ShardedParam], shards: list[torch.Tensor],
                 dtypes: list[torch.dtype]) -> torch.Tensor:
     """This rank's row of the all-gather: each shard copied once, straight into place (and
     cast on the way), its padding zeroed."""
     offsets, row_bytes = _segments(params, dtypes)
-    buffer = torch.empty(row_bytes, dtype=torch.uint8)
+    buffer = torch.empty(row_bytes, dtype=torch.uint8, device=_meta_or_default(shards))
     for p, shard, dtype, start in zip(params, shards, dtypes, offsets, strict=True):
         segment = buffer[start: start + p.padded_numel * dtype.itemsize].view(dtype)
         n = shard.numel()
@@ -132,7 +138,7 @@ def pack_gradients(params: list[ShardedParam], grads: list[torch.Tensor | None],
     """The reduce-scatter's input: row ``j`` for peer ``j``, each gradient copied (and cast)
     once into place, then one flag per parameter (1: this rank has a gradient for it)."""
     total = sum(p.padded_numel for p in params)
-    stacked = torch.empty(k, total + len(params), dtype=dtype)
+    stacked = torch.empty(k, total + len(params), dtype=dtype, device=_meta_or_default(grads))
     stacked[:, total:] = torch.tensor([float(g is not None) for g in grads], dtype=dtype)
     offset = 0
     for p, grad in zip(params, grads, strict=True):
@@ -163,7 +169,10 @@ def unpack_reduced(params: list[ShardedParam], mine: torch.Tensor, k: int, index
     unit holding a complex parameter reduces in a complex dtype; a real parameter takes the
     real part."""
     flags = mine[gradient_numel(params):]
-    used = (flags.real if flags.is_complex() else flags).tolist()
+    if flags.is_meta:  # a dry run (devmesh.tools.dry_run): no values; every gradient counts
+        used = [1.0] * len(params)
+    else:
+        used = (flags.real if flags.is_complex() else flags).tolist()
     out: list[torch.Tensor | None] = []
     offset = 0
     for p, used_somewhere in zip(params, used, strict=True):

@@ -586,7 +586,7 @@ class FSDPUnit:
         if reshard is None:  # torch's default: the root's backward starts at once, keep it
             reshard = not root
         if reshard and torch.is_grad_enabled() and not users_saved_tensor_hooks():
-            storages = {f.untyped_storage().data_ptr(): i for i, f in enumerate(fulls)}
+            storages = {_storage_address(f): i for i, f in enumerate(fulls)}
             self._hooks = torch.autograd.graph.saved_tensors_hooks(
                 lambda t: self._pack(t, storages), self._unpack)
             self._hooks.__enter__()
@@ -803,10 +803,12 @@ class _Regather(torch.autograd.Function):
 
 
 def _storage_address(t: torch.Tensor) -> int | None:
-    """Where ``t``'s data lives, or ``None`` for a tensor without storage of its own: a meta
-    tensor, or a wrapper subclass such as the DTensor activations TP styles hand on with
+    """Where ``t``'s data lives (a ``meta`` tensor's storage has no address: its storage
+    object's identity stands in, shared by its views, so a dry run re-gathers for backward
+    exactly as a real run does), or ``None`` for a tensor without storage of its own: a
+    wrapper subclass such as the DTensor activations TP styles hand on with
     ``use_local_output=False`` (touching its storage raises "invalid python storage"); such
     a tensor is never a view of a gathered parameter, so autograd keeps it as it is."""
-    if t.device.type == "meta" or _torch_compat.is_traceable_wrapper_subclass(t):
+    if _torch_compat.is_traceable_wrapper_subclass(t):
         return None
-    return t.untyped_storage().data_ptr()
+    return _torch_compat.storage_key(t)

@@ -1,0 +1,217 @@
+"""The transformer a dry run builds: a Llama-shaped decoder described by a few numbers.
+
+:class:`TransformerConfig` holds what sizes a training step (layers, width, heads, grouped
+key/value heads, feed-forward width, vocabulary, sequence, global batch, dtype); presets name
+well-known shapes (``llama3-8b``, ``llama3-70b``, ``llama3-405b``, and ``tiny`` for tests).
+The modules are plain PyTorch and run on any device, ``meta`` included (a dry run computes
+shapes only). Attention reads its head count from its projection's output width, so a
+tensor-parallel split of the projections (heads divided among ranks) runs unchanged, as in
+torchtitan's Llama.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh.errors import DryRunError as ConfigError
+
+__all__ = ["TransformerConfig", "PRESETS", "read_config", "Transformer", "Block",
+           "stage_layers", "tp_plan"]
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    """A decoder-only transformer and the batch it trains on (``batch``: sequences per
+    step, over all data-parallel ranks)."""
+
+    layers: int
+    dim: int
+    heads: int
+    kv_heads: int
+    ffn_dim: int
+    vocab: int
+    seq: int = 2048
+    batch: int = 8
+    dtype: str = "bfloat16"
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name != "dtype" and (not isinstance(value, int) or value < 1):
+                raise ConfigError(f"model config: {f.name} must be a positive integer, got "
+                                  f"{value!r}")
+        if self.dim % self.heads:
+            raise ConfigError(f"model config: dim {self.dim} is not a multiple of heads "
+                              f"{self.heads}")
+        if self.heads % self.kv_heads:
+            raise ConfigError(f"model config: heads {self.heads} is not a multiple of "
+                              f"kv_heads {self.kv_heads}")
+        if not isinstance(getattr(torch, self.dtype, None), torch.dtype):
+            raise ConfigError(f"model config: dtype {self.dtype!r} is not a torch dtype "
+                              "(e.g. bfloat16, float32)")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.heads
+
+    def parameters(self) -> int:
+        """The model's parameter count (embedding and head untied)."""
+        kv = self.kv_heads * self.head_dim
+        block = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim
+        return self.layers * (block + 2 * self.dim) + 2 * self.vocab * self.dim + self.dim
+
+    def describe(self) -> str:
+        return (f"{self.layers} layers, dim {self.dim}, {self.heads} heads ({self.kv_heads} "
+                f"kv), ffn {self.ffn_dim}, vocab {self.vocab}; {self.parameters() / 1e9:.2f}B "
+                f"parameters; batch {self.batch} x {self.seq} tokens in {self.dtype}")
+
+
+PRESETS: dict[str, TransformerConfig] = {
+    "llama3-8b": TransformerConfig(32, 4096, 32, 8, 14336, 128256, seq=8192, batch=1024),
+    "llama3-70b": TransformerConfig(80, 8192, 64, 8, 28672, 128256, seq=8192, batch=1024),
+    "llama3-405b": TransformerConfig(126, 16384, 128, 8, 53248, 128256, seq=8192, batch=2048),
+    "tiny": TransformerConfig(4, 64, 8, 4, 128, 256, seq=16, batch=16, dtype="float32"),
+}
+
+
+def read_config(text: str) -> TransformerConfig:
+    """A config from a preset name, a JSON file of the fields, or ``NAME:key=value,...``
+    overriding a preset's fields (``llama3-8b:seq=4096,batch=512``)."""
+    name, _, overrides = text.partition(":")
+    if name in PRESETS:
+        config = PRESETS[name]
+    elif Path(name).is_file():
+        try:
+            values = json.loads(Path(name).read_text())
+            config = TransformerConfig(**values)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"model config {name}: {exc} (fields: "
+                              f"{', '.join(f.name for f in fields(TransformerConfig))})") from exc
+    else:
+        raise ConfigError(f"model config {name!r} is neither a preset ({', '.join(PRESETS)}) "
+                          "nor a JSON file")
+    if overrides:
+        known = {f.name: f.type for f in fields(TransformerConfig)}
+        changes = {}
+        for item in overrides.split(","):
+            key, _, value = item.partition("=")
+            if key not in known or not value:
+                raise ConfigError(f"model config override {item!r}: use key=value with keys "
+                                  f"{', '.join(known)}")
+            changes[key] = value if key == "dtype" else int(value)
+        config = replace(config, **changes)
+    return config
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, 1e-5)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention; heads read from the projections' widths."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        kv = config.kv_heads * config.head_dim
+        self.head_dim = config.head_dim
+        self.wq = nn.Linear(config.dim, config.dim, bias=False)
+        self.wk = nn.Linear(config.dim, kv, bias=False)
+        self.wv = nn.Linear(config.dim, kv, bias=False)
+        self.wo = nn.Linear(config.dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             enable_gqa=q.shape[1] != k.shape[1])
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
+        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.attention_norm = RMSNorm(config.dim)
+        self.attention = Attention(config)
+        self.ffn_norm = RMSNorm(config.dim)
+        self.feed_forward = FeedForward(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Layers ``first..last-1`` of the model; the embedding on the stage holding layer 0,
+    the final norm and output head on the one holding the last layer (a pipeline stage)."""
+
+    def __init__(self, config: TransformerConfig, first: int = 0, last: int | None = None
+                 ) -> None:
+        super().__init__()
+        last = config.layers if last is None else last
+        self.config = config
+        self.tok_embeddings = nn.Embedding(config.vocab, config.dim) if first == 0 else None
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(first, last)})
+        end = last == config.layers
+        self.norm = RMSNorm(config.dim) if end else None
+        self.output = nn.Linear(config.dim, config.vocab, bias=False) if end else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h)
+        if self.norm is not None:
+            h = self.output(self.norm(h))
+        return h
+
+
+def stage_layers(config: TransformerConfig, stages: int, stage: int) -> tuple[int, int]:
+    """The layers of pipeline stage ``stage`` of ``stages``: as even as they divide, the
+    earlier stages taking one more (torchtitan's even split)."""
+    if stages > config.layers:
+        raise ConfigError(f"{stages} pipeline stages for {config.layers} layers: use at most "
+                          f"{config.layers} stages")
+    base, extra = divmod(config.layers, stages)
+    first = stage * base + min(stage, extra)
+    return first, first + base + (stage < extra)
+
+
+def tp_plan(model: Transformer) -> dict[str, object]:
+    """torchtitan's tensor-parallel plan for a Llama block: q/k/v and w1/w3 split by output
+    (column-wise), wo and w2 by input (row-wise); norms and embedding replicated."""
+    from devmesh.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, object] = {}
+    for name in model.layers:
+        for linear in ("attention.wq", "attention.wk", "attention.wv",
+                       "feed_forward.w1", "feed_forward.w3"):
+            plan[f"layers.{name}.{linear}"] = ColwiseParallel()
+        for linear in ("attention.wo", "feed_forward.w2"):
+            plan[f"layers.{name}.{linear}"] = RowwiseParallel()
+    return plan

@@ -1,0 +1,279 @@
+"""A dry run of one rank of a big job, in this one process: devmesh's own parallelisms applied
+to the model as a real run applies them, one training step taken on the ``meta`` device under
+torch's ``fake`` process group, and what the rank would hold and send, counted.
+
+``fake`` answers every collective at once and ``meta`` tensors have shapes but no data, so a
+step of a Llama-3-8B stage costs milliseconds; the collectives still go through devmesh's own
+code (the FSDP unit's packed all-gather and reduce-scatter, the tensor-parallel styles' all-
+reduces, DDP's buckets), and ``comm_stats`` counts each with its bytes and mesh dims, exactly
+as it counts them in a real step. What a rank holds:
+
+- parameters, gradients (float32 master copies, this rank's shards) and AdamW's two states;
+- activations: the bytes autograd saves for backward in one micro-batch's forward of the
+  rank's stage (counted by saved-tensor hooks, each storage once), times the most
+  micro-batches the schedule keeps in flight on this rank (its activation liveness slots).
+
+A pipeline's messages between stages are not sent through ``fake`` (a stage's receive needs
+its peer's data); they are counted from the schedule: per micro-batch, the activation forward
+and its gradient back across each boundary of this rank's stage, with their shapes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from devmesh._torch_compat import fake_store, storage_key
+from devmesh.errors import DryRunError
+from devmesh.layout.liveness import activation_liveness
+from devmesh.layout.schedule import build_schedule
+from devmesh.tools.dry_run.model import Transformer, TransformerConfig, stage_layers, tp_plan
+
+__all__ = ["DIM_ORDER", "RankReport", "dry_run", "parse_mesh", "ranks_to_report"]
+
+DIM_ORDER = ("pp", "dp", "shard", "tp")  # outer to inner: tensor parallelism inside a host
+_ALIASES = {"fsdp": "shard", "dp_shard": "shard", "dp_replicate": "dp"}
+SCHEDULES = ("gpipe", "1f1b")  # one stage per rank, whole backwards (as devmesh's runner)
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"pp=4,dp=32,tp=8"`` as ``{"pp": 4, "dp": 32, "tp": 8}`` (``fsdp`` is ``shard``)."""
+    dims: dict[str, int] = {}
+    for item in text.split(","):
+        name, _, size = item.strip().partition("=")
+        name = _ALIASES.get(name, name)
+        if name not in DIM_ORDER or not size.isdigit() or int(size) < 1:
+            raise DryRunError(f"--mesh {text!r}: {item!r} is not NAME=SIZE with NAME one of "
+                              f"{', '.join(DIM_ORDER)} (fsdp: shard) and SIZE a positive integer")
+        if name in dims:
+            raise DryRunError(f"--mesh {text!r} names {name} twice")
+        dims[name] = int(size)
+    return {name: dims[name] for name in DIM_ORDER if name in dims}
+
+
+@dataclass
+class RankReport:
+    """What one rank holds and sends in one training step."""
+
+    rank: int
+    coordinate: dict[str, int]
+    layers: tuple[int, int]
+    parameters: int  # elements of this rank's shards
+    parameter_bytes: int
+    gradient_bytes: int
+    optimizer_bytes: int
+    activation_bytes_per_microbatch: int
+    microbatches_in_flight: int
+    collectives: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def activation_bytes(self) -> int:
+        return self.activation_bytes_per_microbatch * self.microbatches_in_flight
+
+    @property
+    def total_bytes(self) -> int:
+        return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
+                + self.activation_bytes)
+
+    def by_dim(self) -> dict[str, tuple[int, int]]:
+        """Calls and bytes per mesh dim (summed over the kinds of collective)."""
+        out: dict[str, list[int]] = {}
+        for (_, dims), (calls, nbytes) in self.collectives.items():
+            entry = out.setdefault(dims, [0, 0])
+            entry[0] += calls
+            entry[1] += nbytes
+        return {dims: (calls, nbytes) for dims, (calls, nbytes) in out.items()}
+
+
+def ranks_to_report(dims: dict[str, int]) -> list[int]:
+    """One rank of each distinct role: the first rank of each pipeline stage (the other dims
+    are symmetric: every data- and tensor-parallel rank of a stage holds and sends alike)."""
+    pp = dims.get("pp", 1)
+    stride = 1
+    for name in DIM_ORDER[1:]:
+        stride *= dims.get(name, 1)
+    return [stage * stride for stage in range(pp)]
+
+
+@contextlib.contextmanager
+def _fake_world(rank: int, world: int) -> Iterator[None]:
+    """torch's single-process ``fake`` process group as rank ``rank`` of ``world``."""
+    if dist.is_initialized():
+        raise DryRunError("a dry run needs a process with no process group: it starts "
+                          "torch's fake one itself (run it outside torchrun / devmesh run)")
+    saved = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+        for key, value in saved.items():
+            if value is not None:
+                os.environ[key] = value
+
+
+class _SavedBytes:
+    """Bytes autograd saves for backward while active, each storage counted once."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self._counted: set[int] = set()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = storage_key(t)
+        if key not in self._counted:
+            self._counted.add(key)
+            self.bytes += t.untyped_storage().nbytes()
+        return t
+
+    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
+        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+
+
+def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
+            schedule: str = "1f1b", microbatches: int | None = None,
+            device: str = "meta") -> RankReport:
+    """One training step of global rank ``rank`` on a mesh of ``dims`` (outer to inner
+    ``pp, dp, shard, tp``; ``dp`` replicates: DDP, or HSDP beside ``shard``), measured.
+    ``device="cpu"`` runs the same step with real tensors in a real process group (the test
+    that compares the two); the default runs on ``meta`` under a fake world of its own."""
+    dims = {name: dims[name] for name in DIM_ORDER if dims.get(name, 1) > 1} or {"dp": 1}
+    world = 1
+    for size in dims.values():
+        world *= size
+    if not 0 <= rank < world:
+        raise DryRunError(f"--rank {rank}: the mesh {dims} has ranks 0..{world - 1}")
+    pp = dims.get("pp", 1)
+    data = dims.get("dp", 1) * dims.get("shard", 1)
+    if config.batch % data:
+        raise DryRunError(f"the batch of {config.batch} sequences does not split over "
+                          f"{data} data-parallel ranks (dp x shard): use a multiple of {data}")
+    local = config.batch // data
+    microbatches = microbatches or (2 * pp if pp > 1 else 1)
+    if local % microbatches:
+        raise DryRunError(f"{local} sequences per data-parallel rank do not split into "
+                          f"{microbatches} micro-batches: pick a divisor of {local}")
+    if pp > 1 and schedule not in SCHEDULES:
+        raise DryRunError(f"--schedule {schedule!r}: the dry run plays {', '.join(SCHEDULES)}")
+    tp = dims.get("tp", 1)
+    if config.heads % tp or config.kv_heads % tp or config.ffn_dim % tp:
+        raise DryRunError(f"tp {tp} does not divide the heads ({config.heads}), kv heads "
+                          f"({config.kv_heads}) and ffn dim ({config.ffn_dim})")
+    start = time.perf_counter()
+    world_context = _fake_world(rank, world) if device == "meta" else contextlib.nullcontext()
+    with world_context:
+        report = _step(config, dims, schedule, microbatches, local // microbatches, device)
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
+          microbatches: int, mb_size: int, device: str) -> RankReport:
+    from devmesh import comm_stats, init_device_mesh
+    from devmesh.parallel import MixedPrecisionPolicy, fully_shard, parallelize_module, replicate
+
+    names = tuple(dims)
+    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=names)
+    coordinate = dict(zip(names, mesh.get_coordinate() or ()))
+    pp, stage = dims.get("pp", 1), coordinate.get("pp", 0)
+    first, last = stage_layers(config, pp, stage)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(config, first, last)
+    if "tp" in dims:
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+    compute = config.torch_dtype
+    if "shard" in dims:
+        data_mesh = mesh["dp", "shard"] if "dp" in dims else mesh["shard"]
+        policy = (MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+                  if compute != torch.float32 else None)
+        for block in model.layers.values():
+            fully_shard(block, mesh=data_mesh, mp_policy=policy)
+        fully_shard(model, mesh=data_mesh, mp_policy=policy)
+    elif "dp" in dims:
+        replicate(model, mesh=mesh["dp"])
+    params = sum(p.numel() for p in model.parameters())
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    activation_dtype = compute if "shard" in dims else torch.float32
+
+    saved = _SavedBytes()
+    gen = torch.Generator().manual_seed(0)
+
+    def tokens() -> torch.Tensor:
+        t = torch.randint(0, config.vocab, (mb_size, config.seq), generator=gen)
+        return t.to(device)
+
+    def hidden() -> torch.Tensor:
+        h = torch.randn(mb_size, config.seq, config.dim, generator=gen, dtype=torch.float32)
+        return h.to(device=device, dtype=activation_dtype).requires_grad_(True)
+
+    if pp > 1:
+        schedule = build_schedule(schedule_name, pp, microbatches)
+        actions = schedule.actions[stage]
+    else:
+        schedule = None
+        actions = [a for m in range(microbatches) for a in (("F", m), ("B", m))]
+    syncs = [m for m in (getattr(m, "set_requires_gradient_sync", None)
+                         for m in model.modules()) if m is not None]
+    backwards = [a for a in actions if (a.kind if schedule else a[0]) in ("B", "I")]
+    outputs: dict[int, torch.Tensor] = {}
+    first_forward = True
+    with comm_stats() as stats:
+        for action in actions:
+            kind, mb = (action.kind, action.microbatch) if schedule else action
+            if kind == "F":
+                x = tokens() if stage == 0 else hidden()
+                counting = saved.hooks() if first_forward else contextlib.nullcontext()
+                with counting:
+                    out = model(x)
+                    if last == config.layers:
+                        target = tokens()
+                        out = F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
+                        out = out / microbatches
+                first_forward = False
+                outputs[mb] = out
+            elif kind in ("B", "I"):
+                for switch in syncs:
+                    switch(action is backwards[-1])
+                out = outputs.pop(mb)
+                grad = None if out.dim() == 0 else torch.ones_like(out)
+                out.backward(grad)
+    collectives = {key: (calls, nbytes) for key, (calls, nbytes) in stats.records.items()}
+    if pp > 1:
+        _add_pipeline_messages(collectives, schedule, stage, mb_size, config,
+                               activation_dtype)
+    in_flight = (activation_liveness(schedule, pp_rank=stage, stage_indices=[stage],
+                                     granularity="stage_microbatch").num_slots
+                 if schedule is not None else 1)
+    return RankReport(
+        rank=dist.get_rank(), coordinate=coordinate, layers=(first, last), parameters=params,
+        parameter_bytes=param_bytes, gradient_bytes=param_bytes,
+        optimizer_bytes=2 * params * 4, activation_bytes_per_microbatch=saved.bytes,
+        microbatches_in_flight=in_flight, collectives=collectives)
+
+
+def _add_pipeline_messages(collectives: dict, schedule, stage: int, mb_size: int,
+                           config: TransformerConfig, dtype: torch.dtype) -> None:
+    """The activations and their gradients this rank's stage sends and receives in one step:
+    one tensor of ``(micro-batch, seq, dim)`` per micro-batch and boundary, each way."""
+    nbytes = mb_size * config.seq * config.dim * torch.empty((), dtype=dtype).element_size()
+    forwards = sum(1 for a in schedule.actions[stage] if a.kind == "F")
+    backwards = sum(1 for a in schedule.actions[stage] if a.kind in ("B", "I"))
+    counts = {"send": 0, "recv": 0}
+    if stage < schedule.stages - 1:
+        counts["send"] += forwards
+        counts["recv"] += backwards
+    if stage > 0:
+        counts["recv"] += forwards
+        counts["send"] += backwards
+    for kind, calls in counts.items():
+        if calls:
+            collectives[(kind, "pp")] = (calls, calls * nbytes)
