@@ -59,7 +59,7 @@ from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 
 __all__ = ["StageLinks", "Shape", "Layout", "layout_of", "gradient_layout", "describe",
-           "MAX_TENSORS"]
+           "MAX_TENSORS", "HEADER_BYTES"]
 
 Shape = tuple[tuple[int, ...], torch.dtype]
 Layout = tuple[Shape, ...]  # the tensors one stage passes to the next, in order
@@ -70,6 +70,7 @@ _MAX_DIMS = 8
 MAX_TENSORS = 8  # per boundary
 _PART = 2 + _MAX_DIMS  # ndim, dtype code, sizes
 _HEADER = 1 + MAX_TENSORS * _PART  # the part count (-1: the sender failed first), the parts
+HEADER_BYTES = _HEADER * 8  # int64 fields: what a step's header costs on the wire
 _FAILED = -1
 _ALIGN = 8  # bytes: every packed part starts at a multiple, so it is viewed in place
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from devmesh._torch_compat import fake_store, storage_key
 from devmesh.errors import DryRunError
@@ -36,7 +37,8 @@ from devmesh.layout.liveness import activation_liveness
 from devmesh.layout.schedule import build_schedule
 from devmesh.tools.dry_run.model import Transformer, TransformerConfig, stage_layers, tp_plan
 
-__all__ = ["DIM_ORDER", "RankReport", "dry_run", "parse_mesh", "ranks_to_report"]
+__all__ = ["DIM_ORDER", "RankReport", "dry_run", "parse_mesh", "ranks_to_report",
+           "build_rank_model"]
 
 DIM_ORDER = ("pp", "dp", "shard", "tp")  # outer to inner: tensor parallelism inside a host
 _ALIASES = {"fsdp": "shard", "dp_shard": "shard", "dp_replicate": "dp"}
@@ -121,18 +123,26 @@ def _fake_world(rank: int, world: int) -> Iterator[None]:
 
 
 class _SavedBytes:
-    """Bytes autograd saves for backward while active, each storage counted once."""
+    """Bytes autograd saves for backward while active, each storage counted once, parameters
+    (and views of them) not counted: a probe forward's activations."""
 
-    def __init__(self) -> None:
+    def __init__(self, model: torch.nn.Module) -> None:
         self.bytes = 0
+        self._model = model
         self._counted: set[int] = set()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
-        if key not in self._counted:
+        if key not in self._counted and key not in self._parameter_storages():
             self._counted.add(key)
             self.bytes += t.untyped_storage().nbytes()
         return t
+
+    def _parameter_storages(self) -> set[int]:
+        """The storages of what the modules hold now (a unit's gathered parameters while
+        its forward runs), DTensor parameters by their local blocks."""
+        return {storage_key(p.to_local() if isinstance(p, DTensor) else p)
+                for p in self._model.parameters()}
 
     def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
         return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
@@ -177,34 +187,18 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
 
 def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
           microbatches: int, mb_size: int, device: str) -> RankReport:
-    from devmesh import comm_stats, init_device_mesh
-    from devmesh.parallel import MixedPrecisionPolicy, fully_shard, parallelize_module, replicate
+    from devmesh import comm_stats
 
+    mesh, model = build_rank_model(config, dims, device)
     names = tuple(dims)
-    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=names)
     coordinate = dict(zip(names, mesh.get_coordinate() or ()))
     pp, stage = dims.get("pp", 1), coordinate.get("pp", 0)
     first, last = stage_layers(config, pp, stage)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Transformer(config, first, last)
-    if "tp" in dims:
-        parallelize_module(model, mesh["tp"], tp_plan(model))
     compute = config.torch_dtype
-    if "shard" in dims:
-        data_mesh = mesh["dp", "shard"] if "dp" in dims else mesh["shard"]
-        policy = (MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-                  if compute != torch.float32 else None)
-        for block in model.layers.values():
-            fully_shard(block, mesh=data_mesh, mp_policy=policy)
-        fully_shard(model, mesh=data_mesh, mp_policy=policy)
-    elif "dp" in dims:
-        replicate(model, mesh=mesh["dp"])
     params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     activation_dtype = compute if "shard" in dims else torch.float32
 
-    saved = _SavedBytes()
     gen = torch.Generator().manual_seed(0)
 
     def tokens() -> torch.Tensor:
@@ -225,20 +219,22 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
                          for m in model.modules()) if m is not None]
     backwards = [a for a in actions if (a.kind if schedule else a[0]) in ("B", "I")]
     outputs: dict[int, torch.Tensor] = {}
-    first_forward = True
+    # the activations of one micro-batch, from a forward before the step (not counted:
+    # saved-tensor hooks of one's own change what FSDP saves, so the step runs without them)
+    saved = _SavedBytes(model)
+    with saved.hooks():
+        probe = model(tokens() if stage == 0 else hidden())
+        if last == config.layers:
+            probe = F.cross_entropy(probe.flatten(0, 1).float(), tokens().flatten())
+    del probe
     with comm_stats() as stats:
         for action in actions:
             kind, mb = (action.kind, action.microbatch) if schedule else action
             if kind == "F":
-                x = tokens() if stage == 0 else hidden()
-                counting = saved.hooks() if first_forward else contextlib.nullcontext()
-                with counting:
-                    out = model(x)
-                    if last == config.layers:
-                        target = tokens()
-                        out = F.cross_entropy(out.flatten(0, 1).float(), target.flatten())
-                        out = out / microbatches
-                first_forward = False
+                out = model(tokens() if stage == 0 else hidden())
+                if last == config.layers:
+                    out = F.cross_entropy(out.flatten(0, 1).float(), tokens().flatten())
+                    out = out / microbatches
                 outputs[mb] = out
             elif kind in ("B", "I"):
                 for switch in syncs:
@@ -260,20 +256,57 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
         microbatches_in_flight=in_flight, collectives=collectives)
 
 
+def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: str = "meta"
+                     ) -> tuple[object, Transformer]:
+    """This rank's mesh and its part of the model, parallelized as a real run does: its
+    pipeline stage's layers, tensor parallelism over ``tp`` (torchtitan's plan), then FSDP
+    over ``shard`` (HSDP with ``dp``: each block a unit, then the root; parameters in float32,
+    computing in the config's dtype) or, without ``shard``, DDP over ``dp``."""
+    from devmesh import init_device_mesh
+    from devmesh.parallel import MixedPrecisionPolicy, fully_shard, parallelize_module, replicate
+
+    names = tuple(dims)
+    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=names)
+    coordinate = dict(zip(names, mesh.get_coordinate() or ()))
+    first, last = stage_layers(config, dims.get("pp", 1), coordinate.get("pp", 0))
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Transformer(config, first, last)
+    if "tp" in dims:
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+    compute = config.torch_dtype
+    if "shard" in dims:
+        data_mesh = mesh["dp", "shard"] if "dp" in dims else mesh["shard"]
+        policy = (MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+                  if compute != torch.float32 else None)
+        for block in model.layers.values():
+            fully_shard(block, mesh=data_mesh, mp_policy=policy)
+        fully_shard(model, mesh=data_mesh, mp_policy=policy)
+    elif "dp" in dims:
+        replicate(model, mesh=mesh["dp"])
+    return mesh, model
+
+
 def _add_pipeline_messages(collectives: dict, schedule, stage: int, mb_size: int,
                            config: TransformerConfig, dtype: torch.dtype) -> None:
-    """The activations and their gradients this rank's stage sends and receives in one step:
-    one tensor of ``(micro-batch, seq, dim)`` per micro-batch and boundary, each way."""
+    """The messages this rank's stage sends and receives in one step, as devmesh's runner
+    sends them: per micro-batch, one activation of ``(micro-batch, seq, dim)`` forward across
+    each boundary and its gradient back, and before a step's first activation a header
+    announcing its shape."""
+    from devmesh.parallel.pipeline.messages import HEADER_BYTES
+
     nbytes = mb_size * config.seq * config.dim * torch.empty((), dtype=dtype).element_size()
     forwards = sum(1 for a in schedule.actions[stage] if a.kind == "F")
     backwards = sum(1 for a in schedule.actions[stage] if a.kind in ("B", "I"))
-    counts = {"send": 0, "recv": 0}
-    if stage < schedule.stages - 1:
-        counts["send"] += forwards
-        counts["recv"] += backwards
-    if stage > 0:
-        counts["recv"] += forwards
-        counts["send"] += backwards
-    for kind, calls in counts.items():
+    counts = {"send": [0, 0], "recv": [0, 0]}
+    if stage < schedule.stages - 1:  # to the next stage, and back from it
+        counts["send"] = [forwards + 1, forwards * nbytes + HEADER_BYTES]
+        counts["recv"] = [backwards, backwards * nbytes]
+    if stage > 0:  # from the previous stage, and back to it
+        counts["recv"][0] += forwards + 1
+        counts["recv"][1] += forwards * nbytes + HEADER_BYTES
+        counts["send"][0] += backwards
+        counts["send"][1] += backwards * nbytes
+    for kind, (calls, total) in counts.items():
         if calls:
-            collectives[(kind, "pp")] = (calls, calls * nbytes)
+            collectives[(kind, "pp")] = (calls, total)
