@@ -68,3 +68,63 @@ def pipelined_step(dims):
     with comm_stats() as stats:
         runner.step(x if stage == 0 else None, x if stage == 1 else None)
     return {key: tuple(value) for key, value in stats.records.items()}
+
+
+def test_a_llama_3_8b_job_of_1024_ranks_is_planned_here(capsys):
+    """pp 4 x dp 32 x tp 8 with the Llama-3-8B shape: one rank per pipeline stage measured
+    in this process. Each stage's parameters are its layers' (tensor-parallel blocks split 8
+    ways) plus the embedding on the first and the head on the last; every rank all-reduces
+    its gradients over dp and its blocks' activations over tp, and sends its pipeline
+    neighbours one activation (and gradient) per micro-batch."""
+    from devmesh.tools.dry_run import ranks_to_report, read_config
+
+    config = read_config("llama3-8b")
+    dims = {"pp": 4, "dp": 32, "tp": 8}
+    reports = [dry_run(config, dims, rank=rank) for rank in ranks_to_report(dims)]
+    assert [r.rank for r in reports] == [0, 256, 512, 768]
+    kv = config.kv_heads * config.head_dim
+    block = 2 * config.dim ** 2 + 2 * config.dim * kv + 3 * config.dim * config.ffn_dim
+    expected = (config.layers * (block // 8 + 2 * config.dim) + 2 * config.vocab * config.dim
+                + config.dim)
+    assert sum(r.parameters for r in reports) == expected
+    assert [r.microbatches_in_flight for r in reports] == [4, 3, 2, 1]  # 1F1B's warm-up
+    activation = 4 * config.seq * config.dim * 4  # 4 sequences per micro-batch, float32
+    for stage, r in enumerate(reports):
+        assert r.parameter_bytes == 4 * r.parameters and r.optimizer_bytes == 8 * r.parameters
+        assert r.collectives[("all_reduce", "dp")][0] >= 1
+        # per layer and micro-batch: 2 row-wise outputs forward, 5 column-wise inputs back
+        assert r.collectives[("all_reduce", "tp")][0] == 8 * 8 * (2 + 5)
+        # 8 activations to the next stage (and a header announcing them), 8 gradients back
+        onward, back = stage < 3, stage > 0
+        assert r.collectives[("send", "pp")] == (
+            8 * (onward + back) + onward, 8 * (onward + back) * activation + 648 * onward)
+    assert max(r.seconds for r in reports) < 120
+    print("1024-rank dry run: " + ", ".join(f"{r.seconds:.1f} s" for r in reports))
+
+
+def test_devmesh_plan_model_prints_each_role_and_says_whether_it_fits(tmp_path):
+    import subprocess
+    import sys
+
+    bench = tmp_path / "bench.json"
+    bench.write_text('{"collectives": [{"dim": "shard", "busbw_gbs": 50.0}, '
+                     '{"dim": "tp", "busbw_gbs": 200.0}, {"dim": "pp", "busbw_gbs": 25.0}]}')
+    done = subprocess.run(
+        [sys.executable, "-m", "devmesh", "plan", "--model", "tiny:batch=32", "--mesh",
+         "pp=2,fsdp=2,tp=2", "--device-memory", "512KiB", "--tflops", "10", "--costs",
+         str(bench)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr  # the tiny model does not fit in 512 KiB
+    out = done.stdout
+    assert "mesh: pp 2 x shard 2 x tp 2 = 8 ranks; 1f1b, 4 micro-batches" in out
+    assert "rank 0 (pp 0, shard 0, tp 0): layers 0..1" in out
+    assert "rank 4 (pp 1, shard 0, tp 0): layers 2..3" in out
+    assert out.count("does NOT fit in 512.00 KiB") == 2
+    assert out.count("predicted step") == 2 and "comm tp" in out and "bubble" in out
+    for args, words in ((["--mesh", "pp=2,xx=4"], "'xx=4' is not NAME=SIZE"),
+                        (["--mesh", "tp=3"], "tp 3 does not divide the heads"),
+                        (["--mesh", "shard=3"], "does not split over 3 data-parallel ranks"),
+                        (["--mesh", "shard=2", "--tflops", "1"], "no bandwidth for mesh dims "
+                                                                 "'shard'")):
+        done = subprocess.run([sys.executable, "-m", "devmesh", "plan", "--model", "tiny",
+                               *args], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 2 and words in done.stderr, done.stderr

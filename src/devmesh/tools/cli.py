@@ -142,9 +142,40 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_dry_run(args: argparse.Namespace) -> int:
+    """``devmesh plan --model CONFIG --mesh ...``: one rank per role measured in this
+    process (devmesh.tools.dry_run)."""
+    from devmesh.errors import DryRunError
+    from devmesh.tools.dry_run import dry_run, parse_mesh, ranks_to_report, read_config
+    from devmesh.tools.dry_run.report import format_reports, parse_bytes, read_costs
+
+    try:
+        if args.mesh is None:
+            raise DryRunError("--model needs --mesh, e.g. --mesh pp=4,dp=32,tp=8")
+        config = read_config(args.model)
+        dims = parse_mesh(args.mesh)
+        schedule = args.schedule or "1f1b"
+        pp = dims.get("pp", 1)
+        microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
+        costs = read_costs(args.tflops, args.bandwidth, args.costs)
+        memory = parse_bytes(args.device_memory) if args.device_memory else None
+        ranks = [args.rank] if args.rank is not None else ranks_to_report(dims)
+        reports = [dry_run(config, dims, rank=rank, schedule=schedule,
+                           microbatches=microbatches) for rank in ranks]
+        print(format_reports(config, dims, reports, schedule=schedule,
+                             microbatches=microbatches, costs=costs, device_memory=memory))
+    except DryRunError as exc:
+        print(f"devmesh plan: error: {exc}", file=sys.stderr)
+        return 2
+    fits = memory is None or all(r.total_bytes <= memory for r in reports)
+    return 0 if fits else 1
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from devmesh.tools.cluster_plan import ModelSize, plan_cluster
 
+    if args.model is not None:
+        return _cmd_dry_run(args)
     if args.schedule is not None:
         return _cmd_schedule(args)
     missing = [f"--{n.replace('_', '-')}" for n in ("hosts", "devices_per_host")
@@ -489,6 +520,27 @@ def _add_plan(sub) -> None:
     plan.add_argument("--messages", choices=("gloo", "nccl"), default=None,
                       help="with --schedule: the batches of sends and receives each rank "
                            "starts on that backend, and for nccl whether it can deadlock")
+    dry = plan.add_argument_group(
+        "dry run of a model (one process, no devices: meta tensors, torch's fake process group)")
+    dry.add_argument("--model", default=None,
+                     help="a transformer: a preset (llama3-8b, llama3-70b, llama3-405b, tiny), "
+                          "a JSON file of its fields, or PRESET:key=value,... (e.g. "
+                          "llama3-8b:seq=4096,batch=512)")
+    dry.add_argument("--mesh", default=None,
+                     help="with --model: the mesh, outer to inner, e.g. pp=4,dp=32,tp=8 "
+                          "(dp replicates; shard (or fsdp) shards; both: HSDP)")
+    dry.add_argument("--rank", type=int, default=None,
+                     help="with --model: this rank only (default: one rank per pipeline stage)")
+    dry.add_argument("--device-memory", default=None,
+                     help="with --model: say whether each rank fits, e.g. 80GB or 80GiB")
+    dry.add_argument("--tflops", type=float, default=None,
+                     help="with --model: the device's dense throughput, for a predicted step "
+                          "time")
+    dry.add_argument("--bandwidth", default=None,
+                     help="with --tflops: bus bandwidth in GB/s, one number or per dims "
+                          "(tp=300,dp=25)")
+    dry.add_argument("--costs", default=None,
+                     help="with --tflops: bandwidths measured by devmesh bench --json")
     plan.set_defaults(handler=_cmd_plan)
 
 

@@ -73,6 +73,7 @@ class RankReport:
     optimizer_bytes: int
     activation_bytes_per_microbatch: int
     microbatches_in_flight: int
+    compute_dtype: str = "float32"
     collectives: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     seconds: float = 0.0
 
@@ -202,12 +203,17 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     gen = torch.Generator().manual_seed(0)
 
     def tokens() -> torch.Tensor:
-        t = torch.randint(0, config.vocab, (mb_size, config.seq), generator=gen)
-        return t.to(device)
+        if device == "meta":
+            return torch.empty(mb_size, config.seq, dtype=torch.int64, device=device)
+        return torch.randint(0, config.vocab, (mb_size, config.seq), generator=gen)
 
     def hidden() -> torch.Tensor:
-        h = torch.randn(mb_size, config.seq, config.dim, generator=gen, dtype=torch.float32)
-        return h.to(device=device, dtype=activation_dtype).requires_grad_(True)
+        shape = (mb_size, config.seq, config.dim)
+        if device == "meta":
+            h = torch.empty(shape, dtype=activation_dtype, device=device)
+        else:
+            h = torch.randn(shape, generator=gen).to(activation_dtype)
+        return h.requires_grad_(True)
 
     if pp > 1:
         schedule = build_schedule(schedule_name, pp, microbatches)
@@ -253,7 +259,8 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
         rank=dist.get_rank(), coordinate=coordinate, layers=(first, last), parameters=params,
         parameter_bytes=param_bytes, gradient_bytes=param_bytes,
         optimizer_bytes=2 * params * 4, activation_bytes_per_microbatch=saved.bytes,
-        microbatches_in_flight=in_flight, collectives=collectives)
+        microbatches_in_flight=in_flight, compute_dtype=str(activation_dtype).split(".")[-1],
+        collectives=collectives)
 
 
 def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: str = "meta"

@@ -1,0 +1,181 @@
+"""What ``devmesh plan --model`` prints: per rank, the memory it holds and the collectives of
+one step; with costs (a device throughput and link bandwidths, or ``devmesh bench --json``
+from the target cluster), the predicted step time and its parts.
+
+The time model is deliberately simple and says so: compute is the step's matmul and
+attention FLOPs at the stated throughput; each collective takes its bytes times the ring
+factor of its kind over the stated (or measured) bus bandwidth of its mesh dims, not
+overlapped with compute (an upper bound); a pipeline adds its schedule's bubble.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from devmesh.errors import DryRunError
+from devmesh.layout.schedule import build_schedule
+from devmesh.tools.commbench import FACTORS
+from devmesh.tools.dry_run.model import TransformerConfig
+from devmesh.tools.dry_run.run import RankReport
+
+__all__ = ["Costs", "read_costs", "step_flops", "predict", "format_reports", "parse_bytes"]
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_bytes(text: str) -> int:
+    """``"80GB"`` (powers of 10), ``"80GiB"`` (powers of 2) or a plain number of bytes."""
+    number = text.rstrip("BbKkMmGgTtIi")
+    unit = text[len(number):].upper()
+    try:
+        return int(float(number) * _UNITS[unit])
+    except (KeyError, ValueError):
+        raise DryRunError(f"{text!r} is not a size: write e.g. 80GB or 80GiB") from None
+
+
+@dataclass(frozen=True)
+class Costs:
+    """A device's dense throughput (TFLOP/s) and bus bandwidths (GB/s) by mesh dims, with
+    ``default`` for dims not listed."""
+
+    tflops: float
+    bandwidth: dict[str, float]
+    default: float | None = None
+
+    def bus_bandwidth(self, dims: str) -> float:
+        value = self.bandwidth.get(dims, self.default)
+        if value is None:
+            raise DryRunError(f"no bandwidth for mesh dims {dims!r}: give --bandwidth "
+                              f"{dims}=GBps (or one number for every dim), or measure it "
+                              "with devmesh bench --json on the target cluster")
+        return value
+
+
+def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | None
+               ) -> Costs | None:
+    """The costs the user gave: ``--tflops``, ``--bandwidth 300`` or ``tp=300,dp=25``, and
+    ``--costs FILE`` (``devmesh bench --json``: the best bus bandwidth measured per dim)."""
+    if tflops is None and bandwidth is None and bench_json is None:
+        return None
+    if tflops is None:
+        raise DryRunError("a predicted step time needs --tflops (the device's dense "
+                          "throughput, TFLOP/s) besides the bandwidths")
+    by_dims: dict[str, float] = {}
+    default = None
+    if bench_json:
+        try:
+            rows = json.loads(Path(bench_json).read_text())["collectives"]
+            for row in rows:
+                by_dims[row["dim"]] = max(by_dims.get(row["dim"], 0.0), row["busbw_gbs"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise DryRunError(f"--costs {bench_json}: not a devmesh bench --json file "
+                              f"({exc})") from None
+    if bandwidth:
+        for item in bandwidth.split(","):
+            name, _, value = item.rpartition("=")
+            try:
+                if name:
+                    by_dims[name] = float(value)
+                else:
+                    default = float(value)
+            except ValueError:
+                raise DryRunError(f"--bandwidth {bandwidth!r}: write GB/s as a number, or "
+                                  "DIMS=GBps, comma-separated") from None
+    return Costs(tflops, by_dims, default)
+
+
+def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, int]) -> float:
+    """The FLOPs one rank computes in a step: forward and backward (3x forward) of its
+    layers' matmuls (split by tp) and causal attention, and the output head on the last
+    stage, over its share of the batch."""
+    tp = dims.get("tp", 1)
+    data = dims.get("dp", 1) * dims.get("shard", 1)
+    tokens = config.batch // data * config.seq
+    kv = config.kv_heads * config.head_dim
+    matmul = (2 * config.dim * config.dim + 2 * config.dim * kv
+              + 3 * config.dim * config.ffn_dim) / tp
+    attention = 2 * config.seq * config.dim / tp  # QK^T and AV, causal: half of 4 s d
+    first, last = report.layers
+    per_token = (last - first) * (2 * matmul + attention)
+    if last == config.layers:
+        per_token += 2 * config.dim * config.vocab
+    return 3 * per_token * tokens
+
+
+def _ranks_of(dims_label: str, dims: dict[str, int]) -> int:
+    n = 1
+    for name in dims_label.split("+"):
+        n *= dims.get(name, 1)
+    return n
+
+
+def predict(config: TransformerConfig, dims: dict[str, int], report: RankReport,
+            costs: Costs, schedule: str, microbatches: int) -> dict[str, float]:
+    """The step's predicted seconds by part: ``compute``, one entry per mesh dims'
+    communication, ``bubble`` (a pipeline's idle time), and ``step`` (their sum)."""
+    parts = {"compute": step_flops(config, report, dims) / (costs.tflops * 1e12)}
+    for (kind, label), (_, nbytes) in sorted(report.collectives.items()):
+        factor = FACTORS[kind](_ranks_of(label, dims)) if kind in FACTORS else 1.0
+        key = f"comm {label}"
+        parts[key] = parts.get(key, 0.0) + nbytes * factor / (costs.bus_bandwidth(label) * 1e9)
+    busy = sum(parts.values())
+    pp = dims.get("pp", 1)
+    bubble = build_schedule(schedule, pp, microbatches).bubble() if pp > 1 else 0.0
+    parts["bubble"] = busy * bubble / (1 - bubble)
+    parts["step"] = busy + parts["bubble"]
+    return parts
+
+
+def _gib(nbytes: float) -> str:
+    """A size in the largest binary unit under which it is at least 1."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:,.2f} {unit}"
+    return f"{nbytes:,.0f} B"
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:,.2f} s" if seconds >= 1 else f"{seconds * 1e3:,.3g} ms"
+
+
+def format_reports(config: TransformerConfig, dims: dict[str, int], reports: list[RankReport],
+                   *, schedule: str, microbatches: int, costs: Costs | None = None,
+                   device_memory: int | None = None) -> str:
+    world = 1
+    for size in dims.values():
+        world *= size
+    mesh = " x ".join(f"{name} {size}" for name, size in dims.items())
+    lines = [f"dry run: {config.describe()}",
+             f"mesh: {mesh} = {world} ranks"
+             + (f"; {schedule}, {microbatches} micro-batches" if dims.get("pp", 1) > 1 else "")]
+    for report in reports:
+        where = ", ".join(f"{k} {v}" for k, v in report.coordinate.items())
+        lines.append("")
+        lines.append(f"rank {report.rank} ({where}): layers {report.layers[0]}.."
+                     f"{report.layers[1] - 1}, {report.parameters:,} parameters here "
+                     f"(measured in {report.seconds:.1f} s)")
+        lines.append(f"  parameters {_gib(report.parameter_bytes):>14}   (float32)")
+        lines.append(f"  gradients  {_gib(report.gradient_bytes):>14}")
+        lines.append(f"  AdamW      {_gib(report.optimizer_bytes):>14}   (2 states)")
+        lines.append(f"  activations{_gib(report.activation_bytes):>14}   "
+                     f"({_gib(report.activation_bytes_per_microbatch)} per micro-batch x "
+                     f"{report.microbatches_in_flight} in flight, {report.compute_dtype}"
+                     + (": the config's dtype applies through FSDP's MixedPrecisionPolicy"
+                        if report.compute_dtype != config.dtype else "") + ")")
+        verdict = ""
+        if device_memory is not None:
+            verdict = ("   fits" if report.total_bytes <= device_memory else
+                       f"   does NOT fit in {_gib(device_memory)}")
+        lines.append(f"  total      {_gib(report.total_bytes):>14}{verdict}")
+        lines.append(f"  {'collective':<16}{'mesh dims':<14}{'calls':>7}{'bytes':>18}")
+        for (kind, label), (calls, nbytes) in sorted(report.collectives.items()):
+            lines.append(f"  {kind:<16}{label:<14}{calls:>7}{nbytes:>18,}")
+        if costs is not None:
+            parts = predict(config, dims, report, costs, schedule, microbatches)
+            shown = ", ".join(f"{name} {_seconds(seconds)}" for name, seconds in
+                              parts.items() if name != "step" and seconds > 0)
+            lines.append(f"  predicted step {_seconds(parts['step'])}: {shown}")
+    return "\n".join(lines)
