@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from devmesh._torch_compat import cpu_flash_attention
 from devmesh.errors import DryRunError as ConfigError
 
 __all__ = ["TransformerConfig", "PRESETS", "read_config", "Transformer", "Block",
@@ -138,8 +139,16 @@ class Attention(nn.Module):
         b, s, _ = x.shape
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                             enable_gqa=q.shape[1] != k.shape[1])
+        if q.is_meta:
+            # on meta, torch picks the math path, whose saved scores grow with seq x seq; a
+            # real run uses a fused kernel saving q, k, v, the output and its log-sum-exp:
+            # run that one (its meta kernel), k and v repeated to the query heads
+            if k.shape[1] != q.shape[1]:
+                k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+            out = cpu_flash_attention()(q, k, v, 0.0, True)[0]
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                 enable_gqa=q.shape[1] != k.shape[1])
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
