@@ -1745,3 +1745,35 @@ def test_torch_2_15s_fsdp_residency_options_are_taken_and_checked():
                                                           "non-negative integer")):
         with pytest.raises(PipelineError, match=words):
             ScheduleInterleaved1F1B(stages, 4, F.mse_loss, **kwargs)
+
+
+_TORCH_STAGE_CONTEXT = """
+import contextlib
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from devmesh.parallel.pipeline.torch_api import _devmesh_stage
+
+dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+seen = []
+stage = PipelineStage(nn.Linear(2, 2), 0, 2, "cpu")
+stage.register_forward_context(lambda info: seen.append(info) or contextlib.nullcontext())
+ours = _devmesh_stage(stage)
+with ours.forward_context(3):
+    pass
+assert [(i.stage_index, i.microbatch_index) for i in seen] == [(0, 3)], seen
+print("kept")
+"""
+
+
+def test_a_torch_stage_keeps_its_forward_context_on_devmesh_schedules():
+    from torch.distributed.pipelining import PipelineStage as TorchStage
+
+    if not hasattr(TorchStage, "register_forward_context"):
+        pytest.skip("this torch's PipelineStage has no register_forward_context (torch 2.15 "
+                    "added it): checked under .ci/compat 2.15.0")
+    done = subprocess.run([sys.executable, "-c", _TORCH_STAGE_CONTEXT], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "kept", done.stderr[-3000:]

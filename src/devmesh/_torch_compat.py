@@ -39,7 +39,7 @@ __all__ = [
     "clear_dtensor_caches", "import_dynamo", "IncompatibleKeys", "strided_shard_type",
     "pipeline_stage_types", "cpu_flash_attention", "cpu_flash_attention_backward",
     "modify_graph_op_device", "compiled_module_inner", "composable_replicate_state",
-    "has_composable_replicate", "storage_key", "fake_store", "TORCH_RELEASE", "FSDP_REDUCES_IN_PARAM_DTYPE",
+    "has_composable_replicate", "storage_key", "fake_store", "stage_forward_contexts", "TORCH_RELEASE", "FSDP_REDUCES_IN_PARAM_DTYPE",
 ]
 
 SUPPORTED_TORCH = ">=2.13,<2.16"  # pyproject.toml's requirement (checked by a test)
@@ -333,6 +333,13 @@ def pipeline_stage_types() -> tuple[type, type]:
     stage = _import("torch.distributed.pipelining.stage")
     where = "torch.distributed.pipelining.stage"
     return _require(stage, "_PipelineStageBase", where), _require(stage, "_PipelineStage", where)
+
+
+def stage_forward_contexts(stage: object) -> list[Callable]:
+    """The context factories registered on a torch ``PipelineStage`` with its
+    ``register_forward_context`` (torch 2.15; none before), so a stage handed to devmesh's
+    schedules keeps them."""
+    return list(getattr(stage, "_forward_contexts", {}).values())
 
 
 def modify_graph_op_device(module: torch.nn.Module, device: torch.device) -> None:

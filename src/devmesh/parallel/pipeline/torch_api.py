@@ -55,11 +55,17 @@ def _devmesh_stage(stage: Any) -> PipelineStage:
         return stage
     stage_base, traced_stage = _torch_compat.pipeline_stage_types()
     if isinstance(stage, traced_stage):  # traced: the route between stages is rewritten
-        return build_stage(stage.submod, stage.stage_index, stage.pipe_info, stage.device,
+        ours = build_stage(stage.submod, stage.stage_index, stage.pipe_info, stage.device,
                            stage.group)
-    if isinstance(stage, stage_base):
-        return PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device,
+    elif isinstance(stage, stage_base):
+        ours = PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device,
                              group=stage.group, dw_builder=stage.dw_builder)
+    else:
+        ours = None
+    if ours is not None:
+        for factory in _torch_compat.stage_forward_contexts(stage):  # torch 2.15's contexts
+            ours.register_forward_context(factory)
+        return ours
     raise PipelineError(f"a schedule takes PipelineStage objects (devmesh's or torch's), not "
                         f"{type(stage).__name__}: wrap the module in PipelineStage(module, "
                         "stage_index, num_stages, device)")
