@@ -149,15 +149,18 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
     from devmesh.tools.dry_run import dry_run, parse_mesh, ranks_to_report, read_config
     from devmesh.tools.dry_run.report import format_reports, parse_bytes, read_costs
 
+    if args.search or args.world is not None:
+        return _cmd_search(args)
     try:
         if args.mesh is None:
-            raise DryRunError("--model needs --mesh, e.g. --mesh pp=4,dp=32,tp=8")
+            raise DryRunError("--model needs --mesh, e.g. --mesh pp=4,dp=32,tp=8 (or --world "
+                              "N --search to choose one)")
         config = read_config(args.model)
         dims = parse_mesh(args.mesh)
         schedule = args.schedule or "1f1b"
         pp = dims.get("pp", 1)
         microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
-        costs = read_costs(args.tflops, args.bandwidth, args.costs)
+        costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency)
         memory = parse_bytes(args.device_memory) if args.device_memory else None
         ranks = [args.rank] if args.rank is not None else ranks_to_report(dims)
         reports = [dry_run(config, dims, rank=rank, schedule=schedule,
@@ -169,6 +172,39 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
         return 2
     fits = memory is None or all(r.total_bytes <= memory for r in reports)
     return 0 if fits else 1
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    """``devmesh plan --model CONFIG --world N --search``: the candidates ranked
+    (devmesh.tools.dry_run.search)."""
+    from devmesh.errors import DryRunError
+    from devmesh.tools.dry_run import read_config
+    from devmesh.tools.dry_run.report import parse_bytes, read_costs
+    from devmesh.tools.dry_run.search import format_search, search
+
+    try:
+        if not (args.search and args.world is not None):
+            raise DryRunError("a mesh search needs both --world N (the ranks) and --search")
+        if args.mesh is not None:
+            raise DryRunError("--search chooses the mesh: drop --mesh (or drop --search and "
+                              "--world to dry-run that mesh)")
+        config = read_config(args.model)
+        costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency)
+        if costs is None:
+            raise DryRunError("--search ranks meshes by predicted step time: give --tflops "
+                              "and --bandwidth (e.g. --tflops 400 --bandwidth tp=300,25) or "
+                              "--costs FILE from devmesh bench --json")
+        memory = parse_bytes(args.device_memory) if args.device_memory else None
+        if args.top < 1 or args.verify < 0:
+            raise DryRunError("--top must be at least 1 and --verify at least 0")
+        result = search(config, args.world, costs, device_memory=memory,
+                        devices_per_host=args.devices_per_host or 8, verify=args.verify,
+                        progress=lambda text: print(text, file=sys.stderr, flush=True))
+    except DryRunError as exc:
+        print(f"devmesh plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_search(result, top=args.top))
+    return 0 if result.ranked else 1
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
@@ -541,6 +577,20 @@ def _add_plan(sub) -> None:
                           "(tp=300,dp=25)")
     dry.add_argument("--costs", default=None,
                      help="with --tflops: bandwidths measured by devmesh bench --json")
+    dry.add_argument("--latency", default=None,
+                     help="with --tflops: what each collective call or message costs besides "
+                          "its bytes, e.g. 20us")
+    dry.add_argument("--world", type=int, default=None,
+                     help="with --model --search: the number of ranks to choose a mesh for")
+    dry.add_argument("--search", action="store_true",
+                     help="with --model --world: rank every mesh, schedule and micro-batch "
+                          "count by predicted step time (needs --tflops and --bandwidth or "
+                          "--costs); drops those over --device-memory; tp at most "
+                          "--devices-per-host (default 8)")
+    dry.add_argument("--top", type=int, default=5, help="with --search: candidates printed")
+    dry.add_argument("--verify", type=int, default=5,
+                     help="with --search: the best this many by the closed form are measured "
+                          "by the dry run and ranked again (0: none)")
     plan.set_defaults(handler=_cmd_plan)
 
 

@@ -178,16 +178,17 @@ class Block(nn.Module):
 
 class Transformer(nn.Module):
     """Layers ``first..last-1`` of the model; the embedding on the stage holding layer 0,
-    the final norm and output head on the one holding the last layer (a pipeline stage)."""
+    the final norm and output head on the one holding the last layer (a pipeline stage), or
+    where ``head`` says (a stage built with fewer of its blocks)."""
 
-    def __init__(self, config: TransformerConfig, first: int = 0, last: int | None = None
-                 ) -> None:
+    def __init__(self, config: TransformerConfig, first: int = 0, last: int | None = None,
+                 *, head: bool | None = None) -> None:
         super().__init__()
         last = config.layers if last is None else last
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab, config.dim) if first == 0 else None
         self.layers = nn.ModuleDict({str(i): Block(config) for i in range(first, last)})
-        end = last == config.layers
+        end = last == config.layers if head is None else head
         self.norm = RMSNorm(config.dim) if end else None
         self.output = nn.Linear(config.dim, config.vocab, bias=False) if end else None
 

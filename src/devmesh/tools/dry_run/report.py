@@ -4,12 +4,14 @@ from the target cluster), the predicted step time and its parts.
 
 The time model is deliberately simple and says so: compute is the step's matmul and
 attention FLOPs at the stated throughput; each collective takes its bytes times the ring
-factor of its kind over the stated (or measured) bus bandwidth of its mesh dims, not
-overlapped with compute (an upper bound); a pipeline adds its schedule's bubble.
+factor of its kind over the stated (or measured) bus bandwidth of its mesh dims, plus a
+stated latency per call, not overlapped with compute (an upper bound); a pipeline adds its
+schedule's bubble.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from devmesh.tools.commbench import FACTORS
 from devmesh.tools.dry_run.model import TransformerConfig
 from devmesh.tools.dry_run.run import RankReport
 
-__all__ = ["Costs", "read_costs", "step_flops", "predict", "format_reports", "parse_bytes"]
+__all__ = ["Costs", "read_costs", "parse_seconds", "schedule_bubble", "step_flops", "predict", "format_reports", "parse_bytes"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -39,11 +41,13 @@ def parse_bytes(text: str) -> int:
 @dataclass(frozen=True)
 class Costs:
     """A device's dense throughput (TFLOP/s) and bus bandwidths (GB/s) by mesh dims, with
-    ``default`` for dims not listed."""
+    ``default`` for dims not listed, and a fixed ``latency`` (seconds) each collective call
+    or message costs besides its bytes."""
 
     tflops: float
     bandwidth: dict[str, float]
     default: float | None = None
+    latency: float = 0.0
 
     def bus_bandwidth(self, dims: str) -> float:
         value = self.bandwidth.get(dims, self.default)
@@ -54,11 +58,23 @@ class Costs:
         return value
 
 
-def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | None
-               ) -> Costs | None:
-    """The costs the user gave: ``--tflops``, ``--bandwidth 300`` or ``tp=300,dp=25``, and
-    ``--costs FILE`` (``devmesh bench --json``: the best bus bandwidth measured per dim)."""
-    if tflops is None and bandwidth is None and bench_json is None:
+def parse_seconds(text: str) -> float:
+    """``"20us"``, ``"0.5ms"``, ``"1s"`` or a plain number of seconds."""
+    for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0), ("", 1.0)):
+        if text.endswith(unit):
+            try:
+                return float(text[:len(text) - len(unit)]) * scale
+            except ValueError:
+                break
+    raise DryRunError(f"{text!r} is not a time: write e.g. 20us, 0.5ms or 0.00002")
+
+
+def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | None,
+               latency: str | None = None) -> Costs | None:
+    """The costs the user gave: ``--tflops``, ``--bandwidth 300`` or ``tp=300,dp=25``,
+    ``--costs FILE`` (``devmesh bench --json``: the best bus bandwidth measured per dim), and
+    ``--latency`` per collective call."""
+    if tflops is None and bandwidth is None and bench_json is None and latency is None:
         return None
     if tflops is None:
         raise DryRunError("a predicted step time needs --tflops (the device's dense "
@@ -84,7 +100,7 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
             except ValueError:
                 raise DryRunError(f"--bandwidth {bandwidth!r}: write GB/s as a number, or "
                                   "DIMS=GBps, comma-separated") from None
-    return Costs(tflops, by_dims, default)
+    return Costs(tflops, by_dims, default, parse_seconds(latency) if latency else 0.0)
 
 
 def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, int]) -> float:
@@ -112,18 +128,25 @@ def _ranks_of(dims_label: str, dims: dict[str, int]) -> int:
     return n
 
 
+@functools.lru_cache(maxsize=256)
+def schedule_bubble(schedule: str, pp: int, microbatches: int) -> float:
+    """The idle share of the schedule's rank-time (kept: a search asks it once per stage)."""
+    return build_schedule(schedule, pp, microbatches).bubble()
+
+
 def predict(config: TransformerConfig, dims: dict[str, int], report: RankReport,
             costs: Costs, schedule: str, microbatches: int) -> dict[str, float]:
     """The step's predicted seconds by part: ``compute``, one entry per mesh dims'
     communication, ``bubble`` (a pipeline's idle time), and ``step`` (their sum)."""
     parts = {"compute": step_flops(config, report, dims) / (costs.tflops * 1e12)}
-    for (kind, label), (_, nbytes) in sorted(report.collectives.items()):
+    for (kind, label), (calls, nbytes) in sorted(report.collectives.items()):
         factor = FACTORS[kind](_ranks_of(label, dims)) if kind in FACTORS else 1.0
         key = f"comm {label}"
-        parts[key] = parts.get(key, 0.0) + nbytes * factor / (costs.bus_bandwidth(label) * 1e9)
+        parts[key] = (parts.get(key, 0.0) + calls * costs.latency
+                      + nbytes * factor / (costs.bus_bandwidth(label) * 1e9))
     busy = sum(parts.values())
     pp = dims.get("pp", 1)
-    bubble = build_schedule(schedule, pp, microbatches).bubble() if pp > 1 else 0.0
+    bubble = schedule_bubble(schedule, pp, microbatches) if pp > 1 else 0.0
     parts["bubble"] = busy * bubble / (1 - bubble)
     parts["step"] = busy + parts["bubble"]
     return parts

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -37,8 +38,8 @@ from devmesh.layout.liveness import activation_liveness
 from devmesh.layout.schedule import build_schedule
 from devmesh.tools.dry_run.model import Transformer, TransformerConfig, stage_layers, tp_plan
 
-__all__ = ["DIM_ORDER", "RankReport", "dry_run", "parse_mesh", "ranks_to_report",
-           "build_rank_model"]
+__all__ = ["DIM_ORDER", "RankReport", "dry_run", "dry_run_by_blocks", "parse_mesh",
+           "ranks_to_report", "build_rank_model", "add_pipeline_messages"]
 
 DIM_ORDER = ("pp", "dp", "shard", "tp")  # outer to inner: tensor parallelism inside a host
 _ALIASES = {"fsdp": "shard", "dp_shard": "shard", "dp_replicate": "dp"}
@@ -113,11 +114,15 @@ def _fake_world(rank: int, world: int) -> Iterator[None]:
         raise DryRunError("a dry run needs a process with no process group: it starts "
                           "torch's fake one itself (run it outside torchrun / devmesh run)")
     saved = {k: os.environ.pop(k, None) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    # torch wraps sys.excepthook to prefix "[rankN]:" at each init; a search's many fake
+    # worlds would stack the prefixes on a traceback
+    excepthook = sys.excepthook
     dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world)
     try:
         yield
     finally:
         dist.destroy_process_group()
+        sys.excepthook = excepthook
         for key, value in saved.items():
             if value is not None:
                 os.environ[key] = value
@@ -151,11 +156,13 @@ class _SavedBytes:
 
 def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
             schedule: str = "1f1b", microbatches: int | None = None,
-            device: str = "meta") -> RankReport:
+            device: str = "meta", blocks: int | None = None) -> RankReport:
     """One training step of global rank ``rank`` on a mesh of ``dims`` (outer to inner
     ``pp, dp, shard, tp``; ``dp`` replicates: DDP, or HSDP beside ``shard``), measured.
     ``device="cpu"`` runs the same step with real tensors in a real process group (the test
-    that compares the two); the default runs on ``meta`` under a fake world of its own."""
+    that compares the two); the default runs on ``meta`` under a fake world of its own.
+    ``blocks`` builds only that many of the stage's transformer blocks (its embedding and
+    head kept): :func:`dry_run_by_blocks` extrapolates from two such runs."""
     dims = {name: dims[name] for name in DIM_ORDER if dims.get(name, 1) > 1} or {"dp": 1}
     world = 1
     for size in dims.values():
@@ -181,16 +188,53 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
     start = time.perf_counter()
     world_context = _fake_world(rank, world) if device == "meta" else contextlib.nullcontext()
     with world_context:
-        report = _step(config, dims, schedule, microbatches, local // microbatches, device)
+        report = _step(config, dims, schedule, microbatches, local // microbatches, device,
+                       blocks)
     report.seconds = time.perf_counter() - start
     return report
 
 
+def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
+                      schedule: str = "1f1b", microbatches: int | None = None) -> RankReport:
+    """:func:`dry_run`'s report from two cheap runs: the rank's stage built with one and with
+    two of its blocks, extended to all of them. A stage's blocks are identical (same shapes,
+    each its own FSDP unit, the same tensor-parallel plan), so every count the report holds
+    (parameter, gradient, optimizer and activation bytes; each collective's calls and bytes)
+    grows by the same amount per block: what the second block adds, times the blocks past
+    the first. A stage of one block is run as it is."""
+    kwargs = dict(rank=rank, schedule=schedule, microbatches=microbatches)
+    one = dry_run(config, dims, blocks=1, **kwargs)
+    first, last = one.layers
+    if last - first <= 1:
+        return dry_run(config, dims, **kwargs)
+    two = dry_run(config, dims, blocks=2, **kwargs)
+    more = last - first - 1
+
+    def grown(a: int, b: int) -> int:
+        return a + more * (b - a)
+
+    collectives = {}
+    for key in one.collectives.keys() | two.collectives.keys():
+        (c1, b1), (c2, b2) = (one.collectives.get(key, (0, 0)), two.collectives.get(key, (0, 0)))
+        collectives[key] = (grown(c1, c2), grown(b1, b2))
+    return RankReport(
+        rank=one.rank, coordinate=one.coordinate, layers=one.layers,
+        parameters=grown(one.parameters, two.parameters),
+        parameter_bytes=grown(one.parameter_bytes, two.parameter_bytes),
+        gradient_bytes=grown(one.gradient_bytes, two.gradient_bytes),
+        optimizer_bytes=grown(one.optimizer_bytes, two.optimizer_bytes),
+        activation_bytes_per_microbatch=grown(one.activation_bytes_per_microbatch,
+                                              two.activation_bytes_per_microbatch),
+        microbatches_in_flight=one.microbatches_in_flight, compute_dtype=one.compute_dtype,
+        collectives=dict(sorted(collectives.items())), seconds=one.seconds + two.seconds)
+
+
 def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
-          microbatches: int, mb_size: int, device: str) -> RankReport:
+          microbatches: int, mb_size: int, device: str, blocks: int | None = None
+          ) -> RankReport:
     from devmesh import comm_stats
 
-    mesh, model = build_rank_model(config, dims, device)
+    mesh, model = build_rank_model(config, dims, device, blocks)
     names = tuple(dims)
     coordinate = dict(zip(names, mesh.get_coordinate() or ()))
     pp, stage = dims.get("pp", 1), coordinate.get("pp", 0)
@@ -250,7 +294,7 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
                 out.backward(grad)
     collectives = {key: (calls, nbytes) for key, (calls, nbytes) in stats.records.items()}
     if pp > 1:
-        _add_pipeline_messages(collectives, schedule, stage, mb_size, config,
+        add_pipeline_messages(collectives, schedule, stage, mb_size, config,
                                activation_dtype)
     in_flight = (activation_liveness(schedule, pp_rank=stage, stage_indices=[stage],
                                      granularity="stage_microbatch").num_slots
@@ -263,12 +307,13 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
         collectives=collectives)
 
 
-def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: str = "meta"
-                     ) -> tuple[object, Transformer]:
+def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: str = "meta",
+                     blocks: int | None = None) -> tuple[object, Transformer]:
     """This rank's mesh and its part of the model, parallelized as a real run does: its
-    pipeline stage's layers, tensor parallelism over ``tp`` (torchtitan's plan), then FSDP
-    over ``shard`` (HSDP with ``dp``: each block a unit, then the root; parameters in float32,
-    computing in the config's dtype) or, without ``shard``, DDP over ``dp``."""
+    pipeline stage's layers (only the first ``blocks`` of them, if given), tensor parallelism
+    over ``tp`` (torchtitan's plan), then FSDP over ``shard`` (HSDP with ``dp``: each block a
+    unit, then the root; parameters in float32, computing in the config's dtype) or, without
+    ``shard``, DDP over ``dp``."""
     from devmesh import init_device_mesh
     from devmesh.parallel import MixedPrecisionPolicy, fully_shard, parallelize_module, replicate
 
@@ -278,7 +323,8 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
     first, last = stage_layers(config, dims.get("pp", 1), coordinate.get("pp", 0))
     torch.manual_seed(0)
     with torch.device(device):
-        model = Transformer(config, first, last)
+        model = Transformer(config, first, last if blocks is None else first + blocks,
+                            head=last == config.layers)
     if "tp" in dims:
         parallelize_module(model, mesh["tp"], tp_plan(model))
     compute = config.torch_dtype
@@ -294,7 +340,7 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
     return mesh, model
 
 
-def _add_pipeline_messages(collectives: dict, schedule, stage: int, mb_size: int,
+def add_pipeline_messages(collectives: dict, schedule, stage: int, mb_size: int,
                            config: TransformerConfig, dtype: torch.dtype) -> None:
     """The messages this rank's stage sends and receives in one step, as devmesh's runner
     sends them: per micro-batch, one activation of ``(micro-batch, seq, dim)`` forward across

@@ -1,0 +1,188 @@
+"""The mesh search (``devmesh plan --model --world --search``) checked against measured step
+times: on 8 gloo ranks of this machine, its predicted order of candidate meshes against the
+order their real training steps take.
+
+1. The cost model is fitted here, on the same 8 ranks: each rank's matmul throughput while
+   all 8 compute at once (TFLOP/s), and an all-reduce over the 8 ranks at two sizes (the
+   latency per call, and the bus bandwidth from the difference).
+2. The search ranks every candidate for 8 ranks (no memory limit); ``--candidates`` of them,
+   spread evenly over its ranking, are measured by the dry run (``verify``), and each is then
+   run for real: devmesh's parallelisms on the same model, one training step (forward and
+   backward of every micro-batch, the pipeline through devmesh's ``PipelineRunner``), timed
+   ``--repeats`` times after a warm-up; a step's time is its slowest rank's.
+3. Two candidates' measured times differ beyond the noise when their medians are further
+   apart than the larger of their two spreads (max - min over the repeats); for every such
+   pair, the search's order should agree. Printed: the agreement, Spearman's rank
+   correlation, and each candidate's predicted and measured time.
+
+    .venv/bin/python bench/plan_search.py [--model tiny:...] [--candidates 16] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+MODEL = ("tiny:layers=8,dim=256,heads=8,kv_heads=4,ffn_dim=1024,vocab=2048,seq=64,batch=32,"
+         "dtype=float32")
+
+
+def fit_costs() -> tuple[float, float, float]:
+    """(TFLOP/s per rank, bus GB/s, seconds per call), measured on this rank of 8."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    flops = 20 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - start)
+
+    def all_reduce_seconds(numel: int) -> float:
+        t = torch.zeros(numel)
+        for _ in range(3):
+            dist.all_reduce(t)
+        times = []
+        for _ in range(10):
+            dist.barrier()
+            start = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    small, large = all_reduce_seconds(256), all_reduce_seconds(1 << 20)
+    n = dist.get_world_size()
+    busbw = (4 << 20) * 2 * (n - 1) / n / max(large - small, 1e-9) / 1e9
+    dist.destroy_process_group()
+    return flops / 1e12, busbw, small
+
+
+def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: int
+               ) -> list[list[float]]:
+    """This rank's time of each repeat of each candidate's step."""
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel.pipeline import PipelineRunner
+    from devmesh.tools.dry_run import read_config
+    from devmesh.tools.dry_run.run import build_rank_model
+
+    config = read_config(model_text)
+    dist.init_process_group("gloo")
+    rank = int(os.environ["RANK"])
+    out = []
+    for dims, schedule, microbatches in meshes:
+        mesh, model = build_rank_model(config, dims, "cpu")
+        data = dims.get("dp", 1) * dims.get("shard", 1)
+        gen = torch.Generator().manual_seed(rank)
+        tokens = torch.randint(0, config.vocab, (config.batch // data, config.seq), generator=gen)
+        pp = dims.get("pp", 1)
+        if pp > 1:
+            stage = mesh.get_coordinate()[0]
+            runner = PipelineRunner({stage: model}, mesh,
+                                    build_schedule(schedule, pp, microbatches),
+                                    lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()))
+
+            def step() -> None:
+                runner.step(tokens if stage == 0 else None, tokens if stage == pp - 1 else None)
+        else:
+            syncs = [m for m in (getattr(m, "set_requires_gradient_sync", None)
+                                 for m in model.modules()) if m is not None]
+
+            def step() -> None:
+                for index, part in enumerate(tokens.chunk(microbatches)):
+                    for switch in syncs:
+                        switch(index == microbatches - 1)
+                    loss = F.cross_entropy(model(part).flatten(0, 1), part.flatten())
+                    (loss / microbatches).backward()
+        times = []
+        for repeat in range(repeats + 1):
+            dist.barrier()
+            start = time.perf_counter()
+            step()
+            dist.barrier()
+            if repeat:
+                times.append(time.perf_counter() - start)
+        out.append(times)
+    dist.destroy_process_group()
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float:
+    def ranks(values: list[float]) -> list[int]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        result = [0] * len(values)
+        for place, index in enumerate(order):
+            result[index] = place
+        return result
+
+    rx, ry = ranks(xs), ranks(ys)
+    n = len(xs)
+    return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default=MODEL)
+    parser.add_argument("--candidates", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    from devmesh.launching.launcher import launch
+    from devmesh.tools.dry_run import read_config
+    from devmesh.tools.dry_run.report import Costs
+    from devmesh.tools.dry_run.search import measure, search
+    from devmesh.tools.dry_run.search import _evaluate as evaluate
+
+    fitted = launch(fit_costs, 8, timeout=600)
+    tflops = statistics.median(f[0] for f in fitted)
+    busbw = statistics.median(f[1] for f in fitted)
+    latency = statistics.median(f[2] for f in fitted)
+    costs = Costs(tflops, {}, default=busbw, latency=latency)
+    print(f"fitted on 8 ranks here: {tflops * 1e3:.1f} GFLOP/s per rank, bus {busbw:.2f} GB/s, "
+          f"{latency * 1e6:.0f} us per collective call")
+    config = read_config(args.model)
+    start = time.perf_counter()
+    result = search(config, 8, costs, verify=0)
+    ranked = result.ranked
+    step = max(1, len(ranked) // args.candidates)
+    chosen = [evaluate(config, e.candidate, measure(config, e.candidate), costs, True)
+              for e in ranked[::step][:args.candidates]]
+    print(f"{result.considered} candidates; {len(chosen)} spread over the ranking measured by "
+          f"the dry run ({time.perf_counter() - start:.0f} s)")
+    meshes = [(e.candidate.dims, e.candidate.schedule, e.candidate.microbatches)
+              for e in chosen]
+    per_rank = launch(time_steps, 8, args.model, meshes, args.repeats, timeout=3600)
+    measured = []
+    for index in range(len(chosen)):
+        steps = [max(rank[index][r] for rank in per_rank) for r in range(args.repeats)]
+        measured.append((statistics.median(steps), max(steps) - min(steps)))
+    print(f"{'candidate':<40}{'predicted':>12}{'measured':>12}{'spread':>10}")
+    for e, (median, spread) in sorted(zip(chosen, measured), key=lambda x: x[0].step):
+        print(f"{e.candidate.describe():<40}{e.step * 1e3:>10.1f}ms{median * 1e3:>10.1f}ms"
+              f"{spread * 1e3:>8.1f}ms")
+    clear = agree = 0
+    for i in range(len(chosen)):
+        for j in range(i + 1, len(chosen)):
+            (mi, si), (mj, sj) = measured[i], measured[j]
+            if abs(mi - mj) > max(si, sj):
+                clear += 1
+                agree += (chosen[i].step < chosen[j].step) == (mi < mj)
+    noise = statistics.median(s / m for m, s in measured)
+    print(f"noise: a step's spread over {args.repeats} repeats is {noise:.0%} of its median "
+          f"(median over candidates)")
+    print(f"pairs measured apart beyond the noise: {clear} of "
+          f"{len(chosen) * (len(chosen) - 1) // 2}; the search orders {agree} of them as "
+          f"measured ({agree / max(clear, 1):.0%})")
+    print(f"Spearman's rank correlation, predicted vs measured: "
+          f"{spearman([e.step for e in chosen], [m for m, _ in measured]):.2f}")
+
+
+if __name__ == "__main__":
+    main()

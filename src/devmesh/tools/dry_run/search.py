@@ -1,0 +1,397 @@
+"""``devmesh plan --model CONFIG --world N --search``: the mesh to run a model on, chosen.
+
+Every way of writing ``N`` ranks as ``pp x dp x shard x tp`` that the model allows (tensor
+parallelism inside a host and dividing the heads and widths, no more stages than layers, the
+batch splitting over the data ranks), each with the pipeline schedules and micro-batch counts
+that fit it, is a candidate. Each is estimated per pipeline stage in closed form (below),
+those whose largest rank does not fit the device's memory are dropped, and the rest are
+ranked by predicted step time (:func:`~devmesh.tools.dry_run.report.predict`, the same model
+``devmesh plan --model --mesh`` prints). The best few are then **measured by the dry run
+itself** (:func:`~devmesh.tools.dry_run.run.dry_run_by_blocks`: devmesh's parallelisms on
+``meta`` under the fake process group) and ranked again by what it measured; the closed form
+only chooses which ones to measure.
+
+The closed form, per rank of a stage with ``b`` blocks and ``m`` micro-batches:
+
+- parameters: each tensor's tensor-parallel block, its first dim split in ``shard`` rows
+  rounded up (FSDP's shards); gradients as many; AdamW two float32 states;
+- activations per micro-batch: measured once per (tp, FSDP or not, stage kind) on a
+  one-sequence micro-batch of one and of two blocks, grown linearly in blocks and sequences;
+- FSDP: every block a unit gathered in its forward and again in its backward per micro-batch
+  (the stage's root unit, holding embedding or head, once per micro-batch), in the compute
+  dtype, rounded up to ``shard`` rows; its float32 gradients reduce-scattered once per step;
+  HSDP all-reduces the shards over ``dp``; DDP all-reduces the float32 gradients;
+- tensor parallelism: the all-reduces one block sends per sequence, measured with the
+  activations, times blocks, sequences and micro-batches;
+- the pipeline's messages, counted from the schedule as the dry run counts them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from devmesh.errors import DryRunError
+from devmesh.layout.liveness import activation_liveness
+from devmesh.layout.schedule import Schedule, build_schedule
+from devmesh.tools.dry_run.model import TransformerConfig, stage_layers
+from devmesh.tools.dry_run.report import Costs, _gib, predict
+from devmesh.tools.dry_run.run import (DIM_ORDER, RankReport, add_pipeline_messages, dry_run,
+                                       dry_run_by_blocks)
+
+__all__ = ["Candidate", "Evaluation", "SearchResult", "candidates", "estimate", "measure",
+           "search", "format_search"]
+
+SCHEDULE_NAMES = ("1f1b", "gpipe")
+MICROBATCH_FACTORS = (1, 2, 4)  # micro-batches per step: pp times these (pp 1: powers of 2)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the job: mesh degrees, and with a pipeline its schedule and
+    micro-batch count (without one, ``microbatches`` is gradient accumulation)."""
+
+    pp: int
+    dp: int
+    shard: int
+    tp: int
+    schedule: str
+    microbatches: int
+
+    @property
+    def dims(self) -> dict[str, int]:
+        sizes = {"pp": self.pp, "dp": self.dp, "shard": self.shard, "tp": self.tp}
+        return {name: sizes[name] for name in DIM_ORDER if sizes[name] > 1} or {"dp": 1}
+
+    @property
+    def mesh(self) -> str:
+        return ",".join(f"{name}={size}" for name, size in self.dims.items())
+
+    def describe(self) -> str:
+        steps = (f"{self.schedule} x {self.microbatches}" if self.pp > 1 else
+                 f"{self.microbatches} micro-batch" + ("es" if self.microbatches > 1 else ""))
+        return f"{self.mesh} ({steps})"
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(config: TransformerConfig, world: int, *, devices_per_host: int = 8
+               ) -> list[Candidate]:
+    """Every candidate for ``world`` ranks (see the module's docstring for the rules)."""
+    if world < 1:
+        raise DryRunError(f"--world {world}: give the number of ranks, a positive integer")
+    found = []
+    for tp in _divisors(world):
+        if tp > devices_per_host or any(n % tp for n in (config.heads, config.kv_heads,
+                                                         config.ffn_dim)):
+            continue
+        for pp in _divisors(world // tp):
+            data = world // (tp * pp)
+            if pp > config.layers or config.batch % data:
+                continue
+            local = config.batch // data
+            if pp > 1:
+                counts = [pp * f for f in MICROBATCH_FACTORS if local % (pp * f) == 0]
+                schedules = SCHEDULE_NAMES
+            else:
+                counts = [2 ** k for k in range(8) if local % 2 ** k == 0]
+                schedules = ("1f1b",)
+            for shard in _divisors(data):
+                for schedule in schedules:
+                    for m in counts:
+                        found.append(Candidate(pp, data // shard, shard, tp, schedule, m))
+    if not found:
+        raise DryRunError(f"no mesh of {world} ranks suits the model: tp must divide heads "
+                          f"({config.heads}), kv heads ({config.kv_heads}) and ffn dim "
+                          f"({config.ffn_dim}) and be at most --devices-per-host "
+                          f"{devices_per_host}; the batch ({config.batch}) must split over "
+                          "dp x shard")
+    return found
+
+
+@dataclass
+class _PerSequence:
+    """What a stage adds per micro-batch: saved activation bytes (``fixed`` plus, per
+    sequence, ``base`` and ``block`` per block), and tensor-parallel all-reduce calls and
+    bytes (per block, and for the rest of the stage; bytes per sequence)."""
+
+    block_activations: int
+    base_activations: int
+    fixed_activations: int
+    block_tp: tuple[int, int]
+    base_tp: tuple[int, int]
+
+
+class _Calibration:
+    """Activations and tensor-parallel traffic per micro-batch, measured by the dry run once
+    per (tp, FSDP or not, stage kind) and kept: a stage of one block and of two, on a
+    micro-batch of one sequence, and of one block on two sequences."""
+
+    def __init__(self, config: TransformerConfig) -> None:
+        self.config = config
+        self._kept: dict[tuple[int, bool, bool, bool], _PerSequence] = {}
+
+    def __call__(self, tp: int, fsdp: bool, embedding: bool, head: bool) -> _PerSequence:
+        key = (tp, fsdp, embedding, head)
+        if key not in self._kept:
+            self._kept[key] = self._measure(*key)
+        return self._kept[key]
+
+    def _measure(self, tp: int, fsdp: bool, embedding: bool, head: bool) -> _PerSequence:
+        # a pipeline whose stage of this kind is stage ``stage``: 1, 2 or 3 stages
+        pp = 1 if embedding and head else 2 if embedding or head else 3
+        stage = 0 if embedding else pp - 1 if head else 1
+        shard = 2 if fsdp else 1
+        dims = {"pp": pp, "shard": shard, "tp": tp}
+
+        def run(blocks: int, sequences: int) -> RankReport:
+            config = replace(self.config, layers=max(self.config.layers, pp),
+                             batch=sequences * shard)
+            return dry_run(config, dims, rank=stage * shard * tp, schedule="gpipe",
+                           microbatches=1, blocks=blocks)
+
+        def tp_traffic(report: RankReport) -> tuple[int, int]:
+            return report.collectives.get(("all_reduce", "tp"), (0, 0))
+
+        one, two, wide = run(1, 1), run(2, 1), run(1, 2)
+        (c1, b1), (c2, b2) = tp_traffic(one), tp_traffic(two)
+        a1, a2 = one.activation_bytes_per_microbatch, two.activation_bytes_per_microbatch
+        per_sequence = wide.activation_bytes_per_microbatch - a1
+        return _PerSequence(a2 - a1, per_sequence - (a2 - a1), a1 - per_sequence,
+                            (c2 - c1, b2 - b1), (2 * c1 - c2, 2 * b1 - b2))
+
+
+def _stage_tensors(config: TransformerConfig, tp: int, embedding: bool, head: bool
+                   ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(rows, columns) of one block's tensors and of the stage's other ones, as tensor
+    parallelism leaves them on a rank (q/k/v and w1/w3 split by rows, wo and w2 by columns,
+    norms, embedding and head whole)."""
+    d, kv, ffn = config.dim, config.kv_heads * config.head_dim, config.ffn_dim
+    block = [(d // tp, d), (kv // tp, d), (kv // tp, d), (d, d // tp),
+             (ffn // tp, d), (ffn // tp, d), (d, ffn // tp), (d, 1), (d, 1)]
+    rest = ([(config.vocab, d)] if embedding else []) + ([(d, 1), (config.vocab, d)]
+                                                         if head else [])
+    return block, rest
+
+
+@functools.lru_cache(maxsize=64)
+def _schedule(name: str, pp: int, microbatches: int) -> Schedule:
+    return build_schedule(name, pp, microbatches)
+
+
+@functools.lru_cache(maxsize=4096)
+def _in_flight(name: str, pp: int, microbatches: int, stage: int) -> int:
+    return activation_liveness(_schedule(name, pp, microbatches), pp_rank=stage,
+                               stage_indices=[stage], granularity="stage_microbatch").num_slots
+
+
+def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
+             calibration: Callable[..., _PerSequence]) -> RankReport:
+    """The closed-form report of the first rank of ``stage`` (see the module docstring)."""
+    pp, shard, tp, m = candidate.pp, candidate.shard, candidate.tp, candidate.microbatches
+    fsdp = shard > 1
+    first, last = stage_layers(config, pp, stage)
+    blocks, embedding, head = last - first, first == 0, last == config.layers
+    mb_size = config.batch // (candidate.dp * shard) // m
+    block_shapes, rest_shapes = _stage_tensors(config, tp, embedding, head)
+
+    def held(shapes: list[tuple[int, int]]) -> int:
+        return sum(math.ceil(rows / shard) * cols for rows, cols in shapes)
+
+    def gathered(shapes: list[tuple[int, int]]) -> int:
+        return shard * held(shapes)
+
+    params = blocks * held(block_shapes) + held(rest_shapes)
+    measured = calibration(tp, fsdp, embedding, head)
+    compute = torch.empty((), dtype=config.torch_dtype if fsdp else torch.float32).element_size()
+    collectives: dict[tuple[str, str], tuple[int, int]] = {}
+    if tp > 1:
+        calls = m * (blocks * measured.block_tp[0] + measured.base_tp[0])
+        nbytes = m * mb_size * (blocks * measured.block_tp[1] + measured.base_tp[1])
+        if calls:
+            collectives[("all_reduce", "tp")] = (calls, nbytes)
+    units = blocks + (1 if rest_shapes else 0)
+    full_block, full_rest = gathered(block_shapes), gathered(rest_shapes)
+    # each reduction carries a float32 flag per parameter (per shard in a reduce-scatter):
+    # which parameters got a gradient
+    flags = 4 * (blocks * len(block_shapes) + len(rest_shapes))
+    if fsdp:
+        collectives[("all_gather", "shard")] = (
+            m * (2 * blocks + (1 if rest_shapes else 0)),
+            m * (2 * blocks * full_block + full_rest) * compute)
+        collectives[("reduce_scatter", "shard")] = (
+            units, 4 * (blocks * full_block + full_rest) + shard * flags)
+        if candidate.dp > 1:
+            collectives[("all_reduce", "dp")] = (units, 4 * params + flags)
+    elif candidate.dp > 1:
+        nbytes = 4 * params + flags
+        collectives[("all_reduce", "dp")] = (max(1, math.ceil(nbytes / 25 / 2**20)), nbytes)
+    in_flight = 1
+    if pp > 1:
+        schedule = _schedule(candidate.schedule, pp, m)
+        add_pipeline_messages(collectives, schedule, stage, mb_size, config,
+                               config.torch_dtype if fsdp else torch.float32)
+        in_flight = _in_flight(candidate.schedule, pp, m, stage)
+    return RankReport(
+        rank=stage * (candidate.dp * shard * tp), coordinate={}, layers=(first, last),
+        parameters=params, parameter_bytes=4 * params, gradient_bytes=4 * params,
+        optimizer_bytes=8 * params,
+        activation_bytes_per_microbatch=measured.fixed_activations + mb_size * (
+            blocks * measured.block_activations + measured.base_activations),
+        microbatches_in_flight=in_flight,
+        compute_dtype=config.dtype if fsdp else "float32", collectives=collectives)
+
+
+@dataclass
+class Evaluation:
+    """A candidate's stages (one report each), the slowest stage's predicted step parts, and
+    whether the reports were measured by the dry run or estimated in closed form."""
+
+    candidate: Candidate
+    reports: list[RankReport]
+    parts: dict[str, float]
+    measured: bool
+
+    @property
+    def step(self) -> float:
+        return self.parts["step"]
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(r.total_bytes for r in self.reports)
+
+
+def _evaluate(config: TransformerConfig, candidate: Candidate, reports: list[RankReport],
+              costs: Costs, measured: bool) -> Evaluation:
+    by_stage = [predict(config, candidate.dims, r, costs, candidate.schedule,
+                        candidate.microbatches) for r in reports]
+    slowest = max(by_stage, key=lambda parts: parts["step"])
+    return Evaluation(candidate, reports, slowest, measured)
+
+
+def measure(config: TransformerConfig, candidate: Candidate) -> list[RankReport]:
+    """The first rank of each pipeline stage, measured by the dry run (one- and two-block
+    runs of the stage, extended to its blocks)."""
+    stride = candidate.dp * candidate.shard * candidate.tp
+    return [dry_run_by_blocks(config, candidate.dims, rank=stage * stride,
+                              schedule=candidate.schedule, microbatches=candidate.microbatches)
+            for stage in range(candidate.pp)]
+
+
+@dataclass
+class SearchResult:
+    config: TransformerConfig
+    world: int
+    device_memory: int | None
+    considered: int
+    too_big: list[Evaluation]
+    ranked: list[Evaluation]  # measured ones first, by predicted step time
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+
+def search(config: TransformerConfig, world: int, costs: Costs, *,
+           device_memory: int | None = None, devices_per_host: int = 8, verify: int = 5,
+           progress: Callable[[str], None] | None = None) -> SearchResult:
+    """Rank the candidates for ``world`` ranks by predicted step time, dropping those that do
+    not fit ``device_memory``; the best ``verify`` (by the closed form) are measured by the
+    dry run and ranked again by what it measured."""
+    import time
+
+    start = time.perf_counter()
+    calibration = _Calibration(config)
+    found = candidates(config, world, devices_per_host=devices_per_host)
+    estimated = [_evaluate(config, c, [estimate(config, c, s, calibration)
+                                       for s in range(c.pp)], costs, measured=False)
+                 for c in found]
+
+    def fits(e: Evaluation) -> bool:
+        return device_memory is None or e.peak_bytes <= device_memory
+
+    order = sorted((e for e in estimated if fits(e)), key=lambda e: (e.step, e.peak_bytes))
+    checked = []
+    for evaluation in order[:verify]:
+        if progress:
+            progress(f"measuring {evaluation.candidate.describe()} by a dry run")
+        reports = measure(config, evaluation.candidate)
+        checked.append(_evaluate(config, evaluation.candidate, reports, costs, measured=True))
+    too_big = [e for e in estimated if not fits(e)] + [e for e in checked if not fits(e)]
+    kept = sorted((e for e in checked if fits(e)), key=lambda e: (e.step, e.peak_bytes))
+    ranked = kept + order[verify:]
+    return SearchResult(config, world, device_memory, len(found), too_big, ranked,
+                        time.perf_counter() - start)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:,.1f} ms"
+
+
+def format_search(result: SearchResult, top: int = 5) -> str:
+    """The best ``top`` candidates with their breakdown, and why the best one wins."""
+    lines = [f"search: {result.config.describe()}",
+             f"{result.considered} candidates for {result.world} ranks; "
+             + (f"{len(result.too_big)} do not fit in {_gib(result.device_memory)}; "
+                if result.device_memory is not None else "no --device-memory: none dropped; ")
+             + f"{len(result.ranked)} ranked by predicted step time "
+             f"(searched in {result.seconds:.1f} s)"]
+    if not result.ranked:
+        smallest = min(result.too_big, key=lambda e: e.peak_bytes)
+        lines.append(f"none fits: the smallest, {smallest.candidate.describe()}, needs "
+                     f"{_gib(smallest.peak_bytes)} on its largest rank")
+        return "\n".join(lines)
+    lines.append("")
+    lines.append(f"  {'#':>2}  {'mesh (schedule x micro-batches)':<40}{'step':>11}"
+                 f"{'memory':>12}  parts of the slowest stage")
+    for place, e in enumerate(result.ranked[:top], 1):
+        parts = ", ".join(f"{name} {_ms(value)}" for name, value in e.parts.items()
+                          if name != "step" and value > 0)
+        lines.append(f"  {place:>2}  {e.candidate.describe():<40}{_ms(e.step):>11}"
+                     f"{_gib(e.peak_bytes):>12}  {parts}"
+                     + ("" if e.measured else "  (closed form only)"))
+    lines.append("")
+    lines.append(_why(result.ranked))
+    return "\n".join(lines)
+
+
+def _why(ranked: list[Evaluation]) -> str:
+    """Why the best candidate wins: against the best one on another mesh, the parts of the
+    step that differ most; against the same mesh's other schedules and micro-batch counts,
+    time or memory."""
+    best = ranked[0]
+    lines = []
+    others = [e for e in ranked[1:] if e.candidate.mesh != best.candidate.mesh]
+    if others:
+        other = others[0]
+        names = (best.parts.keys() | other.parts.keys()) - {"step"}
+        gaps = sorted(((other.parts.get(n, 0.0) - best.parts.get(n, 0.0), n) for n in names),
+                      reverse=True)
+
+        def change(name: str) -> str:
+            return (f"{name} {_ms(other.parts.get(name, 0.0))} there, "
+                    f"{_ms(best.parts.get(name, 0.0))} here")
+
+        text = (f"why {best.candidate.mesh}: {_ms(other.step - best.step)} per step faster "
+                f"than the best other mesh, {other.candidate.describe()}")
+        visible = 0.05 * best.step  # differences under 5% of the step are not reasons
+        saved = [change(name) for gap, name in gaps if gap > visible][:3]
+        spent = [change(name) for gap, name in reversed(gaps) if gap < -visible][:2]
+        if saved:
+            text += f": less {'; '.join(saved)}"
+        if spent:
+            text += f"; more {'; '.join(spent)}"
+        lines.append(text + ".")
+    else:
+        lines.append(f"{best.candidate.mesh} is the only mesh that fits.")
+    same = [e for e in ranked[1:] if e.candidate.mesh == best.candidate.mesh]
+    if same:
+        runner = same[0]
+        lines.append(f"why {best.candidate.describe()} on it: {runner.candidate.describe()} "
+                     f"takes {_ms(runner.step)} per step and holds {_gib(runner.peak_bytes)}, "
+                     f"this one {_ms(best.step)} and {_gib(best.peak_bytes)}.")
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The mesh search (devmesh.tools.dry_run.search, ``devmesh plan --model --world --search``):
+its closed form equals the dry run on every kind of candidate, the dry run from one- and two-
+block stages equals the whole stage's, and the search drops what does not fit and ranks the
+rest by predicted step time, the best measured by the dry run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import replace
+
+import pytest
+
+from devmesh.tools.dry_run import dry_run, read_config
+from devmesh.tools.dry_run.report import Costs, predict
+from devmesh.tools.dry_run.run import dry_run_by_blocks
+from devmesh.tools.dry_run.search import (Candidate, _Calibration, candidates, estimate,
+                                          measure, search)
+
+# 7 layers: pipeline stages of unequal blocks; bfloat16: FSDP computes in it, the rest not
+CONFIG = read_config("tiny:layers=7,batch=32,dtype=bfloat16")
+COSTS = Costs(tflops=0.05, bandwidth={"tp": 4.0}, default=1.0, latency=2e-5)
+
+
+@pytest.mark.parametrize("dims", [{"shard": 2, "tp": 2}, {"dp": 4}, {"pp": 2, "dp": 2, "shard": 2},
+                                  {"pp": 3, "tp": 2}], ids=str)
+def test_a_stage_measured_from_one_and_two_blocks_equals_the_whole_stage(dims):
+    pp = dims.get("pp", 1)
+    stride = 8 // pp if pp > 1 else 1
+    for stage in range(pp):
+        whole = dry_run(CONFIG, dims, rank=stage * stride, microbatches=4)
+        parts = dry_run_by_blocks(CONFIG, dims, rank=stage * stride, microbatches=4)
+        whole.seconds = parts.seconds = 0.0
+        assert parts == whole, (dims, stage)
+
+
+KINDS = [  # every data-parallel kind, with and without tp and pp, both schedules, accumulation
+    Candidate(1, 8, 1, 1, "1f1b", 1), Candidate(1, 1, 8, 1, "1f1b", 2),
+    Candidate(1, 2, 4, 1, "1f1b", 1), Candidate(1, 2, 1, 4, "1f1b", 4),
+    Candidate(1, 2, 2, 2, "1f1b", 2), Candidate(2, 4, 1, 1, "1f1b", 4),
+    Candidate(2, 1, 2, 2, "gpipe", 4), Candidate(2, 2, 2, 1, "1f1b", 8),
+    Candidate(4, 1, 1, 2, "gpipe", 8), Candidate(4, 2, 1, 1, "1f1b", 4),
+]
+
+
+def test_the_closed_form_equals_the_dry_run_on_every_kind_of_candidate():
+    """What the search estimates for a stage (bytes held, every collective's calls and
+    bytes, micro-batches in flight) is what the dry run measures, exactly."""
+    calibration = _Calibration(CONFIG)
+    for candidate in KINDS:
+        for stage, measured in enumerate(measure(CONFIG, candidate)):
+            estimated = estimate(CONFIG, candidate, stage, calibration)
+            for name in ("layers", "parameters", "parameter_bytes", "gradient_bytes",
+                         "optimizer_bytes", "activation_bytes_per_microbatch",
+                         "microbatches_in_flight", "compute_dtype", "collectives"):
+                assert getattr(estimated, name) == getattr(measured, name), (
+                    candidate.describe(), stage, name)
+
+
+def test_the_candidates_are_every_valid_shape():
+    found = candidates(CONFIG, 8)
+    assert len(set(found)) == len(found)
+    for c in found:
+        assert c.pp * c.dp * c.shard * c.tp == 8
+        assert CONFIG.heads % c.tp == 0 and c.pp <= CONFIG.layers
+        local = CONFIG.batch // (c.dp * c.shard)
+        assert local % c.microbatches == 0 and (c.pp == 1 or c.microbatches >= c.pp)
+    shapes = {(c.pp, c.dp, c.shard, c.tp) for c in found}
+    assert (2, 1, 2, 2) in shapes and (1, 2, 4, 1) in shapes and (8, 1, 1, 1) not in shapes
+    assert {c.schedule for c in found if c.pp > 1} == {"1f1b", "gpipe"}
+    assert max(c.tp for c in candidates(CONFIG, 8, devices_per_host=2)) == 2
+
+
+def test_the_search_drops_what_does_not_fit_and_ranks_the_rest():
+    everything = search(CONFIG, 8, COSTS, verify=0)
+    peaks = sorted(e.peak_bytes for e in everything.ranked)
+    limit = peaks[len(peaks) // 2]  # half of them fit
+    result = search(CONFIG, 8, COSTS, device_memory=limit, verify=3)
+    assert len(result.ranked) + len(result.too_big) == result.considered == len(peaks)
+    assert all(e.peak_bytes <= limit for e in result.ranked)
+    assert all(e.peak_bytes > limit for e in result.too_big)
+    measured = [e for e in result.ranked if e.measured]
+    assert len(measured) == 3 and result.ranked[:3] == measured
+    steps = [e.step for e in result.ranked]
+    assert steps[:3] == sorted(steps[:3]) and steps[3:] == sorted(steps[3:])
+    best = result.ranked[0]
+    # the best's numbers are the dry run's own, stage by stage (the slowest stage's parts)
+    stride = 8 // best.candidate.pp
+    whole = [dry_run(CONFIG, best.candidate.dims, rank=s * stride,
+                     schedule=best.candidate.schedule,
+                     microbatches=best.candidate.microbatches) for s in range(best.candidate.pp)]
+    assert best.peak_bytes == max(r.total_bytes for r in whole)
+    assert best.step == pytest.approx(max(
+        predict(CONFIG, best.candidate.dims, r, COSTS, best.candidate.schedule,
+                best.candidate.microbatches)["step"] for r in whole), rel=1e-12)
+    # nothing that fits was predicted faster than the best measured one by the closed form
+    assert all(e.step >= best.step * (1 - 1e-9) for e in everything.ranked
+               if e.peak_bytes <= limit and e.candidate not in {m.candidate for m in measured})
+
+
+def test_devmesh_plan_search_prints_the_best_and_why():
+    done = subprocess.run(
+        [sys.executable, "-m", "devmesh", "plan", "--model", "tiny:batch=8", "--world", "4",
+         "--search", "--tflops", "0.05", "--bandwidth", "tp=4,1", "--latency", "20us",
+         "--device-memory", "2MiB", "--top", "3", "--verify", "2"],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    out = done.stdout
+    assert "candidates for 4 ranks;" in out and "do not fit in 2.00 MiB" in out
+    rows = [line for line in out.splitlines() if line.strip()[:2] in ("1 ", "2 ", "3 ")]
+    assert len(rows) == 3 and "(closed form only)" in rows[2] and "closed" not in rows[0]
+    assert "per step faster than the best other mesh" in out
+    assert done.stderr.count("measuring ") == 2
+
+
+@pytest.mark.parametrize("args, words, code", [
+    (["--world", "2", "--search", "--device-memory", "1KiB", "--tflops", "1", "--bandwidth",
+      "1", "--verify", "0"], "none fits", 1),
+    (["--world", "4", "--search"], "give --tflops", 2),
+    (["--world", "4"], "needs both --world N", 2),
+    (["--world", "4", "--search", "--mesh", "dp=4", "--tflops", "1"], "drop --mesh", 2),
+    (["--world", "3", "--search", "--tflops", "1", "--bandwidth", "1"],
+     "no mesh of 3 ranks suits the model", 2),
+    (["--world", "4", "--search", "--tflops", "1", "--bandwidth", "1", "--latency", "soon"],
+     "'soon' is not a time", 2),
+], ids=["none-fits", "no-costs", "no-search", "mesh-too", "no-shape", "bad-latency"])
+def test_devmesh_plan_search_refuses_what_it_cannot_do(capsys, args, words, code):
+    from devmesh.tools.cli import main
+
+    assert main(["plan", "--model", "tiny:batch=8", *args]) == code
+    captured = capsys.readouterr()
+    assert words in (captured.out if code == 1 else captured.err)
+
+
+def test_a_candidate_names_its_mesh_as_plan_mesh_takes_it():
+    from devmesh.tools.dry_run import parse_mesh
+
+    c = Candidate(2, 1, 4, 2, "gpipe", 8)
+    assert c.mesh == "pp=2,shard=4,tp=2" and parse_mesh(c.mesh) == c.dims
+    assert c.describe() == "pp=2,shard=4,tp=2 (gpipe x 8)"
+    assert Candidate(1, 1, 1, 1, "1f1b", 1).dims == {"dp": 1}
+    assert replace(c, pp=1, microbatches=2).describe() == "shard=4,tp=2 (2 micro-batches)"
