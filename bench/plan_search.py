@@ -14,6 +14,10 @@ order their real training steps take.
    apart than the larger of their two spreads (max - min over the repeats); for every such
    pair, the search's order should agree. Printed: the agreement, Spearman's rank
    correlation, and each candidate's predicted and measured time.
+4. The same with the three costs (throughput, bandwidth, latency) fitted instead to the
+   measured steps of half the candidates (non-negative least squares on the model's own
+   terms), the order checked on the other half: how well the model's form ranks, apart from
+   how well micro-benchmarks give its constants.
 
     .venv/bin/python bench/plan_search.py [--model tiny:...] [--candidates 16] [--repeats 5]
 """
@@ -182,6 +186,49 @@ def main() -> None:
           f"measured ({agree / max(clear, 1):.0%})")
     print(f"Spearman's rank correlation, predicted vs measured: "
           f"{spearman([e.step for e in chosen], [m for m, _ in measured]):.2f}")
+    refit(config, chosen, measured, costs)
+
+
+def _terms(config, evaluation, costs) -> list[float]:
+    """The predicted step's compute, bandwidth and latency terms (bubble included) of the
+    stage slowest under ``costs``, each for a unit cost: step = sum(term x cost)."""
+    from devmesh.tools.dry_run.report import Costs, predict
+
+    c = evaluation.candidate
+
+    def step(report, basis: Costs) -> float:
+        return predict(config, c.dims, report, basis, c.schedule, c.microbatches)["step"]
+
+    slowest = max(evaluation.reports, key=lambda r: step(r, costs))
+    huge = 1e30
+    return [step(slowest, Costs(1e-12, {}, default=huge)),  # FLOPs: x seconds per FLOP
+            step(slowest, Costs(huge, {}, default=1e-9)),  # bytes: x seconds per byte
+            step(slowest, Costs(huge, {}, default=huge, latency=1.0))]  # calls: x seconds
+
+
+def refit(config, chosen, measured, costs) -> None:
+    import numpy as np
+    from scipy.optimize import nnls
+
+    terms = np.array([_terms(config, e, costs) for e in chosen])
+    times = np.array([m for m, _ in measured])
+    train = list(range(0, len(chosen), 2))
+    held = [i for i in range(len(chosen)) if i % 2]
+    weights, _ = nnls(terms[train], times[train])
+    predicted = terms @ weights
+    clear = agree = 0
+    for a in held:
+        for b in held:
+            if a < b and abs(times[a] - times[b]) > max(measured[a][1], measured[b][1]):
+                clear += 1
+                agree += (predicted[a] < predicted[b]) == (times[a] < times[b])
+    gflops = 1 / weights[0] / 1e9 if weights[0] else float("inf")  # the terms: FLOPs, bytes
+    busbw = 1 / weights[1] / 1e9 if weights[1] else float("inf")
+    print(f"costs fitted to {len(train)} candidates' measured steps: {gflops:.1f} GFLOP/s, "
+          f"bus {busbw:.2f} GB/s, {weights[2] * 1e6:.0f} us per call; on the {len(held)} held "
+          f"out, {agree} of {clear} pairs apart beyond the noise ordered as measured "
+          f"({agree / max(clear, 1):.0%}); Spearman "
+          f"{spearman(list(predicted[held]), list(times[held])):.2f}")
 
 
 if __name__ == "__main__":

@@ -521,3 +521,21 @@ def test_the_summary_says_which_ranks_had_finished(tmp_path):
     assert "rank 1 of 3 failed first, running train.py" in told
     assert "  rank 0: had finished (exit code 0)" in told
     assert "  rank 2: stopped by signal 15 after rank 1 failed" in told
+
+
+def test_the_summary_of_a_second_host_names_its_ranks_globally(tmp_path):
+    """On host 1 of 2 x 4 ranks, the ranks started there are 4..7: the failing one and the
+    others are named by their global ranks, and no rank of host 0 is said to have finished."""
+    from devmesh.launching.reports import summary
+
+    folder = tmp_path / "reports"
+    folder.mkdir()
+    (folder / "rank6.json").write_text(json.dumps({
+        "rank": 6, "world": 8, "attempt": 0, "time": 1.0, "consequence": False,
+        "where": "train.py:9", "exception": "ValueError: bad", "traceback": "Traceback ...\n"}))
+    told = summary(str(folder), "train.py", {6: 1, 7: -15}, ranks=range(4, 8))
+    assert "rank 6 of 8 failed first" in told
+    assert "  rank 4: had finished (exit code 0)" in told
+    assert "  rank 5: had finished (exit code 0)" in told
+    assert "  rank 7: stopped by signal 15 after rank 6 failed" in told
+    assert "rank 0" not in told and "rank 3" not in told

@@ -177,3 +177,26 @@ def test_no_module_level_state_coordinates_the_parallel_layer_between_files():
             if isinstance(node, ast.Attribute) and node.attr in state and \
                     state[node.attr] != name and isinstance(node.value, ast.Name):
                 raise AssertionError(f"{name} reaches into {state[node.attr]}.{node.attr}")
+
+
+def test_a_modules_parameter_slots_are_written_in_one_place():
+    """``module._parameters[name] = ...`` (a swap bypassing ``nn.Module``'s checks and hooks)
+    appears only in devmesh.parallel.swap; everything else calls ``swap_parameter``."""
+    writers = []
+    for path in sorted(SRC.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else
+                       node.targets if isinstance(node, ast.Delete) else [])
+            for target in targets:
+                if (isinstance(target, ast.Subscript) and isinstance(target.value, ast.Attribute)
+                        and target.value.attr == "_parameters"):
+                    writers.append(f"{path.relative_to(SRC)}:{node.lineno}")
+        for node in ast.walk(ast.parse(path.read_text())):  # ._parameters.update(...) etc.
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr in ("update", "pop", "setdefault", "clear",
+                                           "__setitem__")
+                    and isinstance(node.func.value, ast.Attribute)
+                    and node.func.value.attr == "_parameters"):
+                writers.append(f"{path.relative_to(SRC)}:{node.lineno}")
+    assert writers == ["parallel/swap.py:22"], writers

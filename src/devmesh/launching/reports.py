@@ -17,6 +17,7 @@ import logging
 import os
 import time
 import traceback
+from collections.abc import Iterable
 from typing import Any
 
 from devmesh._log import get_logger
@@ -65,12 +66,15 @@ def write_report(exc: BaseException) -> dict[str, Any] | None:
     return report
 
 
-def summary(folder: str, target: str, codes: dict[int, int], ranks: int = 0) -> str | None:
+def summary(folder: str, target: str, codes: dict[int, int],
+            ranks: int | Iterable[int] = 0) -> str | None:
     """The failure in words from the ranks' reports in ``folder`` (``None`` without any):
     the rank that failed first on its own — not one that only heard a peer go — with its
-    traceback, then what every other rank was doing: those of ``codes`` (rank -> exit code
-    of the ranks that failed) and of ``range(ranks)`` (the ranks started here; one in
-    neither had finished)."""
+    traceback, then what every other rank was doing: those of ``codes`` (global rank -> exit
+    code of the ranks that failed) and of ``ranks`` (the global ranks started on this host,
+    or their number when they are ``0..ranks-1``; one in neither had finished)."""
+    if isinstance(ranks, int):
+        ranks = range(ranks)
     reports: dict[int, dict[str, Any]] = {}
     for name in os.listdir(folder) if os.path.isdir(folder) else ():
         if name.endswith(".json"):
@@ -87,7 +91,7 @@ def summary(folder: str, target: str, codes: dict[int, int], ranks: int = 0) -> 
     lines = [f"devmesh run: rank {first['rank']} of {world} failed first{after}, running "
              f"{target}:",
              first["traceback"], "the other ranks:"]
-    for rank in sorted(set(codes) | set(reports) | set(range(ranks))):
+    for rank in sorted(set(codes) | set(reports) | set(ranks)):
         if rank == first["rank"]:
             continue
         report = reports.get(rank)

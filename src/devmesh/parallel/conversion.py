@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from devmesh.parallel.placement import keep_layout
+from devmesh.parallel.swap import swap_parameter
 
 __all__ = ["KeepsLayouts"]
 
@@ -44,7 +45,10 @@ class KeepsLayouts:
             if new is None or new is old:
                 continue
             if id(old) in replaced:  # a tied weight torch converted twice: one again
-                slots[name] = replaced[id(old)]
+                if kind == "_parameters":
+                    swap_parameter(module, name, replaced[id(old)])
+                else:
+                    slots[name] = replaced[id(old)]
                 continue
             if kind == "_parameters":  # laid out as before, the same object kept
                 keep_layout(old, new)

@@ -22,6 +22,7 @@ from torch import nn
 from devmesh import _torch_compat
 from devmesh.parallel.param import ParallelizeError, sharded_parameter
 from devmesh.parallel.placement import place_parameter
+from devmesh.parallel.swap import swap_parameter
 from devmesh.tensor import ShardedTensor
 
 __all__ = ["adopt_dtensor_parameters", "refuse_partial_dtensors", "show_dtensor_views",
@@ -87,13 +88,14 @@ def _show(owner: nn.Module) -> None:
         if plain is None or isinstance(plain, DTensor):
             continue  # shown already
         shown[name] = plain
-        owner._parameters[name] = DTensor.from_local(plain, mesh, placements, run_check=False,
-                                                     shape=shape, stride=stride)
+        swap_parameter(owner, name, DTensor.from_local(plain, mesh, placements,
+                                                       run_check=False, shape=shape,
+                                                       stride=stride))
 
 
 def _hide(owner: nn.Module) -> None:
     for name, plain in owner.__dict__.pop(_SHOWN, {}).items():
-        owner._parameters[name] = plain
+        swap_parameter(owner, name, plain)
 
 
 @torch.compiler.disable  # runs around the whole model, between compiled regions

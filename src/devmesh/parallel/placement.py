@@ -23,6 +23,7 @@ from devmesh.parallel.param import (
     set_layout,
     split_layout,
 )
+from devmesh.parallel.swap import swap_parameter
 
 __all__ = ["refuse_torch_fsdp_over_blocks", "place_parameter", "keep_layout",
            "replaced_parameters", "adopt_replaced_parameters"]
@@ -61,7 +62,7 @@ def place_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:
     takes such a DTensor, the full tensor — a pretrained checkpoint, a single-process
     ``state_dict()`` — keeping this rank's block, as ``devmesh.parallel.load_state_dict``
     does, or a tensor of this rank's block shape as it is."""
-    module._parameters[name] = param
+    swap_parameter(module, name, param)
     module.__dict__.setdefault(_PLACED, {})[name] = param
     if not getattr(module, _TAKES_FULL, False):
         module.register_load_state_dict_pre_hook(_take_local_blocks)

@@ -56,6 +56,7 @@ from devmesh.parallel.param import (
     with_methods,
 )
 from devmesh.parallel.placement import replaced_parameters
+from devmesh.parallel.swap import swap_parameter
 from devmesh.tensor import ShardingSpec
 
 __all__ = ["replicate", "DataParallelState", "ReplicateModule", "GradBucket"]
@@ -274,7 +275,7 @@ class DataParallelState:
             return
         for module, name, old in self._places:  # a tie replaced in one place: one again
             if id(old) in replaced:
-                module._parameters[name] = replaced[id(old)]
+                swap_parameter(module, name, replaced[id(old)])
         self.follow(replaced)
 
     def before_forward(self, module: nn.Module) -> None:

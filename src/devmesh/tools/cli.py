@@ -426,8 +426,11 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     except ChildFailedError as exc:  # the failing rank's own exit code, as a shell would
-        codes = {f.local_rank: f.exitcode for f in exc.failures.values()}
-        told = summary(reports.name, args.script, codes, ranks=args.nproc)
+        # torchrun keys the failures by global rank; this host's ranks are consecutive
+        codes = {rank: f.exitcode for rank, f in exc.failures.items()}
+        first = next((rank - f.local_rank for rank, f in exc.failures.items()), 0)
+        told = summary(reports.name, args.script, codes,
+                       ranks=range(first, first + args.nproc))
         # torchrun names the entry point it ran: the rank wrapper; name the user's script
         print(told or str(exc).replace("devmesh.launching.child", args.script),
               file=sys.stderr)

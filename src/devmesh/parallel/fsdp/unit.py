@@ -67,6 +67,7 @@ from devmesh.parallel.param import (
 )
 from devmesh.parallel.placement import place_parameter, replaced_parameters
 from devmesh.parallel.saved_activation import SavedActivation
+from devmesh.parallel.swap import swap_parameter
 from devmesh.tensor import ShardedTensor, ShardingSpec
 from devmesh.layout import MeshLayout
 from devmesh.layout.spec import chunk_bounds
@@ -270,7 +271,7 @@ class FSDPUnit:
             assert isinstance(new, nn.Parameter)
             p.sharded = new
             for module, name in p.places:
-                module._parameters[name] = new
+                swap_parameter(module, name, new)
         self._kept = self._full = self._accumulated = self._unsharded = None
         for pending in (self._prefetched, self._regather_pending):
             if pending is not None:
@@ -376,7 +377,7 @@ class FSDPUnit:
         with torch.no_grad():
             for p, full in zip(self.params, fulls, strict=True):
                 for holder, name in p.places:
-                    holder._parameters[name] = p.in_place(full)
+                    swap_parameter(holder, name, p.in_place(full))
 
     def reshard(self) -> None:
         """The shards back in the modules' places, and nothing gathered kept (from
@@ -386,7 +387,7 @@ class FSDPUnit:
         if self._open is None:
             for p in self.params:
                 for holder, name in p.places:
-                    holder._parameters[name] = p.sharded
+                    swap_parameter(holder, name, p.sharded)
 
     def drop_prefetched(self) -> None:
         """Wait for and drop gathers started ahead that were not used: parameters gathered
@@ -576,7 +577,7 @@ class FSDPUnit:
             fulls = _Unshard.apply(self, *shards)
             for p, full in zip(self.params, fulls, strict=True):
                 for holder, name in p.places:
-                    holder._parameters[name] = p.in_place(full)
+                    swap_parameter(holder, name, p.in_place(full))
             self._open, self._to_run = fulls, {id(m) for m in self.modules}
             keep_open(self)
         self._order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
@@ -629,7 +630,7 @@ class FSDPUnit:
         self._open, self._to_run = None, set()
         for p in self.params:
             for holder, name in p.places:
-                holder._parameters[name] = p.sharded
+                swap_parameter(holder, name, p.sharded)
 
     def _cast_output(self, output):
         """Floating-point outputs in ``mp_policy.output_dtype``, if set."""
@@ -729,7 +730,7 @@ class FSDPUnit:
                 self._release_after_backward()  # drops _recomputed at the backward's end
             fulls = self._recomputed[1]
             for i, name in named:
-                module._parameters[name] = self.params[i].in_place(fulls[i])
+                swap_parameter(module, name, self.params[i].in_place(fulls[i]))
         self._recomputing.add(id(module))
 
     def _after_recompute(self, named: list[tuple[int, str]], module: nn.Module, args,
@@ -739,7 +740,7 @@ class FSDPUnit:
         if id(module) in self._recomputing:  # only what _before_recompute swapped
             self._recomputing.discard(id(module))
             for i, name in named:
-                module._parameters[name] = self.params[i].sharded
+                swap_parameter(module, name, self.params[i].sharded)
 
 
 def _post_forward_mesh(mesh: DeviceMesh, size: int) -> DeviceMesh:

@@ -61,10 +61,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -72,11 +70,10 @@ from torch import nn
 
 from devmesh._torch_compat import IncompatibleKeys
 from devmesh.distributed import comm, consensus, groups, stops
-from devmesh.errors import CollectiveAbandonedError, rank_prefix
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.fsdp import parameters_grouped_with, release_weight_gradient_gathers
+from devmesh.parallel.fsdp import release_weight_gradient_gathers
 from devmesh.parallel.grads import (
     checked_norm_type,
     clip_by_norm,
@@ -84,10 +81,13 @@ from devmesh.parallel.grads import (
     reduce_norm_power,
 )
 from devmesh.parallel.pipeline.grad_sync import StageGradSync
-from devmesh.parallel.pipeline.messages import MAX_TENSORS, StageLinks, describe, layout_of
+from devmesh.parallel.pipeline.actions import StageActions
+from devmesh.parallel.pipeline.messages import StageLinks
 from devmesh.parallel.pipeline.layer_cuts import LayerCuts
 from devmesh.parallel.pipeline.split import PipelineError, split_mismatch
-from devmesh.parallel.pipeline.split_backward import SplitBackward
+from devmesh.parallel.pipeline.stage_values import cut_micro_batches
+from devmesh.parallel.pipeline.step_failures import StepFailures
+from devmesh.parallel.pipeline.step_state import StepState
 from devmesh.parallel.pipeline.tied import TiedCopies, ties_of
 from devmesh.parallel.pipeline.whole_model import (
     full_state_dict,
@@ -98,10 +98,8 @@ from devmesh.parallel.state_dict import state_dict
 
 __all__ = ["PipelineRunner"]
 
-_NOT_RUN = object()  # a stage forward that a context cut short without an exception
 
-
-class PipelineRunner:
+class PipelineRunner(StageActions, StepFailures):
     """This rank's stages of a pipelined model, and the schedule they follow.
 
     ``stages[s]`` must be given for every stage ``s`` this rank holds (``s % pp == coord``),
@@ -251,14 +249,6 @@ class PipelineRunner:
         the stages; collective over the pipeline dim, all or nothing."""
         return load_full_state_dict(self, state, strict=strict)
 
-    def _agree_or_raise(self, problem: str | None, what: str, group=None) -> None:
-        """Raise on every rank of ``group`` (the pipeline dim's by default) if any has a
-        ``problem`` (one tiny all-reduce)."""
-        failed = consensus.failures(problem, group or self.mesh.get_group(self.dim))
-        if failed:
-            listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
-            raise PipelineError(f"{what} — {listing}")
-
     def clip_grad_norm_(self, max_norm: float, norm_type: float | str = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
         """Clip the whole model's gradients by their global norm, as
@@ -275,51 +265,6 @@ class PipelineRunner:
         return clip_by_norm(params, power, float(max_norm), norm_type, error_if_nonfinite)
 
     # -- one step ---------------------------------------------------------------------------
-    def _micro_batches(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None,
-                       targets: torch.Tensor | None,
-                       input_kwargs: Mapping[str, Any] | None, training: bool
-                       ) -> dict[str, tuple]:
-        """Each micro-batch's inputs (a tuple of tensors: the first stage's positional
-        arguments), keyword inputs and targets, cut along dim 0."""
-        m = self.schedule.microbatches
-        chunks: dict[str, tuple] = {}
-        for name, batch in (("inputs", inputs), ("targets", targets)):
-            if batch is None:
-                continue
-            several = name == "inputs" and isinstance(batch, (tuple, list))
-            parts = tuple(batch) if several else (batch,)
-            if not parts or not all(isinstance(t, torch.Tensor) and t.ndim > 0 for t in parts):
-                raise PipelineError(
-                    f"the {name} must be {'tensors' if name == 'inputs' else 'one tensor'} "
-                    f"with a batch dim, got {_kind(batch)}"
-                    + (": the first stage takes a tensor or a tuple of tensors (its forward's "
-                       "positional arguments)" if name == "inputs" else ""))
-            for part in parts:
-                if part.shape[0] % m:
-                    raise PipelineError(f"{m} micro-batches do not divide the batch of "
-                                        f"{part.shape[0]} {name}: use a batch that is a "
-                                        f"multiple of {m}, or another micro-batch count")
-            cut = [part.chunk(m) for part in parts]
-            chunks[name] = tuple(zip(*cut, strict=True)) if name == "inputs" else cut[0]
-        if input_kwargs:  # tensors cut along dim 0 as the inputs; other values go to all
-            for key, value in input_kwargs.items():
-                if isinstance(value, torch.Tensor) and (value.ndim == 0 or value.shape[0] % m):
-                    raise PipelineError(f"{m} micro-batches do not divide the keyword input "
-                                        f"{key!r} of shape {tuple(value.shape)} along dim 0: "
-                                        f"give it a batch dim that is a multiple of {m}")
-            cut = {k: v.chunk(m) if isinstance(v, torch.Tensor) else (v,) * m
-                   for k, v in input_kwargs.items()}
-            chunks["kwargs"] = tuple({k: v[mb] for k, v in cut.items()} for mb in range(m))
-        if 0 in self.stages and "inputs" not in chunks:
-            raise PipelineError("the first stage's rank needs the inputs: step(inputs, ...)")
-        if self.last in self.stages and "targets" not in chunks and training:
-            raise PipelineError("the last stage's rank needs the targets: schedule.step(target=y) "
-                                "(runner.step(inputs, targets))")
-        if "targets" in chunks and self.loss_fn is None:
-            raise PipelineError("targets were given, but the runner has no loss function: "
-                                "build it with one (PipelineRunner(..., loss_fn))")
-        return chunks
-
     def step(self, inputs: torch.Tensor | tuple[torch.Tensor, ...] | None = None,
              targets: torch.Tensor | None = None, *,
              input_kwargs: Mapping[str, Any] | None = None,
@@ -384,15 +329,18 @@ class PipelineRunner:
             return torch.cat(outputs)
         return type(outputs[0])(torch.cat(parts) for parts in zip(*outputs, strict=True))
 
-    def _start(self, inputs, targets, input_kwargs, loss_kwargs, *, training: bool) -> _Step:
+    def _start(self, inputs, targets, input_kwargs, loss_kwargs, *, training: bool) -> StepState:
         """The step's micro-batches, or the reason this rank cannot start it: the other
         stages hear of it at the end of the step; this stage's copies over the mesh's other
         dims (data- or tensor-parallel) hear of it now (one tiny all-reduce), and fail the
         step too: a copy that computed would wait in the stage's collectives (FSDP's
         all-gathers, DDP's all-reduce) for one that does not."""
-        step = _Step({}, training=training, loss_kwargs=dict(loss_kwargs or {}))
+        step = StepState({}, training=training, loss_kwargs=dict(loss_kwargs or {}))
         try:
-            step.chunks = self._micro_batches(inputs, targets, input_kwargs, training)
+            step.chunks = cut_micro_batches(
+                inputs, targets, input_kwargs, microbatches=self.schedule.microbatches,
+                first_stage_here=0 in self.stages, last_stage_here=self.last in self.stages,
+                training=training, has_loss_fn=self.loss_fn is not None)
         except PipelineError as exc:
             step.fail(exc)
         if training and not torch.is_grad_enabled():  # this rank still plays its part
@@ -408,7 +356,7 @@ class PipelineRunner:
         step.announced = step.halted  # every copy stopped here: none waits for another
         return step
 
-    def _play(self, step: _Step, actions: tuple[Action, ...]) -> None:
+    def _play(self, step: StepState, actions: tuple[Action, ...]) -> None:
         """Run ``actions`` in order; every message this rank owes is sent even after a
         failure (zeros), so no neighbour waits forever."""
         # each step's first messages announce the shapes
@@ -424,23 +372,7 @@ class PipelineRunner:
         self._links.wait_sends()
         release_weight_gradient_gathers()  # every W of the step has run
 
-    def _announce_stop(self, step: _Step) -> None:
-        """This rank stopped computing mid-step (its stage's forward or backward raised):
-        its copies may be waiting in, or about to enter, one of the stage's collectives
-        it will not enter now — tell them, so they give up at once instead of at the
-        collective timeout (:mod:`~devmesh.distributed.stops`). A rank that gave up stops
-        here too, and tells its own copies in turn."""
-        step.announced = True
-        if self._copies is None:
-            return
-        me, layout = self.mesh.get_rank(), self.mesh.layout
-        copies = layout.group_of(me, tuple(d for d in range(layout.ndim) if d != self.dim))
-        # the groups it still uses in this step: the messages, and the step's end
-        still_used = [layout.group_of(me, (self.dim,)),
-                      layout.group_of(me, tuple(range(layout.ndim)))]
-        stops.announce(step.error or "", copies, still_used=still_used)
-
-    def _finish(self, step: _Step) -> torch.Tensor | None:
+    def _finish(self, step: StepState) -> torch.Tensor | None:
         """Raise on every rank if any stage failed; else the step's results."""
         self._raise_if_any_stage_failed(step)
         if step.training:
@@ -450,211 +382,6 @@ class PipelineRunner:
         if not step.losses:
             return None
         return torch.stack(step.losses).sum()
-
-    def _raise_if_any_stage_failed(self, step: _Step) -> None:
-        """One tiny all-reduce along the pipeline; where the mesh has other dims, over the
-        whole mesh instead, so every pipeline hears of every failure and every rank raises
-        alike (a copy that went on would apply gradients its copies' reductions left
-        partial; one collective over the mesh costs less here than one along the pipeline
-        and one among the copies: each is a point where all of its ranks wait)."""
-        if self._copies is None:
-            watch, group = self._links.watch, self.mesh.get_group(self.dim)
-        else:
-            watch, group = comm.exchange_watch(
-                "pipeline step's end", self.mesh, range(self.mesh.ndim),
-                absent="never reached the end of the step — they are stuck in their own "
-                       "code (a stage's forward or backward, the loss), waiting for a "
-                       "message from a rank that is, or dead"), self._everyone
-        with watch.guard():  # a rank stuck in its code is named here too
-            failed = consensus.failures(step.error, group)
-        listing = "; ".join(f"rank {rank}: {text}" for rank, text in sorted(failed.items()))
-        if not listing:
-            return
-        message = f"pipeline step failed — {listing}"
-        broken = stops.learn_broken()
-        if broken:  # a copy gave up on a collective that stays posted: no step can follow
-            raise PipelineError(
-                f"{message}. A stage's copy stopped between the stage's collectives and the "
-                "others gave up waiting for it, so this world's collectives are out of step: "
-                "restart the job (from the last checkpoint); devmesh refuses further "
-                "collectives here") from step.exception
-        if step.training:
-            message = (message.rstrip(".") + ". The step's gradients are partial: zero them "
-                       "before the next step")
-        raise PipelineError(message) from step.exception
-
-    def _forward(self, step: _Step, action: Action) -> None:
-        s, mb = action.stage, action.microbatch
-        if s == 0:
-            xs = step.chunks["inputs"][mb] if "inputs" in step.chunks else None
-        else:
-            xs = self._links.recv_activation(s, mb)
-        outs = None
-        # the stage's layer cuts, if this micro-batch's backward is split (see layer_cuts)
-        cutter = self._cuts.get(s) if step.training and (s, mb) in self._split else None
-        if xs is not None and not step.halted:
-            start = time.perf_counter()
-            try:
-                if s > 0 and step.training:
-                    for x in xs:
-                        if x.is_floating_point():
-                            x.requires_grad_(True)
-                # as torch's: this rank's keyword inputs reach each of its stages (a mask or
-                # positions every layer needs), not only the first stage
-                keywords = step.chunks["kwargs"][mb] if "kwargs" in step.chunks else {}
-                context = self._forward_contexts.get(s)
-                out = _NOT_RUN
-                with (context(mb) if context else contextlib.nullcontext()), \
-                        self._sync[s].forward(), (cutter.recording() if cutter
-                                                  else contextlib.nullcontext([])) as cuts:
-                    out = self.stages[s](*xs, **keywords)
-                if out is _NOT_RUN:
-                    raise PipelineError(f"the forward context registered on stage {s} "
-                                        "suppressed an exception from the stage module; "
-                                        "forward contexts must not suppress exceptions")
-                if s == self.last:
-                    loss = None
-                    if "targets" in step.chunks:
-                        loss = self._contained_loss(step, out, mb, xs)
-                        if loss is not None:
-                            outs = (loss / self.schedule.microbatches if self.scale_grads
-                                    else loss,)
-                            step.losses.append(outs[0].detach())
-                    step.outputs[mb] = (_detached(out), None if loss is None else loss.detach())
-                else:
-                    outs = _tensors(out, f"stage {s}")
-            except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
-                if cutter and cutter.cut and "leaf Variable that requires grad is being " \
-                        "used in an in-place operation" in str(exc):
-                    exc = PipelineError(
-                        f"{exc} Under a split backward (zero-bubble's I and W) the runner "
-                        "cuts the stage's graph at its layers' outputs, each becoming a "
-                        "leaf as a stage's input is, and a layer changed its input in place: "
-                        "make that operation out of place (x = x + y, not x += y; "
-                        "nn.ReLU(inplace=False))", with_rank=False)
-                step.fail(exc, f"stage {s}, forward of micro-batch {mb} on an input of "
-                               f"{describe(layout_of(xs))}")
-                outs = None
-            step.compute[action] = time.perf_counter() - start
-        if s != self.last:
-            problem = self._links.send_activation(
-                None if outs is None else tuple(o.detach() for o in outs), s + 1, mb)
-            if problem and step.error is None:
-                step.error, step.halted = problem, True
-        if outs is not None and step.training:
-            step.saved[(s, mb)] = {"x": xs, "out": outs, "cuts": cuts}
-
-    def _contained_loss(self, step: _Step, output: object, mb: int,
-                        inputs: tuple[torch.Tensor, ...]) -> torch.Tensor | None:
-        """Micro-batch ``mb``'s loss; if the loss function fails (a target out of range on
-        one data-parallel copy), the failure is reported at the end of the step and the
-        step goes on with a zero loss on the output: the loss runs none of the stage's
-        collectives, so the backward still runs each one the stage's copies run (a copy
-        that stopped would leave the others waiting in them)."""
-        try:
-            loss = self._loss(output, step.chunks["targets"][mb], step.loss_kwargs)
-            if step.training and not loss.requires_grad:
-                raise PipelineError(
-                    "the loss function returned a tensor that does not require "
-                    "grad, so no gradient can reach the model (as loss.backward() "
-                    "would raise in one process): compute it from the output with "
-                    "differentiable operations (argmax, comparisons, .item() and "
-                    ".detach() cut the graph); for a metric alone call evaluate()")
-            return loss
-        except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
-            step.fail(exc, f"stage {self.last}, forward of micro-batch {mb} on an input of "
-                           f"{describe(layout_of(inputs))}", halt=False)
-            return _zero_loss(output) if step.training else None
-
-    def _loss(self, output: object, target: torch.Tensor, keywords: dict[str, Any]
-              ) -> torch.Tensor:
-        loss = _one_tensor(self.loss_fn(output, target, **keywords), "the loss function")
-        if loss.ndim != 0:
-            raise PipelineError(
-                f"the loss function returned a tensor of shape {tuple(loss.shape)}; it must "
-                "return one number per micro-batch (a reduction of 'mean' or 'sum')")
-        return loss
-
-    def _backward(self, step: _Step, action: Action) -> None:
-        """``B``: the whole backward; ``I``: the input gradient only (``W`` does the rest)."""
-        s, mb = action.stage, action.microbatch
-        grads = None if s == self.last else self._links.recv_gradient(s, mb)
-        entry = step.saved.get((s, mb))
-        input_grads = None
-        if entry is not None and not step.halted:
-            outputs, seeds = _differentiable(entry["out"], grads)
-            entry["outputs"], entry["seeds"] = outputs, seeds
-            inputs = [x for x in entry["x"] if x.is_floating_point()] if s > 0 else []
-            sync = self._sync[s]
-            start = time.perf_counter()
-            try:
-                if action.kind == "B" or sync.whole:  # whole: DDP reduces in one backward
-                    whole = sync.whole or s in step.whole_stages
-                    final = self._final_whole if whole else self._final_split
-                    sync.before_backward(action == final[s], outputs)
-                    # a first stage with every parameter frozen (fine-tuning the top of
-                    # a model) has nothing to compute, as in single-process training
-                    if outputs:
-                        torch.autograd.backward(outputs, seeds)
-                    input_grads = tuple(x.grad for x in inputs)
-                    entry["done"] = True  # W has nothing left
-                elif outputs and (s > 0 or entry["cuts"]):  # weight side kept for W
-                    # the first stage's input needs no gradient: its I runs down to its
-                    # first layer's output (a cut), or W does it all
-                    cuts = entry["cuts"]
-                    if cuts and not self._cuts[s].cut:  # the first layer's output only
-                        inputs, cuts = list(cuts[0].originals), ()
-                    split = entry["split"] = SplitBackward(
-                        outputs, seeds, inputs, self._weights(s), cuts)
-                    if split.whole:  # this I is a whole backward: its W has nothing left
-                        step.whole_stages.add(s)
-                        sync.before_backward(action == self._final_whole[s], outputs)
-                        entry["done"] = True
-                    # a whole backward of a cut graph is one autograd call per piece
-                    with sync.one_reduction() if split.whole else contextlib.nullcontext():
-                        gradients = split.input_grad()
-                    input_grads = gradients if s > 0 else None  # stage 0 sends nothing
-            except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
-                if s == self.last and "mixed torch.Tensor and DTensor" in str(exc):
-                    exc = PipelineError(
-                        f"{exc} If the loss function enters loss_parallel(), the backward "
-                        "needs it too: enter it around the step instead — with "
-                        "loss_parallel(): runner.step(...) (schedule.step), as torchtitan "
-                        "does", with_rank=False)
-                step.fail(exc, f"stage {s}, backward of micro-batch {mb}")
-                input_grads = None
-            step.compute[action] = time.perf_counter() - start
-        if action.kind == "B":
-            step.saved.pop((s, mb), None)
-        if s > 0:
-            self._links.send_gradient(input_grads, s, mb)
-
-    def _weights(self, s: int) -> list[torch.Tensor]:
-        """What a backward restricted to stage ``s``'s weights accumulates into: its
-        parameters, and those a ``fully_shard`` unit groups with them on another stage of
-        this rank (``fully_shard([stage_a, stage_b])``: the unit's reduction returns both
-        stages' accumulated gradients, and autograd would drop the other's)."""
-        stage = self.stages[s]
-        return [*stage.parameters(), *parameters_grouped_with(stage)]
-
-    def _weight_grads(self, step: _Step, action: Action) -> None:
-        entry = step.saved.pop((action.stage, action.microbatch), None)
-        if entry is None or entry.get("done") or step.halted:
-            return
-        params = [p for p in self._weights(action.stage) if p.requires_grad]
-        self._sync[action.stage].before_backward(
-            action == self._final_split[action.stage], entry.get("outputs", ()))
-        start = time.perf_counter()
-        try:
-            if "split" in entry:  # I kept what W needs: no input gradient computed again
-                with self._sync[action.stage].one_reduction():
-                    entry["split"].weight_grads()
-            elif params and entry.get("outputs"):  # a first stage not split: all of it here
-                torch.autograd.backward(entry["outputs"], entry["seeds"], inputs=params)
-        except Exception as exc:  # noqa: BLE001 - raised on every rank after the step
-            step.fail(exc, f"stage {action.stage}, weight gradients of micro-batch "
-                           f"{action.microbatch}")
-        step.compute[action] = time.perf_counter() - start
 
 
 def _with_pp(mesh: DeviceMesh, names: Sequence[str], pp_dim: str) -> str:
@@ -675,109 +402,3 @@ def _holds_torch_fsdp(stage: nn.Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
 
     return any(isinstance(module, FSDPModule) for module in stage.modules())
-
-
-def _zero_loss(output: object) -> torch.Tensor:
-    """A zero that depends on every floating-point tensor of ``output`` needing a gradient
-    (a DTensor through its local block): its backward runs the stage's whole backward, with
-    zero gradients."""
-    from torch.distributed.tensor import DTensor
-
-    found: list[torch.Tensor] = []
-    stack = [output]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, torch.Tensor):
-            if value.is_floating_point() and value.requires_grad:
-                found.append(value.to_local() if isinstance(value, DTensor) else value)
-        elif isinstance(value, (tuple, list)):
-            stack.extend(value)
-        elif isinstance(value, Mapping):
-            stack.extend(value.values())
-    if not found:
-        return torch.zeros(())
-    return torch.stack([(tensor * 0).sum().float() for tensor in found]).sum()
-
-
-def _differentiable(outs: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor, ...] | None
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-    """The outputs a backward starts from, with their gradients: the last stage's loss
-    (``grads`` is ``None``: no gradient comes), or each floating-point output that requires
-    grad, with the gradient the next stage sent for it."""
-    if grads is None:
-        return [o for o in outs if o.requires_grad], [None for o in outs if o.requires_grad]
-    floats = [o for o in outs if o.is_floating_point()]
-    pairs = [(o, g) for o, g in zip(floats, grads, strict=True) if o.requires_grad]
-    return [o for o, _ in pairs], [g for _, g in pairs]
-
-
-def _detached(value: object) -> object:
-    if isinstance(value, torch.Tensor):
-        return value.detach()
-    if isinstance(value, (tuple, list)):
-        return type(value)(_detached(v) for v in value)
-    return value
-
-
-def _tensors(value: object, what: str) -> tuple[torch.Tensor, ...]:
-    """A stage's output as the tensors that go to the next stage: one tensor, or a tuple
-    or list of tensors (passed on as the next stage's positional arguments)."""
-    if isinstance(value, torch.Tensor):
-        return (value,)
-    if isinstance(value, (tuple, list)) and value and all(isinstance(v, torch.Tensor)
-                                                            for v in value):
-        return tuple(value)
-    raise PipelineError(
-        f"{what} returned {_kind(value)}: a pipeline stage passes a tensor, or a tuple of "
-        f"1 to {MAX_TENSORS} tensors, to the next stage (the next stage's forward takes "
-        "them as its positional arguments); compute other values in the stage that uses "
-        "them")
-
-
-def _kind(value: object) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__name__}"
-
-
-def _one_tensor(value: object, what: str) -> torch.Tensor:
-    """``value`` if it is a tensor (the loss function's result), else refused with the fix."""
-    if isinstance(value, torch.Tensor):
-        return value
-    raise PipelineError(f"{what} returned {_kind(value)}, not a tensor: it must return one "
-                        "number per micro-batch (a reduction of 'mean' or 'sum')")
-
-
-@dataclass
-class _Step:
-    """What one step keeps between actions."""
-
-    chunks: dict[str, tuple[torch.Tensor, ...]]
-    training: bool = True  # False: forward only (evaluate), nothing kept for a backward
-    loss_kwargs: dict[str, Any] = field(default_factory=dict)
-    saved: dict[tuple[int, int], dict] = field(default_factory=dict)  # (stage, mb) -> tensors
-    losses: list[torch.Tensor] = field(default_factory=list)
-    outputs: dict[int, tuple[Any, torch.Tensor | None]] = field(default_factory=dict)
-    compute: dict[Action, float] = field(default_factory=dict)
-    # stages whose I did a whole backward this step (SplitBackward.whole: a compiled stage)
-    whole_stages: set[int] = field(default_factory=set)
-    error: str | None = None  # the first failure on this rank, raised at the end of the step
-    exception: BaseException | None = None
-    halted: bool = False  # nothing more is computed (messages owed are still sent)
-    announced: bool = False  # this rank's copies were told it stopped (or stopped with it)
-
-    def fail(self, exc: BaseException, where: str | None = None, *, halt: bool = True
-             ) -> None:
-        """Remember the first failure: ``where`` it happened, or devmesh's own refusal;
-        ``halt``: compute nothing more (a failure that left the stage's collectives where
-        its copies' are, as a loss function's, need not)."""
-        if self.error is None:
-            message = str(exc).removeprefix(rank_prefix())
-            if isinstance(exc, CollectiveAbandonedError):  # the rank that stopped says why
-                message = (f"gave up waiting in {exc.collective} for rank {exc.stopped}, "
-                           "which stopped first")
-                self.error = f"{where}: {message}" if where else message
-            else:
-                self.error = f"{where}: {type(exc).__name__}: {message}" if where else message
-            self.exception = exc
-        self.halted = self.halted or halt

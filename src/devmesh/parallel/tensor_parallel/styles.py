@@ -29,6 +29,7 @@ from devmesh.errors import ParallelizeError, ShardingSpecError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.placement import refuse_torch_fsdp_over_blocks
 from devmesh.parallel.tensor_parallel import activations as A
+from devmesh.parallel.swap import swap_parameter
 from devmesh.parallel.tensor_parallel import functional as PF
 from devmesh.tensor import Partial, Placement, Replicate, Shard, as_placement
 from devmesh.layout.spec import chunk_bounds
@@ -254,7 +255,7 @@ def _sequence_input(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module
     for name, param in module._parameters.items():
         if param is not None and param.requires_grad:
             saved[name] = param
-            module._parameters[name] = PF.copy_to_parallel(param, mesh)  # type: ignore[assignment]
+            swap_parameter(module, name, PF.copy_to_parallel(param, mesh))
     setattr(module, _SAVED, saved)
     if not args:
         return None
@@ -263,7 +264,8 @@ def _sequence_input(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module
 
 @_eager
 def _sequence_output(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module, args, y):
-    module._parameters.update(getattr(module, _SAVED, {}))
+    for name, param in getattr(module, _SAVED, {}).items():
+        swap_parameter(module, name, param)
     setattr(module, _SAVED, {})
     seq = Shard(style.sequence_dim)
     if not isinstance(y, torch.Tensor):
