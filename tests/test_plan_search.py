@@ -57,6 +57,19 @@ def test_the_closed_form_equals_the_dry_run_on_every_kind_of_candidate():
                     candidate.describe(), stage, name)
 
 
+def test_the_closed_form_fills_ddps_buckets_as_replicate_does():
+    """A model of some 300 MB of gradients: DDP's 25 MiB buckets, counted in closed form,
+    are the calls the dry run makes, on one stage and on both stages of a pipeline."""
+    config = read_config("tiny:dim=1024,heads=8,kv_heads=4,ffn_dim=4096,vocab=8192,batch=8")
+    calibration = _Calibration(config)
+    for candidate in (Candidate(1, 4, 1, 1, "1f1b", 1), Candidate(2, 2, 1, 1, "1f1b", 2)):
+        for stage, measured in enumerate(measure(config, candidate)):
+            calls = measured.collectives[("all_reduce", "dp")][0]
+            assert calls > 1
+            assert estimate(config, candidate, stage, calibration).collectives == \
+                measured.collectives, (candidate.describe(), stage)
+
+
 def test_the_candidates_are_every_valid_shape():
     found = candidates(CONFIG, 8)
     assert len(set(found)) == len(found)

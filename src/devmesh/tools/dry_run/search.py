@@ -191,6 +191,22 @@ def _in_flight(name: str, pp: int, microbatches: int, stage: int) -> int:
                                stage_indices=[stage], granularity="stage_microbatch").num_slots
 
 
+# one block's tensors of _stage_tensors in the order the module registers them: attention
+# norm, wq, wk, wv, wo, feed-forward norm, w1, w3, w2
+_REGISTRATION_ORDER = (7, 0, 1, 2, 3, 8, 4, 5, 6)
+
+
+def _ddp_buckets(sizes: list[int], cap: int = 25 * 2**20) -> int:
+    """How many buckets DDP's ``replicate`` (25 MiB cap) fills from gradients of ``sizes``
+    bytes in registration order: from the last, each closed once it holds ``cap`` or more."""
+    buckets, filled = 0, 0
+    for size in reversed(sizes):
+        filled += size
+        if filled >= cap:
+            buckets, filled = buckets + 1, 0
+    return buckets + (filled > 0)
+
+
 def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
              calibration: Callable[..., _PerSequence]) -> RankReport:
     """The closed-form report of the first rank of ``stage`` (see the module docstring)."""
@@ -230,8 +246,11 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
         if candidate.dp > 1:
             collectives[("all_reduce", "dp")] = (units, 4 * params + flags)
     elif candidate.dp > 1:
-        nbytes = 4 * params + flags
-        collectives[("all_reduce", "dp")] = (max(1, math.ceil(nbytes / 25 / 2**20)), nbytes)
+        order = (([(config.vocab, config.dim)] if embedding else [])
+                 + blocks * [block_shapes[i] for i in _REGISTRATION_ORDER]
+                 + ([(config.dim, 1), (config.vocab, config.dim)] if head else []))
+        collectives[("all_reduce", "dp")] = (_ddp_buckets([4 * r * c for r, c in order]),
+                                             4 * params + flags)
     in_flight = 1
     if pp > 1:
         schedule = _schedule(candidate.schedule, pp, m)
