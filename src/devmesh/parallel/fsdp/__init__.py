@@ -13,6 +13,8 @@ The modules, each with one job:
 * :mod:`~devmesh.parallel.fsdp.module`: ``FSDPModule``, the methods a sharded module gains;
 * :mod:`~devmesh.parallel.fsdp.unit`: one unit's lifecycle — shard, gather, save for
   backward, reduce, accumulate;
+* :mod:`~devmesh.parallel.fsdp.state`: what a unit's modules hold in their parameter slots,
+  and the legal moves between those states;
 * :mod:`~devmesh.parallel.fsdp.collectives`: the byte layout of a unit's two collectives;
 * :mod:`~devmesh.parallel.fsdp.order`: the recorded forward order that drives prefetching;
 * :mod:`~devmesh.parallel.fsdp.weight_grads`: gathers kept for a pipeline's weight-gradient

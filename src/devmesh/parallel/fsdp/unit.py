@@ -49,6 +49,7 @@ from devmesh.parallel.fsdp.collectives import (
     unpack_reduced,
 )
 from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
+from devmesh.parallel.fsdp.state import Slots, check_transition
 from devmesh.parallel.fsdp.order import (
     ForwardOrder,
     enter_forward,
@@ -139,7 +140,9 @@ class FSDPUnit:
         # the group ran (torch's FSDP2 keeps a group unsharded the same way): one all-gather
         # and one reduce-scatter for norm and head, not one per module
         self.modules: list[nn.Module] = roots
-        self._open: tuple[torch.Tensor, ...] | None = None
+        # what the modules' parameter slots hold; moved only by _place (see fsdp/state.py)
+        self.slots = Slots.SHARDS
+        self._open: tuple[torch.Tensor, ...] | None = None  # the forward's gather (FORWARD)
         self._to_run: set[int] = set()  # ids of the group's modules not run since the gather
         # the gathered parameters a recomputation inside this backward uses (activation
         # checkpointing inside the unit), with the backward's task id
@@ -266,12 +269,11 @@ class FSDPUnit:
         one), and forget anything gathered from the old ones."""
         for p in self.params:
             new = replaced.get(id(p.sharded))
-            if new is None:
-                continue
-            assert isinstance(new, nn.Parameter)
-            p.sharded = new
-            for module, name in p.places:
-                swap_parameter(module, name, new)
+            if new is not None:
+                assert isinstance(new, nn.Parameter)
+                p.sharded = new
+        self._open, self._to_run = None, set()
+        self._place(Slots.SHARDS)
         self._kept = self._full = self._accumulated = self._unsharded = None
         for pending in (self._prefetched, self._regather_pending):
             if pending is not None:
@@ -349,7 +351,7 @@ class FSDPUnit:
 
     def prefetch(self) -> None:
         """Start gathering this unit's parameters now, to overlap with the running unit."""
-        if (self._prefetched is None and self._kept is None and self._open is None
+        if (self._prefetched is None and self._kept is None and self.slots is not Slots.FORWARD
                 and self._unsharded is None and self.params):
             self.adopt_replaced()
             self._prefetched = self.start_gather([p.sharded for p in self.params])
@@ -367,7 +369,7 @@ class FSDPUnit:
         """torch's ``unshard()``: the unit's gathered parameters in its modules' places now
         (this call waits for the gather), until its next forward uses them, without another
         all-gather, or :meth:`reshard` puts the shards back."""
-        if not self.params or self._open is not None:
+        if not self.params or self.slots is Slots.FORWARD:
             return  # nothing to gather, or a forward has them in place already
         if self._unsharded is None and self._kept is None:
             self.prefetch()
@@ -375,19 +377,36 @@ class FSDPUnit:
             self._unsharded = self.finish_gather(pending)
         fulls = self._unsharded if self._unsharded is not None else self._kept
         with torch.no_grad():
-            for p, full in zip(self.params, fulls, strict=True):
-                for holder, name in p.places:
-                    swap_parameter(holder, name, p.in_place(full))
+            self._place(Slots.UNSHARDED, fulls)
 
     def reshard(self) -> None:
         """The shards back in the modules' places, and nothing gathered kept (from
         ``unshard()``, a prefetch, or between micro-batches)."""
         self.drop_prefetched()
         self._kept = self._unsharded = None
-        if self._open is None:
+        if self.slots is not Slots.FORWARD:  # a forward's gather stays until it ends
+            self._place(Slots.SHARDS)
+
+    def _place(self, slots: Slots, fulls: Sequence[torch.Tensor] | None = None) -> None:
+        """Write the unit's parameters into every place its modules hold them: the shards
+        (``Slots.SHARDS``) or views of ``fulls``, the gathered parameters (``FORWARD``,
+        ``UNSHARDED``). The one writer of the unit's slots, checked against the legal
+        transitions (:data:`~devmesh.parallel.fsdp.state.TRANSITIONS`)."""
+        check_transition(self.describe(), self.slots, slots)
+        if slots is Slots.SHARDS:
             for p in self.params:
                 for holder, name in p.places:
                     swap_parameter(holder, name, p.sharded)
+        else:
+            assert fulls is not None
+            for p, full in zip(self.params, fulls, strict=True):
+                for holder, name in p.places:
+                    swap_parameter(holder, name, p.in_place(full))
+        self.slots = slots
+
+    def describe(self) -> str:
+        """The unit's modules by class, for messages."""
+        return "[" + ", ".join(type(m).__name__ for m in self.modules) + "]"
 
     def drop_prefetched(self) -> None:
         """Wait for and drop gathers started ahead that were not used: parameters gathered
@@ -570,14 +589,12 @@ class FSDPUnit:
         if not shards:
             self._order.prefetch_after(self)
             return cast
-        if self._open is not None and id(module) in self._to_run:
+        if self.slots is Slots.FORWARD and id(module) in self._to_run:
             fulls = self._open  # an earlier module of the group gathered them this forward
         else:
             self._close()  # a module of the group running again: its own gather
             fulls = _Unshard.apply(self, *shards)
-            for p, full in zip(self.params, fulls, strict=True):
-                for holder, name in p.places:
-                    swap_parameter(holder, name, p.in_place(full))
+            self._place(Slots.FORWARD, fulls)
             self._open, self._to_run = fulls, {id(m) for m in self.modules}
             keep_open(self)
         self._order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
@@ -625,12 +642,10 @@ class FSDPUnit:
     def _close(self) -> None:
         """Put the shards back in every place: the gather serves no more of the group's
         modules in this forward (their backward re-gathers, or uses what autograd saved)."""
-        if self._open is None:
+        if self.slots is not Slots.FORWARD:
             return
         self._open, self._to_run = None, set()
-        for p in self.params:
-            for holder, name in p.places:
-                swap_parameter(holder, name, p.sharded)
+        self._place(Slots.SHARDS)
 
     def _cast_output(self, output):
         """Floating-point outputs in ``mp_policy.output_dtype``, if set."""
