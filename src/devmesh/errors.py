@@ -33,6 +33,7 @@ __all__ = [
     "RankTimeoutError",
     "MeshUsageError",
     "ParallelizeError",
+    "FSDPStateError",
     "ShardingSpecError",
     "NestedShardingError",
     "TopologyError",
@@ -193,6 +194,12 @@ class MeshUsageError(DevmeshError, RuntimeError):
 
 class ParallelizeError(DevmeshError, ValueError):
     """A parallelism was applied in a way that cannot work (wrong mesh, wrong module...)."""
+
+
+class FSDPStateError(DevmeshError, RuntimeError):
+    """A ``fully_shard`` unit was asked to move its parameter slots between two states that no
+    legal sequence of forward, backward, ``unshard()`` and ``reshard()`` connects: a bug in
+    devmesh, or hooks run out of order (e.g. a module's forward hooks called by hand)."""
 
 
 class ShardingSpecError(DevmeshError, ValueError):

@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 from types import MappingProxyType
 
-from devmesh.errors import DevmeshError
+from devmesh.errors import FSDPStateError
 
 __all__ = ["Slots", "TRANSITIONS", "FSDPStateError", "check_transition"]
 
@@ -54,12 +54,6 @@ TRANSITIONS: MappingProxyType[Slots, frozenset[Slots]] = MappingProxyType({
     Slots.FORWARD: frozenset({Slots.SHARDS}),
     Slots.UNSHARDED: frozenset({Slots.UNSHARDED, Slots.FORWARD, Slots.SHARDS}),
 })
-
-
-class FSDPStateError(DevmeshError, RuntimeError):
-    """A unit was asked to move its parameter slots between two states that no legal
-    sequence of forward, backward, ``unshard()`` and ``reshard()`` connects: a bug in
-    devmesh, or hooks run out of order (e.g. a module's forward hooks called by hand)."""
 
 
 def check_transition(unit: str, old: Slots, new: Slots) -> None:

@@ -1,7 +1,11 @@
 """Autograd functions for activations in tensor/sequence parallelism (Megatron's f and g).
 
 Activations are plain tensors; their layout is implied by the module plan. Each function here
-is one collective in forward and its dual in backward, chosen by who consumes the result:
+is one redistribution of this rank's block along the tensor-parallel mesh — one collective in
+forward and its dual in backward, chosen by who consumes the result — run by the same planned
+executor as every other redistribution (:func:`devmesh.tensor.redistribute.redistribute_local`),
+so its collectives, padding and copies are those the planner predicts and ``comm_stats``
+counts:
 
 * ``copy_to_parallel``: identity forward, all-reduce backward (a replicated input feeding
   column-sharded weights produces partial input-gradients);
@@ -17,18 +21,20 @@ is one collective in forward and its dual in backward, chosen by who consumes th
 Activations split along a sequence dim must split evenly (checked where this rank can see it).
 The two ``*_replicated`` functions also take the global ``size`` of ``dim``: a feature dim
 follows the weight's split, which is uneven as ``torch.chunk`` makes it when the degree does
-not divide the features (7 output features on 4 ranks: 2, 2, 2, 1; 6: 2, 2, 2, 0), so each
-rank's block is padded to the largest for the all-gather and cut back after it.
+not divide the features (7 output features on 4 ranks: 2, 2, 2, 1; 6: 2, 2, 2, 0); the
+executor pads each rank's block to the largest for the all-gather and cuts it back after.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from devmesh.distributed import comm
-from devmesh.mesh import DeviceMesh
 from devmesh.errors import ParallelizeError
-from devmesh.layout.spec import chunk_bounds
+from devmesh.layout.spec import ShardingSpec
+from devmesh.mesh import DeviceMesh
+from devmesh.tensor.redistribute import redistribute_local
 
 __all__ = [
     "copy_to_parallel", "reduce_from_parallel", "gather_for_parallel",
@@ -44,103 +50,81 @@ def _check_divisible(t: torch.Tensor, dim: int, k: int, what: str) -> None:
         )
 
 
-def _gather(t: torch.Tensor, mesh: DeviceMesh, dim: int, size: int | None = None
-            ) -> torch.Tensor:
-    k = mesh.size()
-    if size is None or size % k == 0:
-        stacked = comm.all_gather(t.contiguous(), mesh, (0,))
-        return torch.cat(list(stacked.unbind(0)), dim=dim)
-    block = -(-size // k)
-    padding = list(t.shape)
-    padding[dim] = block - t.shape[dim]
-    stacked = comm.all_gather(torch.cat([t, t.new_zeros(padding)], dim=dim), mesh, (0,))
-    return torch.cat([piece.narrow(dim, 0, chunk_bounds(size, k, i)[1])
-                      for i, piece in enumerate(stacked.unbind(0))], dim=dim)
+_REPLICATE, _PARTIAL = "replicate", "partial"
 
 
-def _reduce_scatter(t: torch.Tensor, mesh: DeviceMesh, dim: int, size: None = None
-                    ) -> torch.Tensor:
-    k = mesh.size()
-    _check_divisible(t, dim, k, "reduce-scatter")
-    stacked = torch.stack(t.chunk(k, dim=dim))
-    return comm.reduce_scatter(stacked, mesh, (0,), "sum")
+def _spec(mesh: DeviceMesh, shape: Sequence[int], layout: int | str) -> ShardingSpec:
+    """The layout of a tensor of global ``shape`` over the mesh's first dim: split along tensor
+    dim ``layout``, ``"replicate"`` or ``"partial"`` (summed)."""
+    dim_map: list[tuple[int, ...]] = [()] * len(shape)
+    if isinstance(layout, int):
+        dim_map[layout] = (0,)
+    return ShardingSpec(tuple(mesh.shape), tuple(shape), tuple(dim_map),
+                        partial=((0, "sum"),) if layout == _PARTIAL else ())
 
 
-def _split(t: torch.Tensor, mesh: DeviceMesh, dim: int, size: int | None = None
-           ) -> torch.Tensor:
-    k = mesh.size()
-    if size is None:
-        _check_divisible(t, dim, k, "split")
-        return t.chunk(k, dim=dim)[mesh.get_local_rank()].contiguous()
-    if t.shape[dim] != size:
-        raise ParallelizeError(
-            f"split: dim {dim} has size {t.shape[dim]}, but the module's weight is split from "
-            f"{size} (give the module an input of the size it was built for)"
-        )
-    start, length = chunk_bounds(size, k, mesh.get_local_rank())
-    return t.narrow(dim, start, length).contiguous()
+def _move(x: torch.Tensor, mesh: DeviceMesh, shape: Sequence[int], src: int | str,
+          dst: int | str, grad: int | str | None = None) -> torch.Tensor:
+    """This rank's block of a tensor of global ``shape`` moved from layout ``src`` to ``dst``;
+    the gradient arrives as ``grad`` (default: ``dst``, partial read as replicated)."""
+    return redistribute_local(x, mesh, _spec(mesh, shape, src), _spec(mesh, shape, dst),
+                              None if grad is None else _spec(mesh, shape, grad))
 
 
-def _all_reduce(t: torch.Tensor, mesh: DeviceMesh, dim: int, size: None = None
-                ) -> torch.Tensor:
-    return comm.all_reduce(t.contiguous().clone(), mesh, (0,))
-
-
-def _identity(t: torch.Tensor, mesh: DeviceMesh, dim: int, size: None = None
-              ) -> torch.Tensor:
-    return t.view_as(t)
-
-
-def _dual(name: str, forward, backward) -> type[torch.autograd.Function]:
-    """An autograd function running ``forward(x, mesh, dim, size)`` and, on the way back,
-    ``backward(grad, mesh, dim, size)``."""
-
-    def fwd(ctx, x, mesh, dim, size):
-        ctx.mesh, ctx.dim, ctx.size = mesh, dim, size
-        return forward(x, mesh, dim, size)
-
-    def bwd(ctx, grad):
-        return backward(grad, ctx.mesh, ctx.dim, ctx.size), None, None, None
-
-    return type(name, (torch.autograd.Function,),
-                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
-
-
-_CopyToParallel = _dual("_CopyToParallel", _identity, _all_reduce)
-_ReduceFromParallel = _dual("_ReduceFromParallel", _all_reduce, _identity)
-_GatherForParallel = _dual("_GatherForParallel", _gather, _reduce_scatter)
-_ReduceScatterFromParallel = _dual("_ReduceScatterFromParallel", _reduce_scatter, _gather)
-_GatherReplicated = _dual("_GatherReplicated", _gather, _split)
-_SplitReplicated = _dual("_SplitReplicated", _split, _gather)
+def _gathered_shape(x: torch.Tensor, dim: int, k: int, size: int | None) -> list[int]:
+    shape = list(x.shape)
+    shape[dim] = shape[dim] * k if size is None else size
+    return shape
 
 
 def copy_to_parallel(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return _CopyToParallel.apply(x, mesh, 0, None) if mesh.size() > 1 else x
+    if mesh.size() == 1:
+        return x
+    return _move(x, mesh, x.shape, _REPLICATE, _REPLICATE, grad=_PARTIAL)
 
 
 def reduce_from_parallel(x: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-    return _ReduceFromParallel.apply(x, mesh, 0, None) if mesh.size() > 1 else x
+    return _move(x, mesh, x.shape, _PARTIAL, _REPLICATE) if mesh.size() > 1 else x
 
 
 def gather_for_parallel(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
-    return _GatherForParallel.apply(x, mesh, dim % x.ndim, None) if mesh.size() > 1 else x
+    if mesh.size() == 1:
+        return x
+    dim %= x.ndim
+    shape = _gathered_shape(x, dim, mesh.size(), None)
+    return _move(x, mesh, shape, dim, _REPLICATE, grad=_PARTIAL)
 
 
 def reduce_scatter_from_parallel(x: torch.Tensor, mesh: DeviceMesh, dim: int) -> torch.Tensor:
     if mesh.size() == 1:
         return x
-    return _ReduceScatterFromParallel.apply(x, mesh, dim % x.ndim, None)
+    dim %= x.ndim
+    _check_divisible(x, dim, mesh.size(), "reduce-scatter")
+    return _move(x, mesh, x.shape, _PARTIAL, dim)
 
 
 def gather_replicated(x: torch.Tensor, mesh: DeviceMesh, dim: int, size: int | None = None
                       ) -> torch.Tensor:
     """The whole of ``x`` from every rank's block along ``dim``; ``size``, the whole's length
     there, where the blocks may be uneven."""
-    return _GatherReplicated.apply(x, mesh, dim % x.ndim, size) if mesh.size() > 1 else x
+    if mesh.size() == 1:
+        return x
+    dim %= x.ndim
+    return _move(x, mesh, _gathered_shape(x, dim, mesh.size(), size), dim, _REPLICATE)
 
 
 def split_replicated(x: torch.Tensor, mesh: DeviceMesh, dim: int, size: int | None = None
                      ) -> torch.Tensor:
     """This rank's block of ``x`` along ``dim``: even unless ``size`` (``x``'s length there) is
     given, then as ``torch.chunk`` cuts it."""
-    return _SplitReplicated.apply(x, mesh, dim % x.ndim, size) if mesh.size() > 1 else x
+    if mesh.size() == 1:
+        return x
+    dim %= x.ndim
+    if size is None:
+        _check_divisible(x, dim, mesh.size(), "split")
+    elif x.shape[dim] != size:
+        raise ParallelizeError(
+            f"split: dim {dim} has size {x.shape[dim]}, but the module's weight is split from "
+            f"{size} (give the module an input of the size it was built for)"
+        )
+    return _move(x, mesh, x.shape, _REPLICATE, dim)
