@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from devmesh import comm_stats, init_device_mesh
 from devmesh.parallel import FSDPModule, ReplicateModule, fully_shard, replicate, state_dict
-from test_parallel import make_model
+from strategies import make_model
 
 MICRO = 3
 

@@ -15,8 +15,8 @@ from torch import nn
 
 from devmesh.parallel.pipeline.layer_cuts import LayerCuts
 from devmesh.parallel.pipeline.split_backward import SplitBackward, _consumers
-from test_pipeline import MatmulWork
-from test_pipeline import _ChunkKeepingTheOtherHalf as _KeepsHalf
+from pipeline_cases import ChunkKeepingTheOtherHalf as _KeepsHalf
+from pipeline_cases import MatmulWork
 
 
 def _mlp(depth: int = 12) -> nn.Sequential:

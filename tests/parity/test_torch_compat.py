@@ -17,7 +17,7 @@ import torch
 from devmesh import _torch_compat
 from devmesh.errors import TorchVersionError
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src" / "devmesh"
 COMPAT = SRC / "_torch_compat.py"
 

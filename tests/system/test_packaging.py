@@ -24,7 +24,7 @@ import pytest
 
 import devmesh
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _check(args: list, **kwargs) -> str:

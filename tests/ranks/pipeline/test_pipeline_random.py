@@ -20,7 +20,7 @@ from devmesh.layout.pipeline_messages import (
     nccl_problem,
 )
 from devmesh.layout.schedule import Action, Schedule, ScheduleError, parse_schedule
-from test_pipeline import check_composed_like_one_process, reference, train_pipelined
+from pipeline_cases import check_composed_like_one_process, reference, train_pipelined
 
 
 def random_schedule(ranks: int, virtual: int, microbatches: int, seed: int,

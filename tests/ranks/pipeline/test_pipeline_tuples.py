@@ -13,93 +13,19 @@ from torch import nn
 from devmesh import comm_stats, init_device_mesh
 from devmesh.layout.schedule import build_schedule
 from devmesh.parallel.pipeline import PipelineRunner
-
-
-class _Embed(nn.Module):
-    """Takes the features and a per-sample scale (two inputs); gives the hidden states, a
-    bool mask and a skip connection that later stages use."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, x: torch.Tensor, scale: torch.Tensor):
-        h = self.fc(x) * scale
-        return h, x[:, :1] > 0, h * 0.5
-
-
-class _Masked(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, h: torch.Tensor, mask: torch.Tensor, skip: torch.Tensor):
-        return torch.tanh(self.fc(h)) * mask + skip, mask, skip
-
-
-class _ToIds(nn.Module):
-    """Uses the skip connection for the last time; passes the mask on as integers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 16)
-
-    def forward(self, h: torch.Tensor, mask: torch.Tensor, skip: torch.Tensor):
-        return torch.tanh(self.fc(h) + skip), mask.to(torch.int64)
-
-
-class _Head(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(16, 4)
-
-    def forward(self, h: torch.Tensor, ids: torch.Tensor):
-        return self.fc(h) + ids
-
-
-def _parts() -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [_Embed(), _Masked(), _ToIds(), _Head()]
-
-
-def _through(parts: list[nn.Module], *inputs: torch.Tensor) -> torch.Tensor:
-    out = inputs
-    for part in parts:
-        out = part(*out) if isinstance(out, tuple) else part(out)
-    return out
-
-
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(step)
-    return (torch.randn(16, 16, generator=gen), torch.rand(16, 1, generator=gen) + 0.5,
-            torch.randint(0, 4, (16,), generator=gen))
+from tuple_stages import TWO_PER_RANK, pipelining_stage, through_parts, tuple_batch, tuple_parts, tuple_pipeline
 
 
 # zero-bubble V and DualPipeV place stages 0 and 3 on rank 0, 1 and 2 on rank 1: the tuple
 # from stage 1 to stage 2 (hidden states, a bool mask, a skip connection) is handed over in
 # memory
-_TWO_PER_RANK = ("interleaved-1f1b", "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v")
-
-
-def _pipeline(name: str) -> tuple[dict[int, nn.Module], PipelineRunner, torch.optim.SGD]:
-    """This rank's stages of the 4-stage model under schedule ``name`` (interleaved and
-    zero-bubble V: 2 ranks, 2 stages each; else 4 ranks), its runner and optimizer."""
-    virtual = 2 if name in _TWO_PER_RANK else 1
-    schedule = build_schedule(name, 4 // virtual, 4, virtual)
-    mesh = init_device_mesh("cpu", (4 // virtual,), mesh_dim_names=("pp",))
-    me = mesh.get_coordinate()[0]
-    parts = _parts()
-    stages = {s: parts[s] for s in range(4) if schedule.rank_of(s) == me}
-    runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
-    opt = torch.optim.SGD([p for part in stages.values() for p in part.parameters()], lr=0.1)
-    return stages, runner, opt
 
 
 def _train_pipelined(name: str):
-    stages, runner, opt = _pipeline(name)
+    stages, runner, opt = tuple_pipeline(name)
     losses = []
     for step in range(2):
-        x, scale, y = _batch(step)
+        x, scale, y = tuple_batch(step)
         with comm_stats() as stats:
             loss = runner.step((x, scale) if 0 in stages else None, y if 3 in stages else None)
         opt.step()
@@ -111,17 +37,17 @@ def _train_pipelined(name: str):
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble",
                                   "interleaved-zero-bubble", "zbv-zero-bubble", "dualpipe-v"])
 def test_stages_passing_tuples_train_as_one_process(mesh_pool, name):
-    parts = _parts()
+    parts = tuple_parts()
     opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
     expected = []
     for step in range(2):
-        x, scale, y = _batch(step)
-        loss = F.cross_entropy(_through(parts, x, scale), y)
+        x, scale, y = tuple_batch(step)
+        loss = F.cross_entropy(through_parts(parts, x, scale), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
         expected.append(loss.item())
-    results = mesh_pool.run(_train_pipelined, 4 // (2 if name in _TWO_PER_RANK else 1), name)
+    results = mesh_pool.run(_train_pipelined, 4 // (2 if name in TWO_PER_RANK else 1), name)
     losses = [loss for rank_losses, _, _ in results for loss in rank_losses if loss is not None]
     assert losses == pytest.approx(expected, rel=1e-5)
     for _, states, _ in results:
@@ -154,7 +80,7 @@ def _wrong_layouts():
     me = mesh.get_coordinate()[0]
     stages = {0: Flaky()} if me == 0 else {1: nn.Linear(16, 4)}
     runner = PipelineRunner(stages, mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
-    x, _, y = _batch(0)
+    x, _, y = tuple_batch(0)
     try:
         runner.step(x if me == 0 else None, y if me == 1 else None)
     except PipelineError as exc:
@@ -168,32 +94,15 @@ def test_a_tuple_that_changes_within_a_step_is_named_on_every_rank(mesh_pool):
             "torch.float32, (8, 16) torch.float32), but it was (8, 16) torch.float32" in error
 
 
-def _pipelining_stage(library: str):
-    """This rank's stage of the 4-stage model on 4 ranks, built by torch's ``PipelineStage``
-    or devmesh's (the same code, imports switched), and the library's pipelining module."""
-    if library == "torch":
-        import torch.distributed.pipelining.schedules as classes
-        from torch.distributed.pipelining import PipelineStage
-    else:
-        import devmesh.parallel.pipeline as classes
-        from devmesh.parallel.pipeline import PipelineStage
-
-    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("pp",))
-    me = mesh.get_coordinate()[0]
-    part = _parts()[me]
-    return me, part, PipelineStage(part, me, 4, torch.device("cpu"),
-                                   group=mesh.get_group("pp")), classes
-
-
 def _torch_pipelining_code(library: str, keyword: bool):
     """torch's pipelining code for the tuple-passing model, run by torch's classes or, with
     its imports switched, devmesh's; the first stage's second input positional or keyword."""
-    me, part, stage, classes = _pipelining_stage(library)
+    me, part, stage, classes = pipelining_stage(library)
     schedule = classes.Schedule1F1B(stage, 4, loss_fn=F.cross_entropy)
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
     losses, outputs = [], []
     for step in range(2):
-        x, scale, y = _batch(step)
+        x, scale, y = tuple_batch(step)
         if me == 0:
             schedule.step(x, scale=scale) if keyword else schedule.step(x, scale)
         elif me == 3:
@@ -225,13 +134,13 @@ def _train_sharded_pipeline(style: str):
 
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("pp", "dp"))
     me, dp = mesh.get_coordinate()
-    stage = _parts()[me]
+    stage = tuple_parts()[me]
     (fully_shard if style == "fsdp" else replicate)(stage, mesh=mesh["dp"])
     runner = PipelineRunner({me: stage}, mesh, build_schedule("zero-bubble", 4, 4),
                             F.cross_entropy)
     opt = torch.optim.SGD(stage.parameters(), lr=0.1)
     for step in range(2):
-        x, scale, y = _batch(step)
+        x, scale, y = tuple_batch(step)
         half = slice(8 * dp, 8 * dp + 8)
         runner.step((x[half], scale[half]) if me == 0 else None, y[half] if me == 3 else None)
         opt.step()
@@ -241,11 +150,11 @@ def _train_sharded_pipeline(style: str):
 
 @pytest.mark.parametrize("style", ["fsdp", "ddp"])
 def test_tuples_between_sharded_stages_train_as_one_process(mesh_pool, style):
-    parts = _parts()
+    parts = tuple_parts()
     opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
     for step in range(2):
-        x, scale, y = _batch(step)
-        F.cross_entropy(_through(parts, x, scale), y).backward()
+        x, scale, y = tuple_batch(step)
+        F.cross_entropy(through_parts(parts, x, scale), y).backward()
         opt.step()
         opt.zero_grad()
     for stage, state in mesh_pool.run(_train_sharded_pipeline, 8, style):
@@ -276,7 +185,7 @@ def _boolean_boundary():
     me = mesh.get_coordinate()[0]
     stages = {0: _MaskOnly()} if me == 0 else {1: _FromMask()}
     runner = PipelineRunner(stages, mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
-    x, _, y = _batch(0)
+    x, _, y = tuple_batch(0)
     with comm_stats() as stats:
         loss = runner.step(x if me == 0 else None, y if me == 1 else None)
     sends = stats.by_collective().get("send", (0,))[0]
@@ -298,10 +207,10 @@ def _batches_of_several_sizes():
     """Interleaved on 2 ranks, 16, 8, 8, 16 and 4 samples: each step's first packed message
     lands in the receive posted in the previous step's layout, or fills it and follows on a
     tag of its own."""
-    stages, runner, opt = _pipeline("interleaved-1f1b")
+    stages, runner, opt = tuple_pipeline("interleaved-1f1b")
     losses = []
     for step, size in enumerate(_SIZES):
-        x, scale, y = (t[:size] for t in _batch(step))
+        x, scale, y = (t[:size] for t in tuple_batch(step))
         loss = runner.step((x, scale) if 0 in stages else None, y if 3 in stages else None)
         opt.step()
         opt.zero_grad()
@@ -313,12 +222,12 @@ _SIZES = (16, 8, 8, 16, 4)
 
 
 def test_tuples_whose_batch_changes_between_steps(mesh_pool):
-    parts = _parts()
+    parts = tuple_parts()
     opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
     expected = []
     for step, size in enumerate(_SIZES):
-        x, scale, y = (t[:size] for t in _batch(step))
-        loss = F.cross_entropy(_through(parts, x, scale), y)
+        x, scale, y = (t[:size] for t in tuple_batch(step))
+        loss = F.cross_entropy(through_parts(parts, x, scale), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -362,7 +271,7 @@ def _two_stage_run(first: str, name: str):
     me = mesh.get_coordinate()[0]
     stage = (_SameTensorTwice() if first == "twice" else _NineTensors()) if me == 0 else _Join()
     runner = PipelineRunner({me: stage}, mesh, build_schedule(name, 2, 2), F.cross_entropy)
-    x, _, y = _batch(0)
+    x, _, y = tuple_batch(0)
     try:
         runner.step(x if me == 0 else None, y if me == 1 else None)
     except PipelineError as exc:
@@ -373,7 +282,7 @@ def _two_stage_run(first: str, name: str):
 @pytest.mark.parametrize("name", ["1f1b", "zero-bubble"])
 def test_the_same_tensor_passed_twice_gets_both_gradients(mesh_pool, name):
     first, last = _SameTensorTwice(), _Join()
-    x, _, y = _batch(0)
+    x, _, y = tuple_batch(0)
     F.cross_entropy(last(*first(x)), y).backward()
     ours = mesh_pool.run(_two_stage_run, 2, "twice", name)
     for grads, reference in zip(ours, (first, last)):
@@ -432,7 +341,7 @@ def test_zero_bubbles_split_of_a_tuple_stage_is_one_backward(build, fast):
     import copy
 
     from devmesh.parallel.pipeline.split_backward import SplitBackward
-    from test_pipeline import MatmulWork
+    from pipeline_cases import MatmulWork
 
     torch.manual_seed(0)
     model = build()

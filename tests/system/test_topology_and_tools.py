@@ -26,7 +26,7 @@ from devmesh.layout.topology import (
     hybrid_layout,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEVMESH = [sys.executable, "-m", "devmesh.tools.cli"]
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "devmesh"
+SRC = Path(__file__).resolve().parents[2] / "src" / "devmesh"
 
 LAYERS = {  # low to high; one entry per folder (a top-level module counts as its own)
     "errors": 0, "_files": 0, "_exit": 0, "_log": 0, "_progress": 0,
@@ -200,3 +200,17 @@ def test_a_modules_parameter_slots_are_written_in_one_place():
                     and node.func.value.attr == "_parameters"):
                 writers.append(f"{path.relative_to(SRC)}:{node.lineno}")
     assert writers == ["parallel/swap.py:22"], writers
+
+
+def test_no_test_module_imports_another():
+    """What several test modules share lives in the helper modules beside them (tests/*.py
+    without the test_ prefix), so each test module can move or run alone."""
+    tests = SRC.parents[1] / "tests"
+    offenders = []
+    for path in tests.rglob("test_*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                     [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            offenders += [f"{path.relative_to(tests)} imports {n}" for n in names
+                          if n.split(".")[0].startswith("test_")]
+    assert not offenders, offenders

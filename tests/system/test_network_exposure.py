@@ -87,7 +87,7 @@ def test_devmesh_run_listens_on_loopback_only(tmp_path):
     ready, done = tmp_path / "ready", tmp_path / "done"
     proc = subprocess.Popen(
         [sys.executable, "-m", "devmesh", "run", "-n", "2",
-         os.path.join(os.path.dirname(__file__), "scripts", "hold_mesh.py"), str(ready),
+         os.path.join(os.path.dirname(__file__), "..", "scripts", "hold_mesh.py"), str(ready),
          str(done)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 120

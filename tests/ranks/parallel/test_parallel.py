@@ -25,9 +25,9 @@ from devmesh.parallel import (
     describe,
     fully_shard,
     parallelize_module,
-    replicate,
     state_dict,
 )
+from strategies import apply_strategy, make_model
 
 STRATEGIES = {
     # name: (world, mesh shape, mesh names)
@@ -44,12 +44,6 @@ STRATEGIES = {
 }
 
 
-def make_model() -> nn.Sequential:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(12, 20), nn.ReLU(), nn.Linear(20, 14), nn.ReLU(),
-                         nn.Linear(14, 5))
-
-
 def fsdp_model(mesh, **options):
     """make_model() with every Linear and then the root fully sharded over ``mesh``."""
     model = make_model()
@@ -57,40 +51,6 @@ def fsdp_model(mesh, **options):
         fully_shard(model[i], mesh=mesh, **options)
     fully_shard(model, mesh=mesh, **options)
     return model
-
-
-def apply_strategy(name, model, mesh):
-    tp_plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
-    if name.startswith("ddp_2d") or name == "ddp":
-        replicate(model, mesh=mesh)
-        return mesh
-    if name in ("fsdp", "fsdp_uneven", "fsdp_no_reshard", "hsdp"):
-        reshard = name != "fsdp_no_reshard"
-        for i in (0, 2, 4):
-            fully_shard(model[i], mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
-        return mesh
-    if name == "tp":
-        parallelize_module(model, mesh, tp_plan)
-        return None
-    if name == "ddp+tp":
-        parallelize_module(model, mesh["tp"], tp_plan)
-        replicate(model, mesh=mesh["dp"])
-        return mesh["dp"]
-    if name == "fsdp+tp":
-        parallelize_module(model, mesh["tp"], tp_plan)
-        for i in (0, 2, 4):
-            fully_shard(model[i], mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
-        return mesh["dp"]
-    if name == "hsdp+tp":
-        parallelize_module(model, mesh["tp"], tp_plan)
-        dp = mesh["replicate", "shard"]
-        for i in (0, 2, 4):
-            fully_shard(model[i], mesh=dp)
-        fully_shard(model, mesh=dp)
-        return dp
-    raise ValueError(name)
 
 
 def train_and_compare(name, optimizer_name, steps=4, global_batch=24):

@@ -346,7 +346,7 @@ def test_a_killed_writer_leaves_the_old_checkpoint_loadable(tmp_path, stage):
 
 
 def test_nothing_is_unpickled_when_loading_sharded_checkpoints():
-    root = os.path.join(os.path.dirname(__file__), "..", "src", "devmesh", "parallel",
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "src", "devmesh", "parallel",
                         "checkpoint")
     for name in ("format.py", "load.py", "encoding.py", "offline.py"):
         source = open(os.path.join(root, name)).read()

@@ -13,13 +13,13 @@ from devmesh import comm_stats, init_device_mesh
 from devmesh.layout.schedule import IN_A_V, build_schedule
 from devmesh.parallel.pipeline import PipelineRunner
 
-from test_pipeline_tuples import (
-    _TWO_PER_RANK,
-    _batch,
-    _parts,
-    _pipeline,
-    _pipelining_stage,
-    _through,
+from tuple_stages import (
+    TWO_PER_RANK,
+    tuple_batch,
+    tuple_parts,
+    tuple_pipeline,
+    pipelining_stage,
+    through_parts,
 )
 
 SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "interleaved-zero-bubble",
@@ -27,19 +27,19 @@ SCHEDULES = ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "interleaved-ze
 
 
 def _ranks(name: str) -> int:
-    return 2 if name in _TWO_PER_RANK else 4
+    return 2 if name in TWO_PER_RANK else 4
 
 
 def _train_then_evaluate(name: str):
     """One training step on a batch of 16, then validation on a batch of 8 (with and
     without targets, twice), then a second training step on 16."""
-    stages, runner, opt = _pipeline(name)
+    stages, runner, opt = tuple_pipeline(name)
     first, last = 0 in stages, 3 in stages
-    x, scale, y = _batch(0)
+    x, scale, y = tuple_batch(0)
     runner.step((x, scale) if first else None, y if last else None)
     opt.step()
     opt.zero_grad()
-    vx, vscale, vy = (t[:8] for t in _batch(7))
+    vx, vscale, vy = (t[:8] for t in tuple_batch(7))
     results = {"loss": runner.evaluate((vx, vscale) if first else None, vy if last else None)}
     results["output"] = runner.output()
     with comm_stats() as stats:
@@ -47,7 +47,7 @@ def _train_then_evaluate(name: str):
     results["stats"] = stats.by_collective()
     results["output_no_targets"] = runner.output()
     results["grads"] = [p.grad for part in stages.values() for p in part.parameters()]
-    x, scale, y = _batch(1)
+    x, scale, y = tuple_batch(1)
     results["train_loss"] = runner.step((x, scale) if first else None, y if last else None)
     opt.step()
     opt.zero_grad()
@@ -56,25 +56,25 @@ def _train_then_evaluate(name: str):
 
 @pytest.mark.parametrize("name", SCHEDULES)
 def test_evaluate_between_training_steps_is_one_process_forward(mesh_pool, name):
-    parts = _parts()
+    parts = tuple_parts()
     opt = torch.optim.SGD([p for part in parts for p in part.parameters()], lr=0.1)
-    x, scale, y = _batch(0)
-    F.cross_entropy(_through(parts, x, scale), y).backward()
+    x, scale, y = tuple_batch(0)
+    F.cross_entropy(through_parts(parts, x, scale), y).backward()
     opt.step()
     opt.zero_grad()
-    vx, vscale, vy = (t[:8] for t in _batch(7))
+    vx, vscale, vy = (t[:8] for t in tuple_batch(7))
     with torch.no_grad():
-        expected_output = _through(parts, vx, vscale)
+        expected_output = through_parts(parts, vx, vscale)
     # the pipeline's loss: the mean of the 4 micro-batches' mean losses (equal sizes)
     expected_loss = torch.stack([F.cross_entropy(o, t) for o, t in
                                  zip(expected_output.chunk(4), vy.chunk(4))]).mean()
-    x, scale, y = _batch(1)
-    expected_train = F.cross_entropy(_through(parts, x, scale), y)
+    x, scale, y = tuple_batch(1)
+    expected_train = F.cross_entropy(through_parts(parts, x, scale), y)
     expected_train.backward()
     opt.step()
 
     results = mesh_pool.run(_train_then_evaluate, _ranks(name), name)
-    virtual = 2 if name in _TWO_PER_RANK else 1
+    virtual = 2 if name in TWO_PER_RANK else 1
     last = build_schedule(name, 4 // virtual, 4, virtual).rank_of(3)  # the last stage's rank
     for rank, (got, states) in enumerate(results):
         assert all(grad is None for grad in got["grads"]), "evaluate wrote gradients"
@@ -109,10 +109,10 @@ def _evaluate_sharded(style: str):
 
     mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("pp", "dp"))
     me, dp = mesh.get_coordinate()
-    stage = _parts()[me]
+    stage = tuple_parts()[me]
     (fully_shard if style == "fsdp" else replicate)(stage, mesh=mesh["dp"])
     runner = PipelineRunner({me: stage}, mesh, build_schedule("1f1b", 4, 4), F.cross_entropy)
-    x, scale, y = _batch(3)
+    x, scale, y = tuple_batch(3)
     half = slice(8 * dp, 8 * dp + 8)
     loss = runner.evaluate((x[half], scale[half]) if me == 0 else None,
                            y[half] if me == 3 else None)
@@ -121,10 +121,10 @@ def _evaluate_sharded(style: str):
 
 @pytest.mark.parametrize("style", ["fsdp", "ddp"])
 def test_evaluate_with_sharded_stages(mesh_pool, style):
-    parts = _parts()
-    x, scale, y = _batch(3)
+    parts = tuple_parts()
+    x, scale, y = tuple_batch(3)
     with torch.no_grad():
-        expected = _through(parts, x, scale)
+        expected = through_parts(parts, x, scale)
     results = mesh_pool.run(_evaluate_sharded, 8, style)
     for rank, (loss, output, grads) in enumerate(results):
         assert all(g is None for g in grads)
@@ -142,15 +142,15 @@ def _torch_eval_code(library: str):
     """torch's pipelining code with a validation pass: ``eval`` with and without targets,
     ``step`` with ``loss_kwargs`` and ``return_outputs=False``, and a schedule built
     without a loss (forward only); run by torch's classes or, imports switched, devmesh's."""
-    me, part, stage, classes = _pipelining_stage(library)
+    me, part, stage, classes = pipelining_stage(library)
 
     def loss_fn(output, target, weight=1.0):
         return F.cross_entropy(output, target) * weight
 
     schedule = classes.Schedule1F1B(stage, 4, loss_fn=loss_fn)
     opt = torch.optim.SGD(part.parameters(), lr=0.1)
-    x, scale, y = _batch(0)
-    vx, vscale, vy = (t[:8] for t in _batch(5))
+    x, scale, y = tuple_batch(0)
+    vx, vscale, vy = (t[:8] for t in tuple_batch(5))
     out = {}
     if me == 0:
         schedule.step(x, scale, loss_kwargs={"weight": 0.5})
@@ -209,7 +209,7 @@ def _step_without_gradients():
     me = mesh.get_coordinate()[0]
     stages = {me: nn.Linear(16, 16) if me == 0 else nn.Linear(16, 4)}
     runner = PipelineRunner(stages, mesh, build_schedule("1f1b", 2, 2), F.cross_entropy)
-    x, _, y = _batch(0)
+    x, _, y = tuple_batch(0)
     errors = []
     try:  # only the first stage's rank has gradients off: every rank must still hear of it
         with torch.set_grad_enabled(me != 0):

@@ -20,7 +20,7 @@ from devmesh.parallel import (
     save_checkpoint,
     state_dict,
 )
-from test_parallel import apply_strategy, make_model
+from strategies import apply_strategy, make_model
 
 # name: (world, mesh shape, mesh dim names, strategy of test_parallel.apply_strategy)
 LAYOUTS = {
