@@ -27,6 +27,7 @@ executor pads each rank's block to the largest for the all-gather and cuts it ba
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -56,10 +57,18 @@ _REPLICATE, _PARTIAL = "replicate", "partial"
 def _spec(mesh: DeviceMesh, shape: Sequence[int], layout: int | str) -> ShardingSpec:
     """The layout of a tensor of global ``shape`` over the mesh's first dim: split along tensor
     dim ``layout``, ``"replicate"`` or ``"partial"`` (summed)."""
+    return _cached_spec(tuple(mesh.shape), tuple(shape), layout)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached_spec(mesh_shape: tuple[int, ...], shape: tuple[int, ...], layout: int | str
+                 ) -> ShardingSpec:
+    """A spec is checked when made (~30 us): an activation of a given shape and layout is
+    made once, not at every layer of every step."""
     dim_map: list[tuple[int, ...]] = [()] * len(shape)
     if isinstance(layout, int):
         dim_map[layout] = (0,)
-    return ShardingSpec(tuple(mesh.shape), tuple(shape), tuple(dim_map),
+    return ShardingSpec(mesh_shape, shape, tuple(dim_map),
                         partial=((0, "sum"),) if layout == _PARTIAL else ())
 
 
