@@ -49,7 +49,7 @@ from devmesh.parallel.fsdp.collectives import (
     unpack_reduced,
 )
 from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
-from devmesh.parallel.fsdp.state import Slots, check_transition
+from devmesh.parallel.fsdp.state import TRANSITIONS, Slots, check_transition
 from devmesh.parallel.fsdp.order import (
     ForwardOrder,
     enter_forward,
@@ -392,7 +392,8 @@ class FSDPUnit:
         (``Slots.SHARDS``) or views of ``fulls``, the gathered parameters (``FORWARD``,
         ``UNSHARDED``). The one writer of the unit's slots, checked against the legal
         transitions (:data:`~devmesh.parallel.fsdp.state.TRANSITIONS`)."""
-        check_transition(self.describe(), self.slots, slots)
+        if slots not in TRANSITIONS[self.slots]:  # the name is built only to raise
+            check_transition(self.describe(), self.slots, slots)
         if slots is Slots.SHARDS:
             for p in self.params:
                 for holder, name in p.places:
