@@ -36,7 +36,7 @@ def train_pipelined(name: str | Schedule, microbatches: int, steps: int = 2,
     me = mesh.get_coordinate()[0]
     stages = {s: parts[s] for s in range(schedule.stages) if schedule.rank_of(s) == me}
     runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
-    runner._links.policy = policy
+    runner._links.backend = {"ahead": "gloo", "fused": "nccl"}[policy]
     params = [p for s in stages.values() for p in s.parameters()]
     opt = torch.optim.SGD(params, lr=0.1)
     losses, sends = [], []

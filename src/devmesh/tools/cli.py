@@ -124,6 +124,9 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         else:
             schedule = build_schedule(args.schedule, args.pp, microbatches, args.virtual)
         bubble = schedule.bubble()
+        if args.program and args.rank is not None and not 0 <= args.rank < schedule.ranks:
+            raise ScheduleError(f"--rank {args.rank}, but the schedule has {schedule.ranks} "
+                                f"ranks (0 to {schedule.ranks - 1})")
     except ScheduleError as exc:
         print(f"devmesh plan: error: {exc}", file=sys.stderr)
         return 2
@@ -134,6 +137,10 @@ def _cmd_schedule(args: argparse.Namespace) -> int:
         from devmesh.layout.pipeline_messages import message_plan
 
         print(message_plan(schedule, args.messages))
+    if args.program:
+        from devmesh.layout.pipeline_program import format_programs
+
+        print(format_programs(schedule, args.program, args.rank))
     if args.png:
         from devmesh.inspect.schedule_png import draw_schedule
 
@@ -559,6 +566,10 @@ def _add_plan(sub) -> None:
     plan.add_argument("--messages", choices=("gloo", "nccl"), default=None,
                       help="with --schedule: the batches of sends and receives each rank "
                            "starts on that backend, and for nccl whether it can deadlock")
+    plan.add_argument("--program", choices=("gloo", "nccl"), default=None,
+                      help="with --schedule: each rank's step as the runner plays it on that "
+                           "backend (computes, the posts of messages between them, where each "
+                           "stage's gradients are reduced), checked (--rank R: one rank's)")
     dry = plan.add_argument_group(
         "dry run of a model (one process, no devices: meta tensors, torch's fake process group)")
     dry.add_argument("--model", default=None,

@@ -1006,7 +1006,7 @@ def shapes_across_steps(name: str, policy: str = "ahead"):
     me = mesh.get_coordinate()[0]
     stages = {s: parts[s] for s in range(4) if schedule.rank_of(s) == me}
     runner = PipelineRunner(stages, mesh, schedule, F.cross_entropy)
-    runner._links.policy = policy
+    runner._links.backend = {"ahead": "gloo", "fused": "nccl"}[policy]
     opt = torch.optim.SGD([p for part in stages.values() for p in part.parameters()], lr=0.1)
     losses = []
     for step, batch in enumerate((16, 16, 8, 8, 16)):

@@ -51,8 +51,7 @@ class StageActions:
     _sync: dict[int, StageGradSync]
     _cuts: dict[int, LayerCuts]
     _split: set[tuple[int, int]]
-    _final_split: dict[int, Action]
-    _final_whole: dict[int, Action]
+    _reduces: Callable[[StepState, Action], bool]  # the program's mark: see runner._reduces
     _forward_contexts: dict[int, Callable[[int], Any]]
 
     def _forward(self, step: StepState, action: Action) -> None:
@@ -161,9 +160,7 @@ class StageActions:
             start = time.perf_counter()
             try:
                 if action.kind == "B" or sync.whole:  # whole: DDP reduces in one backward
-                    whole = sync.whole or s in step.whole_stages
-                    final = self._final_whole if whole else self._final_split
-                    sync.before_backward(action == final[s], outputs)
+                    sync.before_backward(self._reduces(step, action), outputs)
                     # a first stage with every parameter frozen (fine-tuning the top of
                     # a model) has nothing to compute, as in single-process training
                     if outputs:
@@ -180,7 +177,7 @@ class StageActions:
                         outputs, seeds, inputs, self._weights(s), cuts)
                     if split.whole:  # this I is a whole backward: its W has nothing left
                         step.whole_stages.add(s)
-                        sync.before_backward(action == self._final_whole[s], outputs)
+                        sync.before_backward(self._reduces(step, action), outputs)
                         entry["done"] = True
                     # a whole backward of a cut graph is one autograd call per piece
                     with sync.one_reduction() if split.whole else contextlib.nullcontext():
@@ -215,7 +212,7 @@ class StageActions:
             return
         params = [p for p in self._weights(action.stage) if p.requires_grad]
         self._sync[action.stage].before_backward(
-            action == self._final_split[action.stage], entry.get("outputs", ()))
+            self._reduces(step, action), entry.get("outputs", ()))
         start = time.perf_counter()
         try:
             if "split" in entry:  # I kept what W needs: no input gradient computed again

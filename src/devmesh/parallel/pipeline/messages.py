@@ -52,10 +52,8 @@ from devmesh.layout.pipeline_messages import (
     Message,
     ReceiveOrder,
     forward_only,
-    nccl_placement,
-    upcoming,
 )
-from devmesh.layout.schedule import Action, Schedule
+from devmesh.layout.schedule import Schedule
 from devmesh.mesh import DeviceMesh
 
 __all__ = ["StageLinks", "Shape", "Layout", "layout_of", "gradient_layout", "describe",
@@ -132,23 +130,21 @@ class StageLinks:
     """This rank's messages to and from the neighbouring stages' ranks along the pipeline
     dim, and the layouts announced on them.
 
-    Sends are queued as the actions make them and started in batches: after each action,
-    its sends together with the receives the next actions wait for (:func:`~devmesh.layout.
-    pipeline_messages.upcoming`: two actions ahead on gloo, fused with the last send before
-    them on NCCL). Receives are posted in each peer's order of sending
+    Sends are queued as the actions make them and started in batches, by the post
+    instructions of the step's program (:mod:`~devmesh.layout.pipeline_program`): after
+    each action, its sends together with the receives the next actions wait for (two
+    actions ahead on gloo, fused with the last send before them on NCCL). Receives are posted in each peer's order of sending
     (:class:`~devmesh.layout.pipeline_messages.ReceiveOrder`) with one tag, so they match on
     order alone, as NCCL matches them."""
 
     def __init__(self, mesh: DeviceMesh, dim: int, schedule: Schedule) -> None:
         self.mesh, self.dim, self.schedule = mesh, dim, schedule
         self.device = comm.mesh_device(mesh)  # NCCL carries only the device's tensors
-        self.policy = "ahead" if self.device.type == "cpu" else "fused"
         index = self.index = mesh.get_coordinate()[dim]
-        self._schedules = {True: schedule, False: forward_only(schedule)}
-        self._orders = {training: ReceiveOrder(plan, index)
-                        for training, plan in self._schedules.items()}
+        self.backend = "gloo" if self.device.type == "cpu" else "nccl"
+        self._orders = {True: ReceiveOrder(schedule, index),
+                        False: ReceiveOrder(forward_only(schedule), index)}
         self.order = self._orders[True]
-        self.plan, self.actions = schedule, schedule.actions[index]
         self.received: dict[int, Layout | None] = {}  # stage -> its input, as announced here
         self.announced: dict[int, Layout | None] = {}  # stage -> its input, as this rank said
         # the same for the previous step: the receives posted in advance expect these
@@ -158,8 +154,6 @@ class StageLinks:
         self._fillers: list[comm.Pending] = []  # receives the sender filled with zeros
         self._posted: dict[Message, comm.Pending] = {}
         self._queue: list[tuple[str, torch.Tensor, int, Message | None]] = []
-        self._early: dict[int, tuple[Message, ...]] = {}  # receives posted early (NCCL)
-        self._placements: dict[bool, dict[int, tuple[Message, ...]]] = {}  # per training
         self.watch: Watch | None = None  # this step's: a timeout names the stuck rank
         # between two stages on this rank (the turn of a V): (kind, receiving stage,
         # micro-batch) -> the tensors handed over in memory, and each such stage's input
@@ -167,31 +161,22 @@ class StageLinks:
         self._handed: dict[tuple[str, int, int], tuple[torch.Tensor, ...] | None] = {}
         self._handed_layouts: dict[int, Layout] = {}
 
-    def start_step(self, actions: tuple[Action, ...], training: bool = True) -> None:
-        """Announce every layout again (each step may bring a new micro-batch shape), and
-        post the receives of the step's first ``actions``."""
+    def start_step(self, training: bool = True) -> None:
+        """Announce every layout again (each step may bring a new micro-batch shape); the
+        step's program posts the receives (:meth:`post`)."""
         self.watch = comm.exchange_watch("pipeline step", self.mesh, self.dim)
         self._handed.clear()  # what a failed step left
         self._handed_layouts.clear()
         self.received_before, self.received = self.received, {}
         self.announced_before, self.announced = self.announced, {}
-        self.plan, self.order, self.actions = (self._schedules[training],
-                                               self._orders[training], actions)
+        self.order = self._orders[training]
         self.order.restart()
-        self._early = {}
-        if self.policy == "fused":  # NCCL's: the receives some schedules must post early
-            if training not in self._placements:
-                found = nccl_placement(self.plan) or {}
-                self._placements[training] = found.get(self.order.rank, {})
-            self._early = self._placements[training]
-        self._post_due(upcoming(self.plan, actions, 0, self.policy, self._early), wait=False)
-        self.flush()
 
-    def advance(self, position: int) -> None:
-        """The action at ``position`` is done: start its sends, with the receives of the
-        actions after it."""
-        self._post_due(upcoming(self.plan, self.actions, position + 1, self.policy,
-                                self._early), wait=False)
+    def post(self, receives: tuple[Message, ...]) -> None:
+        """A post instruction of the step's program: start the queued sends together with
+        the receives ``receives`` needs (each peer's earlier messages first, as far as the
+        layouts announced so far allow), in one batch."""
+        self._post_due(list(receives), wait=False)
         self.flush()
 
     def _state(self, message: Message) -> str:

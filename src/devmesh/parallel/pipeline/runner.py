@@ -71,6 +71,7 @@ from torch import nn
 from devmesh._torch_compat import IncompatibleKeys
 from devmesh.distributed import comm, consensus, groups, stops
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
+from devmesh.layout.pipeline_program import Op, Program, lower, program_problem
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.fsdp import release_weight_gradient_gathers
@@ -192,14 +193,19 @@ class PipelineRunner(StageActions, StepFailures):
         # the last stage's (output, loss) per micro-batch of the last step; loss None when
         # evaluate() had no targets
         self.microbatch_outputs: list[tuple[Any, torch.Tensor | None]] = []
-        # a data-parallel stage reduces its gradients once per step: at its last action that
-        # computes weight gradients (the others accumulate without sync) — its last B or W;
-        # where its backward cannot be split (SplitBackward.whole, or DDP's reducer) an I
-        # computes them and W nothing: its last B or I. A schedule may mix whole and split
-        # backwards on a stage; a B before the stage's first I is final in neither case
+        # the step as a program (plain data, checked on every rank alike): the computes,
+        # the posts of messages between them, and the backward in which each stage's
+        # gradients are reduced — its last B or W; where its backward cannot be split
+        # (DDP's reducer: known now; a graph SplitBackward cannot cut: found in the step) an
+        # I computes them and W nothing, and the program for those stages says its last B
+        # or I (see devmesh.layout.pipeline_program)
+        self._whole = frozenset(s for s, sync in self._sync.items() if sync.whole)
+        for training in (True, False):
+            problem = program_problem([lower(schedule, r, self._links.backend,
+                                             training=training) for r in range(self.pp)])
+            if problem:
+                raise PipelineError(f"cannot run schedule {schedule.name!r}: {problem}")
         actions = schedule.actions[self.index]
-        self._final_split = {a.stage: a for a in actions if a.kind in ("B", "W")}
-        self._final_whole = {a.stage: a for a in actions if a.kind in ("B", "I")}
         self._reduce_shared_units_once(actions)
         # micro-batches whose backward is split (zero-bubble's I and W), on stages whose
         # graph is cut at the layers' outputs during those forwards (see layer_cuts)
@@ -217,6 +223,8 @@ class PipelineRunner(StageActions, StepFailures):
         final backward reducing would be right too — the second reduction adds what came
         after the first — but costs a reduce-scatter more per step.)"""
         position = {action: i for i, action in enumerate(actions)}
+        split = {a.stage: a for a in lower(self.schedule, self.index,
+                                           self._links.backend).reducing}
         holders: dict[int, tuple[object, set[int]]] = {}
         for s, stage in self.stages.items():
             for module in stage.modules():
@@ -226,7 +234,7 @@ class PipelineRunner(StageActions, StepFailures):
         for unit, stages in holders.values():
             if len(stages) < 2:
                 continue
-            last = max(stages, key=lambda s: position.get(self._final_split.get(s), -1))
+            last = max(stages, key=lambda s: position.get(split.get(s), -1))
             for s in stages - {last}:
                 self._sync[s].hold_for_later(unit)
 
@@ -284,11 +292,10 @@ class PipelineRunner(StageActions, StepFailures):
         zero them before the next step)."""
         with self._scope():
             step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=True)
-            actions = self.schedule.actions[self.index]
             for sync in self._sync.values():
                 sync.start_step()
             try:
-                self._play(step, actions)
+                self._play(step)
             finally:
                 for sync in self._sync.values():
                     sync.end_step()
@@ -307,9 +314,8 @@ class PipelineRunner(StageActions, StepFailures):
         yourself, as for any model)."""
         with self._scope():
             step = self._start(inputs, targets, input_kwargs, loss_kwargs, training=False)
-            forwards = tuple(a for a in self.schedule.actions[self.index] if a.kind == "F")
             with torch.no_grad():
-                self._play(step, forwards)
+                self._play(step)
             return self._finish(step)
 
     def _scope(self) -> contextlib.AbstractContextManager[None]:
@@ -356,19 +362,38 @@ class PipelineRunner(StageActions, StepFailures):
         step.announced = step.halted  # every copy stopped here: none waits for another
         return step
 
-    def _play(self, step: StepState, actions: tuple[Action, ...]) -> None:
-        """Run ``actions`` in order; every message this rank owes is sent even after a
-        failure (zeros), so no neighbour waits forever."""
-        # each step's first messages announce the shapes
-        self._links.start_step(actions, training=step.training)
+    def _program(self, step: StepState) -> Program:
+        """This rank's program for ``step``: its kind (training or forward-only), and the
+        stages whose backward is whole so far (one found so in the step moves its
+        reduction)."""
+        return lower(self.schedule, self.index, self._links.backend, training=step.training,
+                     whole=self._whole | frozenset(step.whole_stages))
+
+    def _reduces(self, step: StepState, action: Action) -> bool:
+        """Is ``action`` the backward in which its stage's gradients are reduced? (A ``W``
+        computes only where its micro-batch's backward was split: the split program's
+        mark.)"""
+        whole = self._whole | frozenset(step.whole_stages)
+        if action.kind == "W":
+            whole -= {action.stage}
+        return action in lower(self.schedule, self.index, self._links.backend,
+                               training=step.training, whole=whole).reducing
+
+    def _play(self, step: StepState) -> None:
+        """Run this rank's program: each compute, and each post of messages; every message
+        this rank owes is sent even after a failure (zeros), so no neighbour waits
+        forever."""
+        self._links.start_step(training=step.training)  # each step announces its shapes
         self.compute_seconds = step.compute  # compute of each action, messages excluded
-        play = {"F": self._forward, "B": self._backward, "I": self._backward,
-                "W": self._weight_grads}
-        for position, action in enumerate(actions):
-            play[action.kind](step, action)
+        play = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
+                Op.BACKWARD_INPUT: self._backward, Op.BACKWARD_WEIGHT: self._weight_grads}
+        for instruction in self._program(step).instructions:
+            if instruction.op is Op.POST:  # the sends before it, the receives after it
+                self._links.post(instruction.receives)
+                continue
+            play[instruction.op](step, instruction.action)
             if step.halted and not step.announced:
                 self._announce_stop(step)
-            self._links.advance(position)  # its sends, with the next actions' receives
         self._links.wait_sends()
         release_weight_gradient_gathers()  # every W of the step has run
 
