@@ -1,60 +1,35 @@
-"""Running a pipeline schedule: each rank plays its list of actions on its stages, sending
-activations forward and gradients backward to the neighbouring stages' ranks.
+"""Running a pipeline schedule: each rank plays its program (computes on its stages, posts
+of messages between them: :mod:`~devmesh.layout.pipeline_program`), sending activations
+forward and gradients backward to the neighbouring stages' ranks. docs/design/pipelines.md
+tells the whole design; what this module holds:
 
-Sends are asynchronous (``isend``) and each receive names its message by a tag (stage,
-micro-batch, direction), so any order a schedule gives is safe as long as the schedule can
-run at all (:meth:`~devmesh.layout.schedule.Schedule.simulate` checks it without a process).
-Each step's first message across each boundary announces its shape and dtype
-(:mod:`~devmesh.parallel.pipeline.messages`), so a smaller last batch needs nothing special,
-and a step costs one collective: the failure flag below (two where the mesh has dims beside
-the pipeline's: a stage's copies agree at the start, and the flag spans the mesh, see below).
+- **The build**: every check the ranks agree on before the first message — one schedule
+  (a micro-batch count from each copy's own data would mismatch FSDP's collectives), the
+  stages matching it, tied copies equal, the messages usable in the order they are sent
+  (NCCL ignores tags: :mod:`~devmesh.layout.pipeline_messages`), on a GPU mesh free of
+  deadlock under NCCL's stream rules, and the step's programs valid.
+- **A step**: the micro-batches cut (:mod:`.stage_values`), the program played
+  (:mod:`.actions` computes, :mod:`.messages` posts), the failure flag agreed at the end
+  (:mod:`.step_failures`). A step costs one collective besides its messages: that flag (two
+  where the mesh has dims beside the pipeline's: a stage's copies agree at the start too).
+- **Failures**: a stage that fails (data, its forward, the loss, a backward) does not stop
+  its rank: it plays the rest of its program without computing, sending zeros where it owes
+  a message, so no neighbour waits; at the end of the step every rank of the mesh raises the
+  same :class:`PipelineError`. What can fail before any compute is agreed among a stage's
+  data- and tensor-parallel copies at the start, and every copy skips the step; a loss that
+  fails lets the step go on with a zero loss (the loss runs none of the stage's
+  collectives); an error between two of a stage's collectives on some copies only is
+  announced (:mod:`~devmesh.distributed.stops`), and the copies waiting for it give up
+  within a second (the world is broken then: restart).
+- **Gradients**: each micro-batch's loss is divided by the number of micro-batches, so they
+  add up to the whole batch's, as in one process (``scale_grads=False``, torch's argument,
+  leaves them whole: a loss that sums, or one the caller scales, as torchtitan does). A
+  stage that is data parallel (``replicate``, ``fully_shard``, torch's DDP and FSDP2)
+  accumulates without synchronization and reduces once, in the backward its program marks
+  (:mod:`.grad_sync`).
 
-An exception in a stage (data the first or last stage refuses, its forward, the loss, a
-backward, an output whose shape changed within the step) does not stop that rank: it plays
-the rest of its schedule without computing, sending zeros where it owes a message, so that no
-neighbour waits forever; at the end of the step one tiny all-reduce of a flag over the
-pipeline dim tells every rank, and every rank raises :class:`PipelineError` naming the rank,
-stage, action and error.
-
-A stage parallelized over the mesh's other dims runs collectives with its data- and
-tensor-parallel copies (one per pipeline of the mesh), so a copy that stopped computing would
-leave the others waiting in them. Three things keep the copies in step: what can fail before
-any compute — a copy's inputs or targets (a batch the micro-batches do not divide, inputs
-missing), gradients off — is agreed among the copies at the start of the step, and every copy
-skips it; a loss function that fails (a target out of range in one copy's data) lets the step
-go on with a zero loss, since the loss runs none of the stage's collectives; and at the end of
-the step the failure flag is all-reduced over the whole mesh, not the pipeline alone, so every
-rank of the mesh raises the same error — a copy that went on would apply gradients its copies'
-reductions left partial. The whole mesh also agrees on the schedule when the runner is built
-(a micro-batch count from each copy's own data mismatched FSDP's collectives). An error in a
-stage's forward or backward on some copies only (data one copy's embedding refuses) comes
-between two of the stage's collectives, and nothing can put the copies back in step there:
-the copy that stopped announces it (:mod:`~devmesh.distributed.stops`), the copies waiting in
-a collective it will not enter give up within a second and stop too, and every rank raises at
-the end of the step; the collective given up on stays posted, so the world is broken after
-that (restart), where before the others waited until the collective timeout.
-
-Messages are matched by order, not by tag (NCCL ignores tags): each rank posts its receives
-in the order its peers send (:mod:`~devmesh.layout.pipeline_messages`; a schedule whose ranks
-would use one of a peer's streams — a stage's activations or gradients — in another order is
-refused), and starts an action's sends together with the next actions' receives as one batch
-(``batch_isend_irecv``); two stages on one rank hand over in memory. On gloo the
-receives go two actions ahead; on NCCL, where a send waits for its receive and a rank's
-batches run one after another, each receive goes with the last send before it, or earlier
-where :func:`~devmesh.layout.pipeline_messages.nccl_placement` finds it must (interleaved
-1F1B); a schedule with no deadlock-free placement is refused on a GPU mesh. The NCCL path has
-not run on a GPU yet (none lent to this project): the order and the placement run over gloo
-in the tests, and their freedom from deadlock is shown by a model of NCCL's streams.
-
-Every micro-batch's loss is divided by the number of micro-batches, so gradients accumulate
-to exactly those of the whole batch: training equals single-process training on the same
-batch (for a loss that averages; ``scale_grads=False``, torch's argument, leaves the losses
-as they are: gradients are then the micro-batches' sum, for a loss that sums or that the
-caller scales itself, as torchtitan does). A stage that is itself data parallel
-(``replicate``, devmesh's or torch's ``DistributedDataParallel`` and composable ``replicate``)
-or sharded (``fully_shard``, devmesh's or torch's, over TP or not) accumulates its gradients
-without synchronization and reduces them once, at its last backward of the step
-(:mod:`~devmesh.parallel.pipeline.grad_sync`).
+The NCCL path has not run on a GPU in this project's tests: its order and receive placement
+run over gloo, and their freedom from deadlock is shown by the model of NCCL's streams.
 """
 
 from __future__ import annotations
