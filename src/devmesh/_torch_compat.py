@@ -271,13 +271,22 @@ def saved_tensors_hooks_in_force() -> Any:
 
 
 def clear_dtensor_caches() -> None:
-    """Empty DTensor's redistribution-plan and sharding-propagation caches, those DTensor
-    has loaded (a torch whose private caches moved has nothing here to clear)."""
+    """Empty DTensor's caches that are keyed by mesh, those DTensor has loaded (a torch
+    whose private caches moved has nothing here to clear): its redistribution plans and
+    planners, sharding propagation, and mesh topologies. Each holds meshes, and through them
+    their process groups: a process that runs one world after another (a test worker) would
+    keep every world's gloo threads and sockets alive."""
     redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
     api = sys.modules.get("torch.distributed.tensor._api")
+    collectives = sys.modules.get("torch.distributed.tensor._collective_utils")
     try:
         if redistribute is not None:
             redistribute._gen_transform_infos.cache_clear()
+            clear_planners = getattr(redistribute, "clear_redistribute_planner_cache", None)
+            if clear_planners is not None:
+                clear_planners()
+        if collectives is not None:
+            collectives.MeshTopoInfo.build_from_mesh.cache_clear()
         if api is not None:
             propagator = api.DTensor._op_dispatcher.sharding_propagator
             propagator.propagate_op_sharding.cache.cache_clear()

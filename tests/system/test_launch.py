@@ -108,6 +108,12 @@ def uses_groups_of_every_dim():
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
+    # torch's DTensor ops on a sub-mesh: its caches keyed by mesh (redistribution planners,
+    # mesh topologies) held each task's meshes, and with them their groups
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    t = distribute_tensor(torch.randn(8, 8), mesh["tp"], [Shard(0)])
+    (t @ t.T).full_tensor()
 
 
 def gloo_threads() -> int:
