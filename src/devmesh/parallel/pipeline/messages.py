@@ -133,7 +133,8 @@ class StageLinks:
     Sends are queued as the actions make them and started in batches, by the post
     instructions of the step's program (:mod:`~devmesh.layout.pipeline_program`): after
     each action, its sends together with the receives the next actions wait for (two
-    actions ahead on gloo, fused with the last send before them on NCCL). Receives are posted in each peer's order of sending
+    actions ahead on gloo, fused with the last send before them on NCCL). Receives are
+    posted in each peer's order of sending
     (:class:`~devmesh.layout.pipeline_messages.ReceiveOrder`) with one tag, so they match on
     order alone, as NCCL matches them."""
 

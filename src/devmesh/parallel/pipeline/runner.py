@@ -46,7 +46,7 @@ from torch import nn
 from devmesh._torch_compat import IncompatibleKeys
 from devmesh.distributed import comm, consensus, groups, stops
 from devmesh.layout.pipeline_messages import fifo_problem, nccl_problem
-from devmesh.layout.pipeline_program import Op, Program, lower, program_problem
+from devmesh.layout.pipeline_program import Op, lower, program_problem
 from devmesh.layout.schedule import Action, Schedule
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.fsdp import release_weight_gradient_gathers
@@ -180,6 +180,11 @@ class PipelineRunner(StageActions, StepFailures):
                                              training=training) for r in range(self.pp)])
             if problem:
                 raise PipelineError(f"cannot run schedule {schedule.name!r}: {problem}")
+        # a stage's mark depends only on whether its own backward is whole: both sets of
+        # marks once, so a backward looks its mark up rather than lowering a program
+        self._reducing = {whole: lower(schedule, self.index, self._links.backend,
+                                       whole=frozenset(stages) if whole else frozenset()
+                                       ).reducing for whole in (False, True)}
         actions = schedule.actions[self.index]
         self._reduce_shared_units_once(actions)
         # micro-batches whose backward is split (zero-bubble's I and W), on stages whose
@@ -198,8 +203,7 @@ class PipelineRunner(StageActions, StepFailures):
         final backward reducing would be right too — the second reduction adds what came
         after the first — but costs a reduce-scatter more per step.)"""
         position = {action: i for i, action in enumerate(actions)}
-        split = {a.stage: a for a in lower(self.schedule, self.index,
-                                           self._links.backend).reducing}
+        split = {a.stage: a for a in self._reducing[False]}
         holders: dict[int, tuple[object, set[int]]] = {}
         for s, stage in self.stages.items():
             for module in stage.modules():
@@ -337,22 +341,14 @@ class PipelineRunner(StageActions, StepFailures):
         step.announced = step.halted  # every copy stopped here: none waits for another
         return step
 
-    def _program(self, step: StepState) -> Program:
-        """This rank's program for ``step``: its kind (training or forward-only), and the
-        stages whose backward is whole so far (one found so in the step moves its
-        reduction)."""
-        return lower(self.schedule, self.index, self._links.backend, training=step.training,
-                     whole=self._whole | frozenset(step.whole_stages))
-
     def _reduces(self, step: StepState, action: Action) -> bool:
-        """Is ``action`` the backward in which its stage's gradients are reduced? (A ``W``
-        computes only where its micro-batch's backward was split: the split program's
-        mark.)"""
-        whole = self._whole | frozenset(step.whole_stages)
-        if action.kind == "W":
-            whole -= {action.stage}
-        return action in lower(self.schedule, self.index, self._links.backend,
-                               training=step.training, whole=whole).reducing
+        """Is ``action`` the backward in which its stage's gradients are reduced: the mark
+        of the program for the stage's backward as it runs, whole (known at the build, or
+        found in this step) or split? (A ``W`` computes only where its micro-batch's
+        backward was split: the split program's mark.)"""
+        whole = action.kind != "W" and (action.stage in self._whole
+                                        or action.stage in step.whole_stages)
+        return action in self._reducing[whole]
 
     def _play(self, step: StepState) -> None:
         """Run this rank's program: each compute, and each post of messages; every message
@@ -362,7 +358,9 @@ class PipelineRunner(StageActions, StepFailures):
         self.compute_seconds = step.compute  # compute of each action, messages excluded
         play = {Op.FORWARD: self._forward, Op.BACKWARD: self._backward,
                 Op.BACKWARD_INPUT: self._backward, Op.BACKWARD_WEIGHT: self._weight_grads}
-        for instruction in self._program(step).instructions:
+        program = lower(self.schedule, self.index, self._links.backend,
+                        training=step.training)
+        for instruction in program.instructions:
             if instruction.op is Op.POST:  # the sends before it, the receives after it
                 self._links.post(instruction.receives)
                 continue
