@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import time
+
 from devmesh.errors import DevmeshError
 
 
@@ -12,6 +15,21 @@ def caught(fn):
     except DevmeshError as exc:
         return type(exc).__name__, str(exc)
     return None
+
+
+def reported(folder: str, rank: int) -> None:
+    """Mark, in ``folder``, that ``rank`` has what the test wanted from it (its error, say)."""
+    open(os.path.join(folder, f"reported{rank}"), "w").close()
+
+
+def stay_away_until_reported(folder: str, ranks, within: float = 60.0) -> None:
+    """A rank stuck in its own code, for as long as the test needs it: until every rank in
+    ``ranks`` has :func:`reported`, rather than for a fixed sleep sized for a slow machine."""
+    deadline = time.monotonic() + within
+    while not all(os.path.exists(os.path.join(folder, f"reported{r}")) for r in ranks):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"ranks {list(ranks)} did not report within {within} s")
+        time.sleep(0.05)
 
 
 def _each(calls):

@@ -21,6 +21,7 @@ import pytest
 
 from devmesh import WorkerPool
 from devmesh.errors import RankFailedError
+from helpers import reported, stay_away_until_reported
 
 
 def _alive(pid: int) -> bool:
@@ -172,24 +173,27 @@ def test_devmesh_run_passes_on_a_failing_ranks_exit_code(tmp_path):
     assert proc.returncode == 3, proc.stderr
 
 
-def late_rank():
+def late_rank(folder: str):
     from devmesh import init_device_mesh
     from devmesh.errors import MeshTimeoutError
 
-    if int(os.environ["RANK"]) == 3:
-        time.sleep(8)  # later than the others' 4 s timeout
+    rank = int(os.environ["RANK"])
+    if rank == 3:  # later than the others' 4 s timeout: comes once they gave up
+        stay_away_until_reported(folder, (0, 1, 2))
     try:
         init_device_mesh("cpu", (4,), timeout=4)
     except MeshTimeoutError as exc:
         return str(exc)
+    finally:
+        reported(folder, rank)
     return None
 
 
-def test_a_rank_late_for_the_first_mesh_is_named(mesh_pool):
+def test_a_rank_late_for_the_first_mesh_is_named(mesh_pool, tmp_path):
     """Issue 9, item 9: not torch's "3/4 clients joined" but the late rank, by number, on
     every rank that waited; the late rank itself is told the others gave up."""
     start = time.monotonic()
-    results = mesh_pool.run(late_rank, 4, timeout=60)
+    results = mesh_pool.run(late_rank, 4, str(tmp_path), timeout=60)
     assert time.monotonic() - start < 30
     for message in results[:3]:
         assert message is not None and "ranks 3 of 4 did not start" in message
@@ -249,7 +253,7 @@ def test_a_hung_rank_is_named_as_the_cause(mesh_pool):
     from devmesh.errors import RankTimeoutError
 
     with pytest.raises(RankTimeoutError) as info:
-        mesh_pool.run(one_rank_never_enters_the_collective, 4, timeout=15)
+        mesh_pool.run(one_rank_never_enters_the_collective, 4, timeout=8)
     assert "ranks [1] never entered it" in str(info.value)
     assert "Ranks [0, 2, 3] wait inside a collective" in str(info.value)
     assert mesh_pool.run(lambda: 5, 4) == [5, 5, 5, 5]
@@ -273,7 +277,7 @@ def test_the_pool_recovers_after_a_failure_in_process_group_setup(mesh_pool, fai
     assert mesh_pool.run(lambda: "next", 4) == ["next"] * 4
 
 
-def rank_one_hangs_in_its_own_code():
+def rank_one_hangs_in_its_own_code(folder: str):
     import torch
 
     from devmesh import init_device_mesh
@@ -282,21 +286,23 @@ def rank_one_hangs_in_its_own_code():
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), timeout=3)
     comm.all_reduce(torch.ones(2), mesh, (0, 1))  # collective #1: everyone is there
-    if mesh.get_rank() == 1:
-        time.sleep(12)  # outlives the others' 3 s timeout and their reports, with margin
+    if mesh.get_rank() == 1:  # outlives the others' 3 s timeout and their reports
+        stay_away_until_reported(folder, (0, 2, 3))
         return None
     try:
         comm.all_reduce(torch.ones(2), mesh, (0, 1))
     except CollectiveTimeoutError as exc:
         return exc.missing, exc.waited, str(exc)
+    finally:
+        reported(folder, mesh.get_rank())
     return "no error"
 
 
-def test_a_collective_timeout_names_the_rank_that_never_entered(mesh_pool):
+def test_a_collective_timeout_names_the_rank_that_never_entered(mesh_pool, tmp_path):
     """Issue 9, item 9, from inside the ranks (so under torchrun and devmesh run too): every
     rank that timed out says which rank never entered the collective, not torch's bare
     'Timed out waiting 3000ms for recv'."""
-    results = mesh_pool.run(rank_one_hangs_in_its_own_code, 4, timeout=60)
+    results = mesh_pool.run(rank_one_hangs_in_its_own_code, 4, str(tmp_path), timeout=60)
     for rank in (0, 2, 3):
         missing, waited, text = results[rank]
         assert missing == [1] and waited == [0, 2, 3], text
@@ -305,28 +311,33 @@ def test_a_collective_timeout_names_the_rank_that_never_entered(mesh_pool):
     assert results[1] is None
 
 
-def peers_hear_a_timeout_as_a_closed_connection():
+def peers_hear_a_timeout_as_a_closed_connection(folder: str):
     from devmesh import init_device_mesh
     from devmesh.distributed.timeouts import Watch
 
     mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("dp",), timeout=30)
     watch = Watch("all_reduce", [0, 1, 2], lambda: "dp")
-    if mesh.get_rank() == 2:
-        time.sleep(8)  # never enters; outlives the others' grace periods
+    if mesh.get_rank() == 2:  # never enters; outlives the others' grace periods
+        stay_away_until_reported(folder, (0, 1))
         return None
     # rank 1 timed out; gloo closed its connections, so rank 0 hears of it this way
     error = RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1234" if
                          mesh.get_rank() == 0 else "Timed out waiting 3000ms for recv")
-    explained = watch.explain(error)
+    try:
+        explained = watch.explain(error)
+    finally:
+        reported(folder, mesh.get_rank())
     return (type(explained).__name__, getattr(explained, "missing", None), str(explained))
 
 
-def test_a_rank_that_hears_of_the_timeout_as_a_closed_connection_names_the_culprit(mesh_pool):
+def test_a_rank_that_hears_of_the_timeout_as_a_closed_connection_names_the_culprit(mesh_pool,
+                                                                                   tmp_path):
     """gloo closes a timed-out rank's connections: its peers fail at once with 'Connection
     closed by peer' instead of timing out. They name the culprit too (they did not before,
     and rank 0 — which serves the store — then exited and took the store from the rank that
     had timed out: the CI failure of test_devmesh_run_names_a_hung_rank)."""
-    results = mesh_pool.run(peers_hear_a_timeout_as_a_closed_connection, 3, timeout=60)
+    results = mesh_pool.run(peers_hear_a_timeout_as_a_closed_connection, 3, str(tmp_path),
+                            timeout=60)
     for rank, wording in ((0, "broke off"), (1, "timed out")):
         kind, missing, text = results[rank]
         assert kind == "CollectiveTimeoutError" and missing == [2], text
@@ -353,7 +364,7 @@ def test_devmesh_run_names_a_hung_rank(tmp_path):
     assert time.monotonic() - start < 40
 
 
-def a_pipeline_stage_hangs_in_its_forward(shape: tuple[int, ...] = (4,)):
+def a_pipeline_stage_hangs_in_its_forward(folder: str, shape: tuple[int, ...] = (4,)):
     """4 ranks: 4 pipeline ranks, or 2 pipelines of 2 (``shape`` (2, 2): ``(pp, dp)``),
     1F1B; rank 2's forward sticks in its second step for longer than the others' 3 s timeout
     and their reports. Returns each rank's error."""
@@ -370,8 +381,8 @@ def a_pipeline_stage_hangs_in_its_forward(shape: tuple[int, ...] = (4,)):
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             self.calls += 1
-            if self.calls == 6:  # the second step's second micro-batch
-                time.sleep(10)
+            if self.calls == 6:  # the second step's second micro-batch: until all reported
+                stay_away_until_reported(folder, (0, 1, 3))
             return super().forward(x)
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=("pp", "dp")[:len(shape)], timeout=3)
@@ -384,14 +395,16 @@ def a_pipeline_stage_hangs_in_its_forward(shape: tuple[int, ...] = (4,)):
             runner.step(x if me == 0 else None, x if me == pp - 1 else None)
     except RuntimeError as exc:
         return type(exc).__name__, getattr(exc, "missing", None), str(exc)
+    finally:
+        reported(folder, mesh.get_rank())
     return None
 
 
-def test_a_pipeline_stage_stuck_in_its_code_is_named_by_every_other_rank(mesh_pool):
+def test_a_pipeline_stage_stuck_in_its_code_is_named_by_every_other_rank(mesh_pool, tmp_path):
     """Before, every rank of a pipeline whose stage hung raised torch's bare 'Timed out
     waiting 3000ms for recv' (the stage's neighbours and the ranks waiting on them down the
     chain alike); now each names the stuck rank, whichever message it waited for."""
-    results = mesh_pool.run(a_pipeline_stage_hangs_in_its_forward, 4, timeout=90)
+    results = mesh_pool.run(a_pipeline_stage_hangs_in_its_forward, 4, str(tmp_path), timeout=90)
     for rank in (0, 1, 3):
         kind, missing, text = results[rank]
         assert kind == "CollectiveTimeoutError" and missing == [2], text
@@ -401,12 +414,13 @@ def test_a_pipeline_stage_stuck_in_its_code_is_named_by_every_other_rank(mesh_po
     assert mesh_pool.run(lambda: 5, 4) == [5, 5, 5, 5]
 
 
-def test_a_stuck_rank_is_named_by_the_other_pipelines_too(mesh_pool):
+def test_a_stuck_rank_is_named_by_the_other_pipelines_too(mesh_pool, tmp_path):
     """Two pipelines of two ranks, ``(pp, dp) = (2, 2)``, rank 2 stuck: its pipeline's other
     rank names it, as above; the other pipeline's ranks, done with their step, wait in the
     end-of-step failure flag, which spans the mesh (a stage's copies must hear of each
     other's failures), and name the ranks that never reached it."""
-    results = mesh_pool.run(a_pipeline_stage_hangs_in_its_forward, 4, (2, 2), timeout=90)
+    results = mesh_pool.run(a_pipeline_stage_hangs_in_its_forward, 4, str(tmp_path), (2, 2),
+                            timeout=90)
     kind, missing, text = results[0]
     assert kind == "CollectiveTimeoutError" and missing == [2], text
     assert "ranks [2] never timed out waiting for a message" in text, text

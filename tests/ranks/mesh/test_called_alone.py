@@ -12,6 +12,7 @@ local, and rank 0 alone takes it at once, as under torch's DDP.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 
@@ -21,6 +22,7 @@ from torch import nn
 from devmesh import init_device_mesh
 from devmesh.distributed import consensus
 from devmesh.errors import WaitingForRanksWarning
+from helpers import reported, stay_away_until_reported
 from devmesh.parallel import (
     fully_shard,
     load_checkpoint,
@@ -127,18 +129,18 @@ def test_ranks_that_gather_over_different_groups_still_arrive_together(mesh_pool
 
 
 def called_on_rank_0_only(path: str, rank_1_exits: bool):
-    """save_checkpoint on rank 0 alone under a 6 s mesh timeout, rank 1 busy past it (or gone
+    """save_checkpoint on rank 0 alone under a 3 s mesh timeout, rank 1 busy past it (or gone
     at once); then devmesh's failure check entered by rank 0 alone. What rank 0 raised, and
     how long each took."""
     from devmesh.errors import CollectiveTimeoutError
 
     consensus.ALONE_SECONDS = 1.0
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), timeout=6)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), timeout=3)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     fully_shard(model, mesh=mesh)
     if mesh.get_rank() == 1:
-        if not rank_1_exits:
-            time.sleep(16)
+        if not rank_1_exits:  # busy until rank 0 has its errors
+            stay_away_until_reported(os.path.dirname(path), (0,))
         return None
     out = []
     for call in (lambda: save_checkpoint(path, model),
@@ -154,6 +156,7 @@ def called_on_rank_0_only(path: str, rank_1_exits: bool):
                             time.monotonic() - began))
             except Exception as exc:  # noqa: BLE001 - the test reports what it was
                 out.append((type(exc).__name__, str(exc), time.monotonic() - began))
+    reported(os.path.dirname(path), 0)
     return out
 
 
@@ -169,8 +172,8 @@ def test_a_collective_called_on_one_rank_names_the_other_within_the_timeout(mesh
         text, missing = saved[1]
         assert missing == [1]
         assert "save_checkpoint is a collective over ranks 0-1, and rank 1 has not called " \
-               "it within the timeout (6 s)" in text, text
-        assert saved[2] < 6 + 2  # within the mesh's timeout, not after it
+               "it within the timeout (3 s)" in text, text
+        assert saved[2] < 3 + 2  # within the mesh's timeout, not after it
         assert not os.path.exists(path)  # nothing written
         # devmesh's own agreement, entered alone: names rank 1 too, not gloo's bare timeout
         assert checked[0] == "CollectiveTimeoutError", checked

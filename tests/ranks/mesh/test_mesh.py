@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from devmesh import DeviceMesh, init_device_mesh
 from devmesh.distributed import groups as dm_groups
+from helpers import reported, stay_away_until_reported
 
 
 def _sum_of_ranks(group) -> int:
@@ -296,23 +297,25 @@ def test_equality_hash_and_timeout_groups(mesh_pool):
         assert all(r.values()), r
 
 
-def collective_timeout():
+def collective_timeout(folder: str):
     import time
 
     mesh = init_device_mesh("cpu", (2,), timeout=2)
-    if dist.get_rank() == 1:
-        time.sleep(8)  # never joins the all_reduce
+    if dist.get_rank() == 1:  # never joins the all_reduce
+        stay_away_until_reported(folder, (0,))
         return None
     start = time.monotonic()
     try:
         dist.all_reduce(torch.ones(1), group=mesh.get_group())
     except RuntimeError as exc:
         return ("raised", time.monotonic() - start, str(exc)[:200])
+    finally:
+        reported(folder, 0)
     return ("returned", time.monotonic() - start, "")
 
 
-def test_mesh_timeout_bounds_collectives(mesh_pool):
-    outcome, elapsed, message = mesh_pool.run(collective_timeout, 2, timeout=60)[0]
+def test_mesh_timeout_bounds_collectives(mesh_pool, tmp_path):
+    outcome, elapsed, message = mesh_pool.run(collective_timeout, 2, str(tmp_path), timeout=60)[0]
     assert outcome == "raised", message
     assert elapsed < 7.5, elapsed  # bounded by the 2 s mesh timeout, not gloo's 30 min default
 
