@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import runpy
+import sys
 import time
 
 from devmesh.errors import DevmeshError
@@ -15,6 +17,13 @@ def caught(fn):
     except DevmeshError as exc:
         return type(exc).__name__, str(exc)
     return None
+
+
+def run_script(path: str, args: list[str]) -> None:
+    """Run the script at ``path`` with ``args`` as its command line, as ``python path args``
+    would — on a rank of the worker pool, in the launch environment the pool gives it."""
+    sys.argv = [path, *args]
+    runpy.run_path(path, run_name="__main__")
 
 
 def reported(folder: str, rank: int) -> None:
