@@ -17,6 +17,26 @@ if os.environ.get("CI"):
 KINDS = ("unit", "ranks", "parity", "system")
 
 
+# README's command runs the suite on two pytest workers (xdist, whole files each: a module's
+# fixtures are computed once). They take files in collection order, so the longest files —
+# launches of fresh processes, timeouts waited out — come first and the short ones fill in
+# at the end, rather than one worker finishing a long file alone; then system, ranks,
+# parity, unit.
+LONGEST_FIRST = ("system/test_multihost.py", "system/test_examples_and_cli.py",
+                 "system/test_faults.py", "system/test_docs.py",
+                 "system/test_checkpoint_safety.py", "ranks/pipeline/test_pipeline.py",
+                 "system/test_elastic.py", "ranks/pipeline/test_pipeline_indivisible.py")
+THEN = ("system", "ranks", "parity", "unit")
+
+
+def _file_order(item) -> tuple[int, int]:
+    relative = item.path.relative_to(item.config.rootpath / "tests").as_posix()
+    if relative in LONGEST_FIRST:
+        return 0, LONGEST_FIRST.index(relative)
+    kind = relative.split("/")[0]
+    return 1, THEN.index(kind) if kind in THEN else len(THEN)
+
+
 def pytest_collection_modifyitems(items):
     import pytest
 
@@ -24,3 +44,4 @@ def pytest_collection_modifyitems(items):
         parts = item.path.relative_to(item.config.rootpath).parts
         if len(parts) > 2 and parts[0] == "tests" and parts[1] in KINDS:
             item.add_marker(getattr(pytest.mark, parts[1]))
+    items.sort(key=_file_order)  # stable: each file's tests keep their order

@@ -4,7 +4,8 @@ Importing torch costs ~2 s per process; a test that spawns 8 fresh processes pay
 on 2 cores. This module keeps one :class:`~devmesh.launching.launcher.WorkerPool` of 8 workers for the
 whole test session and runs every multi-rank test on it (world sizes 1 to 8). Each task gets a
 fresh default process group on a new port, and a task that fails or hangs replaces only the
-workers it broke, so later tests are unaffected.
+workers it broke, so later tests are unaffected. Under pytest-xdist each pytest worker
+process keeps its own pool (``pytest -n 2``: two pools, 16 rank processes).
 
 Use it from pytest by adding to ``conftest.py``::
 

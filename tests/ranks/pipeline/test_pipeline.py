@@ -1592,13 +1592,13 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from devmesh.parallel.pipeline.torch_api import _devmesh_stage
+from devmesh.parallel.pipeline.traced import as_devmesh_stage
 
 dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
 seen = []
 stage = PipelineStage(nn.Linear(2, 2), 0, 2, "cpu")
 stage.register_forward_context(lambda info: seen.append(info) or contextlib.nullcontext())
-ours = _devmesh_stage(stage)
+ours = as_devmesh_stage(stage)
 with ours.forward_context(3):
     pass
 assert [(i.stage_index, i.microbatch_index) for i in seen] == [(0, 3)], seen

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from devmesh.parallel.pipeline.layer_cuts import LayerCuts
-from devmesh.parallel.pipeline.split_backward import SplitBackward, _consumers
+from devmesh.parallel.pipeline.backward_graph import consumers_of
+from devmesh.parallel.pipeline.split_backward import SplitBackward
 from pipeline_cases import ChunkKeepingTheOtherHalf as _KeepsHalf
 from pipeline_cases import MatmulWork
 
@@ -210,7 +211,7 @@ def test_each_piece_is_one_layers_graph_however_deep_the_stage():
         with cuts.recording() as made:
             out = stage(x)
         split = SplitBackward(out, torch.ones_like(out), x, list(stage.parameters()), made)
-        return max(len(_consumers(piece.roots)) for piece in split._pieces)
+        return max(len(consumers_of(piece.roots)) for piece in split._pieces)
 
     assert biggest_piece(48, 8) == biggest_piece(12, 8) <= 5 * 4  # 4 layers: 5 nodes each
     assert biggest_piece(48, 10**9) > 4 * biggest_piece(12, 10**9)  # uncut: grows
@@ -321,7 +322,7 @@ def test_cuts_only_where_the_runner_records_and_grad_is_on():
     cuts = LayerCuts(stage, 1)
     x = torch.randn(4, 16, requires_grad=True)
     out = stage(x)
-    assert len(_consumers([out.grad_fn])) > 4 * 4  # one graph down to x
+    assert len(consumers_of([out.grad_fn])) > 4 * 4  # one graph down to x
     with cuts.recording() as made, torch.no_grad():
         stage(x)
     assert made == []
@@ -387,7 +388,7 @@ def test_a_copy_or_a_saved_stage_carries_no_live_cuts():
         stage(x)
         out = twin(x)
     assert len(made) == 4  # the original's layers only
-    assert len(_consumers([out.grad_fn])) > 4 * 4  # the copy's graph is one piece
+    assert len(consumers_of([out.grad_fn])) > 4 * 4  # the copy's graph is one piece
     buffer = io.BytesIO()
     torch.save(stage, buffer)
     buffer.seek(0)

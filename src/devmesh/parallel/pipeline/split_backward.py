@@ -69,6 +69,7 @@ import torch
 from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
 
 from devmesh.parallel.fsdp import weight_gradients_follow
+from devmesh.parallel.pipeline.backward_graph import boundaries, consumers_of, input_path, meet
 from devmesh.parallel.pipeline.layer_cuts import Cut
 
 # nodes whose backward runs as one piece and cannot be kept for another call (see above),
@@ -250,26 +251,8 @@ def _entries_meet(entries: list) -> bool:
     a weight-side path from one entry's nodes to another's? Then a call starting several
     entries would carry one's gradient, down its piece's input path or weight side, into
     what it asks for another."""
-    return _meet([node for _, weight_edges in entries if weight_edges is not _WHOLE
+    return meet([node for _, weight_edges in entries if weight_edges is not _WHOLE
                   for node, _ in weight_edges])
-
-
-def _meet(nodes: list[Node]) -> bool:
-    """Is a node listed twice, or reached from another listed one (walking from all of
-    them at once)?"""
-    listed = set(nodes)
-    if len(listed) != len(nodes):
-        return True
-    reached: set[Node] = set()
-    queue = deque(nxt for node in listed for nxt, _ in node.next_functions if nxt is not None)
-    while queue:
-        node = queue.popleft()
-        if node in listed:
-            return True
-        if node not in reached:
-            reached.add(node)
-            queue.extend(nxt for nxt, _ in node.next_functions if nxt is not None)
-    return False
 
 
 # an entry's weight edges when its piece is not split: W runs the piece's whole backward
@@ -285,7 +268,7 @@ class _Piece:
                  ) -> None:
         self.outputs = outputs
         self.roots = [o.grad_fn for o in outputs if o.grad_fn is not None]
-        self.consumers = _consumers(self.roots)
+        self.consumers = consumers_of(self.roots)
         self.indivisible = any(node.name() in _INDIVISIBLE
                                for node in itertools.chain(self.roots, self.consumers))
         #: the stage inputs and cut leaves this piece's graph reaches, each once (only
@@ -334,8 +317,8 @@ class _Piece:
         # an input computed in the stage by an operation with several outputs (a chunk)
         # would keep the gradient of this output only: not exact, so W does it all
         several = any(len(getattr(node, "_input_metadata", ())) > 1 for node in nodes)
-        self.input_path = _input_path(nodes, self.consumers)
-        self.boundaries = None if several else _boundaries(self.roots, self.input_path)
+        self.input_path = input_path(nodes, self.consumers)
+        self.boundaries = None if several else boundaries(self.roots, self.input_path)
         if self.boundaries is None:
             self.seeds = [(get_gradient_edge(o), g) for o, g in zip(outputs, seeds, strict=True)
                           if g is not None]
@@ -375,64 +358,6 @@ class _Piece:
         return [([(GradientEdge(node, i), g) for i, g in enumerate(self.kept.get(node, ()))
                   if g is not None], weight_edges)
                 for node, weight_edges in self.boundaries.items()]
-
-
-def _consumers(roots: Sequence[Node]) -> dict[Node, list[Node]]:
-    """Every node reached from ``roots`` (the roots only where reached again), each with the
-    nodes that have an edge into it."""
-    consumers: dict[Node, list[Node]] = {}
-    seen, queue = set(roots), deque(roots)
-    while queue:
-        node = queue.popleft()
-        for nxt, _ in node.next_functions:
-            if nxt is None:
-                continue
-            consumers.setdefault(nxt, []).append(node)
-            if nxt not in seen:
-                seen.add(nxt)
-                queue.append(nxt)
-    return consumers
-
-
-def _input_path(stage_inputs: Sequence[Node], consumers: dict[Node, list[Node]]
-                ) -> dict[Node, None]:
-    """The nodes from which a stage input is reachable (the inputs' own included), in the
-    order found from the inputs up. ``consumers``: :func:`_consumers` of the roots.
-
-    A dict, not a set: the boundaries come in this order, the same on every rank (a set of
-    nodes iterates by address, which differs between processes; W then ran the units'
-    all-gathers and reduce-scatters in different orders on a stage's data-parallel ranks:
-    crossed data between units of one size, or a hang)."""
-    input_path = dict.fromkeys(stage_inputs)
-    queue = deque(input_path)
-    while queue:
-        for consumer in consumers.get(queue.popleft(), ()):
-            if consumer not in input_path:
-                input_path[consumer] = None
-                queue.append(consumer)
-    return input_path
-
-
-def _boundaries(roots: Sequence[Node], input_path: dict[Node, None]
-                ) -> dict[Node, list[tuple[Node, int]]] | None:
-    """Each node of ``input_path`` (:func:`_input_path`) with edges into the weight side,
-    and those edges; ``None`` if an output does not depend on any input (its weight side
-    would be reached from no boundary), or two of these edges lead into each other (or into
-    one node), so that asking boundaries one at a time would not be exact."""
-    if not roots:
-        return {}
-    boundaries: dict[Node, list[tuple[Node, int]]] = {}
-    for node in input_path:
-        weight_side = [(n, nr) for n, nr in node.next_functions
-                       if n is not None and n not in input_path]
-        if weight_side:
-            boundaries[node] = weight_side
-    if any(root not in input_path for root in roots):
-        return None  # an output does not depend on the inputs
-    # one node fed by two edges, or a weight-side path from one entry to another
-    if _meet([n for edges in boundaries.values() for n, _ in edges]):
-        return None
-    return boundaries
 
 
 def _own_parameters(entries: Sequence[tuple[list[tuple[GradientEdge, torch.Tensor]],

@@ -37,38 +37,13 @@ from devmesh.mesh import DeviceMesh
 from devmesh.parallel.pipeline.runner import PipelineRunner
 from devmesh.parallel.pipeline.split import PipelineError
 from devmesh.parallel.pipeline.stage import PipelineStage
-from devmesh.parallel.pipeline.traced import build_stage
+from devmesh.parallel.pipeline.traced import as_devmesh_stage
 
 __all__ = ["PipelineStage", "PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe",
            "Schedule1F1B", "ScheduleInterleaved1F1B", "ScheduleLoopedBFS",
            "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble", "ScheduleDualPipeV",
            "get_schedule_class", "analyze_pipeline_activation_liveness",
            "PipelineActivationLiveness"]
-
-
-def _devmesh_stage(stage: Any) -> PipelineStage:
-    """``stage`` as devmesh's :class:`PipelineStage`: devmesh's own as it is; torch's
-    ``PipelineStage`` (built by hand) and the stage torch's ``pipe.build_stage`` returns
-    (traced, :mod:`~devmesh.parallel.pipeline.traced`) taken over with their module, index,
-    device and group, so code that builds torch's stages runs on devmesh's schedules."""
-    if isinstance(stage, PipelineStage):
-        return stage
-    stage_base, traced_stage = _torch_compat.pipeline_stage_types()
-    if isinstance(stage, traced_stage):  # traced: the route between stages is rewritten
-        ours = build_stage(stage.submod, stage.stage_index, stage.pipe_info, stage.device,
-                           stage.group)
-    elif isinstance(stage, stage_base):
-        ours = PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device,
-                             group=stage.group, dw_builder=stage.dw_builder)
-    else:
-        ours = None
-    if ours is not None:
-        for factory in _torch_compat.stage_forward_contexts(stage):  # torch 2.15's contexts
-            ours.register_forward_context(factory)
-        return ours
-    raise PipelineError(f"a schedule takes PipelineStage objects (devmesh's or torch's), not "
-                        f"{type(stage).__name__}: wrap the module in PipelineStage(module, "
-                        "stage_index, num_stages, device)")
 
 
 class _Schedule:
@@ -87,7 +62,7 @@ class _Schedule:
         stage_base, _ = _torch_compat.pipeline_stage_types()
         one = (isinstance(stages, (PipelineStage, stage_base, nn.Module))
                or not isinstance(stages, Iterable))
-        self._stages = [_devmesh_stage(s) for s in ([stages] if one else list(stages))]
+        self._stages = [as_devmesh_stage(s) for s in ([stages] if one else list(stages))]
         if (args_chunk_spec, kwargs_chunk_spec, output_merge_spec) != (None, None, None):
             raise PipelineError("chunk and merge specs are not supported: the batch is split "
                                 "into micro-batches along dim 0, and outputs joined along it")

@@ -41,6 +41,7 @@ import contextlib
 import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -53,7 +54,7 @@ from devmesh.parallel.pipeline.stage import PipelineStage
 from devmesh.parallel.pipeline.tied import Tie, record_ties
 
 __all__ = ["pipeline", "Pipe", "SplitPoint", "pipe_split", "build_stage", "StageRoute",
-           "stage_routes", "route_stage"]
+           "stage_routes", "route_stage", "as_devmesh_stage"]
 
 _ROUTED = "_devmesh_route"  # set on a stage module once rewritten: (stage index, takes)
 _TIED = "_devmesh_tensor_names"  # on pipe.split_gm, by pipeline(): each tensor's names
@@ -279,3 +280,28 @@ def _move_device_arguments(stage_module: fx.GraphModule, device: torch.device) -
 
     with _own_class(stage_module):
         _torch_compat.modify_graph_op_device(stage_module, device)
+
+
+def as_devmesh_stage(stage: Any) -> PipelineStage:
+    """``stage`` as devmesh's :class:`PipelineStage`: devmesh's own as it is; torch's
+    ``PipelineStage`` (built by hand) and the stage torch's ``pipe.build_stage`` returns
+    (traced, routed here) taken over with their module, index,
+    device and group, so code that builds torch's stages runs on devmesh's schedules."""
+    if isinstance(stage, PipelineStage):
+        return stage
+    stage_base, traced_stage = _torch_compat.pipeline_stage_types()
+    if isinstance(stage, traced_stage):  # traced: the route between stages is rewritten
+        ours = build_stage(stage.submod, stage.stage_index, stage.pipe_info, stage.device,
+                           stage.group)
+    elif isinstance(stage, stage_base):
+        ours = PipelineStage(stage.submod, stage.stage_index, stage.num_stages, stage.device,
+                             group=stage.group, dw_builder=stage.dw_builder)
+    else:
+        ours = None
+    if ours is not None:
+        for factory in _torch_compat.stage_forward_contexts(stage):  # torch 2.15's contexts
+            ours.register_forward_context(factory)
+        return ours
+    raise PipelineError(f"a schedule takes PipelineStage objects (devmesh's or torch's), not "
+                        f"{type(stage).__name__}: wrap the module in PipelineStage(module, "
+                        "stage_index, num_stages, device)")
