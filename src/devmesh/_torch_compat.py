@@ -19,7 +19,7 @@ import functools
 import inspect
 import sys
 import types
-from typing import Any, Callable
+from typing import Any, Callable, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,7 +36,7 @@ __all__ = [
     "current_torch_mesh", "innermost_torch_mesh", "unwrap_fake_script_object",
     "current_graph_task_id", "queue_callback", "saved_tensors_hooks_in_force",
     "disable_current_modes", "is_traceable_wrapper_subclass", "pytree", "CFuture",
-    "clear_dtensor_caches", "import_dynamo", "IncompatibleKeys", "strided_shard_type",
+    "clear_dtensor_caches", "eager", "import_dynamo", "IncompatibleKeys", "strided_shard_type",
     "pipeline_stage_types", "cpu_flash_attention", "cpu_flash_attention_backward",
     "modify_graph_op_device", "compiled_module_inner", "composable_replicate_state",
     "has_composable_replicate", "storage_key", "fake_store", "stage_forward_contexts", "TORCH_RELEASE", "FSDP_REDUCES_IN_PARAM_DTYPE",
@@ -295,6 +295,19 @@ def clear_dtensor_caches() -> None:
                 _clear_propagation_cache()  # the C++ fast path's cache
     except AttributeError:
         pass
+
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def eager(fn: Callable[_P, _R]) -> Callable[_P, _R]:
+    """``fn`` kept out of ``torch.compile``'s graphs, as ``torch.compiler.disable(fn)``, with
+    torch's dynamo imported at fn's first call rather than at devmesh's import: importing it
+    costs a process ~0.7 s, which a script that never compiles need not pay. torch decorates
+    its own optimizers' and checkpointing's functions so (``torch._disable_dynamo``)."""
+    lazy = getattr(torch, "_disable_dynamo", None)
+    return lazy(fn) if lazy is not None else torch.compiler.disable(fn)
 
 
 def import_dynamo() -> None:

@@ -98,14 +98,14 @@ def _hide(owner: nn.Module) -> None:
         swap_parameter(owner, name, plain)
 
 
-@torch.compiler.disable  # runs around the whole model, between compiled regions
+@_torch_compat.eager  # runs around the whole model, between compiled regions
 def show_dtensor_views(module: nn.Module) -> None:
     """Before the model runs: each adopted parameter's module holds its DTensor view."""
     for owner in module.modules():
         _show(owner)
 
 
-@torch.compiler.disable
+@_torch_compat.eager
 def hide_dtensor_views(module: nn.Module) -> None:
     """After the model ran (or raised): the plain parameters back in their places, where the
     optimizer, state dicts and checkpoints find them."""

@@ -444,12 +444,12 @@ def _call(method: weakref.WeakMethod, param: nn.Parameter) -> None:
         bound(param)
 
 
-@torch.compiler.disable  # collectives on devmesh's mesh: eager under torch.compile
+@_torch_compat.eager  # collectives on devmesh's mesh: eager under torch.compile
 def _before_forward(module: nn.Module, args: tuple) -> None:
     module._devmesh_ddp.before_forward(module)  # type: ignore[attr-defined]
 
 
-@torch.compiler.disable
+@_torch_compat.eager
 def _after_forward(module: nn.Module, args: tuple, output: object) -> None:
     module._devmesh_ddp.after_forward()  # type: ignore[attr-defined]
 

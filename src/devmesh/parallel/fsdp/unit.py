@@ -570,7 +570,7 @@ class FSDPUnit:
         if replaced:
             self.follow(replaced)
 
-    @torch.compiler.disable  # collectives on devmesh's mesh: eager under torch.compile
+    @_torch_compat.eager  # collectives on devmesh's mesh: eager under torch.compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
         root = not forward_running()  # this unit starts the forward
         if _torch_compat.current_graph_task_id() == -1:
@@ -625,7 +625,7 @@ class FSDPUnit:
             torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t,
             (args, kwargs))
 
-    @torch.compiler.disable
+    @_torch_compat.eager
     def post_forward(self, module: nn.Module, args, output):
         self._running = max(0, self._running - 1)
         if self._running:  # the outer module of the group is still running

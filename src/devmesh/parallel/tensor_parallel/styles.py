@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from devmesh import _torch_compat
 from devmesh.errors import ParallelizeError, ShardingSpecError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.placement import refuse_torch_fsdp_over_blocks
@@ -44,7 +45,7 @@ Distribute = Callable[[nn.Module, str, Placement], None]
 
 # The functions below run in a module's forward and call collectives on devmesh's meshes:
 # under torch.compile they run eagerly, between compiled regions, rather than be traced
-_eager = torch.compiler.disable
+_eager = _torch_compat.eager
 
 
 def _placement(value: object, what: str) -> Placement:
