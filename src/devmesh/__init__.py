@@ -33,7 +33,7 @@ _EXPORTS = {
     "distribute_tensor": "devmesh.tensor",
     "explain_redistribute": "devmesh.tensor",
     "comm_stats": "devmesh.distributed.comm",
-    "visualize_sharding": "devmesh.inspect.sharding",
+    "visualize_sharding": "devmesh.pictures.sharding",
 }
 
 __all__ = [
@@ -71,12 +71,12 @@ if TYPE_CHECKING:
         distribute_tensor,
         explain_redistribute,
     )
-    from devmesh.inspect.sharding import visualize_sharding
+    from devmesh.pictures.sharding import visualize_sharding
 
 
 # subpackages reached as attributes (``devmesh.parallel.fully_shard`` after ``import devmesh``),
 # imported on first use as the names above are
-_SUBPACKAGES = ("parallel", "tensor", "distributed", "launching", "layout", "inspect", "errors")
+_SUBPACKAGES = ("parallel", "tensor", "distributed", "launching", "layout", "pictures", "errors")
 
 
 def __getattr__(name: str) -> Any:

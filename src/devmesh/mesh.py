@@ -452,12 +452,12 @@ class DeviceMesh(TorchDeviceMesh):
     def visualize(self, to_file: str | None = None, *, outline: Dim | None = None) -> str:
         """Text picture of the mesh with its hosts; a PNG with ``to_file`` (groups of
         ``outline``, default the innermost dim, drawn as boxes)."""
-        from devmesh.inspect.render import layout_text
+        from devmesh.pictures.render import layout_text
         from devmesh.layout.topology import hosts_of
 
         host_of = groups.world_hosts()
         if to_file:
-            from devmesh.inspect.render_png import layout_png
+            from devmesh.pictures.render_png import layout_png
 
             layout_png(self._mesh_layout, to_file, host_of=host_of, outline=outline)
         hosts = hosts_of(self._mesh_layout, host_of)

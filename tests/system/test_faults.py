@@ -227,14 +227,14 @@ def test_killing_devmesh_run_leaves_no_rank(tmp_path):
 def test_the_root_exit_code_is_not_masked_by_the_agents_sigterm():
     from types import SimpleNamespace
 
-    from devmesh.tools.cli import _root_exit_code
+    from devmesh.tools.cli.run import root_exit_code
 
     stopped = SimpleNamespace(exitcode=-signal.SIGTERM, timestamp=100)
     failed = SimpleNamespace(exitcode=3, timestamp=100)
     killed = SimpleNamespace(exitcode=-signal.SIGKILL, timestamp=99)
-    assert _root_exit_code({0: stopped, 1: failed}) == 3
-    assert _root_exit_code({0: stopped, 1: failed, 2: killed}) == 128 + signal.SIGKILL
-    assert _root_exit_code({0: stopped}) == 128 + signal.SIGTERM
+    assert root_exit_code({0: stopped, 1: failed}) == 3
+    assert root_exit_code({0: stopped, 1: failed, 2: killed}) == 128 + signal.SIGKILL
+    assert root_exit_code({0: stopped}) == 128 + signal.SIGTERM
 
 
 def one_rank_never_enters_the_collective():

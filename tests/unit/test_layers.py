@@ -21,12 +21,12 @@ LAYERS = {  # low to high; one entry per folder (a top-level module counts as it
     "mesh": 4, "hybrid": 4,
     "tensor": 5,
     "parallel": 6,
-    "inspect": 7,
+    "pictures": 7,
     "tools": 8, "__main__": 8,
 }
 # Pictures are drawn on demand: a method that draws (DeviceMesh.visualize) or a name kept
-# for compatibility (devmesh.parallel.describe) may import devmesh.inspect inside a function.
-LAZY_ALLOWED = {"inspect"}
+# for compatibility (devmesh.parallel.describe) may import devmesh.pictures inside a function.
+LAZY_ALLOWED = {"pictures"}
 
 
 def _layer(module: str) -> int:
@@ -72,7 +72,7 @@ def test_module_imports_only_lower_layers(name, path):
 def test_layout_imports_no_torch():
     """The pure core stays pure: importing it (and devmesh itself) loads no torch."""
     code = ("import sys, devmesh, devmesh.layout, devmesh.layout.plan, devmesh.layout.topology, "
-            "devmesh.inspect.render; assert 'torch' not in sys.modules, 'torch was imported'")
+            "devmesh.pictures.render; assert 'torch' not in sys.modules, 'torch was imported'")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

@@ -22,7 +22,7 @@ from devmesh.tensor import (
 )
 from devmesh.layout.plan import candidate_plans
 from devmesh.layout.spec import chunk_bounds
-from devmesh.inspect.sharding import sharding_blocks, visualize_sharding
+from devmesh.pictures.sharding import sharding_blocks, visualize_sharding
 
 
 @given(st.integers(0, 40), st.integers(1, 9))

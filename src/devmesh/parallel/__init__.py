@@ -49,10 +49,10 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``describe`` lives with the other pictures (:mod:`devmesh.inspect`); it stays reachable
+    """``describe`` lives with the other pictures (:mod:`devmesh.pictures`); it stays reachable
     here, imported on first use."""
     if name == "describe":
-        from devmesh.inspect.describe import describe
+        from devmesh.pictures.describe import describe
 
         return describe
     raise AttributeError(f"module 'devmesh.parallel' has no attribute {name!r}")

@@ -64,7 +64,7 @@ class ClusterPlan:
         return not self.errors
 
     def __str__(self) -> str:
-        from devmesh.inspect.render import layout_text
+        from devmesh.pictures.render import layout_text
 
         world = self.hosts * self.devices_per_host
         lines = [f"cluster: {self.hosts} host(s) x {self.devices_per_host} device(s) = {world}"]

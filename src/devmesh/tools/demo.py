@@ -24,7 +24,7 @@ MESHES: list[tuple[tuple[int, ...], tuple[str, ...]]] = [
 
 
 def _print_layout(console, layout, plain: bool) -> None:
-    from devmesh.inspect.render import layout_rich, layout_text
+    from devmesh.pictures.render import layout_rich, layout_text
 
     if plain:
         console.out(layout_text(layout), highlight=False)

@@ -345,7 +345,7 @@ def describe_where_rank_0_alone_calls_it():
     """``if rank == 0: print(describe(runner))``, the way torch code prints; then on every
     rank, twice (each call its own exchange)."""
     from devmesh.errors import MeshUsageError
-    from devmesh.inspect import describe as describing
+    from devmesh.pictures import describe as describing
 
     import torch.distributed as dist
 

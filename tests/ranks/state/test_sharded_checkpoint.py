@@ -642,10 +642,11 @@ def test_consolidate_names_the_extra_that_reads_its_file_where_it_is_missing(
     is missing, its message says how to get the reader."""
     from devmesh.parallel import save_checkpoint
     from devmesh.tools import cli
+    from devmesh.tools.cli import ckpt
 
     save_checkpoint(str(tmp_path / "ckpt"), torch.nn.Linear(2, 2)).wait()
     out = str(tmp_path / "m.safetensors")
-    monkeypatch.setattr(cli, "_installed", lambda package: False)
+    monkeypatch.setattr(ckpt, "_installed", lambda package: False)
     assert cli.main(["ckpt", "consolidate", str(tmp_path / "ckpt"), out]) == 0
     told = capsys.readouterr().out
     assert f"wrote 2 tensors to {out}: load them with safetensors.torch.load_file" in told

@@ -1,5 +1,5 @@
 """The whole pipelined model, seen from any rank: its state dict and loading one
-(:func:`devmesh.inspect.describe` of a runner describes every stage).
+(:func:`devmesh.pictures.describe` of a runner describes every stage).
 
 A rank holds only its own stages, so anything about the whole model needs the other stages'
 ranks. These helpers exchange over the pipeline dim only: the ranks of one pipeline (one per

@@ -1,0 +1,224 @@
+"""``devmesh plan``: a mesh for a cluster with estimated traffic, a pipeline schedule (its
+messages, its per-rank programs), a dry run of a model on a mesh, or a search for the best mesh.
+No process is started."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+def add(sub) -> None:
+    """``devmesh plan``: a mesh for a cluster, with estimated traffic."""
+    plan = sub.add_parser("plan", help="choose and check a mesh for a cluster, with estimated "
+                                       "traffic per dim (no processes)")
+    plan.add_argument("--hosts", type=int, default=None, help="required for a cluster plan")
+    plan.add_argument("--devices-per-host", type=int, default=None,
+                      help="required for a cluster plan")
+    for name, default, text in (("dp", 1, "replicas (DDP, or HSDP's replicate dim)"),
+                                ("tp", 1, "tensor parallel"), ("pp", 1, "pipeline stages"),
+                                ("cp", 1, "context parallel"),
+                                ("ep", 1, "expert parallel (splits shard x cp's ranks)")):
+        plan.add_argument(f"--{name}", type=int, default=default, help=text)
+    plan.add_argument("--shard", "--fsdp", type=int, default=None,
+                      help="FSDP shard degree (default: the devices left over)")
+    plan.add_argument("--params", type=float, default=None, help="model parameters, e.g. 7e9")
+    plan.add_argument("--hidden", type=int, default=None)
+    plan.add_argument("--seq", type=int, default=None)
+    plan.add_argument("--batch", type=int, default=None, help="global batch, in sequences")
+    plan.add_argument("--top-k", type=int, default=2, help="experts per token, with --ep")
+    plan.add_argument("--layers", type=int, default=None)
+    plan.add_argument("--schedule", default=None,
+                      help="instead: print a pipeline schedule for --pp ranks (gpipe, 1f1b, "
+                           "interleaved-1f1b, looped-bfs, zero-bubble, interleaved-zero-bubble, "
+                           "zbv-zero-bubble, dualpipe-v) with its bubble, or check one written in a file "
+                           "(one 'rank R: F0@0 B0@0 ...' line per rank, as printed)")
+    plan.add_argument("--microbatches", type=int, default=None,
+                      help="micro-batches per step (with --schedule; default 2 x --pp)")
+    plan.add_argument("--virtual", type=int, default=2,
+                      help="stages per rank for interleaved-1f1b, looped-bfs and "
+                           "interleaved-zero-bubble")
+    plan.add_argument("--png", default=None, help="with --schedule: draw its timeline")
+    plan.add_argument("--messages", choices=("gloo", "nccl"), default=None,
+                      help="with --schedule: the batches of sends and receives each rank "
+                           "starts on that backend, and for nccl whether it can deadlock")
+    plan.add_argument("--program", choices=("gloo", "nccl"), default=None,
+                      help="with --schedule: each rank's step as the runner plays it on that "
+                           "backend (computes, the posts of messages between them, where each "
+                           "stage's gradients are reduced), checked (--rank R: one rank's)")
+    dry = plan.add_argument_group(
+        "dry run of a model (one process, no devices: meta tensors, torch's fake process group)")
+    dry.add_argument("--model", default=None,
+                     help="a transformer: a preset (llama3-8b, llama3-70b, llama3-405b, tiny), "
+                          "a JSON file of its fields, or PRESET:key=value,... (e.g. "
+                          "llama3-8b:seq=4096,batch=512)")
+    dry.add_argument("--mesh", default=None,
+                     help="with --model: the mesh, outer to inner, e.g. pp=4,dp=32,tp=8 "
+                          "(dp replicates; shard (or fsdp) shards; both: HSDP)")
+    dry.add_argument("--rank", type=int, default=None,
+                     help="with --model: this rank only (default: one rank per pipeline stage)")
+    dry.add_argument("--device-memory", default=None,
+                     help="with --model: say whether each rank fits, e.g. 80GB or 80GiB")
+    dry.add_argument("--tflops", type=float, default=None,
+                     help="with --model: the device's dense throughput, for a predicted step "
+                          "time")
+    dry.add_argument("--bandwidth", default=None,
+                     help="with --tflops: bus bandwidth in GB/s, one number or per dims "
+                          "(tp=300,dp=25)")
+    dry.add_argument("--costs", default=None,
+                     help="with --tflops: bandwidths measured by devmesh bench --json")
+    dry.add_argument("--latency", default=None,
+                     help="with --tflops: what each collective call or message costs besides "
+                          "its bytes, e.g. 20us")
+    dry.add_argument("--world", type=int, default=None,
+                     help="with --model --search: the number of ranks to choose a mesh for")
+    dry.add_argument("--search", action="store_true",
+                     help="with --model --world: rank every mesh, schedule and micro-batch "
+                          "count by predicted step time (needs --tflops and --bandwidth or "
+                          "--costs); drops those over --device-memory; tp at most "
+                          "--devices-per-host (default 8)")
+    dry.add_argument("--top", type=int, default=5, help="with --search: candidates printed")
+    dry.add_argument("--verify", type=int, default=5,
+                     help="with --search: the best this many by the closed form are measured "
+                          "by the dry run and ranked again (0: none)")
+    plan.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from devmesh.tools.cluster_plan import ModelSize, plan_cluster
+
+    if args.model is not None:
+        return _cmd_dry_run(args)
+    if args.schedule is not None:
+        return _cmd_schedule(args)
+    missing = [f"--{n.replace('_', '-')}" for n in ("hosts", "devices_per_host")
+               if getattr(args, n) is None]
+    if missing:
+        print(f"devmesh plan: error: a cluster plan needs {' and '.join(missing)} (or use "
+              "--schedule NAME --pp N for a pipeline schedule)", file=sys.stderr)
+        return 2
+
+    model = None
+    if args.params is not None:
+        missing = [n for n in ("hidden", "seq", "batch") if getattr(args, n) is None]
+        if missing:
+            print(f"devmesh plan: error: --params needs --{', --'.join(missing)} too",
+                  file=sys.stderr)
+            return 2
+        model = ModelSize(args.params, args.hidden, args.seq, args.batch, args.layers,
+                          top_k=args.top_k)
+    plan = plan_cluster(args.hosts, args.devices_per_host, dp=args.dp, shard=args.shard,
+                        tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, model=model)
+    print(plan)
+    return 0 if plan.ok else 1
+
+
+def _cmd_schedule(args: argparse.Namespace) -> int:
+    from devmesh.layout.schedule import SCHEDULES, ScheduleError, build_schedule, parse_schedule
+
+    microbatches = args.microbatches if args.microbatches is not None else 2 * args.pp
+    try:
+        if args.schedule not in SCHEDULES and os.path.isfile(args.schedule):
+            try:
+                with open(args.schedule, encoding="utf-8") as file:  # text, never unpickled
+                    text = file.read()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ScheduleError(f"cannot read {args.schedule} as text: {exc}") from None
+            schedule = parse_schedule(text)
+            if args.pp not in (1, schedule.ranks):
+                raise ScheduleError(f"--pp {args.pp}, but {args.schedule} lists "
+                                    f"{schedule.ranks} ranks")
+        else:
+            schedule = build_schedule(args.schedule, args.pp, microbatches, args.virtual)
+        bubble = schedule.bubble()
+        if args.program and args.rank is not None and not 0 <= args.rank < schedule.ranks:
+            raise ScheduleError(f"--rank {args.rank}, but the schedule has {schedule.ranks} "
+                                f"ranks (0 to {schedule.ranks - 1})")
+    except ScheduleError as exc:
+        print(f"devmesh plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(schedule)
+    print(f"bubble: {bubble:.1%} of rank-time idle (forward = 1, backward = 2, or 1 + 1 when "
+          "split into input and weight gradients)")
+    if args.messages:
+        from devmesh.layout.pipeline_messages import message_plan
+
+        print(message_plan(schedule, args.messages))
+    if args.program:
+        from devmesh.layout.pipeline_program import format_programs
+
+        print(format_programs(schedule, args.program, args.rank))
+    if args.png:
+        from devmesh.pictures.schedule_png import draw_schedule
+
+        draw_schedule(schedule, args.png)
+        print(f"wrote {args.png}")
+    return 0
+
+
+
+def _cmd_dry_run(args: argparse.Namespace) -> int:
+    """``devmesh plan --model CONFIG --mesh ...``: one rank per role measured in this
+    process (devmesh.tools.dry_run)."""
+    from devmesh.errors import DryRunError
+    from devmesh.tools.dry_run import dry_run, parse_mesh, ranks_to_report, read_config
+    from devmesh.tools.dry_run.report import format_reports, parse_bytes, read_costs
+
+    if args.search or args.world is not None:
+        return _cmd_search(args)
+    try:
+        if args.mesh is None:
+            raise DryRunError("--model needs --mesh, e.g. --mesh pp=4,dp=32,tp=8 (or --world "
+                              "N --search to choose one)")
+        config = read_config(args.model)
+        dims = parse_mesh(args.mesh)
+        schedule = args.schedule or "1f1b"
+        pp = dims.get("pp", 1)
+        microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
+        costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency)
+        memory = parse_bytes(args.device_memory) if args.device_memory else None
+        ranks = [args.rank] if args.rank is not None else ranks_to_report(dims)
+        reports = [dry_run(config, dims, rank=rank, schedule=schedule,
+                           microbatches=microbatches) for rank in ranks]
+        print(format_reports(config, dims, reports, schedule=schedule,
+                             microbatches=microbatches, costs=costs, device_memory=memory))
+    except DryRunError as exc:
+        print(f"devmesh plan: error: {exc}", file=sys.stderr)
+        return 2
+    fits = memory is None or all(r.total_bytes <= memory for r in reports)
+    return 0 if fits else 1
+
+
+
+def _cmd_search(args: argparse.Namespace) -> int:
+    """``devmesh plan --model CONFIG --world N --search``: the candidates ranked
+    (devmesh.tools.dry_run.search)."""
+    from devmesh.errors import DryRunError
+    from devmesh.tools.dry_run import read_config
+    from devmesh.tools.dry_run.report import parse_bytes, read_costs
+    from devmesh.tools.dry_run.search import format_search, search
+
+    try:
+        if not (args.search and args.world is not None):
+            raise DryRunError("a mesh search needs both --world N (the ranks) and --search")
+        if args.mesh is not None:
+            raise DryRunError("--search chooses the mesh: drop --mesh (or drop --search and "
+                              "--world to dry-run that mesh)")
+        config = read_config(args.model)
+        costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency)
+        if costs is None:
+            raise DryRunError("--search ranks meshes by predicted step time: give --tflops "
+                              "and --bandwidth (e.g. --tflops 400 --bandwidth tp=300,25) or "
+                              "--costs FILE from devmesh bench --json")
+        memory = parse_bytes(args.device_memory) if args.device_memory else None
+        if args.top < 1 or args.verify < 0:
+            raise DryRunError("--top must be at least 1 and --verify at least 0")
+        result = search(config, args.world, costs, device_memory=memory,
+                        devices_per_host=args.devices_per_host or 8, verify=args.verify,
+                        progress=lambda text: print(text, file=sys.stderr, flush=True))
+    except DryRunError as exc:
+        print(f"devmesh plan: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_search(result, top=args.top))
+    return 0 if result.ranked else 1

@@ -1,0 +1,221 @@
+"""``devmesh run -n N script``: torchrun with safer defaults — the rendezvous on loopback, a
+wrapper per rank that dies with the launcher, one summary of a failure, the failing rank's
+exit code — on one host or several (``--nnodes``)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+__all__ = ["add", "run", "root_exit_code", "hosts_of_run", "RDZV_READ_TIMEOUT"]
+
+
+def add(sub) -> None:
+    """``devmesh run -n N script``: torchrun --standalone with safer defaults."""
+    parser = sub.add_parser("run", help="run a script on N local processes (torchrun --standalone)")
+    parser.add_argument("-n", "--nproc", type=int, required=True, help="processes to start")
+    parser.add_argument("--max-restarts", type=int, default=0,
+                     help="restart every rank this many times after one fails (torchrun's "
+                          "elastic restart: resume from your last checkpoint)")
+    parser.add_argument("--oversubscribe", action="store_true",
+                     help="start -n ranks even where this machine's memory or cores cannot "
+                          "hold them (refused by default, before anything starts)")
+    parser.add_argument("--trace-collectives", action="store_true",
+                     help="record each rank's collectives; on a timeout, name the ranks that "
+                          "diverged and their source lines (DEVMESH_TRACE_COLLECTIVES=1 does "
+                          "the same under torchrun)")
+    parser.add_argument("-m", "--module", action="store_true",
+                     help="run the script as a module, as python -m (devmesh run -n 2 -m pkg.train)")
+    parser.add_argument("--log-dir", default=None,
+                     help="also write each rank's output to a file of its own in this folder")
+    parser.add_argument("--local-ranks-filter", default=None,
+                     help="show only these ranks' output on the console, e.g. 0 or 0,3")
+    parser.add_argument("--nnodes", type=int, default=1,
+                     help="hosts taking part, each running devmesh run with its --node-rank "
+                          "(default 1: this machine alone)")
+    parser.add_argument("--node-rank", type=int, default=0,
+                     help="this host's index, 0..nnodes-1 (host 0 serves the rendezvous); its "
+                          "ranks are node_rank x nproc ... ")
+    parser.add_argument("--rdzv-endpoint", default=None,
+                     help="HOST:PORT of host 0, the same on every host (with --nnodes)")
+    parser.add_argument("--rdzv-id", default="devmesh-run",
+                     help="the job's name at the rendezvous, the same on every host")
+    parser.add_argument("--local-addr", default=None,
+                     help="this host's address for the job (default: the one that reaches "
+                          "--rdzv-endpoint); its ranks' connections use its interface")
+    parser.add_argument("script", help="the Python script (with -m: the module)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_nproc(args.nproc, args.oversubscribe)
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    from devmesh.launching.capacity import oom_kills
+    from torch.distributed.run import main as torchrun_main
+
+    hosts = hosts_of_run(args)  # (torchrun's rendezvous options) for --nnodes > 1
+    if hosts is None:
+        # the workers' own gloo sockets stay on loopback (torchrun's agent store is torch's)
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # each rank runs through a wrapper that dies with this process (no orphans on SIGKILL)
+    if args.max_restarts < 0:
+        raise SystemExit(f"devmesh run: --max-restarts must be 0 or more, got {args.max_restarts}")
+    # the script's own arguments travel in the environment: torchrun's parser would expand
+    # abbreviations of its options among them
+    import json
+
+    from devmesh.launching.child import ARGV_VARIABLE
+
+    os.environ[ARGV_VARIABLE] = json.dumps(list(args.args))
+    if args.trace_collectives:  # each rank records its collectives (devmesh.distributed.trace)
+        os.environ["DEVMESH_TRACE_COLLECTIVES"] = "1"
+    import tempfile
+
+    # a store per restart (pytorch/pytorch#135712), served by rank 0 on loopback only
+    os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    # torchrun --standalone's agent serves its rendezvous store on every interface; this
+    # process serves it on loopback instead and the agent joins it as a client
+    from devmesh.distributed.env import serve_loopback_store
+
+    if hosts is None:
+        store, port = serve_loopback_store()
+        torchrun_args = ["--nnodes=1", f"--nproc_per_node={args.nproc}", "--rdzv-backend=c10d",
+                         f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=devmesh-run-{port}",
+                         "--rdzv-conf=is_host=false", "--local-addr=127.0.0.1",
+                         f"--max-restarts={args.max_restarts}"]
+    else:
+        store, torchrun_args = None, [f"--nproc_per_node={args.nproc}", *hosts,
+                                      f"--max-restarts={args.max_restarts}"]
+    # every rank's output goes to a file that torchrun's agent copies to the console a whole
+    # line at a time, each line prefixed "[rank3]:" (global rank): lines of several ranks
+    # never mix; --log-dir keeps the files, else they are removed with the run
+    logs = None if args.log_dir else tempfile.TemporaryDirectory(prefix="devmesh-run-logs-")
+    torchrun_args += [f"--log-dir={args.log_dir or logs.name}", "--tee=3"]
+    os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:")
+    # torchrun's own default, set here so that it does not print a banner saying so
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.local_ranks_filter:
+        torchrun_args += [f"--local-ranks-filter={args.local_ranks_filter}"]
+    target = ["-m", args.script] if args.module else [args.script]
+    torchrun_args += ["-m", "devmesh.launching.child", *target]
+    kills_before = oom_kills()
+    import logging
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    from devmesh.launching.reports import REPORTS_VARIABLE, relay_restarts, summary
+
+    reports = tempfile.TemporaryDirectory(prefix="devmesh-run-")
+    os.environ[REPORTS_VARIABLE] = reports.name  # each failing rank reports there
+    # the failure is summarised below, once: torchrun's own error lines would repeat it
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    relay_restarts(args.max_restarts)  # DEVMESH_LOG=info: a failed rank and each restart
+    try:
+        torchrun_main(torchrun_args)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    except ChildFailedError as exc:  # the failing rank's own exit code, as a shell would
+        # torchrun keys the failures by global rank; this host's ranks are consecutive
+        codes = {rank: f.exitcode for rank, f in exc.failures.items()}
+        first = next((rank - f.local_rank for rank, f in exc.failures.items()), 0)
+        told = summary(reports.name, args.script, codes,
+                       ranks=range(first, first + args.nproc))
+        # torchrun names the entry point it ran: the rank wrapper; name the user's script
+        print(told or str(exc).replace("devmesh.launching.child", args.script),
+              file=sys.stderr)
+        memory = killed_for_memory(exc.failures, kills_before)
+        if memory:
+            print(memory, file=sys.stderr)
+        return root_exit_code(exc.failures)
+    except (KeyboardInterrupt, SignalException) as exc:  # Ctrl-C: 130, as a shell says
+        number = getattr(exc, "sigval", signal.SIGINT)
+        print(f"devmesh run: stopped by {signal.Signals(number).name}; every rank was stopped",
+              file=sys.stderr)
+        return 128 + int(number)
+    except Exception as exc:
+        print(str(exc), file=sys.stderr)
+        return 1
+    finally:
+        del store  # the loopback rendezvous of a one-host run
+        reports.cleanup()
+        if logs is not None:
+            logs.cleanup()
+    return 0
+
+
+def check_nproc(n: int, oversubscribe: bool) -> None:
+    """Refuse a process count that cannot work before spawning anything: fewer than one, or
+    more than this machine's memory and cores hold (:mod:`devmesh.launching.capacity`)."""
+    from devmesh.errors import LaunchCapacityError
+    from devmesh.launching.capacity import check_local_ranks
+
+    if n < 1:
+        raise SystemExit(f"devmesh run: -n must be at least 1, got {n}")
+    try:
+        check_local_ranks(n, what=f"devmesh run: -n {n}", override="--oversubscribe",
+                          oversubscribe=oversubscribe)
+    except LaunchCapacityError as exc:
+        raise SystemExit(str(exc)) from None
+
+
+
+def killed_for_memory(failures: dict, oom_kills_before: int | None) -> str:
+    """A line naming the ranks the kernel's out-of-memory killer took, or ``""``."""
+    from devmesh.launching.capacity import describe_kill
+
+    killed = sorted(r for r, f in failures.items() if f.exitcode == -signal.SIGKILL)
+    why = describe_kill("SIGKILL", oom_kills_before) if killed else ""
+    return f"devmesh run: ranks {killed} were killed by SIGKILL{why}" if killed else ""
+
+
+
+def root_exit_code(failures: dict) -> int:
+    """The exit code of the rank that failed first on its own: the agent then stops the
+    others with SIGTERM, and their -15 must not mask it (a signal n gives 128 + n)."""
+    if not failures:
+        return 1
+    own = {r: f for r, f in failures.items() if f.exitcode != -signal.SIGTERM} or failures
+    rank = min(own, key=lambda r: (own[r].timestamp, r))
+    code = own[rank].exitcode
+    return code if code > 0 else 128 - code if code < 0 else 1
+
+
+# seconds a host's agent waits on one rendezvous-store operation (torchrun's default: 60):
+# a host cut off from host 0 gives up after a few of these, not after minutes
+RDZV_READ_TIMEOUT = 15
+
+
+def hosts_of_run(args: argparse.Namespace) -> list[str] | None:
+    """torchrun's options for a run over several hosts (``None`` for one): node 0 hosts the
+    rendezvous at ``--rdzv-endpoint``; every node's ranks talk over the interface that
+    reaches it (``GLOO_SOCKET_IFNAME``, unless set)."""
+    if args.nnodes == 1 and args.rdzv_endpoint is None:
+        return None
+    from devmesh.launching.hosts import (exit_when_cut_off, interface_of,
+                                         local_address_towards, parse_endpoint)
+
+    if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
+        raise SystemExit(f"devmesh run: --node-rank {args.node_rank} must be in 0..{args.nnodes - 1} "
+                         f"for --nnodes {args.nnodes}")
+    if args.rdzv_endpoint is None:
+        raise SystemExit(f"devmesh run: --nnodes {args.nnodes} needs --rdzv-endpoint HOST:PORT, "
+                         "node 0's address and a free port, the same on every node")
+    try:
+        host, port = parse_endpoint(args.rdzv_endpoint)
+    except ValueError as exc:
+        raise SystemExit(f"devmesh run: {exc}") from None
+    local = args.local_addr or local_address_towards(host, port)
+    if args.node_rank != 0:  # host 0 serves the rendezvous; another host can lose it
+        exit_when_cut_off(host, port, args.node_rank)
+    interface = interface_of(local)
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    return [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={args.rdzv_id}",
+            f"--rdzv-conf=is_host={'true' if args.node_rank == 0 else 'false'},"
+            f"read_timeout={RDZV_READ_TIMEOUT}",
+            f"--local-addr={local}"]
