@@ -17,7 +17,7 @@ if os.environ.get("CI"):
 KINDS = ("unit", "ranks", "parity", "system")
 
 
-# README's command runs the suite on two pytest workers (xdist, whole files each: a module's
+# `pytest -n 2` runs the suite on two pytest workers (xdist, whole files each: a module's
 # fixtures are computed once). They take files in collection order, so the longest files —
 # launches of fresh processes, timeouts waited out — come first and the short ones fill in
 # at the end, rather than one worker finishing a long file alone; then system, ranks,
@@ -44,4 +44,5 @@ def pytest_collection_modifyitems(items):
         parts = item.path.relative_to(item.config.rootpath).parts
         if len(parts) > 2 and parts[0] == "tests" and parts[1] in KINDS:
             item.add_marker(getattr(pytest.mark, parts[1]))
-    items.sort(key=_file_order)  # stable: each file's tests keep their order
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # under -n N only; one process keeps its order
+        items.sort(key=_file_order)  # stable: each file's tests keep their order
