@@ -22,8 +22,11 @@ def caught(fn):
 def run_script(path: str, args: list[str]) -> None:
     """Run the script at ``path`` with ``args`` as its command line, as ``python path args``
     would — on a rank of the worker pool, in the launch environment the pool gives it."""
-    sys.argv = [path, *args]
-    runpy.run_path(path, run_name="__main__")
+    before, sys.argv = sys.argv, [path, *args]
+    try:
+        runpy.run_path(path, run_name="__main__")
+    finally:
+        sys.argv = before  # the worker goes on to other tests
 
 
 def reported(folder: str, rank: int) -> None:
