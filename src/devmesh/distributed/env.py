@@ -21,6 +21,7 @@ import torch.distributed as dist
 from devmesh._exit import settle_collective_threads_at_exit
 from devmesh._log import get_logger
 from devmesh.errors import DeviceUnavailableError, LaunchEnvironmentError, MeshTimeoutError
+from devmesh.launching.store import serve_loopback_store
 from devmesh.layout import format_ranks
 
 __all__ = ["LaunchEnv", "read_launch_env", "launched_world_size", "backend_for",
@@ -200,18 +201,22 @@ def ensure_default_group(
 def _wait_for_every_rank(store, env: LaunchEnv, timeout: datetime.timedelta | None) -> None:
     """Each rank checks in; a rank that does not within ``timeout`` is *named* in a
     :class:`MeshTimeoutError` on every rank that did (instead of torch's "7/8 clients
-    joined", or a hang in the backend's first connection)."""
+    joined", or a hang in the backend's first connection). A rank that comes after the others
+    gave up is told so, where the store outlives them (it is served by the launcher)."""
     wait = timeout or datetime.timedelta(minutes=30)
     prefix = f"devmesh/arrived/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
     store.set(prefix + str(env.rank), "1")
     keys = [prefix + str(r) for r in range(env.world_size)]
+    advice = ("Find out why they are late or stuck (their own output says), or raise the "
+              "timeout: init_device_mesh(..., timeout=seconds)")
     try:
         store.wait(keys, wait)
     except Exception:  # torch raises DistStoreError / RuntimeError on a store timeout
         missing = [r for r, key in enumerate(keys) if not store.check([key])]
         if not missing:
             return
-        # rank 0 serves the store: it stays until every rank that came has read who is missing
+        store.set(f"{prefix}gave_up", format_ranks(missing))
+        # rank 0 may serve the store: it stays until every rank that came has read who is missing
         store.set(f"{prefix}told/{env.rank}", "1")
         if env.rank == 0:
             told = [f"{prefix}told/{r}" for r in range(env.world_size) if r not in missing]
@@ -220,9 +225,13 @@ def _wait_for_every_rank(store, env: LaunchEnv, timeout: datetime.timedelta | No
         raise MeshTimeoutError(
             f"ranks {format_ranks(missing)} of {env.world_size} did not start the process "
             f"group within {wait.total_seconds():g} s (the ranks that did waited for them). "
-            "Find out why they are late or stuck (their own output says), or raise the "
-            "timeout: init_device_mesh(..., timeout=seconds)"
-        ) from None
+            + advice) from None
+    if store.check([f"{prefix}gave_up"]):
+        missing_text = store.get(f"{prefix}gave_up").decode()
+        raise MeshTimeoutError(
+            f"ranks {missing_text} of {env.world_size} did not start the process group within "
+            f"{wait.total_seconds():g} s, and the ranks that did gave up waiting before this "
+            f"rank ({env.rank}) arrived. " + advice)
 
 
 def _agent_store(env: LaunchEnv, timeout: datetime.timedelta | None):
@@ -267,23 +276,3 @@ def _loopback_store(env: LaunchEnv, timeout: datetime.timedelta | None):
                 "says which), or raise the timeout: init_device_mesh(..., timeout=seconds)"
             ) from None
     return serve_loopback_store(host, env.master_port, env.world_size, wait)[0]
-
-
-def serve_loopback_store(host: str = "127.0.0.1", port: int = 0, world_size: int | None = None,
-                         timeout: datetime.timedelta = datetime.timedelta(minutes=30)
-                         ) -> tuple[dist.TCPStore, int]:
-    """A TCPStore server listening on ``host`` (loopback) only, and its port (``port=0``: a
-    free one). torch's TCPStore binds every interface; devmesh binds the socket itself and
-    hands it over."""
-    import socket
-
-    family = socket.AF_INET6 if host == "::1" else socket.AF_INET
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    listener.bind((host, port))
-    listener.listen(max(128, world_size or 0))
-    port = listener.getsockname()[1]
-    # the store owns the listening descriptor from here on (it closes it when destroyed)
-    store = dist.TCPStore(host, port, world_size, True, timeout, wait_for_workers=False,
-                          master_listen_fd=listener.detach(), use_libuv=False)
-    return store, port

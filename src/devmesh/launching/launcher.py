@@ -33,6 +33,7 @@ import cloudpickle
 
 from devmesh._log import get_logger
 from devmesh.launching import _auth, capacity
+from devmesh.launching.store import serve_loopback_store
 from devmesh.errors import RankFailedError, RankTimeoutError, WorkerStartError, is_peer_gone
 
 __all__ = ["launch", "WorkerPool"]
@@ -69,12 +70,6 @@ def _culprits(unfinished: list[int], stacks: dict[int, str]) -> str:
         return ""
     return (f" Ranks {waiting} wait inside a collective; ranks {elsewhere} never entered it "
             "(they are elsewhere in their code, see their stacks): they are the cause.")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Worker:
@@ -299,7 +294,9 @@ class WorkerPool:
         self._oom_kills = capacity.oom_kills()  # a SIGKILL after this and a moved count: OOM
         task_id = next(self._task_ids)
         payload = cloudpickle.dumps((fn, args, kwargs))
-        port = _free_port()
+        # the pool serves each task's rendezvous store (as torchrun's agent does): its port is
+        # held from the moment it is chosen, so two pools on one machine can never share one
+        store, port = serve_loopback_store()
         paths = [p for p in sys.path if p]
         workers = [self._workers[r] for r in range(world_size)]
         for rank, worker in enumerate(workers):
@@ -311,11 +308,15 @@ class WorkerPool:
                 "ROLE_RANK": str(rank), "ROLE_WORLD_SIZE": str(world_size),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "TORCHELASTIC_RUN_ID": f"devmesh-{task_id}",
+                "TORCHELASTIC_USE_AGENT_STORE": "True",
                 # a local launch stays on this machine: gloo's sockets on loopback too
                 "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             }
             worker.conn.send((task_id, payload, task_env, paths))
-        return self._collect(task_id, workers, timeout)
+        try:
+            return self._collect(task_id, workers, timeout)
+        finally:
+            del store  # the task's ranks are done with it (finished, or killed)
 
     def _collect(self, task_id: int, workers: list[Any], timeout: float) -> list[Any]:
         results: dict[int, tuple] = {}

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # torchrun --standalone's agent serves its rendezvous store on every interface; this
     # process serves it on loopback instead and the agent joins it as a client
-    from devmesh.distributed.env import serve_loopback_store
+    from devmesh.launching.store import serve_loopback_store
 
     if hosts is None:
         store, port = serve_loopback_store()
