@@ -229,27 +229,6 @@ def test_digits_mesh_flag_errors(text, words):
     assert parse_mesh("dp=2,shard=2,tp=2").describe() == "TP=2 + HSDP (dp=2 replicates, shard=2 shards)"
 
 
-def test_hsdp_example_replicas_hold_the_same_rows(mesh_pool):
-    module = _example("hsdp")
-    results = mesh_pool.run(module.hsdp_step, 8)
-    for rank, dp, shard, rows, ok in results:
-        assert ok and dp == rank // 4 and shard == rank % 4
-        # 10 rows split 3, 3, 3, 1 over the shard dim; replicas (same shard index) equal
-        assert rows == results[shard][3]
-    assert results[0][3] == [101.0, 111.0, 121.0] and results[3][3] == [191.0]
-
-
-def test_fsdp_tp_example_reassembles_seed_004_weight(mesh_pool):
-    module = _example("fsdp_tp")
-    results = mesh_pool.run(module.fsdp_over_tp, 8)
-    for info in results:
-        assert info["full_equal"]
-        assert info["layout"] == "(12, 12): dim 0 split by (TP, FSDP)"
-    # TP rank t holds rows 3t..3t+2; FSDP rank f holds 2 rows (f=0) or 1 row (f=1) of them
-    assert results[1]["local_rows"] == [137.0, 149.0] and results[5]["local_rows"] == [161.0]
-    assert "ranks 0" in results[0]["table"]
-
-
 def test_custom_3d_example_trains(mesh_pool):
     module = _example("custom_3d")
     results = mesh_pool.run(module.hsdp_plus_tp, 8)
@@ -283,12 +262,25 @@ def test_show_all_lists_every_rank_of_every_group():
         in result.stdout and "…" not in result.stdout
 
 
-def test_the_hsdp_and_fsdp_tp_examples_run_on_fewer_ranks(mesh_pool):
+@pytest.mark.parametrize("world", [2, 4, 8])
+def test_the_hsdp_and_fsdp_tp_examples_on_every_world(mesh_pool, world):
+    """The examples run as documented on 8 ranks and adapt to fewer; on 8 the rows each rank
+    holds are the ones their docs draw."""
     hsdp, fsdp_tp = _example("hsdp"), _example("fsdp_tp")
-    for world in (2, 4):
-        results = mesh_pool.run(hsdp.hsdp_step, world)
-        assert all(ok for *_, ok in results)
-        assert [r[1] for r in results] == [r // (world // hsdp.hsdp_shape(world)[0])
-                                           for r in range(world)]
-        for info in mesh_pool.run(fsdp_tp.fsdp_over_tp, world):
-            assert info["full_equal"], info
+    results = mesh_pool.run(hsdp.hsdp_step, world)
+    replicas, shard_size = hsdp.hsdp_shape(world)
+    for rank, dp, shard, rows, ok in results:
+        assert ok and dp == rank // shard_size and shard == rank % shard_size
+        assert rows == results[shard][3]  # replicas (same shard index) hold the same rows
+    tp_results = mesh_pool.run(fsdp_tp.fsdp_over_tp, world)
+    for info in tp_results:
+        assert info["full_equal"], info
+    if world == 8:
+        # 10 rows split 3, 3, 3, 1 over the shard dim
+        assert results[0][3] == [101.0, 111.0, 121.0] and results[3][3] == [191.0]
+        # the 12x12 weight: TP rank t holds rows 3t..3t+2; FSDP rank f holds 2 rows (f=0)
+        # or 1 row (f=1) of them
+        assert all(info["layout"] == "(12, 12): dim 0 split by (TP, FSDP)" for info in tp_results)
+        assert tp_results[1]["local_rows"] == [137.0, 149.0]
+        assert tp_results[5]["local_rows"] == [161.0]
+        assert "ranks 0" in tp_results[0]["table"]

@@ -39,6 +39,11 @@ __all__ = ["Message", "sent_by", "needed_by", "sequences", "fifo_problem", "Rece
            "forward_only", "upcoming", "sent_by_action", "nccl_deadlock", "nccl_placement",
            "nccl_problem", "message_plan"]
 
+#: How many schedules' messages and placements are kept: a runner asks about its one
+#: schedule often; a process that builds many (a search, a test) must not keep them all,
+#: or every garbage collection walks them
+_SCHEDULES_KEPT = 64
+
 
 class Message(NamedTuple):  # a tuple: hashed in C, as the placement search does often
     """One message between stages: ``stage`` is the stage that receives it. A ``header``
@@ -114,7 +119,7 @@ def needed_by(schedule: Schedule, action: Action) -> tuple[int, Message] | None:
     return None
 
 
-@functools.cache  # a schedule is immutable; the runner and nccl_placement ask often
+@functools.lru_cache(maxsize=_SCHEDULES_KEPT)  # a schedule is immutable; asked often
 def sequences(schedule: Schedule) -> dict[tuple[int, int], tuple[Message, ...]]:
     """(sender, receiver) -> every message the sender sends the receiver in a step, in the
     order it sends them."""
@@ -277,7 +282,7 @@ class ReceiveOrder:
         return True
 
 
-_sent_by = functools.cache(sent_by)
+_sent_by = functools.lru_cache(maxsize=_SCHEDULES_KEPT)(sent_by)
 
 
 # -- NCCL's stream rules ------------------------------------------------------------------
@@ -312,7 +317,7 @@ def nccl_deadlock(schedule: Schedule, policy: str = "fused", shapes: str = "held
                                             for rank, what in sorted(stuck.items()))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=_SCHEDULES_KEPT)
 def nccl_placement(schedule: Schedule) -> dict[int, Placement] | None:
     """Per rank, the receives to post earlier than ``"fused"`` would, so that no step of
     ``schedule`` deadlocks on NCCL (shapes held, new or changed); ``None`` if none found.

@@ -134,7 +134,7 @@ class Program:
         return " ".join(parts)
 
 
-@functools.cache  # programs are immutable; a runner lowers its schedule once per kind of step
+@functools.lru_cache(maxsize=256)  # immutable; a runner lowers its schedule once per kind of step
 def lower(schedule: Schedule, rank: int, backend: str = "gloo", *, training: bool = True,
           whole: frozenset[int] = frozenset()) -> Program:
     """``rank``'s program for one step of ``schedule`` on ``backend`` (``"gloo"`` or

@@ -84,6 +84,20 @@ class Schedule:
             raise ScheduleError(f"schedule {self.name!r}: {problem}")
         self.simulate()  # raises ScheduleError naming the actions that wait on each other
 
+    def __hash__(self) -> int:
+        """Hashed once: the message model's caches look a schedule up for every action, and a
+        dataclass's hash would walk all its actions each time. Not pickled (a string's hash
+        differs between processes)."""
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = hash((self.name, self.ranks, self.stages, self.microbatches, self.actions,
+                           self.placement))
+            object.__setattr__(self, "_hash", cached)
+        return cached
+
+    def __getstate__(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
     def rank_of(self, stage: int) -> int:
         """The rank holding ``stage`` (see :data:`PLACEMENTS`)."""
         return _rank_of(stage, self.ranks, self.placement)

@@ -115,7 +115,7 @@ def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_ord
     built over its fake process group, in a subprocess), with torch's action order on every
     rank (zero-bubble V and DualPipeV: two stages per rank in a V; DualPipeV's paired forward
     and backward as two actions), and each order runs (simulated) with each stream of
-    messages used in the order sent."""
+    messages used in the order sent, and without deadlock on NCCL."""
     per_rank = (2,) if name in IN_A_V else (2, 3)
     cases = list(itertools.product(range(1, 7), range(1, 17), per_rank))
     done = subprocess.run([sys.executable, "-c", _TORCH_LOOPED_ORDER, torch_class,
@@ -147,7 +147,10 @@ def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_ord
         assert ours == torch_order, (ranks, microbatches, virtual)
         schedule.simulate()
         assert fifo_problem(schedule) is None
-        if ranks > 1:  # one rank sending to itself is refused on NCCL, as before
+        # NCCL: one rank sending to itself is refused; past 2 rounds of warm-up, steady
+        # state and cool-down an order only repeats its steady state: the longest stands
+        # for the rest
+        if ranks > 1 and (microbatches <= 2 * ranks + 1 or microbatches == 16):
             assert nccl_problem(schedule) is None
     # interleaved: e.g. 9 on 4 ranks (2 rounds cannot be equal); DualPipeV: fewer than the
     # stages; the others take any count
