@@ -196,6 +196,33 @@ def ensure_default_group(
         _wait_for_every_rank(store, env, timeout)
         kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
     dist.init_process_group(**kwargs)
+    if store is not None:
+        _wait_until_every_rank_connected(store, env, timeout)
+
+
+def _wait_until_every_rank_connected(store, env: LaunchEnv,
+                                     timeout: datetime.timedelta | None) -> None:
+    """Leave ``init_process_group`` only once every rank has: gloo counts a connection as
+    made on the side that opened it before the other side has read it, so a rank whose work
+    ends at once (an error, a script with no collective) would otherwise close its side
+    while a slower peer still connects — that peer fails with gloo's "connectFullMesh
+    failed ... Connection closed by peer" (torch's ``TORCH_DIST_INIT_BARRIER`` does the same
+    wait; it is off by default)."""
+    wait = timeout or datetime.timedelta(minutes=30)
+    prefix = f"devmesh/connected/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+    store.set(prefix + str(env.rank), "1")
+    keys = [prefix + str(r) for r in range(env.world_size)]
+    try:
+        store.wait(keys, wait)
+    except Exception:  # torch raises DistStoreError / RuntimeError on a store timeout
+        missing = [r for r, key in enumerate(keys) if not store.check([key])]
+        if not missing:
+            return
+        raise MeshTimeoutError(
+            f"ranks {format_ranks(missing)} of {env.world_size} did not finish connecting "
+            f"the process group within {wait.total_seconds():g} s (they started it; the "
+            "others waited for them). Their own output says why, or raise the timeout: "
+            "init_device_mesh(..., timeout=seconds)") from None
 
 
 def _wait_for_every_rank(store, env: LaunchEnv, timeout: datetime.timedelta | None) -> None:
