@@ -201,6 +201,37 @@ def test_a_rank_late_for_the_first_mesh_is_named(mesh_pool, tmp_path):
     assert mesh_pool.run(lambda: "recovered", 4) == ["recovered"] * 4
 
 
+def slow_to_connect():
+    import torch.distributed as dist
+
+    from devmesh.distributed.env import ensure_default_group
+
+    rank = int(os.environ["RANK"])
+    connected = []
+    if rank == 2:  # still connecting (inside init_process_group) when the others are done
+        real = dist.init_process_group
+
+        def slow(*args, **kwargs):
+            real(*args, **kwargs)
+            time.sleep(2.0)
+            connected.append(time.time())
+
+        dist.init_process_group = slow
+    try:
+        ensure_default_group("cpu")
+    finally:
+        if rank == 2:
+            dist.init_process_group = real
+    return connected[0] if connected else time.time()
+
+
+def test_no_rank_leaves_the_first_mesh_before_every_rank_has_connected(mesh_pool):
+    """A rank whose work ends at once must not close its connections while a slower peer is
+    still making them (gloo: "connectFullMesh failed ... Connection closed by peer")."""
+    left = mesh_pool.run(slow_to_connect, 4)  # rank 2: when it finished connecting
+    assert min(left[r] for r in (0, 1, 3)) >= left[2], left
+
+
 def test_killing_devmesh_run_leaves_no_rank(tmp_path):
     """SIGKILL of `devmesh run` itself (torchrun's agent runs in it): its ranks die too."""
     script = tmp_path / "sleeper.py"
