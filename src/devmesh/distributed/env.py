@@ -209,20 +209,26 @@ def _wait_until_every_rank_connected(store, env: LaunchEnv,
     failed ... Connection closed by peer" (torch's ``TORCH_DIST_INIT_BARRIER`` does the same
     wait; it is off by default)."""
     wait = timeout or datetime.timedelta(minutes=30)
-    prefix = f"devmesh/connected/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+    missing = _check_in(store, env, "connected", wait)
+    if missing:
+        raise MeshTimeoutError(
+            f"ranks {format_ranks(missing)} of {env.world_size} did not finish connecting "
+            f"the process group within {wait.total_seconds():g} s (they started it; the "
+            "others waited for them). Their own output says why, or raise the timeout: "
+            "init_device_mesh(..., timeout=seconds)")
+
+
+def _check_in(store, env: LaunchEnv, what: str, wait: datetime.timedelta) -> list[int]:
+    """Say in the store that this rank has ``what`` (arrived, connected), wait up to ``wait``
+    for every rank to say so, and return the ranks that did not."""
+    prefix = f"devmesh/{what}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
     store.set(prefix + str(env.rank), "1")
     keys = [prefix + str(r) for r in range(env.world_size)]
     try:
         store.wait(keys, wait)
     except Exception:  # torch raises DistStoreError / RuntimeError on a store timeout
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        if not missing:
-            return
-        raise MeshTimeoutError(
-            f"ranks {format_ranks(missing)} of {env.world_size} did not finish connecting "
-            f"the process group within {wait.total_seconds():g} s (they started it; the "
-            "others waited for them). Their own output says why, or raise the timeout: "
-            "init_device_mesh(..., timeout=seconds)") from None
+        return [r for r, key in enumerate(keys) if not store.check([key])]
+    return []
 
 
 def _wait_for_every_rank(store, env: LaunchEnv, timeout: datetime.timedelta | None) -> None:
@@ -232,16 +238,10 @@ def _wait_for_every_rank(store, env: LaunchEnv, timeout: datetime.timedelta | No
     gave up is told so, where the store outlives them (it is served by the launcher)."""
     wait = timeout or datetime.timedelta(minutes=30)
     prefix = f"devmesh/arrived/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
-    store.set(prefix + str(env.rank), "1")
-    keys = [prefix + str(r) for r in range(env.world_size)]
     advice = ("Find out why they are late or stuck (their own output says), or raise the "
               "timeout: init_device_mesh(..., timeout=seconds)")
-    try:
-        store.wait(keys, wait)
-    except Exception:  # torch raises DistStoreError / RuntimeError on a store timeout
-        missing = [r for r, key in enumerate(keys) if not store.check([key])]
-        if not missing:
-            return
+    missing = _check_in(store, env, "arrived", wait)
+    if missing:
         store.set(f"{prefix}gave_up", format_ranks(missing))
         # rank 0 may serve the store: it stays until every rank that came has read who is missing
         store.set(f"{prefix}told/{env.rank}", "1")
@@ -252,7 +252,7 @@ def _wait_for_every_rank(store, env: LaunchEnv, timeout: datetime.timedelta | No
         raise MeshTimeoutError(
             f"ranks {format_ranks(missing)} of {env.world_size} did not start the process "
             f"group within {wait.total_seconds():g} s (the ranks that did waited for them). "
-            + advice) from None
+            + advice)
     if store.check([f"{prefix}gave_up"]):
         missing_text = store.get(f"{prefix}gave_up").decode()
         raise MeshTimeoutError(
