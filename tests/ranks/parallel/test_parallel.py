@@ -580,7 +580,7 @@ def fsdp_recovers_after_a_failed_forward_and_keeps_models_apart():
     outs = []
     for _ in range(3):  # interleaved forwards of the two models
         outs.append([m(x).detach() for m in models])
-    orders = [m._devmesh_fsdp._root_order for m in models]
+    orders = [m._devmesh_fsdp.root_order for m in models]
     return (resharded, all(torch.allclose(a, reference(x), atol=1e-6)
                            for pair in outs for a in pair),
             orders[0] is not orders[1] and all(len(o.order) == 3 for o in orders))

@@ -80,7 +80,7 @@ class FSDPModule(GradientSyncControl, KeepsLayouts):
         for unit in self._units(recurse):
             unit.reshard_after_backward = bool(reshard_after_backward)
             if reshard_after_backward:
-                unit._kept = None
+                unit.forget_kept()
 
     def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True
                                   ) -> None:

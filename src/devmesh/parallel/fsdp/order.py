@@ -36,14 +36,11 @@ class ForwardOrder:
         if self.depth == 0:
             self.cursor = 0
             self.recording = [] if not self.order or self.order[0] is not unit else None
-            for other in self.order:  # what backward needed last step predicts this step
-                other._needed_regather, other._regathered_now = other._regathered_now, False
-                other._running = 0  # no forward runs: a count left by one that raised
+            for other in self.order:
+                other.begin_forward_of_step()
             if _torch_compat.current_graph_task_id() == -1:  # not a recompute inside backward
                 for other in self._explicit_backward_targets():  # a prefetch never used
-                    if other._regather_pending is not None:
-                        other._regather_pending.wait()
-                        other._regather_pending = None
+                    other.drop_regather()
         self.depth += 1
         if self.recording is not None:
             self.recording.append(unit)
@@ -68,10 +65,8 @@ class ForwardOrder:
         if unit not in self.order:
             return
         for other in reversed(self.order[: self.order.index(unit)]):
-            if other._needed_regather and other.params:
-                if other._full is None and other._regather_pending is None:
-                    # within its group of n when it kept rows (reshard_after_forward=n)
-                    other._regather_pending = other.start_regather()
+            if other.needed_regather and other.params:
+                other.regather_ahead()
                 return
 
     def exit(self, unit: FSDPUnit, failed: bool = False) -> None:
@@ -81,9 +76,7 @@ class ForwardOrder:
                 self.order = [] if failed else self.recording
                 self.recording = None
             for other in self._prefetch_targets():
-                if other._prefetched is not None:
-                    other._prefetched.wait()
-                    other._prefetched = None
+                other.drop_forward_prefetch()
 
     def _prefetch_targets(self) -> list[FSDPUnit]:
         """The recorded units and those their explicit forward prefetch lists name."""
@@ -113,11 +106,11 @@ class ForwardOrders:
 
     def enter(self, unit: FSDPUnit) -> None:
         if self.active is None:
-            if unit._root_order is None or unit._root_order.generation != groups.generation():
-                unit._root_order = ForwardOrder()  # first forward, or a new world
-                unit._root_order.generation = groups.generation()
-            self.active = unit._root_order
-        unit._order = self.active
+            if unit.root_order is None or unit.root_order.generation != groups.generation():
+                unit.root_order = ForwardOrder()  # first forward, or a new world
+                unit.root_order.generation = groups.generation()
+            self.active = unit.root_order
+        unit.forward_order = self.active
         self.active.enter(unit)
 
     def exit(self, unit: FSDPUnit) -> None:
@@ -128,7 +121,7 @@ class ForwardOrders:
         if order.depth == 0:
             self.active = None
             while self.open_groups:  # a group some of whose modules did not run: resharded
-                self.open_groups.pop()._close()  # at the end of the forward, as FSDP2 does
+                self.open_groups.pop().close_forward_gather()  # at the end of the forward, as FSDP2 does
 
 
 # The one place the forward in progress is recorded: every unit's hooks read it through the

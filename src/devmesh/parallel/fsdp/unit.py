@@ -148,8 +148,10 @@ class FSDPUnit:
         # checkpointing inside the unit), with the backward's task id
         self._recomputed: tuple[int, tuple[torch.Tensor, ...]] | None = None
         self._recomputing: set[int] = set()  # ids of the modules holding them now
-        self._order: ForwardOrder | None = None  # the record the last forward used
-        self._root_order: ForwardOrder | None = None  # owned when this unit is the root
+        # the record of units in forward order the last forward used, and the one this unit
+        # keeps when it starts forwards (its model's root): both set by fsdp/order.py
+        self.forward_order: ForwardOrder | None = None
+        self.root_order: ForwardOrder | None = None
         # torch 2.15's manual backward finalization: finalize_backward() ends a step's backward
         self.manual_finalization = False
         self.reduction_handle = None  # finalize_backward(async_op=True)'s, until waited on
@@ -275,10 +277,7 @@ class FSDPUnit:
         self._open, self._to_run = None, set()
         self._place(Slots.SHARDS)
         self._kept = self._full = self._accumulated = self._unsharded = None
-        for pending in (self._prefetched, self._regather_pending):
-            if pending is not None:
-                pending.wait()
-        self._prefetched = self._regather_pending = None
+        self.drop_prefetched()
 
     def set_post_forward_size(self, size: int | None) -> None:
         """Reshard to groups of ``size`` consecutive ranks of the shard dim after forward
@@ -412,11 +411,48 @@ class FSDPUnit:
     def drop_prefetched(self) -> None:
         """Wait for and drop gathers started ahead that were not used: parameters gathered
         before an optimizer step must never reach a later forward or backward."""
-        for attr in ("_prefetched", "_regather_pending"):
-            pending = getattr(self, attr)
-            if pending is not None:
-                pending.wait()
-                setattr(self, attr, None)
+        self.drop_forward_prefetch()
+        self.drop_regather()
+
+    def drop_forward_prefetch(self) -> None:
+        """Wait for and drop the forward all-gather started ahead, if no forward used it."""
+        if self._prefetched is not None:
+            self._prefetched.wait()
+            self._prefetched = None
+
+    def drop_regather(self) -> None:
+        """Wait for and drop the backward re-gather started ahead, if no backward used it."""
+        if self._regather_pending is not None:
+            self._regather_pending.wait()
+            self._regather_pending = None
+
+    def regather_ahead(self) -> None:
+        """Start the backward re-gather now (the recorded order says this unit's backward
+        comes next and needed it last step), unless it is gathered or on its way; within
+        this rank's group of ``n`` when it kept rows (``reshard_after_forward=n``)."""
+        if self._full is None and self._regather_pending is None:
+            self._regather_pending = self.start_regather()
+
+    @property
+    def needed_regather(self) -> bool:
+        """Whether this unit's backward re-gathered its parameters in the previous step."""
+        return self._needed_regather
+
+    def begin_forward_of_step(self) -> None:
+        """A model's outermost forward begins: what the backward needed last step predicts
+        this step's, and no forward of this unit runs (a count left by one that raised)."""
+        self._needed_regather, self._regathered_now = self._regathered_now, False
+        self._running = 0
+
+    def forget_kept(self) -> None:
+        """Drop the parameters kept between backwards (``set_reshard_after_backward(True)``)."""
+        self._kept = None
+
+    def release_weight_gradient_gather(self) -> None:
+        """A pipeline step ended: drop the parameters still kept for a weight-gradient half
+        (``W``) that never came (a unit whose parameters are frozen has none)."""
+        if self._full_for_weight_grads:
+            self._release_full()
 
     def reduce_grads(self, grads: list[torch.Tensor | None]) -> list[torch.Tensor | None]:
         """Reduce-scatter (average) all gradients of the unit in one collective; HSDP adds one
@@ -489,9 +525,7 @@ class FSDPUnit:
         if self.requires_gradient_sync:
             self._post_forward = None
         self._full_for_weight_grads = False
-        if self._regather_pending is not None:  # prefetched but not needed this time
-            self._regather_pending.wait()
-            self._regather_pending = None
+        self.drop_regather()  # prefetched but not needed this time
 
     def _release_after_backward(self) -> None:
         """Drop ``_full`` when the running backward ends, if its reduction did not (torch's
@@ -521,12 +555,12 @@ class FSDPUnit:
     def ran_forward(self) -> bool:
         """Whether a forward ran through this unit (before it, which unit is the root of its
         model is not known: torch's FSDP2 decides it lazily too)."""
-        return self._order is not None
+        return self.forward_order is not None
 
     @property
     def is_root(self) -> bool:
         """Whether this unit started the last forward it ran in (its model's outermost)."""
-        return self._root_order is not None
+        return self.root_order is not None
 
     def reduce_held_back(self) -> bool:
         """Reduce the gradients backwards without sync summed here, now that sync is on
@@ -546,18 +580,14 @@ class FSDPUnit:
     def reset(self) -> None:
         """Forget every gathered copy and every gradient held back for a later reduction:
         after an exception aborted a forward or backward (torch's ``reset_iter_state``)."""
-        for attr in ("_prefetched", "_regather_pending"):
-            pending = getattr(self, attr)
-            if pending is not None:
-                pending.wait()
-                setattr(self, attr, None)
+        self.drop_prefetched()
         self._full = self._kept = self._accumulated = self._partial = None
         self._post_forward = None
         self._full_for_weight_grads = False
         self._release_task = -1
         self._recomputed = None
         self._running = 0
-        self._close()
+        self.close_forward_gather()
         self.reshard()
 
     # -- hooks -----------------------------------------------------------------------------
@@ -588,17 +618,17 @@ class FSDPUnit:
             self._to_run.discard(id(module))
             return cast
         if not shards:
-            self._order.prefetch_after(self)
+            self.forward_order.prefetch_after(self)
             return cast
         if self.slots is Slots.FORWARD and id(module) in self._to_run:
             fulls = self._open  # an earlier module of the group gathered them this forward
         else:
-            self._close()  # a module of the group running again: its own gather
+            self.close_forward_gather()  # a module of the group running again: its own gather
             fulls = _Unshard.apply(self, *shards)
             self._place(Slots.FORWARD, fulls)
             self._open, self._to_run = fulls, {id(m) for m in self.modules}
             keep_open(self)
-        self._order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
+        self.forward_order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
         for other in self.forward_prefetch:  # torch's explicit list, the same on every rank
             other.prefetch()
         reshard = self.reshard_after_forward
@@ -636,11 +666,11 @@ class FSDPUnit:
             self._hooks = None
         self._to_run.discard(id(module))
         if not self._to_run:  # every module of the unit ran: reshard
-            self._close()
+            self.close_forward_gather()
         exit_forward(self)
         return self._cast_output(output)
 
-    def _close(self) -> None:
+    def close_forward_gather(self) -> None:
         """Put the shards back in every place: the gather serves no more of the group's
         modules in this forward (their backward re-gathers, or uses what autograd saved)."""
         if self.slots is not Slots.FORWARD:
@@ -693,8 +723,8 @@ class FSDPUnit:
                     pending = self.start_regather()
                 self._full = self.finish_gather(pending)
             self._regathered_now = True
-            if self._order is not None:
-                self._order.prefetch_backward_before(self)
+            if self.forward_order is not None:
+                self.forward_order.prefetch_backward_before(self)
             for other in self.backward_prefetch:  # torch's explicit list
                 other.prefetch_for_backward()
         self._release_after_backward()

@@ -48,6 +48,4 @@ def release_weight_gradient_gathers() -> None:
     """Drop what units kept for weight gradients still to come (a pipeline step's end: a
     unit whose parameters are frozen has no ``W`` that would reduce and drop it)."""
     while _STATE.kept:
-        unit = _STATE.kept.pop()
-        if unit._full_for_weight_grads:
-            unit._release_full()
+        _STATE.kept.pop().release_weight_gradient_gather()
