@@ -202,6 +202,29 @@ def test_a_modules_parameter_slots_are_written_in_one_place():
     assert writers == ["parallel/swap.py:22"], writers
 
 
+def test_an_objects_private_fields_are_written_by_its_own_class():
+    """In ``devmesh.parallel`` state is changed by the object that holds it: a private field
+    is assigned only through ``self`` (or ``new``, the copy a ``__deepcopy__`` makes), never
+    by another file reaching in (an FSDP unit's gathers are started and dropped by asking the
+    unit). devmesh's own markers on torch modules (``_devmesh_*``) are the exception."""
+    writers = []
+    for name, path in _modules():
+        if not name.startswith("devmesh.parallel"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = (node.targets if isinstance(node, ast.Assign) else
+                       [node.target] if isinstance(node, (ast.AugAssign, ast.AnnAssign)) else [])
+            for target in targets:
+                for each in (target.elts if isinstance(target, ast.Tuple) else [target]):
+                    if (isinstance(each, ast.Attribute) and each.attr.startswith("_")
+                            and not each.attr.startswith("_devmesh_")
+                            and not each.attr.endswith("__")  # __class__: not a field
+                            and not (isinstance(each.value, ast.Name)
+                                     and each.value.id in ("self", "cls", "new"))):
+                        writers.append(f"{name}:{node.lineno} writes .{each.attr}")
+    assert not writers, writers
+
+
 def test_no_test_module_imports_another():
     """What several test modules share lives in the helper modules beside them (tests/*.py
     without the test_ prefix), so each test module can move or run alone."""
