@@ -218,10 +218,15 @@ def _wait_until_every_rank_connected(store, env: LaunchEnv,
             "init_device_mesh(..., timeout=seconds)")
 
 
+def _keys_of(what: str) -> str:
+    """The prefix of this launch's store keys for ``what`` (arrived, connected)."""
+    return f"devmesh/{what}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+
+
 def _check_in(store, env: LaunchEnv, what: str, wait: datetime.timedelta) -> list[int]:
     """Say in the store that this rank has ``what`` (arrived, connected), wait up to ``wait``
     for every rank to say so, and return the ranks that did not."""
-    prefix = f"devmesh/{what}/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+    prefix = _keys_of(what)
     store.set(prefix + str(env.rank), "1")
     keys = [prefix + str(r) for r in range(env.world_size)]
     try:
@@ -237,7 +242,7 @@ def _wait_for_every_rank(store, env: LaunchEnv, timeout: datetime.timedelta | No
     joined", or a hang in the backend's first connection). A rank that comes after the others
     gave up is told so, where the store outlives them (it is served by the launcher)."""
     wait = timeout or datetime.timedelta(minutes=30)
-    prefix = f"devmesh/arrived/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/"
+    prefix = _keys_of("arrived")
     advice = ("Find out why they are late or stuck (their own output says), or raise the "
               "timeout: init_device_mesh(..., timeout=seconds)")
     missing = _check_in(store, env, "arrived", wait)

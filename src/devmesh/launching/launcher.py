@@ -316,7 +316,9 @@ class WorkerPool:
         try:
             return self._collect(task_id, workers, timeout)
         finally:
-            del store  # the task's ranks are done with it (finished, or killed)
+            # the ranks are done with it (finished, or killed); a traceback of this frame,
+            # kept by the caller, must not keep its server and port alive
+            del store
 
     def _collect(self, task_id: int, workers: list[Any], timeout: float) -> list[Any]:
         results: dict[int, tuple] = {}

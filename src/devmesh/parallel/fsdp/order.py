@@ -120,8 +120,10 @@ class ForwardOrders:
         # an exception runs inside torch's `except` block
         if order.depth == 0:
             self.active = None
-            while self.open_groups:  # a group some of whose modules did not run: resharded
-                self.open_groups.pop().close_forward_gather()  # at the end of the forward, as FSDP2 does
+            # a group some of whose modules did not run: resharded at the end of the forward,
+            # as FSDP2 does
+            while self.open_groups:
+                self.open_groups.pop().close_forward_gather()
 
 
 # The one place the forward in progress is recorded: every unit's hooks read it through the

@@ -628,7 +628,8 @@ class FSDPUnit:
             self._place(Slots.FORWARD, fulls)
             self._open, self._to_run = fulls, {id(m) for m in self.modules}
             keep_open(self)
-        self.forward_order.prefetch_after(self)  # the next unit's all-gather overlaps this unit's forward
+        # the next unit's all-gather overlaps this unit's forward
+        self.forward_order.prefetch_after(self)
         for other in self.forward_prefetch:  # torch's explicit list, the same on every rank
             other.prefetch()
         reshard = self.reshard_after_forward
