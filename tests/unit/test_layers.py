@@ -77,6 +77,20 @@ def test_layout_imports_no_torch():
     assert result.returncode == 0, result.stderr
 
 
+def test_a_rank_that_uses_no_dtensor_does_not_import_it():
+    """``import devmesh.parallel`` (every rank of a devmesh script) leaves torch's DTensor,
+    and the sympy it pulls in, unimported (~0.7 s of CPU per process): it is imported where a
+    DTensor is first made or met, and ``loss_parallel`` (torch's) when first asked for."""
+    code = ("import sys, devmesh.parallel, devmesh.parallel.tensor_parallel; "
+            "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor was imported'; "
+            "assert 'sympy' not in sys.modules, 'sympy was imported'; "
+            "from devmesh.parallel import loss_parallel; "
+            "from torch.distributed.tensor.parallel import loss_parallel as torchs; "
+            "assert loss_parallel is torchs")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
 def _imports(name: str, path: Path, modules: set[str]) -> set[str]:
     """The devmesh modules ``name`` imports, at run time (lazy imports inside functions
     included, ``TYPE_CHECKING`` blocks not): ``from a.b import c`` names ``a.b.c`` where that is

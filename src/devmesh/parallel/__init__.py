@@ -30,7 +30,6 @@ from devmesh.parallel.tensor_parallel import (
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
-    loss_parallel,
     parallelize_module,
 )
 from devmesh.parallel.grads import clip_grad_norm_
@@ -49,10 +48,15 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """``describe`` lives with the other pictures (:mod:`devmesh.pictures`); it stays reachable
-    here, imported on first use."""
+    """``describe`` lives with the other pictures (:mod:`devmesh.pictures`) and
+    ``loss_parallel`` is torch's (see :mod:`.tensor_parallel`); both stay reachable here,
+    imported on first use."""
     if name == "describe":
         from devmesh.pictures.describe import describe
 
         return describe
+    if name == "loss_parallel":
+        from devmesh.parallel import tensor_parallel
+
+        return tensor_parallel.loss_parallel
     raise AttributeError(f"module 'devmesh.parallel' has no attribute {name!r}")

@@ -21,7 +21,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from devmesh._torch_compat import IncompatibleKeys
 from devmesh.distributed import consensus
@@ -115,7 +114,7 @@ def _gathering_ranks(model: nn.Module) -> list[int]:
         if not any(spec.shard_dim_of(d) is not None or spec.partial_op(d) is not None
                    for d in range(len(spec.mesh_shape))):
             continue
-        root, dims = _root_dims(p.device_mesh if isinstance(p, DTensor) else layout.mesh)
+        root, dims = _root_dims(p.device_mesh if is_dtensor(p) else layout.mesh)
         spans.setdefault(id(root), (root, set()))[1].update(dims)
     ranks: set[int] = set()
     for root, dims in spans.values():
@@ -152,13 +151,13 @@ def local_state_dict(model: nn.Module, *, full: bool = True
             out[name] = done[id(p)]  # an alias key, as nn.Module.state_dict() lists it
             continue
         sharded = as_sharded(p)
-        if isinstance(p, DTensor) and full:  # torch's tensor parallelism alone
+        if is_dtensor(p) and full:  # torch's tensor parallelism alone
             value = p.detach().full_tensor()
             # a snapshot, as of devmesh's parameters: a replicated DTensor's full tensor is
             # its local tensor itself, which training would change under the caller
             replicated = all(placement.is_replicate() for placement in p.placements)
             out[name] = value.clone() if replicated else value
-        elif isinstance(p, DTensor):
+        elif is_dtensor(p):
             out[name] = ShardedTensor.from_dtensor(p.detach())
         elif sharded is None:
             out[name] = p.detach().clone()
@@ -212,7 +211,7 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
     for name in sorted(expected & set(state)):
         value = state[name]
-        if isinstance(value, (ShardedTensor, DTensor)):
+        if isinstance(value, ShardedTensor) or is_dtensor(value):
             value = value.full_tensor()  # a collective: loading runs on every rank
         if not isinstance(value, torch.Tensor):
             problems.append(f"{name} is a {type(value).__name__}, not a tensor")

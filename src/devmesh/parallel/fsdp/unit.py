@@ -34,7 +34,6 @@ from collections.abc import Sequence
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from devmesh import _torch_compat
 from devmesh.distributed import comm, consensus
@@ -64,6 +63,7 @@ from devmesh.parallel.param import (
     combined_mesh,
     describe_tensors,
     get_layout,
+    is_dtensor,
     sharded_parameter,
 )
 from devmesh.parallel.placement import place_parameter, replaced_parameters
@@ -219,7 +219,7 @@ class FSDPUnit:
     def _shard(self, module: nn.Module, name: str, param: nn.Parameter) -> ShardedParam:
         tp = get_layout(param)
         made_by_torch = None
-        if isinstance(param, DTensor):  # torch's tensor parallelism: shard its local block
+        if is_dtensor(param):  # torch's tensor parallelism: shard its local block
             made_by_torch = (param.device_mesh, tuple(param.placements), param.shape,
                              param.stride())
             block = ShardedTensor.from_dtensor(param.detach())
@@ -693,7 +693,7 @@ class FSDPUnit:
         it without hooks (:class:`SavedActivation`)."""
         # torch's styles (a parameter torch's tensor parallelism made) save the DTensor view
         # of the gathered block: recognized by its local tensor, rebuilt in backward
-        local = t._local_tensor if isinstance(t, DTensor) else t
+        local = t._local_tensor if is_dtensor(t) else t
         index = storages.get(_storage_address(local))
         if index is None:
             return SavedActivation(t)
@@ -708,6 +708,8 @@ class FSDPUnit:
         view = self.full_for_backward()[index].as_strided(shape, stride, offset)
         if as_dtensor is None:
             return view
+        from torch.distributed.tensor import DTensor  # imported already: a DTensor was saved
+
         mesh, placements, global_shape, global_stride = as_dtensor
         return DTensor.from_local(view, mesh, placements, run_check=False, shape=global_shape,
                                   stride=global_stride)

@@ -12,10 +12,18 @@ from devmesh.parallel.tensor_parallel.styles import (
     SequenceParallel,
 )
 
-# torch's own: it works on the DTensor a style with use_local_output=False hands on
-from torch.distributed.tensor.parallel import loss_parallel  # noqa: E402
-
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module", "loss_parallel",
 ]
+
+
+def __getattr__(name: str):
+    """``loss_parallel`` is torch's own (it works on the DTensor a style with
+    ``use_local_output=False`` hands on), imported when first asked for: importing torch's
+    tensor parallelism costs a process ~0.6 s that a script without it should not pay."""
+    if name == "loss_parallel":
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

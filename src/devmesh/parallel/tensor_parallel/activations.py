@@ -22,20 +22,25 @@ DTensors of the right global shape; without it a split dim is taken to split eve
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor import Partial as TorchPartial
 
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
+from devmesh.parallel.param import is_dtensor
 from devmesh.parallel.tensor_parallel import functional as PF
 from devmesh.tensor import Partial, Placement, Replicate, Shard, ShardedTensor, as_placement
+
+if TYPE_CHECKING:  # imported on first use: torch.distributed.tensor costs ~0.6 s to import
+    from torch.distributed.tensor import DTensor
 
 __all__ = ["to_torch_placement", "as_dtensor", "is_global", "layout_of", "replicated_input",
            "sharded_input", "finish_output", "convert"]
 
 
 def to_torch_placement(p: Placement):
+    from torch.distributed.tensor import Partial as TorchPartial
     from torch.distributed.tensor import Replicate as TorchReplicate
     from torch.distributed.tensor import Shard as TorchShard
 
@@ -48,7 +53,7 @@ def to_torch_placement(p: Placement):
 
 def is_global(x: object) -> bool:
     """A DTensor or ShardedTensor: an activation that carries its own layout."""
-    return isinstance(x, (DTensor, ShardedTensor))
+    return isinstance(x, ShardedTensor) or is_dtensor(x)
 
 
 Extent = tuple[int, int] | None  # (tensor dim, its global length)
@@ -58,6 +63,8 @@ def as_dtensor(x: torch.Tensor | DTensor | ShardedTensor, mesh: DeviceMesh,
                placement: Placement, extent: Extent = None) -> DTensor:
     """``x`` as a DTensor on ``mesh`` (a plain tensor is taken to be in ``placement``, with
     the global length ``extent`` gives for its split dim)."""
+    from torch.distributed.tensor import DTensor
+
     if isinstance(x, ShardedTensor):
         x = x.to_dtensor()
     if isinstance(x, DTensor):
@@ -89,7 +96,7 @@ def layout_of(x: object, default: Placement) -> Placement:
     """The layout an activation is in: its own if it carries one, else the plan's."""
     if isinstance(x, ShardedTensor):
         return x.placements[0]
-    if isinstance(x, DTensor):
+    if is_dtensor(x):
         return as_placement(x.placements[0])
     return default
 
@@ -107,7 +114,7 @@ def replicated_input(x, have: Placement, mesh: DeviceMesh) -> torch.Tensor:
         dt = as_dtensor(x, mesh, have)
         if not dt.placements[0].is_replicate():
             dt = dt.redistribute(mesh, [to_torch_placement(Replicate())])
-        return dt.to_local(grad_placements=[TorchPartial()])
+        return dt.to_local(grad_placements=[to_torch_placement(Partial())])
     if isinstance(have, Shard):
         return PF.gather_for_parallel(x, mesh, have.dim)  # backward: one reduce-scatter
     if isinstance(have, Partial):
