@@ -86,6 +86,39 @@ def test_launch_runs_a_lambda_and_leaves_no_process():
             os.kill(pid, 0)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is gone
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_are_forked_from_one_process_that_imported_torch():
+    """A pool's workers (and those that replace broken ones) are children of one zygote that
+    imported torch before forking them; the zygote going away takes its workers with it, and
+    the pool starts a new one for its next task; closing the pool leaves neither behind."""
+    with devmesh.WorkerPool(3) as pool:
+        zygote = pool._zygote.process.pid
+        seen = pool.run(lambda: (os.getppid(), "torch" in __import__("sys").modules), 3)
+        assert seen == [(zygote, True)] * 3
+        replaced = pool._workers[1].process.pid
+        pool._replace([1])
+        assert not _alive(replaced)
+        assert pool.run(os.getppid, 3) == [zygote] * 3
+        workers = [w.process.pid for w in pool._workers]
+        os.kill(zygote, 9)
+        deadline = time.monotonic() + 15
+        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in workers)
+        assert [w.process.wait(timeout=15) for w in pool._workers] == [-9] * 3
+        again = pool.run(os.getppid, 3)
+        assert again == [pool._zygote.process.pid] * 3 and again[0] != zygote
+        last = [pool._zygote.process.pid] + [w.process.pid for w in pool._workers]
+    assert not any(_alive(p) for p in last)
+
+
 def test_bad_world_size_is_refused(mesh_pool):
     with pytest.raises(ValueError, match="between 1 and the pool size"):
         mesh_pool.run(whoami, 0, 0)
@@ -192,7 +225,7 @@ def test_workers_that_start_too_slowly_say_what_to_set(monkeypatch):
     from devmesh.launching import capacity
 
     monkeypatch.setenv(capacity.START_TIMEOUT_VARIABLE, "0.2")
-    before = {p for p in _children() if "devmesh.launching._worker" in p}  # the shared pool's
+    before = {p for p in _children() if "devmesh.launching._zygote" in p}  # the shared pool's
     with pytest.raises(WorkerStartError) as caught:
         devmesh.launch(whoami, 2, 0)
     text = str(caught.value)
@@ -205,7 +238,7 @@ def test_workers_that_start_too_slowly_say_what_to_set(monkeypatch):
     # the default grows with the ranks
     assert capacity.start_timeout(16) > capacity.start_timeout(2) >= 70
     # the pool that failed to start left none of its workers behind
-    assert {p for p in _children() if "devmesh.launching._worker" in p} <= before
+    assert {p for p in _children() if "devmesh.launching._zygote" in p} <= before
 
 
 def _children() -> list[str]:

@@ -1,8 +1,9 @@
 """A long-lived worker process of a :class:`devmesh.launching.launcher.WorkerPool`.
 
-Started as ``python -m devmesh.launching._worker HOST PORT INDEX STACK_PATH PARENT_PID`` with the pool's
-secret on stdin; it authenticates to the pool (:mod:`devmesh.launching._auth`) before anything else,
-and dies with the pool's process. It imports torch once, then runs tasks sent by the pool: each task sets torchrun's environment variables for its rank,
+Forked from the pool's zygote (:mod:`devmesh.launching._zygote`), which imported torch once
+(:func:`prepare`); it authenticates to the pool (:mod:`devmesh.launching._auth`) before
+anything is unpickled, and dies with the zygote, which dies with the pool's process. It runs
+tasks sent by the pool: each task sets torchrun's environment variables for its rank,
 calls the function, sends back its result (or its traceback), and tears down whatever the
 function left (the default process group, devmesh's group cache) so the next task starts
 clean. ``SIGUSR1`` dumps every thread's stack to a file the pool reads when a task hangs.
@@ -20,7 +21,6 @@ import traceback
 from multiprocessing.connection import Connection
 
 from devmesh.launching import _auth
-from devmesh.launching.child import die_with_parent
 
 _TASK_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
@@ -87,19 +87,9 @@ def _serve(conn: Connection) -> None:
             conn.send((task_id, ("error", f"cannot send result back: {exc}", "")))
 
 
-def main(argv: list[str]) -> None:
-    host, port, index, stack_path, parent = argv
-    die_with_parent()
-    if os.getppid() != int(parent):  # the pool died before we could ask to die with it
-        os._exit(1)
-    key = bytes.fromhex(sys.stdin.readline().strip())  # the pool's secret: stdin, not argv
-    stack_file = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    sock = socket.create_connection((host, int(port)))
-    conn = Connection(sock.detach())
-    if not _auth.respond(conn, key):
-        os._exit(2)  # whoever listens there is not our pool
-    conn.send((int(index), os.getpid()))
+def prepare() -> None:
+    """Import what every task needs, once, before any task runs (in the zygote the workers
+    are forked from: :mod:`._zygote`)."""
     import torch  # noqa: F401 - pay the import once, before the first task
     import torch.distributed  # noqa: F401
     from devmesh import _torch_compat
@@ -115,9 +105,17 @@ def main(argv: list[str]) -> None:
     # worker and task with torch's objects in view, a few ms without)
     gc.collect()
     gc.freeze()
+
+
+def serve_pool(host: str, port: int, index: int, stack_path: str, key: bytes) -> None:
+    """Be worker ``index`` of the pool listening on ``host:port``: authenticate with ``key``
+    before anything is unpickled, say it is ready, run tasks until the pool says stop."""
+    stack_file = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    sock = socket.create_connection((host, port))
+    conn = Connection(sock.detach())
+    if not _auth.respond(conn, key):
+        os._exit(2)  # whoever listens there is not our pool
+    conn.send((index, os.getpid()))
     conn.send("ready")
     _serve(conn)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -20,8 +20,10 @@ from devmesh._exit import settle_collective_threads_at_exit
 from devmesh.launching.reports import REPORTS_VARIABLE, write_report
 
 
-def die_with_parent() -> None:
-    parent = os.getppid()
+def die_with_parent(parent: int | None = None) -> None:
+    """Ask the kernel to kill this process when its parent dies; exit at once if the parent
+    (``parent``, or whoever it is now) is already gone."""
+    parent = os.getppid() if parent is None else parent
     if sys.platform.startswith("linux"):
         import ctypes
 

@@ -6,9 +6,11 @@ results in rank order. An exception on any rank is raised here with that rank's 
 traceback; a rank that hangs is reported (with every hung rank's stack) after ``timeout``;
 no process is left behind.
 
-:class:`WorkerPool` keeps the processes alive between calls, so the ~2 s torch import is paid
-once: the test suite runs hundreds of multi-rank tests on one pool (see ``devmesh.testing``).
-A failed or hung task kills and replaces only the workers that did not finish cleanly.
+:class:`WorkerPool` keeps the processes alive between calls, so the test suite runs hundreds
+of multi-rank tests on one pool (see ``devmesh.testing``). Its workers are forked from one
+process that imported torch (:mod:`._zygote`), so a pool of eight pays one torch import
+(~2.5 s of CPU), not eight, and a failed or hung task, which kills and replaces only the
+workers that did not finish cleanly, costs a fork per worker.
 
 Functions are shipped with cloudpickle, so lambdas and functions defined in ``__main__`` or a
 notebook cell work; functions from importable modules are sent by reference.
@@ -33,6 +35,7 @@ import cloudpickle
 
 from devmesh._log import get_logger
 from devmesh.launching import _auth, capacity
+from devmesh.launching.forking import ForkedProcess, Zygote
 from devmesh.launching.store import serve_loopback_store
 from devmesh.errors import RankFailedError, RankTimeoutError, WorkerStartError, is_peer_gone
 
@@ -73,7 +76,7 @@ def _culprits(unfinished: list[int], stacks: dict[int, str]) -> str:
 
 
 class _Worker:
-    def __init__(self, index: int, process: subprocess.Popen, stack_path: str) -> None:
+    def __init__(self, index: int, process: ForkedProcess, stack_path: str) -> None:
         self.index = index
         self.process = process
         self.stack_path = stack_path
@@ -129,6 +132,7 @@ class WorkerPool:
         self._server = socket.create_server(("127.0.0.1", 0))
         self._stack_dir = tempfile.TemporaryDirectory(prefix="devmesh-pool-")
         self._workers: list[_Worker | None] = [None] * size
+        self._zygote: Zygote | None = None
         self._task_ids = itertools.count()
         self._closed = False
         try:
@@ -138,29 +142,26 @@ class WorkerPool:
             raise
 
     # -- process management ----------------------------------------------------------------
-    def _start(self, indices: list[int]) -> None:
+
+    def _start_zygote(self) -> Zygote:
+        """The process the workers are forked from (:mod:`._zygote`), started with the
+        environment they need: one OpenMP thread each, devmesh importable, output unbuffered."""
         host, port = self._server.getsockname()
         env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(
             [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         )
-        by_pid: dict[int, _Worker] = {}
+        return Zygote(host, port, self._authkey, env)
+
+    def _start(self, indices: list[int]) -> None:
+        if self._zygote is None or self._zygote.process.poll() is not None:
+            self._zygote = self._start_zygote()
         for index in indices:
             stack_path = os.path.join(self._stack_dir.name, f"worker{index}.stack")
             open(stack_path, "w").close()
-            process = subprocess.Popen(
-                [sys.executable, "-m", "devmesh.launching._worker", host, str(port), str(index),
-                 stack_path, str(os.getpid())],
-                env=env,
-                stdin=subprocess.PIPE,
-            )
-            assert process.stdin is not None
-            process.stdin.write(self._authkey.hex().encode() + b"\n")
-            process.stdin.close()
-            worker = _Worker(index, process, stack_path)
-            self._workers[index] = worker
-            by_pid[process.pid] = worker
+            self._workers[index] = _Worker(index, self._zygote.fork(index, stack_path),
+                                           stack_path)
         pending = set(indices)
         limit = self._start_timeout or capacity.start_timeout(len(indices))
         deadline = time.monotonic() + limit
@@ -253,6 +254,8 @@ class WorkerPool:
             except subprocess.TimeoutExpired:
                 pass
             worker.kill()
+        if self._zygote is not None:
+            self._zygote.stop()
         self._server.close()
         self._stack_dir.cleanup()
 
