@@ -92,6 +92,11 @@ def main(argv: list[str]) -> None:
     key_hex, pending = _read_line(0, b"")
     key = bytes.fromhex(key_hex.decode())
     _worker.prepare()
+    import torch
+
+    if torch.cuda.is_initialized():  # a forked child cannot use the CUDA its parent started
+        raise SystemExit("devmesh: CUDA was initialized while the worker pool imported torch "
+                         "(PYTHONSTARTUP, sitecustomize?); its workers could not use the GPU")
     report = os.fdopen(int(report_fd), "w", buffering=1)
     while True:
         while b"\n" in pending:

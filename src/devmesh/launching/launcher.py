@@ -147,7 +147,10 @@ class WorkerPool:
         """The process the workers are forked from (:mod:`._zygote`), started with the
         environment they need: one OpenMP thread each, devmesh importable, output unbuffered."""
         host, port = self._server.getsockname()
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        # PYTORCH_NVML_BASED_CUDA_CHECK: torch.cuda.is_available(), if anything in the zygote
+        # asks it, reads NVML instead of starting CUDA's driver, which a fork cannot inherit
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+                   PYTORCH_NVML_BASED_CUDA_CHECK="1")
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         env["PYTHONPATH"] = os.pathsep.join(
             [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
