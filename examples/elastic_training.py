@@ -7,8 +7,9 @@ from the last complete checkpoint — same losses, bit for bit, as a run never i
 The mesh is HSDP: (replicate, shard) = (2, world // 2), or plain data parallel on 1-2 ranks,
 so the same checkpoint also resumes on a smaller world (reshard on load). Every rank sees the
 same global batch for step i (a generator seeded by i), so the data order survives a restart;
-``--kill-at STEP`` makes rank 1 SIGKILL itself at that step in the first attempt, as a
-crashed node would. Rank 0 appends ``step loss`` lines to ``--losses``.
+``--kill-at STEP`` makes rank 1 SIGKILL itself at that step in the first attempt (once every
+rank has finished the step before), as a crashed node would. Rank 0 appends ``step loss``
+lines to ``--losses``.
 """
 
 from __future__ import annotations
@@ -60,8 +61,12 @@ def main() -> None:
         start = load_checkpoint(args.ckpt, model, opt)["step"]
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     for step in range(start, args.steps):
-        if step == args.kill_at and rank == 1 and first_attempt:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if step == args.kill_at and first_attempt and world > 1:
+            # every rank has finished (and rank 0 logged) the step before: what the log holds
+            # does not depend on how fast the launcher stops the other ranks
+            torch.distributed.barrier()
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
         x, y = batch(step)
         loss = F.cross_entropy(model(x), y)
         loss.backward()
