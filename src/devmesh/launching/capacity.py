@@ -142,10 +142,11 @@ def describe_kill(signal_name: str, kills_before: int | None) -> str:
 
 
 def start_timeout(ranks: int) -> float:
-    """Seconds ``ranks`` new workers may take to import torch and connect back:
+    """Seconds ``ranks`` new workers may take to start and connect back (a pool's first start
+    includes its one torch import, in the process the workers are forked from):
     ``DEVMESH_START_TIMEOUT`` where set, else 60 s plus 5 s a rank, scaled by how busy the
-    machine is (the load average per core, when it is above 1): a rank's torch import takes
-    2 s on an idle core and grows with the load."""
+    machine is (the load average per core, when it is above 1): a torch import takes 2 s on
+    an idle core and grows with the load."""
     if os.environ.get(START_TIMEOUT_VARIABLE):
         text = os.environ[START_TIMEOUT_VARIABLE]
         try:

@@ -199,7 +199,7 @@ class WorkerPool:
             assert worker is not None and worker.conn is not None
             if not worker.conn.poll(max(1.0, deadline - time.monotonic())):
                 late = [i for i in indices if not self._workers[i].conn.poll(0)]
-                raise self._start_failed(late, "did not finish importing torch", limit)
+                raise self._start_failed(late, "did not say they were ready", limit)
             worker.conn.recv()  # "ready"
 
     def _start_failed(self, workers: list[int], what: str, limit: float) -> WorkerStartError:
@@ -218,8 +218,9 @@ class WorkerPool:
             load = "unknown"
         return WorkerStartError(
             f"devmesh worker(s) {workers} of {self.size} {what} within {limit:g} s (load "
-            f"average {load} on {os.cpu_count()} cores: each worker imports torch, which takes "
-            f"seconds on an idle core and longer on a busy machine). Wait for the machine to "
+            f"average {load} on {os.cpu_count()} cores: the pool imports torch before its "
+            f"workers start, which takes seconds on an idle core and longer on a busy "
+            f"machine). Wait for the machine to "
             f"be less busy, run fewer ranks, or allow more time: "
             f"{capacity.START_TIMEOUT_VARIABLE}=600 (seconds)")
 
@@ -352,8 +353,8 @@ class WorkerPool:
         unfinished = [r for r in range(len(workers)) if r not in results]
         stacks = {r: workers[r].stack() for r in unfinished} if failed_at is None else {}
         died = [r for r, res in results.items() if res[0] == "error" and not workers[r].alive()]
-        # stop the broken workers now; new ones start with the next task, so the error is
-        # raised at once (a fresh worker costs a torch import)
+        # stop the broken workers now; new ones are forked when the next task starts, so the
+        # error is raised at once
         self._kill(sorted(set(unfinished) | set(died)))
         errors = sorted(r for r, res in results.items() if res[0] == "error")
         if errors:
