@@ -27,7 +27,6 @@ class ForkedProcess:
         self.index = index
         self.pid: int | None = None  # known once the zygote has forked it
         self.returncode: int | None = None
-        self.killed_before_forked = False
 
     def poll(self) -> int | None:
         with self._zygote.changed:
@@ -50,8 +49,13 @@ class ForkedProcess:
                     os.kill(self.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            elif self.pid is None:  # not forked yet (the zygote still imports torch)
-                self.killed_before_forked = True
+                return
+            if self.returncode is not None:
+                return
+        # not forked yet: the zygote has not finished importing torch (a start that timed
+        # out, a pool closed while starting). Waiting for it could take for ever; it goes,
+        # and every worker with it (the pool starts a new one for its next task)
+        self._zygote.stop()
 
 
 class Zygote:
@@ -112,8 +116,6 @@ class Zygote:
                         worker = self._unforked.pop(0)
                         worker.pid = int(second)
                         self._by_pid[worker.pid] = worker
-                        if worker.killed_before_forked:
-                            os.kill(worker.pid, signal.SIGKILL)
                     elif what == "ended" and int(first) in self._by_pid:
                         self._by_pid.pop(int(first)).returncode = int(second)
                     self.changed.notify_all()
