@@ -44,6 +44,27 @@ def stay_away_until_reported(folder: str, ranks, within: float = 60.0) -> None:
         time.sleep(0.05)
 
 
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (a zombie, dead but not yet waited for, does not)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie still has a pid: read its state, after the command name's ")"
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[-1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def all_gone(pids, within: float) -> bool:
+    """Whether every process in ``pids`` is gone (or a zombie) within ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return not any(alive(p) for p in pids)
+
+
 def _each(calls):
     """This rank's result of every ``(fn, args)`` in turn."""
     return [fn(*args) for fn, args in calls]

@@ -21,19 +21,7 @@ import pytest
 
 from devmesh import WorkerPool
 from devmesh.errors import RankFailedError
-from helpers import reported, stay_away_until_reported
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie still has a pid: read its state
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except OSError:
-        return True
+from helpers import all_gone, alive, reported, stay_away_until_reported
 
 
 def kill_rank_two():
@@ -58,18 +46,10 @@ def test_a_killed_rank_is_named_with_its_signal_within_seconds():
         assert info.value.rank == 2
         assert "SIGKILL" in str(info.value) and "exit code -9" in str(info.value)
         assert elapsed < 20, elapsed  # not after restarting workers (a torch import each)
-        assert not _alive(pids[2])
+        assert not alive(pids[2])
         assert pool.run(lambda: 1, 4) == [1, 1, 1, 1]  # the pool recovers
     for pid in pids:
-        assert not _alive(pid)
-
-
-def _all_gone(pids: list[int], within: float) -> bool:
-    """Whether every process in ``pids`` is gone (or a zombie) within ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    return not any(_alive(p) for p in pids)
+        assert not alive(pid)
 
 
 class _Evil:
@@ -106,10 +86,10 @@ def test_killing_the_parent_leaves_no_worker():
     """)
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     pids = [int(p) for p in parent.stdout.readline().split()]
-    assert len(pids) == 3 and all(_alive(p) for p in pids)
+    assert len(pids) == 3 and all(alive(p) for p in pids)
     parent.send_signal(signal.SIGKILL)
     parent.wait(timeout=30)
-    assert _all_gone(pids, within=15)
+    assert all_gone(pids, within=15)
 
 
 def _devmesh(*args, **kw):
@@ -249,10 +229,10 @@ def test_killing_devmesh_run_leaves_no_rank(tmp_path):
     while not all(f.exists() and f.read_text() for f in files) and time.monotonic() < deadline:
         time.sleep(0.2)
     pids = [int(f.read_text()) for f in files]
-    assert all(_alive(p) for p in pids)
+    assert all(alive(p) for p in pids)
     run.send_signal(signal.SIGKILL)
     run.wait(timeout=30)
-    assert _all_gone(pids, within=15)
+    assert all_gone(pids, within=15)
 
 
 def test_the_root_exit_code_is_not_masked_by_the_agents_sigterm():

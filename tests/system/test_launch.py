@@ -9,6 +9,7 @@ import pytest
 
 import devmesh
 from devmesh.errors import RankFailedError, RankTimeoutError
+from helpers import all_gone, alive
 
 
 def whoami(offset):
@@ -86,14 +87,6 @@ def test_launch_runs_a_lambda_and_leaves_no_process():
             os.kill(pid, 0)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is gone
-    except FileNotFoundError:
-        return False
-
-
 def test_workers_are_forked_from_one_process_that_imported_torch():
     """A pool's workers (and those that replace broken ones) are children of one zygote that
     imported torch before forking them; the zygote going away takes its workers with it, and
@@ -104,19 +97,16 @@ def test_workers_are_forked_from_one_process_that_imported_torch():
         assert seen == [(zygote, True)] * 3
         replaced = pool._workers[1].process.pid
         pool._replace([1])
-        assert not _alive(replaced)
+        assert not alive(replaced)
         assert pool.run(os.getppid, 3) == [zygote] * 3
         workers = [w.process.pid for w in pool._workers]
         os.kill(zygote, 9)
-        deadline = time.monotonic() + 15
-        while any(_alive(p) for p in workers) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(p) for p in workers)
+        assert all_gone(workers, within=15)
         assert [w.process.wait(timeout=15) for w in pool._workers] == [-9] * 3
         again = pool.run(os.getppid, 3)
         assert again == [pool._zygote.process.pid] * 3 and again[0] != zygote
         last = [pool._zygote.process.pid] + [w.process.pid for w in pool._workers]
-    assert not any(_alive(p) for p in last)
+    assert all_gone(last, within=15)
 
 
 def test_bad_world_size_is_refused(mesh_pool):

@@ -79,7 +79,7 @@ def test_layout_imports_no_torch():
 
 def test_a_rank_that_uses_no_dtensor_does_not_import_it():
     """``import devmesh.parallel`` (every rank of a devmesh script) leaves torch's DTensor,
-    and the sympy it pulls in, unimported (~0.7 s of CPU per process): it is imported where a
+    and the sympy it pulls in, unimported (~0.6 s of CPU per process): it is imported where a
     DTensor is first made or met, and ``loss_parallel`` (torch's) when first asked for."""
     code = ("import sys, devmesh.parallel, devmesh.parallel.tensor_parallel; "
             "assert 'torch.distributed.tensor' not in sys.modules, 'DTensor was imported'; "

@@ -1,8 +1,8 @@
 """The process a :class:`devmesh.launching.launcher.WorkerPool` forks its workers from.
 
-A worker's start was a torch import (~2.5 s of CPU): eight at once took ten seconds on a
-two-core machine, and a pool that replaces the workers a failed task broke paid it again for
-each. The zygote imports torch once, as a worker would (:func:`._worker.prepare`); each worker
+A worker started as a fresh interpreter pays a torch import (~2.5 s of CPU): eight at once
+take ten seconds on a two-core machine, and a pool replacing the workers a failed task broke
+would pay it again for each. The zygote imports torch once, as a worker would (:func:`._worker.prepare`); each worker
 is then a ``fork`` of it, ready in milliseconds, sharing its imported modules' memory until
 written. Nothing in the zygote ever starts a thread, a process group or a torch operation, so
 the forked copy is as clean as a fresh interpreter that imported the same modules (torch's

@@ -97,8 +97,8 @@ class Zygote:
         zygote's own exit code if it was never forked, else SIGKILL's. Call holding
         ``changed``; returns whether the zygote has ended."""
         code = self.process.poll()
-        if code is None:
-            return False
+        if code is None or self._reader.is_alive():
+            return False  # alive, or its last reports (a worker's own exit code) still unread
         for worker in self._unforked:
             worker.returncode = code if code != 0 else -signal.SIGKILL
         self._unforked.clear()
@@ -112,8 +112,10 @@ class Zygote:
             for line in reports:
                 what, first, second = line.split()
                 with self.changed:
-                    if what == "started" and self._unforked:
-                        worker = self._unforked.pop(0)
+                    forked = [w for w in self._unforked if w.index == int(first)]
+                    if what == "started" and forked:
+                        worker = forked[0]
+                        self._unforked.remove(worker)
                         worker.pid = int(second)
                         self._by_pid[worker.pid] = worker
                     elif what == "ended" and int(first) in self._by_pid:
