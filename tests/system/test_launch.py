@@ -238,3 +238,23 @@ def _children() -> list[str]:
     out = subprocess.run(["ps", "-o", "pid=,args=", "--ppid", str(os.getpid())],
                          capture_output=True, text=True).stdout
     return [line for line in out.splitlines() if line.strip()]
+
+
+def test_a_pool_that_cannot_import_torch_says_why(monkeypatch, tmp_path, capfd):
+    """The workers' imports fail in the process they are forked from (here a stand-in torch
+    that raises, as an unsupported torch raises TorchVersionError): the pool's error carries
+    that error's text, not only an exit code."""
+    from devmesh.errors import WorkerStartError
+
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text(
+        "raise ImportError('this torch is broken (a test stand-in)')\n")
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # ahead of site-packages in the zygote
+    before = {p for p in _children() if "devmesh.launching._zygote" in p}
+    with pytest.raises(WorkerStartError) as caught:
+        devmesh.launch(whoami, 2, 0)
+    text = str(caught.value)
+    assert "could not start" in text and "failed to import what they need" in text, text
+    assert "ImportError: this torch is broken (a test stand-in)" in text, text
+    assert {p for p in _children() if "devmesh.launching._zygote" in p} <= before
+    capfd.readouterr()  # the zygote's own traceback went to the terminal

@@ -14,6 +14,8 @@ worker; the worker then connects to ``HOST:PORT`` and authenticates as one start
 would. On ``REPORT_FD`` the zygote writes ``started INDEX PID`` for each worker it forked and
 ``ended PID CODE`` (the exit code, or minus the signal that killed it) when one ends: the pool
 is not the workers' parent and cannot wait for them itself, and it names how a worker died.
+If the imports fail (a torch devmesh does not support, a broken install), it writes
+``failed TEXT`` and exits, so that the pool's error names the cause.
 The zygote dies with the pool and the workers with the zygote (``PR_SET_PDEATHSIG``); stdin's
 end (the pool closed) ends it too.
 """
@@ -91,13 +93,19 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the pool to handle
     key_hex, pending = _read_line(0, b"")
     key = bytes.fromhex(key_hex.decode())
-    _worker.prepare()
-    import torch
-
-    if torch.cuda.is_initialized():  # a forked child cannot use the CUDA its parent started
-        raise SystemExit("devmesh: CUDA was initialized while the worker pool imported torch "
-                         "(PYTHONSTARTUP, sitecustomize?); its workers could not use the GPU")
     report = os.fdopen(int(report_fd), "w", buffering=1)
+    try:
+        _worker.prepare()
+        import torch
+
+        if torch.cuda.is_initialized():  # a forked child cannot use the CUDA its parent started
+            raise RuntimeError("CUDA was initialized while the worker pool imported torch "
+                               "(PYTHONSTARTUP, sitecustomize?); its workers could not use "
+                               "the GPU")
+    except Exception as exc:  # the pool's start error says why, not only an exit code
+        text = " ".join(f"{type(exc).__name__}: {exc}".split())
+        report.write(f"failed {text}\n")
+        raise
     while True:
         while b"\n" in pending:
             line, pending = pending.split(b"\n", 1)

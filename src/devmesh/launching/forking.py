@@ -72,6 +72,8 @@ class Zygote:
         self.changed = threading.Condition()
         self._unforked: list[ForkedProcess] = []  # asked for, in order, not reported yet
         self._by_pid: dict[int, ForkedProcess] = {}
+        #: why the zygote could not prepare the workers' imports, as it reported it
+        self.failure: str | None = None
         assert self.process.stdin is not None
         self._requests = self.process.stdin
         self._requests.write(key.hex().encode() + b"\n")  # the pool's secret: never argv
@@ -110,6 +112,9 @@ class Zygote:
     def _read_reports(self, fd: int) -> None:
         with os.fdopen(fd, "r") as reports:
             for line in reports:
+                if line.startswith("failed "):
+                    self.failure = line[len("failed "):].strip()
+                    continue
                 what, first, second = line.split()
                 with self.changed:
                     forked = [w for w in self._unforked if w.index == int(first)]

@@ -43,6 +43,8 @@ __all__ = ["launch", "WorkerPool"]
 
 #: How long the other ranks get to finish after one rank raised, before they are killed.
 FAILURE_GRACE_SECONDS = 5.0
+#: How often a starting pool looks whether a worker it waits for has died.
+_START_POLL_SECONDS = 0.5
 
 
 def _death(code: int, oom_kills_before: int | None = None) -> str:
@@ -169,11 +171,17 @@ class WorkerPool:
         limit = self._start_timeout or capacity.start_timeout(len(indices))
         deadline = time.monotonic() + limit
         while pending:
-            self._server.settimeout(max(0.1, deadline - time.monotonic()))
+            # in slices: a worker (or the zygote, and so every worker) that died while
+            # starting is reported at once, not when the deadline passes
+            self._server.settimeout(min(_START_POLL_SECONDS,
+                                        max(0.1, deadline - time.monotonic())))
             try:
                 sock, _ = self._server.accept()
             except TimeoutError:
-                raise self._start_failed(sorted(pending), "did not start", limit) from None
+                died = [i for i in pending if self._workers[i].process.poll() is not None]
+                if died or time.monotonic() >= deadline:
+                    raise self._start_failed(sorted(pending), "did not start", limit) from None
+                continue
             sock.settimeout(None)
             conn = Connection(sock.detach())
             try:  # HMAC challenge both ways before anything is unpickled from the peer
@@ -211,6 +219,11 @@ class WorkerPool:
             codes = ", ".join(
                 f"worker {i}: {_death(self._workers[i].process.returncode, self._oom_kills)}"
                 for i in died)
+            zygote = self._zygote
+            if zygote is not None and zygote.failure is not None:
+                return WorkerStartError(
+                    f"devmesh worker(s) {died} could not start: the process they are forked "
+                    f"from failed to import what they need: {zygote.failure}")
             return WorkerStartError(f"devmesh worker(s) {died} died while starting ({codes})")
         try:
             load = f"{os.getloadavg()[0]:.1f}"
