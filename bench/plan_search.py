@@ -3,8 +3,9 @@ times: on 8 gloo ranks of this machine, its predicted order of candidate meshes 
 order their real training steps take.
 
 1. The cost model is fitted here, on the same 8 ranks: each rank's matmul throughput while
-   all 8 compute at once (TFLOP/s), and an all-reduce over the 8 ranks at two sizes (the
-   latency per call, and the bus bandwidth from the difference).
+   all 8 compute at once (TFLOP/s), and back-to-back all-reduces over the 8 ranks at two
+   sizes (the latency per hop, and the bus bandwidth from the difference); the model knows
+   that the 8 ranks share this machine's cores.
 2. The search ranks every candidate for 8 ranks (no memory limit); ``--candidates`` of them,
    spread evenly over its ranking, are measured by the dry run (``verify``), and each is then
    run for real: devmesh's parallelisms on the same model, one training step (forward and
@@ -25,6 +26,7 @@ order their real training steps take.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -32,8 +34,9 @@ MODEL = ("tiny:layers=8,dim=256,heads=8,kv_heads=4,ffn_dim=1024,vocab=2048,seq=6
          "dtype=float32")
 
 
-def fit_costs() -> tuple[float, float, float]:
-    """(TFLOP/s per rank, bus GB/s, seconds per call), measured on this rank of 8."""
+def fit_costs() -> tuple[float, float, float, float]:
+    """(TFLOP/s per rank, bus GB/s, seconds per call, seconds per call timed after a barrier),
+    measured on this rank of 8."""
     import torch
     import torch.distributed as dist
 
@@ -46,9 +49,22 @@ def fit_costs() -> tuple[float, float, float]:
     flops = 20 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - start)
 
     def all_reduce_seconds(numel: int) -> float:
+        """A call's time within back-to-back calls, as a step makes them (a barrier before
+        each call would time 8 ranks waking together on 2 cores: ~4x a call in a step)."""
         t = torch.zeros(numel)
         for _ in range(3):
             dist.all_reduce(t)
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(10):
+                dist.all_reduce(t)
+            times.append((time.perf_counter() - start) / 10)
+        return statistics.median(times)
+
+    def after_barrier_seconds(numel: int) -> float:
+        t = torch.zeros(numel)
         times = []
         for _ in range(10):
             dist.barrier()
@@ -60,8 +76,10 @@ def fit_costs() -> tuple[float, float, float]:
     small, large = all_reduce_seconds(256), all_reduce_seconds(1 << 20)
     n = dist.get_world_size()
     busbw = (4 << 20) * 2 * (n - 1) / n / max(large - small, 1e-9) / 1e9
+    barrier_small = after_barrier_seconds(256)
     dist.destroy_process_group()
-    return flops / 1e12, busbw, small
+    # per hop, as the model counts latency: an all-reduce over n ranks passes n - 1
+    return flops / 1e12, busbw, small / (n - 1), barrier_small / (n - 1)
 
 
 def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: int
@@ -148,9 +166,12 @@ def main() -> None:
     tflops = statistics.median(f[0] for f in fitted)
     busbw = statistics.median(f[1] for f in fitted)
     latency = statistics.median(f[2] for f in fitted)
-    costs = Costs(tflops, {}, default=busbw, latency=latency)
+    barrier_latency = statistics.median(f[3] for f in fitted)
+    # 8 ranks on this machine's cores: a pipeline's idle stage lends its core to the others
+    sharing = max(1.0, 8 / (os.cpu_count() or 1))
+    costs = Costs(tflops, {}, default=busbw, latency=latency, ranks_per_device=sharing)
     print(f"fitted on 8 ranks here: {tflops * 1e3:.1f} GFLOP/s per rank, bus {busbw:.2f} GB/s, "
-          f"{latency * 1e6:.0f} us per collective call")
+          f"{latency * 1e6:.0f} us per hop of a collective; {sharing:g} ranks per core")
     config = read_config(args.model)
     start = time.perf_counter()
     result = search(config, 8, costs, verify=0)
@@ -171,13 +192,7 @@ def main() -> None:
     for e, (median, spread) in sorted(zip(chosen, measured), key=lambda x: x[0].step):
         print(f"{e.candidate.describe():<40}{e.step * 1e3:>10.1f}ms{median * 1e3:>10.1f}ms"
               f"{spread * 1e3:>8.1f}ms")
-    clear = agree = 0
-    for i in range(len(chosen)):
-        for j in range(i + 1, len(chosen)):
-            (mi, si), (mj, sj) = measured[i], measured[j]
-            if abs(mi - mj) > max(si, sj):
-                clear += 1
-                agree += (chosen[i].step < chosen[j].step) == (mi < mj)
+    clear, agree = agreement([e.step for e in chosen], measured)
     noise = statistics.median(s / m for m, s in measured)
     print(f"noise: a step's spread over {args.repeats} repeats is {noise:.0%} of its median "
           f"(median over candidates)")
@@ -186,7 +201,30 @@ def main() -> None:
           f"measured ({agree / max(clear, 1):.0%})")
     print(f"Spearman's rank correlation, predicted vs measured: "
           f"{spearman([e.step for e in chosen], [m for m, _ in measured]):.2f}")
+    variants = {  # the same candidates and measurements, other models of this machine
+        "each rank its own core": Costs(tflops, {}, default=busbw, latency=latency),
+        f"each rank its own core, latency {barrier_latency * 1e6:.0f} us per hop (a call timed after "
+        "a barrier)": Costs(tflops, {}, default=busbw, latency=barrier_latency),
+    }
+    for name, other in variants.items():
+        steps = [evaluate(config, e.candidate, e.reports, other, True).step for e in chosen]
+        clear, agree = agreement(steps, measured)
+        print(f"  with {name}: {agree} of {clear} ({agree / max(clear, 1):.0%}), Spearman "
+              f"{spearman(steps, [m for m, _ in measured]):.2f}")
     refit(config, chosen, measured, costs)
+
+
+def agreement(predicted: list[float], measured: list[tuple[float, float]]) -> tuple[int, int]:
+    """(pairs whose medians differ by more than the larger spread, of them those the
+    prediction orders the same way)."""
+    clear = agree = 0
+    for i in range(len(predicted)):
+        for j in range(i + 1, len(predicted)):
+            (mi, si), (mj, sj) = measured[i], measured[j]
+            if abs(mi - mj) > max(si, sj):
+                clear += 1
+                agree += (predicted[i] < predicted[j]) == (mi < mj)
+    return clear, agree
 
 
 def _terms(config, evaluation, costs) -> list[float]:
@@ -200,10 +238,11 @@ def _terms(config, evaluation, costs) -> list[float]:
         return predict(config, c.dims, report, basis, c.schedule, c.microbatches)["step"]
 
     slowest = max(evaluation.reports, key=lambda r: step(r, costs))
-    huge = 1e30
-    return [step(slowest, Costs(1e-12, {}, default=huge)),  # FLOPs: x seconds per FLOP
-            step(slowest, Costs(huge, {}, default=1e-9)),  # bytes: x seconds per byte
-            step(slowest, Costs(huge, {}, default=huge, latency=1.0))]  # calls: x seconds
+    huge, sharing = 1e30, costs.ranks_per_device
+    return [step(slowest, Costs(1e-12, {}, default=huge, ranks_per_device=sharing)),  # FLOPs
+            step(slowest, Costs(huge, {}, default=1e-9, ranks_per_device=sharing)),  # bytes
+            step(slowest, Costs(huge, {}, default=huge, latency=1.0,
+                                ranks_per_device=sharing))]  # hops: x seconds per hop
 
 
 def refit(config, chosen, measured, costs) -> None:
@@ -225,7 +264,7 @@ def refit(config, chosen, measured, costs) -> None:
     gflops = 1 / weights[0] / 1e9 if weights[0] else float("inf")  # the terms: FLOPs, bytes
     busbw = 1 / weights[1] / 1e9 if weights[1] else float("inf")
     print(f"costs fitted to {len(train)} candidates' measured steps: {gflops:.1f} GFLOP/s, "
-          f"bus {busbw:.2f} GB/s, {weights[2] * 1e6:.0f} us per call; on the {len(held)} held "
+          f"bus {busbw:.2f} GB/s, {weights[2] * 1e6:.0f} us per hop; on the {len(held)} held "
           f"out, {agree} of {clear} pairs apart beyond the noise ordered as measured "
           f"({agree / max(clear, 1):.0%}); Spearman "
           f"{spearman(list(predicted[held]), list(times[held])):.2f}")

@@ -136,7 +136,10 @@ def test_devmesh_plan_search_prints_the_best_and_why():
      "no mesh of 3 ranks suits the model", 2),
     (["--world", "4", "--search", "--tflops", "1", "--bandwidth", "1", "--latency", "soon"],
      "'soon' is not a time", 2),
-], ids=["none-fits", "no-costs", "no-search", "mesh-too", "no-shape", "bad-latency"])
+    (["--world", "4", "--search", "--tflops", "1", "--bandwidth", "1", "--ranks-per-device",
+      "0.5"], "share one device, 1 or more", 2),
+], ids=["none-fits", "no-costs", "no-search", "mesh-too", "no-shape", "bad-latency",
+        "bad-sharing"])
 def test_devmesh_plan_search_refuses_what_it_cannot_do(capsys, args, words, code):
     from devmesh.tools.cli import main
 
@@ -153,3 +156,52 @@ def test_a_candidate_names_its_mesh_as_plan_mesh_takes_it():
     assert c.describe() == "pp=2,shard=4,tp=2 (gpipe x 8)"
     assert Candidate(1, 1, 1, 1, "1f1b", 1).dims == {"dp": 1}
     assert replace(c, pp=1, microbatches=2).describe() == "shard=4,tp=2 (2 micro-batches)"
+
+
+def test_ranks_sharing_devices_pay_a_bubble_only_where_too_few_are_busy_to_fill_them():
+    """On dedicated devices a pipeline idles its bubble's share of the step; where ranks share
+    devices (8 CPU ranks on 2 cores), an idle rank's core runs the busy ones, so the bubble
+    costs nothing while the busy share fills the cores, and the devices' own idle time
+    beyond it."""
+    from devmesh.tools.dry_run.report import schedule_bubble
+
+    candidate = Candidate(pp=4, dp=2, shard=1, tp=1, schedule="gpipe", microbatches=1)
+    report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
+    bubble = schedule_bubble("gpipe", 4, 1)
+    assert bubble == pytest.approx(0.75)
+
+    def parts(ranks_per_device: float) -> dict[str, float]:
+        costs = replace(COSTS, ranks_per_device=ranks_per_device)
+        return predict(CONFIG, candidate.dims, report, costs, "gpipe", 1)
+
+    dedicated, busy = parts(1), parts(1)["step"] - parts(1)["bubble"]
+    assert dedicated["bubble"] == pytest.approx(busy * 3)  # idle 3/4 of the step
+    assert parts(4)["bubble"] == pytest.approx(0)  # a quarter of the ranks busy fill the cores
+    # two ranks per device: the quarter of the ranks that is busy fills half of the devices
+    assert parts(2)["bubble"] == pytest.approx(busy * (0.5 - 0.25) / 0.25)
+    assert parts(2)["step"] == pytest.approx(2 * busy)
+    # a step is never shorter than its busy time, nor longer than on dedicated devices
+    for sharing in (1.5, 3, 8):
+        assert busy <= parts(sharing)["step"] <= dedicated["step"]
+
+
+def test_latency_is_paid_per_hop_a_collective_over_n_ranks_making_n_minus_1():
+    """Each collective over n ranks pays n - 1 hops of latency (a ring's, as the
+    redistribution planner counts them), each pipeline message one."""
+    candidate = Candidate(pp=2, dp=1, shard=2, tp=2, schedule="1f1b", microbatches=2)
+    report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
+    free = replace(COSTS, latency=0.0)
+    with_latency = predict(CONFIG, candidate.dims, report, COSTS, "1f1b", 2)
+    without = predict(CONFIG, candidate.dims, report, free, "1f1b", 2)
+    hops = {"shard": 1, "tp": 1, "pp": 1}  # groups of 2 ranks; messages
+    expected = {f"comm {label}": 0.0 for label in hops}
+    for (kind, label), (calls, _) in report.collectives.items():
+        expected[f"comm {label}"] += calls * hops[label] * COSTS.latency
+    for key, extra in expected.items():
+        assert with_latency[key] - without[key] == pytest.approx(extra, rel=1e-9), key
+    wide = Candidate(pp=1, dp=1, shard=8, tp=1, schedule="1f1b", microbatches=1)
+    report = estimate(CONFIG, wide, 0, _Calibration(CONFIG))
+    calls = sum(c for (_, label), (c, _) in report.collectives.items() if label == "shard")
+    gap = (predict(CONFIG, wide.dims, report, COSTS, "1f1b", 1)["comm shard"]
+           - predict(CONFIG, wide.dims, report, free, "1f1b", 1)["comm shard"])
+    assert gap == pytest.approx(calls * 7 * COSTS.latency, rel=1e-9)

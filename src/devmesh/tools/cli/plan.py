@@ -69,8 +69,12 @@ def add(sub) -> None:
     dry.add_argument("--costs", default=None,
                      help="with --tflops: bandwidths measured by devmesh bench --json")
     dry.add_argument("--latency", default=None,
-                     help="with --tflops: what each collective call or message costs besides "
-                          "its bytes, e.g. 20us")
+                     help="with --tflops: what each hop costs besides its bytes, e.g. 20us "
+                          "(a pipeline message is one hop, a collective over n ranks n-1)")
+    dry.add_argument("--ranks-per-device", type=float, default=1.0,
+                     help="with --tflops: ranks sharing one device (8 CPU ranks on 2 cores: "
+                          "4, --tflops then a rank's throughput while all compute); a "
+                          "pipeline's idle ranks lend it to the busy ones")
     dry.add_argument("--world", type=int, default=None,
                      help="with --model --search: the number of ranks to choose a mesh for")
     dry.add_argument("--search", action="store_true",
@@ -176,7 +180,8 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
         schedule = args.schedule or "1f1b"
         pp = dims.get("pp", 1)
         microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
-        costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency)
+        costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency,
+                           args.ranks_per_device)
         memory = parse_bytes(args.device_memory) if args.device_memory else None
         ranks = [args.rank] if args.rank is not None else ranks_to_report(dims)
         reports = [dry_run(config, dims, rank=rank, schedule=schedule,
@@ -206,7 +211,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
             raise DryRunError("--search chooses the mesh: drop --mesh (or drop --search and "
                               "--world to dry-run that mesh)")
         config = read_config(args.model)
-        costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency)
+        costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency,
+                           args.ranks_per_device)
         if costs is None:
             raise DryRunError("--search ranks meshes by predicted step time: give --tflops "
                               "and --bandwidth (e.g. --tflops 400 --bandwidth tp=300,25) or "

@@ -5,8 +5,10 @@ from the target cluster), the predicted step time and its parts.
 The time model is deliberately simple and says so: compute is the step's matmul and
 attention FLOPs at the stated throughput; each collective takes its bytes times the ring
 factor of its kind over the stated (or measured) bus bandwidth of its mesh dims, plus a
-stated latency per call, not overlapped with compute (an upper bound); a pipeline adds its
-schedule's bubble.
+stated latency per hop (a collective over n ranks makes n - 1), not overlapped with compute
+(an upper bound); a pipeline adds its schedule's bubble. Where several ranks share one device (``ranks_per_device``: CPU ranks on
+fewer cores), an idle stage's device time goes to the busy ranks, so the bubble costs only the
+share of the step in which too few ranks are busy to fill the devices.
 """
 
 from __future__ import annotations
@@ -41,13 +43,16 @@ def parse_bytes(text: str) -> int:
 @dataclass(frozen=True)
 class Costs:
     """A device's dense throughput (TFLOP/s) and bus bandwidths (GB/s) by mesh dims, with
-    ``default`` for dims not listed, and a fixed ``latency`` (seconds) each collective call
-    or message costs besides its bytes."""
+    ``default`` for dims not listed, and a fixed ``latency`` (seconds) per hop besides the
+    bytes: a pipeline's message is one hop, a collective over n ranks n - 1 (a ring's). ``ranks_per_device`` above 1 says that ranks share
+    devices (8 CPU ranks on 2 cores: 4) and ``tflops`` is a rank's throughput while all of
+    them compute."""
 
     tflops: float
     bandwidth: dict[str, float]
     default: float | None = None
     latency: float = 0.0
+    ranks_per_device: float = 1.0
 
     def bus_bandwidth(self, dims: str) -> float:
         value = self.bandwidth.get(dims, self.default)
@@ -70,10 +75,14 @@ def parse_seconds(text: str) -> float:
 
 
 def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | None,
-               latency: str | None = None) -> Costs | None:
+               latency: str | None = None, ranks_per_device: float = 1.0) -> Costs | None:
     """The costs the user gave: ``--tflops``, ``--bandwidth 300`` or ``tp=300,dp=25``,
-    ``--costs FILE`` (``devmesh bench --json``: the best bus bandwidth measured per dim), and
-    ``--latency`` per collective call."""
+    ``--costs FILE`` (``devmesh bench --json``: the best bus bandwidth measured per dim),
+    ``--latency`` per hop (a message; a collective over n ranks makes n - 1), and
+    ``--ranks-per-device``."""
+    if not ranks_per_device >= 1:  # also NaN
+        raise DryRunError(f"--ranks-per-device {ranks_per_device:g}: give how many ranks "
+                          "share one device, 1 or more (8 CPU ranks on 2 cores: 4)")
     if tflops is None and bandwidth is None and bench_json is None and latency is None:
         return None
     if tflops is None:
@@ -100,7 +109,8 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
             except ValueError:
                 raise DryRunError(f"--bandwidth {bandwidth!r}: write GB/s as a number, or "
                                   "DIMS=GBps, comma-separated") from None
-    return Costs(tflops, by_dims, default, parse_seconds(latency) if latency else 0.0)
+    return Costs(tflops, by_dims, default, parse_seconds(latency) if latency else 0.0,
+                 ranks_per_device)
 
 
 def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, int]) -> float:
@@ -140,14 +150,22 @@ def predict(config: TransformerConfig, dims: dict[str, int], report: RankReport,
     communication, ``bubble`` (a pipeline's idle time), and ``step`` (their sum)."""
     parts = {"compute": step_flops(config, report, dims) / (costs.tflops * 1e12)}
     for (kind, label), (calls, nbytes) in sorted(report.collectives.items()):
-        factor = FACTORS[kind](_ranks_of(label, dims)) if kind in FACTORS else 1.0
+        ranks = _ranks_of(label, dims)
+        # a collective over n ranks passes n - 1 hops of a ring (as the redistribution
+        # planner's cost model counts them); a pipeline's message one
+        factor, hops = (FACTORS[kind](ranks), ranks - 1) if kind in FACTORS else (1.0, 1)
         key = f"comm {label}"
-        parts[key] = (parts.get(key, 0.0) + calls * costs.latency
+        parts[key] = (parts.get(key, 0.0) + calls * hops * costs.latency
                       + nbytes * factor / (costs.bus_bandwidth(label) * 1e9))
     busy = sum(parts.values())
     pp = dims.get("pp", 1)
     bubble = schedule_bubble(schedule, pp, microbatches) if pp > 1 else 0.0
-    parts["bubble"] = busy * bubble / (1 - bubble)
+    # ranks busy a (1 - bubble) share of the step; while that share fills the devices
+    # (1 / ranks_per_device of the ranks do), an idle rank's device runs the busy ones faster
+    # and the step takes its busy time; below it, the devices themselves idle
+    idle = max(0.0, 1 / costs.ranks_per_device - (1 - bubble)) if costs.ranks_per_device > 1 \
+        else bubble
+    parts["bubble"] = busy * idle / (1 - bubble)
     parts["step"] = busy + parts["bubble"]
     return parts
 
