@@ -3,9 +3,10 @@ times: on 8 gloo ranks of this machine, its predicted order of candidate meshes 
 order their real training steps take.
 
 1. The cost model is fitted here, on the same 8 ranks: each rank's matmul throughput while
-   all 8 compute at once (TFLOP/s), and back-to-back all-reduces over the 8 ranks at two
-   sizes (the latency per hop, and the bus bandwidth from the difference); the model knows
-   that the 8 ranks share this machine's cores.
+   all 8 compute at once (TFLOP/s); back-to-back collectives over the 8 ranks: a small
+   all-reduce's latency per hop, and the bus bandwidth (the median of an all-reduce's, an
+   all-gather's and a reduce-scatter's, each from two sizes). The model knows that the 8
+   ranks share this machine's cores.
 2. The search ranks every candidate for 8 ranks (no memory limit); ``--candidates`` of them,
    spread evenly over its ranking, are measured by the dry run (``verify``), and each is then
    run for real: devmesh's parallelisms on the same model, one training step (forward and
@@ -34,9 +35,8 @@ MODEL = ("tiny:layers=8,dim=256,heads=8,kv_heads=4,ffn_dim=1024,vocab=2048,seq=6
          "dtype=float32")
 
 
-def fit_costs() -> tuple[float, float, float, float]:
-    """(TFLOP/s per rank, bus GB/s, seconds per call, seconds per call timed after a barrier),
-    measured on this rank of 8."""
+def fit_costs() -> tuple[float, float, float]:
+    """(TFLOP/s per rank, bus GB/s, seconds per hop), measured on this rank of 8."""
     import torch
     import torch.distributed as dist
 
@@ -48,38 +48,39 @@ def fit_costs() -> tuple[float, float, float, float]:
         a @ b
     flops = 20 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - start)
 
-    def all_reduce_seconds(numel: int) -> float:
+    def seconds(op: str, numel: int) -> float:
         """A call's time within back-to-back calls, as a step makes them (a barrier before
-        each call would time 8 ranks waking together on 2 cores: ~4x a call in a step)."""
-        t = torch.zeros(numel)
+        each call would time 8 ranks waking together on 2 cores)."""
+        n = dist.get_world_size()
+        t, gathered = torch.zeros(numel), torch.zeros(numel * n)
+        call = {"all_reduce": lambda: dist.all_reduce(t),
+                "all_gather": lambda: dist.all_gather_single(gathered, t),
+                "reduce_scatter": lambda: dist.reduce_scatter_single(t, gathered)}[op]
         for _ in range(3):
-            dist.all_reduce(t)
+            call()
         times = []
         for _ in range(5):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(10):
-                dist.all_reduce(t)
+                call()
             times.append((time.perf_counter() - start) / 10)
         return statistics.median(times)
 
-    def after_barrier_seconds(numel: int) -> float:
-        t = torch.zeros(numel)
-        times = []
-        for _ in range(10):
-            dist.barrier()
-            start = time.perf_counter()
-            dist.all_reduce(t)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    small, large = all_reduce_seconds(256), all_reduce_seconds(1 << 20)
+    # bus bandwidth: the median over the collectives a step makes (on gloo an all-gather
+    # moves its bytes several times slower than an all-reduce), each from two sizes' times
     n = dist.get_world_size()
-    busbw = (4 << 20) * 2 * (n - 1) / n / max(large - small, 1e-9) / 1e9
-    barrier_small = after_barrier_seconds(256)
+    small = seconds("all_reduce", 256)
+    rates = []
+    numel = 1 << 18  # 1 MiB per rank: a rank's part of the gather or of the scatter's input
+    for op, wire in (("all_reduce", 2 * (n - 1) / n), ("all_gather", n - 1),
+                     ("reduce_scatter", n - 1)):  # bytes a rank receives, per byte of its part
+        extra = seconds(op, numel) - seconds(op, 256)
+        rates.append(wire * 4 * numel / max(extra, 1e-9) / 1e9)
+    busbw = statistics.median(rates)
     dist.destroy_process_group()
     # per hop, as the model counts latency: an all-reduce over n ranks passes n - 1
-    return flops / 1e12, busbw, small / (n - 1), barrier_small / (n - 1)
+    return flops / 1e12, busbw, small / (n - 1)
 
 
 def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: int
@@ -166,7 +167,6 @@ def main() -> None:
     tflops = statistics.median(f[0] for f in fitted)
     busbw = statistics.median(f[1] for f in fitted)
     latency = statistics.median(f[2] for f in fitted)
-    barrier_latency = statistics.median(f[3] for f in fitted)
     # 8 ranks on this machine's cores: a pipeline's idle stage lends its core to the others
     sharing = max(1.0, 8 / (os.cpu_count() or 1))
     costs = Costs(tflops, {}, default=busbw, latency=latency, ranks_per_device=sharing)
@@ -201,10 +201,8 @@ def main() -> None:
           f"measured ({agree / max(clear, 1):.0%})")
     print(f"Spearman's rank correlation, predicted vs measured: "
           f"{spearman([e.step for e in chosen], [m for m, _ in measured]):.2f}")
-    variants = {  # the same candidates and measurements, other models of this machine
+    variants = {  # the same candidates and measurements, another model of this machine
         "each rank its own core": Costs(tflops, {}, default=busbw, latency=latency),
-        f"each rank its own core, latency {barrier_latency * 1e6:.0f} us per hop (a call timed after "
-        "a barrier)": Costs(tflops, {}, default=busbw, latency=barrier_latency),
     }
     for name, other in variants.items():
         steps = [evaluate(config, e.candidate, e.reports, other, True).step for e in chosen]
