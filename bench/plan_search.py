@@ -4,9 +4,9 @@ order their real training steps take.
 
 1. The cost model is fitted here, on the same 8 ranks: each rank's matmul throughput while
    all 8 compute at once (TFLOP/s); back-to-back collectives over the 8 ranks: a small
-   all-reduce's latency per hop, and the bus bandwidth (the median of an all-reduce's, an
-   all-gather's and a reduce-scatter's, each from two sizes). The model knows that the 8
-   ranks share this machine's cores.
+   all-reduce's latency per hop, and the bus bandwidth of an all-reduce, an all-gather and a
+   reduce-scatter, each from two sizes (the median of the three for pipeline messages). The
+   model knows that the 8 ranks share this machine's cores.
 2. The search ranks every candidate for 8 ranks (no memory limit); ``--candidates`` of them,
    spread evenly over its ranking, are measured by the dry run (``verify``), and each is then
    run for real: devmesh's parallelisms on the same model, one training step (forward and
@@ -35,8 +35,9 @@ MODEL = ("tiny:layers=8,dim=256,heads=8,kv_heads=4,ffn_dim=1024,vocab=2048,seq=6
          "dtype=float32")
 
 
-def fit_costs() -> tuple[float, float, float]:
-    """(TFLOP/s per rank, bus GB/s, seconds per hop), measured on this rank of 8."""
+def fit_costs() -> tuple[float, dict[str, float], float]:
+    """(TFLOP/s per rank, bus GB/s by collective, seconds per hop), measured on this rank
+    of 8."""
     import torch
     import torch.distributed as dist
 
@@ -67,20 +68,19 @@ def fit_costs() -> tuple[float, float, float]:
             times.append((time.perf_counter() - start) / 10)
         return statistics.median(times)
 
-    # bus bandwidth: the median over the collectives a step makes (on gloo an all-gather
-    # moves its bytes several times slower than an all-reduce), each from two sizes' times
+    # bus bandwidth of each collective a step makes (on gloo an all-gather moves its bytes
+    # several times slower than an all-reduce), each from two sizes' times
     n = dist.get_world_size()
     small = seconds("all_reduce", 256)
-    rates = []
+    rates = {}
     numel = 1 << 18  # 1 MiB per rank: a rank's part of the gather or of the scatter's input
     for op, wire in (("all_reduce", 2 * (n - 1) / n), ("all_gather", n - 1),
                      ("reduce_scatter", n - 1)):  # bytes a rank receives, per byte of its part
         extra = seconds(op, numel) - seconds(op, 256)
-        rates.append(wire * 4 * numel / max(extra, 1e-9) / 1e9)
-    busbw = statistics.median(rates)
+        rates[op] = wire * 4 * numel / max(extra, 1e-9) / 1e9
     dist.destroy_process_group()
     # per hop, as the model counts latency: an all-reduce over n ranks passes n - 1
-    return flops / 1e12, busbw, small / (n - 1)
+    return flops / 1e12, rates, small / (n - 1)
 
 
 def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: int
@@ -165,12 +165,16 @@ def main() -> None:
 
     fitted = launch(fit_costs, 8, timeout=600)
     tflops = statistics.median(f[0] for f in fitted)
-    busbw = statistics.median(f[1] for f in fitted)
+    by_op = {op: statistics.median(f[1][op] for f in fitted) for op in fitted[0][1]}
+    busbw = statistics.median(by_op.values())  # messages: between the collectives'
     latency = statistics.median(f[2] for f in fitted)
     # 8 ranks on this machine's cores: a pipeline's idle stage lends its core to the others
     sharing = max(1.0, 8 / (os.cpu_count() or 1))
-    costs = Costs(tflops, {}, default=busbw, latency=latency, ranks_per_device=sharing)
-    print(f"fitted on 8 ranks here: {tflops * 1e3:.1f} GFLOP/s per rank, bus {busbw:.2f} GB/s, "
+    measured_ops = {("*", op): rate for op, rate in by_op.items()}
+    costs = Costs(tflops, {}, default=busbw, latency=latency, ranks_per_device=sharing,
+                  by_collective=measured_ops)
+    rates = ", ".join(f"{op} {rate:.2f}" for op, rate in by_op.items())
+    print(f"fitted on 8 ranks here: {tflops * 1e3:.1f} GFLOP/s per rank, bus GB/s {rates}, "
           f"{latency * 1e6:.0f} us per hop of a collective; {sharing:g} ranks per core")
     config = read_config(args.model)
     start = time.perf_counter()
@@ -201,8 +205,11 @@ def main() -> None:
           f"measured ({agree / max(clear, 1):.0%})")
     print(f"Spearman's rank correlation, predicted vs measured: "
           f"{spearman([e.step for e in chosen], [m for m, _ in measured]):.2f}")
-    variants = {  # the same candidates and measurements, another model of this machine
-        "each rank its own core": Costs(tflops, {}, default=busbw, latency=latency),
+    variants = {  # the same candidates and measurements, other models of this machine
+        "one bandwidth for every collective (their median)": Costs(
+            tflops, {}, default=busbw, latency=latency, ranks_per_device=sharing),
+        "each rank its own core": Costs(tflops, {}, default=busbw, latency=latency,
+                                        by_collective=measured_ops),
     }
     for name, other in variants.items():
         steps = [evaluate(config, e.candidate, e.reports, other, True).step for e in chosen]

@@ -205,3 +205,34 @@ def test_latency_is_paid_per_hop_a_collective_over_n_ranks_making_n_minus_1():
     gap = (predict(CONFIG, wide.dims, report, COSTS, "1f1b", 1)["comm shard"]
            - predict(CONFIG, wide.dims, report, free, "1f1b", 1)["comm shard"])
     assert gap == pytest.approx(calls * 7 * COSTS.latency, rel=1e-9)
+
+
+def test_each_collective_gets_its_own_measured_bandwidth(tmp_path):
+    """``devmesh bench --json`` measures each collective per dim: a prediction from it gives
+    each collective its own bus bandwidth (on gloo an all-gather is several times slower
+    than an all-reduce), messages their dim's best, and --bandwidth overrides a dim."""
+    from devmesh.tools.dry_run.report import read_costs
+
+    bench = tmp_path / "bench.json"
+    bench.write_text('{"collectives": ['
+                     '{"dim": "shard", "op": "all_gather", "busbw_gbs": 0.5}, '
+                     '{"dim": "shard", "op": "all_gather", "busbw_gbs": 0.25}, '
+                     '{"dim": "shard", "op": "reduce_scatter", "busbw_gbs": 2.0}, '
+                     '{"dim": "tp", "op": "all_reduce", "busbw_gbs": 8.0}]}')
+    costs = read_costs(1.0, None, str(bench))
+    assert costs.bus_bandwidth("shard", "all_gather") == 0.5  # the best of its rows
+    assert costs.bus_bandwidth("shard", "reduce_scatter") == 2.0
+    assert costs.bus_bandwidth("shard", "send") == 2.0  # not measured: the dim's best
+    assert costs.bus_bandwidth("tp", "all_reduce") == 8.0
+    stated = read_costs(1.0, "shard=3", str(bench))
+    assert stated.bus_bandwidth("shard", "all_gather") == 3.0
+    assert stated.bus_bandwidth("tp", "all_reduce") == 8.0
+
+    candidate = Candidate(pp=1, dp=1, shard=8, tp=1, schedule="1f1b", microbatches=1)
+    report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
+    gathered = report.collectives[("all_gather", "shard")][1]
+    flat = replace(COSTS, bandwidth={}, default=1.0)
+    slow_gathers = replace(flat, by_collective={("*", "all_gather"): 0.25})
+    gap = (predict(CONFIG, candidate.dims, report, slow_gathers, "1f1b", 1)["comm shard"]
+           - predict(CONFIG, candidate.dims, report, flat, "1f1b", 1)["comm shard"])
+    assert gap == pytest.approx(gathered * 7 / 8 * (1 / 0.25 - 1 / 1.0) / 1e9, rel=1e-9)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from devmesh.errors import DryRunError
@@ -44,23 +44,30 @@ def parse_bytes(text: str) -> int:
 class Costs:
     """A device's dense throughput (TFLOP/s) and bus bandwidths (GB/s) by mesh dims, with
     ``default`` for dims not listed, and a fixed ``latency`` (seconds) per hop besides the
-    bytes: a pipeline's message is one hop, a collective over n ranks n - 1 (a ring's). ``ranks_per_device`` above 1 says that ranks share
-    devices (8 CPU ranks on 2 cores: 4) and ``tflops`` is a rank's throughput while all of
-    them compute."""
+    bytes: a pipeline's message is one hop, a collective over n ranks n - 1 (a ring's).
+    ``by_collective`` holds the bandwidth of one kind of collective, measured apart, over
+    mesh dims (or ``"*"``: any): ``devmesh bench`` measures each, and on gloo an all-gather
+    moves its bytes several times slower than an all-reduce. ``ranks_per_device`` above 1
+    says that ranks share devices (8 CPU ranks on 2 cores: 4) and ``tflops`` is a rank's
+    throughput while all of them compute."""
 
     tflops: float
     bandwidth: dict[str, float]
     default: float | None = None
     latency: float = 0.0
     ranks_per_device: float = 1.0
+    by_collective: dict[tuple[str, str], float] = field(default_factory=dict)
 
-    def bus_bandwidth(self, dims: str) -> float:
-        value = self.bandwidth.get(dims, self.default)
-        if value is None:
-            raise DryRunError(f"no bandwidth for mesh dims {dims!r}: give --bandwidth "
-                              f"{dims}=GBps (or one number for every dim), or measure it "
-                              "with devmesh bench --json on the target cluster")
-        return value
+    def bus_bandwidth(self, dims: str, kind: str | None = None) -> float:
+        """The bandwidth of ``kind`` over ``dims``: measured for that collective over those
+        dims, else stated for the dims, else measured for that collective, else the default."""
+        for value in (self.by_collective.get((dims, kind)), self.bandwidth.get(dims),
+                      self.by_collective.get(("*", kind)), self.default):
+            if value is not None:
+                return value
+        raise DryRunError(f"no bandwidth for mesh dims {dims!r}: give --bandwidth "
+                          f"{dims}=GBps (or one number for every dim), or measure it "
+                          "with devmesh bench --json on the target cluster")
 
 
 def parse_seconds(text: str) -> float:
@@ -77,7 +84,8 @@ def parse_seconds(text: str) -> float:
 def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | None,
                latency: str | None = None, ranks_per_device: float = 1.0) -> Costs | None:
     """The costs the user gave: ``--tflops``, ``--bandwidth 300`` or ``tp=300,dp=25``,
-    ``--costs FILE`` (``devmesh bench --json``: the best bus bandwidth measured per dim),
+    ``--costs FILE`` (``devmesh bench --json``: each collective's best bus bandwidth per
+    dim, and a dim's best for its messages), ``--bandwidth`` over it for the dims it names,
     ``--latency`` per hop (a message; a collective over n ranks makes n - 1), and
     ``--ranks-per-device``."""
     if not ranks_per_device >= 1:  # also NaN
@@ -89,12 +97,16 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
         raise DryRunError("a predicted step time needs --tflops (the device's dense "
                           "throughput, TFLOP/s) besides the bandwidths")
     by_dims: dict[str, float] = {}
+    by_collective: dict[tuple[str, str], float] = {}
     default = None
     if bench_json:
         try:
             rows = json.loads(Path(bench_json).read_text())["collectives"]
-            for row in rows:
+            for row in rows:  # each collective's best; a dim's best for the others
                 by_dims[row["dim"]] = max(by_dims.get(row["dim"], 0.0), row["busbw_gbs"])
+                if "op" in row:
+                    key = (row["dim"], row["op"])
+                    by_collective[key] = max(by_collective.get(key, 0.0), row["busbw_gbs"])
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DryRunError(f"--costs {bench_json}: not a devmesh bench --json file "
                               f"({exc})") from None
@@ -104,13 +116,15 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
             try:
                 if name:
                     by_dims[name] = float(value)
+                    for key in [k for k in by_collective if k[0] == name]:
+                        del by_collective[key]  # the user's word over the measurement
                 else:
                     default = float(value)
             except ValueError:
                 raise DryRunError(f"--bandwidth {bandwidth!r}: write GB/s as a number, or "
                                   "DIMS=GBps, comma-separated") from None
     return Costs(tflops, by_dims, default, parse_seconds(latency) if latency else 0.0,
-                 ranks_per_device)
+                 ranks_per_device, by_collective)
 
 
 def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, int]) -> float:
@@ -156,7 +170,7 @@ def predict(config: TransformerConfig, dims: dict[str, int], report: RankReport,
         factor, hops = (FACTORS[kind](ranks), ranks - 1) if kind in FACTORS else (1.0, 1)
         key = f"comm {label}"
         parts[key] = (parts.get(key, 0.0) + calls * hops * costs.latency
-                      + nbytes * factor / (costs.bus_bandwidth(label) * 1e9))
+                      + nbytes * factor / (costs.bus_bandwidth(label, kind) * 1e9))
     busy = sum(parts.values())
     pp = dims.get("pp", 1)
     bubble = schedule_bubble(schedule, pp, microbatches) if pp > 1 else 0.0
