@@ -80,32 +80,51 @@ import torch, torch.distributed as dist
 from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 from torch.distributed import pipelining
-kind = getattr(pipelining, sys.argv[1])
 orders = {}
-for pp, n, v in json.loads(sys.argv[2]):
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
-    in_a_v = sys.argv[1] in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
-    mine = (0, 2 * pp - 1) if in_a_v else range(0, pp * v, pp)
-    stages = [pipelining.PipelineStage(nn.Linear(2, 2), s, pp * v, torch.device("cpu"))
-              for s in mine]
-    try:
-        order = kind(stages, n, loss_fn=torch.nn.functional.mse_loss).pipeline_order
-        # DualPipeV pairs a forward and a backward in one action: its parts, in order
-        orders[f"{pp},{n},{v}"] = [[str(part) for a in order[r] if a is not None
-                                    for part in (a.sub_actions or (a,))] for r in range(pp)]
-    except ValueError:
-        orders[f"{pp},{n},{v}"] = None
-    dist.destroy_process_group()
+for name, cases in json.loads(sys.argv[1]).items():
+    kind, orders[name] = getattr(pipelining, name), {}
+    for pp, n, v in cases:
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=pp)
+        in_a_v = name in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+        mine = (0, 2 * pp - 1) if in_a_v else range(0, pp * v, pp)
+        stages = [pipelining.PipelineStage(nn.Linear(2, 2), s, pp * v, torch.device("cpu"))
+                  for s in mine]
+        try:
+            order = kind(stages, n, loss_fn=torch.nn.functional.mse_loss).pipeline_order
+            # DualPipeV pairs a forward and a backward in one action: its parts, in order
+            orders[name][f"{pp},{n},{v}"] = [[str(part) for a in order[r] if a is not None
+                                              for part in (a.sub_actions or (a,))]
+                                             for r in range(pp)]
+        except ValueError:
+            orders[name][f"{pp},{n},{v}"] = None
+        dist.destroy_process_group()
 print(json.dumps(orders))
 """
+LOOPED_TORCH_CLASSES = {"interleaved-1f1b": "ScheduleInterleaved1F1B",
+                        "looped-bfs": "ScheduleLoopedBFS",
+                        "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
+                        "zbv-zero-bubble": "ScheduleZBVZeroBubble",
+                        "dualpipe-v": "ScheduleDualPipeV"}
 
 
-@pytest.mark.parametrize("name, torch_class", [("interleaved-1f1b", "ScheduleInterleaved1F1B"),
-                                               ("looped-bfs", "ScheduleLoopedBFS"),
-                                               ("interleaved-zero-bubble",
-                                                "ScheduleInterleavedZeroBubble"),
-                                               ("zbv-zero-bubble", "ScheduleZBVZeroBubble"),
-                                               ("dualpipe-v", "ScheduleDualPipeV")])
+def _looped_cases(name: str) -> list[tuple[int, int, int]]:
+    """(ranks, micro-batches, stages per rank) compared with torch for schedule ``name``."""
+    per_rank = (2,) if name in IN_A_V else (2, 3)
+    return list(itertools.product(range(1, 7), range(1, 17), per_rank))
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_looped_orders() -> dict[str, dict[str, list | None]]:
+    """torch's action orders for every looped schedule's cases, from one subprocess (one
+    import of torch's pipelining over its fake process group for all five classes)."""
+    cases = {torch_class: _looped_cases(name) for name, torch_class in LOOPED_TORCH_CLASSES.items()}
+    done = subprocess.run([sys.executable, "-c", _TORCH_LOOPED_ORDER, json.dumps(cases)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("name, torch_class", list(LOOPED_TORCH_CLASSES.items()))
 def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_order(
         name, torch_class):
     """torch's ``ScheduleInterleaved1F1B`` runs micro-batch counts that are not a multiple
@@ -116,12 +135,8 @@ def test_looped_schedules_take_every_micro_batch_count_torch_takes_in_torchs_ord
     rank (zero-bubble V and DualPipeV: two stages per rank in a V; DualPipeV's paired forward
     and backward as two actions), and each order runs (simulated) with each stream of
     messages used in the order sent, and without deadlock on NCCL."""
-    per_rank = (2,) if name in IN_A_V else (2, 3)
-    cases = list(itertools.product(range(1, 7), range(1, 17), per_rank))
-    done = subprocess.run([sys.executable, "-c", _TORCH_LOOPED_ORDER, torch_class,
-                           json.dumps(cases)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    theirs = json.loads(done.stdout.splitlines()[-1])
+    cases = _looped_cases(name)
+    theirs = _torch_looped_orders()[torch_class]
     refused = 0
     for ranks, microbatches, virtual in cases:
         torch_order = theirs[f"{ranks},{microbatches},{virtual}"]
