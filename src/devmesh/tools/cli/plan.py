@@ -67,7 +67,8 @@ def add(sub) -> None:
                      help="with --tflops: bus bandwidth in GB/s, one number or per dims "
                           "(tp=300,dp=25)")
     dry.add_argument("--costs", default=None,
-                     help="with --tflops: bandwidths measured by devmesh bench --json")
+                     help="with --tflops: bandwidths measured by devmesh bench --json "
+                          "(per mesh dims and collective)")
     dry.add_argument("--latency", default=None,
                      help="with --tflops: what each hop costs besides its bytes, e.g. 20us "
                           "(a pipeline message is one hop, a collective over n ranks n-1)")
