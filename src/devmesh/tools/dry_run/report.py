@@ -4,11 +4,12 @@ from the target cluster), the predicted step time and its parts.
 
 The time model is deliberately simple and says so: compute is the step's matmul and
 attention FLOPs at the stated throughput; each collective takes its bytes times the ring
-factor of its kind over the stated (or measured) bus bandwidth of its mesh dims, plus a
-stated latency per hop (a collective over n ranks makes n - 1), not overlapped with compute
-(an upper bound); a pipeline adds its schedule's bubble. Where several ranks share one device (``ranks_per_device``: CPU ranks on
-fewer cores), an idle stage's device time goes to the busy ranks, so the bubble costs only the
-share of the step in which too few ranks are busy to fill the devices.
+factor of its kind over the bus bandwidth stated for its mesh dims or measured for that
+collective over them, plus a stated latency per hop (a collective over n ranks makes
+n - 1), not overlapped with compute (an upper bound); a pipeline adds its schedule's bubble.
+Where several ranks share one device (``ranks_per_device``: CPU ranks on fewer cores), an
+idle stage's device time goes to the busy ranks, so the bubble costs only the share of the
+step in which too few ranks are busy to fill the devices.
 """
 
 from __future__ import annotations
