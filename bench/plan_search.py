@@ -5,8 +5,10 @@ order their real training steps take.
 1. The cost model is fitted here, on the same 8 ranks: each rank's matmul throughput while
    all 8 compute at once (TFLOP/s); back-to-back collectives over the 8 ranks: a small
    all-reduce's latency per hop, and the bus bandwidth of an all-reduce, an all-gather and a
-   reduce-scatter, each from two sizes (the median of the three for pipeline messages). The
-   model knows that the 8 ranks share this machine's cores.
+   reduce-scatter, each from two sizes (the median of the three for pipeline messages); one
+   of the model's blocks, forward and backward on a one-token micro-batch: what a block
+   costs per micro-batch besides its FLOPs. The model knows that the 8 ranks share this
+   machine's cores.
 2. The search ranks every candidate for 8 ranks (no memory limit); ``--candidates`` of them,
    spread evenly over its ranking, are measured by the dry run (``verify``), and each is then
    run for real: devmesh's parallelisms on the same model, one training step (forward and
@@ -16,12 +18,14 @@ order their real training steps take.
    apart than the larger of their two spreads (max - min over the repeats); for every such
    pair, the search's order should agree. Printed: the agreement, Spearman's rank
    correlation, and each candidate's predicted and measured time.
-4. The same with the three costs (throughput, bandwidth, latency) fitted instead to the
+4. The same with the four costs (throughput, bandwidth, latency, per block) fitted to the
    measured steps of half the candidates (non-negative least squares on the model's own
    terms), the order checked on the other half: how well the model's form ranks, apart from
    how well micro-benchmarks give its constants.
 
     .venv/bin/python bench/plan_search.py [--model tiny:...] [--candidates 16] [--repeats 5]
+        [--save FILE]   (the candidates and their measured steps, pickled: to try other
+                         cost models on the same measurements)
 """
 
 from __future__ import annotations
@@ -30,14 +34,39 @@ import argparse
 import os
 import statistics
 import time
+from dataclasses import replace
 
 MODEL = ("tiny:layers=8,dim=256,heads=8,kv_heads=4,ffn_dim=1024,vocab=2048,seq=64,batch=32,"
          "dtype=float32")
 
 
-def fit_costs() -> tuple[float, dict[str, float], float]:
-    """(TFLOP/s per rank, bus GB/s by collective, seconds per hop), measured on this rank
-    of 8."""
+def block_overhead(model_text: str) -> float:
+    """Seconds one of the model's blocks takes, forward and backward, on a one-token
+    micro-batch: what it costs besides its FLOPs (here the dispatch of its operations)."""
+    import torch
+    import torch.distributed as dist
+
+    from devmesh.tools.dry_run import read_config
+    from devmesh.tools.dry_run.model import Transformer
+
+    config = read_config(model_text)
+    block = next(iter(Transformer(config, 0, 1, head=False).layers.values()))
+    x = torch.randn(1, 1, config.dim, requires_grad=True)
+    for _ in range(3):
+        block(x).sum().backward()
+    times = []
+    for _ in range(5):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(10):
+            block(x).sum().backward()
+        times.append((time.perf_counter() - start) / 10)
+    return statistics.median(times)
+
+
+def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float]:
+    """(TFLOP/s per rank, bus GB/s by collective, seconds per hop, a block's seconds per
+    micro-batch besides its FLOPs), measured on this rank of 8."""
     import torch
     import torch.distributed as dist
 
@@ -78,9 +107,10 @@ def fit_costs() -> tuple[float, dict[str, float], float]:
                      ("reduce_scatter", n - 1)):  # bytes a rank receives, per byte of its part
         extra = seconds(op, numel) - seconds(op, 256)
         rates[op] = wire * 4 * numel / max(extra, 1e-9) / 1e9
+    overhead = block_overhead(model_text)
     dist.destroy_process_group()
     # per hop, as the model counts latency: an all-reduce over n ranks passes n - 1
-    return flops / 1e12, rates, small / (n - 1)
+    return flops / 1e12, rates, small / (n - 1), overhead
 
 
 def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: int
@@ -156,6 +186,7 @@ def main() -> None:
     parser.add_argument("--model", default=MODEL)
     parser.add_argument("--candidates", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--save", help="pickle the candidates and their measured times here")
     args = parser.parse_args()
     from devmesh.launching.launcher import launch
     from devmesh.tools.dry_run import read_config
@@ -163,19 +194,21 @@ def main() -> None:
     from devmesh.tools.dry_run.search import measure, search
     from devmesh.tools.dry_run.search import _evaluate as evaluate
 
-    fitted = launch(fit_costs, 8, timeout=600)
+    fitted = launch(fit_costs, 8, args.model, timeout=600)
     tflops = statistics.median(f[0] for f in fitted)
     by_op = {op: statistics.median(f[1][op] for f in fitted) for op in fitted[0][1]}
     busbw = statistics.median(by_op.values())  # messages: between the collectives'
     latency = statistics.median(f[2] for f in fitted)
+    overhead = statistics.median(f[3] for f in fitted)
     # 8 ranks on this machine's cores: a pipeline's idle stage lends its core to the others
     sharing = max(1.0, 8 / (os.cpu_count() or 1))
     measured_ops = {("*", op): rate for op, rate in by_op.items()}
     costs = Costs(tflops, {}, default=busbw, latency=latency, ranks_per_device=sharing,
-                  by_collective=measured_ops)
+                  by_collective=measured_ops, block_overhead=overhead)
     rates = ", ".join(f"{op} {rate:.2f}" for op, rate in by_op.items())
     print(f"fitted on 8 ranks here: {tflops * 1e3:.1f} GFLOP/s per rank, bus GB/s {rates}, "
-          f"{latency * 1e6:.0f} us per hop of a collective; {sharing:g} ranks per core")
+          f"{latency * 1e6:.0f} us per hop of a collective, {overhead * 1e3:.1f} ms per block "
+          f"and micro-batch besides its FLOPs; {sharing:g} ranks per core")
     config = read_config(args.model)
     start = time.perf_counter()
     result = search(config, 8, costs, verify=0)
@@ -192,6 +225,12 @@ def main() -> None:
     for index in range(len(chosen)):
         steps = [max(rank[index][r] for rank in per_rank) for r in range(args.repeats)]
         measured.append((statistics.median(steps), max(steps) - min(steps)))
+    if args.save:
+        import pickle
+
+        with open(args.save, "wb") as f:
+            pickle.dump({"chosen": chosen, "measured": measured, "costs": costs,
+                         "model": args.model}, f)
     print(f"{'candidate':<40}{'predicted':>12}{'measured':>12}{'spread':>10}")
     for e, (median, spread) in sorted(zip(chosen, measured), key=lambda x: x[0].step):
         print(f"{e.candidate.describe():<40}{e.step * 1e3:>10.1f}ms{median * 1e3:>10.1f}ms"
@@ -206,10 +245,9 @@ def main() -> None:
     print(f"Spearman's rank correlation, predicted vs measured: "
           f"{spearman([e.step for e in chosen], [m for m, _ in measured]):.2f}")
     variants = {  # the same candidates and measurements, other models of this machine
-        "one bandwidth for every collective (their median)": Costs(
-            tflops, {}, default=busbw, latency=latency, ranks_per_device=sharing),
-        "each rank its own core": Costs(tflops, {}, default=busbw, latency=latency,
-                                        by_collective=measured_ops),
+        "no time per block and micro-batch besides the FLOPs": replace(costs, block_overhead=0.0),
+        "one bandwidth for every collective (their median)": replace(costs, by_collective={}),
+        "each rank its own core": replace(costs, ranks_per_device=1.0),
     }
     for name, other in variants.items():
         steps = [evaluate(config, e.candidate, e.reports, other, True).step for e in chosen]
@@ -233,7 +271,7 @@ def agreement(predicted: list[float], measured: list[tuple[float, float]]) -> tu
 
 
 def _terms(config, evaluation, costs) -> list[float]:
-    """The predicted step's compute, bandwidth and latency terms (bubble included) of the
+    """The predicted step's compute, bandwidth, latency and per-block terms (bubble included) of the
     stage slowest under ``costs``, each for a unit cost: step = sum(term x cost)."""
     from devmesh.tools.dry_run.report import Costs, predict
 
@@ -247,7 +285,9 @@ def _terms(config, evaluation, costs) -> list[float]:
     return [step(slowest, Costs(1e-12, {}, default=huge, ranks_per_device=sharing)),  # FLOPs
             step(slowest, Costs(huge, {}, default=1e-9, ranks_per_device=sharing)),  # bytes
             step(slowest, Costs(huge, {}, default=huge, latency=1.0,
-                                ranks_per_device=sharing))]  # hops: x seconds per hop
+                                ranks_per_device=sharing)),  # hops: x seconds per hop
+            step(slowest, Costs(huge, {}, default=huge, block_overhead=1.0,
+                                ranks_per_device=sharing))]  # blocks x micro-batches
 
 
 def refit(config, chosen, measured, costs) -> None:
@@ -269,7 +309,8 @@ def refit(config, chosen, measured, costs) -> None:
     gflops = 1 / weights[0] / 1e9 if weights[0] else float("inf")  # the terms: FLOPs, bytes
     busbw = 1 / weights[1] / 1e9 if weights[1] else float("inf")
     print(f"costs fitted to {len(train)} candidates' measured steps: {gflops:.1f} GFLOP/s, "
-          f"bus {busbw:.2f} GB/s, {weights[2] * 1e6:.0f} us per hop; on the {len(held)} held "
+          f"bus {busbw:.2f} GB/s, {weights[2] * 1e6:.0f} us per hop, {weights[3] * 1e3:.1f} ms "
+          f"per block and micro-batch; on the {len(held)} held "
           f"out, {agree} of {clear} pairs apart beyond the noise ordered as measured "
           f"({agree / max(clear, 1):.0%}); Spearman "
           f"{spearman(list(predicted[held]), list(times[held])):.2f}")

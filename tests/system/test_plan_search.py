@@ -138,8 +138,10 @@ def test_devmesh_plan_search_prints_the_best_and_why():
      "'soon' is not a time", 2),
     (["--world", "4", "--search", "--tflops", "1", "--bandwidth", "1", "--ranks-per-device",
       "0.5"], "share one device, 1 or more", 2),
+    (["--world", "4", "--search", "--tflops", "1", "--bandwidth", "1", "--block-overhead",
+      "fast"], "'fast' is not a time", 2),
 ], ids=["none-fits", "no-costs", "no-search", "mesh-too", "no-shape", "bad-latency",
-        "bad-sharing"])
+        "bad-sharing", "bad-overhead"])
 def test_devmesh_plan_search_refuses_what_it_cannot_do(capsys, args, words, code):
     from devmesh.tools.cli import main
 
@@ -205,6 +207,26 @@ def test_latency_is_paid_per_hop_a_collective_over_n_ranks_making_n_minus_1():
     gap = (predict(CONFIG, wide.dims, report, COSTS, "1f1b", 1)["comm shard"]
            - predict(CONFIG, wide.dims, report, free, "1f1b", 1)["comm shard"])
     assert gap == pytest.approx(calls * 7 * COSTS.latency, rel=1e-9)
+
+
+def test_a_block_costs_a_fixed_time_per_micro_batch_besides_its_flops():
+    """Each block's forward and backward take a fixed time per micro-batch besides their
+    FLOPs (its operations' launches or dispatches): a rank pays it per block it holds and per
+    micro-batch, so four micro-batches cost more than one of the same FLOPs."""
+    from devmesh.tools.dry_run.report import read_costs
+
+    costs = read_costs(0.05, "tp=4,1", None, "20us", block_overhead="1ms")
+    assert costs.block_overhead == pytest.approx(1e-3)
+    for candidate, blocks in ((Candidate(1, 4, 1, 1, "1f1b", 4), 7),  # every block
+                              (Candidate(2, 2, 1, 1, "1f1b", 4), 4)):  # stage 0: blocks 0-3
+        report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
+        with_overhead = predict(CONFIG, candidate.dims, report, costs, "1f1b", 4)
+        without = predict(CONFIG, candidate.dims, report, COSTS, "1f1b", 4)
+        assert with_overhead["overhead"] == pytest.approx(1e-3 * blocks * 4)
+        assert "overhead" not in without  # not stated: not printed either
+        assert with_overhead["compute"] == without["compute"]
+        one = predict(CONFIG, candidate.dims, report, costs, "1f1b", 1)
+        assert with_overhead["overhead"] - one["overhead"] == pytest.approx(1e-3 * blocks * 3)
 
 
 def test_each_collective_gets_its_own_measured_bandwidth(tmp_path):

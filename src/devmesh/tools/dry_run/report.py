@@ -7,6 +7,8 @@ attention FLOPs at the stated throughput; each collective takes its bytes times 
 factor of its kind over the bus bandwidth stated for its mesh dims or measured for that
 collective over them, plus a stated latency per hop (a collective over n ranks makes
 n - 1), not overlapped with compute (an upper bound); a pipeline adds its schedule's bubble.
+Each block also takes a stated fixed time per micro-batch besides its FLOPs (its operations'
+launches or dispatches), which many small micro-batches pay many times.
 Where several ranks share one device (``ranks_per_device``: CPU ranks on fewer cores), an
 idle stage's device time goes to the busy ranks, so the bubble costs only the share of the
 step in which too few ranks are busy to fill the devices.
@@ -50,7 +52,9 @@ class Costs:
     mesh dims (or ``"*"``: any): ``devmesh bench`` measures each, and on gloo an all-gather
     moves its bytes several times slower than an all-reduce. ``ranks_per_device`` above 1
     says that ranks share devices (8 CPU ranks on 2 cores: 4) and ``tflops`` is a rank's
-    throughput while all of them compute."""
+    throughput while all of them compute. ``block_overhead`` (seconds) is what one block's
+    forward and backward take on one micro-batch besides their FLOPs (the launches or
+    dispatches of its operations): a step pays it per block of the rank and micro-batch."""
 
     tflops: float
     bandwidth: dict[str, float]
@@ -58,6 +62,7 @@ class Costs:
     latency: float = 0.0
     ranks_per_device: float = 1.0
     by_collective: dict[tuple[str, str], float] = field(default_factory=dict)
+    block_overhead: float = 0.0
 
     def bus_bandwidth(self, dims: str, kind: str | None = None) -> float:
         """The bandwidth of ``kind`` over ``dims``: measured for that collective over those
@@ -83,16 +88,18 @@ def parse_seconds(text: str) -> float:
 
 
 def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | None,
-               latency: str | None = None, ranks_per_device: float = 1.0) -> Costs | None:
+               latency: str | None = None, ranks_per_device: float = 1.0,
+               block_overhead: str | None = None) -> Costs | None:
     """The costs the user gave: ``--tflops``, ``--bandwidth 300`` or ``tp=300,dp=25``,
     ``--costs FILE`` (``devmesh bench --json``: each collective's best bus bandwidth per
     dim, and a dim's best for its messages), ``--bandwidth`` over it for the dims it names,
-    ``--latency`` per hop (a message; a collective over n ranks makes n - 1), and
-    ``--ranks-per-device``."""
+    ``--latency`` per hop (a message; a collective over n ranks makes n - 1),
+    ``--ranks-per-device`` and ``--block-overhead`` (per block and micro-batch)."""
     if not ranks_per_device >= 1:  # also NaN
         raise DryRunError(f"--ranks-per-device {ranks_per_device:g}: give how many ranks "
                           "share one device, 1 or more (8 CPU ranks on 2 cores: 4)")
-    if tflops is None and bandwidth is None and bench_json is None and latency is None:
+    if (tflops is None and bandwidth is None and bench_json is None and latency is None
+            and block_overhead is None):
         return None
     if tflops is None:
         raise DryRunError("a predicted step time needs --tflops (the device's dense "
@@ -125,7 +132,8 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
                 raise DryRunError(f"--bandwidth {bandwidth!r}: write GB/s as a number, or "
                                   "DIMS=GBps, comma-separated") from None
     return Costs(tflops, by_dims, default, parse_seconds(latency) if latency else 0.0,
-                 ranks_per_device, by_collective)
+                 ranks_per_device, by_collective,
+                 parse_seconds(block_overhead) if block_overhead else 0.0)
 
 
 def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, int]) -> float:
@@ -161,9 +169,13 @@ def schedule_bubble(schedule: str, pp: int, microbatches: int) -> float:
 
 def predict(config: TransformerConfig, dims: dict[str, int], report: RankReport,
             costs: Costs, schedule: str, microbatches: int) -> dict[str, float]:
-    """The step's predicted seconds by part: ``compute``, one entry per mesh dims'
-    communication, ``bubble`` (a pipeline's idle time), and ``step`` (their sum)."""
+    """The step's predicted seconds by part: ``compute``, ``overhead`` (with a
+    ``block_overhead``), one entry per mesh dims' communication, ``bubble`` (a pipeline's
+    idle time), and ``step`` (their sum)."""
     parts = {"compute": step_flops(config, report, dims) / (costs.tflops * 1e12)}
+    if costs.block_overhead:  # every block of the rank, forward and backward, per micro-batch
+        first, last = report.layers
+        parts["overhead"] = costs.block_overhead * (last - first) * microbatches
     for (kind, label), (calls, nbytes) in sorted(report.collectives.items()):
         ranks = _ranks_of(label, dims)
         # a collective over n ranks passes n - 1 hops of a ring (as the redistribution
