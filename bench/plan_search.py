@@ -5,9 +5,12 @@ order their real training steps take.
 1. The cost model is fitted here, on the same 8 ranks: each rank's matmul throughput while
    all 8 compute at once (TFLOP/s); back-to-back collectives over the 8 ranks: a small
    all-reduce's latency per hop, and the bus bandwidth of an all-reduce, an all-gather and a
-   reduce-scatter, each from two sizes (the median of the three for pipeline messages); one
-   of the model's blocks, forward and backward on a one-token micro-batch: what a block
-   costs per micro-batch besides its FLOPs. The model knows that the 8 ranks share this
+   reduce-scatter, each from two sizes, 1 and 8 MiB per rank (the median of the three for
+   pipeline messages); one of the model's blocks, forward and backward on a one-token
+   micro-batch: what a block costs per micro-batch besides its FLOPs; the model fully
+   sharded over the 8 ranks, its
+   units' unshard and reshard against bare all-gathers of the same shards: the rate at
+   which FSDP copies the gathered bytes besides the collective. The model knows that the 8 ranks share this
    machine's cores.
 2. The search ranks every candidate for 8 ranks (no memory limit); ``--candidates`` of them,
    spread evenly over its ranking, are measured by the dry run (``verify``), and each is then
@@ -18,10 +21,10 @@ order their real training steps take.
    apart than the larger of their two spreads (max - min over the repeats); for every such
    pair, the search's order should agree. Printed: the agreement, Spearman's rank
    correlation, and each candidate's predicted and measured time.
-4. The same with the four costs (throughput, bandwidth, latency, per block) fitted to the
-   measured steps of half the candidates (non-negative least squares on the model's own
-   terms), the order checked on the other half: how well the model's form ranks, apart from
-   how well micro-benchmarks give its constants.
+4. The same with the five costs (throughput, bandwidth, latency, per block, FSDP's copies)
+   fitted to the measured steps of half the candidates (non-negative least squares on the
+   model's own terms), the order checked on the other half: how well the model's form
+   ranks, apart from how well micro-benchmarks give its constants.
 
     .venv/bin/python bench/plan_search.py [--model tiny:...] [--candidates 16] [--repeats 5]
         [--save FILE]   (the candidates and their measured steps, pickled: to try other
@@ -64,9 +67,50 @@ def block_overhead(model_text: str) -> float:
     return statistics.median(times)
 
 
-def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float]:
+def fsdp_copy_bandwidth(model_text: str) -> float:
+    """GB/s at which FSDP handles its gathered bytes on this rank besides the collective:
+    the unsharded bytes of every unit of the model fully sharded over the 8 ranks, over the
+    time its unshard and reshard take beyond bare all-gathers of the same shards."""
+    import torch
+    import torch.distributed as dist
+
+    from devmesh.tools.dry_run import read_config
+    from devmesh.tools.dry_run.run import build_rank_model
+
+    mesh, model = build_rank_model(read_config(model_text), {"shard": 8}, "cpu")
+    units = [*model.layers.values(), model]
+    own = [sum(p.numel() for p in unit.parameters(recurse=unit is not model))
+           for unit in units[:-1]]
+    own.append(sum(p.numel() for p in model.parameters()) - sum(own))
+    group, n = mesh.get_group(), dist.get_world_size()
+    shards = [(torch.zeros(k), torch.zeros(k * n)) for k in own]
+
+    def fsdp() -> None:
+        for unit in units:
+            unit.unshard()
+            unit.reshard()
+
+    def bare() -> None:
+        for shard, gathered in shards:
+            dist.all_gather_single(gathered, shard, group=group)
+
+    def seconds(call) -> float:
+        call()
+        times = []
+        for _ in range(5):
+            dist.barrier()
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+    extra = seconds(fsdp) - seconds(bare)
+    return 4 * n * sum(own) / max(extra, 1e-9) / 1e9
+
+
+def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, float]:
     """(TFLOP/s per rank, bus GB/s by collective, seconds per hop, a block's seconds per
-    micro-batch besides its FLOPs), measured on this rank of 8."""
+    micro-batch besides its FLOPs, FSDP's copy GB/s), measured on this rank of 8."""
     import torch
     import torch.distributed as dist
 
@@ -98,19 +142,22 @@ def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float]:
         return statistics.median(times)
 
     # bus bandwidth of each collective a step makes (on gloo an all-gather moves its bytes
-    # several times slower than an all-reduce), each from two sizes' times
+    # several times slower than an all-reduce), from the time 7 MiB more per rank adds
+    # (1 and 8 MiB: a rank's part of the gather or of the scatter's input); between two
+    # small sizes the latency and the noise of 8 ranks on 2 cores swamp the bytes
     n = dist.get_world_size()
     small = seconds("all_reduce", 256)
     rates = {}
-    numel = 1 << 18  # 1 MiB per rank: a rank's part of the gather or of the scatter's input
+    low, high = 1 << 18, 1 << 21
     for op, wire in (("all_reduce", 2 * (n - 1) / n), ("all_gather", n - 1),
                      ("reduce_scatter", n - 1)):  # bytes a rank receives, per byte of its part
-        extra = seconds(op, numel) - seconds(op, 256)
-        rates[op] = wire * 4 * numel / max(extra, 1e-9) / 1e9
+        extra = seconds(op, high) - seconds(op, low)
+        rates[op] = wire * 4 * (high - low) / max(extra, 1e-9) / 1e9
     overhead = block_overhead(model_text)
+    copy = fsdp_copy_bandwidth(model_text)
     dist.destroy_process_group()
     # per hop, as the model counts latency: an all-reduce over n ranks passes n - 1
-    return flops / 1e12, rates, small / (n - 1), overhead
+    return flops / 1e12, rates, small / (n - 1), overhead, copy
 
 
 def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: int
@@ -200,15 +247,17 @@ def main() -> None:
     busbw = statistics.median(by_op.values())  # messages: between the collectives'
     latency = statistics.median(f[2] for f in fitted)
     overhead = statistics.median(f[3] for f in fitted)
+    copy = statistics.median(f[4] for f in fitted)
     # 8 ranks on this machine's cores: a pipeline's idle stage lends its core to the others
     sharing = max(1.0, 8 / (os.cpu_count() or 1))
     measured_ops = {("*", op): rate for op, rate in by_op.items()}
     costs = Costs(tflops, {}, default=busbw, latency=latency, ranks_per_device=sharing,
-                  by_collective=measured_ops, block_overhead=overhead)
+                  by_collective=measured_ops, block_overhead=overhead, copy_bandwidth=copy)
     rates = ", ".join(f"{op} {rate:.2f}" for op, rate in by_op.items())
     print(f"fitted on 8 ranks here: {tflops * 1e3:.1f} GFLOP/s per rank, bus GB/s {rates}, "
           f"{latency * 1e6:.0f} us per hop of a collective, {overhead * 1e3:.1f} ms per block "
-          f"and micro-batch besides its FLOPs; {sharing:g} ranks per core")
+          f"and micro-batch besides its FLOPs, FSDP's copies {copy:.2f} GB/s; {sharing:g} "
+          "ranks per core")
     config = read_config(args.model)
     start = time.perf_counter()
     result = search(config, 8, costs, verify=0)
@@ -246,6 +295,8 @@ def main() -> None:
           f"{spearman([e.step for e in chosen], [m for m, _ in measured]):.2f}")
     variants = {  # the same candidates and measurements, other models of this machine
         "no time per block and micro-batch besides the FLOPs": replace(costs, block_overhead=0.0),
+        "FSDP's copies free": replace(costs, copy_bandwidth=None),
+        "neither": replace(costs, block_overhead=0.0, copy_bandwidth=None),
         "one bandwidth for every collective (their median)": replace(costs, by_collective={}),
         "each rank its own core": replace(costs, ranks_per_device=1.0),
     }
@@ -287,7 +338,14 @@ def _terms(config, evaluation, costs) -> list[float]:
             step(slowest, Costs(huge, {}, default=huge, latency=1.0,
                                 ranks_per_device=sharing)),  # hops: x seconds per hop
             step(slowest, Costs(huge, {}, default=huge, block_overhead=1.0,
-                                ranks_per_device=sharing))]  # blocks x micro-batches
+                                ranks_per_device=sharing)),  # blocks x micro-batches
+            step(slowest, Costs(huge, {}, default=huge, copy_bandwidth=1e-9,
+                                ranks_per_device=sharing))]  # bytes FSDP copies
+
+
+def _rate(weight: float) -> str:
+    """A fitted seconds-per-unit weight as units per nanosecond (GFLOP/s, GB/s)."""
+    return f"{1 / weight / 1e9:.2f}" if weight else "inf"
 
 
 def refit(config, chosen, measured, costs) -> None:
@@ -306,11 +364,10 @@ def refit(config, chosen, measured, costs) -> None:
             if a < b and abs(times[a] - times[b]) > max(measured[a][1], measured[b][1]):
                 clear += 1
                 agree += (predicted[a] < predicted[b]) == (times[a] < times[b])
-    gflops = 1 / weights[0] / 1e9 if weights[0] else float("inf")  # the terms: FLOPs, bytes
-    busbw = 1 / weights[1] / 1e9 if weights[1] else float("inf")
-    print(f"costs fitted to {len(train)} candidates' measured steps: {gflops:.1f} GFLOP/s, "
-          f"bus {busbw:.2f} GB/s, {weights[2] * 1e6:.0f} us per hop, {weights[3] * 1e3:.1f} ms "
-          f"per block and micro-batch; on the {len(held)} held "
+    gflops, busbw = _rate(weights[0]), _rate(weights[1])  # the terms: FLOPs, bytes
+    print(f"costs fitted to {len(train)} candidates' measured steps: {gflops} GFLOP/s, "
+          f"bus {busbw} GB/s, {weights[2] * 1e6:.0f} us per hop, {weights[3] * 1e3:.1f} ms "
+          f"per block and micro-batch, copies {_rate(weights[4])} GB/s; on the {len(held)} held "
           f"out, {agree} of {clear} pairs apart beyond the noise ordered as measured "
           f"({agree / max(clear, 1):.0%}); Spearman "
           f"{spearman(list(predicted[held]), list(times[held])):.2f}")

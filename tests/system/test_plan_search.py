@@ -140,8 +140,10 @@ def test_devmesh_plan_search_prints_the_best_and_why():
       "0.5"], "share one device, 1 or more", 2),
     (["--world", "4", "--search", "--tflops", "1", "--bandwidth", "1", "--block-overhead",
       "fast"], "'fast' is not a time", 2),
+    (["--world", "4", "--search", "--tflops", "1", "--bandwidth", "1", "--copy-bandwidth",
+      "0"], "in GB/s, above 0", 2),
 ], ids=["none-fits", "no-costs", "no-search", "mesh-too", "no-shape", "bad-latency",
-        "bad-sharing", "bad-overhead"])
+        "bad-sharing", "bad-overhead", "bad-copy"])
 def test_devmesh_plan_search_refuses_what_it_cannot_do(capsys, args, words, code):
     from devmesh.tools.cli import main
 
@@ -227,6 +229,29 @@ def test_a_block_costs_a_fixed_time_per_micro_batch_besides_its_flops():
         assert with_overhead["compute"] == without["compute"]
         one = predict(CONFIG, candidate.dims, report, costs, "1f1b", 1)
         assert with_overhead["overhead"] - one["overhead"] == pytest.approx(1e-3 * blocks * 3)
+
+
+def test_fsdps_gathered_and_scattered_bytes_are_copied_at_the_copy_bandwidth():
+    """FSDP copies every byte its all-gathers and reduce-scatters carry (their unsharded
+    size) into or out of the collective's flat buffer: with a copy bandwidth, those bytes
+    cost that much more in their dims' part, and nothing else does."""
+    from devmesh.tools.dry_run.report import read_costs
+
+    copying = read_costs(0.05, "tp=4,1", None, "20us", copy_bandwidth=0.5)
+    assert copying.copy_bandwidth == 0.5
+    candidate = Candidate(pp=1, dp=2, shard=2, tp=2, schedule="1f1b", microbatches=2)
+    report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
+    copied = {label: 0 for _, label in report.collectives}
+    for (kind, label), (_, nbytes) in report.collectives.items():
+        if kind in ("all_gather", "reduce_scatter"):
+            copied[label] += nbytes
+    assert copied["shard"] > 0 and copied["dp"] == copied["tp"] == 0  # FSDP's: over shard
+    with_copies = predict(CONFIG, candidate.dims, report, copying, "1f1b", 2)
+    free = predict(CONFIG, candidate.dims, report, COSTS, "1f1b", 2)
+    for label, nbytes in copied.items():
+        assert (with_copies[f"comm {label}"] - free[f"comm {label}"]
+                == pytest.approx(nbytes / 0.5e9, rel=1e-9, abs=1e-15)), label
+    assert with_copies["compute"] == free["compute"]
 
 
 def test_each_collective_gets_its_own_measured_bandwidth(tmp_path):

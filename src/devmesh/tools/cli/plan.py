@@ -76,6 +76,10 @@ def add(sub) -> None:
                      help="with --tflops: one block's forward and backward time on a "
                           "micro-batch besides its FLOPs (its operations' launches), e.g. "
                           "50us; paid per block and micro-batch")
+    dry.add_argument("--copy-bandwidth", type=float, default=None,
+                     help="with --tflops: GB/s at which a rank copies each all-gather's and "
+                          "reduce-scatter's bytes into and out of its flat buffer, as FSDP "
+                          "does besides the collective (default: free)")
     dry.add_argument("--ranks-per-device", type=float, default=1.0,
                      help="with --tflops: ranks sharing one device (8 CPU ranks on 2 cores: "
                           "4, --tflops then a rank's throughput while all compute); a "
@@ -186,7 +190,7 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
         pp = dims.get("pp", 1)
         microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
         costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency,
-                           args.ranks_per_device, args.block_overhead)
+                           args.ranks_per_device, args.block_overhead, args.copy_bandwidth)
         memory = parse_bytes(args.device_memory) if args.device_memory else None
         ranks = [args.rank] if args.rank is not None else ranks_to_report(dims)
         reports = [dry_run(config, dims, rank=rank, schedule=schedule,
@@ -217,7 +221,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
                               "--world to dry-run that mesh)")
         config = read_config(args.model)
         costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency,
-                           args.ranks_per_device, args.block_overhead)
+                           args.ranks_per_device, args.block_overhead, args.copy_bandwidth)
         if costs is None:
             raise DryRunError("--search ranks meshes by predicted step time: give --tflops "
                               "and --bandwidth (e.g. --tflops 400 --bandwidth tp=300,25) or "

@@ -8,7 +8,9 @@ factor of its kind over the bus bandwidth stated for its mesh dims or measured f
 collective over them, plus a stated latency per hop (a collective over n ranks makes
 n - 1), not overlapped with compute (an upper bound); a pipeline adds its schedule's bubble.
 Each block also takes a stated fixed time per micro-batch besides its FLOPs (its operations'
-launches or dispatches), which many small micro-batches pay many times.
+launches or dispatches), which many small micro-batches pay many times; and FSDP copies each
+byte its all-gathers and reduce-scatters carry on the rank, into and out of the collective's
+flat buffer, at a stated copy bandwidth.
 Where several ranks share one device (``ranks_per_device``: CPU ranks on fewer cores), an
 idle stage's device time goes to the busy ranks, so the bubble costs only the share of the
 step in which too few ranks are busy to fill the devices.
@@ -54,7 +56,10 @@ class Costs:
     says that ranks share devices (8 CPU ranks on 2 cores: 4) and ``tflops`` is a rank's
     throughput while all of them compute. ``block_overhead`` (seconds) is what one block's
     forward and backward take on one micro-batch besides their FLOPs (the launches or
-    dispatches of its operations): a step pays it per block of the rank and micro-batch."""
+    dispatches of its operations): a step pays it per block of the rank and micro-batch.
+    ``copy_bandwidth`` (GB/s) is the rate at which a rank copies the bytes of each all-gather
+    and reduce-scatter (their unsharded size) into and out of the collective's flat buffer,
+    as FSDP does besides the collective (None: free)."""
 
     tflops: float
     bandwidth: dict[str, float]
@@ -63,6 +68,7 @@ class Costs:
     ranks_per_device: float = 1.0
     by_collective: dict[tuple[str, str], float] = field(default_factory=dict)
     block_overhead: float = 0.0
+    copy_bandwidth: float | None = None
 
     def bus_bandwidth(self, dims: str, kind: str | None = None) -> float:
         """The bandwidth of ``kind`` over ``dims``: measured for that collective over those
@@ -89,17 +95,22 @@ def parse_seconds(text: str) -> float:
 
 def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | None,
                latency: str | None = None, ranks_per_device: float = 1.0,
-               block_overhead: str | None = None) -> Costs | None:
+               block_overhead: str | None = None, copy_bandwidth: float | None = None
+               ) -> Costs | None:
     """The costs the user gave: ``--tflops``, ``--bandwidth 300`` or ``tp=300,dp=25``,
     ``--costs FILE`` (``devmesh bench --json``: each collective's best bus bandwidth per
     dim, and a dim's best for its messages), ``--bandwidth`` over it for the dims it names,
     ``--latency`` per hop (a message; a collective over n ranks makes n - 1),
-    ``--ranks-per-device`` and ``--block-overhead`` (per block and micro-batch)."""
+    ``--ranks-per-device``, ``--block-overhead`` (per block and micro-batch) and
+    ``--copy-bandwidth`` (GB/s)."""
     if not ranks_per_device >= 1:  # also NaN
         raise DryRunError(f"--ranks-per-device {ranks_per_device:g}: give how many ranks "
                           "share one device, 1 or more (8 CPU ranks on 2 cores: 4)")
+    if copy_bandwidth is not None and not copy_bandwidth > 0:  # also NaN
+        raise DryRunError(f"--copy-bandwidth {copy_bandwidth:g}: give the rate at which a "
+                          "rank copies FSDP's gathered and scattered bytes, in GB/s, above 0")
     if (tflops is None and bandwidth is None and bench_json is None and latency is None
-            and block_overhead is None):
+            and block_overhead is None and copy_bandwidth is None):
         return None
     if tflops is None:
         raise DryRunError("a predicted step time needs --tflops (the device's dense "
@@ -133,7 +144,7 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
                                   "DIMS=GBps, comma-separated") from None
     return Costs(tflops, by_dims, default, parse_seconds(latency) if latency else 0.0,
                  ranks_per_device, by_collective,
-                 parse_seconds(block_overhead) if block_overhead else 0.0)
+                 parse_seconds(block_overhead) if block_overhead else 0.0, copy_bandwidth)
 
 
 def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, int]) -> float:
@@ -184,6 +195,8 @@ def predict(config: TransformerConfig, dims: dict[str, int], report: RankReport,
         key = f"comm {label}"
         parts[key] = (parts.get(key, 0.0) + calls * hops * costs.latency
                       + nbytes * factor / (costs.bus_bandwidth(label, kind) * 1e9))
+        if costs.copy_bandwidth and kind in ("all_gather", "reduce_scatter"):
+            parts[key] += nbytes / (costs.copy_bandwidth * 1e9)  # into or out of its buffer
     busy = sum(parts.values())
     pp = dims.get("pp", 1)
     bubble = schedule_bubble(schedule, pp, microbatches) if pp > 1 else 0.0
