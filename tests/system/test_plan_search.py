@@ -115,13 +115,15 @@ def test_devmesh_plan_search_prints_the_best_and_why():
     done = subprocess.run(
         [sys.executable, "-m", "devmesh", "plan", "--model", "tiny:batch=8", "--world", "4",
          "--search", "--tflops", "0.05", "--bandwidth", "tp=4,1", "--latency", "20us",
-         "--device-memory", "2MiB", "--top", "3", "--verify", "2"],
+         "--block-overhead", "50us", "--copy-bandwidth", "2", "--device-memory", "2MiB",
+         "--top", "3", "--verify", "2"],
         capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "candidates for 4 ranks;" in out and "do not fit in 2.00 MiB" in out
     rows = [line for line in out.splitlines() if line.strip()[:2] in ("1 ", "2 ", "3 ")]
     assert len(rows) == 3 and "(closed form only)" in rows[2] and "closed" not in rows[0]
+    assert all("overhead " in row for row in rows)  # the per-block time is a part of its own
     assert "per step faster than the best other mesh" in out
     assert done.stderr.count("measuring ") == 2
 
