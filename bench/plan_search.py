@@ -8,10 +8,10 @@ order their real training steps take.
    reduce-scatter, each from two sizes, 1 and 8 MiB per rank (the median of the three for
    pipeline messages); one of the model's blocks, forward and backward on a one-token
    micro-batch: what a block costs per micro-batch besides its FLOPs; the model fully
-   sharded over the 8 ranks, its
-   units' unshard and reshard against bare all-gathers of the same shards: the rate at
-   which FSDP copies the gathered bytes besides the collective. The model knows that the 8 ranks share this
-   machine's cores.
+   sharded over the 8 ranks, its units' unshard and reshard against bare all-gathers of the
+   same shards: the rate at which FSDP copies the gathered bytes besides the collective
+   (its reduce-scatters' bytes are costed at the same rate). The model knows that the 8
+   ranks share this machine's cores.
 2. The search ranks every candidate for 8 ranks (no memory limit); ``--candidates`` of them,
    spread evenly over its ranking, are measured by the dry run (``verify``), and each is then
    run for real: devmesh's parallelisms on the same model, one training step (forward and
@@ -43,11 +43,28 @@ MODEL = ("tiny:layers=8,dim=256,heads=8,kv_heads=4,ffn_dim=1024,vocab=2048,seq=6
          "dtype=float32")
 
 
+def _median_seconds(call, warmup: int = 3, repeats: int = 5, calls: int = 10) -> float:
+    """One ``call``'s median time within ``calls`` back-to-back calls, over ``repeats``
+    repeats, each started after a barrier (as a step makes them: a barrier before each call
+    would time 8 ranks waking together on 2 cores)."""
+    import torch.distributed as dist
+
+    for _ in range(warmup):
+        call()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - start) / calls)
+    return statistics.median(times)
+
+
 def block_overhead(model_text: str) -> float:
     """Seconds one of the model's blocks takes, forward and backward, on a one-token
     micro-batch: what it costs besides its FLOPs (here the dispatch of its operations)."""
     import torch
-    import torch.distributed as dist
 
     from devmesh.tools.dry_run import read_config
     from devmesh.tools.dry_run.model import Transformer
@@ -55,16 +72,7 @@ def block_overhead(model_text: str) -> float:
     config = read_config(model_text)
     block = next(iter(Transformer(config, 0, 1, head=False).layers.values()))
     x = torch.randn(1, 1, config.dim, requires_grad=True)
-    for _ in range(3):
-        block(x).sum().backward()
-    times = []
-    for _ in range(5):
-        dist.barrier()
-        start = time.perf_counter()
-        for _ in range(10):
-            block(x).sum().backward()
-        times.append((time.perf_counter() - start) / 10)
-    return statistics.median(times)
+    return _median_seconds(lambda: block(x).sum().backward())
 
 
 def fsdp_copy_bandwidth(model_text: str) -> float:
@@ -94,17 +102,8 @@ def fsdp_copy_bandwidth(model_text: str) -> float:
         for shard, gathered in shards:
             dist.all_gather_single(gathered, shard, group=group)
 
-    def seconds(call) -> float:
-        call()
-        times = []
-        for _ in range(5):
-            dist.barrier()
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
-
-    extra = seconds(fsdp) - seconds(bare)
+    extra = (_median_seconds(fsdp, warmup=1, calls=1)
+             - _median_seconds(bare, warmup=1, calls=1))
     return 4 * n * sum(own) / max(extra, 1e-9) / 1e9
 
 
@@ -123,23 +122,13 @@ def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, f
     flops = 20 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - start)
 
     def seconds(op: str, numel: int) -> float:
-        """A call's time within back-to-back calls, as a step makes them (a barrier before
-        each call would time 8 ranks waking together on 2 cores)."""
+        """A call's time within back-to-back calls of ``op`` on ``numel`` floats per rank."""
         n = dist.get_world_size()
         t, gathered = torch.zeros(numel), torch.zeros(numel * n)
-        call = {"all_reduce": lambda: dist.all_reduce(t),
-                "all_gather": lambda: dist.all_gather_single(gathered, t),
-                "reduce_scatter": lambda: dist.reduce_scatter_single(t, gathered)}[op]
-        for _ in range(3):
-            call()
-        times = []
-        for _ in range(5):
-            dist.barrier()
-            start = time.perf_counter()
-            for _ in range(10):
-                call()
-            times.append((time.perf_counter() - start) / 10)
-        return statistics.median(times)
+        return _median_seconds({"all_reduce": lambda: dist.all_reduce(t),
+                                "all_gather": lambda: dist.all_gather_single(gathered, t),
+                                "reduce_scatter": lambda: dist.reduce_scatter_single(t, gathered)
+                                }[op])
 
     # bus bandwidth of each collective a step makes (on gloo an all-gather moves its bytes
     # several times slower than an all-reduce), from the time 7 MiB more per rank adds
@@ -225,6 +214,8 @@ def spearman(xs: list[float], ys: list[float]) -> float:
 
     rx, ry = ranks(xs), ranks(ys)
     n = len(xs)
+    if n < 2:  # too few to rank (--candidates 3 holds out one)
+        return float("nan")
     return 1 - 6 * sum((a - b) ** 2 for a, b in zip(rx, ry)) / (n * (n * n - 1))
 
 
@@ -322,8 +313,9 @@ def agreement(predicted: list[float], measured: list[tuple[float, float]]) -> tu
 
 
 def _terms(config, evaluation, costs) -> list[float]:
-    """The predicted step's compute, bandwidth, latency and per-block terms (bubble included) of the
-    stage slowest under ``costs``, each for a unit cost: step = sum(term x cost)."""
+    """The predicted step's compute, bandwidth, latency, per-block and copy terms (bubble
+    included) of the stage slowest under ``costs``, each for a unit cost:
+    step = sum(term x cost)."""
     from devmesh.tools.dry_run.report import Costs, predict
 
     c = evaluation.candidate

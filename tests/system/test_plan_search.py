@@ -144,8 +144,10 @@ def test_devmesh_plan_search_prints_the_best_and_why():
       "fast"], "'fast' is not a time", 2),
     (["--world", "4", "--search", "--tflops", "1", "--bandwidth", "1", "--copy-bandwidth",
       "0"], "in GB/s, above 0", 2),
+    (["--world", "4", "--search", "--tflops", "1", "--bandwidth", "1",
+      "--block-overhead=-1ms"], "'-1ms': a time cannot be negative", 2),
 ], ids=["none-fits", "no-costs", "no-search", "mesh-too", "no-shape", "bad-latency",
-        "bad-sharing", "bad-overhead", "bad-copy"])
+        "bad-sharing", "bad-overhead", "bad-copy", "negative-overhead"])
 def test_devmesh_plan_search_refuses_what_it_cannot_do(capsys, args, words, code):
     from devmesh.tools.cli import main
 

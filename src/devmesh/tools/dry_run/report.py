@@ -83,13 +83,16 @@ class Costs:
 
 
 def parse_seconds(text: str) -> float:
-    """``"20us"``, ``"0.5ms"``, ``"1s"`` or a plain number of seconds."""
+    """``"20us"``, ``"0.5ms"``, ``"1s"`` or a plain number of seconds, not negative."""
     for unit, scale in (("us", 1e-6), ("ms", 1e-3), ("s", 1.0), ("", 1.0)):
         if text.endswith(unit):
             try:
-                return float(text[:len(text) - len(unit)]) * scale
+                seconds = float(text[:len(text) - len(unit)]) * scale
             except ValueError:
                 break
+            if not seconds >= 0:  # also NaN: it would take time off every step
+                raise DryRunError(f"{text!r}: a time cannot be negative")
+            return seconds
     raise DryRunError(f"{text!r} is not a time: write e.g. 20us, 0.5ms or 0.00002")
 
 
