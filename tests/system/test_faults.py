@@ -52,6 +52,26 @@ def test_a_killed_rank_is_named_with_its_signal_within_seconds():
         assert not alive(pid)
 
 
+def crash_rank_one_in_native_code():
+    import ctypes
+
+    if int(os.environ["RANK"]) == 1:
+        ctypes.string_at(0)  # reads address 0: a segmentation fault in C, no Python exception
+    return "survived"
+
+
+def test_a_rank_crashed_in_native_code_is_named_with_its_python_stack(mesh_pool):
+    """A segmentation fault sends no traceback; faulthandler's stacks of the crashed rank
+    (where its Python code was when the signal came) are the error's remote traceback."""
+    with pytest.raises(RankFailedError) as info:
+        mesh_pool.run(crash_rank_one_in_native_code, 2, timeout=60)
+    assert info.value.rank == 1
+    assert "SIGSEGV" in str(info.value)
+    assert "Fatal Python error: Segmentation fault" in info.value.remote_traceback
+    assert "crash_rank_one_in_native_code" in info.value.remote_traceback
+    assert mesh_pool.run(crash_rank_one_in_native_code, 1) == ["survived"]  # replaced
+
+
 class _Evil:
     def __reduce__(self):
         return (os.system, (f"touch {_MARK}",))

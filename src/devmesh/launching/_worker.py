@@ -112,6 +112,9 @@ def serve_pool(host: str, port: int, index: int, stack_path: str, key: bytes) ->
     before anything is unpickled, say it is ready, run tasks until the pool says stop."""
     stack_file = open(stack_path, "w")  # noqa: SIM115 - lives as long as the process
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    # a crash in native code (SIGSEGV, SIGBUS, SIGABRT, SIGFPE, SIGILL) leaves no Python
+    # traceback to send: its stacks go to the same file, where the pool reads them
+    faulthandler.enable(file=stack_file, all_threads=True)
     sock = socket.create_connection((host, port))
     conn = Connection(sock.detach())
     if not _auth.respond(conn, key):

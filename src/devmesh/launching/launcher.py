@@ -95,6 +95,17 @@ class _Worker:
             self.conn.close()
             self.conn = None
 
+    def crash_stacks(self) -> str:
+        """What faulthandler wrote when this worker crashed in native code (its threads'
+        Python stacks at the fatal signal), or ``""`` when it wrote nothing."""
+        try:
+            with open(self.stack_path) as f:
+                text = f.read()
+        except OSError:
+            return ""
+        start = text.rfind("Fatal Python error")
+        return text[start:].strip() if start >= 0 else ""
+
     def stack(self) -> str:
         """Ask the worker for its threads' stacks (faulthandler on SIGUSR1)."""
         if self.process.poll() is not None:
@@ -356,7 +367,9 @@ class WorkerPool:
                 try:
                     got_id, result = conn.recv()
                 except (EOFError, OSError):
-                    result = ("error", _death(workers[rank].process.wait(), self._oom_kills), "")
+                    code = workers[rank].process.wait()
+                    result = ("error", _death(code, self._oom_kills),
+                              workers[rank].crash_stacks() if code < 0 else "")
                     got_id = task_id
                 if got_id != task_id:
                     continue
