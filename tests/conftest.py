@@ -4,6 +4,14 @@ from hypothesis import settings
 
 pytest_plugins = ["devmesh.testing"]
 
+# The test pool's workers are forked after importing what the suite's tasks use, torch's
+# compiler included (the compiled-model tests): each of the 16 workers, and each that
+# replaces one a fault test broke, would otherwise import it again (~1.5 s of CPU apiece)
+os.environ.setdefault("DEVMESH_TEST_PRELOAD", ",".join((
+    "devmesh.parallel", "devmesh.tensor", "torch.distributed.checkpoint",
+    "torch.distributed.pipelining", "torch._functorch.aot_autograd", "torch._inductor.compile_fx",
+    "torch.testing._internal.distributed._tensor.common_dtensor")))
+
 # CI runs the same examples every time (a failure found locally is reproduced by its seed);
 # local runs keep exploring new ones.
 settings.register_profile("ci", derandomize=True, print_blob=True)

@@ -31,15 +31,27 @@ __all__ = ["shared_pool", "run", "mesh_pool"]
 _pool: WorkerPool | None = None
 
 
+#: What the pool's workers import before their first task unless ``DEVMESH_TEST_PRELOAD``
+#: (comma-separated module names) says otherwise: devmesh's parallelisms and what they use.
+DEFAULT_PRELOAD = ("devmesh.parallel", "devmesh.tensor", "torch.distributed.checkpoint",
+                   "torch.distributed.pipelining")
+
+
 def shared_pool(size: int | None = None) -> WorkerPool:
-    """The process-wide pool (``DEVMESH_TEST_WORKERS`` workers, default 8), started on first use."""
+    """The process-wide pool (``DEVMESH_TEST_WORKERS`` workers, default 8), started on first
+    use, its workers forked after importing ``DEVMESH_TEST_PRELOAD`` (see
+    :data:`DEFAULT_PRELOAD`): a suite's workers, and those that replace broken ones, then
+    import none of it again."""
     global _pool
     wanted = size or int(os.environ.get("DEVMESH_TEST_WORKERS", "8"))
     if _pool is not None and _pool.size < wanted:
         _pool.close()
         _pool = None
     if _pool is None:
-        _pool = WorkerPool(wanted)
+        preload = os.environ.get("DEVMESH_TEST_PRELOAD")
+        names = DEFAULT_PRELOAD if preload is None else [n.strip() for n in preload.split(",")
+                                                         if n.strip()]
+        _pool = WorkerPool(wanted, preload=names)
         atexit.register(_pool.close)
     return _pool
 

@@ -91,10 +91,11 @@ def test_workers_are_forked_from_one_process_that_imported_torch():
     """A pool's workers (and those that replace broken ones) are children of one zygote that
     imported torch before forking them; the zygote going away takes its workers with it, and
     the pool starts a new one for its next task; closing the pool leaves neither behind."""
-    with devmesh.WorkerPool(3) as pool:
+    with devmesh.WorkerPool(3, preload=["xml.dom.minidom"]) as pool:
         zygote = pool._zygote.process.pid
-        seen = pool.run(lambda: (os.getppid(), "torch" in __import__("sys").modules), 3)
-        assert seen == [(zygote, True)] * 3
+        seen = pool.run(lambda: (os.getppid(), "torch" in __import__("sys").modules,
+                                 "xml.dom.minidom" in __import__("sys").modules), 3)
+        assert seen == [(zygote, True, True)] * 3  # torch and the preloaded module, inherited
         replaced = pool._workers[1].process.pid
         pool._replace([1])
         assert not alive(replaced)
@@ -257,4 +258,15 @@ def test_a_pool_that_cannot_import_torch_says_why(monkeypatch, tmp_path, capfd):
     assert "could not start" in text and "failed to import what they need" in text, text
     assert "ImportError: this torch is broken (a test stand-in)" in text, text
     assert {p for p in _children() if "devmesh.launching._zygote" in p} <= before
+    capfd.readouterr()  # the zygote's own traceback went to the terminal
+
+
+def test_a_module_to_preload_that_cannot_be_imported_is_named(capfd):
+    from devmesh.errors import WorkerStartError
+
+    with pytest.raises(ValueError, match="a sequence of module names"):
+        devmesh.WorkerPool(1, preload="devmesh.parallel")  # a string, not a list of names
+    with pytest.raises(WorkerStartError) as caught:
+        devmesh.WorkerPool(1, preload=["devmesh.no_such_module"])
+    assert "No module named 'devmesh.no_such_module'" in str(caught.value), caught.value
     capfd.readouterr()  # the zygote's own traceback went to the terminal

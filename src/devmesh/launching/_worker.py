@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import importlib
 import os
 import signal
 import socket
 import sys
 import traceback
+from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from devmesh.launching import _auth
@@ -87,9 +89,11 @@ def _serve(conn: Connection) -> None:
             conn.send((task_id, ("error", f"cannot send result back: {exc}", "")))
 
 
-def prepare() -> None:
+def prepare(preload: Sequence[str] = ()) -> None:
     """Import what every task needs, once, before any task runs (in the zygote the workers
-    are forked from: :mod:`._zygote`)."""
+    are forked from: :mod:`._zygote`), and the modules named in ``preload``: the pool's
+    tasks will import them anyway, and each worker (and each that replaces a broken one)
+    would pay the import again."""
     import torch  # noqa: F401 - pay the import once, before the first task
     import torch.distributed  # noqa: F401
     from devmesh import _torch_compat
@@ -99,6 +103,8 @@ def prepare() -> None:
     # none is, or the first task to build an optimizer leaves its gloo threads behind
     _torch_compat.import_dynamo()
 
+    for name in preload:
+        importlib.import_module(name)
     torch.set_num_threads(1)
     # what is imported so far lives as long as the process: out of the collector's sight,
     # the full collection after each task (_cleanup) scans only what tasks made (~0.2 s per

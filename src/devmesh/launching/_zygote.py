@@ -9,7 +9,8 @@ the forked copy is as clean as a fresh interpreter that imported the same module
 DataLoader forks its workers the same way).
 
 Started as ``python -m devmesh.launching._zygote HOST PORT PARENT_PID REPORT_FD`` with the
-pool's secret on the first line of stdin. Each further line, ``INDEX STACK_PATH``, asks for a
+pool's secret on the first line of stdin and the modules to preload (space-separated, maybe
+none) on the second. Each further line, ``INDEX STACK_PATH``, asks for a
 worker; the worker then connects to ``HOST:PORT`` and authenticates as one started directly
 would. On ``REPORT_FD`` the zygote writes ``started INDEX PID`` for each worker it forked and
 ``ended PID CODE`` (the exit code, or minus the signal that killed it) when one ends: the pool
@@ -93,9 +94,10 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the pool to handle
     key_hex, pending = _read_line(0, b"")
     key = bytes.fromhex(key_hex.decode())
+    preload, pending = _read_line(0, pending)
     report = os.fdopen(int(report_fd), "w", buffering=1)
     try:
-        _worker.prepare()
+        _worker.prepare(preload.decode().split())
         import torch
 
         if torch.cuda.is_initialized():  # a forked child cannot use the CUDA its parent started

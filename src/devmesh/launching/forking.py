@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Sequence
 
 __all__ = ["Zygote", "ForkedProcess"]
 
@@ -61,7 +62,8 @@ class ForkedProcess:
 class Zygote:
     """One zygote process for one pool: started with the environment the workers get."""
 
-    def __init__(self, host: str, port: int, key: bytes, env: dict[str, str]) -> None:
+    def __init__(self, host: str, port: int, key: bytes, env: dict[str, str],
+                 preload: Sequence[str] = ()) -> None:
         read_end, write_end = os.pipe()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "devmesh.launching._zygote", host, str(port),
@@ -77,6 +79,7 @@ class Zygote:
         assert self.process.stdin is not None
         self._requests = self.process.stdin
         self._requests.write(key.hex().encode() + b"\n")  # the pool's secret: never argv
+        self._requests.write(" ".join(preload).encode() + b"\n")
         self._requests.flush()
         self._reader = threading.Thread(target=self._read_reports, args=(read_end,),
                                         name="devmesh-zygote-reports", daemon=True)

@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -125,6 +125,9 @@ class WorkerPool:
     """A pool of ``size`` local worker processes that run SPMD functions on ``1..size`` ranks.
 
     Use as a context manager (or call :meth:`close`). Not thread-safe: one task at a time.
+    ``preload`` names modules the workers import before their first task, once for all of
+    them (the process they are forked from imports them): what the tasks import anyway,
+    such as ``"devmesh.parallel"`` or torch's compiler, then costs no worker its import.
 
     Example:
         >>> with WorkerPool(4) as pool:                        # doctest: +SKIP
@@ -133,9 +136,15 @@ class WorkerPool:
     """
 
     def __init__(self, size: int, *, start_timeout: float | None = None,
-                 oversubscribe: bool = False) -> None:
+                 oversubscribe: bool = False, preload: Sequence[str] = ()) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"a WorkerPool needs a positive number of workers, got {size!r}")
+        if isinstance(preload, str) or not all(
+                isinstance(name, str) and name and not any(c.isspace() for c in name)
+                for name in preload):
+            raise ValueError(f"preload takes a sequence of module names, such as "
+                             f"['devmesh.parallel'], got {preload!r}")
+        self.preload = tuple(preload)
         capacity.check_local_ranks(size, what=f"a local launch of {size} ranks",
                                    override="oversubscribe=True", oversubscribe=oversubscribe)
         self.size = size
@@ -168,7 +177,7 @@ class WorkerPool:
         env["PYTHONPATH"] = os.pathsep.join(
             [package_root] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         )
-        return Zygote(host, port, self._authkey, env)
+        return Zygote(host, port, self._authkey, env, self.preload)
 
     def _start(self, indices: list[int]) -> None:
         if self._zygote is None or self._zygote.process.poll() is not None:
