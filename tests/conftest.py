@@ -5,12 +5,14 @@ from hypothesis import settings
 pytest_plugins = ["devmesh.testing"]
 
 # The test pool's workers are forked after importing what the suite's tasks use, torch's
-# compiler included (the compiled-model tests): each of the 16 workers, and each that
-# replaces one a fault test broke, would otherwise import it again (~1.5 s of CPU apiece)
+# compiler (the compiled-model tests) and scikit-learn's datasets (the digits) included:
+# each of the 16 workers, and each that replaces one a fault test broke, would otherwise
+# import them again (~2.5 s of CPU apiece)
 os.environ.setdefault("DEVMESH_TEST_PRELOAD", ",".join((
-    "devmesh.parallel", "devmesh.tensor", "torch.distributed.checkpoint",
-    "torch.distributed.pipelining", "torch._functorch.aot_autograd", "torch._inductor.compile_fx",
-    "torch.testing._internal.distributed._tensor.common_dtensor")))
+    "devmesh.parallel", "devmesh.parallel.pipeline", "devmesh.tensor",
+    "torch.distributed.checkpoint", "torch.distributed.pipelining",
+    "torch._functorch.aot_autograd", "torch._inductor.compile_fx",
+    "torch.testing._internal.distributed._tensor.common_dtensor", "sklearn.datasets")))
 
 # CI runs the same examples every time (a failure found locally is reproduced by its seed);
 # local runs keep exploring new ones.

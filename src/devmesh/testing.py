@@ -33,8 +33,8 @@ _pool: WorkerPool | None = None
 
 #: What the pool's workers import before their first task unless ``DEVMESH_TEST_PRELOAD``
 #: (comma-separated module names) says otherwise: devmesh's parallelisms and what they use.
-DEFAULT_PRELOAD = ("devmesh.parallel", "devmesh.tensor", "torch.distributed.checkpoint",
-                   "torch.distributed.pipelining")
+DEFAULT_PRELOAD = ("devmesh.parallel", "devmesh.parallel.pipeline", "devmesh.tensor",
+                   "torch.distributed.checkpoint", "torch.distributed.pipelining")
 
 
 def shared_pool(size: int | None = None) -> WorkerPool:
