@@ -8,11 +8,14 @@ pytest_plugins = ["devmesh.testing"]
 # compiler (the compiled-model tests) and scikit-learn's datasets (the digits) included:
 # each of the 16 workers, and each that replaces one a fault test broke, would otherwise
 # import them again (~2.5 s of CPU apiece)
-os.environ.setdefault("DEVMESH_TEST_PRELOAD", ",".join((
-    "devmesh.parallel", "devmesh.parallel.pipeline", "devmesh.tensor",
-    "torch.distributed.checkpoint", "torch.distributed.pipelining",
-    "torch._functorch.aot_autograd", "torch._inductor.compile_fx",
-    "torch.testing._internal.distributed._tensor.common_dtensor", "sklearn.datasets")))
+# (set once pytest has loaded devmesh.testing as a plugin: importing it here first would keep
+# pytest from rewriting its asserts)
+def pytest_configure(config):
+    from devmesh.testing import DEFAULT_PRELOAD
+
+    os.environ.setdefault("DEVMESH_TEST_PRELOAD", ",".join((
+        *DEFAULT_PRELOAD, "torch._functorch.aot_autograd", "torch._inductor.compile_fx",
+        "torch.testing._internal.distributed._tensor.common_dtensor", "sklearn.datasets")))
 
 # CI runs the same examples every time (a failure found locally is reproduced by its seed);
 # local runs keep exploring new ones.

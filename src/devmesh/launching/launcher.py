@@ -27,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
@@ -139,7 +139,7 @@ class WorkerPool:
                  oversubscribe: bool = False, preload: Sequence[str] = ()) -> None:
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise ValueError(f"a WorkerPool needs a positive number of workers, got {size!r}")
-        if isinstance(preload, str) or not all(
+        if isinstance(preload, str) or not isinstance(preload, Iterable) or not all(
                 isinstance(name, str) and name and not any(c.isspace() for c in name)
                 for name in preload):
             raise ValueError(f"preload takes a sequence of module names, such as "
