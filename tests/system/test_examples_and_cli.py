@@ -58,13 +58,13 @@ def _run(args, timeout=180, env=None):
         ("devmesh", "pipeline_traced.py", 2, "rank 1: parameters same as one process: True"),
     ],
 )
-def test_examples_run_under_launchers(launcher, script, n, expected):
+def test_examples_run_under_launchers(launcher, script, n, expected, tmp_path):
     if launcher == "devmesh":
         cmd = DEVMESH + ["run", "-n", str(n), str(EXAMPLES / script)]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc_per_node={n}", str(EXAMPLES / script)]
-    result = _run(cmd)
+    result = _run(cmd, env=dict(os.environ, TMPDIR=str(tmp_path)))  # torchrun's log folders
     assert result.returncode == 0, result.stderr[-3000:]
     assert expected in result.stdout
 

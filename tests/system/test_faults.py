@@ -161,7 +161,8 @@ def test_a_run_that_ended_well_exits_zero(tmp_path, launcher):
             setup='from devmesh import init_device_mesh\ninit_device_mesh("cpu", (2,))'))
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run",
                                "--nproc_per_node", "2", str(script)], capture_output=True,
-                              text=True, timeout=300)
+                              text=True, timeout=300,
+                              env=dict(os.environ, TMPDIR=str(tmp_path)))  # its log folders
     assert "terminate called" not in proc.stderr, proc.stderr[-2000:]
     assert proc.returncode == 0 and proc.stdout.count("done") == 2, proc.stderr[-2000:]
 

@@ -85,8 +85,11 @@ def simulated_hosts(count: int) -> Iterator[list[Host]]:
 
 
 def _start(host: Host, node: int, nodes: int, endpoint: str, nproc: int, script: Path,
-           *args: str, extra: tuple[str, ...] = ()) -> subprocess.Popen:
-    env = dict(os.environ, PYTHONWARNINGS="ignore::FutureWarning")
+           *args: str, extra: tuple[str, ...] = (), scratch: Path) -> subprocess.Popen:
+    """Host ``node``'s ``devmesh run``, its temporary files in ``scratch/host<node>``."""
+    temporary = scratch / f"host{node}"
+    temporary.mkdir(exist_ok=True)
+    env = dict(os.environ, PYTHONWARNINGS="ignore::FutureWarning", TMPDIR=str(temporary))
     if not host.prefix:  # loopback aliases: the ranks' connections stay on lo
         env["GLOO_SOCKET_IFNAME"] = "lo"
     command = [*host.prefix, sys.executable, "-m", "devmesh", "run", "-n", str(nproc),
@@ -99,8 +102,8 @@ def _start(host: Host, node: int, nodes: int, endpoint: str, nproc: int, script:
 def test_hsdp_over_tp_on_two_hosts_trains_as_one_process_with_tp_inside_each_host(tmp_path):
     with simulated_hosts(2) as hosts:
         endpoint = f"{hosts[0].address}:29511"
-        runs = [_start(host, node, 2, endpoint, 4, SCRIPTS / "hsdp_tp_hosts.py", str(tmp_path))
-                for node, host in enumerate(hosts)]
+        runs = [_start(host, node, 2, endpoint, 4, SCRIPTS / "hsdp_tp_hosts.py", str(tmp_path),
+                       scratch=tmp_path) for node, host in enumerate(hosts)]
         outputs = [run.communicate(timeout=300) for run in runs]
     for run, (out, err) in zip(runs, outputs):
         assert run.returncode == 0, (out + err)[-4000:]
@@ -155,14 +158,15 @@ def test_a_host_killed_under_max_restarts_resumes_bit_for_bit(tmp_path, mesh_poo
         marker = broken / "kill-me"
         args = (str(broken / "out"), str(broken / "ckpt"), str(marker))
         endpoint = f"{hosts[0].address}:29513"
-        runs = [_start(h, n, 2, endpoint, 4, script, *args, extra=restarts)
+        runs = [_start(h, n, 2, endpoint, 4, script, *args, extra=restarts, scratch=tmp_path)
                 for n, h in enumerate(hosts)]
         deadline = time.monotonic() + 300
         while not marker.exists():
             assert time.monotonic() < deadline and runs[0].poll() is None, "never reached step 2"
             time.sleep(0.2)
         _kill_host(hosts[1], runs[1])
-        runs[1] = _start(hosts[1], 1, 2, endpoint, 4, script, *args, extra=restarts)
+        runs[1] = _start(hosts[1], 1, 2, endpoint, 4, script, *args, extra=restarts,
+                         scratch=tmp_path)
         outputs = [run.communicate(timeout=300) for run in runs]
     for run, (out, err) in zip(runs, outputs):
         assert run.returncode == 0, (out + err)[-4000:]
@@ -186,8 +190,8 @@ def test_a_host_cut_off_makes_every_other_rank_raise_naming_it_and_nothing_is_le
             pytest.skip("a link can be cut only between network namespaces; this machine "
                         "cannot make them (the other multi-host tests ran on loopback aliases)")
         endpoint = f"{hosts[0].address}:29514"
-        runs = [_start(h, n, 2, endpoint, 4, SCRIPTS / "hosts_link_cut.py", str(tmp_path))
-                for n, h in enumerate(hosts)]
+        runs = [_start(h, n, 2, endpoint, 4, SCRIPTS / "hosts_link_cut.py", str(tmp_path),
+                       scratch=tmp_path) for n, h in enumerate(hosts)]
         deadline = time.monotonic() + 240
         while len(list(tmp_path.glob("ready*"))) < 8:
             assert time.monotonic() < deadline and all(r.poll() is None for r in runs)
@@ -201,6 +205,9 @@ def test_a_host_cut_off_makes_every_other_rank_raise_naming_it_and_nothing_is_le
                                              capture_output=True, text=True).stdout.split()
                 for h in hosts}
     assert left == {h.prefix[-1]: [] for h in hosts}
+    written = {node: sorted(p.name for p in (tmp_path / f"host{node}").iterdir()
+                            if p.name.startswith("devmesh-")) for node in (0, 1)}
+    assert written == {0: [], 1: []}  # both runs removed their folders, the cut-off one too
     assert took < 120, took
     assert [run.returncode for run in runs] == [1, 1]
     assert ("devmesh run: host 0's rendezvous at 10.201.0.1:29514 cannot be reached from this "

@@ -146,7 +146,7 @@ def test_two_simulated_hosts_with_torchrun(tmp_path):
              f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}", script],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
             env=dict(os.environ, PYTHONWARNINGS="ignore::FutureWarning",
-                     DEVMESH_TEST_OUT=str(tmp_path)))
+                     DEVMESH_TEST_OUT=str(tmp_path), TMPDIR=str(tmp_path)))
         for node in (0, 1)
     ]
     outputs = [a.communicate(timeout=240) for a in agents]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import fcntl
 import socket
 import struct
+from collections.abc import Callable
 
 __all__ = ["parse_endpoint", "local_address_towards", "interface_of"]
 
@@ -79,11 +80,13 @@ def _reachable(host: str, port: int, seconds: float = 3.0) -> bool:
 
 
 def exit_when_cut_off(host: str, port: int, node_rank: int, *, quiet_seconds: float = 20.0,
-                      poll_seconds: float = 2.0) -> None:
+                      poll_seconds: float = 2.0,
+                      before_exit: Callable[[], None] = lambda: None) -> None:
     """Watch, on a daemon thread, for this host being cut off from host 0: its ranks have all
     stopped for ``quiet_seconds`` and the rendezvous at ``host:port`` does not answer. Then
-    say so and exit (1): torchrun's agent would otherwise wait on the unreachable rendezvous
-    store for many minutes."""
+    say so, call ``before_exit`` (to remove what the run wrote) and exit (1) at once:
+    torchrun's agent would otherwise wait on the unreachable rendezvous store for many
+    minutes, and an exit through the interpreter would wait on the agent's threads."""
     import os
     import sys
     import threading
@@ -102,6 +105,7 @@ def exit_when_cut_off(host: str, port: int, node_rank: int, *, quiet_seconds: fl
                       f"this host (host {node_rank}) and its ranks have stopped: this host is "
                       "cut off from the others; check its network link", file=sys.stderr,
                       flush=True)
+                before_exit()
                 os._exit(1)
 
     threading.Thread(target=watch, name="devmesh-cut-off-watch", daemon=True).start()

@@ -8,6 +8,7 @@ import argparse
 import os
 import signal
 import sys
+from collections.abc import Callable
 
 __all__ = ["add", "run", "root_exit_code", "hosts_of_run", "RDZV_READ_TIMEOUT"]
 
@@ -57,7 +58,20 @@ def run(args: argparse.Namespace) -> int:
     from devmesh.launching.capacity import oom_kills
     from torch.distributed.run import main as torchrun_main
 
-    hosts = hosts_of_run(args)  # (torchrun's rendezvous options) for --nnodes > 1
+    import tempfile
+
+    # each failing rank reports in one folder; every rank's output goes to files in another
+    # (kept with --log-dir); both are removed when the run ends, also when this host finds
+    # itself cut off from the others and exits at once
+    reports = tempfile.TemporaryDirectory(prefix="devmesh-run-")
+    logs = None if args.log_dir else tempfile.TemporaryDirectory(prefix="devmesh-run-logs-")
+
+    def remove_folders() -> None:
+        reports.cleanup()
+        if logs is not None:
+            logs.cleanup()
+
+    hosts = hosts_of_run(args, before_exit=remove_folders)  # torchrun's options, --nnodes > 1
     if hosts is None:
         # the workers' own gloo sockets stay on loopback (torchrun's agent store is torch's)
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -73,8 +87,6 @@ def run(args: argparse.Namespace) -> int:
     os.environ[ARGV_VARIABLE] = json.dumps(list(args.args))
     if args.trace_collectives:  # each rank records its collectives (devmesh.distributed.trace)
         os.environ["DEVMESH_TRACE_COLLECTIVES"] = "1"
-    import tempfile
-
     # a store per restart (pytorch/pytorch#135712), served by rank 0 on loopback only
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # torchrun --standalone's agent serves its rendezvous store on every interface; this
@@ -93,7 +105,6 @@ def run(args: argparse.Namespace) -> int:
     # every rank's output goes to a file that torchrun's agent copies to the console a whole
     # line at a time, each line prefixed "[rank3]:" (global rank): lines of several ranks
     # never mix; --log-dir keeps the files, else they are removed with the run
-    logs = None if args.log_dir else tempfile.TemporaryDirectory(prefix="devmesh-run-logs-")
     torchrun_args += [f"--log-dir={args.log_dir or logs.name}", "--tee=3"]
     os.environ.setdefault("TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE", "[rank${rank}]:")
     # torchrun's own default, set here so that it does not print a banner saying so
@@ -109,7 +120,6 @@ def run(args: argparse.Namespace) -> int:
 
     from devmesh.launching.reports import REPORTS_VARIABLE, relay_restarts, summary
 
-    reports = tempfile.TemporaryDirectory(prefix="devmesh-run-")
     os.environ[REPORTS_VARIABLE] = reports.name  # each failing rank reports there
     # the failure is summarised below, once: torchrun's own error lines would repeat it
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
@@ -141,9 +151,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         del store  # the loopback rendezvous of a one-host run
-        reports.cleanup()
-        if logs is not None:
-            logs.cleanup()
+        remove_folders()
     return 0
 
 
@@ -189,10 +197,12 @@ def root_exit_code(failures: dict) -> int:
 RDZV_READ_TIMEOUT = 15
 
 
-def hosts_of_run(args: argparse.Namespace) -> list[str] | None:
+def hosts_of_run(args: argparse.Namespace,
+                 before_exit: Callable[[], None] = lambda: None) -> list[str] | None:
     """torchrun's options for a run over several hosts (``None`` for one): node 0 hosts the
     rendezvous at ``--rdzv-endpoint``; every node's ranks talk over the interface that
-    reaches it (``GLOO_SOCKET_IFNAME``, unless set)."""
+    reaches it (``GLOO_SOCKET_IFNAME``, unless set). A host other than 0 exits when it finds
+    itself cut off from host 0, calling ``before_exit`` first."""
     if args.nnodes == 1 and args.rdzv_endpoint is None:
         return None
     from devmesh.launching.hosts import (exit_when_cut_off, interface_of,
@@ -210,7 +220,7 @@ def hosts_of_run(args: argparse.Namespace) -> list[str] | None:
         raise SystemExit(f"devmesh run: {exc}") from None
     local = args.local_addr or local_address_towards(host, port)
     if args.node_rank != 0:  # host 0 serves the rendezvous; another host can lose it
-        exit_when_cut_off(host, port, args.node_rank)
+        exit_when_cut_off(host, port, args.node_rank, before_exit=before_exit)
     interface = interface_of(local)
     if interface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
