@@ -30,7 +30,7 @@ if os.environ.get("CI"):
 KINDS = ("unit", "ranks", "parity", "system")
 
 
-# `pytest -n 2` runs the suite on two pytest workers (xdist, whole files each: a module's
+# `pytest -n 3` runs the suite on three pytest workers (xdist, whole files each: a module's
 # fixtures are computed once). They take files in collection order, so the longest files —
 # launches of fresh processes, timeouts waited out — come first and the short ones fill in
 # at the end, rather than one worker finishing a long file alone; then system, ranks,

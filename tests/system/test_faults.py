@@ -96,7 +96,7 @@ def test_a_stranger_on_the_pool_port_is_refused_before_unpickling():
     assert not os.path.exists(_MARK)
 
 
-def test_killing_the_parent_leaves_no_worker():
+def test_killing_the_parent_leaves_no_worker(tmp_path):
     script = textwrap.dedent("""
         import os, sys, time
         from devmesh import WorkerPool
@@ -104,7 +104,8 @@ def test_killing_the_parent_leaves_no_worker():
         print(" ".join(str(w.process.pid) for w in pool._workers), flush=True)
         time.sleep(600)
     """)
-    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, TMPDIR=str(tmp_path)))  # killed: no cleanup
     pids = [int(p) for p in parent.stdout.readline().split()]
     assert len(pids) == 3 and all(alive(p) for p in pids)
     parent.send_signal(signal.SIGKILL)
@@ -244,7 +245,8 @@ def test_killing_devmesh_run_leaves_no_rank(tmp_path):
         time.sleep(600)
     """))
     run = subprocess.Popen([sys.executable, "-m", "devmesh", "run", "-n", "2", str(script),
-                            "--flag", "x"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                            "--flag", "x"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env=dict(os.environ, TMPDIR=str(tmp_path)))  # killed: cannot clean up
     deadline = time.monotonic() + 120
     files = [tmp_path / "pid0", tmp_path / "pid1"]
     while not all(f.exists() and f.read_text() for f in files) and time.monotonic() < deadline:
