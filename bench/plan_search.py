@@ -5,8 +5,8 @@ order their real training steps take.
 1. The cost model is fitted here, on the same 8 ranks: each rank's matmul throughput while
    all 8 compute at once (TFLOP/s); back-to-back collectives over the 8 ranks: a small
    all-reduce's latency per hop, and the bus bandwidth of an all-reduce, an all-gather and a
-   reduce-scatter, each from two sizes, 1 and 8 MiB per rank (the median of the three for
-   pipeline messages); one of the model's blocks, forward and backward on a one-token
+   reduce-scatter, each from two sizes per rank, 1 and 8 MiB (1 and 32 MiB for the
+   all-reduce; the median of the three for pipeline messages); one of the model's blocks, forward and backward on a one-token
    micro-batch: what a block costs per micro-batch besides its FLOPs; the model fully
    sharded over the 8 ranks, its units' unshard and reshard against bare all-gathers of the
    same shards: the rate at which FSDP copies the gathered bytes besides the collective
@@ -124,22 +124,26 @@ def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, f
     def seconds(op: str, numel: int) -> float:
         """A call's time within back-to-back calls of ``op`` on ``numel`` floats per rank."""
         n = dist.get_world_size()
-        t, gathered = torch.zeros(numel), torch.zeros(numel * n)
+        t = torch.zeros(numel)
+        gathered = torch.zeros(numel * n if op != "all_reduce" else 0)
         return _median_seconds({"all_reduce": lambda: dist.all_reduce(t),
                                 "all_gather": lambda: dist.all_gather_single(gathered, t),
                                 "reduce_scatter": lambda: dist.reduce_scatter_single(t, gathered)
                                 }[op])
 
     # bus bandwidth of each collective a step makes (on gloo an all-gather moves its bytes
-    # several times slower than an all-reduce), from the time 7 MiB more per rank adds
-    # (1 and 8 MiB: a rank's part of the gather or of the scatter's input); between two
+    # several times slower than an all-reduce), from the time more bytes per rank add: 1 and
+    # 8 MiB for a rank's part of a gather or of a scatter's input, 1 and 32 MiB for an
+    # all-reduce (its time barely grows from 1 to 8 MiB, ~23 to ~30 ms on 8 ranks here, so
+    # that difference is the noise's: it gave 0.3 to 1.8 GB/s from run to run); between two
     # small sizes the latency and the noise of 8 ranks on 2 cores swamp the bytes
     n = dist.get_world_size()
     small = seconds("all_reduce", 256)
     rates = {}
-    low, high = 1 << 18, 1 << 21
-    for op, wire in (("all_reduce", 2 * (n - 1) / n), ("all_gather", n - 1),
-                     ("reduce_scatter", n - 1)):  # bytes a rank receives, per byte of its part
+    low = 1 << 18
+    for op, wire, high in (("all_reduce", 2 * (n - 1) / n, 1 << 23),
+                           ("all_gather", n - 1, 1 << 21),
+                           ("reduce_scatter", n - 1, 1 << 21)):  # received per byte of its part
         extra = seconds(op, high) - seconds(op, low)
         rates[op] = wire * 4 * (high - low) / max(extra, 1e-9) / 1e9
     overhead = block_overhead(model_text)
