@@ -105,7 +105,9 @@ def exit_when_cut_off(host: str, port: int, node_rank: int, *, quiet_seconds: fl
                       f"this host (host {node_rank}) and its ranks have stopped: this host is "
                       "cut off from the others; check its network link", file=sys.stderr,
                       flush=True)
-                before_exit()
-                os._exit(1)
+                try:
+                    before_exit()
+                finally:  # whatever the removal raised, the host must not stay waiting
+                    os._exit(1)
 
     threading.Thread(target=watch, name="devmesh-cut-off-watch", daemon=True).start()
