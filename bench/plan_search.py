@@ -3,15 +3,17 @@ times: on 8 gloo ranks of this machine, its predicted order of candidate meshes 
 order their real training steps take.
 
 1. The cost model is fitted here, on the same 8 ranks: each rank's matmul throughput while
-   all 8 compute at once (TFLOP/s); back-to-back collectives over the 8 ranks: a small
-   all-reduce's latency per hop, and the bus bandwidth of an all-reduce, an all-gather and a
-   reduce-scatter, each from two sizes per rank, 1 and 8 MiB (1 and 32 MiB for the
-   all-reduce; the median of the three for pipeline messages); one of the model's blocks, forward and backward on a one-token
-   micro-batch: what a block costs per micro-batch besides its FLOPs; the model fully
-   sharded over the 8 ranks, its units' unshard and reshard against bare all-gathers of the
-   same shards: the rate at which FSDP copies the gathered bytes besides the collective
-   (its reduce-scatters' bytes are costed at the same rate). The model knows that the 8
-   ranks share this machine's cores.
+   all 8 compute at once (TFLOP/s); the latency per hop: what a small all-reduce between
+   two ranks adds after a burst of compute (as tensor parallelism's all-reduces come);
+   back-to-back collectives over the 8 ranks: the bus bandwidth of an all-reduce, an
+   all-gather and a reduce-scatter, each from two sizes per rank, 1 and 8 MiB (1 and 32 MiB
+   for the all-reduce; the median of the three for pipeline messages); one of the model's
+   blocks, forward and backward on a one-token micro-batch: what a block costs per
+   micro-batch besides its FLOPs; the model fully sharded over the 8 ranks, its units'
+   unshard and reshard against bare all-gathers of the same shards: the rate at which FSDP
+   copies the gathered bytes besides the collective (its reduce-scatters' bytes, and DDP's
+   gradients into their buckets and back, are costed at the same rate). The model knows
+   that the 8 ranks share this machine's cores.
 2. The search ranks every candidate for 8 ranks (no memory limit); ``--candidates`` of them,
    spread evenly over its ranking, are measured by the dry run (``verify``), and each is then
    run for real: devmesh's parallelisms on the same model, one training step (forward and
@@ -107,6 +109,31 @@ def fsdp_copy_bandwidth(model_text: str) -> float:
     return 4 * n * sum(own) / max(extra, 1e-9) / 1e9
 
 
+def latency_after_compute() -> float:
+    """Seconds a small all-reduce between two ranks (one hop) adds after a burst of compute:
+    tensor parallelism's all-reduces and a pipeline's messages come between matmuls, where
+    the peer, sharing a core with three other ranks, is seldom ready at once (here ~3 ms,
+    against ~1.4 ms back to back)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    pairs = [dist.new_group([first, first + 1]) for first in range(0, n - 1, 2)]
+    pair = pairs[min(rank // 2, len(pairs) - 1)]
+    x, w, t = torch.randn(512, 256), torch.randn(256, 256), torch.zeros(256)
+
+    def compute() -> None:  # ~10 ms here with all 8 ranks computing
+        for _ in range(4):
+            x @ w
+
+    def then_reduce() -> None:
+        compute()
+        dist.all_reduce(t, group=pair)
+
+    # noisy (2.3 to 3.3 ms in four repeats here): the median of many repeats
+    return _median_seconds(then_reduce, repeats=15) - _median_seconds(compute, repeats=15)
+
+
 def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, float]:
     """(TFLOP/s per rank, bus GB/s by collective, seconds per hop, a block's seconds per
     micro-batch besides its FLOPs, FSDP's copy GB/s), measured on this rank of 8."""
@@ -138,7 +165,6 @@ def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, f
     # that difference is the noise's: it gave 0.3 to 1.8 GB/s from run to run); between two
     # small sizes the latency and the noise of 8 ranks on 2 cores swamp the bytes
     n = dist.get_world_size()
-    small = seconds("all_reduce", 256)
     rates = {}
     low = 1 << 18
     for op, wire, high in (("all_reduce", 2 * (n - 1) / n, 1 << 23),
@@ -146,11 +172,11 @@ def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, f
                            ("reduce_scatter", n - 1, 1 << 21)):  # received per byte of its part
         extra = seconds(op, high) - seconds(op, low)
         rates[op] = wire * 4 * (high - low) / max(extra, 1e-9) / 1e9
+    latency = latency_after_compute()
     overhead = block_overhead(model_text)
     copy = fsdp_copy_bandwidth(model_text)
     dist.destroy_process_group()
-    # per hop, as the model counts latency: an all-reduce over n ranks passes n - 1
-    return flops / 1e12, rates, small / (n - 1), overhead, copy
+    return flops / 1e12, rates, latency, overhead, copy
 
 
 def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: int
@@ -250,7 +276,7 @@ def main() -> None:
                   by_collective=measured_ops, block_overhead=overhead, copy_bandwidth=copy)
     rates = ", ".join(f"{op} {rate:.2f}" for op, rate in by_op.items())
     print(f"fitted on 8 ranks here: {tflops * 1e3:.1f} GFLOP/s per rank, bus GB/s {rates}, "
-          f"{latency * 1e6:.0f} us per hop of a collective, {overhead * 1e3:.1f} ms per block "
+          f"{latency * 1e6:.0f} us per hop of a collective after compute, {overhead * 1e3:.1f} ms per block "
           f"and micro-batch besides its FLOPs, FSDP's copies {copy:.2f} GB/s; {sharing:g} "
           "ranks per core")
     config = read_config(args.model)
@@ -290,7 +316,7 @@ def main() -> None:
           f"{spearman([e.step for e in chosen], [m for m, _ in measured]):.2f}")
     variants = {  # the same candidates and measurements, other models of this machine
         "no time per block and micro-batch besides the FLOPs": replace(costs, block_overhead=0.0),
-        "FSDP's copies free": replace(costs, copy_bandwidth=None),
+        "FSDP's and DDP's copies free": replace(costs, copy_bandwidth=None),
         "neither": replace(costs, block_overhead=0.0, copy_bandwidth=None),
         "one bandwidth for every collective (their median)": replace(costs, by_collective={}),
         "each rank its own core": replace(costs, ranks_per_device=1.0),

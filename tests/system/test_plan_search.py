@@ -258,6 +258,33 @@ def test_fsdps_gathered_and_scattered_bytes_are_copied_at_the_copy_bandwidth():
     assert with_copies["compute"] == free["compute"]
 
 
+@pytest.mark.parametrize("dims, copied_twice", [
+    (dict(pp=1, dp=4, shard=1, tp=2), "dp"),  # DDP over dp: gradients into buckets and back
+    (dict(pp=1, dp=2, shard=2, tp=2), None),  # HSDP: the all-reduce over dp copies nothing
+])
+def test_ddps_gradients_are_copied_into_their_buckets_and_back(dims, copied_twice):
+    """DDP packs every gradient into its bucket before the all-reduce and copies it back
+    after: with a copy bandwidth its all-reduce over dp costs twice its bytes at that rate
+    more; tensor parallelism's all-reduces and HSDP's over dp cost nothing more."""
+    from devmesh.tools.dry_run.report import buffer_copies, read_costs
+
+    copying = read_costs(0.05, "tp=4,1", None, "20us", copy_bandwidth=0.5)
+    candidate = Candidate(**dims, schedule="1f1b", microbatches=2)
+    report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
+    with_copies = predict(CONFIG, candidate.dims, report, copying, "1f1b", 2)
+    free = predict(CONFIG, candidate.dims, report, COSTS, "1f1b", 2)
+    reduced = {label: nbytes for (kind, label), (_, nbytes) in report.collectives.items()
+               if kind == "all_reduce"}
+    assert reduced.get("dp", 0) > 0 and reduced.get("tp", 0) > 0
+    for label, nbytes in reduced.items():
+        times = 2 if label == copied_twice else 0
+        assert buffer_copies("all_reduce", label, candidate.dims) == times
+        gathered = sum(n for (kind, lab), (_, n) in report.collectives.items()
+                       if lab == label and kind in ("all_gather", "reduce_scatter"))
+        assert (with_copies[f"comm {label}"] - free[f"comm {label}"]
+                == pytest.approx((times * nbytes + gathered) / 0.5e9, rel=1e-9, abs=1e-15))
+
+
 def test_each_collective_gets_its_own_measured_bandwidth(tmp_path):
     """``devmesh bench --json`` measures each collective per dim: a prediction from it gives
     each collective its own bus bandwidth (on gloo an all-gather is several times slower

@@ -77,9 +77,10 @@ def add(sub) -> None:
                           "micro-batch besides its FLOPs (its operations' launches), e.g. "
                           "50us; paid per block and micro-batch")
     dry.add_argument("--copy-bandwidth", type=float, default=None,
-                     help="with --tflops: GB/s at which a rank copies each all-gather's and "
-                          "reduce-scatter's bytes into and out of its flat buffer, as FSDP "
-                          "does besides the collective (default: free)")
+                     help="with --tflops: GB/s at which a rank copies the bytes of its "
+                          "data-parallel collectives besides sending them: FSDP's "
+                          "all-gathers and reduce-scatters out of or into their flat buffer, "
+                          "DDP's gradients into their bucket and back (default: free)")
     dry.add_argument("--ranks-per-device", type=float, default=1.0,
                      help="with --tflops: ranks sharing one device (8 CPU ranks on 2 cores: "
                           "4, --tflops then a rank's throughput while all compute); a "

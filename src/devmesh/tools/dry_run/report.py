@@ -8,9 +8,10 @@ factor of its kind over the bus bandwidth stated for its mesh dims or measured f
 collective over them, plus a stated latency per hop (a collective over n ranks makes
 n - 1), not overlapped with compute (an upper bound); a pipeline adds its schedule's bubble.
 Each block also takes a stated fixed time per micro-batch besides its FLOPs (its operations'
-launches or dispatches), which many small micro-batches pay many times; and FSDP copies each
-byte its all-gathers and reduce-scatters carry on the rank, into and out of the collective's
-flat buffer, at a stated copy bandwidth.
+launches or dispatches), which many small micro-batches pay many times; and a rank copies the
+bytes of its data-parallel collectives besides sending them, at a stated copy bandwidth: FSDP
+each byte its all-gathers and reduce-scatters carry, out of or into the collective's flat
+buffer (once), DDP each gradient into its bucket and back out of it (twice).
 Where several ranks share one device (``ranks_per_device``: CPU ranks on fewer cores), an
 idle stage's device time goes to the busy ranks, so the bubble costs only the share of the
 step in which too few ranks are busy to fill the devices.
@@ -29,7 +30,8 @@ from devmesh.tools.commbench import FACTORS
 from devmesh.tools.dry_run.model import TransformerConfig
 from devmesh.tools.dry_run.run import RankReport
 
-__all__ = ["Costs", "read_costs", "parse_seconds", "schedule_bubble", "step_flops", "predict", "format_reports", "parse_bytes"]
+__all__ = ["Costs", "read_costs", "parse_seconds", "schedule_bubble", "step_flops",
+           "buffer_copies", "predict", "format_reports", "parse_bytes"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -57,9 +59,10 @@ class Costs:
     throughput while all of them compute. ``block_overhead`` (seconds) is what one block's
     forward and backward take on one micro-batch besides their FLOPs (the launches or
     dispatches of its operations): a step pays it per block of the rank and micro-batch.
-    ``copy_bandwidth`` (GB/s) is the rate at which a rank copies the bytes of each all-gather
-    and reduce-scatter (their unsharded size) into and out of the collective's flat buffer,
-    as FSDP does besides the collective (None: free)."""
+    ``copy_bandwidth`` (GB/s) is the rate at which a rank copies the bytes of its
+    data-parallel collectives besides the collective (None: free): FSDP each all-gather's and
+    reduce-scatter's (their unsharded size) out of or into the collective's flat buffer, DDP
+    each all-reduced gradient into its bucket and back (:func:`buffer_copies`)."""
 
     tflops: float
     bandwidth: dict[str, float]
@@ -175,6 +178,21 @@ def _ranks_of(dims_label: str, dims: dict[str, int]) -> int:
     return n
 
 
+def buffer_copies(kind: str, label: str, dims: dict[str, int]) -> int:
+    """How many times a rank copies a collective's bytes besides the collective, as the
+    dry run's parallelisms do: FSDP's all-gather copies the gathered bytes out of its flat
+    buffer and its reduce-scatter the gradients into one (once each); DDP (``dp`` without
+    ``shard``: :func:`~devmesh.tools.dry_run.run.build_rank_model` replicates over ``dp``)
+    packs each gradient into its bucket before the all-reduce and copies it back after
+    (twice). Tensor parallelism's all-reduces and HSDP's (over ``dp``, of the reduce-scattered
+    shard in place) copy nothing."""
+    if kind in ("all_gather", "reduce_scatter"):
+        return 1
+    if kind == "all_reduce" and label == "dp" and "shard" not in dims:
+        return 2
+    return 0
+
+
 @functools.lru_cache(maxsize=256)
 def schedule_bubble(schedule: str, pp: int, microbatches: int) -> float:
     """The idle share of the schedule's rank-time (kept: a search asks it once per stage)."""
@@ -198,8 +216,8 @@ def predict(config: TransformerConfig, dims: dict[str, int], report: RankReport,
         key = f"comm {label}"
         parts[key] = (parts.get(key, 0.0) + calls * hops * costs.latency
                       + nbytes * factor / (costs.bus_bandwidth(label, kind) * 1e9))
-        if costs.copy_bandwidth and kind in ("all_gather", "reduce_scatter"):
-            parts[key] += nbytes / (costs.copy_bandwidth * 1e9)  # into or out of its buffer
+        if costs.copy_bandwidth:
+            parts[key] += buffer_copies(kind, label, dims) * nbytes / (costs.copy_bandwidth * 1e9)
     busy = sum(parts.values())
     pp = dims.get("pp", 1)
     bubble = schedule_bubble(schedule, pp, microbatches) if pp > 1 else 0.0
