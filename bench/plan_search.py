@@ -3,11 +3,13 @@ times: on 8 gloo ranks of this machine, its predicted order of candidate meshes 
 order their real training steps take.
 
 1. The cost model is fitted here, on the same 8 ranks: each rank's matmul throughput while
-   all 8 compute at once (TFLOP/s); the latency per hop: what a small all-reduce between
-   two ranks adds after a burst of compute (as tensor parallelism's all-reduces come);
-   back-to-back collectives over the 8 ranks: the bus bandwidth of an all-reduce, an
-   all-gather and a reduce-scatter, each from two sizes per rank, 1 and 8 MiB (1 and 32 MiB
-   for the all-reduce; the median of the three for pipeline messages); one of the model's
+   all 8 compute at once (TFLOP/s); a small all-reduce between two ranks back to back (the
+   latency per hop) and after a burst of compute (what a hop waits besides, as tensor
+   parallelism's all-reduces come between matmuls); each collective a step makes (all-reduce,
+   all-gather, reduce-scatter) back to back over groups of 2, 4 and 8 ranks at buffers of
+   64 KiB to 64 MiB (the curves a collective's time is read from, at its size); the bus
+   bandwidth of each over the 8 ranks from two sizes per rank, 1 and 8 MiB (1 and 32 MiB for
+   the all-reduce; the median of the three for pipeline messages); one of the model's
    blocks, forward and backward on a one-token micro-batch: what a block costs per
    micro-batch besides its FLOPs; the model fully sharded over the 8 ranks, its units'
    unshard and reshard against bare all-gathers of the same shards: the rate at which FSDP
@@ -23,10 +25,10 @@ order their real training steps take.
    apart than the larger of their two spreads (max - min over the repeats); for every such
    pair, the search's order should agree. Printed: the agreement, Spearman's rank
    correlation, and each candidate's predicted and measured time.
-4. The same with the five costs (throughput, bandwidth, latency, per block, FSDP's copies)
-   fitted to the measured steps of half the candidates (non-negative least squares on the
-   model's own terms), the order checked on the other half: how well the model's form
-   ranks, apart from how well micro-benchmarks give its constants.
+4. The model's form apart from how well micro-benchmarks give its constants: for every pair
+   apart beyond the noise, its five costs (throughput, bandwidth, latency, per block, FSDP's
+   copies) fitted to the measured steps of the other candidates (non-negative least squares
+   on the model's own terms, without curves or wait), and the pair's order checked.
 
     .venv/bin/python bench/plan_search.py [--model tiny:...] [--candidates 16] [--repeats 5]
         [--save FILE]   (the candidates and their measured steps, pickled: to try other
@@ -109,11 +111,11 @@ def fsdp_copy_bandwidth(model_text: str) -> float:
     return 4 * n * sum(own) / max(extra, 1e-9) / 1e9
 
 
-def latency_after_compute() -> float:
-    """Seconds a small all-reduce between two ranks (one hop) adds after a burst of compute:
-    tensor parallelism's all-reduces and a pipeline's messages come between matmuls, where
-    the peer, sharing a core with three other ranks, is seldom ready at once (here ~3 ms,
-    against ~1.4 ms back to back)."""
+def latency_in_pairs() -> tuple[float, float]:
+    """(back to back, after a burst of compute): the seconds of a small all-reduce between
+    two ranks (one hop). Tensor parallelism's all-reduces and a pipeline's messages come
+    between matmuls, where the peer, sharing a core with three other ranks, is seldom ready
+    at once: here ~3 ms, against ~1.4 ms back to back."""
     import torch
     import torch.distributed as dist
 
@@ -130,13 +132,50 @@ def latency_after_compute() -> float:
         compute()
         dist.all_reduce(t, group=pair)
 
+    back_to_back = _median_seconds(lambda: dist.all_reduce(t, group=pair), repeats=15)
     # noisy (2.3 to 3.3 ms in four repeats here): the median of many repeats
-    return _median_seconds(then_reduce, repeats=15) - _median_seconds(compute, repeats=15)
+    after = _median_seconds(then_reduce, repeats=15) - _median_seconds(compute, repeats=15)
+    return back_to_back, after
 
 
-def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, float]:
-    """(TFLOP/s per rank, bus GB/s by collective, seconds per hop, a block's seconds per
-    micro-batch besides its FLOPs, FSDP's copy GB/s), measured on this rank of 8."""
+CURVE_SIZES = tuple(1 << k for k in range(16, 27, 2))  # a collective's buffer: 64 KiB to 64 MiB
+
+
+def collective_curves() -> dict[tuple[str, str, int], tuple[tuple[int, float], ...]]:
+    """One call's seconds, back to back, of each collective a step makes, over groups of 2, 4
+    and 8 ranks (every group at once, as a mesh dim's groups run), at each of
+    ``CURVE_SIZES`` (the buffer as devmesh counts it: the gathered output, the scattered
+    input, the reduced tensor). The candidates' collectives span these sizes: tensor
+    parallelism's all-reduces of ~0.5 MB, FSDP's units of ~4 MB, DDP's buckets of 10-18 MB;
+    bandwidth is not one number over them (an 8-rank all-gather moves its bytes at
+    ~0.4 GB/s up to 16 MiB and half that at 64 MiB, past the caches)."""
+    import torch
+    import torch.distributed as dist
+
+    rank, n = dist.get_rank(), dist.get_world_size()
+    curves: dict[tuple[str, str, int], tuple[tuple[int, float], ...]] = {}
+    for size in (2, 4, 8):
+        groups = [dist.new_group(list(range(first, first + size))) for first in range(0, n, size)]
+        group = groups[rank // size]
+        for op in ("all_reduce", "all_gather", "reduce_scatter"):
+            points = []
+            for nbytes in CURVE_SIZES:
+                whole = torch.zeros(nbytes // 4)
+                part = torch.zeros(nbytes // 4 // size)
+                call = {"all_reduce": lambda: dist.all_reduce(whole, group=group),
+                        "all_gather": lambda: dist.all_gather_single(whole, part, group=group),
+                        "reduce_scatter": lambda: dist.reduce_scatter_single(part, whole,
+                                                                             group=group)}[op]
+                points.append((nbytes, _median_seconds(call, warmup=2, repeats=3, calls=5)))
+            curves[("*", op, size)] = tuple(points)
+    return curves
+
+
+def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, float, float,
+                                       dict]:
+    """(TFLOP/s per rank, bus GB/s by collective, seconds per hop back to back, a block's
+    seconds per micro-batch besides its FLOPs, FSDP's copy GB/s, seconds a hop waits after
+    compute besides, the collectives' curves), measured on this rank of 8."""
     import torch
     import torch.distributed as dist
 
@@ -172,11 +211,13 @@ def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, f
                            ("reduce_scatter", n - 1, 1 << 21)):  # received per byte of its part
         extra = seconds(op, high) - seconds(op, low)
         rates[op] = wire * 4 * (high - low) / max(extra, 1e-9) / 1e9
-    latency = latency_after_compute()
+    latency, after_compute = latency_in_pairs()
+    curves = collective_curves()
     overhead = block_overhead(model_text)
     copy = fsdp_copy_bandwidth(model_text)
     dist.destroy_process_group()
-    return flops / 1e12, rates, latency, overhead, copy
+    return (flops / 1e12, rates, latency, overhead, copy, max(0.0, after_compute - latency),
+            curves)
 
 
 def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: int
@@ -269,14 +310,20 @@ def main() -> None:
     latency = statistics.median(f[2] for f in fitted)
     overhead = statistics.median(f[3] for f in fitted)
     copy = statistics.median(f[4] for f in fitted)
+    wait = statistics.median(f[5] for f in fitted)
+    curves = {key: tuple((nbytes, statistics.median(f[6][key][i][1] for f in fitted))
+                         for i, (nbytes, _) in enumerate(points))
+              for key, points in fitted[0][6].items()}
     # 8 ranks on this machine's cores: a pipeline's idle stage lends its core to the others
     sharing = max(1.0, 8 / (os.cpu_count() or 1))
     measured_ops = {("*", op): rate for op, rate in by_op.items()}
     costs = Costs(tflops, {}, default=busbw, latency=latency, ranks_per_device=sharing,
-                  by_collective=measured_ops, block_overhead=overhead, copy_bandwidth=copy)
+                  by_collective=measured_ops, block_overhead=overhead, copy_bandwidth=copy,
+                  curves=curves, wait=wait)
     rates = ", ".join(f"{op} {rate:.2f}" for op, rate in by_op.items())
     print(f"fitted on 8 ranks here: {tflops * 1e3:.1f} GFLOP/s per rank, bus GB/s {rates}, "
-          f"{latency * 1e6:.0f} us per hop of a collective after compute, {overhead * 1e3:.1f} ms per block "
+          f"{latency * 1e6:.0f} us per hop back to back and {wait * 1e6:.0f} us more after "
+          f"compute, {overhead * 1e3:.1f} ms per block "
           f"and micro-batch besides its FLOPs, FSDP's copies {copy:.2f} GB/s; {sharing:g} "
           "ranks per core")
     config = read_config(args.model)
@@ -318,7 +365,10 @@ def main() -> None:
         "no time per block and micro-batch besides the FLOPs": replace(costs, block_overhead=0.0),
         "FSDP's and DDP's copies free": replace(costs, copy_bandwidth=None),
         "neither": replace(costs, block_overhead=0.0, copy_bandwidth=None),
-        "one bandwidth for every collective (their median)": replace(costs, by_collective={}),
+        "no wait after compute": replace(costs, wait=0.0),
+        "bandwidth and latency instead of the measured curves": replace(costs, curves={}),
+        "one bandwidth for every collective (their median), no curves":
+            replace(costs, by_collective={}, curves={}),
         "each rank its own core": replace(costs, ranks_per_device=1.0),
     }
     for name, other in variants.items():
@@ -371,28 +421,29 @@ def _rate(weight: float) -> str:
 
 
 def refit(config, chosen, measured, costs) -> None:
+    """Each pair apart beyond the noise, ordered by the costs fitted to the other
+    candidates' measured steps."""
     import numpy as np
     from scipy.optimize import nnls
 
     terms = np.array([_terms(config, e, costs) for e in chosen])
     times = np.array([m for m, _ in measured])
-    train = list(range(0, len(chosen), 2))
-    held = [i for i in range(len(chosen)) if i % 2]
-    weights, _ = nnls(terms[train], times[train])
-    predicted = terms @ weights
     clear = agree = 0
-    for a in held:
-        for b in held:
-            if a < b and abs(times[a] - times[b]) > max(measured[a][1], measured[b][1]):
-                clear += 1
-                agree += (predicted[a] < predicted[b]) == (times[a] < times[b])
+    for a in range(len(chosen)):
+        for b in range(a + 1, len(chosen)):
+            if abs(times[a] - times[b]) <= max(measured[a][1], measured[b][1]):
+                continue
+            others = [i for i in range(len(chosen)) if i not in (a, b)]
+            weights, _ = nnls(terms[others], times[others])
+            clear += 1
+            agree += (terms[a] @ weights < terms[b] @ weights) == (times[a] < times[b])
+    weights, _ = nnls(terms, times)
     gflops, busbw = _rate(weights[0]), _rate(weights[1])  # the terms: FLOPs, bytes
-    print(f"costs fitted to {len(train)} candidates' measured steps: {gflops} GFLOP/s, "
-          f"bus {busbw} GB/s, {weights[2] * 1e6:.0f} us per hop, {weights[3] * 1e3:.1f} ms "
-          f"per block and micro-batch, copies {_rate(weights[4])} GB/s; on the {len(held)} held "
-          f"out, {agree} of {clear} pairs apart beyond the noise ordered as measured "
-          f"({agree / max(clear, 1):.0%}); Spearman "
-          f"{spearman(list(predicted[held]), list(times[held])):.2f}")
+    print(f"costs fitted to every candidate's measured step: {gflops} GFLOP/s, bus {busbw} "
+          f"GB/s, {weights[2] * 1e6:.0f} us per hop, {weights[3] * 1e3:.1f} ms per block and "
+          f"micro-batch, copies {_rate(weights[4])} GB/s; fitted to the others for each pair "
+          f"apart beyond the noise, {agree} of {clear} pairs ordered as measured "
+          f"({agree / max(clear, 1):.0%})")
 
 
 if __name__ == "__main__":

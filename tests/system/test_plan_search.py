@@ -314,3 +314,75 @@ def test_each_collective_gets_its_own_measured_bandwidth(tmp_path):
     gap = (predict(CONFIG, candidate.dims, report, slow_gathers, "1f1b", 1)["comm shard"]
            - predict(CONFIG, candidate.dims, report, flat, "1f1b", 1)["comm shard"])
     assert gap == pytest.approx(gathered * 7 / 8 * (1 / 0.25 - 1 / 1.0) / 1e9, rel=1e-9)
+
+
+def test_a_collective_measured_at_several_sizes_takes_its_curves_time_at_its_size():
+    """Where a collective was measured at several buffer sizes over as many ranks, one call
+    takes the measured time at its size (linear between the sizes around it, along the last
+    two beyond, the smallest's below, never less for a larger buffer), the curve of its own
+    dims before one measured over any; elsewhere bandwidth and latency as before."""
+    mb = 2**20
+    costs = replace(COSTS, curves={
+        ("*", "all_reduce", 2): ((mb, 1e-3), (4 * mb, 2e-3), (16 * mb, 10e-3)),
+        ("tp", "all_reduce", 2): ((mb, 5e-3),),
+        ("*", "all_gather", 2): ((mb, 3e-3), (4 * mb, 2e-3))})  # noise: not cheaper
+    assert costs.call_seconds("dp", "all_reduce", 2, 2 * mb) == pytest.approx(1e-3 + 1e-3 / 3)
+    assert costs.call_seconds("dp", "all_reduce", 2, mb / 2) == pytest.approx(1e-3)
+    assert costs.call_seconds("dp", "all_reduce", 2, 32 * mb) == pytest.approx(
+        2e-3 + 8e-3 * 28 / 12)
+    assert costs.call_seconds("tp", "all_reduce", 2, 2 * mb) == pytest.approx(10e-3)
+    assert costs.call_seconds("dp", "all_gather", 2, 4 * mb) == pytest.approx(3e-3)
+    assert costs.call_seconds("dp", "all_reduce", 4, mb) is None  # not over 4 ranks
+
+    candidate = Candidate(pp=1, dp=4, shard=1, tp=2, schedule="1f1b", microbatches=2)
+    report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
+    calls, nbytes = report.collectives[("all_reduce", "tp")]
+    dp_calls, dp_bytes = report.collectives[("all_reduce", "dp")]
+    parts = predict(CONFIG, candidate.dims, report, costs, "1f1b", 2)
+    plain = predict(CONFIG, candidate.dims, report, COSTS, "1f1b", 2)
+    assert parts["comm tp"] == pytest.approx(calls * costs.call_seconds("tp", "all_reduce", 2,
+                                                                        nbytes / calls))
+    assert parts["comm dp"] == plain["comm dp"] == pytest.approx(  # dp is 4: no curve
+        dp_calls * 3 * COSTS.latency + dp_bytes * 2 * 3 / 4 / 1e9)
+
+
+def test_every_hop_waits_the_stated_wait_besides_its_time():
+    """``wait``: what each hop of a collective or message waits for peers coming from
+    compute, added to its time however that time is got (curve or bandwidth)."""
+    candidate = Candidate(pp=2, dp=2, shard=1, tp=2, schedule="1f1b", microbatches=4)
+    report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
+    for costs in (COSTS, replace(COSTS, curves={("*", "all_reduce", 2): ((1, 1e-3),)})):
+        waiting = predict(CONFIG, candidate.dims, report, replace(costs, wait=1e-3), "1f1b", 4)
+        free = predict(CONFIG, candidate.dims, report, costs, "1f1b", 4)
+        hops = {label: 0 for _, label in report.collectives}
+        for (kind, label), (calls, _) in report.collectives.items():
+            hops[label] += calls * (1 if label == "pp" else candidate.dims[label] - 1)
+        assert set(hops) == {"pp", "dp", "tp"}
+        for label, count in hops.items():
+            assert (waiting[f"comm {label}"] - free[f"comm {label}"]
+                    == pytest.approx(count * 1e-3)), label
+        assert waiting["compute"] == free["compute"]
+
+
+def test_devmesh_bench_rows_give_each_dims_curves_and_a_stated_bandwidth_overrides_them(
+        tmp_path):
+    from devmesh.tools.dry_run.report import read_costs
+
+    bench = tmp_path / "bench.json"
+    bench.write_text('{"collectives": ['
+                     '{"dim": "tp", "ranks": 2, "op": "all_reduce", "bytes": 4096, '
+                     '"time_us": 100.0, "busbw_gbs": 0.04}, '
+                     '{"dim": "tp", "ranks": 2, "op": "all_reduce", "bytes": 8192, '
+                     '"time_us": 300.0, "busbw_gbs": 0.03}, '
+                     '{"dim": "dp", "ranks": 4, "op": "all_gather", "bytes": 4096, '
+                     '"time_us": 50.0, "busbw_gbs": 0.06}]}')
+    costs = read_costs(1.0, None, str(bench), wait="1ms")
+    assert costs.curves == {("tp", "all_reduce", 2): ((4096, pytest.approx(100e-6)),
+                                                      (8192, pytest.approx(300e-6))),
+                            ("dp", "all_gather", 4): ((4096, pytest.approx(50e-6)),)}
+    assert costs.wait == 1e-3
+    assert costs.call_seconds("tp", "all_reduce", 2, 6144) == pytest.approx(200e-6)
+    stated = read_costs(1.0, "tp=3", str(bench))
+    assert set(stated.curves) == {("dp", "all_gather", 4)} and stated.wait == 0.0
+    with pytest.raises(Exception, match="cannot be negative"):
+        read_costs(1.0, "1", None, wait="-1ms")

@@ -67,11 +67,16 @@ def add(sub) -> None:
                      help="with --tflops: bus bandwidth in GB/s, one number or per dims "
                           "(tp=300,dp=25)")
     dry.add_argument("--costs", default=None,
-                     help="with --tflops: bandwidths measured by devmesh bench --json "
-                          "(per mesh dims and collective)")
+                     help="with --tflops: collectives measured by devmesh bench --json "
+                          "(per mesh dims and collective: the time at each size measured, "
+                          "the best bandwidth)")
     dry.add_argument("--latency", default=None,
                      help="with --tflops: what each hop costs besides its bytes, e.g. 20us "
                           "(a pipeline message is one hop, a collective over n ranks n-1)")
+    dry.add_argument("--wait", default=None,
+                     help="with --tflops: what each hop of a collective or message waits "
+                          "besides, for peers arriving from compute at different moments, "
+                          "e.g. 1ms where ranks share cores (default 0)")
     dry.add_argument("--block-overhead", default=None,
                      help="with --tflops: one block's forward and backward time on a "
                           "micro-batch besides its FLOPs (its operations' launches), e.g. "
@@ -191,7 +196,8 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
         pp = dims.get("pp", 1)
         microbatches = args.microbatches or (2 * pp if pp > 1 else 1)
         costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency,
-                           args.ranks_per_device, args.block_overhead, args.copy_bandwidth)
+                           args.ranks_per_device, args.block_overhead, args.copy_bandwidth,
+                           args.wait)
         memory = parse_bytes(args.device_memory) if args.device_memory else None
         ranks = [args.rank] if args.rank is not None else ranks_to_report(dims)
         reports = [dry_run(config, dims, rank=rank, schedule=schedule,
@@ -222,7 +228,8 @@ def _cmd_search(args: argparse.Namespace) -> int:
                               "--world to dry-run that mesh)")
         config = read_config(args.model)
         costs = read_costs(args.tflops, args.bandwidth, args.costs, args.latency,
-                           args.ranks_per_device, args.block_overhead, args.copy_bandwidth)
+                           args.ranks_per_device, args.block_overhead, args.copy_bandwidth,
+                           args.wait)
         if costs is None:
             raise DryRunError("--search ranks meshes by predicted step time: give --tflops "
                               "and --bandwidth (e.g. --tflops 400 --bandwidth tp=300,25) or "

@@ -6,7 +6,10 @@ The time model is deliberately simple and says so: compute is the step's matmul 
 attention FLOPs at the stated throughput; each collective takes its bytes times the ring
 factor of its kind over the bus bandwidth stated for its mesh dims or measured for that
 collective over them, plus a stated latency per hop (a collective over n ranks makes
-n - 1), not overlapped with compute (an upper bound); a pipeline adds its schedule's bubble.
+n - 1) — or, where its time was measured at several buffer sizes over as many ranks
+(``devmesh bench --json`` rows), that time at its size — plus a stated wait per hop for peers
+that come from compute at different moments; not overlapped with compute (an upper bound);
+a pipeline adds its schedule's bubble.
 Each block also takes a stated fixed time per micro-batch besides its FLOPs (its operations'
 launches or dispatches), which many small micro-batches pay many times; and a rank copies the
 bytes of its data-parallel collectives besides sending them, at a stated copy bandwidth: FSDP
@@ -19,6 +22,7 @@ step in which too few ranks are busy to fill the devices.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 from dataclasses import dataclass, field
@@ -62,7 +66,15 @@ class Costs:
     ``copy_bandwidth`` (GB/s) is the rate at which a rank copies the bytes of its
     data-parallel collectives besides the collective (None: free): FSDP each all-gather's and
     reduce-scatter's (their unsharded size) out of or into the collective's flat buffer, DDP
-    each all-reduced gradient into its bucket and back (:func:`buffer_copies`)."""
+    each all-reduced gradient into its bucket and back (:func:`buffer_copies`).
+    ``curves`` holds one call's measured seconds at several buffer sizes, by (mesh dims or
+    ``"*"``: any, collective, ranks): sizes matter beyond the bus bandwidth (a small
+    collective is all latency, and past the caches bandwidth falls by half), so where a
+    collective was measured over as many ranks its curve replaces bandwidth and latency.
+    ``wait`` (seconds per hop) is what a collective or message waits besides, for peers
+    arriving from compute at different moments: 0 where each rank has its own device,
+    several milliseconds where ranks share cores (measured back to back, a collective's
+    ranks arrive together)."""
 
     tflops: float
     bandwidth: dict[str, float]
@@ -72,6 +84,31 @@ class Costs:
     by_collective: dict[tuple[str, str], float] = field(default_factory=dict)
     block_overhead: float = 0.0
     copy_bandwidth: float | None = None
+    curves: dict[tuple[str, str, int], tuple[tuple[int, float], ...]] = field(
+        default_factory=dict)
+    wait: float = 0.0
+
+    def call_seconds(self, dims: str, kind: str, ranks: int, nbytes: float) -> float | None:
+        """One ``kind`` call's measured seconds at ``nbytes`` (its buffer, as devmesh's
+        communication accounting counts it) over ``ranks`` ranks of ``dims``, or None where
+        no curve was measured: linear in bytes between the measured sizes around it, along
+        the last two beyond the largest, the smallest's time below it. Times are made
+        non-decreasing in size first (the noise of one measurement must not make a larger
+        buffer cheaper)."""
+        points = self.curves.get((dims, kind, ranks)) or self.curves.get(("*", kind, ranks))
+        if not points:
+            return None
+        sizes, times = [], []
+        for size, seconds in sorted(points):
+            sizes.append(size)
+            times.append(max(seconds, times[-1]) if times else seconds)
+        if nbytes <= sizes[0]:
+            return times[0]
+        if len(sizes) == 1:
+            return times[0] * nbytes / sizes[0]
+        index = min(bisect.bisect_left(sizes, nbytes), len(sizes) - 1)
+        (b0, t0), (b1, t1) = (sizes[index - 1], times[index - 1]), (sizes[index], times[index])
+        return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
 
     def bus_bandwidth(self, dims: str, kind: str | None = None) -> float:
         """The bandwidth of ``kind`` over ``dims``: measured for that collective over those
@@ -101,14 +138,14 @@ def parse_seconds(text: str) -> float:
 
 def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | None,
                latency: str | None = None, ranks_per_device: float = 1.0,
-               block_overhead: str | None = None, copy_bandwidth: float | None = None
-               ) -> Costs | None:
+               block_overhead: str | None = None, copy_bandwidth: float | None = None,
+               wait: str | None = None) -> Costs | None:
     """The costs the user gave: ``--tflops``, ``--bandwidth 300`` or ``tp=300,dp=25``,
-    ``--costs FILE`` (``devmesh bench --json``: each collective's best bus bandwidth per
-    dim, and a dim's best for its messages), ``--bandwidth`` over it for the dims it names,
-    ``--latency`` per hop (a message; a collective over n ranks makes n - 1),
-    ``--ranks-per-device``, ``--block-overhead`` (per block and micro-batch) and
-    ``--copy-bandwidth`` (GB/s)."""
+    ``--costs FILE`` (``devmesh bench --json``: each collective's time per dim at every size
+    it measured, its best bus bandwidth there, and a dim's best for its messages),
+    ``--bandwidth`` over it for the dims it names, ``--latency`` per hop (a message; a
+    collective over n ranks makes n - 1), ``--ranks-per-device``, ``--block-overhead`` (per
+    block and micro-batch), ``--copy-bandwidth`` (GB/s) and ``--wait`` per hop."""
     if not ranks_per_device >= 1:  # also NaN
         raise DryRunError(f"--ranks-per-device {ranks_per_device:g}: give how many ranks "
                           "share one device, 1 or more (8 CPU ranks on 2 cores: 4)")
@@ -116,13 +153,14 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
         raise DryRunError(f"--copy-bandwidth {copy_bandwidth:g}: give the rate at which a "
                           "rank copies FSDP's gathered and scattered bytes, in GB/s, above 0")
     if (tflops is None and bandwidth is None and bench_json is None and latency is None
-            and block_overhead is None and copy_bandwidth is None):
+            and block_overhead is None and copy_bandwidth is None and wait is None):
         return None
     if tflops is None:
         raise DryRunError("a predicted step time needs --tflops (the device's dense "
                           "throughput, TFLOP/s) besides the bandwidths")
     by_dims: dict[str, float] = {}
     by_collective: dict[tuple[str, str], float] = {}
+    curves: dict[tuple[str, str, int], tuple[tuple[int, float], ...]] = {}
     default = None
     if bench_json:
         try:
@@ -132,6 +170,10 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
                 if "op" in row:
                     key = (row["dim"], row["op"])
                     by_collective[key] = max(by_collective.get(key, 0.0), row["busbw_gbs"])
+                if {"op", "ranks", "bytes", "time_us"} <= row.keys():
+                    curve = (row["dim"], row["op"], int(row["ranks"]))
+                    curves[curve] = (*curves.get(curve, ()),
+                                     (int(row["bytes"]), float(row["time_us"]) * 1e-6))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DryRunError(f"--costs {bench_json}: not a devmesh bench --json file "
                               f"({exc})") from None
@@ -143,6 +185,8 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
                     by_dims[name] = float(value)
                     for key in [k for k in by_collective if k[0] == name]:
                         del by_collective[key]  # the user's word over the measurement
+                    for key in [k for k in curves if k[0] == name]:
+                        del curves[key]
                 else:
                     default = float(value)
             except ValueError:
@@ -150,7 +194,8 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
                                   "DIMS=GBps, comma-separated") from None
     return Costs(tflops, by_dims, default, parse_seconds(latency) if latency else 0.0,
                  ranks_per_device, by_collective,
-                 parse_seconds(block_overhead) if block_overhead else 0.0, copy_bandwidth)
+                 parse_seconds(block_overhead) if block_overhead else 0.0, copy_bandwidth,
+                 curves, parse_seconds(wait) if wait else 0.0)
 
 
 def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, int]) -> float:
@@ -214,8 +259,12 @@ def predict(config: TransformerConfig, dims: dict[str, int], report: RankReport,
         # planner's cost model counts them); a pipeline's message one
         factor, hops = (FACTORS[kind](ranks), ranks - 1) if kind in FACTORS else (1.0, 1)
         key = f"comm {label}"
-        parts[key] = (parts.get(key, 0.0) + calls * hops * costs.latency
-                      + nbytes * factor / (costs.bus_bandwidth(label, kind) * 1e9))
+        # its calls taken as alike: the step's bytes of this kind over these dims, shared
+        measured = costs.call_seconds(label, kind, ranks, nbytes / calls) if calls else None
+        seconds = (calls * measured if measured is not None else
+                   calls * hops * costs.latency
+                   + nbytes * factor / (costs.bus_bandwidth(label, kind) * 1e9))
+        parts[key] = parts.get(key, 0.0) + seconds + calls * hops * costs.wait
         if costs.copy_bandwidth:
             parts[key] += buffer_copies(kind, label, dims) * nbytes / (costs.copy_bandwidth * 1e9)
     busy = sum(parts.values())
