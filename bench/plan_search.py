@@ -394,25 +394,22 @@ def agreement(predicted: list[float], measured: list[tuple[float, float]]) -> tu
 
 def _terms(config, evaluation, costs) -> list[float]:
     """The predicted step's compute, bandwidth, latency, per-block and copy terms (bubble
-    included) of the stage slowest under ``costs``, each for a unit cost:
-    step = sum(term x cost)."""
-    from devmesh.tools.dry_run.report import Costs, predict
+    included), each for a unit cost: step = sum(term x cost)."""
+    from devmesh.tools.dry_run.report import Costs
+    from devmesh.tools.dry_run.search import _evaluate
 
-    c = evaluation.candidate
+    def step(basis: Costs) -> float:  # the stages combined as the search combines them
+        return _evaluate(config, evaluation.candidate, evaluation.reports, basis, True).step
 
-    def step(report, basis: Costs) -> float:
-        return predict(config, c.dims, report, basis, c.schedule, c.microbatches)["step"]
-
-    slowest = max(evaluation.reports, key=lambda r: step(r, costs))
     huge, sharing = 1e30, costs.ranks_per_device
-    return [step(slowest, Costs(1e-12, {}, default=huge, ranks_per_device=sharing)),  # FLOPs
-            step(slowest, Costs(huge, {}, default=1e-9, ranks_per_device=sharing)),  # bytes
-            step(slowest, Costs(huge, {}, default=huge, latency=1.0,
-                                ranks_per_device=sharing)),  # hops: x seconds per hop
-            step(slowest, Costs(huge, {}, default=huge, block_overhead=1.0,
-                                ranks_per_device=sharing)),  # blocks x micro-batches
-            step(slowest, Costs(huge, {}, default=huge, copy_bandwidth=1e-9,
-                                ranks_per_device=sharing))]  # bytes FSDP copies
+    return [step(Costs(1e-12, {}, default=huge, ranks_per_device=sharing)),  # FLOPs
+            step(Costs(huge, {}, default=1e-9, ranks_per_device=sharing)),  # bytes
+            step(Costs(huge, {}, default=huge, latency=1.0,
+                       ranks_per_device=sharing)),  # hops: x seconds per hop
+            step(Costs(huge, {}, default=huge, block_overhead=1.0,
+                       ranks_per_device=sharing)),  # blocks x micro-batches
+            step(Costs(huge, {}, default=huge, copy_bandwidth=1e-9,
+                       ranks_per_device=sharing))]  # bytes FSDP copies
 
 
 def _rate(weight: float) -> str:

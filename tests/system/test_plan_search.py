@@ -386,3 +386,33 @@ def test_devmesh_bench_rows_give_each_dims_curves_and_a_stated_bandwidth_overrid
     assert set(stated.curves) == {("dp", "all_gather", 4)} and stated.wait == 0.0
     with pytest.raises(Exception, match="cannot be negative"):
         read_costs(1.0, "1", None, wait="-1ms")
+
+
+@pytest.mark.parametrize("sharing", [1.0, 1.1, 4.0])
+def test_ranks_sharing_devices_lend_a_lighter_stages_device_to_the_slowest(sharing):
+    """Where ranks share devices, a lighter pipeline stage idle while the slowest works
+    lends it its device: the step takes the stages' mean busy time, no less than the
+    slowest stage's alone on a whole device (its busy time over the ranks per device), plus
+    the bubble; ``lent`` says what the slowest gains. With a device per rank, the slowest
+    stage's time."""
+    from devmesh.tools.dry_run.search import _evaluate
+
+    candidate = Candidate(pp=3, dp=1, shard=1, tp=1, schedule="1f1b", microbatches=6)
+    calibration = _Calibration(CONFIG)
+    reports = [estimate(CONFIG, candidate, stage, calibration) for stage in range(3)]
+    costs = replace(COSTS, ranks_per_device=sharing)
+    stages = [predict(CONFIG, candidate.dims, r, costs, "1f1b", 6) for r in reports]
+    busy = [parts["step"] - parts["bubble"] for parts in stages]
+    assert max(busy) > 1.2 * min(busy)  # 7 layers on 3 stages: unequal
+    slowest = max(stages, key=lambda parts: parts["step"])
+    evaluation = _evaluate(CONFIG, candidate, reports, costs, True)
+    if sharing == 1.0:
+        assert evaluation.parts == slowest
+        return
+    shared = max(sum(busy) / 3, max(busy) / sharing)
+    assert evaluation.step == pytest.approx(shared + slowest["bubble"])
+    assert evaluation.parts["lent"] == pytest.approx(shared - max(busy))
+    assert evaluation.step == pytest.approx(sum(v for k, v in evaluation.parts.items()
+                                                if k != "step"))
+    # 1.1 ranks per device: the slowest alone on a device is the bound; 4: the mean
+    assert (shared == max(busy) / sharing) == (sharing == 1.1)

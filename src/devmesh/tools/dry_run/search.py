@@ -270,7 +270,9 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
 @dataclass
 class Evaluation:
     """A candidate's stages (one report each), the slowest stage's predicted step parts, and
-    whether the reports were measured by the dry run or estimated in closed form."""
+    whether the reports were measured by the dry run or estimated in closed form. Where ranks
+    share devices, ``lent`` (negative) is what the slowest stage gains from the devices of
+    lighter stages idle meanwhile."""
 
     candidate: Candidate
     reports: list[RankReport]
@@ -290,7 +292,16 @@ def _evaluate(config: TransformerConfig, candidate: Candidate, reports: list[Ran
               costs: Costs, measured: bool) -> Evaluation:
     by_stage = [predict(config, candidate.dims, r, costs, candidate.schedule,
                         candidate.microbatches) for r in reports]
-    slowest = max(by_stage, key=lambda parts: parts["step"])
+    slowest = dict(max(by_stage, key=lambda parts: parts["step"]))
+    if costs.ranks_per_device > 1 and len(by_stage) > 1:
+        # ranks sharing devices: as in the bubble, a lighter stage idle while the slowest
+        # works lends it its device, so the step takes the devices' work over their
+        # capacity, the stages' mean busy time, and no less than the slowest stage's alone
+        # on a whole device (docs/guide/look-and-plan.md)
+        busy = [parts["step"] - parts["bubble"] for parts in by_stage]
+        shared = max(sum(busy) / len(busy), max(busy) / costs.ranks_per_device)
+        slowest["lent"] = shared - max(busy)
+        slowest["step"] = shared + slowest["bubble"]
     return Evaluation(candidate, reports, slowest, measured)
 
 
@@ -369,7 +380,7 @@ def format_search(result: SearchResult, top: int = 5) -> str:
                  f"{'memory':>12}  parts of the slowest stage")
     for place, e in enumerate(result.ranked[:top], 1):
         parts = ", ".join(f"{name} {_ms(value)}" for name, value in e.parts.items()
-                          if name != "step" and value > 0)
+                          if name != "step" and value != 0)
         lines.append(f"  {place:>2}  {e.candidate.describe():<40}{_ms(e.step):>11}"
                      f"{_gib(e.peak_bytes):>12}  {parts}"
                      + ("" if e.measured else "  (closed form only)"))
