@@ -2,20 +2,21 @@
 times: on 8 gloo ranks of this machine, its predicted order of candidate meshes against the
 order their real training steps take.
 
-1. The cost model is fitted here, on the same 8 ranks: each rank's matmul throughput while
-   all 8 compute at once (TFLOP/s); a small all-reduce between two ranks back to back (the
+1. The cost model is fitted here, on the same 8 ranks: each rank's throughput on one of the
+   model's blocks, forward and backward on 8 sequences while all 8 ranks compute (its FLOPs
+   over the time beyond a one-token micro-batch's, which is what a block costs per
+   micro-batch besides its FLOPs); a small all-reduce between two ranks back to back (the
    latency per hop) and after a burst of compute (what a hop waits besides, as tensor
-   parallelism's all-reduces come between matmuls); each collective a step makes (all-reduce,
-   all-gather, reduce-scatter) back to back over groups of 2, 4 and 8 ranks at buffers of
-   64 KiB to 64 MiB (the curves a collective's time is read from, at its size); the bus
-   bandwidth of each over the 8 ranks from two sizes per rank, 1 and 8 MiB (1 and 32 MiB for
-   the all-reduce; the median of the three for pipeline messages); one of the model's
-   blocks, forward and backward on a one-token micro-batch: what a block costs per
-   micro-batch besides its FLOPs; the model fully sharded over the 8 ranks, its units'
-   unshard and reshard against bare all-gathers of the same shards: the rate at which FSDP
-   copies the gathered bytes besides the collective (its reduce-scatters' bytes, and DDP's
-   gradients into their buckets and back, are costed at the same rate). The model knows
-   that the 8 ranks share this machine's cores.
+   parallelism's all-reduces come between matmuls); each collective a step makes
+   (all-reduce, all-gather, reduce-scatter) back to back over groups of 2, 4 and 8 ranks at
+   buffers of 64 KiB to 64 MiB (the curves a collective's time is read from, at its size);
+   the bus bandwidth of each over the 8 ranks from two sizes per rank, 1 and 8 MiB (1 and
+   32 MiB for the all-reduce; the median of the three for pipeline messages); the model
+   fully sharded over the 8 ranks, its units' unshard and reshard against bare all-gathers
+   of the same shards: the rate at which FSDP copies the gathered bytes besides the
+   collective (its reduce-scatters' bytes, and DDP's gradients into their buckets and back,
+   are costed at the same rate). The model knows that the 8 ranks share this machine's
+   cores.
 2. The search ranks every candidate for 8 ranks (no memory limit); ``--candidates`` of them,
    spread evenly over its ranking, are measured by the dry run (``verify``), and each is then
    run for real: devmesh's parallelisms on the same model, one training step (forward and
@@ -65,18 +66,28 @@ def _median_seconds(call, warmup: int = 3, repeats: int = 5, calls: int = 10) ->
     return statistics.median(times)
 
 
-def block_overhead(model_text: str) -> float:
-    """Seconds one of the model's blocks takes, forward and backward, on a one-token
-    micro-batch: what it costs besides its FLOPs (here the dispatch of its operations)."""
+def block_costs(model_text: str, sequences: int = 8) -> tuple[float, float]:
+    """(FLOP/s, seconds per micro-batch besides them) of one of the model's blocks, forward
+    and backward: the time of a one-token micro-batch is what a block costs besides its
+    FLOPs (the dispatch of its operations), and ``sequences`` sequences take that plus
+    their FLOPs (as the dry run counts them) at the rate the model's blocks reach, with
+    their attention, norms and activations (here ~15% under a lone large matmul's)."""
+    from types import SimpleNamespace
+
     import torch
 
     from devmesh.tools.dry_run import read_config
     from devmesh.tools.dry_run.model import Transformer
+    from devmesh.tools.dry_run.report import step_flops
 
     config = read_config(model_text)
     block = next(iter(Transformer(config, 0, 1, head=False).layers.values()))
-    x = torch.randn(1, 1, config.dim, requires_grad=True)
-    return _median_seconds(lambda: block(x).sum().backward())
+    one = torch.randn(1, 1, config.dim, requires_grad=True)
+    many = torch.randn(sequences, config.seq, config.dim, requires_grad=True)
+    overhead = _median_seconds(lambda: block(one).sum().backward())
+    loaded = _median_seconds(lambda: block(many).sum().backward(), warmup=1, calls=3)
+    flops = step_flops(replace(config, batch=sequences), SimpleNamespace(layers=(0, 1)), {})
+    return flops / max(loaded - overhead, 1e-9), overhead
 
 
 def fsdp_copy_bandwidth(model_text: str) -> float:
@@ -180,12 +191,6 @@ def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, f
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    a, b = torch.randn(512, 1024), torch.randn(1024, 1024)
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(20):
-        a @ b
-    flops = 20 * 2 * 512 * 1024 * 1024 / (time.perf_counter() - start)
 
     def seconds(op: str, numel: int) -> float:
         """A call's time within back-to-back calls of ``op`` on ``numel`` floats per rank."""
@@ -213,7 +218,7 @@ def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, f
         rates[op] = wire * 4 * (high - low) / max(extra, 1e-9) / 1e9
     latency, after_compute = latency_in_pairs()
     curves = collective_curves()
-    overhead = block_overhead(model_text)
+    flops, overhead = block_costs(model_text)
     copy = fsdp_copy_bandwidth(model_text)
     dist.destroy_process_group()
     return (flops / 1e12, rates, latency, overhead, copy, max(0.0, after_compute - latency),
@@ -359,6 +364,9 @@ def main() -> None:
     print(f"pairs measured apart beyond the noise: {clear} of "
           f"{len(chosen) * (len(chosen) - 1) // 2}; the search orders {agree} of them as "
           f"measured ({agree / max(clear, 1):.0%})")
+    ratios = sorted(m / e.step for e, (m, _) in zip(chosen, measured))
+    print(f"measured / predicted: median {statistics.median(ratios):.2f}, "
+          f"{ratios[0]:.2f} to {ratios[-1]:.2f}")
     print(f"Spearman's rank correlation, predicted vs measured: "
           f"{spearman([e.step for e in chosen], [m for m, _ in measured]):.2f}")
     variants = {  # the same candidates and measurements, other models of this machine
