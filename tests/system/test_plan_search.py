@@ -11,6 +11,7 @@ from dataclasses import replace
 
 import pytest
 
+from devmesh.errors import DryRunError
 from devmesh.tools.dry_run import dry_run, read_config
 from devmesh.tools.dry_run.report import Costs, predict
 from devmesh.tools.dry_run.run import dry_run_by_blocks
@@ -324,13 +325,16 @@ def test_a_collective_measured_at_several_sizes_takes_its_curves_time_at_its_siz
     mb = 2**20
     costs = replace(COSTS, curves={
         ("*", "all_reduce", 2): ((mb, 1e-3), (4 * mb, 2e-3), (16 * mb, 10e-3)),
-        ("tp", "all_reduce", 2): ((mb, 5e-3),),
-        ("*", "all_gather", 2): ((mb, 3e-3), (4 * mb, 2e-3))})  # noise: not cheaper
+        ("tp", "all_reduce", 2): ((mb, 5e-3), (mb, 4e-3), (2 * mb, 10e-3)),  # best of a size
+        ("*", "all_gather", 2): ((mb, 3e-3), (4 * mb, 2e-3)),  # noise: not cheaper
+        ("*", "reduce_scatter", 2): ((mb, 3e-3), (mb, 2e-3))})  # one size: no curve
     assert costs.call_seconds("dp", "all_reduce", 2, 2 * mb) == pytest.approx(1e-3 + 1e-3 / 3)
     assert costs.call_seconds("dp", "all_reduce", 2, mb / 2) == pytest.approx(1e-3)
     assert costs.call_seconds("dp", "all_reduce", 2, 32 * mb) == pytest.approx(
         2e-3 + 8e-3 * 28 / 12)
     assert costs.call_seconds("tp", "all_reduce", 2, 2 * mb) == pytest.approx(10e-3)
+    assert costs.call_seconds("tp", "all_reduce", 2, 1.5 * mb) == pytest.approx(7e-3)
+    assert costs.call_seconds("dp", "reduce_scatter", 2, 2 * mb) is None
     assert costs.call_seconds("dp", "all_gather", 2, 4 * mb) == pytest.approx(3e-3)
     assert costs.call_seconds("dp", "all_reduce", 4, mb) is None  # not over 4 ranks
 
@@ -351,7 +355,7 @@ def test_every_hop_waits_the_stated_wait_besides_its_time():
     compute, added to its time however that time is got (curve or bandwidth)."""
     candidate = Candidate(pp=2, dp=2, shard=1, tp=2, schedule="1f1b", microbatches=4)
     report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
-    for costs in (COSTS, replace(COSTS, curves={("*", "all_reduce", 2): ((1, 1e-3),)})):
+    for costs in (COSTS, replace(COSTS, curves={("*", "all_reduce", 2): ((1, 1e-3), (2**30, 1.0))})):
         waiting = predict(CONFIG, candidate.dims, report, replace(costs, wait=1e-3), "1f1b", 4)
         free = predict(CONFIG, candidate.dims, report, costs, "1f1b", 4)
         hops = {label: 0 for _, label in report.collectives}
@@ -386,6 +390,12 @@ def test_devmesh_bench_rows_give_each_dims_curves_and_a_stated_bandwidth_overrid
     assert set(stated.curves) == {("dp", "all_gather", 4)} and stated.wait == 0.0
     with pytest.raises(Exception, match="cannot be negative"):
         read_costs(1.0, "1", None, wait="-1ms")
+    for hostile in ('"bytes": 0, "time_us": 100.0', '"bytes": 4096, "time_us": -1.0',
+                    '"bytes": 4096, "time_us": NaN'):
+        bench.write_text('{"collectives": [{"dim": "tp", "ranks": 2, "op": "all_reduce", '
+                         f'{hostile}, "busbw_gbs": 1.0}}]}}')
+        with pytest.raises(DryRunError, match="not a devmesh bench --json file"):
+            read_costs(1.0, None, str(bench))
 
 
 @pytest.mark.parametrize("sharing", [1.0, 1.1, 4.0])

@@ -91,21 +91,23 @@ class Costs:
     def call_seconds(self, dims: str, kind: str, ranks: int, nbytes: float) -> float | None:
         """One ``kind`` call's measured seconds at ``nbytes`` (its buffer, as devmesh's
         communication accounting counts it) over ``ranks`` ranks of ``dims``, or None where
-        no curve was measured: linear in bytes between the measured sizes around it, along
-        the last two beyond the largest, the smallest's time below it. Times are made
-        non-decreasing in size first (the noise of one measurement must not make a larger
-        buffer cheaper)."""
+        no curve of two sizes or more was measured (one size cannot say how time grows with
+        bytes: bandwidth and latency then): linear in bytes between the measured sizes around
+        it, along the last two beyond the largest, the smallest's time below it. A size
+        measured twice keeps its best time; times are made non-decreasing in size (the noise
+        of one measurement must not make a larger buffer cheaper)."""
         points = self.curves.get((dims, kind, ranks)) or self.curves.get(("*", kind, ranks))
-        if not points:
+        best: dict[int, float] = {}
+        for size, seconds in points or ():
+            best[size] = min(seconds, best.get(size, seconds))
+        if len(best) < 2:
             return None
         sizes, times = [], []
-        for size, seconds in sorted(points):
+        for size, seconds in sorted(best.items()):
             sizes.append(size)
             times.append(max(seconds, times[-1]) if times else seconds)
         if nbytes <= sizes[0]:
             return times[0]
-        if len(sizes) == 1:
-            return times[0] * nbytes / sizes[0]
         index = min(bisect.bisect_left(sizes, nbytes), len(sizes) - 1)
         (b0, t0), (b1, t1) = (sizes[index - 1], times[index - 1]), (sizes[index], times[index])
         return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
@@ -171,9 +173,11 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
                     key = (row["dim"], row["op"])
                     by_collective[key] = max(by_collective.get(key, 0.0), row["busbw_gbs"])
                 if {"op", "ranks", "bytes", "time_us"} <= row.keys():
+                    nbytes, seconds = int(row["bytes"]), float(row["time_us"]) * 1e-6
+                    if not (nbytes > 0 and 0 < seconds < float("inf")):  # also NaN
+                        raise ValueError(f"row {row} has no positive size and time")
                     curve = (row["dim"], row["op"], int(row["ranks"]))
-                    curves[curve] = (*curves.get(curve, ()),
-                                     (int(row["bytes"]), float(row["time_us"]) * 1e-6))
+                    curves[curve] = (*curves.get(curve, ()), (nbytes, seconds))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise DryRunError(f"--costs {bench_json}: not a devmesh bench --json file "
                               f"({exc})") from None
