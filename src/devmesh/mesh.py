@@ -535,8 +535,8 @@ class DeviceMesh(TorchDeviceMesh):
         meshes = list(device_mesh_list)
         if not meshes or not all(isinstance(m, DeviceMesh) for m in meshes):
             return torch_concatenate(meshes)
-        root = meshes[0]._root
-        if any(m._root is not root for m in meshes):
+        root = meshes[0]._root  # equal roots (two init_device_mesh calls) join, as torch's
+        if any(m._root is not root and m._root != root for m in meshes):
             raise MeshUsageError(
                 "Cannot concatenate DeviceMeshes derived from different device meshs: "
                 f"{meshes!r} were sliced from different meshes; slice them from one")

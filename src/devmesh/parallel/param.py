@@ -198,11 +198,17 @@ def combined_mesh(a: DeviceMesh, b: DeviceMesh) -> DeviceMesh:
     """The slice of the common root spanning the dims of ``a`` and of ``b`` (in root order),
     each by its own name: a flattened dim is one dim there, as it is to the parallelism that
     splits over it (its blocks follow ``torch.chunk`` over the flattened size, which nested
-    splits over its parts would not)."""
-    if a._root is not b._root:
+    splits over its parts would not).
+
+    The roots need not be one object: equal roots (the same layout and names, made by two
+    ``init_device_mesh`` calls, as ``from_pretrained`` makes its own) compose, as torch's
+    FSDP accepts them; ``a``'s root is the one the combined mesh is sliced from."""
+    if a._root is not b._root and a._root != b._root:
         raise ParallelizeError(
-            f"cannot compose parallelisms on {a!r} and {b!r}: they must be slices of the same "
-            "mesh, e.g. mesh['tp'] and mesh['dp'] of init_device_mesh(..., ('dp', 'tp'))"
+            f"cannot compose parallelisms on {a!r} and {b!r}: they must be slices of one "
+            f"mesh or of equal meshes (same shape, ranks and dim names), but they come from "
+            f"{a._root!r} and {b._root!r}; slice both from one mesh, e.g. mesh['tp'] and "
+            "mesh['dp'] of init_device_mesh(..., ('dp', 'tp'))"
         )
     root = a._root
     names = root.mesh_dim_names

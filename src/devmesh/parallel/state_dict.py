@@ -166,8 +166,23 @@ def local_state_dict(model: nn.Module, *, full: bool = True
         else:
             out[name] = sharded
         done[id(p)] = out[name]
-    for name, b in model.named_buffers():
-        out[state_dict_name(name)] = b.detach().clone()
+    return _in_module_order(model, out)
+
+
+def _in_module_order(model: nn.Module, params: dict[str, Any]) -> dict[str, Any]:
+    """The state dict ``model.state_dict()`` gives, its parameters' values taken from
+    ``params`` (gathered or sharded by devmesh): the same keys in the same order — persistent
+    buffers only, ``_extra_state``, what registered state-dict hooks add or remove —
+    buffers cloned (a snapshot, as the parameters are)."""
+    out: dict[str, Any] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        name = state_dict_name(key)
+        if name in params:
+            out[name] = params[name]
+        elif isinstance(value, torch.Tensor):
+            out[name] = value.detach().clone()
+        else:
+            out[name] = value
     return out
 
 
@@ -188,11 +203,29 @@ def persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def extra_states(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules that save an ``_extra_state`` (their class defines ``get_extra_state``),
+    by the key ``nn.Module.state_dict()`` gives it."""
+    out = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        if type(module).get_extra_state is not nn.Module.get_extra_state:
+            key = f"{prefix}.{_EXTRA_STATE}" if prefix else _EXTRA_STATE
+            out[state_dict_name(key)] = module
+    return out
+
+
+_EXTRA_STATE = "_extra_state"  # torch's key: torch.nn.modules.module._EXTRA_STATE_KEY_SUFFIX
+
+Write = tuple[torch.Tensor | nn.Module, Any]
+"""A tensor and the value to copy into it, or a module and the extra state to set."""
+
+
 def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
-                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], IncompatibleKeys]:
+                 ) -> tuple[list[Write], IncompatibleKeys]:
     """Check ``state`` against ``model`` and compute this rank's block of every entry,
     changing nothing: ``(writes, incompatible keys)``, where ``writes`` pairs each target
-    tensor with the value to copy into it. Raises :class:`StateDictError` (torch's wording)
+    tensor with the value to copy into it (and each module saving an ``_extra_state`` with
+    the state to set). Raises :class:`StateDictError` (torch's wording)
     on a missing or unexpected key (``strict``), a shape that differs (exactly: no reshaping)
     or a value that is not a tensor. Keys may carry wrapper parts (a compiled model's
     ``state_dict()`` has ``_orig_mod.``): they are read without them."""
@@ -200,7 +233,8 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
     state = {state_dict_name(key): value for key, value in state.items()}
     params = dict(named_parameters(model))
     buffers = persistent_buffers(model)
-    expected = set(params) | set(buffers)
+    extras = extra_states(model)
+    expected = set(params) | set(buffers) | set(extras)
     missing = sorted(expected - set(state))
     unexpected = sorted(set(state) - expected)
     problems = []
@@ -208,8 +242,8 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
         problems.append("Unexpected key(s) in state_dict: " + ", ".join(map(repr, unexpected)))
     if strict and missing:
         problems.append("Missing key(s) in state_dict: " + ", ".join(map(repr, missing)))
-    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for name in sorted(expected & set(state)):
+    writes: list[Write] = [(extras[name], state[name]) for name in sorted(set(extras) & set(state))]
+    for name in sorted((set(params) | set(buffers)) & set(state)):
         value = state[name]
         if isinstance(value, ShardedTensor) or is_dtensor(value):
             value = value.full_tensor()  # a collective: loading runs on every rank
@@ -238,10 +272,13 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
     return writes, IncompatibleKeys(missing, unexpected)
 
 
-def apply_load(writes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+def apply_load(writes: list[Write]) -> None:
     with torch.no_grad():
         for target, value in writes:
-            target.copy_(value)
+            if isinstance(target, nn.Module):
+                target.set_extra_state(value)
+            else:
+                target.copy_(value)
 
 
 def load_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True

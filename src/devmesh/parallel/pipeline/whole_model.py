@@ -24,6 +24,7 @@ from devmesh.errors import StateDictError
 from devmesh.parallel.checkpoint.encoding import dtype_name, dtype_of
 from devmesh.parallel.state_dict import (
     apply_load,
+    extra_states,
     local_state_dict,
     named_parameters,
     persistent_buffers,
@@ -59,6 +60,12 @@ def full_state_dict(runner: PipelineRunner) -> dict[str, torch.Tensor]:
     for s in sorted(runner.stages):
         mine += [(s, k, v) for k, v in local_state_dict(_unwrapped(runner.stages[s]),
                                                         full=True).items()]
+    odd = [k for _, k, v in mine if not isinstance(v, torch.Tensor)]
+    if odd:  # broadcast as bytes of a tensor's dtype and shape
+        raise StateDictError(f"the pipelined model's full state dict holds {odd}, not "
+                             "tensors (a module's get_extra_state): only tensors can be "
+                             "gathered over the pipeline; save it with "
+                             "runner.state_dict(full=False) or a checkpoint")
     listing = json.dumps([[s, k, dtype_name(v.dtype), list(v.shape)] for s, k, v in mine])
     listings = [json.loads(t) for t in consensus.gather_texts(listing, _pp_group(runner))]
     keys = [k for entries in listings for _, k, _, _ in entries]
@@ -95,8 +102,8 @@ def load_full_state_dict(runner: PipelineRunner, state: Mapping[str, Any], *,
     rank of the pipeline raises, and nothing is loaded anywhere."""
     module = runner.module
     state = {state_dict_name(key): value for key, value in state.items()}  # as prepare_load
-    names = set(dict(named_parameters(module))) | set(
-        persistent_buffers(module))
+    names = set(dict(named_parameters(module))) | set(persistent_buffers(module)) | set(
+        extra_states(module))
     union = {k for t in consensus.gather_texts(json.dumps(sorted(names)), _pp_group(runner))
              for k in json.loads(t)}
     unexpected = sorted(set(state) - union)

@@ -10,6 +10,7 @@ appears, so it stays one parameter.
 from __future__ import annotations
 
 import fnmatch
+import functools
 from collections.abc import Mapping
 
 from torch import nn
@@ -149,9 +150,45 @@ def parallelize_module(
         style.apply(target, mesh, distribute)
         if style.distributes_parameters:
             setattr(target, _APPLIED, style)
+    aliases = parameter_aliases(module)  # the split blocks', in every place they now are
+    for name, target, style in entries:
+        _guard_unsplit_ties(target, name, style, aliases)
     # model.to_empty() / .to() keep the split parameters split (meta-device construction)
     with_methods(module, KeepsLayouts)
     return module
+
+
+def _guard_unsplit_ties(target: nn.Module, name: str, style: ParallelStyle,
+                        aliases: dict[int, list[tuple[nn.Module, str]]]) -> None:
+    """A module holding a parameter tied to one ``style`` split, without a style of its own
+    (only the embedding of a tied embedding and head split), refuses its forward by name
+    until a style splits it too (torch's plans split the head in a later call): it would
+    compute with this rank's block as the whole weight."""
+    for attr in style.sharded_parameters(target):
+        new = target._parameters.get(attr)
+        for owner, alias in aliases.get(id(new), []) if new is not None else []:
+            if owner is target or getattr(owner, _APPLIED, None) is not None:
+                continue
+            if not getattr(owner, _GUARDED, False):
+                owner.register_forward_pre_hook(functools.partial(
+                    _refuse_unsplit_tie, alias, f"{name or 'the module'}.{attr}",
+                    type(style).__name__))
+                setattr(owner, _GUARDED, True)
+
+
+_GUARDED = "_devmesh_guards_unsplit_tie"
+
+
+def _refuse_unsplit_tie(attr: str, tied_to: str, style: str, module: nn.Module, args) -> None:
+    if getattr(module, _APPLIED, None) is not None:
+        return  # split since, by a later parallelize_module call
+    raise ParallelizeError(
+        f"{type(module).__name__}.{attr} is tied to {tied_to}, which {style} split over the "
+        f"tensor-parallel mesh, but this {type(module).__name__} was given no style: it "
+        "would compute with this rank's block as the whole weight. Split it the same way "
+        "(RowwiseParallel on a tied embedding goes with ColwiseParallel on the output "
+        "projection: both split the vocabulary), or untie the weights before "
+        "parallelize_module")
 
 
 def _describe_style(style: ParallelStyle) -> str:

@@ -19,6 +19,7 @@ activations are converted, and their gradients kept right, is :mod:`.activations
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Mapping
 
 import torch
@@ -78,6 +79,11 @@ class ParallelStyle:
         """Raise if this style cannot apply to ``module`` (called for every entry of a plan
         before any module is changed)."""
 
+    def sharded_parameters(self, module: nn.Module) -> tuple[str, ...]:
+        """The names of ``module``'s parameters this style splits (rather than replicates):
+        a parameter tied to another module must be split there too."""
+        return ()
+
     def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
         raise NotImplementedError  # pragma: no cover
 
@@ -121,6 +127,9 @@ class ColwiseParallel(ParallelStyle):
 
     def check(self, module: nn.Module, name: str) -> None:
         _check_linear_or_embedding(self, module, name)
+
+    def sharded_parameters(self, module: nn.Module) -> tuple[str, ...]:
+        return ("weight",) if isinstance(module, nn.Embedding) else ("weight", "bias")
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
         if isinstance(module, nn.Embedding):
@@ -167,12 +176,30 @@ class RowwiseParallel(ParallelStyle):
 
     def check(self, module: nn.Module, name: str) -> None:
         _check_linear_or_embedding(self, module, name)
+        if isinstance(module, nn.Embedding):
+            _check_embedding_subclass(module, name)
+        elif type(module).forward is not nn.Linear.forward:
+            raise ParallelizeError(
+                f"RowwiseParallel on {name!r}: {type(module).__name__} overrides "
+                "nn.Linear.forward, and its own computation would run on each rank's partial "
+                "sums before they are reduced; split a plain nn.Linear inside it, or leave "
+                "it replicated")
+
+    def sharded_parameters(self, module: nn.Module) -> tuple[str, ...]:
+        return ("weight",)
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
         if isinstance(module, nn.Embedding):
             distribute(module, "weight", Shard(0))
             start = chunk_bounds(module.num_embeddings, mesh.size(), mesh.get_local_rank())[0]
-            module.forward = functools.partial(_rowwise_embedding, self, mesh, start, module)
+            # hooks around the module's own forward: a subclass's (Gemma's scaled embedding)
+            # still runs; the output hook runs before any hook registered earlier
+            ids_name = next(iter(inspect.signature(module.forward).parameters), "input")
+            module.register_forward_pre_hook(
+                functools.partial(_rowwise_embedding_input, self, mesh, start, ids_name),
+                with_kwargs=True)
+            module.register_forward_hook(functools.partial(_rowwise_embedding_output, self, mesh),
+                                         prepend=True, always_call=True)
         else:
             distribute(module, "weight", Shard(1))
             distribute(module, "bias", Replicate())
@@ -201,25 +228,70 @@ def _rowwise_linear(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear,
     return A.finish_output(y, out, out, mesh, style.use_local_output)
 
 
+def _check_embedding_subclass(module: nn.Embedding, name: str) -> None:
+    """A subclass's forward runs on each rank's rows, other ranks' positions zeroed after
+    it: exact when it maps each position's vector alone (a scale, a norm) — not with
+    parameters of its own, whose gradients would cover this rank's positions only."""
+    if type(module).forward is nn.Embedding.forward:
+        return
+    own = [n for n, _ in module.named_parameters() if n != "weight"]
+    if own:
+        raise ParallelizeError(
+            f"RowwiseParallel on {name!r}: {type(module).__name__} overrides "
+            f"nn.Embedding.forward and holds parameters {own} besides the table; their "
+            "gradients would cover only the positions whose ids fall in this rank's rows. "
+            "Split a plain nn.Embedding and apply the rest outside it")
+
+
+_EMBEDDING_SAVED = "_devmesh_rowwise_embedding_saved"
+
+
 @_eager
-def _rowwise_embedding(style: RowwiseParallel, mesh: DeviceMesh, start: int,
-                       module: nn.Embedding, ids):
+def _rowwise_embedding_input(style: RowwiseParallel, mesh: DeviceMesh, start: int,
+                             ids_name: str, module: nn.Embedding, args, kwargs):
+    """The ids, replicated, as this rank's rows: ids of other ranks' rows look up row 0 (or
+    an extra zero row where a row's frequency scales its gradient, or there are no rows);
+    their outputs are zeroed before the reduction."""
     refuse_torch_fsdp_over_blocks(module)
-    ids = _ids(ids, style.input_layouts, mesh)
+    by_keyword = not args
+    ids = _ids(kwargs[ids_name] if by_keyword else args[0], style.input_layouts, mesh)
     weight = module.weight
     rows = weight.shape[0]
     local = ids - start
     outside = (local < 0) | (local >= rows)
     pad = module.padding_idx
-    pad = pad - start if pad is not None and start <= pad < start + rows else None
+    saved = {"padding_idx": pad, "outside": outside}
+    module.padding_idx = pad - start if pad is not None and start <= pad < start + rows else None
     if module.scale_grad_by_freq or rows == 0:
-        # other ranks' ids look up an extra zero row: they must not count toward the
-        # frequency of a row of this rank's (nor index a block with no rows at all)
-        table = torch.cat([weight, weight.new_zeros(1, weight.shape[1])])
-        y = F.embedding(local.masked_fill(outside, rows), table, padding_idx=pad,
-                        scale_grad_by_freq=module.scale_grad_by_freq)
+        # other ranks' ids must not count toward the frequency of a row of this rank's
+        saved["weight"] = weight
+        swap_parameter(module, "weight", torch.cat([weight, weight.new_zeros(1, weight.shape[1])]))
+        local = local.masked_fill(outside, rows)
     else:
-        y = F.embedding(local.masked_fill(outside, 0), weight, padding_idx=pad)
+        local = local.masked_fill(outside, 0)
+    module.__dict__[_EMBEDDING_SAVED] = saved
+    if by_keyword:
+        return args, {**kwargs, ids_name: local}
+    return (local, *args[1:]), kwargs
+
+
+@_eager
+def _rowwise_embedding_output(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Embedding,
+                              args, y):
+    saved = module.__dict__.pop(_EMBEDDING_SAVED, None)
+    if saved is None:  # the forward failed before the input hook ran
+        return y
+    module.padding_idx = saved["padding_idx"]
+    if "weight" in saved:
+        swap_parameter(module, "weight", saved["weight"])
+    outside = saved["outside"]
+    if not isinstance(y, torch.Tensor):
+        return y  # the forward raised (this hook always runs), or returned no tensor
+    if tuple(y.shape[:-1]) != tuple(outside.shape):
+        raise ParallelizeError(
+            f"RowwiseParallel: {type(module).__name__}'s forward returned shape "
+            f"{tuple(y.shape)} for ids of shape {tuple(outside.shape)}; a split embedding "
+            "needs one vector per id, last (each rank zeroes the ids it does not hold)")
     y = style.reduce(y.masked_fill(outside.unsqueeze(-1), 0.0), mesh)
     out = style.output_layouts
     return A.finish_output(y, out, out, mesh, style.use_local_output)
