@@ -44,13 +44,19 @@ __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict", "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",
+    "parallelize",
 ]
 
 
 def __getattr__(name: str):
-    """``describe`` lives with the other pictures (:mod:`devmesh.pictures`) and
-    ``loss_parallel`` is torch's (see :mod:`.tensor_parallel`); both stay reachable here,
-    imported on first use."""
+    """``describe`` lives with the other pictures (:mod:`devmesh.pictures`),
+    ``parallelize`` with the integrations of other libraries' models
+    (:mod:`devmesh.integrations`), and ``loss_parallel`` is torch's (see
+    :mod:`.tensor_parallel`); all stay reachable here, imported on first use."""
+    if name == "parallelize":
+        from devmesh.integrations import parallelize
+
+        return parallelize
     if name == "describe":
         from devmesh.pictures.describe import describe
 

@@ -8,13 +8,15 @@ from devmesh.parallel.tensor_parallel.styles import (
     PrepareModuleInput,
     PrepareModuleInputOutput,
     PrepareModuleOutput,
+    ReplicatedWithGradSum,
     RowwiseParallel,
     SequenceParallel,
 )
 
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "parallelize_module", "loss_parallel",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ReplicatedWithGradSum",
+    "parallelize_module", "loss_parallel",
 ]
 
 

@@ -8,6 +8,8 @@
   the last dim, output reduced to replicated (or reduce-scattered to ``Shard(seq)``).
 * ``SequenceParallel``: norm/dropout layers run on the sequence shard with replicated
   parameters, whose gradients are summed over the TP group.
+* ``ReplicatedWithGradSum``: replicated parameters of a module running on local features
+  (a norm over the local heads), their gradients summed over the TP group.
 * ``PrepareModuleInput`` / ``PrepareModuleOutput``: change activation layouts at a boundary.
 
 Every style takes devmesh's or torch's placements and checks them when it is built. Styles
@@ -39,6 +41,7 @@ from devmesh.layout.spec import chunk_bounds
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "Distribute",
+    "ReplicatedWithGradSum",
 ]
 
 Distribute = Callable[[nn.Module, str, Placement], None]
@@ -321,15 +324,27 @@ class SequenceParallel(ParallelStyle):
 _SAVED = "_devmesh_sequence_parallel_saved"
 
 
-@_eager
-def _sequence_input(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module, args):
-    seq = Shard(style.sequence_dim)
+def _sum_gradients_in_forward(module: nn.Module, mesh: DeviceMesh) -> None:
+    """For this forward, the module's trainable parameters are copies whose gradients are
+    summed over the TP group in backward (each rank's forward saw its share only)."""
     saved = {}
     for name, param in module._parameters.items():
         if param is not None and param.requires_grad:
             saved[name] = param
             swap_parameter(module, name, PF.copy_to_parallel(param, mesh))
     setattr(module, _SAVED, saved)
+
+
+def _restore_parameters(module: nn.Module) -> None:
+    for name, param in getattr(module, _SAVED, {}).items():
+        swap_parameter(module, name, param)
+    setattr(module, _SAVED, {})
+
+
+@_eager
+def _sequence_input(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module, args):
+    seq = Shard(style.sequence_dim)
+    _sum_gradients_in_forward(module, mesh)
     if not args:
         return None
     return (A.sharded_input(args[0], seq, seq, mesh), *args[1:])
@@ -337,13 +352,37 @@ def _sequence_input(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module
 
 @_eager
 def _sequence_output(style: SequenceParallel, mesh: DeviceMesh, module: nn.Module, args, y):
-    for name, param in getattr(module, _SAVED, {}).items():
-        swap_parameter(module, name, param)
-    setattr(module, _SAVED, {})
+    _restore_parameters(module)
     seq = Shard(style.sequence_dim)
     if not isinstance(y, torch.Tensor):
         return y
     return A.finish_output(y, seq, seq, mesh, style.use_local_output)
+
+
+class ReplicatedWithGradSum(ParallelStyle):
+    """Replicated parameters of a module that runs on this rank's share of the features
+    (a norm over the local attention heads: Qwen3's and Gemma 3's ``q_norm`` / ``k_norm``,
+    transformers' ``replicated_with_grad_allreduce``): inputs and outputs pass as they are,
+    and the parameters' gradients are summed over the TP group in backward."""
+
+    distributes_parameters = True
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        for name in list(module._parameters):
+            distribute(module, name, Replicate())
+        module.register_forward_pre_hook(functools.partial(_grad_sum_input, mesh))
+        module.register_forward_hook(_grad_sum_output, always_call=True)
+        return module
+
+
+@_eager
+def _grad_sum_input(mesh: DeviceMesh, module: nn.Module, args) -> None:
+    _sum_gradients_in_forward(module, mesh)
+
+
+@_eager
+def _grad_sum_output(module: nn.Module, args, y) -> None:
+    _restore_parameters(module)
 
 
 # -- PrepareModuleInput / PrepareModuleOutput -----------------------------------------------

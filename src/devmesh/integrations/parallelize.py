@@ -1,0 +1,214 @@
+"""``parallelize(model, mesh)``: every parallelism a mesh's dim names ask for, applied to a
+model in torchtitan's order — tensor parallelism over ``tp`` (the model's own plan, for a
+transformers model), activation checkpointing of its blocks, then FSDP over the sharded
+data-parallel dim (HSDP with a replicate dim beside it) or DDP over replicate dims alone.
+
+Dim names, as torchtitan's ``ParallelDims`` and devmesh's docs write them:
+
+* ``tp``: tensor parallelism;
+* ``dp_shard``, ``shard``, ``dp``, ``fsdp``: FSDP's shard dim;
+* ``dp_replicate``, ``replicate``: replicas (HSDP with a shard dim, else DDP).
+
+A dim it does not place (``pp``, ``cp``, ``ep``, or a name of one's own) is refused by name,
+with the function that places it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+from torch import nn
+
+from devmesh.errors import ParallelizeError
+from devmesh.mesh import DeviceMesh
+from devmesh.integrations import transformers as hf
+from devmesh.parallel.fsdp import MixedPrecisionPolicy, fully_shard
+from devmesh.parallel.replicate import replicate
+from devmesh.parallel.tensor_parallel import ParallelStyle, parallelize_module
+
+__all__ = ["parallelize", "SHARD_DIMS", "REPLICATE_DIMS", "CHECKPOINTING"]
+
+SHARD_DIMS = ("dp_shard", "shard", "dp", "fsdp")
+REPLICATE_DIMS = ("dp_replicate", "replicate")
+CHECKPOINTING = ("none", "full", "selective")
+_ELSEWHERE = {
+    "pp": "pipeline stages: devmesh.parallel.pipeline (split_sequential, PipelineRunner)",
+    "cp": "context parallelism: devmesh.parallel.context_parallel",
+    "ep": "expert parallelism: devmesh.parallel.expert_parallel",
+}
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, *,
+                tp_plan: Mapping[str, ParallelStyle] | None = None,
+                blocks: Sequence[nn.Module] | None = None,
+                activation_checkpointing: str | int = "none",
+                mp_policy: MixedPrecisionPolicy | None = None,
+                reshard_after_forward: bool | None = None) -> nn.Module:
+    """Apply to ``model`` what ``mesh``'s dim names ask for (see the module's docstring),
+    in torchtitan's order, and return it.
+
+    ``tp_plan``: module name -> devmesh style (default: a transformers model's own
+    ``_tp_plan``, translated). ``blocks``: the repeated blocks, each an FSDP unit and a
+    checkpointed region (default: a transformers model's ``_no_split_modules`` instances).
+    ``activation_checkpointing``: ``"none"``; ``"full"`` (every block recomputed in
+    backward); ``"selective"`` (every block, saving the outputs of its matmuls and attention
+    and recomputing the rest, as torchtitan's per-op mode); or an int ``k``: every k-th block
+    in full. ``mp_policy``, ``reshard_after_forward``: as ``fully_shard``'s.
+    """
+    names = tuple(mesh.mesh_dim_names or ())
+    if not names:
+        raise ParallelizeError("parallelize reads the mesh's dim names: build it with "
+                               "mesh_dim_names, e.g. ('dp_shard', 'tp')")
+    _refuse_unknown_dims(names)
+    _check_checkpointing(activation_checkpointing)
+    shard = [n for n in names if n in SHARD_DIMS]
+    replicas = [n for n in names if n in REPLICATE_DIMS]
+    if len(shard) > 1 or len(replicas) > 1:
+        raise ParallelizeError(
+            f"the mesh {names} names several data-parallel dims of one kind "
+            f"({shard or replicas}): give one shard dim and at most one replicate dim "
+            "(flatten several into one first: mesh['a', 'b']._flatten('dp_shard'))")
+    if blocks is None:
+        blocks = hf.blocks_of(model) if hf.is_transformers_model(model) else []
+    blocks = _untied(model, list(blocks))
+    if "tp" in names:
+        _tensor_parallel(model, mesh["tp"], tp_plan)
+    blocks = _checkpoint(model, blocks, activation_checkpointing)
+    if shard:
+        dp_mesh = mesh[tuple(replicas + shard)] if replicas else mesh[shard[0]]
+        shard_kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
+                        "reshard_after_forward": reshard_after_forward}
+        for block in blocks:
+            fully_shard(block, **shard_kwargs)
+        fully_shard(model, **shard_kwargs)
+    elif replicas:
+        if mp_policy is not None:
+            raise ParallelizeError("mp_policy applies to FSDP: the mesh has no shard dim "
+                                   f"({SHARD_DIMS}), so its data parallelism is DDP")
+        replicate(model, mesh=mesh[replicas[0]])
+    return model
+
+
+def _untied(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
+    """The blocks none of whose parameters is also registered outside them (BERT's
+    embeddings share their table with the head): such a block stays in its parent's FSDP
+    unit, since one parameter cannot be sharded by two units."""
+    places: dict[int, int] = {}
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None:
+                places[id(p)] = places.get(id(p), 0) + 1
+    kept = []
+    for block in blocks:
+        inside: dict[int, int] = {}
+        for module in block.modules():
+            for p in module._parameters.values():
+                if p is not None:
+                    inside[id(p)] = inside.get(id(p), 0) + 1
+        if all(places[k] == n for k, n in inside.items()):
+            kept.append(block)
+    return kept
+
+
+def _refuse_unknown_dims(names: tuple[str, ...]) -> None:
+    for name in names:
+        if name in _ELSEWHERE:
+            raise ParallelizeError(
+                f"parallelize does not place the mesh's {name!r} dim; apply "
+                f"{_ELSEWHERE[name]} on mesh[{name!r}], and parallelize on the other dims")
+        if name != "tp" and name not in SHARD_DIMS + REPLICATE_DIMS:
+            raise ParallelizeError(
+                f"parallelize does not know the mesh dim {name!r}: it reads 'tp', a shard "
+                f"dim ({', '.join(SHARD_DIMS)}) and a replicate dim "
+                f"({', '.join(REPLICATE_DIMS)})")
+
+
+def _check_checkpointing(mode: str | int) -> None:
+    if isinstance(mode, bool) or not (mode in CHECKPOINTING or (isinstance(mode, int)
+                                                               and mode >= 1)):
+        raise ParallelizeError(
+            f"activation_checkpointing={mode!r}: give one of {CHECKPOINTING}, or an int "
+            "k >= 1 to checkpoint every k-th block")
+
+
+def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
+                     plan: Mapping[str, ParallelStyle] | None) -> None:
+    if plan is None:
+        if not hf.is_transformers_model(model):
+            raise ParallelizeError(
+                f"the mesh has 'tp' but {type(model).__name__} declares no plan: pass "
+                "tp_plan={module name: style}")
+        _check_heads(model, tp_mesh.size())
+        plan = hf.tensor_parallel_plan(model)
+    parallelize_module(model, tp_mesh, dict(plan))
+
+
+def _check_heads(model: nn.Module, tp: int) -> None:
+    """Attention splits by whole heads: tp must divide the query and key/value heads."""
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    if not heads:
+        return
+    if heads % tp or kv_heads % tp:
+        fits = [t for t in range(1, heads + 1) if heads % t == 0 and kv_heads % t == 0]
+        raise ParallelizeError(
+            f"tp={tp} does not divide {type(model).__name__}'s attention heads "
+            f"({heads} query, {kv_heads} key/value): tensor parallelism splits whole heads; "
+            f"tp may be {', '.join(map(str, fits))}")
+
+
+def _checkpoint(model: nn.Module, blocks: list[nn.Module], mode: str | int) -> list[nn.Module]:
+    """Wrap the chosen blocks in torch's ``checkpoint_wrapper`` (non-reentrant), in their
+    parents' places; returns the blocks as the model now holds them."""
+    if mode == "none":
+        return blocks
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        # a block recomputed in backward would append its keys and values to the cache a
+        # second time (transformers' own gradient checkpointing turns the cache off too)
+        config.use_cache = False
+    if not blocks:
+        raise ParallelizeError(
+            f"activation_checkpointing={mode!r} wraps the model's blocks, and "
+            f"{type(model).__name__} names none: pass blocks=[...] (the decoder layers)")
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+        CheckpointImpl,
+        checkpoint_wrapper,
+    )
+
+    kwargs = {}
+    if mode == "selective":
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
+                                                 _saved_ops())
+    every = mode if isinstance(mode, int) else 1
+    where = {id(m): name for name, m in model.named_modules()}
+    out = []
+    for i, block in enumerate(blocks):
+        if i % every:
+            out.append(block)
+            continue
+        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+        parent_name, _, child = where[id(block)].rpartition(".")
+        setattr(model.get_submodule(parent_name), child, wrapped)
+        out.append(wrapped)
+    return out
+
+
+def _saved_ops() -> list:
+    """The ops whose outputs selective checkpointing keeps: matmuls and attention (the
+    costly ones to recompute); everything else in a block is recomputed."""
+    import torch
+
+    aten = torch.ops.aten
+    ops = [aten.mm.default, aten.addmm.default, aten.bmm.default,
+           aten._scaled_dot_product_flash_attention.default,
+           aten._scaled_dot_product_efficient_attention.default]
+    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
+        op = getattr(aten, name, None)
+        if op is not None:
+            ops.append(op.default)
+    return ops

@@ -1,0 +1,154 @@
+"""Hugging Face transformers' architectures (tiny random configs, nothing downloaded) under
+``devmesh.parallel.parallelize``, each strategy against the same model trained in one
+process: DDP, FSDP, HSDP, TP (the model's own plan) with DDP or FSDP, and activation
+checkpointing (full, selective, every k-th block). Float64, 4 ranks, 3 AdamW steps; the full
+state dict must have ``nn.Module.state_dict()``'s keys and the trained values.
+
+Dropout is off (GPT-2's and BERT's configs have it on): one process and the ranks would
+draw different masks. Gemma 3's RMSNorm computes in float32 whatever the model's dtype, so its results agree to
+float32's precision only (the same model split differently rounds differently there)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from devmesh import init_device_mesh
+from helpers import caught
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB, SEQ, BATCH, STEPS = 64, 12, 4, 3
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+TOLERANCE = {"gemma3": 1e-5}  # float32 norms; float64 everywhere else
+
+
+def make(arch: str) -> torch.nn.Module:
+    import transformers as T
+
+    torch.manual_seed(0)
+    if arch == "llama":
+        model = T.LlamaForCausalLM(T.LlamaConfig(**COMMON))
+    elif arch == "qwen3":  # q_norm / k_norm over the local heads: gradients summed over tp
+        model = T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON, head_dim=8))
+    elif arch == "mistral":  # sliding-window attention, shorter than the sequence
+        model = T.MistralForCausalLM(T.MistralConfig(**COMMON, sliding_window=4))
+    elif arch == "gemma3":  # scaled, tied embedding; logit soft-capping; sliding layers
+        model = T.Gemma3ForCausalLM(T.Gemma3TextConfig(
+            **COMMON, head_dim=8, sliding_window=4, final_logit_softcapping=30.0,
+            layer_types=["sliding_attention", "full_attention"]))
+    elif arch == "gpt2":  # Conv1D weights, stored transposed
+        model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32,
+                                               n_layer=2, n_head=4, resid_pdrop=0.0,
+                                               embd_pdrop=0.0, attn_pdrop=0.0,
+                                               bos_token_id=0, eos_token_id=0))
+    elif arch == "mixtral":  # a mixture of experts with a softmax router (the eager experts:
+        # torch._grouped_mm takes no float64)
+        model = T.MixtralForCausalLM(T.MixtralConfig(**COMMON, num_local_experts=4,
+                                                     num_experts_per_tok=2,
+                                                     experts_implementation="eager"))
+    elif arch == "bert":  # an encoder
+        model = T.BertForMaskedLM(T.BertConfig(vocab_size=VOCAB, hidden_size=32,
+                                               num_hidden_layers=2, num_attention_heads=4,
+                                               intermediate_size=48,
+                                               max_position_embeddings=64,
+                                               hidden_dropout_prob=0.0,
+                                               attention_probs_dropout_prob=0.0))
+    else:
+        raise ValueError(arch)
+    return model.double()
+
+
+def _ids(step: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
+
+
+def _train(model, rows: slice) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for step in range(STEPS):
+        ids = _ids(step)[rows]
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+STRATEGIES = {  # name: (mesh shape, dim names, activation checkpointing)
+    "ddp": ((4,), ("dp_replicate",), "none"),
+    "fsdp": ((4,), ("dp_shard",), "none"),
+    "hsdp_selective_ac": ((2, 2), ("dp_replicate", "dp_shard"), "selective"),
+    "ddp_tp_full_ac": ((2, 2), ("dp_replicate", "tp"), "full"),
+    "fsdp_tp": ((2, 2), ("dp_shard", "tp"), "none"),
+    "fsdp_tp_every_2nd_ac": ((2, 2), ("dp_shard", "tp"), 2),
+}
+
+
+def train_parallel(arch: str, strategy: str):
+    """This rank's losses (over its share of each batch) next to one process's on the same
+    share, and the full state dict against the one process's."""
+    from devmesh.parallel import parallelize, state_dict
+
+    shape, names, checkpointing = STRATEGIES[strategy]
+    ref = make(arch)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = parallelize(make(arch), mesh, activation_checkpointing=checkpointing)
+    dp_names = tuple(n for n in names if n != "tp")
+    dp = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
+    coordinate = dp.get_coordinate()
+    index = coordinate[0] * (dp.shape[1] if dp.ndim > 1 else 1) + (
+        coordinate[1] if dp.ndim > 1 else 0)
+    per = BATCH // dp.size()
+    ref_losses = []
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):  # one process on the whole batch; its loss on this share
+        ids = _ids(step)
+        with torch.no_grad():
+            share = ids[index * per:(index + 1) * per]
+            ref_losses.append(ref(input_ids=share, labels=share).loss.item())
+        ref(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    losses = _train(model, slice(index * per, (index + 1) * per))
+    full = state_dict(model, full=True)
+    want = ref.state_dict()
+    return {"losses": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
+            "params": max((full[k] - v).abs().max().item() for k, v in want.items()),
+            "keys": list(full) == list(want)}
+
+
+DECODERS = ("llama", "qwen3", "mistral", "gemma3")
+CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES]
+         + [(arch, s) for arch in ("gpt2", "mixtral", "bert")
+            for s in ("ddp", "fsdp", "hsdp_selective_ac")])
+
+
+@pytest.mark.parametrize("arch, strategy", CASES)
+def test_a_transformers_model_trains_as_one_process(mesh_pool, arch, strategy):
+    tolerance = TOLERANCE.get(arch, 1e-12)
+    for result in mesh_pool.run(train_parallel, 4, arch, strategy):
+        assert result["keys"], "the full state dict's keys differ from nn.Module's"
+        assert result["losses"] <= tolerance, result
+        assert result["params"] <= tolerance, result
+
+
+def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...]):
+    from devmesh.parallel import parallelize
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return caught(lambda: parallelize(make(arch), mesh))
+
+
+@pytest.mark.parametrize("arch, names, shape, says", [
+    ("gpt2", ("dp_shard", "tp"), (2, 2), "declares no tensor-parallel plan"),
+    ("mixtral", ("dp_shard", "tp"), (2, 2), "'packed_colwise'"),
+    ("llama", ("tp",), (4,), "tp may be 1, 2"),
+    ("llama", ("pp", "dp_shard"), (2, 2), "devmesh.parallel.pipeline"),
+    ("llama", ("dp", "rows"), (2, 2), "does not know the mesh dim 'rows'"),
+])
+def test_what_parallelize_cannot_place_is_refused_by_name(mesh_pool, arch, names, shape, says):
+    for error in mesh_pool.run(refused, 4, arch, names, shape):
+        assert error is not None and error[0] == "ParallelizeError" and says in error[1], error
