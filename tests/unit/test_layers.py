@@ -21,12 +21,14 @@ LAYERS = {  # low to high; one entry per folder (a top-level module counts as it
     "mesh": 4, "hybrid": 4,
     "tensor": 5,
     "parallel": 6,
+    "integrations": 7,  # other libraries' models under the parallelisms
     "pictures": 7,
     "tools": 8, "__main__": 8,
 }
 # Pictures are drawn on demand: a method that draws (DeviceMesh.visualize) or a name kept
-# for compatibility (devmesh.parallel.describe) may import devmesh.pictures inside a function.
-LAZY_ALLOWED = {"pictures"}
+# for compatibility (devmesh.parallel.describe, devmesh.parallel.parallelize) may import
+# devmesh.pictures or devmesh.integrations inside a function.
+LAZY_ALLOWED = {"pictures", "integrations"}
 
 
 def _layer(module: str) -> int:
