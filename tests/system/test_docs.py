@@ -142,6 +142,12 @@ def test_the_site_builds_strictly(tmp_path):
                           timeout=600, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert (tmp_path / "site" / "reference" / "api" / "index.html").exists()
+    raw = re.compile(r":(?:class|func|meth|mod|attr|data|exc|obj):[`<]")
+    for page in (tmp_path / "site").rglob("*.html"):  # docstrings' roles rendered, not raw
+        found = raw.search(page.read_text())
+        assert found is None, f"{page.relative_to(tmp_path)} shows a raw role: {found.group(0)}"
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    assert '<a href="#devmesh.' in api  # a role naming a documented object links to it
 
 
 def test_readme_is_short_and_the_docs_tell_no_history():

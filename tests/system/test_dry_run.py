@@ -124,6 +124,11 @@ def test_devmesh_plan_model_prints_each_role_and_says_whether_it_fits(tmp_path, 
     assert out.count("predicted step") == 2 and "comm tp" in out and "bubble" in out
     for args, words in ((["--mesh", "pp=2,xx=4"], "'xx=4' is not NAME=SIZE"),
                         (["--mesh", "tp=3"], "tp 3 does not divide the heads"),
+                        (["--mesh", "tp=3"], "tp may be 1, 2"),
+                        (["--mesh", "pp=2,dp=4", "--world", "16"],
+                         "the mesh pp=2,dp=4 is 8 ranks, the world 16"),
+                        (["--mesh", "pp=2", "--microbatches", "3"],
+                         "--microbatches may be 1, 2"),
                         (["--mesh", "shard=3"], "does not split over 3 data-parallel ranks"),
                         (["--mesh", "shard=2", "--tflops", "1"], "no bandwidth for mesh dims "
                                                                  "'shard'")):

@@ -1,7 +1,10 @@
 """Models other libraries write, under devmesh's parallelisms: transformers' declared plans
-read as devmesh styles (:mod:`.transformers`), and ``parallelize(model, mesh)``, every
-parallelism a mesh's dim names ask for in one call (:mod:`.parallelize`)."""
+read as devmesh styles (:mod:`.transformers`), ``parallelize(model, mesh)``, every
+parallelism a mesh's dim names ask for in one call (:mod:`.parallelize`), and checkpoints in
+transformers' safetensors format read into and written from parallelized models
+(:mod:`.pretrained`)."""
 
 from devmesh.integrations.parallelize import parallelize
+from devmesh.integrations.pretrained import LoadedWeights, load_pretrained, save_pretrained
 
-__all__ = ["parallelize"]
+__all__ = ["parallelize", "load_pretrained", "save_pretrained", "LoadedWeights"]

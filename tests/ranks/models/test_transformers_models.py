@@ -152,3 +152,56 @@ def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...]):
 def test_what_parallelize_cannot_place_is_refused_by_name(mesh_pool, arch, names, shape, says):
     for error in mesh_pool.run(refused, 4, arch, names, shape):
         assert error is not None and error[0] == "ParallelizeError" and says in error[1], error
+
+
+def load_and_save(folder: str, out: str):
+    """A Llama parallelized (FSDP x TP) reads a save_pretrained folder, each rank its own
+    blocks; the model written back is the checkpoint's."""
+    from devmesh.integrations import load_pretrained, save_pretrained
+    from devmesh.parallel import parallelize, state_dict
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = parallelize(make("llama"), mesh)  # seed 0: other weights than the checkpoint's
+    loaded = load_pretrained(model, folder)
+    mine = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local")
+               else p.numel() * p.element_size() for p in model.parameters())
+    full = state_dict(model, full=True)
+    save_pretrained(model, out)
+    return loaded, mine, {k: v.clone() for k, v in full.items()}
+
+
+def test_a_transformers_checkpoint_loads_into_a_sharded_model_and_back(mesh_pool, tmp_path):
+    import transformers as T
+
+    torch.manual_seed(1)
+    pretrained = T.LlamaForCausalLM(T.LlamaConfig(**COMMON)).double()
+    pretrained.save_pretrained(tmp_path / "in", max_shard_size="20KB")  # several shards
+    assert (tmp_path / "in" / "model.safetensors.index.json").exists()
+    want = pretrained.state_dict()
+    for loaded, mine, full in mesh_pool.run(load_and_save, 4, str(tmp_path / "in"),
+                                            str(tmp_path / "out")):
+        assert all(torch.equal(full[k], v) for k, v in want.items())
+        assert loaded.bytes_read == mine < loaded.checkpoint_bytes / 2  # its blocks only
+    back = T.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in want.items())
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
+
+
+def load_refused(folder: str):
+    from devmesh.integrations import load_pretrained
+
+    model = make("mistral")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    error = caught(lambda: load_pretrained(model, folder))
+    return error, all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_a_checkpoint_of_another_model_is_refused_and_nothing_loaded(mesh_pool, tmp_path):
+    import transformers as T
+
+    torch.manual_seed(1)
+    other = dict(COMMON, intermediate_size=40)
+    T.LlamaForCausalLM(T.LlamaConfig(**other)).double().save_pretrained(tmp_path)
+    for error, untouched in mesh_pool.run(load_refused, 1, str(tmp_path)):
+        assert error[0] == "StateDictError" and "the checkpoint's shape is (40, 32)" in error[1]
+        assert "Nothing was loaded" in error[1] and untouched

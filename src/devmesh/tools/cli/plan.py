@@ -5,6 +5,7 @@ No process is started."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -184,7 +185,7 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
     from devmesh.tools.dry_run import dry_run, parse_mesh, ranks_to_report, read_config
     from devmesh.tools.dry_run.report import format_reports, parse_bytes, read_costs
 
-    if args.search or args.world is not None:
+    if args.search or (args.world is not None and args.mesh is None):
         return _cmd_search(args)
     try:
         if args.mesh is None:
@@ -192,6 +193,12 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
                               "N --search to choose one)")
         config = read_config(args.model)
         dims = parse_mesh(args.mesh)
+        size = math.prod(dims.values())
+        if args.world is not None and args.world != size:
+            raise DryRunError(
+                f"the mesh {args.mesh} is {size} ranks, the world {args.world}: give a mesh "
+                f"of {args.world} ranks, drop --world to dry-run the mesh as it is, or "
+                "--search (without --mesh) to choose one")
         schedule = args.schedule or "1f1b"
         pp = dims.get("pp", 1)
         microbatches = args.microbatches or (2 * pp if pp > 1 else 1)

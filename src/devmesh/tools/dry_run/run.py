@@ -178,13 +178,17 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
     microbatches = microbatches or (2 * pp if pp > 1 else 1)
     if local % microbatches:
         raise DryRunError(f"{local} sequences per data-parallel rank do not split into "
-                          f"{microbatches} micro-batches: pick a divisor of {local}")
+                          f"{microbatches} micro-batches: --microbatches may be "
+                          f"{', '.join(map(str, _divisors(local)))}")
     if pp > 1 and schedule not in SCHEDULES:
         raise DryRunError(f"--schedule {schedule!r}: the dry run plays {', '.join(SCHEDULES)}")
     tp = dims.get("tp", 1)
     if config.heads % tp or config.kv_heads % tp or config.ffn_dim % tp:
+        fits = [t for t in _divisors(config.heads)
+                if config.kv_heads % t == 0 and config.ffn_dim % t == 0]
         raise DryRunError(f"tp {tp} does not divide the heads ({config.heads}), kv heads "
-                          f"({config.kv_heads}) and ffn dim ({config.ffn_dim})")
+                          f"({config.kv_heads}) and ffn dim ({config.ffn_dim}) together: "
+                          f"tp may be {', '.join(map(str, fits))}")
     start = time.perf_counter()
     world_context = _fake_world(rank, world) if device == "meta" else contextlib.nullcontext()
     with world_context:
@@ -192,6 +196,10 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
                        blocks)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,

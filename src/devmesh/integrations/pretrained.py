@@ -1,0 +1,171 @@
+"""Weights in the ecosystem's format, both ways: a transformers checkpoint folder
+(``model.safetensors``, or shards listed by ``model.safetensors.index.json``, as
+``save_pretrained`` writes them) read straight into a parallelized model — each rank reading
+only the bytes of its own blocks, never the whole model — and a parallelized model written
+as such a folder, which ``from_pretrained`` loads back.
+
+Names are the model's state-dict names (:func:`devmesh.parallel.state_dict` 's keys); a
+tied parameter is read once, under whichever of its names the checkpoint has (transformers
+saves a tied head under the embedding's name only).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from devmesh.errors import StateDictError
+from devmesh.parallel.param import is_dtensor, layout_of, local_block, local_of
+from devmesh.parallel.state_dict import (
+    named_parameters,
+    persistent_buffers,
+    state_dict,
+)
+
+__all__ = ["load_pretrained", "save_pretrained", "LoadedWeights"]
+
+_SINGLE = "model.safetensors"
+_INDEX = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    """What :func:`load_pretrained` read on this rank: ``tensors`` entries, ``bytes_read``
+    of them (this rank's blocks only), of a checkpoint of ``checkpoint_bytes``."""
+
+    tensors: int
+    bytes_read: int
+    checkpoint_bytes: int
+
+
+def _files(folder: Path) -> dict[str, Path]:
+    """Each tensor's name -> the safetensors file holding it."""
+    index = folder / _INDEX
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: folder / file for name, file in weight_map.items()}
+    single = folder / _SINGLE
+    if not single.exists():
+        raise StateDictError(f"{folder} holds neither {_SINGLE} nor {_INDEX}: give the folder "
+                             "save_pretrained wrote (safetensors; a .bin checkpoint is not read)")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {name: single for name in f.keys()}
+
+
+def load_pretrained(model: nn.Module, folder: str | os.PathLike, *, strict: bool = True
+                    ) -> LoadedWeights:
+    """Read a transformers checkpoint folder into ``model`` (parallelized or not): every
+    parameter and persistent buffer takes this rank's block, read from the file by its
+    offsets alone (a replicated tensor is read whole). All or nothing: names and shapes are
+    checked before the first copy; with ``strict``, a tensor the model has and the
+    checkpoint lacks (or the other way round) is an error naming it. Values are cast to the
+    model's dtypes (a bfloat16 checkpoint into float32 master weights)."""
+    from safetensors import safe_open
+
+    root = Path(folder)
+    files = _files(root)
+    targets: dict[str, torch.Tensor] = dict(named_parameters(model))
+    targets.update(persistent_buffers(model))
+    by_id: dict[int, list[str]] = {}
+    for name, tensor in targets.items():
+        by_id.setdefault(id(tensor), []).append(name)
+    missing = [names[0] for names in by_id.values() if not any(n in files for n in names)]
+    unexpected = sorted(set(files) - set(targets))
+    problems = []
+    if strict and missing:
+        problems.append(f"missing from the checkpoint: {sorted(missing)}")
+    if strict and unexpected:
+        problems.append(f"not in the model: {unexpected}")
+    handles: dict[Path, object] = {}
+    writes: list[tuple[torch.Tensor, torch.Tensor]] = []
+    read = 0
+    try:
+        for names in by_id.values():
+            name = next((n for n in names if n in files), None)
+            if name is None:
+                continue
+            target = targets[name]
+            file = files[name]
+            if file not in handles:
+                handles[file] = safe_open(str(file), framework="pt").__enter__()
+            piece = handles[file].get_slice(name)
+            layout = layout_of(target)
+            full_shape = tuple(layout.full_shape) if layout is not None else tuple(target.shape)
+            if tuple(piece.get_shape()) != full_shape:
+                problems.append(f"{name}: the checkpoint's shape is {tuple(piece.get_shape())}, "
+                                f"the model's {full_shape}")
+                continue
+            destination = local_of(target) if is_dtensor(target) else target
+            if layout is None or tuple(layout.spec.global_shape) != full_shape:
+                block = piece[:]  # whole (a 0-d parameter's block is itself)
+                if layout is not None:
+                    block = local_block(target, block.reshape(layout.spec.global_shape))
+            else:
+                bounds = layout.spec.local_bounds(layout.mesh.get_coordinate())
+                block = piece[tuple(slice(start, start + size) for start, size in bounds)]
+            read += block.numel() * block.element_size()
+            writes.append((destination, block.reshape(destination.shape)))
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    if problems:
+        raise StateDictError(f"cannot load {root} into {type(model).__name__}: "
+                             + "; ".join(problems) + ". Nothing was loaded")
+    with torch.no_grad():
+        for destination, block in writes:
+            destination.copy_(block)
+    total = sum(_file_bytes(f) for f in set(files.values()))
+    return LoadedWeights(len(writes), read, total)
+
+
+def _file_bytes(path: Path) -> int:
+    return path.stat().st_size
+
+
+def save_pretrained(model: nn.Module, folder: str | os.PathLike, **kwargs) -> None:
+    """Write ``model`` (parallelized) as a transformers checkpoint folder that
+    ``from_pretrained`` loads back: collective — every rank gathers the full state dict
+    (:func:`devmesh.parallel.state_dict`), rank 0 writes it through the model's own
+    ``save_pretrained`` (its config, its tied-weight rules, its shards; ``kwargs`` go
+    there) into a new folder beside ``folder``, then moves each file into place, so a
+    failure leaves no half-written checkpoint file. Every rank returns once it is written
+    (or raises if rank 0 could not write it)."""
+    from devmesh.distributed import consensus
+
+    full = state_dict(model, full=True)
+    if not dist.is_initialized():
+        _write(model, Path(folder), full, kwargs)
+        return
+    with consensus.refused_everywhere(None, "save_pretrained", StateDictError,
+                                      outcome="failed"):
+        if dist.get_rank() == 0:
+            _write(model, Path(folder), full, kwargs)
+
+
+def _write(model: nn.Module, folder: Path, full: dict, kwargs: dict) -> None:
+    save = getattr(model, "save_pretrained", None)
+    if save is None:
+        raise StateDictError(f"{type(model).__name__} has no save_pretrained: write a "
+                             "transformers model (a PreTrainedModel)")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        try:
+            save(str(staging), state_dict=full, **kwargs)
+        except Exception as exc:  # transformers' own errors, said once on every rank
+            raise StateDictError(f"save_pretrained into {folder} failed: {exc}") from exc
+        folder.mkdir(exist_ok=True)
+        for item in sorted(staging.iterdir()):
+            os.replace(item, folder / item.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
