@@ -481,9 +481,15 @@ def test_devmesh_run_takes_a_module_a_log_dir_and_a_ranks_filter(tmp_path):
     assert "pkg.train FAILED" in proc.stderr and "devmesh.launching.child" not in proc.stderr
     logged = sorted(p.read_text() for p in (tmp_path / "logs").rglob("stdout.log"))
     assert logged == ["rank 0 ['--lr', '3']\n", "rank 1 ['--lr', '3']\n"]
+    (run,) = (tmp_path / "logs").iterdir()  # and the run's last line says where they are
+    assert (f"devmesh run: each rank's output is under {run}: attempt_0 (one per start), "
+            "each LOCAL_RANK/stdout.log and stderr.log") in proc.stderr
 
 
-def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
+@pytest.mark.parametrize("whole_group", [False, True])
+def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path, whole_group):
+    """SIGINT to the launcher alone, or to its whole process group as a terminal's Ctrl-C
+    sends it: every rank says where it was in one line, without a traceback."""
     import signal
     import time
 
@@ -491,21 +497,31 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path):
     script.write_text("import os, time\nprint('ready', os.environ['RANK'], flush=True)\n"
                       "time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-m", "devmesh", "run", "-n", "2", str(script)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=whole_group)
     ready, deadline = 0, time.monotonic() + 120
     while ready < 2 and time.monotonic() < deadline:
         line = proc.stdout.readline()
         ready += "ready" in line
-    proc.send_signal(signal.SIGINT)
+    if whole_group:
+        os.killpg(proc.pid, signal.SIGINT)
+    else:
+        proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 130, out[-2000:]
     assert "stopped by SIGINT" in out
+    if whole_group:
+        assert "Traceback" not in out and "death signal" not in out, out
+        assert "[rank0]:interrupted at sleepy.py:3" in out
+        assert "[rank1]:interrupted at sleepy.py:3" in out
     left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
     assert not left.strip()
 
 
-def test_a_failure_is_summarised_once_naming_the_first_rank_and_the_script(tmp_path):
-    script = tmp_path / "train.py"
+@pytest.mark.parametrize("folder", ["", "devmesh"])  # a user's folder may be named devmesh
+def test_a_failure_is_summarised_once_naming_the_first_rank_and_the_script(tmp_path, folder):
+    (tmp_path / folder).mkdir(exist_ok=True)
+    script = tmp_path / folder / "train.py"
     script.write_text(textwrap.dedent("""
         import torch
         from devmesh import init_device_mesh

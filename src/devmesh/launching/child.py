@@ -17,7 +17,7 @@ import signal
 import sys
 
 from devmesh._exit import settle_collective_threads_at_exit
-from devmesh.launching.reports import REPORTS_VARIABLE, write_report
+from devmesh.launching.reports import REPORTS_VARIABLE, where_in_script, write_report
 
 
 def die_with_parent(parent: int | None = None) -> None:
@@ -67,6 +67,11 @@ def main(argv: list[str]) -> None:
             sys.argv = list(argv)
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
+    except KeyboardInterrupt as exc:  # Ctrl-C reaches every rank: one line each, not a traceback
+        if not os.environ.get(REPORTS_VARIABLE):
+            raise
+        print(f"interrupted at {where_in_script(exc)}", file=sys.stderr, flush=True)
+        raise SystemExit(128 + signal.SIGINT) from None
     except Exception as exc:
         report = write_report(exc) if os.environ.get(REPORTS_VARIABLE) else None
         if report is None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import sys
 import time
 import traceback
 from collections.abc import Iterable
@@ -22,15 +23,31 @@ from typing import Any
 
 from devmesh._log import get_logger
 
-__all__ = ["REPORTS_VARIABLE", "write_report", "summary"]
+__all__ = ["REPORTS_VARIABLE", "write_report", "where_in_script", "summary"]
 
 REPORTS_VARIABLE = "DEVMESH_RUN_REPORTS"
-_HIDDEN = ("runpy", os.path.join("devmesh", "launching"))
+# the installed package's own folders, by path: a user's folder named devmesh/ is not them
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LAUNCHING = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def _user_frames(exc: BaseException) -> list[traceback.FrameSummary]:
+    """The traceback without runpy's and the launcher's frames."""
     frames = traceback.extract_tb(exc.__traceback__)
-    return [f for f in frames if not any(h in f.filename for h in _HIDDEN)]
+    return [f for f in frames if not (os.path.abspath(f.filename).startswith(_LAUNCHING)
+                                      or os.path.basename(f.filename) == "runpy.py"
+                                      or f.filename.startswith("<frozen runpy"))]
+
+
+def where_in_script(exc: BaseException) -> str:
+    """``file.py:line`` of the innermost frame of the user's own code (not torch's, not
+    devmesh's), or ``?``."""
+    torch = sys.modules.get("torch")  # not imported here: a script without torch has none
+    libraries = (_PACKAGE,) if torch is None else (
+        os.path.dirname(os.path.abspath(torch.__file__)) + os.sep, _PACKAGE)
+    mine = [f for f in _user_frames(exc)
+            if not os.path.abspath(f.filename).startswith(libraries)]
+    return f"{os.path.basename(mine[-1].filename)}:{mine[-1].lineno}" if mine else "?"
 
 
 def write_report(exc: BaseException) -> dict[str, Any] | None:
@@ -41,12 +58,7 @@ def write_report(exc: BaseException) -> dict[str, Any] | None:
     from devmesh.errors import is_peer_gone, is_timeout
 
     frames = _user_frames(exc)
-    import torch
-
-    library = (os.path.dirname(torch.__file__), os.path.join("devmesh", ""))
-    mine = [f for f in frames if not f.filename.startswith(library[0])
-            and library[1] not in f.filename]
-    where = f"{os.path.basename(mine[-1].filename)}:{mine[-1].lineno}" if mine else "?"
+    where = where_in_script(exc)
     text = f"{type(exc).__name__}: {exc}".strip()
     report = {
         "rank": int(os.environ.get("RANK", "-1")),

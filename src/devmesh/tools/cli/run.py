@@ -118,12 +118,16 @@ def run(args: argparse.Namespace) -> int:
 
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
-    from devmesh.launching.reports import REPORTS_VARIABLE, relay_restarts, summary
+    from devmesh.launching.reports import (ELASTIC_LOGGERS, REPORTS_VARIABLE, relay_restarts,
+                                           summary)
 
     os.environ[REPORTS_VARIABLE] = reports.name  # each failing rank reports there
     # the failure is summarised below, once: torchrun's own error lines would repeat it
     logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    for name in ELASTIC_LOGGERS:  # torch gives these a level of their own (its warnings)
+        logging.getLogger(name).setLevel(logging.CRITICAL)
     relay_restarts(args.max_restarts)  # DEVMESH_LOG=info: a failed rank and each restart
+    kept_before = _entries(args.log_dir)
     try:
         torchrun_main(torchrun_args)
     except SystemExit as exc:
@@ -152,7 +156,23 @@ def run(args: argparse.Namespace) -> int:
     finally:
         del store  # the loopback rendezvous of a one-host run
         remove_folders()
+        if args.log_dir:
+            _say_where_the_logs_are(args.log_dir, kept_before)
     return 0
+
+
+def _entries(folder: str | None) -> set[str]:
+    return set(os.listdir(folder)) if folder and os.path.isdir(folder) else set()
+
+
+def _say_where_the_logs_are(folder: str, before: set[str]) -> None:
+    """torchrun's layout under ``--log-dir``: ``RUN/attempt_K/LOCAL_RANK/{stdout,stderr}.log``
+    (RUN named after the run and a random suffix; one attempt per restart)."""
+    for run in sorted(_entries(folder) - before):
+        attempts = sorted(_entries(os.path.join(folder, run)))
+        print(f"devmesh run: each rank's output is under {os.path.join(folder, run)}: "
+              f"{', '.join(attempts)} (one per start), each LOCAL_RANK/stdout.log and "
+              "stderr.log", file=sys.stderr)
 
 
 def check_nproc(n: int, oversubscribe: bool) -> None:
