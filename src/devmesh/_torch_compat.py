@@ -348,6 +348,18 @@ def strided_shard_type() -> type:
                     params=("dim", "split_factor"))
 
 
+def non_reentrant_checkpoint_wrapper(module: torch.nn.Module, **checkpoint_kwargs: Any
+                                     ) -> torch.nn.Module:
+    """torch's ``checkpoint_wrapper`` (non-reentrant), torchtitan's way to checkpoint a block:
+    ``checkpoint_kwargs`` go to ``torch.utils.checkpoint.checkpoint`` (a ``context_fn`` for
+    selective checkpointing)."""
+    where = "torch.distributed.algorithms._checkpoint.checkpoint_wrapper"
+    wrappers = _import(where)
+    impl = _require(wrappers, "CheckpointImpl", where)
+    wrap = _require(wrappers, "checkpoint_wrapper", where, params=("checkpoint_impl",))
+    return wrap(module, checkpoint_impl=impl.NO_REENTRANT, **checkpoint_kwargs)
+
+
 @functools.cache
 def pipeline_stage_types() -> tuple[type, type]:
     """torch's pipelining stage classes: ``(_PipelineStageBase, _PipelineStage)`` (the base of

@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from torch import nn
 
+from devmesh import _torch_compat
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
@@ -173,11 +174,6 @@ def _checkpoint(model: nn.Module, blocks: list[nn.Module], mode: str | int) -> l
         raise ParallelizeError(
             f"activation_checkpointing={mode!r} wraps the model's blocks, and "
             f"{type(model).__name__} names none: pass blocks=[...] (the decoder layers)")
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
-        CheckpointImpl,
-        checkpoint_wrapper,
-    )
-
     kwargs = {}
     if mode == "selective":
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
@@ -191,7 +187,7 @@ def _checkpoint(model: nn.Module, blocks: list[nn.Module], mode: str | int) -> l
         if i % every:
             out.append(block)
             continue
-        wrapped = checkpoint_wrapper(block, checkpoint_impl=CheckpointImpl.NO_REENTRANT, **kwargs)
+        wrapped = _torch_compat.non_reentrant_checkpoint_wrapper(block, **kwargs)
         parent_name, _, child = where[id(block)].rpartition(".")
         setattr(model.get_submodule(parent_name), child, wrapped)
         out.append(wrapped)
