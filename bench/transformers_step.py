@@ -2,7 +2,7 @@
 torch's FSDP2 and tensor parallelism (torch's styles for transformers' own TP plan), same
 model, same mesh, same data, 8 gloo ranks.
 
-A Llama of 4 layers, hidden 256, 8 heads (4 kv), MLP 688, vocabulary 4096 (~11M parameters),
+A Llama of 4 layers, hidden 256, 8 heads, MLP 688, vocabulary 4096 (~11M parameters),
 float32, 2 sequences of 256 tokens per data-parallel rank, AdamW. Each (library, strategy)
 runs in fresh processes so that peak RSS (``ru_maxrss``) belongs to that run alone. Prints
 the slowest rank's median step time, the ratio devmesh / torch, and the largest peak RSS;
@@ -30,7 +30,7 @@ def build_model():
     T.logging.set_verbosity_error()
     torch.manual_seed(0)
     config = T.LlamaConfig(vocab_size=4096, hidden_size=256, intermediate_size=688,
-                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                           num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=8,
                            max_position_embeddings=512, use_cache=False)
     return T.LlamaForCausalLM(config)
 
