@@ -69,7 +69,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
         raise ParallelizeError(
             f"the mesh {names} names several data-parallel dims of one kind "
             f"({shard or replicas}): give one shard dim and at most one replicate dim "
-            "(flatten several into one first: mesh['a', 'b']._flatten('dp_shard'))")
+            "(build the mesh with one of each, e.g. ('dp_replicate', 'dp_shard', 'tp'))")
     if blocks is None:
         blocks = hf.blocks_of(model) if hf.is_transformers_model(model) else []
     blocks = _untied(model, list(blocks))
