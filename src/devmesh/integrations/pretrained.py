@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from devmesh.distributed import consensus
 from devmesh.errors import StateDictError
 from devmesh.parallel.param import is_dtensor, layout_of, local_block, local_of
 from devmesh.parallel.state_dict import (
@@ -70,9 +71,23 @@ def load_pretrained(model: nn.Module, folder: str | os.PathLike, *, strict: bool
     checked before the first copy; with ``strict``, a tensor the model has and the
     checkpoint lacks (or the other way round) is an error naming it. Values are cast to the
     model's dtypes (a bfloat16 checkpoint into float32 master weights)."""
+    # a refusal on one rank alone (a folder it cannot read, a model built differently)
+    # would leave the others waiting in their next collective: every rank raises together
+    with consensus.refused_everywhere(None, "load_pretrained", StateDictError):
+        writes, read, files = _read_blocks(model, Path(folder), strict)
+    with torch.no_grad():
+        for destination, block in writes:
+            destination.copy_(block)
+    total = sum(_file_bytes(f) for f in set(files.values()))
+    return LoadedWeights(len(writes), read, total)
+
+
+def _read_blocks(model: nn.Module, root: Path, strict: bool
+                 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], int, dict[str, Path]]:
+    """This rank's block of every tensor ``model`` holds, read from the folder, with the
+    tensor it goes into; raises (nothing read into the model) on any mismatch."""
     from safetensors import safe_open
 
-    root = Path(folder)
     files = _files(root)
     targets: dict[str, torch.Tensor] = dict(named_parameters(model))
     targets.update(persistent_buffers(model))
@@ -121,11 +136,7 @@ def load_pretrained(model: nn.Module, folder: str | os.PathLike, *, strict: bool
     if problems:
         raise StateDictError(f"cannot load {root} into {type(model).__name__}: "
                              + "; ".join(problems) + ". Nothing was loaded")
-    with torch.no_grad():
-        for destination, block in writes:
-            destination.copy_(block)
-    total = sum(_file_bytes(f) for f in set(files.values()))
-    return LoadedWeights(len(writes), read, total)
+    return writes, read, files
 
 
 def _file_bytes(path: Path) -> int:
@@ -140,8 +151,6 @@ def save_pretrained(model: nn.Module, folder: str | os.PathLike, **kwargs) -> No
     there) into a new folder beside ``folder``, then moves each file into place, so a
     failure leaves no half-written checkpoint file. Every rank returns once it is written
     (or raises if rank 0 could not write it)."""
-    from devmesh.distributed import consensus
-
     full = state_dict(model, full=True)
     if not dist.is_initialized():
         _write(model, Path(folder), full, kwargs)

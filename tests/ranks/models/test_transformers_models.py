@@ -205,3 +205,29 @@ def test_a_checkpoint_of_another_model_is_refused_and_nothing_loaded(mesh_pool, 
     for error, untouched in mesh_pool.run(load_refused, 1, str(tmp_path)):
         assert error[0] == "StateDictError" and "the checkpoint's shape is (40, 32)" in error[1]
         assert "Nothing was loaded" in error[1] and untouched
+
+
+def load_where_one_rank_lacks_the_folder(good: str, bad: str):
+    """Rank 1 names a folder without a checkpoint; the others a good one."""
+    import torch.distributed as dist
+
+    from devmesh.integrations import load_pretrained
+    from devmesh.parallel import parallelize
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+    model = parallelize(make("llama"), mesh)
+    error = caught(lambda: load_pretrained(model, bad if dist.get_rank() == 1 else good))
+    dist.barrier()  # every rank got here: none waits in a collective the others left
+    return error
+
+
+def test_a_load_refused_on_one_rank_is_refused_on_every_rank(mesh_pool, tmp_path):
+    import transformers as T
+
+    T.LlamaForCausalLM(T.LlamaConfig(**COMMON)).double().save_pretrained(tmp_path / "good")
+    (tmp_path / "empty").mkdir()
+    mine, other = mesh_pool.run(load_where_one_rank_lacks_the_folder, 2,
+                                str(tmp_path / "good"), str(tmp_path / "empty"))
+    assert other[0] == "StateDictError" and "holds neither" in other[1]
+    assert mine[0] == "StateDictError" and "load_pretrained was refused on other ranks" in mine[1]
+    assert "rank 1:" in mine[1]
