@@ -55,6 +55,7 @@ def pipelined_step(dims):
 
     from devmesh import comm_stats
     from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel import loss_parallel
     from devmesh.parallel.pipeline import PipelineRunner
     from devmesh.tools.dry_run.run import build_rank_model
 
@@ -65,35 +66,50 @@ def pipelined_step(dims):
     data = CONFIG.batch // dims["shard"]
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, CONFIG.vocab, (data, CONFIG.seq), generator=gen)
-    with comm_stats() as stats:
+    # the head's logits stay split over tp: the step runs under loss_parallel (torchtitan's
+    # train context), and torch's collectives for it and for DTensor activations count too
+    with comm_stats(include_torch=True) as stats, loss_parallel():
         runner.step(x if stage == 0 else None, x if stage == 1 else None)
     return {key: tuple(value) for key, value in stats.records.items()}
 
 
 def test_a_llama_3_8b_job_of_1024_ranks_is_planned_here(capsys):
-    """pp 4 x dp 32 x tp 8 with the Llama-3-8B shape: one rank per pipeline stage measured
-    in this process. Each stage's parameters are its layers' (tensor-parallel blocks split 8
-    ways) plus the embedding on the first and the head on the last; every rank all-reduces
-    its gradients over dp and its blocks' activations over tp, and sends its pipeline
-    neighbours one activation (and gradient) per micro-batch."""
+    """pp 4 x dp 32 x tp 8 with the Llama-3-8B shape under torchtitan's plan: one rank per
+    pipeline stage measured in this process. Each stage's parameters are its layers'
+    (projections split 8 ways, norms whole) plus the embedding (split over the vocabulary)
+    on the first and the head (likewise) and final norm on the last; every rank all-reduces
+    its gradients over dp; over tp each block all-gathers the sequence into attention and
+    the feed-forward and reduce-scatters their outputs back to it (and the reverse in
+    backward); the pipeline carries the sequence-split residual stream."""
+    from devmesh.tools.cluster_plan import TP_COLLECTIVES_PER_LAYER
     from devmesh.tools.dry_run import ranks_to_report, read_config
 
     config = read_config("llama3-8b")
     dims = {"pp": 4, "dp": 32, "tp": 8}
     reports = [dry_run(config, dims, rank=rank) for rank in ranks_to_report(dims)]
     assert [r.rank for r in reports] == [0, 256, 512, 768]
-    kv = config.kv_heads * config.head_dim
-    block = 2 * config.dim ** 2 + 2 * config.dim * kv + 3 * config.dim * config.ffn_dim
-    expected = (config.layers * (block // 8 + 2 * config.dim) + 2 * config.vocab * config.dim
-                + config.dim)
-    assert sum(r.parameters for r in reports) == expected
+    d, kv, tp = config.dim, config.kv_heads * config.head_dim, 8
+    block = (2 * d * d + 2 * d * kv + 3 * d * config.ffn_dim) // tp + 2 * d
+    table = config.vocab * d // tp
+    assert [r.parameters for r in reports] == [
+        8 * block + table, 8 * block, 8 * block, 8 * block + table + d]
+    assert reports[0].parameters == 283_836_416  # the issue's "about 284M", not 743.5M
     assert [r.microbatches_in_flight for r in reports] == [4, 3, 2, 1]  # 1F1B's warm-up
-    activation = 4 * config.seq * config.dim * 4  # 4 sequences per micro-batch, float32
+    activation = 4 * (config.seq // tp) * d * 4  # 4 sequences per micro-batch, float32
     for stage, r in enumerate(reports):
         assert r.parameter_bytes == 4 * r.parameters and r.optimizer_bytes == 8 * r.parameters
         assert r.collectives[("all_reduce", "dp")][0] >= 1
-        # per layer and micro-batch: 2 row-wise outputs forward, 5 column-wise inputs back
-        assert r.collectives[("all_reduce", "tp")][0] == 8 * 8 * (2 + 5)
+        # per layer and micro-batch: 2 gathers and 2 reduce-scatters forward, 2 of each back;
+        # the embedding's output reduce-scattered (stage 0), the head's input gathered (3)
+        # (per layer: what `devmesh plan --hosts` states, one number for both commands)
+        per_layer = TP_COLLECTIVES_PER_LAYER
+        ends = (stage == 0) + (stage == 3)
+        for kind in ("all_gather", "reduce_scatter"):
+            assert r.collectives[(kind, "tp")][0] == 8 * (8 * per_layer[kind] + ends)
+        # the norms' gradients, 2 per layer; on the last stage the final norm's and the
+        # loss's three (torch's loss_parallel: the max, the sum of exponentials, the target)
+        assert r.collectives[("all_reduce", "tp")][0] == 8 * (
+            8 * per_layer["all_reduce"] + 4 * (stage == 3))
         # 8 activations to the next stage (and a header announcing them), 8 gradients back
         onward, back = stage < 3, stage > 0
         assert r.collectives[("send", "pp")] == (

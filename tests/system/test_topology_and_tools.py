@@ -99,9 +99,11 @@ def test_plan_valid_layout_and_traffic():
     assert traffic["dp"].bytes_per_step == pytest.approx(2 * 0.5 * 8e9 / 8 / 2 * 2)
     # FSDP: 3 (n-1)/n of the TP slice
     assert traffic["shard"].bytes_per_step == pytest.approx(3 * 0.5 * 8e9 / 8 * 2)
-    # TP: 4 all-reduces per layer of (16 sequences x 2048 x 4096 x 2 bytes)
+    # TP: 4 all-gathers and 4 reduce-scatters per layer of (16 sequences x 2048 x 4096 x 2
+    # bytes), as the dry run counts them
     act = 16 * 2048 * 4096 * 2
-    assert traffic["tp"].bytes_per_step == pytest.approx(32 * 4 * 2 * 7 / 8 * act)
+    assert traffic["tp"].bytes_per_step == pytest.approx(32 * 8 * 7 / 8 * act)
+    assert traffic["tp"].what.startswith("per layer 4 all-gathers and 4 reduce-scatters")
     assert "plan is valid" in str(plan)
 
 

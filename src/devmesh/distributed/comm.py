@@ -107,12 +107,22 @@ _active: list[CommStats] = []
 
 
 @contextlib.contextmanager
-def comm_stats() -> Iterator[CommStats]:
-    """Count every devmesh collective issued inside the ``with`` block (on this rank)."""
+def comm_stats(*, include_torch: bool = False) -> Iterator[CommStats]:
+    """Count every devmesh collective issued inside the ``with`` block (on this rank).
+
+    ``include_torch=True`` counts torch's functional collectives too, under the mesh dim
+    they run over: what torch's ``DTensor`` redistributions (a style handing DTensors on,
+    as sequence parallelism's norms do) and ``loss_parallel()`` send."""
     stats = CommStats()
     _active.append(stats)
+    torch_counts = contextlib.nullcontext()
+    if include_torch:
+        from devmesh.distributed.torch_collectives import counting
+
+        torch_counts = counting(stats.add)
     try:
-        yield stats
+        with torch_counts:
+            yield stats
     finally:
         _active.remove(stats)
 

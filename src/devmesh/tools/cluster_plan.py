@@ -180,6 +180,22 @@ def _ep_crosses_hosts(layout: MeshLayout, ep: int, hosts_of) -> bool:
     return bool((host != host[:, :1]).any())
 
 
+#: What torchtitan's tensor-parallel plan (the dry run's,
+#: :func:`devmesh.tools.dry_run.model.tp_plan`) sends over ``tp`` per layer and micro-batch,
+#: forward and backward together: the sequence gathered into attention and into the
+#: feed-forward and their outputs reduce-scattered back to it (sequence parallelism), the
+#: reverse in backward, and the two norms' gradients summed. The dry run measures its
+#: collectives and finds exactly these (tested), so both commands say one thing.
+TP_COLLECTIVES_PER_LAYER = {"all_gather": 4, "reduce_scatter": 4, "all_reduce": 2}
+
+
+def _tp_traffic_text() -> str:
+    c = TP_COLLECTIVES_PER_LAYER
+    return (f"per layer {c['all_gather']} all-gathers and {c['reduce_scatter']} "
+            "reduce-scatters of the sequence-split activations (half forward, half backward), "
+            f"{c['all_reduce']} all-reduces of norm gradients")
+
+
 def _traffic(plan: ClusterPlan, model: ModelSize) -> list[Traffic]:
     d = plan.degrees
     b = model.bytes_per_value
@@ -194,8 +210,10 @@ def _traffic(plan: ClusterPlan, model: ModelSize) -> list[Traffic]:
         if d[name] > 1:
             rows.append(Traffic(name, d[name], name in plan.crossing, what, nbytes))
 
-    add("tp", "4 all-reduces of activations per layer (2 forward, 2 backward)",
-        layers * 4 * 2 * ring(d["tp"]) * act)
+    # an all-gather or a reduce-scatter of the whole activation moves (n-1)/n of it
+    # (the norms' gradients, a few KB, left out)
+    moves = TP_COLLECTIVES_PER_LAYER["all_gather"] + TP_COLLECTIVES_PER_LAYER["reduce_scatter"]
+    add("tp", _tp_traffic_text(), layers * moves * ring(d["tp"]) * act)
     # devmesh's ring: forward, K and V cp - 1 times; backward, K and V cp - 1 times and
     # their gradients cp times (the last home to the owner)
     add("cp", "ring attention: K and V pass around the ring, forward and backward",

@@ -296,3 +296,37 @@ def test_sharded_tensor_errors_are_clear(mesh_pool):
     assert "1 placements for a 2-D mesh" in errors["placements"]
     assert "mesh of shape (4,), not (2, 2)" in errors["spec_mesh"]
     assert "src_rank=9" in errors["src_rank"]
+
+
+def torch_dtensor_traffic():
+    """A torch DTensor on a devmesh (dp, tp) mesh, redistributed forward and backward:
+    torch's functional collectives, counted under the dim they run over only when asked."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Replicate as TorchReplicate
+    from torch.distributed.tensor import Shard as TorchShard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    local = torch.ones(3, 4, requires_grad=True)
+    with comm_stats() as plain:
+        DTensor.from_local(local, mesh["tp"], [TorchShard(0)]).redistribute(
+            mesh["tp"], [TorchReplicate()])
+    with comm_stats(include_torch=True) as counted:
+        x = DTensor.from_local(local, mesh["tp"], [TorchShard(0)])
+        y = x.redistribute(mesh["tp"], [TorchReplicate()])  # all-gather of (6, 4)
+        y.to_local(grad_placements=[torch.distributed.tensor.Partial()]).sum().backward()
+    with comm_stats(include_torch=True) as after:  # the wrappers come off and go on again
+        DTensor.from_local(local, mesh["dp"], [TorchShard(0)]).full_tensor()
+    import torch.distributed._functional_collectives as funcol
+
+    left = hasattr(funcol.all_gather_single, "__devmesh_counted__")
+    return dict(plain.records), dict(counted.records), dict(after.records), left
+
+
+def test_comm_stats_counts_torchs_dtensor_collectives_when_asked(mesh_pool):
+    for plain, counted, after, left in mesh_pool.run(torch_dtensor_traffic, 4):
+        assert plain == {}
+        # forward: the all-gather's output (6 x 4 float32); backward: the partial gradient's
+        # reduce-scatter, its input (6 x 4)
+        assert counted == {("all_gather", "tp"): [1, 96], ("reduce_scatter", "tp"): [1, 96]}
+        assert after == {("all_gather", "dp"): [1, 96]}
+        assert not left  # torch's functions are its own again

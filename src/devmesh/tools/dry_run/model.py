@@ -213,15 +213,33 @@ def stage_layers(config: TransformerConfig, stages: int, stage: int) -> tuple[in
 
 
 def tp_plan(model: Transformer) -> dict[str, object]:
-    """torchtitan's tensor-parallel plan for a Llama block: q/k/v and w1/w3 split by output
-    (column-wise), wo and w2 by input (row-wise); norms and embedding replicated."""
-    from devmesh.parallel import ColwiseParallel, RowwiseParallel
+    """torchtitan's tensor-parallel plan for its Llama, with sequence and loss parallelism:
+    the embedding split by rows (vocabulary) and the head by columns (its logits stay split
+    over the vocabulary for the loss, which runs under ``loss_parallel()``); norms and the
+    residual stream split along the sequence between blocks; q/k/v and w1/w3 column-wise
+    after an all-gather of the sequence, wo and w2 row-wise ending in a reduce-scatter to it.
+    Whichever parts this stage holds."""
+    from devmesh.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                  SequenceParallel)
+    from devmesh.tensor import Replicate, Shard
 
     plan: dict[str, object] = {}
+    if model.tok_embeddings is not None:
+        plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(),
+                                                 output_layouts=Shard(1))
+    if model.output is not None:
+        plan["norm"] = SequenceParallel()
+        plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
+                                         use_local_output=False)
     for name in model.layers:
+        for module in ("attention", "feed_forward"):
+            plan[f"layers.{name}.{module}"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for norm in ("attention_norm", "ffn_norm"):
+            plan[f"layers.{name}.{norm}"] = SequenceParallel()
         for linear in ("attention.wq", "attention.wk", "attention.wv",
                        "feed_forward.w1", "feed_forward.w3"):
             plan[f"layers.{name}.{linear}"] = ColwiseParallel()
         for linear in ("attention.wo", "feed_forward.w2"):
-            plan[f"layers.{name}.{linear}"] = RowwiseParallel()
+            plan[f"layers.{name}.{linear}"] = RowwiseParallel(output_layouts=Shard(1))
     return plan

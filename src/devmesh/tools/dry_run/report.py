@@ -233,8 +233,9 @@ def buffer_copies(kind: str, label: str, dims: dict[str, int]) -> int:
     buffer and its reduce-scatter the gradients into one (once each); DDP (``dp`` without
     ``shard``: :func:`~devmesh.tools.dry_run.run.build_rank_model` replicates over ``dp``)
     packs each gradient into its bucket before the all-reduce and copies it back after
-    (twice). Tensor parallelism's all-reduces and HSDP's (over ``dp``, of the reduce-scattered
-    shard in place) copy nothing."""
+    (twice). Sequence parallelism's all-gathers and reduce-scatters over ``tp`` reorder their
+    blocks of the sequence (once each, as FSDP's); tensor parallelism's all-reduces and
+    HSDP's (over ``dp``, of the reduce-scattered shard in place) copy nothing."""
     if kind in ("all_gather", "reduce_scatter"):
         return 1
     if kind == "all_reduce" and label == "dp" and "shard" not in dims:

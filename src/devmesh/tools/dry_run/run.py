@@ -138,10 +138,14 @@ class _SavedBytes:
         self._counted: set[int] = set()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
+        local = t
+        if isinstance(t, DTensor):  # saved by torch's DTensor ops (the loss under tp)
+            with torch.no_grad():
+                local = t.to_local()
+        key = storage_key(local)
         if key not in self._counted and key not in self._parameter_storages():
             self._counted.add(key)
-            self.bytes += t.untyped_storage().nbytes()
+            self.bytes += local.untyped_storage().nbytes()
         return t
 
     def _parameter_storages(self) -> set[int]:
@@ -183,11 +187,12 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
     if pp > 1 and schedule not in SCHEDULES:
         raise DryRunError(f"--schedule {schedule!r}: the dry run plays {', '.join(SCHEDULES)}")
     tp = dims.get("tp", 1)
-    if config.heads % tp or config.kv_heads % tp or config.ffn_dim % tp:
+    if config.heads % tp or config.kv_heads % tp or config.ffn_dim % tp or config.seq % tp:
         fits = [t for t in _divisors(config.heads)
-                if config.kv_heads % t == 0 and config.ffn_dim % t == 0]
+                if config.kv_heads % t == 0 and config.ffn_dim % t == 0 and config.seq % t == 0]
         raise DryRunError(f"tp {tp} does not divide the heads ({config.heads}), kv heads "
-                          f"({config.kv_heads}) and ffn dim ({config.ffn_dim}) together: "
+                          f"({config.kv_heads}), ffn dim ({config.ffn_dim}) and sequence "
+                          f"({config.seq} tokens, which sequence parallelism splits) together: "
                           f"tp may be {', '.join(map(str, fits))}")
     start = time.perf_counter()
     world_context = _fake_world(rank, world) if device == "meta" else contextlib.nullcontext()
@@ -259,8 +264,10 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
             return torch.empty(mb_size, config.seq, dtype=torch.int64, device=device)
         return torch.randint(0, config.vocab, (mb_size, config.seq), generator=gen)
 
-    def hidden() -> torch.Tensor:
-        shape = (mb_size, config.seq, config.dim)
+    tp = dims.get("tp", 1)
+
+    def hidden() -> torch.Tensor:  # the residual stream, split along the sequence over tp
+        shape = (mb_size, config.seq // tp, config.dim)
         if device == "meta":
             h = torch.empty(shape, dtype=activation_dtype, device=device)
         else:
@@ -280,19 +287,26 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     # the activations of one micro-batch, from a forward before the step (not counted:
     # saved-tensor hooks of one's own change what FSDP saves, so the step runs without them)
     saved = _SavedBytes(model)
-    with saved.hooks():
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        # the logits: float32, split over the vocabulary under tp (loss parallelism)
+        return F.cross_entropy(logits.flatten(0, 1).float(), tokens().flatten())
+
+    # the head's logits stay split over tp: the loss and its backward run under torch's
+    # loss_parallel(), as torchtitan's train step does
+    loss_context = _loss_parallel if tp > 1 and last == config.layers else contextlib.nullcontext
+    with saved.hooks(), loss_context():
         probe = model(tokens() if stage == 0 else hidden())
         if last == config.layers:
-            probe = F.cross_entropy(probe.flatten(0, 1).float(), tokens().flatten())
+            probe = loss(probe)
     del probe
-    with comm_stats() as stats:
+    with comm_stats(include_torch=True) as stats, loss_context():
         for action in actions:
             kind, mb = (action.kind, action.microbatch) if schedule else action
             if kind == "F":
                 out = model(tokens() if stage == 0 else hidden())
                 if last == config.layers:
-                    out = F.cross_entropy(out.flatten(0, 1).float(), tokens().flatten())
-                    out = out / microbatches
+                    out = loss(out) / microbatches
                 outputs[mb] = out
             elif kind in ("B", "I"):
                 for switch in syncs:
@@ -303,7 +317,7 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     collectives = {key: (calls, nbytes) for key, (calls, nbytes) in stats.records.items()}
     if pp > 1:
         add_pipeline_messages(collectives, schedule, stage, mb_size, config,
-                               activation_dtype)
+                               activation_dtype, tp)
     in_flight = (activation_liveness(schedule, pp_rank=stage, stage_indices=[stage],
                                      granularity="stage_microbatch").num_slots
                  if schedule is not None else 1)
@@ -348,15 +362,23 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
     return mesh, model
 
 
+def _loss_parallel():
+    from devmesh.parallel import loss_parallel
+
+    return loss_parallel()
+
+
 def add_pipeline_messages(collectives: dict, schedule, stage: int, mb_size: int,
-                           config: TransformerConfig, dtype: torch.dtype) -> None:
+                           config: TransformerConfig, dtype: torch.dtype, tp: int = 1) -> None:
     """The messages this rank's stage sends and receives in one step, as devmesh's runner
-    sends them: per micro-batch, one activation of ``(micro-batch, seq, dim)`` forward across
-    each boundary and its gradient back, and before a step's first activation a header
-    announcing its shape."""
+    sends them: per micro-batch, one activation of ``(micro-batch, seq / tp, dim)`` (the
+    residual stream is split along the sequence between blocks) forward across each boundary
+    and its gradient back, and before a step's first activation a header announcing its
+    shape."""
     from devmesh.parallel.pipeline.messages import HEADER_BYTES
 
-    nbytes = mb_size * config.seq * config.dim * torch.empty((), dtype=dtype).element_size()
+    nbytes = (mb_size * (config.seq // tp) * config.dim
+              * torch.empty((), dtype=dtype).element_size())
     forwards = sum(1 for a in schedule.actions[stage] if a.kind == "F")
     backwards = sum(1 for a in schedule.actions[stage] if a.kind in ("B", "I"))
     counts = {"send": [0, 0], "recv": [0, 0]}

@@ -89,7 +89,7 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
     found = []
     for tp in _divisors(world):
         if tp > devices_per_host or any(n % tp for n in (config.heads, config.kv_heads,
-                                                         config.ffn_dim)):
+                                                         config.ffn_dim, config.seq)):
             continue
         for pp in _divisors(world // tp):
             data = world // (tp * pp)
@@ -108,30 +108,46 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
                         found.append(Candidate(pp, data // shard, shard, tp, schedule, m))
     if not found:
         raise DryRunError(f"no mesh of {world} ranks suits the model: tp must divide heads "
-                          f"({config.heads}), kv heads ({config.kv_heads}) and ffn dim "
-                          f"({config.ffn_dim}) and be at most --devices-per-host "
+                          f"({config.heads}), kv heads ({config.kv_heads}), ffn dim "
+                          f"({config.ffn_dim}) and sequence ({config.seq}) and be at most "
+                          "--devices-per-host "
                           f"{devices_per_host}; the batch ({config.batch}) must split over "
                           "dp x shard")
     return found
 
 
+Traffic = dict[str, tuple[int, int]]  # collective kind -> (calls, bytes)
+
+
 @dataclass
 class _PerSequence:
     """What a stage adds per micro-batch: saved activation bytes (``fixed`` plus, per
-    sequence, ``base`` and ``block`` per block), and tensor-parallel all-reduce calls and
-    bytes (per block, and for the rest of the stage; bytes per sequence)."""
+    sequence, ``base`` and ``block`` per block), and the tensor-parallel collectives of each
+    kind: calls per block and for the rest of the stage, and bytes as ``fixed + per
+    sequence`` per block and for the rest (the norms' gradients are as many bytes whatever
+    the sequences; the activations' grow with them)."""
 
     block_activations: int
     base_activations: int
     fixed_activations: int
-    block_tp: tuple[int, int]
-    base_tp: tuple[int, int]
+    tp_calls: dict[str, tuple[int, int]]  # kind -> (per block, rest)
+    tp_bytes: dict[str, tuple[int, int, int, int]]  # kind -> block fixed, per seq; rest ...
+
+    def tp_traffic(self, blocks: int, sequences: int, microbatches: int) -> Traffic:
+        out = {}
+        for kind, (per_block, rest) in self.tp_calls.items():
+            bf, bs, rf, rs = self.tp_bytes[kind]
+            calls = microbatches * (blocks * per_block + rest)
+            nbytes = microbatches * (blocks * (bf + bs * sequences) + rf + rs * sequences)
+            if calls:
+                out[kind] = (calls, nbytes)
+        return out
 
 
 class _Calibration:
     """Activations and tensor-parallel traffic per micro-batch, measured by the dry run once
     per (tp, FSDP or not, stage kind) and kept: a stage of one block and of two, on a
-    micro-batch of one sequence, and of one block on two sequences."""
+    micro-batch of one sequence and of two."""
 
     def __init__(self, config: TransformerConfig) -> None:
         self.config = config
@@ -156,27 +172,40 @@ class _Calibration:
             return dry_run(config, dims, rank=stage * shard * tp, schedule="gpipe",
                            microbatches=1, blocks=blocks)
 
-        def tp_traffic(report: RankReport) -> tuple[int, int]:
-            return report.collectives.get(("all_reduce", "tp"), (0, 0))
+        def on_tp(report: RankReport) -> Traffic:
+            return {kind: value for (kind, dims_), value in report.collectives.items()
+                    if dims_ == "tp"}
 
         one, two, wide = run(1, 1), run(2, 1), run(1, 2)
-        (c1, b1), (c2, b2) = tp_traffic(one), tp_traffic(two)
         a1, a2 = one.activation_bytes_per_microbatch, two.activation_bytes_per_microbatch
         per_sequence = wide.activation_bytes_per_microbatch - a1
-        return _PerSequence(a2 - a1, per_sequence - (a2 - a1), a1 - per_sequence,
-                            (c2 - c1, b2 - b1), (2 * c1 - c2, 2 * b1 - b2))
+        calls, nbytes = {}, {}
+        if tp > 1:
+            wide_two = run(2, 2)
+            t11, t21, t12, t22 = (on_tp(r) for r in (one, two, wide, wide_two))
+            for kind in t11.keys() | t21.keys():
+                (c1, b11), (c2, b21) = t11.get(kind, (0, 0)), t21.get(kind, (0, 0))
+                b12, b22 = t12.get(kind, (0, 0))[1], t22.get(kind, (0, 0))[1]
+                block_seq = (b22 - b12) - (b21 - b11)  # per block, per sequence
+                block_fixed = (b21 - b11) - block_seq
+                rest_seq = (b12 - b11) - block_seq
+                rest_fixed = b11 - block_fixed - block_seq - rest_seq
+                calls[kind] = (c2 - c1, 2 * c1 - c2)
+                nbytes[kind] = (block_fixed, block_seq, rest_fixed, rest_seq)
+        return _PerSequence(a2 - a1, per_sequence - (a2 - a1), a1 - per_sequence, calls,
+                            nbytes)
 
 
 def _stage_tensors(config: TransformerConfig, tp: int, embedding: bool, head: bool
                    ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-    """(rows, columns) of one block's tensors and of the stage's other ones, as tensor
-    parallelism leaves them on a rank (q/k/v and w1/w3 split by rows, wo and w2 by columns,
-    norms, embedding and head whole)."""
+    """(rows, columns) of one block's tensors and of the stage's other ones, as torchtitan's
+    tensor-parallel plan leaves them on a rank (q/k/v and w1/w3 split by rows, wo and w2 by
+    columns, embedding and head by the vocabulary, norms whole)."""
     d, kv, ffn = config.dim, config.kv_heads * config.head_dim, config.ffn_dim
     block = [(d // tp, d), (kv // tp, d), (kv // tp, d), (d, d // tp),
              (ffn // tp, d), (ffn // tp, d), (d, ffn // tp), (d, 1), (d, 1)]
-    rest = ([(config.vocab, d)] if embedding else []) + ([(d, 1), (config.vocab, d)]
-                                                         if head else [])
+    table = (math.ceil(config.vocab / tp), d)  # torch.chunk's rows: the first rank's
+    rest = ([table] if embedding else []) + ([(d, 1), table] if head else [])
     return block, rest
 
 
@@ -228,10 +257,8 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
     compute = torch.empty((), dtype=config.torch_dtype if fsdp else torch.float32).element_size()
     collectives: dict[tuple[str, str], tuple[int, int]] = {}
     if tp > 1:
-        calls = m * (blocks * measured.block_tp[0] + measured.base_tp[0])
-        nbytes = m * mb_size * (blocks * measured.block_tp[1] + measured.base_tp[1])
-        if calls:
-            collectives[("all_reduce", "tp")] = (calls, nbytes)
+        for kind, traffic in measured.tp_traffic(blocks, mb_size, m).items():
+            collectives[(kind, "tp")] = traffic
     units = blocks + (1 if rest_shapes else 0)
     full_block, full_rest = gathered(block_shapes), gathered(rest_shapes)
     # each reduction carries a float32 flag per parameter (per shard in a reduce-scatter):
@@ -246,16 +273,15 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
         if candidate.dp > 1:
             collectives[("all_reduce", "dp")] = (units, 4 * params + flags)
     elif candidate.dp > 1:
-        order = (([(config.vocab, config.dim)] if embedding else [])
-                 + blocks * [block_shapes[i] for i in _REGISTRATION_ORDER]
-                 + ([(config.dim, 1), (config.vocab, config.dim)] if head else []))
+        order = (rest_shapes[:1] if embedding else []) + blocks * [
+            block_shapes[i] for i in _REGISTRATION_ORDER] + (rest_shapes[-2:] if head else [])
         collectives[("all_reduce", "dp")] = (_ddp_buckets([4 * r * c for r, c in order]),
                                              4 * params + flags)
     in_flight = 1
     if pp > 1:
         schedule = _schedule(candidate.schedule, pp, m)
         add_pipeline_messages(collectives, schedule, stage, mb_size, config,
-                               config.torch_dtype if fsdp else torch.float32)
+                               config.torch_dtype if fsdp else torch.float32, tp)
         in_flight = _in_flight(candidate.schedule, pp, m, stage)
     return RankReport(
         rank=stage * (candidate.dp * shard * tp), coordinate={}, layers=(first, last),
