@@ -35,7 +35,7 @@ __all__ = [
     "torch_mesh_state_for_pickle", "restore_torch_mesh_state", "torch_concatenate",
     "current_torch_mesh", "innermost_torch_mesh", "unwrap_fake_script_object",
     "current_graph_task_id", "queue_callback", "saved_tensors_hooks_in_force",
-    "disable_current_modes", "is_traceable_wrapper_subclass", "pytree", "CFuture",
+    "disable_current_modes", "is_traceable_wrapper_subclass", "TorchDispatchMode", "pytree", "CFuture",
     "clear_dtensor_caches", "eager", "import_dynamo", "IncompatibleKeys", "strided_shard_type",
     "pipeline_stage_types", "cpu_flash_attention", "cpu_flash_attention_backward",
     "modify_graph_op_device", "compiled_module_inner", "composable_replicate_state",
@@ -239,6 +239,8 @@ disable_current_modes: Callable = _require(_dispatch, "_disable_current_modes",
                                            "torch.utils._python_dispatch")
 is_traceable_wrapper_subclass: Callable = _require(
     _dispatch, "is_traceable_wrapper_subclass", "torch.utils._python_dispatch")
+#: torch's base class of a Python dispatch mode (what sees each op and its outputs)
+TorchDispatchMode: type = _require(_dispatch, "TorchDispatchMode", "torch.utils._python_dispatch")
 pytree: types.ModuleType = _import("torch.utils._pytree")
 for _name in ("tree_map_only", "tree_flatten", "tree_unflatten"):
     _require(pytree, _name, "torch.utils._pytree")

@@ -19,13 +19,23 @@ STRATEGIES = {
     "tp": {"tp": 8},
     "fsdp-tp": {"shard": 4, "tp": 2},
     "pp-fsdp-tp": {"pp": 2, "shard": 2, "tp": 2},
+    # activation checkpointing (torchtitan's modes) under each kind of parallelism
+    "ddp-full": ({"dp": 8}, "full"),
+    "fsdp-tp-selective": ({"shard": 4, "tp": 2}, "selective"),
+    "pp-fsdp-every-2": ({"pp": 2, "shard": 4}, 2),
 }
 
 
-def real_step(dims):
+def _case(strategy):
+    case = STRATEGIES[strategy]
+    return case if isinstance(case, tuple) else (case, "none")
+
+
+def real_step(dims, checkpointing="none"):
     import os
 
-    return dry_run(CONFIG, dims, rank=int(os.environ["RANK"]), device="cpu")
+    return dry_run(CONFIG, dims, rank=int(os.environ["RANK"]), device="cpu",
+                   checkpointing=checkpointing)
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
@@ -33,11 +43,11 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
     """Every rank's collectives per kind and mesh dim — calls and bytes — and its parameter,
     gradient and optimizer bytes equal the real step's exactly; the pipeline's against
     devmesh's own runner running the step (its messages included)."""
-    dims = STRATEGIES[strategy]
-    real = mesh_pool.run(real_step, 8, dims)
-    runner = mesh_pool.run(pipelined_step, 8, dims) if "pp" in dims else None
+    dims, checkpointing = _case(strategy)
+    real = mesh_pool.run(real_step, 8, dims, checkpointing)
+    runner = (mesh_pool.run(pipelined_step, 8, dims, checkpointing) if "pp" in dims else None)
     for rank, measured in enumerate(real):
-        predicted = dry_run(CONFIG, dims, rank=rank)
+        predicted = dry_run(CONFIG, dims, rank=rank, checkpointing=checkpointing)
         assert predicted.coordinate == measured.coordinate
         assert predicted.collectives == measured.collectives, rank
         if runner is not None:
@@ -48,7 +58,7 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
             measured.activation_bytes_per_microbatch, rel=0.15)
 
 
-def pipelined_step(dims):
+def pipelined_step(dims, checkpointing="none"):
     """The pipeline case run by devmesh's own runner (1F1B, 4 micro-batches) on the stage
     the dry run builds: its collectives over the step."""
     import torch.nn.functional as F
@@ -59,7 +69,7 @@ def pipelined_step(dims):
     from devmesh.parallel.pipeline import PipelineRunner
     from devmesh.tools.dry_run.run import build_rank_model
 
-    mesh, model = build_rank_model(CONFIG, dims, "cpu")
+    mesh, model = build_rank_model(CONFIG, dims, "cpu", checkpointing=checkpointing)
     stage = mesh.get_coordinate()[0]
     runner = PipelineRunner({stage: model}, mesh, build_schedule("1f1b", 2, 4),
                             lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
@@ -71,6 +81,28 @@ def pipelined_step(dims):
     with comm_stats(include_torch=True) as stats, loss_parallel():
         runner.step(x if stage == 0 else None, x if stage == 1 else None)
     return {key: tuple(value) for key, value in stats.records.items()}
+
+
+@pytest.mark.parametrize("dims", [{"dp": 8}, {"shard": 4, "tp": 2}], ids=str)
+def test_what_a_checkpointed_block_keeps_is_its_input_and_selectively_its_matmuls(dims):
+    """Per block (a stage of two blocks against one): full checkpointing keeps the block's
+    input alone; selective keeps its input and the outputs of its 7 matmuls and of the
+    fused attention (its output and log-sum-exp); without checkpointing, more than both."""
+    tp = dims.get("tp", 1)
+    b = CONFIG.batch // (dims.get("dp", 1) * dims.get("shard", 1))
+    s, d, kv, ffn = CONFIG.seq, CONFIG.dim, CONFIG.kv_heads * CONFIG.head_dim, CONFIG.ffn_dim
+
+    def per_block(mode):
+        one, two = (dry_run(CONFIG, dims, blocks=n, checkpointing=mode) for n in (1, 2))
+        return two.activation_bytes_per_microbatch - one.activation_bytes_per_microbatch
+
+    block_input = b * (s // tp) * d * 4  # the residual stream, split along the sequence
+    # q, k, v, wo (its partial sums, before the reduce-scatter), w1, w3, w2
+    matmuls = b * s * (d // tp + 2 * kv // tp + d + 2 * ffn // tp + d) * 4
+    attention = b * s * d // tp * 4 + b * (CONFIG.heads // tp) * s * 4
+    assert per_block("full") == block_input
+    assert per_block("selective") == block_input + matmuls + attention
+    assert per_block("none") > per_block("selective")
 
 
 def test_a_llama_3_8b_job_of_1024_ranks_is_planned_here(capsys):

@@ -58,6 +58,39 @@ def test_the_closed_form_equals_the_dry_run_on_every_kind_of_candidate():
                     candidate.describe(), stage, name)
 
 
+@pytest.mark.parametrize("candidate", [
+    Candidate(1, 2, 2, 2, "1f1b", 2, "full"), Candidate(2, 1, 2, 2, "gpipe", 4, "selective"),
+    Candidate(1, 8, 1, 1, "1f1b", 1, "selective"), Candidate(2, 4, 1, 1, "1f1b", 4, "full")],
+    ids=lambda c: c.describe())
+def test_the_closed_form_equals_the_dry_run_under_activation_checkpointing(candidate):
+    calibration = _Calibration(CONFIG)
+    for stage, measured in enumerate(measure(CONFIG, candidate)):
+        estimated = estimate(CONFIG, candidate, stage, calibration)
+        for name in ("parameters", "activation_bytes_per_microbatch", "microbatches_in_flight",
+                     "collectives", "checkpointing"):
+            assert getattr(estimated, name) == getattr(measured, name), (stage, name)
+
+
+def test_a_search_that_may_checkpoint_fits_where_none_does_and_pays_the_recompute():
+    """Below the smallest peak without checkpointing nothing fits; allowed to checkpoint,
+    the search ranks the candidates that then fit, each checkpointing; full recomputes its
+    blocks' forward (a third more of their FLOPs), selective no matmul."""
+    plain = search(CONFIG, 8, COSTS, verify=0)
+    limit = min(e.peak_bytes for e in plain.ranked) - 1
+    assert not search(CONFIG, 8, COSTS, device_memory=limit, verify=0).ranked
+    result = search(CONFIG, 8, COSTS, device_memory=limit, verify=1, checkpointing="any")
+    assert result.ranked and result.considered == 3 * plain.considered
+    assert all(e.candidate.checkpointing != "none" for e in result.ranked)
+    assert result.ranked[0].measured
+    base = Candidate(1, 8, 1, 1, "1f1b", 1)
+    compute = {}
+    for mode in ("none", "full", "selective"):
+        candidate = replace(base, checkpointing=mode)
+        report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
+        compute[mode] = predict(CONFIG, candidate.dims, report, COSTS, "1f1b", 1)["compute"]
+    assert compute["selective"] == compute["none"] < compute["full"] < compute["none"] * 4 / 3
+
+
 def test_the_closed_form_fills_ddps_buckets_as_replicate_does():
     """A model of some 300 MB of gradients: DDP's 25 MiB buckets, counted in closed form,
     are the calls the dry run makes, on one stage and on both stages of a pipeline."""

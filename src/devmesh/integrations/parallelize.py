@@ -15,15 +15,14 @@ with the function that places it.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Mapping, Sequence
 
 from torch import nn
 
-from devmesh import _torch_compat
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
+from devmesh.parallel.activation_checkpointing import MODES, check_mode, checkpoint_blocks
 from devmesh.parallel.fsdp import MixedPrecisionPolicy, fully_shard
 from devmesh.parallel.replicate import replicate
 from devmesh.parallel.tensor_parallel import ParallelStyle, parallelize_module
@@ -32,7 +31,7 @@ __all__ = ["parallelize", "SHARD_DIMS", "REPLICATE_DIMS", "CHECKPOINTING"]
 
 SHARD_DIMS = ("dp_shard", "shard", "dp", "fsdp")
 REPLICATE_DIMS = ("dp_replicate", "replicate")
-CHECKPOINTING = ("none", "full", "selective")
+CHECKPOINTING = MODES
 _ELSEWHERE = {
     "pp": "pipeline stages: devmesh.parallel.pipeline (split_sequential, PipelineRunner)",
     "cp": "context parallelism: devmesh.parallel.context_parallel",
@@ -62,7 +61,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
         raise ParallelizeError("parallelize reads the mesh's dim names: build it with "
                                "mesh_dim_names, e.g. ('dp_shard', 'tp')")
     _refuse_unknown_dims(names)
-    _check_checkpointing(activation_checkpointing)
+    check_mode(activation_checkpointing)
     shard = [n for n in names if n in SHARD_DIMS]
     replicas = [n for n in names if n in REPLICATE_DIMS]
     if len(shard) > 1 or len(replicas) > 1:
@@ -125,14 +124,6 @@ def _refuse_unknown_dims(names: tuple[str, ...]) -> None:
                 f"({', '.join(REPLICATE_DIMS)})")
 
 
-def _check_checkpointing(mode: str | int) -> None:
-    if isinstance(mode, bool) or not (mode in CHECKPOINTING or (isinstance(mode, int)
-                                                               and mode >= 1)):
-        raise ParallelizeError(
-            f"activation_checkpointing={mode!r}: give one of {CHECKPOINTING}, or an int "
-            "k >= 1 to checkpoint every k-th block")
-
-
 def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
                      plan: Mapping[str, ParallelStyle] | None) -> None:
     if plan is None:
@@ -161,50 +152,12 @@ def _check_heads(model: nn.Module, tp: int) -> None:
 
 
 def _checkpoint(model: nn.Module, blocks: list[nn.Module], mode: str | int) -> list[nn.Module]:
-    """Wrap the chosen blocks in torch's ``checkpoint_wrapper`` (non-reentrant), in their
-    parents' places; returns the blocks as the model now holds them."""
-    if mode == "none":
-        return blocks
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        # a block recomputed in backward would append its keys and values to the cache a
-        # second time (transformers' own gradient checkpointing turns the cache off too)
-        config.use_cache = False
-    if not blocks:
-        raise ParallelizeError(
-            f"activation_checkpointing={mode!r} wraps the model's blocks, and "
-            f"{type(model).__name__} names none: pass blocks=[...] (the decoder layers)")
-    kwargs = {}
-    if mode == "selective":
-        from torch.utils.checkpoint import create_selective_checkpoint_contexts
-
-        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts,
-                                                 _saved_ops())
-    every = mode if isinstance(mode, int) else 1
-    where = {id(m): name for name, m in model.named_modules()}
-    out = []
-    for i, block in enumerate(blocks):
-        if i % every:
-            out.append(block)
-            continue
-        wrapped = _torch_compat.non_reentrant_checkpoint_wrapper(block, **kwargs)
-        parent_name, _, child = where[id(block)].rpartition(".")
-        setattr(model.get_submodule(parent_name), child, wrapped)
-        out.append(wrapped)
-    return out
-
-
-def _saved_ops() -> list:
-    """The ops whose outputs selective checkpointing keeps: matmuls and attention (the
-    costly ones to recompute); everything else in a block is recomputed."""
-    import torch
-
-    aten = torch.ops.aten
-    ops = [aten.mm.default, aten.addmm.default, aten.bmm.default,
-           aten._scaled_dot_product_flash_attention.default,
-           aten._scaled_dot_product_efficient_attention.default]
-    for name in ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_cudnn_attention"):
-        op = getattr(aten, name, None)
-        if op is not None:
-            ops.append(op.default)
-    return ops
+    """Checkpoint the chosen blocks (:mod:`devmesh.parallel.activation_checkpointing`);
+    returns the blocks as the model now holds them."""
+    if mode != "none":
+        config = getattr(model, "config", None)
+        if getattr(config, "use_cache", False):
+            # a block recomputed in backward would append its keys and values to the cache
+            # a second time (transformers' own gradient checkpointing turns the cache off too)
+            config.use_cache = False
+    return checkpoint_blocks(model, blocks, mode)

@@ -91,6 +91,11 @@ def add(sub) -> None:
                      help="with --tflops: ranks sharing one device (8 CPU ranks on 2 cores: "
                           "4, --tflops then a rank's throughput while all compute); a "
                           "pipeline's idle ranks lend it to the busy ones")
+    dry.add_argument("--activation-checkpointing", default="none", type=_checkpointing,
+                     metavar="MODE",
+                     help="with --model: the blocks' activation checkpointing, torchtitan's "
+                          "modes: none, full, selective (keep matmuls' and attention's "
+                          "outputs, recompute the rest) or K (every K-th block in full)")
     dry.add_argument("--world", type=int, default=None,
                      help="with --model --search: the number of ranks to choose a mesh for")
     dry.add_argument("--search", action="store_true",
@@ -103,6 +108,11 @@ def add(sub) -> None:
                      help="with --search: the best this many by the closed form are measured "
                           "by the dry run and ranked again (0: none)")
     plan.set_defaults(handler=run)
+
+
+def _checkpointing(text: str) -> str | int:
+    """``--activation-checkpointing``: a mode's name, or K (every K-th block)."""
+    return int(text) if text.isdigit() else text
 
 
 def run(args: argparse.Namespace) -> int:
@@ -208,7 +218,8 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
         memory = parse_bytes(args.device_memory) if args.device_memory else None
         ranks = [args.rank] if args.rank is not None else ranks_to_report(dims)
         reports = [dry_run(config, dims, rank=rank, schedule=schedule,
-                           microbatches=microbatches) for rank in ranks]
+                           microbatches=microbatches,
+                           checkpointing=args.activation_checkpointing) for rank in ranks]
         print(format_reports(config, dims, reports, schedule=schedule,
                              microbatches=microbatches, costs=costs, device_memory=memory))
     except DryRunError as exc:
@@ -246,6 +257,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
             raise DryRunError("--top must be at least 1 and --verify at least 0")
         result = search(config, args.world, costs, device_memory=memory,
                         devices_per_host=args.devices_per_host or 8, verify=args.verify,
+                        checkpointing=args.activation_checkpointing,
                         progress=lambda text: print(text, file=sys.stderr, flush=True))
     except DryRunError as exc:
         print(f"devmesh plan: error: {exc}", file=sys.stderr)

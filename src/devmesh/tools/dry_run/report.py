@@ -205,7 +205,8 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
 def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, int]) -> float:
     """The FLOPs one rank computes in a step: forward and backward (3x forward) of its
     layers' matmuls (split by tp) and causal attention, and the output head on the last
-    stage, over its share of the batch."""
+    stage, over its share of the batch; the forward again of each block checkpointed in
+    full."""
     tp = dims.get("tp", 1)
     data = dims.get("dp", 1) * dims.get("shard", 1)
     tokens = config.batch // data * config.seq
@@ -215,9 +216,15 @@ def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, in
     attention = 2 * config.seq * config.dim / tp  # QK^T and AV, causal: half of 4 s d
     first, last = report.layers
     per_token = (last - first) * (2 * matmul + attention)
+    # a block checkpointed in full runs its forward again in backward; selective keeps its
+    # matmuls' and attention's outputs, recomputing only element-wise work (no FLOPs here)
+    mode = report.checkpointing
+    recomputed = (last - first if mode == "full" else
+                  len(range(0, last - first, mode)) if isinstance(mode, int) else 0)
+    extra = recomputed * (2 * matmul + attention)
     if last == config.layers:
         per_token += 2 * config.dim * config.vocab
-    return 3 * per_token * tokens
+    return (3 * per_token + extra) * tokens
 
 
 def _ranks_of(dims_label: str, dims: dict[str, int]) -> int:
@@ -297,6 +304,11 @@ def _seconds(seconds: float) -> str:
     return f"{seconds:,.2f} s" if seconds >= 1 else f"{seconds * 1e3:,.3g} ms"
 
 
+def _checkpointing(mode: str | int) -> str:
+    return f"every {mode} blocks, in full" if isinstance(mode, int) and mode > 1 else (
+        "full" if mode == 1 else str(mode))
+
+
 def format_reports(config: TransformerConfig, dims: dict[str, int], reports: list[RankReport],
                    *, schedule: str, microbatches: int, costs: Costs | None = None,
                    device_memory: int | None = None) -> str:
@@ -306,7 +318,9 @@ def format_reports(config: TransformerConfig, dims: dict[str, int], reports: lis
     mesh = " x ".join(f"{name} {size}" for name, size in dims.items())
     lines = [f"dry run: {config.describe()}",
              f"mesh: {mesh} = {world} ranks"
-             + (f"; {schedule}, {microbatches} micro-batches" if dims.get("pp", 1) > 1 else "")]
+             + (f"; {schedule}, {microbatches} micro-batches" if dims.get("pp", 1) > 1 else "")
+             + (f"; activation checkpointing: {_checkpointing(reports[0].checkpointing)}"
+                if reports and reports[0].checkpointing != "none" else "")]
     for report in reports:
         where = ", ".join(f"{k} {v}" for k, v in report.coordinate.items())
         lines.append("")

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from devmesh._torch_compat import fake_store, storage_key
+from devmesh._torch_compat import fake_store, pytree, storage_key
 from devmesh.errors import DryRunError
 from devmesh.layout.liveness import activation_liveness
 from devmesh.layout.schedule import build_schedule
@@ -77,6 +77,7 @@ class RankReport:
     compute_dtype: str = "float32"
     collectives: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     seconds: float = 0.0
+    checkpointing: str | int = "none"  # the blocks' activation checkpointing
 
     @property
     def activation_bytes(self) -> int:
@@ -129,15 +130,21 @@ def _fake_world(rank: int, world: int) -> Iterator[None]:
 
 
 class _SavedBytes:
-    """Bytes autograd saves for backward while active, each storage counted once, parameters
-    (and views of them) not counted: a probe forward's activations."""
+    """Bytes kept for backward while active (a probe forward's activations), each storage
+    counted once, parameters (and views of them) not counted: what autograd saves (its
+    saved-tensor hooks), and under activation checkpointing what a checkpointed block keeps
+    instead — its inputs (:meth:`watch_inputs`) and, selective, its matmuls' and attention's
+    outputs (:meth:`count`, called by the checkpoint's forward)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self) -> None:
         self.bytes = 0
-        self._model = model
+        self.active = False
+        self._model: torch.nn.Module | None = None
         self._counted: set[int] = set()
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def count(self, t: torch.Tensor) -> None:
+        if not self.active:
+            return
         local = t
         if isinstance(t, DTensor):  # saved by torch's DTensor ops (the loss under tp)
             with torch.no_grad():
@@ -146,27 +153,55 @@ class _SavedBytes:
         if key not in self._counted and key not in self._parameter_storages():
             self._counted.add(key)
             self.bytes += local.untyped_storage().nbytes()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        self.count(t)
         return t
+
+    def watch_inputs(self, block: torch.nn.Module) -> None:
+        """Count the tensors a checkpointed ``block`` is called with (it keeps them to run
+        again in backward)."""
+        def inputs(module, args, kwargs) -> None:
+            for t in _torch_compat_tree_leaves((args, kwargs)):
+                if isinstance(t, torch.Tensor):
+                    self.count(t)
+        block.register_forward_pre_hook(inputs, with_kwargs=True)
 
     def _parameter_storages(self) -> set[int]:
         """The storages of what the modules hold now (a unit's gathered parameters while
         its forward runs), DTensor parameters by their local blocks."""
+        assert self._model is not None
         return {storage_key(p.to_local() if isinstance(p, DTensor) else p)
                 for p in self._model.parameters()}
 
-    def hooks(self) -> torch.autograd.graph.saved_tensors_hooks:
-        return torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+    @contextlib.contextmanager
+    def probing(self, model: torch.nn.Module) -> Iterator[None]:
+        """Count what ``model``'s forward inside keeps."""
+        self._model, self.active = model, True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+                yield
+        finally:
+            self.active = False
+
+
+def _torch_compat_tree_leaves(tree: object) -> list:
+    return pytree.tree_flatten(tree)[0]
 
 
 def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
             schedule: str = "1f1b", microbatches: int | None = None,
-            device: str = "meta", blocks: int | None = None) -> RankReport:
+            device: str = "meta", blocks: int | None = None,
+            checkpointing: str | int = "none") -> RankReport:
     """One training step of global rank ``rank`` on a mesh of ``dims`` (outer to inner
     ``pp, dp, shard, tp``; ``dp`` replicates: DDP, or HSDP beside ``shard``), measured.
     ``device="cpu"`` runs the same step with real tensors in a real process group (the test
     that compares the two); the default runs on ``meta`` under a fake world of its own.
     ``blocks`` builds only that many of the stage's transformer blocks (its embedding and
-    head kept): :func:`dry_run_by_blocks` extrapolates from two such runs."""
+    head kept): :func:`dry_run_by_blocks` extrapolates from two such runs.
+    ``checkpointing``: the blocks' activation checkpointing, ``"none"``, ``"full"``,
+    ``"selective"`` or every k-th block (:mod:`devmesh.parallel.activation_checkpointing`)."""
+    _check_checkpointing(checkpointing)
     dims = {name: dims[name] for name in DIM_ORDER if dims.get(name, 1) > 1} or {"dp": 1}
     world = 1
     for size in dims.values():
@@ -198,7 +233,7 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
     world_context = _fake_world(rank, world) if device == "meta" else contextlib.nullcontext()
     with world_context:
         report = _step(config, dims, schedule, microbatches, local // microbatches, device,
-                       blocks)
+                       blocks, checkpointing)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -207,15 +242,31 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _check_checkpointing(mode: str | int) -> None:
+    from devmesh.errors import ParallelizeError
+    from devmesh.parallel.activation_checkpointing import check_mode
+
+    try:
+        check_mode(mode, "--activation-checkpointing")
+    except ParallelizeError as exc:
+        raise DryRunError(str(exc)) from None
+
+
 def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
-                      schedule: str = "1f1b", microbatches: int | None = None) -> RankReport:
+                      schedule: str = "1f1b", microbatches: int | None = None,
+                      checkpointing: str | int = "none") -> RankReport:
     """:func:`dry_run`'s report from two cheap runs: the rank's stage built with one and with
     two of its blocks, extended to all of them. A stage's blocks are identical (same shapes,
     each its own FSDP unit, the same tensor-parallel plan), so every count the report holds
     (parameter, gradient, optimizer and activation bytes; each collective's calls and bytes)
     grows by the same amount per block: what the second block adds, times the blocks past
     the first. A stage of one block is run as it is."""
-    kwargs = dict(rank=rank, schedule=schedule, microbatches=microbatches)
+    if isinstance(checkpointing, int) and checkpointing > 1:
+        # every k-th block: the stage's blocks are not alike, so it is run whole
+        return dry_run(config, dims, rank=rank, schedule=schedule, microbatches=microbatches,
+                       checkpointing=checkpointing)
+    kwargs = dict(rank=rank, schedule=schedule, microbatches=microbatches,
+                  checkpointing=checkpointing)
     one = dry_run(config, dims, blocks=1, **kwargs)
     first, last = one.layers
     if last - first <= 1:
@@ -239,15 +290,18 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
         activation_bytes_per_microbatch=grown(one.activation_bytes_per_microbatch,
                                               two.activation_bytes_per_microbatch),
         microbatches_in_flight=one.microbatches_in_flight, compute_dtype=one.compute_dtype,
-        collectives=dict(sorted(collectives.items())), seconds=one.seconds + two.seconds)
+        collectives=dict(sorted(collectives.items())), seconds=one.seconds + two.seconds,
+        checkpointing=one.checkpointing)
 
 
 def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
-          microbatches: int, mb_size: int, device: str, blocks: int | None = None
-          ) -> RankReport:
+          microbatches: int, mb_size: int, device: str, blocks: int | None = None,
+          checkpointing: str | int = "none") -> RankReport:
     from devmesh import comm_stats
 
-    mesh, model = build_rank_model(config, dims, device, blocks)
+    saved = _SavedBytes()
+    mesh, model = build_rank_model(config, dims, device, blocks, checkpointing=checkpointing,
+                                   saved=saved)
     names = tuple(dims)
     coordinate = dict(zip(names, mesh.get_coordinate() or ()))
     pp, stage = dims.get("pp", 1), coordinate.get("pp", 0)
@@ -286,7 +340,6 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     outputs: dict[int, torch.Tensor] = {}
     # the activations of one micro-batch, from a forward before the step (not counted:
     # saved-tensor hooks of one's own change what FSDP saves, so the step runs without them)
-    saved = _SavedBytes(model)
 
     def loss(logits: torch.Tensor) -> torch.Tensor:
         # the logits: float32, split over the vocabulary under tp (loss parallelism)
@@ -295,7 +348,7 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     # the head's logits stay split over tp: the loss and its backward run under torch's
     # loss_parallel(), as torchtitan's train step does
     loss_context = _loss_parallel if tp > 1 and last == config.layers else contextlib.nullcontext
-    with saved.hooks(), loss_context():
+    with saved.probing(model), loss_context():
         probe = model(tokens() if stage == 0 else hidden())
         if last == config.layers:
             probe = loss(probe)
@@ -326,18 +379,21 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
         parameter_bytes=param_bytes, gradient_bytes=param_bytes,
         optimizer_bytes=2 * params * 4, activation_bytes_per_microbatch=saved.bytes,
         microbatches_in_flight=in_flight, compute_dtype=str(activation_dtype).split(".")[-1],
-        collectives=collectives)
+        collectives=collectives, checkpointing=checkpointing)
 
 
 def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: str = "meta",
-                     blocks: int | None = None) -> tuple[object, Transformer]:
-    """This rank's mesh and its part of the model, parallelized as a real run does: its
-    pipeline stage's layers (only the first ``blocks`` of them, if given), tensor parallelism
-    over ``tp`` (torchtitan's plan), then FSDP over ``shard`` (HSDP with ``dp``: each block a
-    unit, then the root; parameters in float32, computing in the config's dtype) or, without
-    ``shard``, DDP over ``dp``."""
+                     blocks: int | None = None, *, checkpointing: str | int = "none",
+                     saved: _SavedBytes | None = None) -> tuple[object, Transformer]:
+    """This rank's mesh and its part of the model, parallelized as a real run does, in
+    torchtitan's order: its pipeline stage's layers (only the first ``blocks`` of them, if
+    given), tensor parallelism over ``tp`` (torchtitan's plan), activation checkpointing of
+    the blocks, then FSDP over ``shard`` (HSDP with ``dp``: each block a unit, then the root;
+    parameters in float32, computing in the config's dtype) or, without ``shard``, DDP over
+    ``dp``. ``saved``: the count of what the checkpointed blocks keep."""
     from devmesh import init_device_mesh
     from devmesh.parallel import MixedPrecisionPolicy, fully_shard, parallelize_module, replicate
+    from devmesh.parallel.activation_checkpointing import checkpoint_blocks
 
     names = tuple(dims)
     mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=names)
@@ -349,6 +405,13 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
                             head=last == config.layers)
     if "tp" in dims:
         parallelize_module(model, mesh["tp"], tp_plan(model))
+    plain = list(model.layers.values())
+    held = checkpoint_blocks(model, plain, checkpointing,
+                             on_saved=saved.count if saved is not None else None)
+    if saved is not None:
+        for block, wrapped in zip(plain, held, strict=True):
+            if block is not wrapped:
+                saved.watch_inputs(wrapped)
     compute = config.torch_dtype
     if "shard" in dims:
         data_mesh = mesh["dp", "shard"] if "dp" in dims else mesh["shard"]

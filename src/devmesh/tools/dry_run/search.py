@@ -61,6 +61,7 @@ class Candidate:
     tp: int
     schedule: str
     microbatches: int
+    checkpointing: str = "none"  # the blocks' activation checkpointing (none, full, selective)
 
     @property
     def dims(self) -> dict[str, int]:
@@ -74,6 +75,8 @@ class Candidate:
     def describe(self) -> str:
         steps = (f"{self.schedule} x {self.microbatches}" if self.pp > 1 else
                  f"{self.microbatches} micro-batch" + ("es" if self.microbatches > 1 else ""))
+        if self.checkpointing != "none":
+            steps += f", {self.checkpointing} checkpointing"
         return f"{self.mesh} ({steps})"
 
 
@@ -81,9 +84,19 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidates(config: TransformerConfig, world: int, *, devices_per_host: int = 8
-               ) -> list[Candidate]:
-    """Every candidate for ``world`` ranks (see the module's docstring for the rules)."""
+SEARCHED_CHECKPOINTING = ("none", "full", "selective")
+
+
+def candidates(config: TransformerConfig, world: int, *, devices_per_host: int = 8,
+               checkpointing: tuple[str, ...] = ("none",)) -> list[Candidate]:
+    """Every candidate for ``world`` ranks (see the module's docstring for the rules), with
+    each of the ``checkpointing`` modes (among :data:`SEARCHED_CHECKPOINTING`: the modes
+    whose blocks are alike, as the closed form needs)."""
+    for mode in checkpointing:
+        if mode not in SEARCHED_CHECKPOINTING:
+            raise DryRunError(f"--activation-checkpointing {mode!r} in a search: give "
+                              f"{', '.join(SEARCHED_CHECKPOINTING)}, or several of them "
+                              "comma-separated (any: all three) to let the search choose")
     if world < 1:
         raise DryRunError(f"--world {world}: give the number of ranks, a positive integer")
     found = []
@@ -105,7 +118,9 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
             for shard in _divisors(data):
                 for schedule in schedules:
                     for m in counts:
-                        found.append(Candidate(pp, data // shard, shard, tp, schedule, m))
+                        for mode in checkpointing:
+                            found.append(Candidate(pp, data // shard, shard, tp, schedule, m,
+                                                   mode))
     if not found:
         raise DryRunError(f"no mesh of {world} ranks suits the model: tp must divide heads "
                           f"({config.heads}), kv heads ({config.kv_heads}), ffn dim "
@@ -151,15 +166,17 @@ class _Calibration:
 
     def __init__(self, config: TransformerConfig) -> None:
         self.config = config
-        self._kept: dict[tuple[int, bool, bool, bool], _PerSequence] = {}
+        self._kept: dict[tuple[int, bool, bool, bool, str], _PerSequence] = {}
 
-    def __call__(self, tp: int, fsdp: bool, embedding: bool, head: bool) -> _PerSequence:
-        key = (tp, fsdp, embedding, head)
+    def __call__(self, tp: int, fsdp: bool, embedding: bool, head: bool,
+                 checkpointing: str = "none") -> _PerSequence:
+        key = (tp, fsdp, embedding, head, checkpointing)
         if key not in self._kept:
             self._kept[key] = self._measure(*key)
         return self._kept[key]
 
-    def _measure(self, tp: int, fsdp: bool, embedding: bool, head: bool) -> _PerSequence:
+    def _measure(self, tp: int, fsdp: bool, embedding: bool, head: bool,
+                 checkpointing: str) -> _PerSequence:
         # a pipeline whose stage of this kind is stage ``stage``: 1, 2 or 3 stages
         pp = 1 if embedding and head else 2 if embedding or head else 3
         stage = 0 if embedding else pp - 1 if head else 1
@@ -170,7 +187,7 @@ class _Calibration:
             config = replace(self.config, layers=max(self.config.layers, pp),
                              batch=sequences * shard)
             return dry_run(config, dims, rank=stage * shard * tp, schedule="gpipe",
-                           microbatches=1, blocks=blocks)
+                           microbatches=1, blocks=blocks, checkpointing=checkpointing)
 
         def on_tp(report: RankReport) -> Traffic:
             return {kind: value for (kind, dims_), value in report.collectives.items()
@@ -253,7 +270,7 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
         return shard * held(shapes)
 
     params = blocks * held(block_shapes) + held(rest_shapes)
-    measured = calibration(tp, fsdp, embedding, head)
+    measured = calibration(tp, fsdp, embedding, head, candidate.checkpointing)
     compute = torch.empty((), dtype=config.torch_dtype if fsdp else torch.float32).element_size()
     collectives: dict[tuple[str, str], tuple[int, int]] = {}
     if tp > 1:
@@ -290,7 +307,8 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
         activation_bytes_per_microbatch=measured.fixed_activations + mb_size * (
             blocks * measured.block_activations + measured.base_activations),
         microbatches_in_flight=in_flight,
-        compute_dtype=config.dtype if fsdp else "float32", collectives=collectives)
+        compute_dtype=config.dtype if fsdp else "float32", collectives=collectives,
+        checkpointing=candidate.checkpointing)
 
 
 @dataclass
@@ -336,7 +354,8 @@ def measure(config: TransformerConfig, candidate: Candidate) -> list[RankReport]
     runs of the stage, extended to its blocks)."""
     stride = candidate.dp * candidate.shard * candidate.tp
     return [dry_run_by_blocks(config, candidate.dims, rank=stage * stride,
-                              schedule=candidate.schedule, microbatches=candidate.microbatches)
+                              schedule=candidate.schedule, microbatches=candidate.microbatches,
+                              checkpointing=candidate.checkpointing)
             for stage in range(candidate.pp)]
 
 
@@ -354,15 +373,18 @@ class SearchResult:
 
 def search(config: TransformerConfig, world: int, costs: Costs, *,
            device_memory: int | None = None, devices_per_host: int = 8, verify: int = 5,
-           progress: Callable[[str], None] | None = None) -> SearchResult:
+           progress: Callable[[str], None] | None = None,
+           checkpointing: str | tuple[str, ...] = "none") -> SearchResult:
     """Rank the candidates for ``world`` ranks by predicted step time, dropping those that do
     not fit ``device_memory``; the best ``verify`` (by the closed form) are measured by the
-    dry run and ranked again by what it measured."""
+    dry run and ranked again by what it measured. ``checkpointing``: the activation
+    checkpointing modes to try (a name, several, or ``"any"``: every one the search takes)."""
     import time
 
     start = time.perf_counter()
     calibration = _Calibration(config)
-    found = candidates(config, world, devices_per_host=devices_per_host)
+    modes = _checkpointing_modes(checkpointing)
+    found = candidates(config, world, devices_per_host=devices_per_host, checkpointing=modes)
     estimated = [_evaluate(config, c, [estimate(config, c, s, calibration)
                                        for s in range(c.pp)], costs, measured=False)
                  for c in found]
@@ -382,6 +404,14 @@ def search(config: TransformerConfig, world: int, costs: Costs, *,
     ranked = kept + order[verify:]
     return SearchResult(config, world, device_memory, len(found), too_big, ranked,
                         time.perf_counter() - start)
+
+
+def _checkpointing_modes(given: str | int | tuple[str, ...]) -> tuple[str, ...]:
+    if isinstance(given, tuple):
+        return given
+    if given == "any":
+        return SEARCHED_CHECKPOINTING
+    return tuple(str(given).split(","))
 
 
 def _ms(seconds: float) -> str:

@@ -1,0 +1,113 @@
+"""Activation checkpointing of a model's blocks, torchtitan's modes: none, full, selective
+per op, or every k-th block in full.
+
+A checkpointed block keeps only its inputs after its forward and runs again in backward to
+rebuild what its backward needs; "selective" keeps the outputs of its matmuls and attention
+too (costly to recompute, and most of a block's FLOPs) and recomputes the rest (norms,
+activations, element-wise ops). Blocks are wrapped in torch's non-reentrant
+``checkpoint_wrapper`` in their parents' places, before FSDP wraps them (torchtitan's
+order), so FSDP's gather covers the recomputation too. ``devmesh.parallel.parallelize`` and
+the dry run (``devmesh plan --model ... --activation-checkpointing``) both checkpoint
+through here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from devmesh import _torch_compat
+from devmesh.errors import ParallelizeError
+
+__all__ = ["MODES", "check_mode", "checkpoint_blocks", "saved_ops"]
+
+MODES = ("none", "full", "selective")
+Mode = str | int
+
+
+def check_mode(mode: Mode, what: str = "activation_checkpointing") -> None:
+    """Refuse, by name, what is not one of :data:`MODES` or an int ``k >= 1``."""
+    if isinstance(mode, bool) or not (mode in MODES or (isinstance(mode, int) and mode >= 1)):
+        raise ParallelizeError(f"{what}={mode!r}: give one of {MODES}, or an int k >= 1 to "
+                               "checkpoint every k-th block")
+
+
+def saved_ops() -> list:
+    """The ops whose outputs selective checkpointing keeps: matmuls and attention (the
+    costly ones to recompute); everything else in a block is recomputed."""
+    aten = torch.ops.aten
+    ops = [aten.mm.default, aten.addmm.default, aten.bmm.default,
+           aten._scaled_dot_product_flash_attention.default,
+           aten._scaled_dot_product_efficient_attention.default]
+    for name in ("_scaled_dot_product_flash_attention_for_cpu",
+                 "_scaled_dot_product_cudnn_attention"):
+        op = getattr(aten, name, None)
+        if op is not None:
+            ops.append(op.default)
+    return ops
+
+
+class _ReportSaved(_torch_compat.TorchDispatchMode):
+    """Hands each output of a saved op to ``on_saved`` as selective checkpointing's forward
+    keeps it (entered inside that forward's caching mode: it sees the op first)."""
+
+    def __init__(self, ops: set, on_saved: Callable[[torch.Tensor], None]) -> None:
+        super().__init__()
+        self._ops, self._on_saved = ops, on_saved
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self._ops:
+            for t in _torch_compat.pytree.tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self._on_saved(t)
+        return out
+
+
+def _selective_contexts(on_saved: Callable[[torch.Tensor], None] | None):
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    ops = saved_ops()
+    forward, recompute = create_selective_checkpoint_contexts(ops)
+    if on_saved is None:
+        return forward, recompute
+    stack = contextlib.ExitStack()
+    stack.enter_context(forward)
+    stack.enter_context(_ReportSaved(set(ops), on_saved))
+    return stack, recompute
+
+
+def checkpoint_blocks(root: nn.Module, blocks: Sequence[nn.Module], mode: Mode, *,
+                      on_saved: Callable[[torch.Tensor], None] | None = None
+                      ) -> list[nn.Module]:
+    """Wrap the chosen ``blocks`` of ``root`` for ``mode`` (``"none"``: none; ``"full"``:
+    all; ``"selective"``: all, keeping matmuls' and attention's outputs; ``k``: every k-th,
+    from the first, in full) in their parents' places; returns the blocks as ``root`` now
+    holds them. ``on_saved`` (the dry run's count) gets each tensor a selective block keeps
+    in its forward."""
+    check_mode(mode)
+    if mode == "none":
+        return list(blocks)
+    if not blocks:
+        raise ParallelizeError(
+            f"activation_checkpointing={mode!r} wraps the model's blocks, and "
+            f"{type(root).__name__} names none: pass blocks=[...] (the decoder layers)")
+    kwargs = {}
+    if mode == "selective":
+        kwargs["context_fn"] = functools.partial(_selective_contexts, on_saved)
+    every = mode if isinstance(mode, int) else 1
+    where = {id(m): name for name, m in root.named_modules()}
+    out = []
+    for i, block in enumerate(blocks):
+        if i % every:
+            out.append(block)
+            continue
+        wrapped = _torch_compat.non_reentrant_checkpoint_wrapper(block, **kwargs)
+        parent_name, _, child = where[id(block)].rpartition(".")
+        setattr(root.get_submodule(parent_name), child, wrapped)
+        out.append(wrapped)
+    return out
