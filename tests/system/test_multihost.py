@@ -45,13 +45,18 @@ def _namespaces_work() -> str | None:
 
 
 @contextlib.contextmanager
-def simulated_hosts(count: int) -> Iterator[list[Host]]:
+def simulated_hosts(count: int, *, descending: bool = False) -> Iterator[list[Host]]:
     """``count`` hosts: namespaces ``dm<pid>h<i>`` at 10.201.0.<i+1>/24 on a bridge in
-    ``dm<pid>sw``; every process left in them is killed and the namespaces deleted after."""
+    ``dm<pid>sw`` (``descending``: host i at 10.201.0.<count-i>, the first host's address
+    the highest); every process left in them is killed and the namespaces deleted after."""
     why = ("DEVMESH_TEST_HOSTS=aliases" if os.environ.get("DEVMESH_TEST_HOSTS") == "aliases"
            else _namespaces_work())
+
+    def number(i: int) -> int:
+        return count - i if descending else i + 1
+
     if why is not None:  # loopback aliases: every 127/8 address is this machine's lo
-        yield [Host(f"127.0.0.{i + 2}", []) for i in range(count)]
+        yield [Host(f"127.0.0.{number(i) + 1}", []) for i in range(count)]
         return
     tag = f"dm{os.getpid()}"
     switch, names = f"{tag}sw", [f"{tag}h{i}" for i in range(count)]
@@ -69,7 +74,7 @@ def simulated_hosts(count: int) -> Iterator[list[Host]]:
                 "netns", name)
             _ip("-n", switch, "link", "set", f"port{i}", "master", "br0")
             _ip("-n", switch, "link", "set", f"port{i}", "up")
-            address = f"10.201.0.{i + 1}"
+            address = f"10.201.0.{number(i)}"
             _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
             _ip("-n", name, "link", "set", "eth0", "up")
             hosts.append(Host(address, ["ip", "netns", "exec", name]))
@@ -117,6 +122,43 @@ def test_hsdp_over_tp_on_two_hosts_trains_as_one_process_with_tp_inside_each_hos
         assert r["max_difference"] < 1e-12, r
         if hosts[0].prefix:  # namespaces: the ranks talk over the host's own interface
             assert r["gloo_interface"] == "eth0"
+
+
+def test_each_host_runs_the_ranks_of_its_node_rank_whatever_the_addresses(tmp_path):
+    """Host 0 (the rendezvous host) has the higher address: it still runs ranks 0-1 — in its
+    ranks' RANK and GROUP_RANK, its output's [rankN] lines, and mesh.hosts() — and host 1
+    ranks 2-3 (torch's c10d rendezvous alone numbers hosts by sorting their addresses)."""
+    with simulated_hosts(2, descending=True) as hosts:
+        assert hosts[0].address > hosts[1].address
+        endpoint = f"{hosts[0].address}:29516"
+        runs = [_start(host, node, 2, endpoint, 2, SCRIPTS / "node_ranks.py", str(tmp_path),
+                       endpoint, scratch=tmp_path) for node, host in enumerate(hosts)]
+        outputs = [run.communicate(timeout=300) for run in runs]
+    for run, (out, err) in zip(runs, outputs):
+        assert run.returncode == 0, (out + err)[-4000:]
+    results = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json"))}
+    assert sorted(results) == [0, 1, 2, 3]
+    for rank, r in results.items():
+        node = rank // 2
+        assert r["address"] == hosts[node].address, r
+        assert r["env_rank"] == rank and r["group_rank"] == node
+        assert r["hosts"] == [[0, 0], [1, 1]] and not r["tp_crosses"]
+    for node, (out, _) in enumerate(outputs):
+        for rank in (2 * node, 2 * node + 1):
+            assert f"[rank{rank}]:rank {rank} runs on {hosts[node].address}" in out, out
+
+
+def test_two_hosts_given_one_node_rank_are_refused_naming_them(tmp_path):
+    with simulated_hosts(2) as hosts:
+        endpoint = f"{hosts[0].address}:29517"
+        runs = [_start(host, 0, 2, endpoint, 1, SCRIPTS / "node_ranks.py", str(tmp_path),
+                       endpoint, scratch=tmp_path) for host in hosts]
+        outputs = [run.communicate(timeout=300) for run in runs]
+    for run, (out, err) in zip(runs, outputs):
+        assert run.returncode != 0
+        assert (f"each of the 2 hosts needs its own --node-rank in 0..1, but --node-rank 0 on "
+                in err), err[-3000:]
+    assert not list(tmp_path.glob("rank*.json"))
 
 
 def _kill_host(host: Host, run: subprocess.Popen) -> None:

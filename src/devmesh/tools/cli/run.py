@@ -244,7 +244,11 @@ def hosts_of_run(args: argparse.Namespace,
     interface = interface_of(local)
     if interface is not None:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
-    return [f"--nnodes={args.nnodes}", f"--node-rank={args.node_rank}", "--rdzv-backend=c10d",
+    from devmesh.launching.rendezvous import register
+
+    # torch's c10d rendezvous, each host taking the ranks of its --node-rank (torch's own
+    # numbers hosts by their addresses' order)
+    return [f"--nnodes={args.nnodes}", f"--rdzv-backend={register(args.node_rank)}",
             f"--rdzv-endpoint={host}:{port}", f"--rdzv-id={args.rdzv_id}",
             f"--rdzv-conf=is_host={'true' if args.node_rank == 0 else 'false'},"
             f"read_timeout={RDZV_READ_TIMEOUT}",
