@@ -24,7 +24,9 @@ def torch_runs() -> TorchRuns:
         2: [(keyword_inputs, ("torch",)), (explicit_prefetch, ("torch",)),
             (backward_prefetch_out_of_order, ("torch",)), (grouped_units, ("torch",)),
             (chunked_head, ("torch",)), (forward_method, ("torch",)),
-            (unshard_in_place, ("torch",)), (split_along_another_dim, ("torch",))],
+            (unshard_in_place, ("torch",)), (split_along_another_dim, ("torch",)),
+            (mixed_precision_replicas, ("torch", "float32")),
+            (mixed_precision_replicas, ("torch", None))],
         3: [(ddp_arguments, ("torch", True)), (ddp_arguments, ("torch", False)),
             *((batchnorm_buffers, ("torch", args)) for args in _BUFFER_ARGS)],
         4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True)),
@@ -340,6 +342,45 @@ def test_replicate_takes_torchs_ddp_arguments(mesh_pool, torch_runs, init_sync):
         for key, value in their_params.items():
             torch.testing.assert_close(params[key], value, rtol=1e-6, atol=1e-6)
     assert not torch.equal(ours[0][1]["4.weight"], ours[1][1]["4.weight"])  # not averaged
+
+
+def mixed_precision_replicas(library: str, reduce: str | None):
+    """DDP computing in bfloat16 over float32 parameters: devmesh's replicate with an
+    mp_policy against torch's FSDP-based replicate with the same policy; gradients reduced
+    in ``reduce`` (None: as the running torch's FSDP2)."""
+    model = make_model()
+    mesh = init_device_mesh("cpu", (2,))
+    kwargs = dict(param_dtype=torch.bfloat16,
+                  reduce_dtype=getattr(torch, reduce) if reduce else None)
+    if library == "devmesh":
+        from devmesh.parallel import MixedPrecisionPolicy, replicate
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    replicate(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(**kwargs))
+    losses = _train(model, steps=3)
+    dtypes = {str(p.dtype) for p in model.parameters()}
+    return {"losses": losses, "params": _params(model), "dtypes": dtypes}
+
+
+@pytest.mark.parametrize("reduce", ["float32", None])
+def test_replicate_computes_in_an_mp_policys_dtype_as_torchs_replicate(mesh_pool, torch_runs,
+                                                                         reduce):
+    ours = mesh_pool.run(mixed_precision_replicas, 2, "devmesh", reduce)
+    theirs = torch_runs(2, mixed_precision_replicas, "torch", reduce)
+    for mine, their in zip(ours, theirs):
+        assert mine["dtypes"] == their["dtypes"] == {"torch.float32"}  # the master weights
+        _same_training(mine, their)
+    plain = mesh_pool.run(ddp_plain_losses, 2)  # float32 compute: other losses
+    assert plain[0] != pytest.approx(ours[0]["losses"], rel=1e-6)
+
+
+def ddp_plain_losses():
+    from devmesh.parallel import replicate
+
+    model = make_model()
+    replicate(model, mesh=init_device_mesh("cpu", (2,)))
+    return _train(model, steps=3)
 
 
 def ddp_options_refused():

@@ -4,6 +4,8 @@ real on 8 gloo ranks — the collectives per rank and mesh dim, and the bytes ea
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -23,18 +25,23 @@ STRATEGIES = {
     "ddp-full": ({"dp": 8}, "full"),
     "fsdp-tp-selective": ({"shard": 4, "tp": 2}, "selective"),
     "pp-fsdp-every-2": ({"pp": 2, "shard": 4}, 2),
+    # bfloat16 compute over float32 parameters without FSDP (DDP's and TP's mixed precision)
+    "ddp-bf16": ({"dp": 8}, "none", "bfloat16"),
+    "tp-bf16": ({"tp": 8}, "none", "bfloat16"),
 }
 
 
 def _case(strategy):
     case = STRATEGIES[strategy]
-    return case if isinstance(case, tuple) else (case, "none")
+    case = case if isinstance(case, tuple) else (case,)
+    dims, checkpointing, dtype = case + ("none", "float32")[len(case) - 1:]
+    return dims, checkpointing, replace(CONFIG, dtype=dtype)
 
 
-def real_step(dims, checkpointing="none"):
+def real_step(dims, checkpointing="none", config=CONFIG):
     import os
 
-    return dry_run(CONFIG, dims, rank=int(os.environ["RANK"]), device="cpu",
+    return dry_run(config, dims, rank=int(os.environ["RANK"]), device="cpu",
                    checkpointing=checkpointing)
 
 
@@ -43,11 +50,12 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
     """Every rank's collectives per kind and mesh dim — calls and bytes — and its parameter,
     gradient and optimizer bytes equal the real step's exactly; the pipeline's against
     devmesh's own runner running the step (its messages included)."""
-    dims, checkpointing = _case(strategy)
-    real = mesh_pool.run(real_step, 8, dims, checkpointing)
+    dims, checkpointing, config = _case(strategy)
+    real = mesh_pool.run(real_step, 8, dims, checkpointing, config)
     runner = (mesh_pool.run(pipelined_step, 8, dims, checkpointing) if "pp" in dims else None)
     for rank, measured in enumerate(real):
-        predicted = dry_run(CONFIG, dims, rank=rank, checkpointing=checkpointing)
+        predicted = dry_run(config, dims, rank=rank, checkpointing=checkpointing)
+        assert predicted.compute_dtype == measured.compute_dtype == config.dtype
         assert predicted.coordinate == measured.coordinate
         assert predicted.collectives == measured.collectives, rank
         if runner is not None:
@@ -127,7 +135,7 @@ def test_a_llama_3_8b_job_of_1024_ranks_is_planned_here(capsys):
         8 * block + table, 8 * block, 8 * block, 8 * block + table + d]
     assert reports[0].parameters == 283_836_416  # the issue's "about 284M", not 743.5M
     assert [r.microbatches_in_flight for r in reports] == [4, 3, 2, 1]  # 1F1B's warm-up
-    activation = 4 * (config.seq // tp) * d * 4  # 4 sequences per micro-batch, float32
+    activation = 4 * (config.seq // tp) * d * 2  # 4 sequences per micro-batch, bfloat16
     for stage, r in enumerate(reports):
         assert r.parameter_bytes == 4 * r.parameters and r.optimizer_bytes == 8 * r.parameters
         assert r.collectives[("all_reduce", "dp")][0] >= 1
@@ -188,3 +196,36 @@ def test_devmesh_plan_model_prints_each_role_and_says_whether_it_fits(tmp_path, 
             code = exit.code
         err = capsys.readouterr().err
         assert code == 2 and words in err, err
+
+
+def test_devmesh_plan_model_json_holds_every_number_the_report_has():
+    """``--json``: per rank, what the dry run measured (the same numbers the text shows),
+    whether it fits and the predicted parts, read back as they were computed."""
+    import json
+    import subprocess
+    import sys
+
+    from devmesh.tools.dry_run.report import Costs, predict
+
+    args = ["--model", "tiny", "--mesh", "pp=2,shard=2,tp=2", "--activation-checkpointing",
+            "selective", "--device-memory", "600KiB", "--tflops", "10", "--bandwidth", "10"]
+    done = subprocess.run([sys.executable, "-m", "devmesh", "plan", *args, "--json"],
+                          capture_output=True, text=True, timeout=300)
+    data = json.loads(done.stdout)
+    dims = {"pp": 2, "shard": 2, "tp": 2}
+    assert data["mesh"] == dims and data["schedule"] == "1f1b" and data["microbatches"] == 4
+    assert data["activation_checkpointing"] == "selective" and data["config"]["dim"] == 64
+    costs = Costs(tflops=10, bandwidth={}, default=10.0)
+    config = TransformerConfig(**data["config"])
+    for entry, rank in zip(data["ranks"], (0, 4), strict=True):
+        report = dry_run(config, dims, rank=rank, checkpointing="selective")
+        for name in ("parameters", "parameter_bytes", "gradient_bytes", "optimizer_bytes",
+                     "activation_bytes_per_microbatch", "microbatches_in_flight",
+                     "activation_bytes", "total_bytes", "compute_dtype"):
+            assert entry[name] == getattr(report, name), name
+        assert {(c["collective"], c["dims"]): (c["calls"], c["bytes"])
+                for c in entry["collectives"]} == report.collectives
+        assert entry["fits"] == (report.total_bytes <= 600 * 1024)
+        assert entry["predicted_seconds"] == pytest.approx(
+            predict(config, dims, report, costs, "1f1b", 4))
+    assert done.returncode == (0 if all(e["fits"] for e in data["ranks"]) else 1)

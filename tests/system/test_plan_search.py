@@ -18,7 +18,7 @@ from devmesh.tools.dry_run.run import dry_run_by_blocks
 from devmesh.tools.dry_run.search import (Candidate, _Calibration, candidates, estimate,
                                           measure, search)
 
-# 7 layers: pipeline stages of unequal blocks; bfloat16: FSDP computes in it, the rest not
+# 7 layers: pipeline stages of unequal blocks; bfloat16: every strategy computes in it
 CONFIG = read_config("tiny:layers=7,batch=32,dtype=bfloat16")
 COSTS = Costs(tflops=0.05, bandwidth={"tp": 4.0}, default=1.0, latency=2e-5)
 

@@ -23,6 +23,7 @@ from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
 from devmesh.parallel.activation_checkpointing import MODES, check_mode, checkpoint_blocks
+from devmesh.parallel.compute_dtype import compute_in
 from devmesh.parallel.fsdp import MixedPrecisionPolicy, fully_shard
 from devmesh.parallel.replicate import replicate
 from devmesh.parallel.tensor_parallel import ParallelStyle, parallelize_module
@@ -54,7 +55,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
     ``activation_checkpointing``: ``"none"``; ``"full"`` (every block recomputed in
     backward); ``"selective"`` (every block, saving the outputs of its matmuls and attention
     and recomputing the rest, as torchtitan's per-op mode); or an int ``k``: every k-th block
-    in full. ``mp_policy``, ``reshard_after_forward``: as ``fully_shard``'s.
+    in full. ``mp_policy``: compute in its ``param_dtype`` over parameters kept in their own
+    dtype, under FSDP (``fully_shard``'s), DDP (``replicate``'s) or tensor parallelism
+    alone; ``reshard_after_forward``: as ``fully_shard``'s.
     """
     names = tuple(mesh.mesh_dim_names or ())
     if not names:
@@ -83,10 +86,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
             fully_shard(block, **shard_kwargs)
         fully_shard(model, **shard_kwargs)
     elif replicas:
-        if mp_policy is not None:
-            raise ParallelizeError("mp_policy applies to FSDP: the mesh has no shard dim "
-                                   f"({SHARD_DIMS}), so its data parallelism is DDP")
-        replicate(model, mesh=mesh[replicas[0]])
+        replicate(model, mesh=mesh[replicas[0]], mp_policy=mp_policy)
+    elif mp_policy is not None:  # tensor parallelism alone: nothing reduces the gradients
+        compute_in(model, mp_policy)
     return model
 
 

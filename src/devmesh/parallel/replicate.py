@@ -56,6 +56,8 @@ from devmesh.parallel.param import (
     with_methods,
 )
 from devmesh.parallel.placement import replaced_parameters
+from devmesh.parallel.compute_dtype import compute_in
+from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from devmesh.parallel.swap import swap_parameter
 from devmesh.tensor import ShardingSpec
 
@@ -115,7 +117,8 @@ class DataParallelState:
     def __init__(self, module: nn.Module, mesh: DeviceMesh, bucket_cap_mb: float,
                  ignored: set[int] | frozenset[int] = frozenset(), *,
                  forward_sync_buffers: bool = True, init_params: bool = True,
-                 init_buffers: bool = True) -> None:
+                 init_buffers: bool = True, reduce_dtype: torch.dtype | None = None,
+                 compute_dtype: torch.dtype | None = None) -> None:
         if mesh.get_coordinate() is None:
             raise ParallelizeError(f"rank {mesh.get_rank()} is not part of {mesh!r}")
         self.mesh = mesh
@@ -128,7 +131,9 @@ class DataParallelState:
                    describe_tensors(module) + f"\nignored: {ignored_names}\n"
                    f"bucket_cap_mb={bucket_cap_mb}, forward_sync_buffers="
                    f"{forward_sync_buffers}, init_sync of parameters {init_params} and of "
-                   f"buffers {init_buffers}")
+                   f"buffers {init_buffers}, computing in {compute_dtype}, reducing in "
+                   f"{reduce_dtype}")
+        self.reduce_dtype = reduce_dtype  # None: the gradients' own
         self._ignored = [t for t in list(module.parameters()) + list(module.buffers())
                          if id(t) in ignored]
         # DDP's broadcast_buffers=False leaves even the first broadcast to the parameters
@@ -339,6 +344,8 @@ class DataParallelState:
         used = torch.tensor([float(p.grad is not None) for p in bucket.params],
                             dtype=grads[0].dtype, device=grads[0].device)
         bucket.buffer = torch.cat([g.reshape(-1) for g in grads] + [used])
+        if self.reduce_dtype is not None and bucket.buffer.is_floating_point():
+            bucket.buffer = bucket.buffer.to(self.reduce_dtype)  # mp_policy's reduce_dtype
         bucket.pending = comm.all_reduce_async(bucket.buffer, self.mesh, self.dims, "avg")
 
     def reduce_accumulated(self) -> None:
@@ -495,6 +502,7 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
               find_unused_parameters: bool = False,
               gradient_as_bucket_view: bool = False,
               static_graph: bool = False,
+              mp_policy: MixedPrecisionPolicy | None = None,
               **ddp_options: object) -> nn.Module:
     """Data-parallel ``module`` over ``mesh`` (all of its dims): gradients are averaged.
     Returns ``module``; ``module._devmesh_ddp`` holds the state.
@@ -516,6 +524,12 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
     other two are DDP's memory and speed hints for its own reducer. Any other DDP option
     (devices, ``process_group``, DDP's mixed precision, ...) is refused with the fix.
 
+    ``mp_policy`` (torch's FSDP-based ``replicate`` takes it too): compute in its
+    ``param_dtype`` while the parameters keep their dtype (each module casts its own in its
+    forward: :mod:`devmesh.parallel.compute_dtype`), gradients reduced in ``reduce_dtype``
+    (``None``: as ``fully_shard`` under the running torch — ``param_dtype`` up to 2.14, the
+    parameters' own from 2.15), inputs and outputs cast as FSDP casts them.
+
     Parameters torch's ``parallelize_module`` made (DTensors: torchtitan's DDP + TP) are held
     as devmesh blocks and shown to their modules as DTensors while the model runs
     (:mod:`devmesh.parallel.dtensor_params`)."""
@@ -535,7 +549,12 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
             raise ParallelizeError(
                 f"replicate does not take {', '.join(refused)}: devmesh's replicate "
                 "runs on the mesh's devices and process groups (pass mesh= or device_mesh=; "
-                "for mixed precision use fully_shard's MixedPrecisionPolicy or autocast)")
+                "for mixed precision mp_policy=MixedPrecisionPolicy(...), as fully_shard's)")
+        if mp_policy is not None and not all(hasattr(mp_policy, f) for f in (
+                "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")):
+            raise ParallelizeError(
+                f"replicate: mp_policy must be a MixedPrecisionPolicy (devmesh's or torch's), "
+                f"got {type(mp_policy).__name__}")
         if getattr(module, "_devmesh_ddp", None) is not None:
             raise ParallelizeError("replicate was already applied to this module")
         if mesh is not None and device_mesh is not None and mesh is not device_mesh:
@@ -555,9 +574,16 @@ def replicate(module: nn.Module, *, mesh: DeviceMesh | None = None,
         sync, init_buffers = forward_sync_buffers, True
     else:
         sync = init_buffers = broadcast_buffers if broadcast_buffers is not None else True
+    compute = mp_policy.param_dtype if mp_policy is not None else None
+    reduce = mp_policy.reduce_dtype if mp_policy is not None else None
+    if reduce is None and _torch_compat.FSDP_REDUCES_IN_PARAM_DTYPE:
+        reduce = compute
     state = DataParallelState(module, mesh, bucket_cap_mb, ignored,
                               forward_sync_buffers=sync, init_params=init_sync,
-                              init_buffers=init_sync and init_buffers)
+                              init_buffers=init_sync and init_buffers, reduce_dtype=reduce,
+                              compute_dtype=compute)
+    if mp_policy is not None:
+        compute_in(module, mp_policy, ignored)
     module._devmesh_ddp = state  # type: ignore[attr-defined]
     # module-level functions that find the state on the module they are called with: a
     # deep copy of the module then syncs its own buffers

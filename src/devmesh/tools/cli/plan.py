@@ -96,6 +96,9 @@ def add(sub) -> None:
                      help="with --model: the blocks' activation checkpointing, torchtitan's "
                           "modes: none, full, selective (keep matmuls' and attention's "
                           "outputs, recompute the rest) or K (every K-th block in full)")
+    dry.add_argument("--json", action="store_true",
+                     help="with --model --mesh: print every number of the report as JSON "
+                          "instead of text")
     dry.add_argument("--world", type=int, default=None,
                      help="with --model --search: the number of ranks to choose a mesh for")
     dry.add_argument("--search", action="store_true",
@@ -193,7 +196,10 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
     process (devmesh.tools.dry_run)."""
     from devmesh.errors import DryRunError
     from devmesh.tools.dry_run import dry_run, parse_mesh, ranks_to_report, read_config
-    from devmesh.tools.dry_run.report import format_reports, parse_bytes, read_costs
+    import json
+
+    from devmesh.tools.dry_run.report import (format_reports, parse_bytes, read_costs,
+                                              reports_as_json)
 
     if args.search or (args.world is not None and args.mesh is None):
         return _cmd_search(args)
@@ -220,8 +226,14 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
         reports = [dry_run(config, dims, rank=rank, schedule=schedule,
                            microbatches=microbatches,
                            checkpointing=args.activation_checkpointing) for rank in ranks]
-        print(format_reports(config, dims, reports, schedule=schedule,
-                             microbatches=microbatches, costs=costs, device_memory=memory))
+        if args.json:
+            print(json.dumps(reports_as_json(config, dims, reports, schedule=schedule,
+                                             microbatches=microbatches, costs=costs,
+                                             device_memory=memory), indent=1))
+        else:
+            print(format_reports(config, dims, reports, schedule=schedule,
+                                 microbatches=microbatches, costs=costs,
+                                 device_memory=memory))
     except DryRunError as exc:
         print(f"devmesh plan: error: {exc}", file=sys.stderr)
         return 2

@@ -309,6 +309,43 @@ def _checkpointing(mode: str | int) -> str:
         "full" if mode == 1 else str(mode))
 
 
+def reports_as_json(config: TransformerConfig, dims: dict[str, int],
+                    reports: list[RankReport], *, schedule: str, microbatches: int,
+                    costs: Costs | None = None, device_memory: int | None = None) -> dict:
+    """Every number :func:`format_reports` prints, as a JSON-ready dict (bytes as integers,
+    predicted parts in seconds)."""
+    ranks = []
+    for report in reports:
+        entry = {
+            "rank": report.rank, "coordinate": report.coordinate,
+            "layers": list(report.layers), "parameters": report.parameters,
+            "parameter_bytes": report.parameter_bytes, "gradient_bytes": report.gradient_bytes,
+            "optimizer_bytes": report.optimizer_bytes,
+            "activation_bytes_per_microbatch": report.activation_bytes_per_microbatch,
+            "microbatches_in_flight": report.microbatches_in_flight,
+            "activation_bytes": report.activation_bytes, "total_bytes": report.total_bytes,
+            "compute_dtype": report.compute_dtype, "seconds": report.seconds,
+            "collectives": [{"collective": kind, "dims": label, "calls": calls,
+                             "bytes": nbytes}
+                            for (kind, label), (calls, nbytes) in
+                            sorted(report.collectives.items())],
+        }
+        if device_memory is not None:
+            entry["fits"] = report.total_bytes <= device_memory
+        if costs is not None:
+            entry["predicted_seconds"] = predict(config, dims, report, costs, schedule,
+                                                 microbatches)
+        ranks.append(entry)
+    return {"config": {f: getattr(config, f) for f in (
+                "layers", "dim", "heads", "kv_heads", "ffn_dim", "vocab", "seq", "batch",
+                "dtype")},
+            "parameters_total": config.parameters(), "mesh": dims,
+            "schedule": schedule if dims.get("pp", 1) > 1 else None,
+            "microbatches": microbatches,
+            "activation_checkpointing": reports[0].checkpointing if reports else "none",
+            "device_memory": device_memory, "ranks": ranks}
+
+
 def format_reports(config: TransformerConfig, dims: dict[str, int], reports: list[RankReport],
                    *, schedule: str, microbatches: int, costs: Costs | None = None,
                    device_memory: int | None = None) -> str:
@@ -332,9 +369,7 @@ def format_reports(config: TransformerConfig, dims: dict[str, int], reports: lis
         lines.append(f"  AdamW      {_gib(report.optimizer_bytes):>14}   (2 states)")
         lines.append(f"  activations{_gib(report.activation_bytes):>14}   "
                      f"({_gib(report.activation_bytes_per_microbatch)} per micro-batch x "
-                     f"{report.microbatches_in_flight} in flight, {report.compute_dtype}"
-                     + (": the config's dtype applies through FSDP's MixedPrecisionPolicy"
-                        if report.compute_dtype != config.dtype else "") + ")")
+                     f"{report.microbatches_in_flight} in flight, {report.compute_dtype})")
         verdict = ""
         if device_memory is not None:
             verdict = ("   fits" if report.total_bytes <= device_memory else

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from devmesh._torch_compat import fake_store, pytree, storage_key
 from devmesh.errors import DryRunError
 from devmesh.layout.liveness import activation_liveness
+from devmesh.parallel.compute_dtype import is_compute_copy
 from devmesh.layout.schedule import build_schedule
 from devmesh.tools.dry_run.model import Transformer, TransformerConfig, stage_layers, tp_plan
 
@@ -171,8 +172,10 @@ class _SavedBytes:
         """The storages of what the modules hold now (a unit's gathered parameters while
         its forward runs), DTensor parameters by their local blocks."""
         assert self._model is not None
+        # a parameter's compute-dtype copy (DDP and TP under mixed precision) is held by
+        # autograd until backward: counted as the activation it is
         return {storage_key(p.to_local() if isinstance(p, DTensor) else p)
-                for p in self._model.parameters()}
+                for p in self._model.parameters() if not is_compute_copy(p)}
 
     @contextlib.contextmanager
     def probing(self, model: torch.nn.Module) -> Iterator[None]:
@@ -309,7 +312,7 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     compute = config.torch_dtype
     params = sum(p.numel() for p in model.parameters())
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    activation_dtype = compute if "shard" in dims else torch.float32
+    activation_dtype = compute
 
     gen = torch.Generator().manual_seed(0)
 
@@ -394,6 +397,7 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
     from devmesh import init_device_mesh
     from devmesh.parallel import MixedPrecisionPolicy, fully_shard, parallelize_module, replicate
     from devmesh.parallel.activation_checkpointing import checkpoint_blocks
+    from devmesh.parallel.compute_dtype import compute_in
 
     names = tuple(dims)
     mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=names)
@@ -413,15 +417,19 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
             if block is not wrapped:
                 saved.watch_inputs(wrapped)
     compute = config.torch_dtype
+    # computing in the config's dtype, the parameters (the optimizer's) and the gradients'
+    # reduction in float32, under every strategy (torchtitan's defaults)
+    policy = (MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+              if compute != torch.float32 else None)
     if "shard" in dims:
         data_mesh = mesh["dp", "shard"] if "dp" in dims else mesh["shard"]
-        policy = (MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-                  if compute != torch.float32 else None)
         for block in model.layers.values():
             fully_shard(block, mesh=data_mesh, mp_policy=policy)
         fully_shard(model, mesh=data_mesh, mp_policy=policy)
     elif "dp" in dims:
-        replicate(model, mesh=mesh["dp"])
+        replicate(model, mesh=mesh["dp"], mp_policy=policy)
+    elif policy is not None:
+        compute_in(model, policy)
     return mesh, model
 
 

@@ -15,14 +15,17 @@ The closed form, per rank of a stage with ``b`` blocks and ``m`` micro-batches:
 
 - parameters: each tensor's tensor-parallel block, its first dim split in ``shard`` rows
   rounded up (FSDP's shards); gradients as many; AdamW two float32 states;
-- activations per micro-batch: measured once per (tp, FSDP or not, stage kind) on a
-  one-sequence micro-batch of one and of two blocks, grown linearly in blocks and sequences;
+- activations per micro-batch: measured once per (tp, FSDP or not, stage kind, activation
+  checkpointing) on stages of one and two blocks and micro-batches of one and two
+  sequences, each block and the rest of the stage a fixed part (weights cast to the
+  compute dtype) and a part per sequence;
 - FSDP: every block a unit gathered in its forward and again in its backward per micro-batch
   (the stage's root unit, holding embedding or head, once per micro-batch), in the compute
   dtype, rounded up to ``shard`` rows; its float32 gradients reduce-scattered once per step;
   HSDP all-reduces the shards over ``dp``; DDP all-reduces the float32 gradients;
-- tensor parallelism: the all-reduces one block sends per sequence, measured with the
-  activations, times blocks, sequences and micro-batches;
+- tensor parallelism: the collectives of each kind one block and the rest of the stage
+  send (torchtitan's plan: sequence gathers and reduce-scatters, the norms' and the loss's
+  all-reduces), measured with the activations, times blocks, sequences and micro-batches;
 - the pipeline's messages, counted from the schedule as the dry run counts them.
 """
 
@@ -136,17 +139,19 @@ Traffic = dict[str, tuple[int, int]]  # collective kind -> (calls, bytes)
 
 @dataclass
 class _PerSequence:
-    """What a stage adds per micro-batch: saved activation bytes (``fixed`` plus, per
-    sequence, ``base`` and ``block`` per block), and the tensor-parallel collectives of each
-    kind: calls per block and for the rest of the stage, and bytes as ``fixed + per
-    sequence`` per block and for the rest (the norms' gradients are as many bytes whatever
-    the sequences; the activations' grow with them)."""
+    """What a stage adds per micro-batch: saved activation bytes and the tensor-parallel
+    collectives of each kind (calls per block and for the rest of the stage), bytes as
+    ``fixed + per sequence`` per block and for the rest — a block's weights cast to the
+    compute dtype (kept for its backward) and the norms' gradients are as many bytes
+    whatever the sequences; the activations grow with them."""
 
-    block_activations: int
-    base_activations: int
-    fixed_activations: int
+    activations: tuple[int, int, int, int]  # block fixed, block per sequence; rest ...
     tp_calls: dict[str, tuple[int, int]]  # kind -> (per block, rest)
     tp_bytes: dict[str, tuple[int, int, int, int]]  # kind -> block fixed, per seq; rest ...
+
+    def activation_bytes(self, blocks: int, sequences: int) -> int:
+        bf, bs, rf, rs = self.activations
+        return blocks * (bf + bs * sequences) + rf + rs * sequences
 
     def tp_traffic(self, blocks: int, sequences: int, microbatches: int) -> Traffic:
         out = {}
@@ -193,24 +198,28 @@ class _Calibration:
             return {kind: value for (kind, dims_), value in report.collectives.items()
                     if dims_ == "tp"}
 
-        one, two, wide = run(1, 1), run(2, 1), run(1, 2)
-        a1, a2 = one.activation_bytes_per_microbatch, two.activation_bytes_per_microbatch
-        per_sequence = wide.activation_bytes_per_microbatch - a1
+        # stages of one and two blocks, on micro-batches of one and two sequences
+        runs = [run(1, 1), run(2, 1), run(1, 2), run(2, 2)]
+        activations = _bilinear([r.activation_bytes_per_microbatch for r in runs])
         calls, nbytes = {}, {}
         if tp > 1:
-            wide_two = run(2, 2)
-            t11, t21, t12, t22 = (on_tp(r) for r in (one, two, wide, wide_two))
+            t11, t21, t12, t22 = (on_tp(r) for r in runs)
             for kind in t11.keys() | t21.keys():
                 (c1, b11), (c2, b21) = t11.get(kind, (0, 0)), t21.get(kind, (0, 0))
                 b12, b22 = t12.get(kind, (0, 0))[1], t22.get(kind, (0, 0))[1]
-                block_seq = (b22 - b12) - (b21 - b11)  # per block, per sequence
-                block_fixed = (b21 - b11) - block_seq
-                rest_seq = (b12 - b11) - block_seq
-                rest_fixed = b11 - block_fixed - block_seq - rest_seq
                 calls[kind] = (c2 - c1, 2 * c1 - c2)
-                nbytes[kind] = (block_fixed, block_seq, rest_fixed, rest_seq)
-        return _PerSequence(a2 - a1, per_sequence - (a2 - a1), a1 - per_sequence, calls,
-                            nbytes)
+                nbytes[kind] = _bilinear([b11, b21, b12, b22])
+        return _PerSequence(activations, calls, nbytes)
+
+
+def _bilinear(values: list[int]) -> tuple[int, int, int, int]:
+    """``(block fixed, block per sequence, rest fixed, rest per sequence)`` of a count
+    measured on (1 block, 1 sequence), (2, 1), (1, 2) and (2, 2)."""
+    v11, v21, v12, v22 = values
+    block_seq = (v22 - v12) - (v21 - v11)
+    block_fixed = (v21 - v11) - block_seq
+    rest_seq = (v12 - v11) - block_seq
+    return block_fixed, block_seq, v11 - block_fixed - block_seq - rest_seq, rest_seq
 
 
 def _stage_tensors(config: TransformerConfig, tp: int, embedding: bool, head: bool
@@ -271,7 +280,7 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
 
     params = blocks * held(block_shapes) + held(rest_shapes)
     measured = calibration(tp, fsdp, embedding, head, candidate.checkpointing)
-    compute = torch.empty((), dtype=config.torch_dtype if fsdp else torch.float32).element_size()
+    compute = torch.empty((), dtype=config.torch_dtype).element_size()
     collectives: dict[tuple[str, str], tuple[int, int]] = {}
     if tp > 1:
         for kind, traffic in measured.tp_traffic(blocks, mb_size, m).items():
@@ -298,16 +307,15 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
     if pp > 1:
         schedule = _schedule(candidate.schedule, pp, m)
         add_pipeline_messages(collectives, schedule, stage, mb_size, config,
-                               config.torch_dtype if fsdp else torch.float32, tp)
+                               config.torch_dtype, tp)
         in_flight = _in_flight(candidate.schedule, pp, m, stage)
     return RankReport(
         rank=stage * (candidate.dp * shard * tp), coordinate={}, layers=(first, last),
         parameters=params, parameter_bytes=4 * params, gradient_bytes=4 * params,
         optimizer_bytes=8 * params,
-        activation_bytes_per_microbatch=measured.fixed_activations + mb_size * (
-            blocks * measured.block_activations + measured.base_activations),
+        activation_bytes_per_microbatch=measured.activation_bytes(blocks, mb_size),
         microbatches_in_flight=in_flight,
-        compute_dtype=config.dtype if fsdp else "float32", collectives=collectives,
+        compute_dtype=config.dtype, collectives=collectives,
         checkpointing=candidate.checkpointing)
 
 
