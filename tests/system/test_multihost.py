@@ -89,16 +89,21 @@ def simulated_hosts(count: int, *, descending: bool = False) -> Iterator[list[Ho
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
 
 
-def _start(host: Host, node: int, nodes: int, endpoint: str, nproc: int, script: Path,
-           *args: str, extra: tuple[str, ...] = (), scratch: Path) -> subprocess.Popen:
-    """Host ``node``'s ``devmesh run``, its temporary files in ``scratch/host<node>``."""
-    temporary = scratch / f"host{node}"
+def _start(host: Host, node: int | None, nodes: int, endpoint: str | None, nproc: int,
+           script: Path, *args: str, extra: tuple[str, ...] = (), scratch: Path,
+           env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Host ``node``'s ``devmesh run``, its temporary files in ``scratch/host<node>``
+    (``node`` and ``endpoint`` None: no host flags, as under Slurm, whose variables ``env``
+    adds)."""
+    temporary = scratch / f"host{node if node is not None else host.address}"
     temporary.mkdir(exist_ok=True)
-    env = dict(os.environ, PYTHONWARNINGS="ignore::FutureWarning", TMPDIR=str(temporary))
+    env = dict(os.environ, PYTHONWARNINGS="ignore::FutureWarning", TMPDIR=str(temporary),
+               **(env or {}))
     if not host.prefix:  # loopback aliases: the ranks' connections stay on lo
         env["GLOO_SOCKET_IFNAME"] = "lo"
-    command = [*host.prefix, sys.executable, "-m", "devmesh", "run", "-n", str(nproc),
-               "--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint,
+    flags = (["--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint]
+             if node is not None else [])
+    command = [*host.prefix, sys.executable, "-m", "devmesh", "run", "-n", str(nproc), *flags,
                "--local-addr", host.address, *extra, str(script), *args]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             cwd=ROOT, env=env, start_new_session=True)
@@ -124,6 +129,17 @@ def test_hsdp_over_tp_on_two_hosts_trains_as_one_process_with_tp_inside_each_hos
             assert r["gloo_interface"] == "eth0"
 
 
+def _four_ranks_written(runs: list[subprocess.Popen], folder: Path):
+    """Each host's output, and what ranks 0-3 of node_ranks.py wrote, by rank."""
+    outputs = [run.communicate(timeout=300) for run in runs]
+    for run, (out, err) in zip(runs, outputs):
+        assert run.returncode == 0, (out + err)[-4000:]
+    results = {r["rank"]: r for r in (json.loads(p.read_text())
+                                      for p in folder.glob("rank*.json"))}
+    assert sorted(results) == [0, 1, 2, 3]
+    return outputs, results
+
+
 def test_each_host_runs_the_ranks_of_its_node_rank_whatever_the_addresses(tmp_path):
     """Host 0 (the rendezvous host) has the higher address: it still runs ranks 0-1 — in its
     ranks' RANK and GROUP_RANK, its output's [rankN] lines, and mesh.hosts() — and host 1
@@ -133,11 +149,7 @@ def test_each_host_runs_the_ranks_of_its_node_rank_whatever_the_addresses(tmp_pa
         endpoint = f"{hosts[0].address}:29516"
         runs = [_start(host, node, 2, endpoint, 2, SCRIPTS / "node_ranks.py", str(tmp_path),
                        endpoint, scratch=tmp_path) for node, host in enumerate(hosts)]
-        outputs = [run.communicate(timeout=300) for run in runs]
-    for run, (out, err) in zip(runs, outputs):
-        assert run.returncode == 0, (out + err)[-4000:]
-    results = {r["rank"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("rank*.json"))}
-    assert sorted(results) == [0, 1, 2, 3]
+        outputs, results = _four_ranks_written(runs, tmp_path)
     for rank, r in results.items():
         node = rank // 2
         assert r["address"] == hosts[node].address, r
@@ -146,6 +158,28 @@ def test_each_host_runs_the_ranks_of_its_node_rank_whatever_the_addresses(tmp_pa
     for node, (out, _) in enumerate(outputs):
         for rank in (2 * node, 2 * node + 1):
             assert f"[rank{rank}]:rank {rank} runs on {hosts[node].address}" in out, out
+
+
+def test_inside_a_slurm_job_devmesh_run_needs_no_host_flags(tmp_path):
+    """Each host's devmesh run started as srun starts it on each node of a job — Slurm's
+    variables in its environment, no --nnodes, --node-rank or --rdzv-endpoint: the hosts
+    come from SLURM_JOB_NODELIST, each host's ranks from its SLURM_NODEID (the first listed
+    host runs ranks 0-1), the rendezvous at the first host, the job's id as its name."""
+    with simulated_hosts(2) as hosts:
+        nodelist = ",".join(h.address for h in hosts)
+        runs = []
+        for node, host in enumerate(hosts):
+            slurm = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": nodelist,
+                     "SLURM_NODEID": str(node), "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+                     "MASTER_PORT": "29519", "DEVMESH_LOG": "info"}
+            runs.append(_start(host, None, 2, None, 2, SCRIPTS / "node_ranks.py", str(tmp_path),
+                               f"{hosts[0].address}:29519", scratch=tmp_path, env=slurm))
+        outputs, results = _four_ranks_written(runs, tmp_path)
+    for rank, r in results.items():
+        assert r["address"] == hosts[rank // 2].address and r["group_rank"] == rank // 2
+    for node, (_, err) in enumerate(outputs):
+        assert (f"from Slurm job 77 (nodes {nodelist}): --nnodes 2, --node-rank {node}, "
+                f"--rdzv-endpoint {hosts[0].address}:29519, --rdzv-id slurm-77") in err, err
 
 
 def test_two_hosts_given_one_node_rank_are_refused_naming_them(tmp_path):

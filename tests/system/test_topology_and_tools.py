@@ -244,3 +244,34 @@ def test_every_commands_help_says_each_default_once():
             shown = formatter._get_help_string(action) or ""
             if "default" in (action.help or ""):  # it says its default itself: nothing added
                 assert shown == action.help, (command.prog, shown)
+
+
+def test_devmesh_plan_writes_the_sbatch_script_of_its_plan(tmp_path):
+    """``--sbatch``: one task per node on the plan's nodes and GPUs, the time limit, a
+    requeue with restarts, and the srun devmesh run line with the training command as given;
+    a plan that is not valid or no --train writes nothing."""
+    import subprocess
+    import sys
+
+    job = tmp_path / "job.sh"
+    command = [sys.executable, "-m", "devmesh", "plan", "--hosts", "4", "--devices-per-host",
+               "8", "--dp", "2", "--tp", "8", "--sbatch", str(job)]
+    done = subprocess.run(command + ["--train", "train.py --name 'a b'", "--time",
+                                     "1-00:00:00", "--max-restarts", "2"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = job.read_text().splitlines()
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=1",
+                 "#SBATCH --gpus-per-node=8", "#SBATCH --time=1-00:00:00", "#SBATCH --requeue",
+                 "srun --kill-on-bad-exit=1 devmesh run -n 8 --max-restarts 2 train.py "
+                 "--name 'a b'"):
+        assert line in lines, line
+    assert any("dp=2 x shard=2 x tp=8 on 4 nodes" in line for line in lines)
+    assert subprocess.run(["bash", "-n", str(job)]).returncode == 0
+    job.unlink()
+    for extra, says in ((["--train", "train.py", "--tp", "16"], "plan is not valid"),
+                        ([], "--sbatch needs --train"),
+                        (["--train", "t.py", "--time", "soon"], "--time 'soon'")):
+        done = subprocess.run(command + extra, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and says in done.stderr, done.stderr
+        assert not list(tmp_path.iterdir())

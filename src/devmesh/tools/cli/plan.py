@@ -30,6 +30,15 @@ def add(sub) -> None:
     plan.add_argument("--batch", type=int, default=None, help="global batch, in sequences")
     plan.add_argument("--top-k", type=int, default=2, help="experts per token, with --ep")
     plan.add_argument("--layers", type=int, default=None)
+    plan.add_argument("--sbatch", default=None, metavar="FILE",
+                      help="with --hosts: also write a Slurm batch script running the plan "
+                           "(srun devmesh run, one task per node)")
+    plan.add_argument("--train", default="",
+                      help="with --sbatch: the training command, e.g. 'train.py --steps 100'")
+    plan.add_argument("--time", default="01:00:00", help="with --sbatch: the job's time limit")
+    plan.add_argument("--max-restarts", type=int, default=0,
+                      help="with --sbatch: devmesh run's restarts after a failure (the "
+                           "script also asks Slurm to requeue the job)")
     plan.add_argument("--schedule", default=None,
                       help="instead: print a pipeline schedule for --pp ranks (gpipe, 1f1b, "
                            "interleaved-1f1b, looped-bfs, zero-bubble, interleaved-zero-bubble, "
@@ -144,6 +153,17 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_cluster(args.hosts, args.devices_per_host, dp=args.dp, shard=args.shard,
                         tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, model=model)
     print(plan)
+    if args.sbatch is not None:
+        from devmesh.tools.sbatch import sbatch_script, write_sbatch
+
+        try:
+            text = sbatch_script(plan, args.train, time=args.time,
+                                 max_restarts=args.max_restarts)
+        except ValueError as exc:
+            print(f"devmesh plan: error: {exc}", file=sys.stderr)
+            return 2
+        write_sbatch(args.sbatch, text)
+        print(f"wrote {args.sbatch}: sbatch {args.sbatch}")
     return 0 if plan.ok else 1
 
 

@@ -16,7 +16,9 @@ __all__ = ["add", "run", "root_exit_code", "hosts_of_run", "RDZV_READ_TIMEOUT"]
 def add(sub) -> None:
     """``devmesh run -n N script``: torchrun --standalone with safer defaults."""
     parser = sub.add_parser("run", help="run a script on N local processes (torchrun --standalone)")
-    parser.add_argument("-n", "--nproc", type=int, required=True, help="processes to start")
+    parser.add_argument("-n", "--nproc", type=int, default=None,
+                        help="processes to start (in a Slurm job: default the GPUs Slurm gave "
+                             "this node)")
     parser.add_argument("--max-restarts", type=int, default=0,
                      help="restart every rank this many times after one fails (torchrun's "
                           "elastic restart: resume from your last checkpoint)")
@@ -33,15 +35,15 @@ def add(sub) -> None:
                      help="also write each rank's output to a file of its own in this folder")
     parser.add_argument("--local-ranks-filter", default=None,
                      help="show only these ranks' output on the console, e.g. 0 or 0,3")
-    parser.add_argument("--nnodes", type=int, default=1,
+    parser.add_argument("--nnodes", type=int, default=None,
                      help="hosts taking part, each running devmesh run with its --node-rank "
-                          "(default 1: this machine alone)")
-    parser.add_argument("--node-rank", type=int, default=0,
+                          "(default 1: this machine alone; in a Slurm job, its nodes)")
+    parser.add_argument("--node-rank", type=int, default=None,
                      help="this host's index, 0..nnodes-1 (host 0 serves the rendezvous); its "
                           "ranks are node_rank x nproc ... ")
     parser.add_argument("--rdzv-endpoint", default=None,
                      help="HOST:PORT of host 0, the same on every host (with --nnodes)")
-    parser.add_argument("--rdzv-id", default="devmesh-run",
+    parser.add_argument("--rdzv-id", default=None,
                      help="the job's name at the rendezvous, the same on every host")
     parser.add_argument("--local-addr", default=None,
                      help="this host's address for the job (default: the one that reaches "
@@ -51,7 +53,45 @@ def add(sub) -> None:
     parser.set_defaults(handler=run)
 
 
+def _fill_in(args: argparse.Namespace, env=None) -> None:
+    """The options not given: from Slurm's environment inside a Slurm job
+    (:mod:`devmesh.launching.slurm`), else one host; says at ``DEVMESH_LOG=info`` what it
+    took from Slurm."""
+    from devmesh._log import get_logger
+    from devmesh.launching.slurm import DEFAULT_PORT, from_environment
+
+    env = os.environ if env is None else env
+    try:
+        job = from_environment(env)
+    except ValueError as exc:
+        raise SystemExit(f"devmesh run: {exc}") from None
+    if job is not None:
+        if job.tasks_on_node > 1:
+            raise SystemExit(
+                f"devmesh run: Slurm started {job.tasks_on_node} tasks on this node, but "
+                "devmesh run starts the node's ranks itself: run one task per node "
+                "(srun --ntasks-per-node=1 devmesh run ...)")
+        port = env.get("MASTER_PORT") or DEFAULT_PORT
+        taken = {"nnodes": len(job.nodes), "node_rank": job.node_rank,
+                 "rdzv_endpoint": f"{job.head}:{port}", "rdzv_id": f"slurm-{job.job_id}"}
+        if job.gpus_on_node:
+            taken["nproc"] = job.gpus_on_node
+        used = []
+        for name, value in taken.items():
+            if getattr(args, name) is None:
+                setattr(args, name, value)
+                used.append(f"--{name.replace('_', '-')} {value}")
+        get_logger("run").info("from Slurm job %s (nodes %s): %s", job.job_id,
+                               ",".join(job.nodes), ", ".join(used) or "nothing (all given)")
+    for name, default in (("nnodes", 1), ("node_rank", 0), ("rdzv_id", "devmesh-run")):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+    if args.nproc is None:
+        raise SystemExit("devmesh run: give -n N, the processes to start on this host")
+
+
 def run(args: argparse.Namespace) -> int:
+    _fill_in(args)
     check_nproc(args.nproc, args.oversubscribe)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
