@@ -341,7 +341,11 @@ def test_a_collective_timeout_names_the_rank_that_never_entered(mesh_pool, tmp_p
         missing, waited, text = results[rank]
         assert missing == [1] and waited == [0, 2, 3], text
         assert "all_reduce over dp+tp (collective #2 on ranks [0, 1, 2, 3])" in text
-        assert "Timed out waiting" in text  # torch's own error stays in the message
+        # torch's own error stays in the message: the rank's own timeout, or — where another
+        # waiting rank's timeout fired first and gloo closed its connections (a loaded
+        # machine) — the closed connection, which devmesh reads as the collective broken off
+        assert ("timed out: ranks [1] never entered it" in text and "Timed out waiting" in text
+                ) or "broke off: ranks [1] never entered it" in text, text
     assert results[1] is None
 
 
