@@ -35,7 +35,8 @@ KINDS = ("unit", "ranks", "parity", "system")
 # launches of fresh processes, timeouts waited out — come first and the short ones fill in
 # at the end, rather than one worker finishing a long file alone; then system, ranks,
 # parity, unit.
-LONGEST_FIRST = ("system/test_multihost.py", "system/test_examples_and_cli.py",
+LONGEST_FIRST = ("system/test_multihost.py", "system/test_slurm.py",
+                 "system/test_examples_and_cli.py",
                  "system/test_faults.py", "system/test_docs.py",
                  "system/test_checkpoint_safety.py", "ranks/pipeline/test_pipeline.py",
                  "system/test_elastic.py", "ranks/pipeline/test_pipeline_indivisible.py")

@@ -10,6 +10,10 @@ A block is marked by an HTML comment on the line before it (invisible in the ren
   in a fresh interpreter.
 - ``<!-- docs-test: launch N; given: CODE -->``: a ``python`` block runs on N ranks of the test
   pool, after ``CODE`` (what the page assumes the reader has: a model, a batch).
+- ``<!-- docs-test: slurm -->``: a ``console`` block run as ``run`` is, on a real Slurm of
+  two nodes this test starts (``tests/slurm_cluster.py``): its commands (``devmesh``,
+  ``sbatch``, ``squeue``, ``scontrol``, ``scancel``, ``cat``) run on the controller, the
+  jobs on the nodes; skipped, saying why, where Slurm's daemons are not installed.
 - ``<!-- docs-test: skip: REASON -->``: not run, for the reason given.
 - ``<!-- docs-test: file NAME -->``: a script the page's console blocks run: written as
   ``NAME`` into their folder (a console command may set variables first: ``VAR=1 devmesh ...``).
@@ -28,7 +32,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 CODE = ("python", "console", "bash")
-MARK = re.compile(r"<!-- docs-test: (run|launch (\d+)(?:; given: (.*?))?|skip: (.+?)|file (\S+)) -->")
+MARK = re.compile(r"<!-- docs-test: (run|slurm|launch (\d+)(?:; given: (.*?))?|skip: (.+?)|"
+                  r"file (\S+)) -->")
+SLURM_COMMANDS = ("sbatch", "squeue", "scontrol", "scancel", "sinfo", "cat")
 
 
 def _blocks():
@@ -62,7 +68,9 @@ def _ids(block):
     return f"{page}:{line}"
 
 
-def _console(text: str, tmp_path: Path, files: dict[str, str]) -> None:
+def _console(text: str, tmp_path: Path, files: dict[str, str], cluster=None) -> None:
+    """Run the block's ``$`` commands in ``tmp_path`` (on ``cluster``'s controller, given a
+    Slurm cluster) and check what they print."""
     for name, content in files.items():
         (tmp_path / name).write_text(content + "\n")
     commands: list[tuple[str, list[str]]] = []
@@ -77,11 +85,17 @@ def _console(text: str, tmp_path: Path, files: dict[str, str]) -> None:
         while "=" in words[0]:  # VAR=value before the command
             key, _, value = words.pop(0).partition("=")
             env[key] = value
-        assert words[0] == "devmesh", command
-        done = subprocess.run([sys.executable, "-m", "devmesh", *words[1:], "--plain"]
-                              if words[1] == "show" else [sys.executable, "-m", "devmesh",
-                                                         *words[1:]],
-                              capture_output=True, text=True, timeout=300, cwd=tmp_path,
+        if words[0] == "devmesh":
+            argv = [sys.executable, "-m", "devmesh", *words[1:]]
+            argv += ["--plain"] if words[1] == "show" else []
+        else:
+            assert cluster is not None and words[0] in SLURM_COMMANDS, command
+            argv = words
+        if cluster is not None:
+            env = dict(cluster.environment, **{k: v for k, v in env.items()
+                                               if k not in os.environ})
+            argv = ["nsenter", f"--net=/run/netns/{cluster.controller}", *argv]
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path,
                               env=env)
         out = done.stdout + done.stderr
         # a command shown failing (its output says ERROR) must fail; every other must succeed
@@ -115,10 +129,22 @@ def _exec_block(code: str, directory: str):
 def test_a_documented_block_runs(block, tmp_path, mesh_pool):
     page, line, kind, mark, text = block
     if kind == "console":
-        assert mark.group(1) == "run"
+        assert mark.group(1) in ("run", "slurm")
         files = {m.group(5): t for p, _, _, m, t in BLOCKS
                  if p == page and m is not None and m.group(5)}
-        _console(text, tmp_path, files)
+        if mark.group(1) == "run":
+            _console(text, tmp_path, files)
+            return
+        import slurm_cluster
+
+        why = slurm_cluster.missing()
+        if why is not None:
+            pytest.skip(why)
+        environment = {"PATH": os.path.dirname(sys.executable) + os.pathsep
+                       + os.environ["PATH"], "PYTHONWARNINGS": "ignore::FutureWarning"}
+        with slurm_cluster.slurm_cluster(tmp_path / "slurm", cpus=8,
+                                         environment=environment) as cluster:
+            _console(text, tmp_path, files, cluster)
     elif mark.group(1) == "run":
         done = subprocess.run([sys.executable, "-c", text], capture_output=True, text=True,
                               timeout=300, cwd=tmp_path)

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+import netns
 from helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -29,18 +30,14 @@ class Host:
     prefix: list[str]  # what runs a command on the host
 
 
-def _ip(*args: str) -> None:
-    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
-
-
 def _namespaces_work() -> str | None:
     """Why network namespaces cannot be made here, or None."""
     probe = f"dm{os.getpid()}probe"
     try:
-        _ip("netns", "add", probe)
+        netns.ip("netns", "add", probe)
     except (OSError, subprocess.CalledProcessError) as exc:
         return f"cannot make a network namespace ({exc})"
-    _ip("netns", "del", probe)
+    netns.ip("netns", "del", probe)
     return None
 
 
@@ -58,35 +55,10 @@ def simulated_hosts(count: int, *, descending: bool = False) -> Iterator[list[Ho
     if why is not None:  # loopback aliases: every 127/8 address is this machine's lo
         yield [Host(f"127.0.0.{number(i) + 1}", []) for i in range(count)]
         return
-    tag = f"dm{os.getpid()}"
-    switch, names = f"{tag}sw", [f"{tag}h{i}" for i in range(count)]
-    made: list[str] = []
-    try:
-        for name in (switch, *names):
-            _ip("netns", "add", name)
-            made.append(name)
-            _ip("-n", name, "link", "set", "lo", "up")
-        _ip("-n", switch, "link", "add", "br0", "type", "bridge")
-        _ip("-n", switch, "link", "set", "br0", "up")
-        hosts = []
-        for i, name in enumerate(names):
-            _ip("-n", switch, "link", "add", f"port{i}", "type", "veth", "peer", "name", "eth0",
-                "netns", name)
-            _ip("-n", switch, "link", "set", f"port{i}", "master", "br0")
-            _ip("-n", switch, "link", "set", f"port{i}", "up")
-            address = f"10.201.0.{number(i)}"
-            _ip("-n", name, "addr", "add", f"{address}/24", "dev", "eth0")
-            _ip("-n", name, "link", "set", "eth0", "up")
-            hosts.append(Host(address, ["ip", "netns", "exec", name]))
-        yield hosts
-    finally:
-        for name in made:
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True,
-                                  text=True).stdout.split()
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid), signal.SIGKILL)
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+    addresses = [f"10.201.0.{number(i)}" for i in range(count)]
+    with netns.bridged(f"dm{os.getpid()}", addresses) as names:
+        yield [Host(address, ["ip", "netns", "exec", name])
+               for address, name in zip(addresses, names)]
 
 
 def _start(host: Host, node: int | None, nodes: int, endpoint: str | None, nproc: int,
@@ -198,11 +170,7 @@ def test_two_hosts_given_one_node_rank_are_refused_naming_them(tmp_path):
 def _kill_host(host: Host, run: subprocess.Popen) -> None:
     """Every process of the host, at once (a machine lost), or the run's process group."""
     if host.prefix:
-        name = host.prefix[-1]
-        for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True,
-                                  text=True).stdout.split():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int(pid), signal.SIGKILL)
+        netns.kill_all(host.prefix[-1])
     else:
         os.killpg(run.pid, signal.SIGKILL)
     run.wait(timeout=60)
@@ -272,7 +240,7 @@ def test_a_host_cut_off_makes_every_other_rank_raise_naming_it_and_nothing_is_le
         while len(list(tmp_path.glob("ready*"))) < 8:
             assert time.monotonic() < deadline and all(r.poll() is None for r in runs)
             time.sleep(0.2)
-        _ip("-n", hosts[1].prefix[-1], "link", "set", "eth0", "down")
+        netns.ip("-n", hosts[1].prefix[-1], "link", "set", "eth0", "down")
         (tmp_path / "cut").touch()
         cut = time.monotonic()
         outputs = [run.communicate(timeout=180) for run in runs]

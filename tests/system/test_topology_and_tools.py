@@ -268,6 +268,13 @@ def test_devmesh_plan_writes_the_sbatch_script_of_its_plan(tmp_path):
         assert line in lines, line
     assert any("dp=2 x shard=2 x tp=8 on 4 nodes" in line for line in lines)
     assert subprocess.run(["bash", "-n", str(job)]).returncode == 0
+    # a CPU job asks for no GPUs (Slurm refuses a GPU request where no node has GPUs)
+    done = subprocess.run(command + ["--train", "train.py", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    text = job.read_text()
+    assert "--gpus-per-node" not in text and 'init_device_mesh("cpu", (2, 2, 8)' in text, text
+    assert "devmesh run -n 8 " in text
     job.unlink()
     for extra, says in ((["--train", "train.py", "--tp", "16"], "plan is not valid"),
                         ([], "--sbatch needs --train"),

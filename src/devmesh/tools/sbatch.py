@@ -1,6 +1,6 @@
 """``devmesh plan --hosts H --devices-per-host G ... --sbatch FILE``: the Slurm batch script
-that runs a planned mesh — ``H`` nodes, one ``srun`` task per node, ``G`` GPUs each, and the
-``srun devmesh run`` line, which takes the hosts, each node's rank and the rendezvous from
+that runs a planned mesh — ``H`` nodes, one ``srun`` task per node, ``G`` GPUs each (or ``G``
+CPU ranks, ``--device cpu``), and the ``srun devmesh run`` line, which takes the hosts, each node's rank and the rendezvous from
 Slurm's environment (:mod:`devmesh.launching.slurm`)."""
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ _TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")  # Slurm's forms: MM, HH:MM
 
 
 def sbatch_script(plan: ClusterPlan, train: str, *, time: str = "01:00:00",
-                  max_restarts: int = 0, job_name: str = "devmesh") -> str:
-    """The script's text (``train``: the script and its arguments, as typed)."""
+                  max_restarts: int = 0, job_name: str = "devmesh",
+                  device: str = "cuda") -> str:
+    """The script's text (``train``: the script and its arguments, as typed; ``device``
+    "cuda" asks for ``G`` GPUs per node, "cpu" for none)."""
+    if device not in ("cuda", "cpu"):
+        raise ValueError(f"device {device!r}: give 'cuda' or 'cpu'")
     if not plan.ok:
         raise ValueError("the plan is not valid: " + "; ".join(plan.errors))
     if not train.strip():
@@ -36,14 +40,14 @@ def sbatch_script(plan: ClusterPlan, train: str, *, time: str = "01:00:00",
     g = plan.devices_per_host
     lines = [
         "#!/bin/bash",
-        f"# devmesh plan: {mesh} on {plan.hosts} nodes x {g} GPUs; dims crossing nodes: "
-        f"{crossing}",
-        f'# the script builds: init_device_mesh("cuda", ({shape}{"," if len(names) == 1 else ""}), '
+        f"# devmesh plan: {mesh} on {plan.hosts} nodes x {g} "
+        f"{'GPUs' if device == 'cuda' else 'CPU ranks'}; dims crossing nodes: {crossing}",
+        f'# the script builds: init_device_mesh("{device}", ({shape}{"," if len(names) == 1 else ""}), '
         f"mesh_dim_names={tuple(names)!r})",
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={plan.hosts}",
         "#SBATCH --ntasks-per-node=1",
-        f"#SBATCH --gpus-per-node={g}",
+        *([f"#SBATCH --gpus-per-node={g}"] if device == "cuda" else []),
         f"#SBATCH --time={time}",
         f"#SBATCH --output={job_name}-%j.out",
     ]

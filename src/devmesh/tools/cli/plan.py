@@ -36,6 +36,9 @@ def add(sub) -> None:
     plan.add_argument("--train", default="",
                       help="with --sbatch: the training command, e.g. 'train.py --steps 100'")
     plan.add_argument("--time", default="01:00:00", help="with --sbatch: the job's time limit")
+    plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
+                      help="with --sbatch: GPUs per node (cuda, --gpus-per-node) or CPU ranks "
+                           "(cpu: no GPUs asked for)")
     plan.add_argument("--max-restarts", type=int, default=0,
                       help="with --sbatch: devmesh run's restarts after a failure (the "
                            "script also asks Slurm to requeue the job)")
@@ -158,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             text = sbatch_script(plan, args.train, time=args.time,
-                                 max_restarts=args.max_restarts)
+                                 max_restarts=args.max_restarts, device=args.device)
         except ValueError as exc:
             print(f"devmesh plan: error: {exc}", file=sys.stderr)
             return 2
