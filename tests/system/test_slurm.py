@@ -63,6 +63,19 @@ def _wait_for_file(path: Path, cluster, job: str, timeout: float) -> None:
         time.sleep(0.3)
 
 
+def _trained_as_one_process_on_two_nodes(out: Path) -> None:
+    """What the 8 ranks of hsdp_tp_hosts.py wrote: ranks 0-3 on the first node, only dp
+    crossing nodes, every TP group inside one, talking over the node's own interface, and
+    the parameters equal to one process's."""
+    results = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")),
+                     key=lambda r: r["rank"])
+    assert [r["rank"] for r in results] == list(range(8))
+    for r in results:
+        assert r["my_host"] == r["rank"] // 4
+        assert r["crossing"] == ["dp"] and r["tp_group_hosts"] == [r["my_host"]]
+        assert r["gloo_interface"] == "eth0" and r["max_difference"] < 1e-12, r
+
+
 def _ranks_left(cluster) -> list[int]:
     """Processes on the nodes other than their slurmd (a step's slurmstepd, devmesh run, a
     rank)."""
@@ -91,16 +104,32 @@ def test_sbatch_of_the_planned_script_trains_hsdp_tp_on_two_nodes_as_one_process
         state = cluster.wait_for(job, DONE, timeout=300)
         log = _output(tmp_path, job)
         assert state == "COMPLETED", (state, log[-4000:], cluster.log("slurmctld")[-2000:])
-    results = sorted((json.loads(p.read_text()) for p in out.glob("rank*.json")),
-                     key=lambda r: r["rank"])
-    assert [r["rank"] for r in results] == list(range(8))
-    for r in results:
-        assert r["my_host"] == r["rank"] // 4
-        assert r["crossing"] == ["dp"] and r["tp_group_hosts"] == [r["my_host"]]
-        assert r["max_difference"] < 1e-12, r
+    _trained_as_one_process_on_two_nodes(out)
     for node in (0, 1):
         assert (f"from Slurm job {job} (nodes n1,n2): --nnodes 2, --node-rank {node}, "
                 f"--rdzv-endpoint n1:29500, --rdzv-id slurm-{job}") in log, log[-4000:]
+
+
+def test_one_slurm_task_per_rank_trains_hsdp_tp_as_one_process(tmp_path):
+    """``srun --ntasks-per-node=4 devmesh run --no-agent``: each of the 8 Slurm tasks is a rank
+    (no agent), its rank from Slurm; ranks 0-3 on the first node, the TP groups inside a
+    node, equal to one process."""
+    out = tmp_path / "out"
+    out.mkdir()
+    script = tmp_path / "tasks.sbatch"
+    script.write_text("\n".join([
+        "#!/bin/bash", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
+        "#SBATCH --output=devmesh-%j.out", "set -euo pipefail",
+        f"srun --kill-on-bad-exit=1 devmesh run --no-agent {SCRIPTS / 'hsdp_tp_hosts.py'} "
+        f"{out}", ""]))
+    with slurm_cluster.slurm_cluster(tmp_path / "slurm", environment=_environment()) as cluster:
+        job = _submit(cluster, script, tmp_path)
+        state = cluster.wait_for(job, DONE, timeout=300)
+        log = _output(tmp_path, job)
+        assert state == "COMPLETED", (state, log[-4000:])
+    _trained_as_one_process_on_two_nodes(out)
+    assert (f"Slurm task 6 of job {job} (node 1, local rank 2): RANK 6 of 8, rendezvous "
+            "n1:29500") in log, log[-4000:]
 
 
 def test_scancel_stops_every_rank_within_seconds_and_leaves_no_process(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 import pytest
 
@@ -55,7 +56,8 @@ def test_devmesh_run_takes_what_slurm_says_and_a_flag_wins_and_says_so(caplog):
 @pytest.mark.parametrize("env, says", [
     (dict(JOB, SLURM_STEP_TASKS_PER_NODE="4(x5)"),
      "Slurm started 4 tasks on this node, but devmesh run starts the node's ranks itself: "
-     "run one task per node (srun --ntasks-per-node=1 devmesh run ...)"),
+     "run one task per node (srun --ntasks-per-node=1 devmesh run ...), or make each task "
+     "a rank (devmesh run --no-agent)"),
     (dict(JOB, SLURM_NODEID="9"), "SLURM_NODEID=9 is outside the job's 5 nodes"),
     (dict(JOB, SLURM_JOB_NODELIST="node[01-"), "SLURM_JOB_NODELIST='node[01-'"),
     ({k: v for k, v in JOB.items() if k != "SLURM_NODEID"}, "without SLURM_NODEID"),
@@ -64,4 +66,43 @@ def test_devmesh_run_takes_what_slurm_says_and_a_flag_wins_and_says_so(caplog):
 def test_what_slurm_does_not_say_or_says_wrong_is_refused_by_name(env, says):
     with pytest.raises(SystemExit, match="devmesh run: ") as caught:
         run_cli._fill_in(_args(), env)
+    assert says in str(caught.value)
+
+
+TASK = dict(JOB, SLURM_JOB_NODELIST="node[01-02]", SLURM_NODEID="1",
+            SLURM_STEP_TASKS_PER_NODE="4(x2)", SLURM_PROCID="6", SLURM_NTASKS="8",
+            SLURM_LOCALID="2")
+
+
+def test_a_slurm_task_run_as_one_rank_gets_its_rank_from_slurm():
+    """srun --ntasks-per-node=4 on 2 nodes, task 6 (node 1's third): what torch's env://
+    rendezvous and devmesh's mesh read, the first node as the rendezvous."""
+    from devmesh.launching.slurm import rank_environment
+
+    ranks = rank_environment(from_environment(TASK), TASK)
+    assert ranks == {"RANK": "6", "WORLD_SIZE": "8", "LOCAL_RANK": "2", "LOCAL_WORLD_SIZE": "4",
+                     "GROUP_RANK": "1", "GROUP_WORLD_SIZE": "2", "MASTER_ADDR": "node01",
+                     "MASTER_PORT": "29500"}
+    uneven = dict(TASK, SLURM_STEP_TASKS_PER_NODE="3,5", SLURM_PROCID="5")
+    assert rank_environment(from_environment(uneven), uneven)["LOCAL_WORLD_SIZE"] == "5"
+    with pytest.raises(ValueError, match=r"ranks must be consecutive \(this node's: 4\.\.7\): "
+                                         r"use srun's block distribution"):
+        cyclic = dict(TASK, SLURM_PROCID="5", SLURM_LOCALID="2")  # --distribution=cyclic
+        rank_environment(from_environment(cyclic), cyclic)
+
+
+@pytest.mark.parametrize("flags, env, says", [
+    (("-n", "4"), TASK, "--no-agent takes the ranks from Slurm's tasks: drop -n"),
+    (("--max-restarts", "2"), TASK, "drop --max-restarts"),
+    ((), {"PATH": "/usr/bin"}, "--no-agent runs one Slurm task as one rank"),
+    ((), {k: v for k, v in TASK.items() if k != "SLURM_PROCID"}, "without SLURM_PROCID"),
+])
+def test_no_agent_outside_a_slurm_task_or_with_agent_flags_is_refused(flags, env, says,
+                                                                        monkeypatch):
+    for name in [n for n in os.environ if n.startswith("SLURM_")]:
+        monkeypatch.delenv(name)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(SystemExit, match="devmesh run: ") as caught:
+        run_cli.run(_args("--no-agent", *flags))
     assert says in str(caught.value)

@@ -14,6 +14,12 @@ itself, as torchtitan's sbatch script runs ``srun torchrun``. From Slurm's varia
 
 A flag given on the command line wins over what Slurm says; at ``DEVMESH_LOG=info`` devmesh
 says which values it took from Slurm. Outside Slurm (no ``SLURM_JOB_ID``) nothing changes.
+
+Or one Slurm task per rank (``srun --ntasks-per-node=G devmesh run --no-agent train.py``, as
+Lightning and DeepSpeed read Slurm): each task becomes its rank with no agent in between,
+its identity from :func:`rank_environment` — ``RANK`` from ``SLURM_PROCID``, ``WORLD_SIZE``
+from ``SLURM_NTASKS``, ``LOCAL_RANK`` from ``SLURM_LOCALID``, the node's rank and task count,
+and the first node as ``MASTER_ADDR``.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-__all__ = ["SlurmJob", "from_environment", "DEFAULT_PORT"]
+__all__ = ["SlurmJob", "from_environment", "rank_environment", "DEFAULT_PORT"]
 
 DEFAULT_PORT = 29500  # torchtitan's and torchrun's
 
@@ -36,6 +42,7 @@ class SlurmJob:
     node_rank: int  # this node's index among them
     tasks_on_node: int  # Slurm tasks started on this node (srun's)
     gpus_on_node: int | None
+    tasks_per_node: tuple[int, ...] = ()  # the step's tasks on each node, in node order
 
     @property
     def head(self) -> str:
@@ -83,4 +90,33 @@ def from_environment(env: Mapping[str, str] | None = None) -> SlurmJob | None:
         count, _, times = part.partition("(x")
         counts += [int(count)] * (int(times.rstrip(")")) if times else 1)
     tasks = counts[node_rank] if node_rank < len(counts) else 1
-    return SlurmJob(job_id, nodes, node_rank, tasks, _int(env, "SLURM_GPUS_ON_NODE"))
+    return SlurmJob(job_id, nodes, node_rank, tasks, _int(env, "SLURM_GPUS_ON_NODE"),
+                    tuple(counts))
+
+
+def rank_environment(job: SlurmJob, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables torch's ``env://`` rendezvous and devmesh read, for this Slurm task run
+    as one rank: its global rank, the world, its rank on the node, the node's rank and task
+    count, and the first node as the rendezvous (``MASTER_ADDR``/``MASTER_PORT``, where not
+    set). A node's ranks must be consecutive (Slurm's default block distribution), so that
+    ``mesh.hosts()`` and the meshes' inner dims stay inside a node."""
+    env = os.environ if env is None else env
+    rank, world, local = (_int(env, name) for name in ("SLURM_PROCID", "SLURM_NTASKS",
+                                                       "SLURM_LOCALID"))
+    world = _int(env, "SLURM_STEP_NUM_TASKS") or world
+    if rank is None or world is None or local is None:
+        raise ValueError(f"Slurm job {job.job_id} without SLURM_PROCID, SLURM_NTASKS or "
+                         "SLURM_LOCALID: start each rank as a task of srun "
+                         "(srun --ntasks-per-node=G devmesh run --no-agent ...)")
+    first = sum(job.tasks_per_node[:job.node_rank])
+    if rank != first + local:
+        raise ValueError(
+            f"Slurm gave task {rank} the local id {local} on node {job.node_rank}, but a "
+            f"node's ranks must be consecutive (this node's: {first}.."
+            f"{first + job.tasks_on_node - 1}): use srun's block distribution "
+            "(srun --distribution=block)")
+    return {"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(local),
+            "LOCAL_WORLD_SIZE": str(job.tasks_on_node), "GROUP_RANK": str(job.node_rank),
+            "GROUP_WORLD_SIZE": str(len(job.nodes)),
+            "MASTER_ADDR": env.get("MASTER_ADDR") or job.head,
+            "MASTER_PORT": env.get("MASTER_PORT") or str(DEFAULT_PORT)}

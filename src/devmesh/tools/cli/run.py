@@ -48,6 +48,10 @@ def add(sub) -> None:
     parser.add_argument("--local-addr", default=None,
                      help="this host's address for the job (default: the one that reaches "
                           "--rdzv-endpoint); its ranks' connections use its interface")
+    parser.add_argument("--no-agent", action="store_true",
+                     help="in a Slurm job, run this Slurm task as one rank itself (srun "
+                          "--ntasks-per-node=G devmesh run --no-agent train.py): no agent, "
+                          "no restarts (Slurm's --requeue restarts the job)")
     parser.add_argument("script", help="the Python script (with -m: the module)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     parser.set_defaults(handler=run)
@@ -70,7 +74,8 @@ def _fill_in(args: argparse.Namespace, env=None) -> None:
             raise SystemExit(
                 f"devmesh run: Slurm started {job.tasks_on_node} tasks on this node, but "
                 "devmesh run starts the node's ranks itself: run one task per node "
-                "(srun --ntasks-per-node=1 devmesh run ...)")
+                "(srun --ntasks-per-node=1 devmesh run ...), or make each task a rank "
+                "(devmesh run --no-agent)")
         port = env.get("MASTER_PORT") or DEFAULT_PORT
         taken = {"nnodes": len(job.nodes), "node_rank": job.node_rank,
                  "rdzv_endpoint": f"{job.head}:{port}", "rdzv_id": f"slurm-{job.job_id}"}
@@ -90,7 +95,60 @@ def _fill_in(args: argparse.Namespace, env=None) -> None:
         raise SystemExit("devmesh run: give -n N, the processes to start on this host")
 
 
+def _run_as_slurm_task(args: argparse.Namespace) -> int:
+    """``--no-agent``: this Slurm task becomes its rank (:func:`devmesh.launching.slurm.
+    rank_environment`), the script run in this process's place through devmesh's rank
+    wrapper (it dies with its Slurm step); its ranks talk over the interface that reaches
+    the first node."""
+    from devmesh._log import get_logger
+    from devmesh.launching.child import ARGV_VARIABLE
+    from devmesh.launching.hosts import interface_of, local_address_towards
+    from devmesh.launching.slurm import from_environment, rank_environment
+
+    try:
+        job = from_environment()
+        if job is None:
+            raise ValueError("--no-agent runs one Slurm task as one rank and reads Slurm's "
+                             "environment: start it with srun inside a job (outside Slurm, "
+                             "devmesh run -n N starts the ranks)")
+        given = [flag for flag, value in (("-n", args.nproc), ("--nnodes", args.nnodes),
+                                          ("--node-rank", args.node_rank),
+                                          ("--rdzv-endpoint", args.rdzv_endpoint))
+                 if value is not None]
+        if args.max_restarts:
+            given.append("--max-restarts")
+        if given:
+            raise ValueError(f"--no-agent takes the ranks from Slurm's tasks: drop "
+                             f"{', '.join(given)} (srun's -n and --ntasks-per-node set them; "
+                             "sbatch --requeue restarts a job)")
+        ranks = rank_environment(job)
+    except ValueError as exc:
+        raise SystemExit(f"devmesh run: {exc}") from None
+    os.environ.update(ranks)
+    os.environ.pop(ARGV_VARIABLE, None)
+    if args.trace_collectives:
+        os.environ["DEVMESH_TRACE_COLLECTIVES"] = "1"
+    local = args.local_addr or local_address_towards(ranks["MASTER_ADDR"],
+                                                     int(ranks["MASTER_PORT"]))
+    interface = interface_of(local)
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    get_logger("run").info(
+        "Slurm task %s of job %s (node %s, local rank %s): RANK %s of %s, rendezvous %s:%s",
+        ranks["RANK"], job.job_id, job.node_rank, ranks["LOCAL_RANK"], ranks["RANK"],
+        ranks["WORLD_SIZE"], ranks["MASTER_ADDR"], ranks["MASTER_PORT"])
+    target = ["-m", args.script] if args.module else [args.script]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, [sys.executable, "-m", "devmesh.launching.child", *target,
+                              *args.args])
+    return 0  # not reached: the script runs in this process's place
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.no_agent:
+        return _run_as_slurm_task(args)
     _fill_in(args)
     check_nproc(args.nproc, args.oversubscribe)
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
