@@ -12,6 +12,7 @@ collectives as they can:
   they agree);
 * :func:`agree` — the same over a mesh's dims, raising :class:`~devmesh.errors.MeshMismatchError`;
 * :func:`refused_everywhere` — a refusal of one rank's own arguments raised on every rank;
+* :func:`refused_or_agreed` — that refusal and an agreement on a value in one collective;
 * :func:`texts_through_store` and :func:`warn_if_called_alone` — exchanges through the
   rendezvous store for calls users make on one rank by mistake, bounded by a timeout.
 
@@ -40,7 +41,8 @@ from devmesh.distributed.timeouts import AGREEMENTS, Watch
 if TYPE_CHECKING:
     from devmesh.mesh import DeviceMesh
 
-__all__ = ["agree", "describe_disagreement", "failures", "refused_everywhere", "differing",
+__all__ = ["agree", "describe_disagreement", "failures", "refused_everywhere",
+           "refused_or_agreed", "differing",
            "gather_texts", "texts_through_store", "warn_if_called_alone", "ALONE_SECONDS"]
 
 
@@ -170,11 +172,61 @@ def refused_everywhere(group: dist.ProcessGroup | None, what: str,
         error = exc
     failed = failures(None if error is None else str(error).removeprefix(rank_prefix()),
                       group)
+    _raise_refusals(error, failed, what, outcome, error_type)
+
+
+def _raise_refusals(error: Exception | None, failed: dict[int, str], what: str, outcome: str,
+                    error_type: type[Exception]) -> None:
     if error is not None:
         raise error
     if failed:
         raise error_type(f"{what} {outcome} on other ranks — " + "; ".join(
             f"rank {rank}: {text}" for rank, text in sorted(failed.items())))
+
+
+@contextlib.contextmanager
+def refused_or_agreed(group: dist.ProcessGroup | None, what: str, error_type: type[Exception],
+                      agreed: str) -> Iterator[list[str]]:
+    """:func:`refused_everywhere` and :func:`differing` in one collective: the block checks
+    this rank's own arguments and appends the value every rank must agree on to the list it
+    is given. One all-reduce (the maximum of a failure flag, a 63-bit digest and its
+    negation) when nobody failed and everyone agrees; after a refusal every rank raises as
+    :func:`refused_everywhere` makes it, after a disagreement a
+    :class:`~devmesh.errors.MeshMismatchError` saying ``agreed`` and which ranks passed what.
+    A call made once per module of a model (``fully_shard``) pays one agreement, not two."""
+    from devmesh.errors import MeshMismatchError, rank_prefix
+
+    values: list[str] = []
+    error: Exception | None = None
+    try:
+        yield values
+    except error_type as exc:
+        error = exc
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        _raise_refusals(error, {}, what, "was refused", error_type)
+        return
+    stops.refuse_if_broken()
+    value = values[0] if values and error is None else ""
+    digest = int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(),
+                            "little") >> 1
+    with _agreement("the refusal and agreement check (an all-reduce)", group):
+        device = small_tensor_device(group)
+        checked = torch.tensor([int(error is not None), digest, -digest], dtype=torch.int64,
+                               device=device)
+        dist.all_reduce(checked, op=dist.ReduceOp.MAX, group=group)
+    if int(checked[0]):  # somebody was refused: who, and why
+        failed = failures(None if error is None else str(error).removeprefix(rank_prefix()),
+                          group)
+        _raise_refusals(error, failed, what, "was refused", error_type)
+    if int(checked[1]) != -int(checked[2]):  # the largest digest is not the smallest
+        with _agreement("the agreement's texts (two all-gathers)", group):
+            texts = gather_texts(value, group)
+        ranks = dist.get_process_group_ranks(group) if group is not None else range(len(texts))
+        by_value: dict[str, list[int]] = defaultdict(list)
+        for rank, text in zip(ranks, texts, strict=True):
+            by_value[text].append(rank)
+        raise MeshMismatchError(f"{agreed}: the ranks disagree — "
+                                f"{describe_disagreement(by_value)}")
 
 
 def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, list[int]]:

@@ -221,6 +221,9 @@ def one_rank_passing_other_arguments():
         "bucket": lambda m: replicate(m, mesh=mesh, bucket_cap_mb=1e-6 if odd else 25),
         "DDP option": lambda m: replicate(m, mesh=mesh, device_ids=[0] if odd else None),
         "plan": lambda m: parallelize_module(m, mesh, {"1" if odd else "0": ColwiseParallel()}),
+        # the parameters' shapes agree in the plan's one agreement, not one per parameter
+        "split shapes": lambda m: parallelize_module(nn.Linear(4, 6 if odd else 4), mesh,
+                                                     ColwiseParallel()),
     }
     out = {}
     for case, call in calls.items():
@@ -247,6 +250,7 @@ def test_arguments_one_rank_passes_differently_are_refused_on_every_rank(mesh_po
             "reshard": "reshard_after_forward=True",
             "bucket": "bucket_cap_mb=25",
             "plan": "parallelize_module: every rank must apply the same plan",
+            "split shapes": "weight (6, 4) torch.float32",
         }.items():
             name, message, _ = out[case]
             assert name == "MeshMismatchError" and words in message, (case, out[case])

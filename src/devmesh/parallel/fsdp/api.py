@@ -15,7 +15,7 @@ from devmesh.distributed import comm, consensus
 from devmesh.parallel.dtensor_params import refuse_partial_dtensors
 from devmesh.parallel.fsdp.mixed_precision import MixedPrecisionPolicy
 from devmesh.parallel.fsdp.module import FSDPModule, units_named
-from devmesh.parallel.fsdp.unit import FSDPUnit
+from devmesh.parallel.fsdp.unit import AGREED, FSDPUnit, agreement_text
 from devmesh.parallel.param import (
     ParallelizeError,
     with_methods,
@@ -66,8 +66,9 @@ def fully_shard(
     them, and ``replicate``)."""
     mesh = mesh if mesh is not None else world_mesh()
     # a refusal of one rank's own arguments is raised on every rank, not left to a hang
-    with consensus.refused_everywhere(comm.process_group(mesh, range(mesh.ndim)), "fully_shard",
-                                 ParallelizeError):
+    # and the ranks agree on what the unit holds and how it is set, in the same collective
+    with consensus.refused_or_agreed(comm.process_group(mesh, range(mesh.ndim)), "fully_shard",
+                                     ParallelizeError, AGREED) as agreed:
         modules = _grouped(module)
         for one in modules:
             if getattr(one, "_devmesh_fsdp", None) is not None:
@@ -78,7 +79,11 @@ def fully_shard(
             _refuse_unsupported(one, mesh, reshard_after_forward, offload_policy,
                                 dp_mesh_dims, ignored_params)
             dims |= split_dims(one, shard_placement_fn, ignored_params)
-    unit = FSDPUnit(modules, mesh, reshard_after_forward, mp_policy, ignored_params, dims)
+        agreed.append(agreement_text(modules, reshard_after_forward,
+                                     mp_policy or MixedPrecisionPolicy(),
+                                     {id(p) for p in ignored_params or ()}, dims))
+    unit = FSDPUnit(modules, mesh, reshard_after_forward, mp_policy, ignored_params, dims,
+                    agreed=True)
     for one in modules:
         one._devmesh_fsdp = unit  # type: ignore[attr-defined]
         with_methods(one, FSDPModule)

@@ -77,6 +77,26 @@ SHARDED_BY = "_devmesh_sharded_by"  # on an original parameter: the unit that re
 _HANDLE = object()  # marks a saved view of a gathered parameter (see FSDPUnit._pack)
 
 
+AGREED = ("fully_shard: every rank must hold the same parameters (and ignore the same ones) "
+          "and pass the same settings")
+
+
+def agreement_text(roots: Sequence[nn.Module], reshard_after_forward: bool | int | None,
+                   mp: object, ignored: set[int], split_dims: dict[int, int]) -> str:
+    """What every rank of a unit must agree on (``AGREED``): its parameters (names, shapes,
+    dtypes), the ignored ones, and the settings — ranks that gather, reshard or cast
+    differently mismatch every collective of the unit (gloo aborts the process on the
+    first one). ``ignored`` and ``split_dims`` are keyed by the parameters' ids."""
+    names = [n for root in roots for n, p in root.named_parameters() if id(p) in ignored]
+    split = {n: split_dims[id(p)] for root in roots
+             for n, p in root.named_parameters() if split_dims.get(id(p))}
+    settings = ", ".join(f"{f}={getattr(mp, f, None)}" for f in (
+        "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"))
+    return ("\n".join(map(describe_tensors, roots)) + f"\nignored: {names}\n"
+            f"reshard_after_forward={reshard_after_forward}, {settings}, split along "
+            f"dims {split}")
+
+
 class FSDPUnit:
     """The parameters of one ``fully_shard`` call and the hooks that gather and reduce them.
     ``modules``: the module, or the modules grouped by one call (``fully_shard([a, b])``)."""
@@ -84,7 +104,7 @@ class FSDPUnit:
     def __init__(self, modules: nn.Module | Sequence[nn.Module], mesh: DeviceMesh,
                  reshard_after_forward: bool | None, mp_policy: MixedPrecisionPolicy | None,
                  ignored_params: set[nn.Parameter] | None = None,
-                 split_dims: dict[int, int] | None = None) -> None:
+                 split_dims: dict[int, int] | None = None, *, agreed: bool = False) -> None:
         roots = [modules] if isinstance(modules, nn.Module) else list(modules)
         if mesh.ndim not in (1, 2):
             raise ParallelizeError(
@@ -155,20 +175,9 @@ class FSDPUnit:
         # torch 2.15's manual backward finalization: finalize_backward() ends a step's backward
         self.manual_finalization = False
         self.reduction_handle = None  # finalize_backward(async_op=True)'s, until waited on
-        ignored = [n for root in roots for n, p in root.named_parameters()
-                   if id(p) in self._ignored]
-        split = {n: self._split_dims[id(p)] for root in roots
-                 for n, p in root.named_parameters() if self._split_dims.get(id(p))}
-        # the settings too: ranks that gather, reshard or cast differently mismatch every
-        # collective of the unit (gloo aborts the process on the first one)
-        settings = ", ".join(f"{f}={getattr(self.mp, f, None)}" for f in (
-            "param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs"))
-        consensus.agree(mesh, tuple(range(mesh.ndim)),
-                   "fully_shard: every rank must hold the same parameters (and ignore the "
-                   "same ones) and pass the same settings",
-                   "\n".join(map(describe_tensors, roots)) + f"\nignored: {ignored}\n"
-                   f"reshard_after_forward={reshard_after_forward}, {settings}, split along "
-                   f"dims {split}")
+        if not agreed:
+            consensus.agree(mesh, tuple(range(mesh.ndim)), AGREED, agreement_text(
+                roots, reshard_after_forward, self.mp, self._ignored, self._split_dims))
         if not isinstance(reshard_after_forward, bool) and isinstance(reshard_after_forward, int):
             # torch's reading: 1 keeps the parameters (with a warning), the whole shard dim
             # is True; anything between reshards to groups of that many ranks

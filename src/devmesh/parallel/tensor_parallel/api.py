@@ -138,14 +138,30 @@ def parallelize_module(
                     f"{name or 'the module'!r}; applying {type(style).__name__} too would "
                     "split an already split weight. Each module takes one "
                     "parameter-distributing style")
-    consensus.agree(mesh, (0,), "parallelize_module: every rank must apply the same plan",
-               "; ".join(f"{name or '(the module)'}: {_describe_style(style)}"
-                         for name, _, style in entries))
+    # one agreement for the whole plan: the styles, and the shapes and dtypes of the
+    # parameters of the modules they split, so that splitting each of those needs no
+    # agreement of its own (distribute_tensor's check: one collective per parameter)
+    agreed: set[tuple[int, str]] = set()
+    described = []
+    for name, target, style in entries:
+        text = f"{name or '(the module)'}: {_describe_style(style)}"
+        if style.distributes_parameters:
+            # (a parameter split by an earlier call, a tie, agreed when it was split)
+            own = [(attr, p) for attr, p in target._parameters.items()
+                   if p is not None and get_layout(p) is None
+                   and getattr(p, _REPLACED_BY, None) is None]
+            text += "".join(f", {attr} {tuple(p.shape)} {p.dtype}" for attr, p in own)
+            agreed.update((id(target), attr) for attr, _ in own)
+        described.append(text)
+    consensus.agree(mesh, (0,), "parallelize_module: every rank must apply the same plan "
+                    "(its styles, and the shapes and dtypes of the parameters they split)",
+                    "; ".join(described))
     aliases = parameter_aliases(module)
     for name, target, style in entries:
         def distribute(owner: nn.Module, attr: str, placement: Placement,
                        where: str = name) -> None:
-            _distribute(owner, attr, placement, mesh, aliases, src_data_rank, where)
+            _distribute(owner, attr, placement, mesh, aliases, src_data_rank, where,
+                        checked=(id(owner), attr) in agreed)
 
         style.apply(target, mesh, distribute)
         if style.distributes_parameters:
@@ -200,7 +216,8 @@ def _describe_style(style: ParallelStyle) -> str:
 
 def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: DeviceMesh,
                 aliases: dict[int, list[tuple[nn.Module, str]]], src_data_rank: int | None,
-                where: str) -> None:
+                where: str, checked: bool = False) -> None:
+    """Split ``module.attr`` (``checked``: its shape and dtype already agreed on every rank)."""
     param = module._parameters.get(attr)
     if param is None:
         return
@@ -220,7 +237,8 @@ def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: Device
             "module must be split the same way in both (e.g. RowwiseParallel on the embedding "
             "and ColwiseParallel on the tied output projection both split the vocabulary)"
         )
-    sharded = distribute_tensor(param.detach(), mesh, [placement], src_rank=src_data_rank)
+    sharded = distribute_tensor(param.detach(), mesh, [placement], src_rank=src_data_rank,
+                                check=not checked)
     new = sharded_parameter(sharded.to_local().contiguous(), param.requires_grad, mesh,
                             sharded.spec)
     for owner, name in aliases.get(id(param), [(module, attr)]):
