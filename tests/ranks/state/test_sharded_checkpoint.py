@@ -651,3 +651,70 @@ def test_consolidate_names_the_extra_that_reads_its_file_where_it_is_missing(
     told = capsys.readouterr().out
     assert f"wrote 2 tensors to {out}: load them with safetensors.torch.load_file" in told
     assert "pip install 'devmesh[safetensors]'" in told
+
+
+class Calibrated(torch.nn.Module):
+    """A module keeping state beyond its tensors (``get_extra_state``), as quantized and fp8
+    modules do: a scale and a history."""
+
+    def __init__(self, plain_state: bool = True) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.scale, self.history = 1.0, torch.zeros(3)
+        self.plain_state = plain_state
+
+    def get_extra_state(self):
+        return {"scale": self.scale, "history": self.history} if self.plain_state else object()
+
+    def set_extra_state(self, state) -> None:
+        self.scale, self.history = state["scale"], state["history"]
+
+    def forward(self, x):
+        return self.lin(x) * self.scale
+
+
+class Uncalibrated(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+
+def extra_state_through_a_checkpoint(path: str):
+    from devmesh.errors import CheckpointError, StateDictError
+
+    mesh = init_device_mesh("cpu", (2,))
+
+    def sharded(first):
+        model = torch.nn.Sequential(first, torch.nn.Linear(4, 2))
+        fully_shard(model, mesh=mesh)
+        return model
+
+    model = sharded(Calibrated())
+    model[0].scale, model[0].history = 2.5, torch.arange(3.0)
+    save_checkpoint(path, model)
+    fresh = sharded(Calibrated())
+    load_checkpoint(path, fresh)
+    restored = (fresh[0].scale, fresh[0].history.tolist())
+    errors = []
+    for call in (lambda: load_checkpoint(path, sharded(Uncalibrated())),
+                 lambda: save_checkpoint(path + "-object", sharded(Calibrated(False)))):
+        try:
+            call()
+            errors.append(None)
+        except (CheckpointError, StateDictError) as exc:
+            errors.append(str(exc))
+    return restored, errors
+
+
+def test_a_modules_extra_state_goes_through_a_checkpoint(mesh_pool, tmp_path):
+    """``get_extra_state`` (``nn.Module.state_dict``'s ``_extra_state`` keys) is saved and set
+    back on load, as torch's state dicts and DCP keep it; a checkpoint holding one loads
+    into a model without it as an unexpected key, and an extra state a checkpoint cannot
+    hold as plain data is refused on every rank, naming it."""
+    path = str(tmp_path / "ckpt")
+    for restored, (unexpected, refused) in mesh_pool.run(extra_state_through_a_checkpoint, 2,
+                                                         path):
+        assert restored == (2.5, [0.0, 1.0, 2.0])
+        assert unexpected is not None and "Unexpected key(s): '0._extra_state'" in unexpected
+        assert refused is not None and "model.0._extra_state" in refused, refused
+        assert "Calibrated.get_extra_state() returned it" in refused

@@ -185,6 +185,8 @@ class CheckpointReader:
         self.model_keys: list[str] = model
         self.optimizer = raw.get("optimizer")
         self.extra = raw.get("extra")
+        # the modules' get_extra_state() values by state-dict key (absent: saved without)
+        self.extra_state = raw.get("extra_state")
         self.world_size = raw.get("world_size")
 
     def meta(self, key: str) -> TensorMeta:

@@ -39,7 +39,8 @@ from devmesh.parallel.checkpoint.save import (
 )
 from devmesh.parallel.dtensor_params import refuse_partial_dtensors
 from devmesh.parallel.param import layout_of, local_block, local_of, shaped_like
-from devmesh.parallel.state_dict import module_of, named_parameters, persistent_buffers
+from devmesh.parallel.state_dict import (extra_states, module_of, named_parameters,
+                                         persistent_buffers)
 
 __all__ = ["load_checkpoint", "read_block"]
 
@@ -76,12 +77,7 @@ def _model_writes(reader: CheckpointReader, model: nn.Module
     buffers = persistent_buffers(model)
     expected = list(params) + list(buffers)
     saved = set(reader.model_keys)
-    missing = [k for k in expected if k not in saved]
-    if missing:
-        raise StateDictError(
-            f"Error(s) in loading checkpoint {reader.path} for {type(model).__name__}: "
-            f"Missing key(s): {', '.join(map(repr, missing))}. Nothing was loaded; the "
-            "checkpoint must come from the same model")
+    _refuse_missing(reader, model, [k for k in expected if k not in saved])
     writes = []
     blocks, done = [], set()
     for name, target in list(params.items()) + list(buffers.items()):
@@ -160,19 +156,42 @@ def _load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer 
             optimizer_state = (None if optimizer is None
                                else _optimizer_state(reader, model, optimizer))
             extra = None if reader.extra is None else decode(reader.extra, reader.read, "extra")
+            states = _extra_states(reader, model)
         except Malformed as exc:
             raise CheckpointError(f"{path} is damaged or not written by devmesh: {exc}"
                                   ) from None
         except KeyError as exc:
             raise CheckpointError(f"{path} does not hold tensor {exc}: damaged, or written "
                                   "for another model") from None
-    return (writes, optimizer_state), extra, list(reader.model_keys), ", ".join(reader.files)
+    saved = list(reader.model_keys) + list(reader.extra_state or ())
+    return (writes, optimizer_state, states), extra, saved, ", ".join(reader.files)
+
+
+def _refuse_missing(reader: CheckpointReader, model: nn.Module, missing: list[str]) -> None:
+    if missing:
+        raise StateDictError(
+            f"Error(s) in loading checkpoint {reader.path} for {type(model).__name__}: "
+            f"Missing key(s): {', '.join(map(repr, missing))}. Nothing was loaded; the "
+            "checkpoint must come from the same model")
+
+
+def _extra_states(reader: CheckpointReader, model: nn.Module) -> list[tuple[nn.Module, Any]]:
+    """Each of this rank's modules with an extra state and its saved value (a checkpoint
+    saved without extra states, before devmesh kept them, has none to give)."""
+    saved = reader.extra_state
+    if saved is None:
+        return []
+    if not isinstance(saved, dict):
+        raise Malformed("extra_state is not an object")
+    modules = extra_states(model)
+    _refuse_missing(reader, model, [key for key in modules if key not in saved])
+    return [(module, decode(saved[key], reader.read, key)) for key, module in modules.items()]
 
 
 def _unloaded(saved: list[str], model: nn.Module) -> list[str]:
     """The saved model names that no rank's model has: one all-reduce of a flag per name."""
     mine = set(dict(named_parameters(model))) | set(
-        persistent_buffers(model))
+        persistent_buffers(model)) | set(extra_states(model))
     if not (dist.is_initialized() and dist.get_world_size() > 1 and len(saved)):
         return [name for name in saved if name not in mine]
     loaded = torch.tensor([name in mine for name in saved], dtype=torch.int32,
@@ -204,7 +223,8 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
         if os.path.isdir(path):
             prepared, extra, saved, save = _load_sharded(path, model, optimizer)
         elif os.path.isfile(path):
-            prepared, extra = legacy.prepare(path, model, optimizer)
+            (writes, optimizer_state), extra = legacy.prepare(path, model, optimizer)
+            prepared = (writes, optimizer_state, [])
         else:
             raise CheckpointNotFoundError(f"no checkpoint at {path}")
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
@@ -225,10 +245,12 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
             f"key(s): {', '.join(map(repr, unloaded))} (no rank's model has them). Nothing was "
             "loaded; the checkpoint must come from the same model")
     assert prepared is not None
-    writes, optimizer_state = prepared
+    writes, optimizer_state, states = prepared
     with torch.no_grad():
         for target, value in writes:
             target.copy_(value)
+    for module, value in states:
+        module.set_extra_state(value)
     if optimizer is not None and optimizer_state is not None:
         optimizer.load_state_dict(optimizer_state)
     get_logger("checkpoint").info(

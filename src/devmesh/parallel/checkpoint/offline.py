@@ -79,7 +79,8 @@ def info(path: str, *, verify: bool = False) -> str:
 def consolidate(path: str, out: str, *, buffer_mb: float = 64) -> list[str]:
     """Write the model's full tensors (``model.`` entries, under their plain names; tied
     names each get their copy) as one safetensors file at ``out``, streaming. Returns the
-    names written. ``model.load_state_dict(safetensors.torch.load_file(out))`` loads it."""
+    names written. ``model.load_state_dict(safetensors.torch.load_file(out))`` loads it
+    (``strict=False`` where modules have extra states: safetensors holds tensors only)."""
     with CheckpointReader(path) as reader:
         names = list(reader.model_keys)
         header: dict[str, object] = {"__metadata__": {"format": "pt", "source": "devmesh"}}

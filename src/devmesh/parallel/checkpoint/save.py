@@ -49,7 +49,8 @@ from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data
 from devmesh.parallel.checkpoint.union import Listed, Merged, listed_json, merge_listings
 from devmesh.parallel.dtensor_params import refuse_partial_dtensors
 from devmesh.parallel.param import layout_of, local_of
-from devmesh.parallel.state_dict import module_of, named_parameters, persistent_buffers
+from devmesh.parallel.state_dict import (extra_states, module_of, named_parameters,
+                                         persistent_buffers)
 
 __all__ = ["save_checkpoint", "SaveHandle", "wait_for_pending_save"]
 
@@ -125,6 +126,20 @@ class _Contents:
         self.optimizer = None if optimizer is None else self._optimizer(model, optimizer)
         self.extra = None
         self.extra_entries: list[_Entry] = []
+        # what modules keep beyond tensors (get_extra_state: nn.Module.state_dict's
+        # ``_extra_state`` keys), rank 0's as with ``extra``, as plain data
+        self.extra_state: dict[str, Any] = {}
+        for key, module in extra_states(model).items():
+            value = module.get_extra_state()
+            where = f"model.{key}"
+            try:
+                check_plain(value, where)
+            except CheckpointError as exc:
+                raise CheckpointError(
+                    f"{exc} ({type(module).__name__}.get_extra_state() returned it): a "
+                    "checkpoint holds a module's extra state as plain data, tensors, lists "
+                    "and dicts") from None
+            self.extra_state[key] = encode(value, self._extra_tensor, where)
         if extra is not None:
             check_plain(extra, "extra")
             self.extra = encode(extra, self._extra_tensor, "extra")
@@ -302,7 +317,7 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
 
     def work() -> None:
         _write_and_commit(path, save_id, rank, world, blocks, placed, merged, extras,
-                          contents.extra, group)
+                          (contents.extra, contents.extra_state), group)
 
     handle = SaveHandle(work, background=async_)
     if async_:
@@ -407,7 +422,10 @@ def checkpoint_progress(title: str, total: int, rank: int) -> Progress:
 
 def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                       blocks: list[tuple[Placed, torch.Tensor]], placed: list[Placed],
-                      merged: Merged, extras: list[Listed], extra: Any, group) -> None:
+                      merged: Merged, extras: list[Listed], extra: tuple[Any, Any],
+                      group) -> None:
+    """Write this rank's blocks; rank 0 commits (``extra``: the caller's ``extra`` and the
+    modules' extra state, rank 0's both)."""
     name = data_file_name(save_id, rank)
     began = time.perf_counter()
     error: BaseException | None = None
@@ -481,7 +499,7 @@ def _checksums_on_every_rank(placed: list[Placed], written: dict[int, list[int]]
 
 
 def _commit(path: str, save_id: str, world: int, placed: list[Placed], merged: Merged,
-            extras: list[Listed], extra: Any, checksums: list[list[int]]) -> None:
+            extras: list[Listed], extra: tuple[Any, Any], checksums: list[list[int]]) -> None:
     """Rank 0: write the metadata (the checkpoint now exists), then drop unnamed data files."""
     sizes: dict[str, int] = {}
     for p in placed:
@@ -498,7 +516,7 @@ def _commit(path: str, save_id: str, world: int, placed: list[Placed], merged: M
             "crc_rows": _per(p)})
     metadata = {"format": FORMAT, "world_size": world, "files": sizes, "tensors": tensors,
                 "aliases": merged.aliases, "model": merged.model_keys,
-                "optimizer": merged.optimizer, "extra": extra}
+                "optimizer": merged.optimizer, "extra": extra[0], "extra_state": extra[1]}
     with atomic_file(os.path.join(path, METADATA), "w") as f:
         json.dump(metadata, f)
     for stale in os.listdir(path):  # every rank is done writing: these are left over
