@@ -5,6 +5,7 @@ rest by predicted step time, the best measured by the dry run."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from dataclasses import replace
@@ -160,6 +161,22 @@ def test_devmesh_plan_search_prints_the_best_and_why():
     assert all("overhead " in row for row in rows)  # the per-block time is a part of its own
     assert "per step faster than the best other mesh" in out
     assert done.stderr.count("measuring ") == 2
+    # the same ranking as JSON: every number printed, for a script to read
+    done = subprocess.run(
+        [sys.executable, "-m", "devmesh", "plan", "--model", "tiny:batch=8", "--world", "4",
+         "--search", "--tflops", "0.05", "--bandwidth", "tp=4,1", "--latency", "20us",
+         "--block-overhead", "50us", "--copy-bandwidth", "2", "--device-memory", "2MiB",
+         "--top", "3", "--verify", "0", "--json"],
+        capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    found = json.loads(done.stdout)
+    assert found["world"] == 4 and found["device_memory"] == 2 * 2**20
+    assert found["too_big"] > 0 and len(found["ranked"]) == 3
+    steps = [c["step_seconds"] for c in found["ranked"]]
+    assert steps == sorted(steps) and all(c["peak_bytes"] <= 2 * 2**20 for c in found["ranked"])
+    best = found["ranked"][0]
+    assert best["mesh"] in found["why"] and best["parts_seconds"]["overhead"] > 0
+    assert not any(c["measured"] for c in found["ranked"])  # --verify 0: closed form only
 
 
 @pytest.mark.parametrize("args, words, code", [

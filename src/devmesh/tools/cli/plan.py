@@ -109,8 +109,8 @@ def add(sub) -> None:
                           "modes: none, full, selective (keep matmuls' and attention's "
                           "outputs, recompute the rest) or K (every K-th block in full)")
     dry.add_argument("--json", action="store_true",
-                     help="with --model --mesh: print every number of the report as JSON "
-                          "instead of text")
+                     help="with --model --mesh (or --search): print every number of the "
+                          "report (or the ranking) as JSON instead of text")
     dry.add_argument("--world", type=int, default=None,
                      help="with --model --search: the number of ranks to choose a mesh for")
     dry.add_argument("--search", action="store_true",
@@ -271,7 +271,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     from devmesh.errors import DryRunError
     from devmesh.tools.dry_run import read_config
     from devmesh.tools.dry_run.report import parse_bytes, read_costs
-    from devmesh.tools.dry_run.search import format_search, search
+    from devmesh.tools.dry_run.search import format_search, search, search_as_json
 
     try:
         if not (args.search and args.world is not None):
@@ -297,5 +297,10 @@ def _cmd_search(args: argparse.Namespace) -> int:
     except DryRunError as exc:
         print(f"devmesh plan: error: {exc}", file=sys.stderr)
         return 2
-    print(format_search(result, top=args.top))
+    if args.json:
+        import json
+
+        print(json.dumps(search_as_json(result, top=args.top), indent=1))
+    else:
+        print(format_search(result, top=args.top))
     return 0 if result.ranked else 1

@@ -47,7 +47,7 @@ from devmesh.tools.dry_run.run import (DIM_ORDER, RankReport, add_pipeline_messa
                                        dry_run_by_blocks)
 
 __all__ = ["Candidate", "Evaluation", "SearchResult", "candidates", "estimate", "measure",
-           "search", "format_search"]
+           "search", "format_search", "search_as_json"]
 
 SCHEDULE_NAMES = ("1f1b", "gpipe")
 MICROBATCH_FACTORS = (1, 2, 4)  # micro-batches per step: pp times these (pp 1: powers of 2)
@@ -424,6 +424,27 @@ def _checkpointing_modes(given: str | int | tuple[str, ...]) -> tuple[str, ...]:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:,.1f} ms"
+
+
+def search_as_json(result: SearchResult, top: int = 5) -> dict:
+    """What :func:`format_search` prints, as a JSON-ready dict: the search's counts and,
+    best first, the ``top`` candidates (mesh, schedule, micro-batches, checkpointing, the
+    predicted step and its parts in seconds, the largest rank's memory in bytes, whether the
+    dry run measured it), and why the best wins."""
+    ranked = [{"mesh": e.candidate.mesh, "dims": e.candidate.dims,
+               "schedule": e.candidate.schedule if e.candidate.pp > 1 else None,
+               "microbatches": e.candidate.microbatches,
+               "checkpointing": e.candidate.checkpointing, "step_seconds": e.step,
+               "parts_seconds": {n: v for n, v in e.parts.items() if n != "step"},
+               "peak_bytes": e.peak_bytes, "measured": e.measured}
+              for e in result.ranked[:top]]
+    return {"model": result.config.describe(), "world": result.world,
+            "device_memory": result.device_memory, "considered": result.considered,
+            "too_big": len(result.too_big), "ranked_count": len(result.ranked),
+            "seconds": result.seconds, "ranked": ranked,
+            "smallest_too_big_bytes": (min(e.peak_bytes for e in result.too_big)
+                                       if result.too_big else None),
+            "why": _why(result.ranked) if result.ranked else None}
 
 
 def format_search(result: SearchResult, top: int = 5) -> str:
