@@ -109,3 +109,53 @@ def test_load_state_dict_takes_full_tensors_and_own_blocks(mesh_pool, strategy, 
         torch.testing.assert_close(out, reference(x).detach())
         row = next(line for line in shown.splitlines() if line.startswith("temperature "))
         assert row.split()[1] == "()", row  # its own shape, not FSDP's one element
+
+
+def meta_built_then_loaded(strategy: str):
+    """A model built on the meta device and parallelized there, then loaded with
+    ``assign=True`` (devmesh's ``load_state_dict`` and the module's own, as torch's FSDP2
+    recipe does), against the same weights loaded into a model built with storage; and
+    devmesh's copying load into meta parameters refused."""
+    from devmesh.errors import StateDictError
+    from devmesh.parallel import load_state_dict
+
+    def built(device: str):
+        with torch.device(device):
+            model = ScaledMLP()
+        if strategy == "fsdp":
+            fully_shard(model, mesh=init_device_mesh("cpu", (2,)))
+        else:
+            parallelize_module(model, init_device_mesh("cpu", (2,)),
+                               {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        return model
+
+    weights = pretrained()
+    expected = built("cpu")
+    load_state_dict(expected, weights)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(2))
+    results = {}
+    for how in ("devmesh", "module"):
+        model = built("meta")
+        if how == "devmesh":
+            load_state_dict(model, weights, assign=True)
+        else:
+            model.load_state_dict(weights, assign=True)
+        results[how] = (all(not p.is_meta for p in model.parameters()),
+                        torch.equal(model(x), expected(x)),
+                        {k: torch.equal(v, weights[k]) for k, v in state_dict(model).items()})
+    try:
+        load_state_dict(built("meta"), weights)
+        refused = None
+    except StateDictError as exc:
+        refused = str(exc)
+    return results, refused
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "tp"])
+def test_a_model_built_on_meta_loads_with_assign_and_a_copy_into_it_is_refused(mesh_pool,
+                                                                             strategy):
+    for results, refused in mesh_pool.run(meta_built_then_loaded, 2, strategy):
+        for how, (materialized, same_output, same_weights) in results.items():
+            assert materialized and same_output and all(same_weights.values()), (how, results)
+        assert refused is not None and "on the meta device" in refused, refused
+        assert "Pass assign=True" in refused

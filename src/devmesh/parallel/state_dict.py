@@ -281,19 +281,36 @@ def apply_load(writes: list[Write]) -> None:
                 target.copy_(value)
 
 
-def load_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True
-                    ) -> IncompatibleKeys:
+def load_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool = True,
+                    assign: bool = False) -> IncompatibleKeys:
     """Load full tensors (as ``state_dict(full=True)`` returns, or a plain single-process
     ``state_dict()``), ShardedTensors or DTensors (``model.state_dict()`` of a parallelized
     model, devmesh's or torch's) into a parallelized model: every rank copies its own block
-    (no communication for full tensors; a sharded value is gathered first). All or nothing: parameters and buffers are all checked (names,
-    exact shapes) before the first copy. ``strict=False`` loads what matches and returns
-    the missing and unexpected keys, as ``nn.Module.load_state_dict`` does. Given a
-    pipeline runner: its ``load_state_dict`` (a whole model's state into the stages)."""
+    (no communication for full tensors; a sharded value is gathered first). All or nothing:
+    parameters and buffers are all checked (names, exact shapes) before the first copy.
+    ``strict=False`` loads what matches and returns the missing and unexpected keys, as
+    ``nn.Module.load_state_dict`` does. ``assign=True`` (as torch's) makes each rank's
+    block of the loaded values the parameters instead of copying into them: the way to
+    load into a model built on the meta device and parallelized there (copying into
+    meta parameters would keep nothing, and is refused). Given a pipeline runner: its
+    ``load_state_dict`` (a whole model's state into the stages)."""
     if _pipeline_runner(model):
+        if assign:
+            raise StateDictError("a pipeline runner's load_state_dict copies into its "
+                                 "stages: load with assign=True into each stage's module")
         return model.load_state_dict(state, strict=strict)
     model = module_of(model, "load_state_dict")
+    if assign:  # the module's own load_state_dict takes devmesh's layouts, and assign
+        return model.load_state_dict(state, strict=strict, assign=True)
     writes, incompatible = prepare_load(model, state, strict=strict)
+    meta = [name for name, value in [*model.named_parameters(), *model.named_buffers()]
+            if value.is_meta]
+    if meta and writes:
+        raise StateDictError(
+            f"{type(model).__name__}'s parameters are on the meta device ({meta[0]}"
+            f"{f' and {len(meta) - 1} more' if len(meta) > 1 else ''}): copying into them "
+            "keeps nothing. Pass assign=True, or give them storage first "
+            "(model.to_empty(device=...)) and then load")
     apply_load(writes)
     return incompatible
 
