@@ -8,9 +8,7 @@ its forward starts — the cast copies stand in their slots while it runs (torch
 parallelism's DTensors cast as DTensors) — and puts the parameters back as it ends.
 Autograd carries each gradient back through the cast into the parameter's own dtype, so the
 optimizer and the gradient reduction see float32 gradients of float32 weights; a block run
-again by activation checkpointing casts again. A forward casts each parameter once: a weight
-tied between two modules is one copy, its uses' gradients summed in ``param_dtype`` before
-the cast back, as FSDP's gathered copy and ``torch.autocast``'s cast cache sum them. Like FSDP's, the model's floating-point
+again by activation checkpointing casts again. Like FSDP's, the model's floating-point
 inputs are cast to ``param_dtype`` (``cast_forward_inputs``) and its outputs to
 ``output_dtype``.
 
@@ -46,19 +44,13 @@ def compute_in(module: nn.Module, policy: MixedPrecisionPolicy,
     those whose ids are in ``ignored``), cast its inputs and outputs as ``policy`` says."""
     dtype = policy.param_dtype
     if dtype is not None:
-        casts = _Casts()
-        # a forward of the whole module casts each parameter once: a weight tied between
-        # modules (an embedding and its head) is one copy whose gradient sums both uses,
-        # as FSDP's one gathered copy and torch.autocast's cast cache make it
-        module.register_forward_pre_hook(casts.open, prepend=True)
-        module.register_forward_hook(casts.close, always_call=True)
         for sub in module.modules():
             names = tuple(n for n, p in sub._parameters.items()
                           if p is not None and p.is_floating_point() and id(p) not in ignored)
             if names:
                 # innermost: cast after the module's other pre-hooks (a style's own swap of
                 # its parameters), put back before its other hooks undo theirs
-                sub.register_forward_pre_hook(functools.partial(_cast, names, dtype, casts))
+                sub.register_forward_pre_hook(functools.partial(_cast, names, dtype))
                 sub.register_forward_hook(_restore, always_call=True, prepend=True)
         if policy.cast_forward_inputs:
             module.register_forward_pre_hook(functools.partial(_cast_inputs, dtype),
@@ -72,41 +64,14 @@ def _floating_to(dtype: torch.dtype, tree):
         torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-class _Casts:
-    """The cast copies of one forward of a ``compute_in`` module, by parameter: shared by
-    every module using a parameter (ties) while the forward runs. Outside it (a block
-    recomputed by activation checkpointing in backward) each module casts anew."""
-
-    def __init__(self) -> None:
-        self.depth = 0
-        self.copies: dict[int, torch.Tensor] = {}
-
-    def open(self, module: nn.Module, args) -> None:
-        self.depth += 1
-
-    def close(self, module: nn.Module, args, output) -> None:
-        self.depth -= 1
-        if not self.depth:
-            self.copies.clear()
-
-    def of(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        copy = self.copies.get(id(param)) if self.depth else None
-        if copy is None:
-            copy = param.to(dtype)
-            setattr(copy, _COPY, True)
-            if self.depth:
-                self.copies[id(param)] = copy
-        return copy
-
-
-def _cast(names: tuple[str, ...], dtype: torch.dtype, casts: _Casts, module: nn.Module,
-          args) -> None:
+def _cast(names: tuple[str, ...], dtype: torch.dtype, module: nn.Module, args) -> None:
     saved = {}
     for name in names:
         param = module._parameters.get(name)
         if param is None or param.dtype == dtype or is_compute_copy(param):
             continue
-        copy = casts.of(param, dtype)
+        copy = param.to(dtype)
+        setattr(copy, _COPY, True)
         saved[name] = param
         swap_parameter(module, name, copy)
     module.__dict__.setdefault(_SAVED, []).append(saved)
