@@ -303,9 +303,13 @@ def load_state_dict(model: nn.Module, state: Mapping[str, Any], *, strict: bool 
     if assign:  # the module's own load_state_dict takes devmesh's layouts, and assign
         return model.load_state_dict(state, strict=strict, assign=True)
     writes, incompatible = prepare_load(model, state, strict=strict)
+    # only the tensors written (a DTensor's local block among them): a non-persistent
+    # buffer left on meta is not loaded anyway
+    on_meta = {id(t) for t, _ in writes if isinstance(t, torch.Tensor) and t.is_meta}
     meta = [name for name, value in [*model.named_parameters(), *model.named_buffers()]
-            if value.is_meta]
-    if meta and writes:
+            if id(value) in on_meta or id(local_of(value)) in on_meta] or (
+        ["a tensor"] if on_meta else [])
+    if meta:
         raise StateDictError(
             f"{type(model).__name__}'s parameters are on the meta device ({meta[0]}"
             f"{f' and {len(meta) - 1} more' if len(meta) > 1 else ''}): copying into them "
