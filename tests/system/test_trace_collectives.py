@@ -16,17 +16,19 @@ from devmesh.distributed.trace import Record, compare
 # rank 1 skips the second all_reduce of step 1: from its 4th collective on, the ranks pair
 # different lines, and rank 0's 6th waits for a collective rank 1 never calls
 _SKIPS_ONE = textwrap.dedent("""
-    import datetime, time
+    import datetime, os, pathlib, time
     import torch
     import torch.distributed as dist
+    pathlib.Path(f"started{{os.environ['RANK']}}").touch()  # a short timeout starts together
+    while not all(pathlib.Path(f"started{{r}}").exists() for r in (0, 1)): time.sleep(0.05)
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4))
     rank = dist.get_rank()
     x = torch.ones(4)
     for step in range(3):
-        dist.all_reduce(x)  # line 10
+        dist.all_reduce(x)  # line 12
         if not (rank == 1 and step == 1):
-            dist.all_reduce(x)  # line 12
+            dist.all_reduce(x)  # line 14
     if rank == 1 and {rank_1_stays}:
         time.sleep(30)  # alive, elsewhere in its code
 """)
@@ -41,14 +43,14 @@ def test_a_skipped_all_reduce_names_the_rank_and_both_lines(tmp_path, rank_1_sta
                           capture_output=True, text=True, timeout=180, cwd=tmp_path)
     out = done.stdout + done.stderr
     assert done.returncode != 0
-    assert "CollectiveTimeoutError" in out and "all_reduce #6 over ranks [0, 1] at train.py:12" \
+    assert "CollectiveTimeoutError" in out and "all_reduce #6 over ranks [0, 1] at train.py:14" \
         in out, out[-4000:]
-    assert ("ranks [0, 1] diverged at collective #4: rank 0 called all_reduce at train.py:12 "
-            "((4,) float32); rank 1 called all_reduce at train.py:10 ((4,) float32)") in out
-    assert "rank 0 waits in all_reduce #6 at train.py:12" in out
+    assert ("ranks [0, 1] diverged at collective #4: rank 0 called all_reduce at train.py:14 "
+            "((4,) float32); rank 1 called all_reduce at train.py:12 ((4,) float32)") in out
+    assert "rank 0 waits in all_reduce #6 at train.py:14" in out
     where = "it exited" if not rank_1_stays else "it is elsewhere in its code"
     assert (f"rank 1 never called #6 on ranks [0, 1] (its last there: #5, all_reduce at "
-            f"train.py:12; {where})") in out, out[-4000:]
+            f"train.py:14; {where})") in out, out[-4000:]
 
 
 def test_without_the_flag_nothing_is_recorded(tmp_path):
@@ -83,18 +85,20 @@ def test_the_comparison_finds_the_first_difference_and_who_never_came():
 
 
 _DTENSOR_ON_ONE_RANK = textwrap.dedent("""
-    import datetime, time
+    import datetime, os, pathlib, time
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import Shard, distribute_tensor
     from devmesh import init_device_mesh
+    pathlib.Path(f"started{os.environ['RANK']}").touch()  # a short timeout starts together
+    while not all(pathlib.Path(f"started{r}").exists() for r in (0, 1)): time.sleep(0.05)
 
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     w = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
-    full = w.full_tensor()  # line 11: both ranks
+    full = w.full_tensor()  # line 13: both ranks
     if dist.get_rank() == 0:
-        again = w.full_tensor()  # line 13: rank 0 alone
+        again = w.full_tensor()  # line 15: rank 0 alone
     time.sleep(20)
 """)
 
@@ -110,6 +114,6 @@ def test_a_dtensor_collective_on_one_rank_is_named_too(tmp_path):
     out = done.stdout + done.stderr
     assert done.returncode != 0 and "CollectiveTimeoutError" in out, out[-3000:]
     waits = [line for line in out.splitlines() if line.startswith("rank 0 waits in all_gather")]
-    assert waits and waits[0].split(" at ")[1].startswith("train.py:13"), out[-3000:]
+    assert waits and waits[0].split(" at ")[1].startswith("train.py:15"), out[-3000:]
     never = [line for line in out.splitlines() if line.startswith("rank 1 never called")]
-    assert never and "all_gather" in never[0] and "train.py:11" in never[0], out[-3000:]
+    assert never and "all_gather" in never[0] and "train.py:13" in never[0], out[-3000:]

@@ -20,7 +20,7 @@ LAYERS = {  # low to high; one entry per folder (a top-level module counts as it
     "distributed": 3,
     "mesh": 4, "hybrid": 4,
     "tensor": 5,
-    "parallel": 6,
+    "parallel": 6, "fault": 6,
     "integrations": 7,  # other libraries' models under the parallelisms
     "pictures": 7,
     "tools": 8, "__main__": 8,

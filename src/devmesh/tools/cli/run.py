@@ -52,6 +52,10 @@ def add(sub) -> None:
                      help="in a Slurm job, run this Slurm task as one rank itself (srun "
                           "--ntasks-per-node=G devmesh run --no-agent train.py): no agent, "
                           "no restarts (Slurm's --requeue restarts the job)")
+    parser.add_argument("--replica-groups", type=int, default=None, metavar="G",
+                     help="run G replica groups of -n ranks, each restarted alone "
+                          "(--max-restarts) and healed from a live group while the others "
+                          "step on: the script steps through devmesh.fault.ReplicaGroups")
     parser.add_argument("script", help="the Python script (with -m: the module)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     parser.set_defaults(handler=run)
@@ -147,6 +151,10 @@ def _run_as_slurm_task(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replica_groups is not None:
+        from devmesh.tools.cli.run_replicas import run_replica_groups
+
+        return run_replica_groups(args)
     if args.no_agent:
         return _run_as_slurm_task(args)
     _fill_in(args)

@@ -1,0 +1,212 @@
+"""The coordinator: a TCPStore and one thread, owned by ``devmesh run --replica-groups``'s
+launcher (not by a training rank, so no rank's death takes it down), that admits the live
+replica groups to each step and decides whether the step is committed
+(:mod:`devmesh.fault.protocol` is the protocol)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from devmesh._log import get_logger
+from devmesh.fault import protocol
+from devmesh.fault.protocol import Quorum
+
+__all__ = ["Coordinator"]
+
+_POLL_SECONDS = 0.02
+#: How long the first round waits for every group to start (importing torch, building the
+#: model) before it goes on with the groups that came.
+START_SECONDS = 300.0
+
+
+class Coordinator:
+    """Admit ``groups`` replica groups of ``ranks_per_group`` ranks to each step.
+
+    Serves its store at ``host:port`` (:attr:`address`); :attr:`commits` lists each committed
+    step with the groups whose gradients it averaged. ``stop()`` ends the thread and the store.
+    """
+
+    def __init__(self, groups: int, ranks_per_group: int, *, timeout: float | None = None,
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        if groups < 1 or ranks_per_group < 1:
+            raise ValueError(f"a coordinator needs at least one group of one rank, got "
+                             f"{groups} groups of {ranks_per_group}")
+        self.groups = groups
+        self.ranks_per_group = ranks_per_group
+        self.timeout = protocol.timeout_from_environment() if timeout is None else timeout
+        self.host = host
+        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=60))
+        self.port = self._store.port
+        self.commits: list[tuple[int, tuple[int, ...]]] = []
+        self._log = get_logger("replicas")
+        self._beats: dict[tuple[int, int], tuple[str, float]] = {}  # last value, when it moved
+        self._stopping = threading.Event()
+        self._store.set(protocol.OPEN, "0")
+        self._thread = threading.Thread(target=self._serve, name="devmesh-coordinator",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self._thread.join(timeout=5)
+
+    # -- who lives -------------------------------------------------------------------------
+
+    def _incarnations(self) -> dict[int, tuple[str, ...]]:
+        """The groups whose every rank's heartbeat moved within the timeout, with their
+        ranks' process ids (a restarted group is another incarnation)."""
+        now = time.monotonic()
+        keys = [protocol.heartbeat_key(g, r) for g in range(self.groups)
+                for r in range(self.ranks_per_group)]
+        present = [k for k in keys if self._store.check([k])]
+        values = dict(zip(present, self._store.multi_get(present))) if present else {}
+        alive: dict[int, tuple[str, ...]] = {}
+        for g in range(self.groups):
+            pids = []
+            for r in range(self.ranks_per_group):
+                value = values.get(protocol.heartbeat_key(g, r))
+                if value is None:
+                    break
+                text = value.decode()
+                last = self._beats.get((g, r))
+                if last is None or last[0] != text:
+                    self._beats[(g, r)] = (text, now)
+                elif now - last[1] > self.timeout:
+                    break
+                pids.append(text.split(":")[0])
+            else:
+                alive[g] = tuple(pids)
+        return alive
+
+    # -- rounds ----------------------------------------------------------------------------
+
+    def _joined(self, round_: int) -> dict[int, list[dict]]:
+        """The groups all of whose ranks joined ``round_``, with what each said."""
+        joined = {}
+        for g in range(self.groups):
+            keys = [protocol.join_key(round_, g, r) for r in range(self.ranks_per_group)]
+            if self._store.check(keys):
+                joined[g] = [json.loads(v) for v in self._store.multi_get(keys)]
+        return joined
+
+    def _serve(self) -> None:
+        try:
+            self._rounds()
+        except Exception as exc:  # the store went away: the launcher is ending
+            if not self._stopping.is_set():
+                self._log.warning("the coordinator stopped: %s", exc)
+
+    def _rounds(self) -> None:
+        members: dict[int, tuple[str, ...]] = {}  # last quorum's groups and incarnations
+        epoch, round_, aborted = 0, 0, False
+        while not self._stopping.is_set():
+            quorum = self._close_round(round_, members, epoch, aborted)
+            if quorum is None:
+                return
+            epoch = quorum.epoch
+            members = {g: pids for g, pids in self._incarnations().items()
+                       if g in quorum.members}
+            decision = self._decide(round_, quorum)
+            if decision is None:
+                return
+            aborted = decision == "abort"
+            if not aborted and quorum.contributors:
+                self.commits.append((quorum.step, quorum.contributors))
+                self._log.info("step %d committed by groups %s (%d of %d groups; healed: %s)",
+                               quorum.step, list(quorum.contributors),
+                               len(quorum.contributors), self.groups,
+                               list(quorum.healers) or "none")
+            else:
+                self._log.info("step %d aborted in round %d: it is retried without the "
+                               "groups that failed", quorum.step, round_)
+            self._forget(round_ - 2)
+            round_ += 1
+
+    def _close_round(self, round_: int, members: dict[int, tuple[str, ...]], epoch: int,
+                     aborted: bool) -> Quorum | None:
+        first_join: float | None = None
+        while not self._stopping.is_set():
+            joined = self._joined(round_)
+            alive = self._incarnations()
+            now = time.monotonic()
+            if joined and first_join is None:
+                first_join = now
+            # the groups waited for: the last quorum's, while the same processes live; at
+            # the start, every group
+            expected = ({g for g, pids in members.items() if alive.get(g) == pids}
+                        if members else set(range(self.groups)))
+            present = {g for g in joined if g in alive}
+            late = first_join is not None and now - first_join > (
+                self.timeout if members else START_SECONDS)
+            if present and (expected <= present or late):
+                steps = {g: max(j["step"] for j in joined[g]) for g in present}
+                step = max(steps.values())
+                chosen = tuple(sorted(present))
+                healers = tuple(g for g in chosen if steps[g] < step)
+                source = min(g for g in chosen if steps[g] == step)
+                contributors = tuple(g for g in chosen if steps[g] == step
+                                     and all(j["fresh"] for j in joined[g]))
+                changed = aborted or set(chosen) != set(members)
+                quorum = Quorum(round=round_, epoch=epoch + 1 if changed else epoch,
+                                members=chosen, step=step, healers=healers, source=source,
+                                contributors=contributors)
+                if changed:
+                    left_out = sorted(set(range(self.groups)) - set(chosen))
+                    self._log.info("quorum of round %d: groups %s (epoch %d)%s%s", round_,
+                                   list(chosen), quorum.epoch,
+                                   f", without {left_out}" if left_out else "",
+                                   f"; {list(healers)} heal from group {source}"
+                                   if healers else "")
+                self._store.set(protocol.quorum_key(round_), quorum.encode())
+                self._store.set(protocol.OPEN, str(round_ + 1))
+                return quorum
+            time.sleep(_POLL_SECONDS)
+        return None
+
+    def _decide(self, round_: int, quorum: Quorum) -> str | None:
+        ranks = [(g, r) for g in quorum.members for r in range(self.ranks_per_group)]
+        incarnations = {g: pids for g, pids in self._incarnations().items()
+                        if g in quorum.members}
+        first_ok: float | None = None
+        while not self._stopping.is_set():
+            failed = any(self._store.check([protocol.vote_key("fail", round_, g, r)])
+                         for g, r in ranks)
+            oks = sum(self._store.check([protocol.vote_key("ok", round_, g, r)])
+                      for g, r in ranks)
+            alive = self._incarnations()
+            died = any(alive.get(g) != pids for g, pids in incarnations.items())
+            now = time.monotonic()
+            if oks and first_ok is None:
+                first_ok = now
+            decision = None
+            if oks == len(ranks):
+                decision = "commit"
+            elif failed or died or (first_ok is not None and now - first_ok > self.timeout):
+                decision = "abort"
+            if decision is not None:
+                self._store.set(protocol.decision_key(round_), decision)
+                return decision
+            time.sleep(_POLL_SECONDS)
+        return None
+
+    def _forget(self, round_: int) -> None:
+        """Delete the joins and votes of an old round (the coordinator has read them); its
+        quorum and decision stay, small, for a rank that comes back to them late."""
+        if round_ < 0:
+            return
+        for g in range(self.groups):
+            for r in range(self.ranks_per_group):
+                for key in (protocol.join_key(round_, g, r),
+                            protocol.vote_key("ok", round_, g, r),
+                            protocol.vote_key("fail", round_, g, r)):
+                    self._store.delete_key(key)

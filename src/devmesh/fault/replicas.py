@@ -1,0 +1,229 @@
+"""The ranks' side of fault-tolerant replica groups: :class:`ReplicaGroups`.
+
+Each replica group is a job of its own (its ranks, its process groups, its restarts: one
+``devmesh run -n N`` started by ``devmesh run --replica-groups G``); across groups, rank
+``r`` of every member group averages gradients with the others' rank ``r`` over a gloo or
+NCCL group made for the quorum's epoch from the coordinator's store, so a group's death
+breaks only that group, and the next epoch's group is made without it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from devmesh._log import get_logger
+from devmesh.fault import protocol
+from devmesh.fault.protocol import Quorum
+from devmesh.fault.transfer import _local, receive_state, send_state
+
+__all__ = ["ReplicaGroups", "StepResult"]
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What :meth:`ReplicaGroups.step` committed."""
+
+    committed: bool  #: whether the optimizer stepped (not when no member had gradients of
+    #: the current weights: every member had just healed; compute the batch again)
+    step: int  #: the step committed (0 for the first), the same on every member
+    contributors: tuple[int, ...]  #: the groups whose gradients it averaged
+    members: tuple[int, ...]  #: the groups that stepped (a healer steps without contributing)
+    healed: bool  #: whether this group received its state from a live group first
+    retries: int  #: rounds aborted before this one committed (a member failed mid-step)
+
+    @property
+    def groups(self) -> int:
+        """How many groups' batches the step averaged: the effective batch is this times a
+        group's batch."""
+        return len(self.contributors)
+
+
+class _Heartbeat:
+    """A thread telling the coordinator, every few tenths of a second, that this rank lives
+    (its own connection to the store)."""
+
+    def __init__(self, host: str, port: int, group: int, rank: int) -> None:
+        self._store = dist.TCPStore(host, port, is_master=False,
+                                    timeout=timedelta(seconds=30))
+        self._key = protocol.heartbeat_key(group, rank)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="devmesh-heartbeat",
+                                        daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        count = 0
+        pid = os.getpid()
+        while not self._stop.is_set():
+            try:
+                self._store.set(self._key, f"{pid}:{count}")
+            except Exception:  # the coordinator is gone: the next round says so
+                return
+            count += 1
+            self._stop.wait(protocol.HEARTBEAT_SECONDS)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=2)
+
+
+class ReplicaGroups:
+    """Average gradients over the live replica groups and step, surviving a group's failure.
+
+    ``model`` and ``optimizer`` are this group's (sharded with ``fully_shard`` over the
+    group's own mesh, or whole): every group builds them alike (same seed). Call
+    :meth:`step` where ``optimizer.step()`` would be, after ``backward()``: it joins the
+    step's quorum, heals this group from a live one if it is behind (a restarted group),
+    averages the gradients over the groups present, and steps the optimizer when the
+    coordinator commits the step — on every member or on none; a round a member fails in is
+    retried without it. :attr:`step_count` is the number of committed steps, the same in
+    every member, so a restarted group resumes at the others' step.
+
+    The coordinator's address, this group's index and the number of groups come from
+    ``devmesh run --replica-groups``; ``rank`` is this rank's index in its group (default:
+    ``RANK`` of the group's own job).
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, *,
+                 address: str | None = None, group: int | None = None, rank: int | None = None,
+                 timeout: float | None = None) -> None:
+        env = os.environ
+        address = address or env.get(protocol.ADDRESS_VARIABLE)
+        if address is None or (group is None and protocol.GROUP_VARIABLE not in env):
+            raise RuntimeError(
+                "ReplicaGroups needs its coordinator: start the script with devmesh run "
+                "--replica-groups G -n N train.py (or pass address= and group=)")
+        host, _, port = address.rpartition(":")
+        self.model = model
+        self.optimizer = optimizer
+        self.group = int(env[protocol.GROUP_VARIABLE]) if group is None else group
+        self.rank = int(env.get("RANK", "0")) if rank is None else rank
+        self.timeout = protocol.timeout_from_environment() if timeout is None else timeout
+        self.step_count = 0
+        self._host, self._port = host, int(port)
+        self._store = dist.TCPStore(host, int(port), is_master=False,
+                                    timeout=timedelta(seconds=60))
+        self._heartbeat = _Heartbeat(host, int(port), self.group, self.rank)
+        self._round = -1
+        self._fresh = True  # whether the gradients are of the weights held now
+        self._epoch: int | None = None
+        self._members_group = None
+        self._log = get_logger("replicas")
+
+    # -- the quorum ------------------------------------------------------------------------
+
+    def _wait(self, key: str) -> bytes:
+        """A key the coordinator writes; a coordinator that is gone raises from the store."""
+        while True:
+            try:
+                self._store.wait([key], timedelta(seconds=self.timeout))
+                return self._store.get(key)
+            except dist.DistStoreError as exc:
+                if "timeout" not in str(exc).lower():
+                    raise
+                # still waiting: the round waits for a late group, or the previous step's
+                # members still vote; the store answering is enough
+
+    def _join(self) -> Quorum:
+        """Join rounds until one admits this group; its quorum."""
+        while True:
+            opened = int(self._store.get(protocol.OPEN))
+            self._round = max(self._round + 1, opened)
+            self._store.set(protocol.join_key(self._round, self.group, self.rank),
+                            json.dumps({"step": self.step_count, "fresh": self._fresh}))
+            quorum = Quorum.decode(self._wait(protocol.quorum_key(self._round)))
+            if self.group in quorum.members:
+                return quorum
+            self._log.info("group %d was left out of round %d (late, or a rank of it "
+                           "restarting); joining the next", self.group, self._round)
+
+    def _members(self, quorum: Quorum):
+        """The process group of rank ``self.rank`` of every member group, for this epoch."""
+        if self._epoch != quorum.epoch:
+            self._members_group = None  # a failed epoch's group is not used again
+            prefix = dist.PrefixStore(f"epoch{quorum.epoch}/rank{self.rank}", self._store)
+            self._members_group = dist.ProcessGroupGloo(
+                prefix, quorum.members.index(self.group), len(quorum.members),
+                timedelta(seconds=self.timeout))
+            self._epoch = quorum.epoch
+        return self._members_group
+
+    # -- one step --------------------------------------------------------------------------
+
+    def _gradients(self) -> list[torch.Tensor]:
+        grads = []
+        for param in self.model.parameters():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            grads.append(_local(param.grad))
+        return grads
+
+    def step(self) -> StepResult:
+        """Average the gradients over the quorum's groups and step the optimizer once the
+        coordinator commits; retried without a group that fails mid-step."""
+        grads = self._gradients()
+        own = [g.detach().clone() for g in grads]
+        retries, healed = 0, False
+        self._fresh = True
+        while True:
+            quorum = self._join()
+            vote = "ok"
+            try:
+                members = self._members(quorum)
+                index = quorum.members.index
+                if self.group in quorum.healers:
+                    started = time.monotonic()
+                    nbytes = receive_state(members, index(quorum.source), self.model,
+                                           self.optimizer)
+                    self.step_count, healed, self._fresh = quorum.step, True, False
+                    self._log.info("group %d healed from group %d at step %d: %d bytes in "
+                                   "%.2f s", self.group, quorum.source, quorum.step, nbytes,
+                                   time.monotonic() - started)
+                elif self.group == quorum.source:
+                    for healer in quorum.healers:
+                        send_state(members, index(healer), self.model, self.optimizer)
+                contributing = self.group in quorum.contributors
+                with torch.no_grad():
+                    for grad, mine in zip(grads, own):
+                        grad.copy_(mine if contributing else torch.zeros_like(mine))
+                    works = [members.allreduce([g]) for g in grads]
+                    for work in works:
+                        work.wait()
+                    for grad in grads:
+                        grad.div_(max(1, len(quorum.contributors)))
+            except Exception as exc:  # a peer died or hung: this epoch's group is broken
+                vote = "fail"
+                self._epoch = None
+                self._log.info("group %d: round %d failed (%s)", self.group, self._round,
+                               str(exc).splitlines()[0][:200])
+            self._store.set(protocol.vote_key(vote, self._round, self.group, self.rank), "1")
+            decision = self._wait(protocol.decision_key(self._round)).decode()
+            if decision == "commit":
+                committed = bool(quorum.contributors)
+                if committed:
+                    self.optimizer.step()
+                    self.step_count = quorum.step + 1
+                return StepResult(committed=committed, step=quorum.step,
+                                  contributors=quorum.contributors, members=quorum.members,
+                                  healed=healed, retries=retries)
+            retries += 1
+            self._epoch = None
+
+    def close(self) -> None:
+        """Stop the heartbeat (the coordinator then counts this rank gone)."""
+        self._heartbeat.stop()
+
+    def __enter__(self) -> ReplicaGroups:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

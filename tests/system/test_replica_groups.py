@@ -1,0 +1,153 @@
+"""Fault-tolerant replica groups: ``devmesh run --replica-groups`` under DDP (groups of one
+rank) and HSDP (groups of two ranks sharding with ``fully_shard``): a group's rank SIGKILLed
+or hung mid-run, the others stepping on within seconds, the group restarted alone and healed
+from a live group, and the final model of every group equal, in float64, to one process
+trained on exactly the batches the steps committed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import torch
+from torch import nn
+
+SCRIPT = textwrap.dedent('''
+    import json, os, signal, sys, time
+    import torch
+    from torch import nn
+    from devmesh.fault import ReplicaGroups
+
+    out, steps, shard = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "shard"
+    fault = json.loads(sys.argv[4])  # {"group", "rank", "step", "how": "kill" | "hang"}
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    if shard:
+        from devmesh import init_device_mesh
+        from devmesh.parallel import fully_shard
+        mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    replicas = ReplicaGroups(model, optimizer)
+    group, rank = replicas.group, int(os.environ["RANK"])
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    log = open(os.path.join(out, f"log-{group}-{rank}.jsonl"), "a")
+    while replicas.step_count < steps:
+        if ([group, rank, replicas.step_count] == [fault["group"], fault["rank"], fault["step"]]
+                and attempt == "0" and not os.path.exists(os.path.join(out, "fault"))):
+            open(os.path.join(out, "fault"), "w").write(str(time.time()))
+            if fault["how"] == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(fault["seconds"])  # alive, heartbeat on, answering nothing
+        g = torch.Generator().manual_seed(10000 * group + 100 * rank + replicas.step_count)
+        x = torch.randn(4, 6, generator=g, dtype=torch.float64)
+        y = torch.randn(4, 1, generator=g, dtype=torch.float64)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        time.sleep(0.15)  # a step that takes time, as real ones do
+        result = replicas.step()
+        log.write(json.dumps({"t": time.time(), "attempt": attempt, **result.__dict__}) + "\\n")
+        log.flush()
+    state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
+             for k, v in model.state_dict().items()}
+    torch.save(state, os.path.join(out, f"model-{group}-{rank}.pt"))
+    replicas.close()
+''')
+
+
+def _run(tmp_path, groups, ranks, steps, fault, *, shard=False, timeout_s=3):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, DEVMESH_LOG="info", DEVMESH_REPLICA_TIMEOUT=str(timeout_s))
+    command = [sys.executable, "-m", "devmesh", "run", "--replica-groups", str(groups),
+               "-n", str(ranks), "--max-restarts", "1", str(script), str(tmp_path),
+               str(steps), "shard" if shard else "whole", json.dumps(fault)]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    logs = {(g, r): [json.loads(line) for line in
+                     (tmp_path / f"log-{g}-{r}.jsonl").read_text().splitlines()]
+            for g in range(groups) for r in range(ranks)}
+    return done, logs, float((tmp_path / "fault").read_text())
+
+
+def _reference(ranks, committed):
+    """One process on the batches each committed step averaged: every contributing group's
+    ranks' batches, equally weighted."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    for step, groups in committed:
+        optimizer.zero_grad()
+        sources = [(g, r) for g in groups for r in range(ranks)]
+        for g, r in sources:
+            gen = torch.Generator().manual_seed(10000 * g + 100 * r + step)
+            x = torch.randn(4, 6, generator=gen, dtype=torch.float64)
+            y = torch.randn(4, 1, generator=gen, dtype=torch.float64)
+            (nn.functional.mse_loss(model(x), y) / len(sources)).backward()
+        optimizer.step()
+    return model.state_dict()
+
+
+def _check(tmp_path, logs, groups, ranks, steps, died_at, *, faulty, at_step, commit_within,
+           heal_within):
+    survivor = logs[(next(g for g in range(groups) if g != faulty), 0)]
+    committed = [(row["step"], row["contributors"]) for row in survivor if row["committed"]]
+    assert [s for s, _ in committed] == list(range(steps))  # each step once, in order
+    # every member logged the same commit of every step it took part in
+    for (g, r), rows in logs.items():
+        for row in rows:
+            if row["committed"]:
+                assert (row["step"], row["contributors"]) == committed[row["step"]], (g, r)
+    # the others stepped on without the faulty group soon after it failed
+    first = next(row for row in survivor if row["step"] == at_step)
+    assert faulty not in first["contributors"]
+    assert first["t"] - died_at < commit_within, first["t"] - died_at
+    # it came back: healed from a live group, then contributed again
+    healed = [row for row in logs[(faulty, 0)] if row["healed"]]
+    assert healed, logs[(faulty, 0)]
+    assert healed[0]["t"] - died_at < heal_within, healed[0]["t"] - died_at
+    assert faulty in committed[-1][1]
+    want = _reference(ranks, committed)
+    for g in range(groups):
+        for r in range(ranks):
+            got = torch.load(tmp_path / f"model-{g}-{r}.pt")
+            for key, value in want.items():
+                assert torch.allclose(got[key], value, rtol=0, atol=1e-12), (g, r, key)
+    return committed, healed[0]
+
+
+def test_ddp_groups_step_on_without_a_killed_group_which_heals_from_a_live_one(tmp_path):
+    groups, steps = 3, 24
+    done, logs, died_at = _run(tmp_path, groups, 1, steps,
+                               {"group": 1, "rank": 0, "step": 3, "how": "kill"})
+    committed, healed = _check(tmp_path, logs, groups, 1, steps, died_at, faulty=1,
+                               at_step=3, commit_within=5, heal_within=10)
+    assert committed[3][1] == [0, 2] and committed[0][1] == [0, 1, 2]
+    assert "heal from group 0" in done.stderr and "without [1]" in done.stderr
+
+
+def test_hsdp_groups_step_on_without_a_group_whose_rank_was_killed(tmp_path):
+    groups, ranks, steps = 2, 2, 20
+    done, logs, died_at = _run(tmp_path, groups, ranks, steps,
+                               {"group": 1, "rank": 1, "step": 2, "how": "kill"}, shard=True)
+    committed, _ = _check(tmp_path, logs, groups, ranks, steps, died_at, faulty=1,
+                          at_step=2, commit_within=5, heal_within=12)
+    assert [0] in [c for _, c in committed]  # steps group 0 took alone
+    # both ranks of the restarted group healed, each from its counterpart
+    assert "healed from group 0" in done.stderr
+
+
+def test_a_hung_group_is_left_out_and_heals_when_it_answers_again(tmp_path):
+    groups, steps = 3, 24
+    done, logs, died_at = _run(tmp_path, groups, 1, steps,
+                               {"group": 2, "rank": 0, "step": 2, "how": "hang",
+                                "seconds": 5})
+    committed, _ = _check(tmp_path, logs, groups, 1, steps, died_at, faulty=2,
+                          at_step=2, commit_within=5, heal_within=10)
+    # it was never restarted: its one attempt went on after the hang
+    assert {row["attempt"] for row in logs[(2, 0)]} == {"0"}
