@@ -116,7 +116,7 @@ class Coordinator:
             epoch = quorum.epoch
             members = {g: pids for g, pids in self._incarnations().items()
                        if g in quorum.members}
-            decision = self._decide(round_, quorum)
+            decision = self._decide(round_, quorum, members)
             if decision is None:
                 return
             aborted = decision == "abort"
@@ -148,9 +148,20 @@ class Coordinator:
             present = {g for g in joined if g in alive}
             late = first_join is not None and now - first_join > (
                 self.timeout if members else START_SECONDS)
+            steps = {g: max(j["step"] for j in joined[g]) for g in present}
+            committed = self.commits[-1][0] + 1 if self.commits else 0
+            behind = bool(present) and max(steps.values()) < committed
+            if behind and expected:
+                # only restarted groups came: a group holding the committed steps still
+                # lives, so wait for it (it is the one to heal from), late or not
+                time.sleep(_POLL_SECONDS)
+                continue
             if present and (expected <= present or late):
-                steps = {g: max(j["step"] for j in joined[g]) for g in present}
                 step = max(steps.values())
+                error = "" if not behind else (
+                    f"no live replica group holds the {committed} steps committed (the "
+                    f"groups present hold {step}): every group that had them is gone, so "
+                    "there is no peer to heal from; restart the job from its last checkpoint")
                 chosen = tuple(sorted(present))
                 healers = tuple(g for g in chosen if steps[g] < step)
                 source = min(g for g in chosen if steps[g] == step)
@@ -159,7 +170,7 @@ class Coordinator:
                 changed = aborted or set(chosen) != set(members)
                 quorum = Quorum(round=round_, epoch=epoch + 1 if changed else epoch,
                                 members=chosen, step=step, healers=healers, source=source,
-                                contributors=contributors)
+                                contributors=contributors, error=error)
                 if changed:
                     left_out = sorted(set(range(self.groups)) - set(chosen))
                     self._log.info("quorum of round %d: groups %s (epoch %d)%s%s", round_,
@@ -173,10 +184,11 @@ class Coordinator:
             time.sleep(_POLL_SECONDS)
         return None
 
-    def _decide(self, round_: int, quorum: Quorum) -> str | None:
+    def _decide(self, round_: int, quorum: Quorum,
+                incarnations: dict[int, tuple[str, ...]]) -> str | None:
+        """``commit`` once every member rank voted ok; ``abort`` as soon as one failed, a
+        member's processes (``incarnations``) died, or one timeout passed after the first ok."""
         ranks = [(g, r) for g in quorum.members for r in range(self.ranks_per_group)]
-        incarnations = {g: pids for g, pids in self._incarnations().items()
-                        if g in quorum.members}
         first_ok: float | None = None
         while not self._stopping.is_set():
             failed = any(self._store.check([protocol.vote_key("fail", round_, g, r)])

@@ -89,6 +89,7 @@ class Quorum:
     contributors: tuple[int, ...]  # the members whose gradients the step averages: not a
     # healer, nor a group healed in an aborted round of this step (its gradients are of the
     # weights it had before)
+    error: str = ""  # why the members cannot step (none of them holds the committed state)
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

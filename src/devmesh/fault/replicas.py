@@ -109,7 +109,6 @@ class ReplicaGroups:
         self.rank = int(env.get("RANK", "0")) if rank is None else rank
         self.timeout = protocol.timeout_from_environment() if timeout is None else timeout
         self.step_count = 0
-        self._host, self._port = host, int(port)
         self._store = dist.TCPStore(host, int(port), is_master=False,
                                     timeout=timedelta(seconds=60))
         self._heartbeat = _Heartbeat(host, int(port), self.group, self.rank)
@@ -141,6 +140,8 @@ class ReplicaGroups:
             self._store.set(protocol.join_key(self._round, self.group, self.rank),
                             json.dumps({"step": self.step_count, "fresh": self._fresh}))
             quorum = Quorum.decode(self._wait(protocol.quorum_key(self._round)))
+            if quorum.error:
+                raise RuntimeError(f"replica group {self.group}: {quorum.error}")
             if self.group in quorum.members:
                 return quorum
             self._log.info("group %d was left out of round %d (late, or a rank of it "
@@ -149,7 +150,6 @@ class ReplicaGroups:
     def _members(self, quorum: Quorum):
         """The process group of rank ``self.rank`` of every member group, for this epoch."""
         if self._epoch != quorum.epoch:
-            self._members_group = None  # a failed epoch's group is not used again
             prefix = dist.PrefixStore(f"epoch{quorum.epoch}/rank{self.rank}", self._store)
             self._members_group = dist.ProcessGroupGloo(
                 prefix, quorum.members.index(self.group), len(quorum.members),

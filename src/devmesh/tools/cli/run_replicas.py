@@ -55,6 +55,13 @@ def run_replica_groups(args: argparse.Namespace) -> int:
         raise SystemExit(f"devmesh run: {exc}") from None
     coordinator = Coordinator(args.replica_groups, args.nproc, timeout=timeout)
     groups = []
+    received = [signal.SIGINT]
+
+    def stopped(number, frame):  # SIGTERM (scancel, kill): stop the groups as Ctrl-C does
+        received[0] = signal.Signals(number)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stopped)
     try:
         for group in range(args.replica_groups):
             env = dict(os.environ, **{
@@ -75,8 +82,9 @@ def run_replica_groups(args: argparse.Namespace) -> int:
                 group.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 group.kill()
-        print("devmesh run: stopped by SIGINT; every group was stopped", file=sys.stderr)
-        return 128 + signal.SIGINT
+        print(f"devmesh run: stopped by {received[0].name}; every group was stopped",
+              file=sys.stderr)
+        return 128 + int(received[0])
     finally:
         for group in groups:
             if group.poll() is None:

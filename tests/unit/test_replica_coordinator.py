@@ -1,0 +1,120 @@
+"""The replica groups' coordinator driven through its store, as ranks drive it: which groups
+a round admits, at which step, who heals from whom (no training process is started)."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from devmesh.fault import Coordinator, protocol
+from devmesh.fault.protocol import Quorum
+
+
+class _Ranks:
+    """Each group's one rank as the store sees it: a heartbeat per incarnation, joins, votes."""
+
+    def __init__(self, coordinator: Coordinator, groups: int) -> None:
+        self.store = dist.TCPStore(coordinator.host, coordinator.port, is_master=False,
+                                   timeout=timedelta(seconds=10))
+        self.pids = {g: f"{1000 + g}" for g in range(groups)}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        store = dist.TCPStore(*self.store_address, is_master=False,
+                              timeout=timedelta(seconds=10))
+        count = 0
+        while not self._stop.is_set():
+            for g, pid in list(self.pids.items()):
+                if pid is not None:
+                    store.set(protocol.heartbeat_key(g, 0), f"{pid}:{count}")
+            count += 1
+            self._stop.wait(0.05)
+
+    @property
+    def store_address(self) -> tuple[str, int]:
+        return self.store.host, self.store.port
+
+    def join(self, round_: int, group: int, step: int) -> None:
+        self.store.set(protocol.join_key(round_, group, 0),
+                       json.dumps({"step": step, "fresh": True}))
+
+    def quorum(self, round_: int) -> Quorum:
+        self.store.wait([protocol.quorum_key(round_)], timedelta(seconds=10))
+        return Quorum.decode(self.store.get(protocol.quorum_key(round_)))
+
+    def vote(self, round_: int, groups) -> str:
+        for g in groups:
+            self.store.set(protocol.vote_key("ok", round_, g, 0), "1")
+        self.store.wait([protocol.decision_key(round_)], timedelta(seconds=10))
+        return self.store.get(protocol.decision_key(round_)).decode()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+@pytest.fixture
+def two_groups():
+    coordinator = Coordinator(2, 1, timeout=0.5)
+    ranks = _Ranks(coordinator, 2)
+    yield coordinator, ranks
+    ranks.stop()
+    coordinator.stop()
+
+
+def _commit_step_zero(ranks: _Ranks) -> None:
+    ranks.join(0, 0, 0)
+    ranks.join(0, 1, 0)
+    assert ranks.quorum(0).members == (0, 1)
+    assert ranks.vote(0, (0, 1)) == "commit"
+
+
+def test_a_restarted_group_alone_waits_for_a_live_group_holding_the_committed_steps(
+        two_groups):
+    """A restarted group (step 0) joining a round before the group that holds the committed
+    steps, late by more than the timeout, must not be admitted alone: it would commit step 0
+    a second time and the groups' models would part. The round waits for the live holder,
+    and the restarted group heals from it."""
+    coordinator, ranks = two_groups
+    _commit_step_zero(ranks)
+    ranks.pids[1] = "2001"  # group 1 restarted: another incarnation, back at step 0
+    ranks.join(1, 1, 0)
+    time.sleep(1.5)  # group 0, alive, is three timeouts late to the round
+    assert not ranks.store.check([protocol.quorum_key(1)])
+    ranks.join(1, 0, 1)
+    quorum = ranks.quorum(1)
+    assert (quorum.members, quorum.step, quorum.healers, quorum.source) == ((0, 1), 1, (1,), 0)
+    assert quorum.error == ""
+
+
+def test_a_round_whose_every_holder_of_the_committed_steps_is_gone_says_so(two_groups):
+    """When every group that committed the steps is dead, no peer can heal the others: the
+    round's answer says so (each rank raises it) instead of training on from step 0."""
+    coordinator, ranks = two_groups
+    _commit_step_zero(ranks)
+    ranks.pids[0] = None  # group 0's heartbeat stops: dead after the timeout
+    ranks.pids[1] = "2001"  # group 1 restarted
+    ranks.join(1, 1, 0)
+    quorum = ranks.quorum(1)
+    assert quorum.members == (1,) and quorum.step == 0
+    assert "no live replica group holds the 1 steps committed" in quorum.error
+    assert "restart the job from its last checkpoint" in quorum.error
+
+
+def test_a_late_live_group_is_left_out_and_the_others_step_on(two_groups):
+    """A member alive but not answering (hung) is left out one timeout after the first
+    join; the others' round closes without it."""
+    coordinator, ranks = two_groups
+    _commit_step_zero(ranks)
+    started = time.monotonic()
+    ranks.join(1, 1, 1)
+    quorum = ranks.quorum(1)
+    assert quorum.members == (1,) and quorum.step == 1 and quorum.error == ""
+    assert time.monotonic() - started < 0.5 + 2.0
