@@ -118,3 +118,17 @@ def test_a_late_live_group_is_left_out_and_the_others_step_on(two_groups):
     quorum = ranks.quorum(1)
     assert quorum.members == (1,) and quorum.step == 1 and quorum.error == ""
     assert time.monotonic() - started < 0.5 + 2.0
+
+
+def test_a_group_back_after_the_others_finished_is_told_to_end(two_groups):
+    """A group restarted while the others ended their training (each rank closed, saying
+    its committed steps) has nothing to heal from and nothing to do: it is told it finished,
+    not that its peers died."""
+    coordinator, ranks = two_groups
+    _commit_step_zero(ranks)
+    ranks.store.set(protocol.finished_key(0, 0), "1")  # group 0 closed after step 0
+    ranks.pids[0] = None
+    ranks.pids[1] = "2001"
+    ranks.join(1, 1, 0)
+    quorum = ranks.quorum(1)
+    assert quorum.finished and quorum.error == ""

@@ -158,7 +158,8 @@ class Coordinator:
                 continue
             if present and (expected <= present or late):
                 step = max(steps.values())
-                error = "" if not behind else (
+                finished = behind and self._finished(committed)
+                error = "" if not behind or finished else (
                     f"no live replica group holds the {committed} steps committed (the "
                     f"groups present hold {step}): every group that had them is gone, so "
                     "there is no peer to heal from; restart the job from its last checkpoint")
@@ -170,7 +171,7 @@ class Coordinator:
                 changed = aborted or set(chosen) != set(members)
                 quorum = Quorum(round=round_, epoch=epoch + 1 if changed else epoch,
                                 members=chosen, step=step, healers=healers, source=source,
-                                contributors=contributors, error=error)
+                                contributors=contributors, error=error, finished=finished)
                 if changed:
                     left_out = sorted(set(range(self.groups)) - set(chosen))
                     self._log.info("quorum of round %d: groups %s (epoch %d)%s%s", round_,
@@ -183,6 +184,16 @@ class Coordinator:
                 return quorum
             time.sleep(_POLL_SECONDS)
         return None
+
+    def _finished(self, committed: int) -> bool:
+        """Whether some group ended its training (every rank closed) holding ``committed``
+        steps."""
+        for g in range(self.groups):
+            keys = [protocol.finished_key(g, r) for r in range(self.ranks_per_group)]
+            if self._store.check(keys) and all(
+                    int(v) >= committed for v in self._store.multi_get(keys)):
+                return True
+        return False
 
     def _decide(self, round_: int, quorum: Quorum,
                 incarnations: dict[int, tuple[str, ...]]) -> str | None:

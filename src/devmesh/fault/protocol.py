@@ -16,7 +16,9 @@ Rounds are numbered; round ``q`` is one attempt at one optimizer step:
    member steps its optimizer, or none does.
 
 Heartbeats (``hb/g/r`` = ``pid:count``, every :data:`HEARTBEAT_SECONDS`) tell the
-coordinator that a rank lives; one left unchanged for the timeout is dead.
+coordinator that a rank lives; one left unchanged for the timeout is dead. A rank whose
+training ended writes ``finished/g/r`` = its committed steps as it stops beating, so a group
+that comes back after the others finished is told to end, not that its peers died.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ def heartbeat_key(group: int, rank: int) -> str:
     return f"hb/{group}/{rank}"
 
 
+def finished_key(group: int, rank: int) -> str:
+    return f"finished/{group}/{rank}"
+
+
 def timeout_from_environment(env=None) -> float:
     """The one timeout: ``DEVMESH_REPLICA_TIMEOUT`` seconds, else :data:`DEFAULT_TIMEOUT`."""
     env = os.environ if env is None else env
@@ -90,6 +96,8 @@ class Quorum:
     # healer, nor a group healed in an aborted round of this step (its gradients are of the
     # weights it had before)
     error: str = ""  # why the members cannot step (none of them holds the committed state)
+    finished: bool = False  # the groups that held the committed state ended their training
+    # while the members were restarting: there is nothing left for the members to do
 
     def encode(self) -> str:
         return json.dumps(asdict(self))

@@ -142,6 +142,11 @@ class ReplicaGroups:
             quorum = Quorum.decode(self._wait(protocol.quorum_key(self._round)))
             if quorum.error:
                 raise RuntimeError(f"replica group {self.group}: {quorum.error}")
+            if quorum.finished:
+                self._log.info("group %d came back after the other groups ended their "
+                               "training: it has nothing left to do and ends", self.group)
+                self._heartbeat.stop()
+                raise SystemExit(0)
             if self.group in quorum.members:
                 return quorum
             self._log.info("group %d was left out of round %d (late, or a rank of it "
@@ -169,7 +174,11 @@ class ReplicaGroups:
 
     def step(self) -> StepResult:
         """Average the gradients over the quorum's groups and step the optimizer once the
-        coordinator commits; retried without a group that fails mid-step."""
+        coordinator commits; retried without a group that fails mid-step.
+
+        A group that comes back (restarted) after every other group closed, its training
+        ended, has no peer to heal from and nothing left to do: this raises ``SystemExit(0)``
+        there, so its script ends without saving state it never received."""
         grads = self._gradients()
         own = [g.detach().clone() for g in grads]
         retries, healed = 0, False
@@ -219,11 +228,19 @@ class ReplicaGroups:
             self._epoch = None
 
     def close(self) -> None:
-        """Stop the heartbeat (the coordinator then counts this rank gone)."""
+        """End this rank's part: say how many steps it committed and stop the heartbeat (a
+        group restarted after every group closed is then told to end, not to wait)."""
+        try:
+            self._store.set(protocol.finished_key(self.group, self.rank), str(self.step_count))
+        except Exception:  # the coordinator is gone already
+            pass
         self._heartbeat.stop()
 
     def __enter__(self) -> ReplicaGroups:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: object, *exc: object) -> None:
+        if kind is None:
+            self.close()
+        else:  # failed: not finished, only gone
+            self._heartbeat.stop()

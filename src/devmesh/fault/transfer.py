@@ -67,7 +67,8 @@ def receive_state(group, peer: int, model: nn.Module,
         group.recv([size], peer, _TAG).wait()
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
         group.recv([payload], peer, _TAG).wait()
-    sent = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=False)
+    # tensors and plain values only: nothing read from a peer is unpickled as code
+    sent = torch.load(io.BytesIO(payload.numpy().tobytes()), weights_only=True)
     params = list(model.parameters())
     optimizer.state.clear()
     for i, values in sent["state"].items():
