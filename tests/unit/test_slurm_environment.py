@@ -94,6 +94,9 @@ def test_a_slurm_task_run_as_one_rank_gets_its_rank_from_slurm():
 @pytest.mark.parametrize("flags, env, says", [
     (("-n", "4"), TASK, "--no-agent takes the ranks from Slurm's tasks: drop -n"),
     (("--max-restarts", "2"), TASK, "drop --max-restarts"),
+    (("--log-dir", "logs"), TASK, "no agent to apply --log-dir: drop it"),
+    (("--local-ranks-filter", "0", "--oversubscribe"), TASK,
+     "no agent to apply --local-ranks-filter, --oversubscribe: drop it"),
     ((), {"PATH": "/usr/bin"}, "--no-agent runs one Slurm task as one rank"),
     ((), {k: v for k, v in TASK.items() if k != "SLURM_PROCID"}, "without SLURM_PROCID"),
 ])
@@ -103,6 +106,11 @@ def test_no_agent_outside_a_slurm_task_or_with_agent_flags_is_refused(flags, env
         monkeypatch.delenv(name)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+
+    def ran(*argv):
+        raise AssertionError(f"--no-agent ran the script, ignoring {flags}")
+
+    monkeypatch.setattr(run_cli.os, "execv", ran)
     with pytest.raises(SystemExit, match="devmesh run: ") as caught:
         run_cli.run(_args("--no-agent", *flags))
     assert says in str(caught.value)

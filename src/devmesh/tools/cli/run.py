@@ -125,6 +125,16 @@ def _run_as_slurm_task(args: argparse.Namespace) -> int:
             raise ValueError(f"--no-agent takes the ranks from Slurm's tasks: drop "
                              f"{', '.join(given)} (srun's -n and --ntasks-per-node set them; "
                              "sbatch --requeue restarts a job)")
+        # the agent's options: without an agent nothing would honour them
+        agent = [flag for flag, value in (("--log-dir", args.log_dir),
+                                          ("--local-ranks-filter", args.local_ranks_filter),
+                                          ("--oversubscribe", args.oversubscribe))
+                 if value]
+        if agent:
+            raise ValueError(f"--no-agent runs the script in the Slurm task itself, with no "
+                             f"agent to apply {', '.join(agent)}: drop it (srun's --output "
+                             "and --error name each task's log files, e.g. "
+                             "--output=rank-%t.out)")
         ranks = rank_environment(job)
     except ValueError as exc:
         raise SystemExit(f"devmesh run: {exc}") from None
