@@ -145,13 +145,14 @@ def _file_bytes(path: Path) -> int:
 
 def save_pretrained(model: nn.Module, folder: str | os.PathLike, **kwargs) -> None:
     """Write ``model`` (parallelized) as a transformers checkpoint folder that
-    ``from_pretrained`` loads back: collective — every rank gathers the full state dict
-    (:func:`devmesh.parallel.state_dict`), rank 0 writes it through the model's own
+    ``from_pretrained`` loads back: collective — the ranks gather the full state dict
+    tensor by tensor (:func:`devmesh.parallel.state_dict` with ``rank0_only=True``: only
+    rank 0 keeps it, the others drop each tensor once gathered), rank 0 writes it through the model's own
     ``save_pretrained`` (its config, its tied-weight rules, its shards; ``kwargs`` go
     there) into a new folder beside ``folder``, then moves each file into place, so a
     failure leaves no half-written checkpoint file. Every rank returns once it is written
     (or raises if rank 0 could not write it)."""
-    full = state_dict(model, full=True)
+    full = state_dict(model, full=True, rank0_only=True)
     if not dist.is_initialized():
         _write(model, Path(folder), full, kwargs)
         return

@@ -81,16 +81,27 @@ def _pipeline_runner(model: Any) -> bool:
                                                           nn.Module)
 
 
-def state_dict(model: nn.Module, *, full: bool = True) -> dict[str, torch.Tensor | ShardedTensor]:
+def state_dict(model: nn.Module, *, full: bool = True, rank0_only: bool = False
+               ) -> dict[str, torch.Tensor | ShardedTensor]:
     """Parameters and buffers by name: full tensors (``full=True``) or ShardedTensors. A tied
     parameter appears under every name it has, as in ``nn.Module.state_dict()``. Given a
-    pipeline runner: its ``state_dict(full=...)`` (the whole model with ``full=True``)."""
+    pipeline runner: its ``state_dict(full=...)`` (the whole model with ``full=True``).
+
+    ``rank0_only=True`` (with ``full=True``, as FSDP's ``FullStateDictConfig``): every rank
+    still takes part in each gather, but only rank 0 keeps the full tensors; the others drop
+    each as soon as it is gathered and get ``{}``, so no rank but the writer ever holds the
+    whole model."""
+    if rank0_only and not full:
+        raise ValueError("state_dict(rank0_only=True) keeps full tensors on rank 0: pass "
+                         "full=True (a sharded state dict is each rank's own blocks)")
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
     if _pipeline_runner(model):
-        return model.state_dict(full=full)
+        out = model.state_dict(full=full)
+        return out if keep else {}
     model = module_of(model, "state_dict")
     if full:  # inside `if rank == 0:` (torch's way to save), say so
         consensus.warn_if_called_alone("state_dict(full=True)", _gathering_ranks(model))
-    return local_state_dict(model, full=full)
+    return local_state_dict(model, full=full, keep=keep)
 
 
 def _gathering_ranks(model: nn.Module) -> list[int]:
@@ -139,11 +150,19 @@ def _root_dims(mesh) -> tuple[Any, set[int]]:
     return root, {root_names.index(name) for name in names}
 
 
-def local_state_dict(model: nn.Module, *, full: bool = True
+def local_state_dict(model: nn.Module, *, full: bool = True, keep: bool = True
                      ) -> dict[str, torch.Tensor | ShardedTensor]:
     """:func:`state_dict` of a module, without the check that every rank called it (a
-    pipeline runner checks once, over its whole mesh)."""
+    pipeline runner checks once, over its whole mesh); ``keep=False`` gathers each full
+    tensor with the others and drops it (``{}``: another rank keeps them)."""
     _adopt_replaced(model)
+    if not keep:
+        for _, p in named_parameters(model, remove_duplicate=True):
+            if is_dtensor(p):
+                p.detach().full_tensor()
+            elif as_sharded(p) is not None:
+                as_sharded(p).full_tensor()
+        return {}
     out: dict[str, torch.Tensor | ShardedTensor] = {}
     done: dict[int, torch.Tensor | ShardedTensor] = {}  # tied parameters: gathered once
     for name, p in named_parameters(model):

@@ -166,8 +166,23 @@ def load_and_save(folder: str, out: str):
     mine = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local")
                else p.numel() * p.element_size() for p in model.parameters())
     full = state_dict(model, full=True)
-    save_pretrained(model, out)
-    return loaded, mine, {k: v.clone() for k, v in full.items()}
+    rank0 = state_dict(model, full=True, rank0_only=True)
+    from devmesh.integrations import pretrained
+
+    held = []  # the full state save_pretrained gathered on this rank: rank 0's alone
+
+    def recorded(*args, **kwargs):
+        value = state_dict(*args, **kwargs)
+        held.append(len(value))
+        return value
+
+    pretrained.state_dict, before = recorded, pretrained.state_dict
+    try:
+        save_pretrained(model, out)
+    finally:
+        pretrained.state_dict = before
+    return (loaded, mine, {k: v.clone() for k, v in full.items()},
+            {k: torch.equal(v, full[k]) for k, v in rank0.items()}, held)
 
 
 def test_a_transformers_checkpoint_loads_into_a_sharded_model_and_back(mesh_pool, tmp_path):
@@ -178,10 +193,14 @@ def test_a_transformers_checkpoint_loads_into_a_sharded_model_and_back(mesh_pool
     pretrained.save_pretrained(tmp_path / "in", max_shard_size="20KB")  # several shards
     assert (tmp_path / "in" / "model.safetensors.index.json").exists()
     want = pretrained.state_dict()
-    for loaded, mine, full in mesh_pool.run(load_and_save, 4, str(tmp_path / "in"),
-                                            str(tmp_path / "out")):
+    results = mesh_pool.run(load_and_save, 4, str(tmp_path / "in"), str(tmp_path / "out"))
+    for rank, (loaded, mine, full, rank0, held) in enumerate(results):
         assert all(torch.equal(full[k], v) for k, v in want.items())
         assert loaded.bytes_read == mine < loaded.checkpoint_bytes / 2  # its blocks only
+        # rank0_only: rank 0 keeps the full tensors, equal to everyone's; the others none,
+        # and save_pretrained holds the whole model on rank 0 alone
+        assert (rank0 == {k: True for k in full}) if rank == 0 else rank0 == {}, rank
+        assert held == ([len(full)] if rank == 0 else [0]), (rank, held)
     back = T.LlamaForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float64)
     assert all(torch.equal(back.state_dict()[k], v) for k, v in want.items())
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
