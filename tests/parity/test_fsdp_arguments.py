@@ -26,7 +26,7 @@ def torch_runs() -> TorchRuns:
             (chunked_head, ("torch",)), (forward_method, ("torch",)),
             (unshard_in_place, ("torch",)), (split_along_another_dim, ("torch",)),
             (mixed_precision_replicas, ("torch", "float32")),
-            (mixed_precision_replicas, ("torch", None))],
+            (mixed_precision_replicas, ("torch", None)), (tied_mixed_precision, ("torch",))],
         3: [(ddp_arguments, ("torch", True)), (ddp_arguments, ("torch", False)),
             *((batchnorm_buffers, ("torch", args)) for args in _BUFFER_ARGS)],
         4: [(side_by_side, ("torch",)), (hsdp_accumulation, ("torch", True)),
@@ -373,6 +373,57 @@ def test_replicate_computes_in_an_mp_policys_dtype_as_torchs_replicate(mesh_pool
         _same_training(mine, their)
     plain = mesh_pool.run(ddp_plain_losses, 2)  # float32 compute: other losses
     assert plain[0] != pytest.approx(ours[0]["losses"], rel=1e-6)
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output head sharing one weight (tied, as in GPT-2 and Gemma)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(16, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.relu(self.mid(self.embed(ids))))
+
+
+def tied_mixed_precision(library: str):
+    """A tied embedding and head computing in bfloat16 over float32 parameters: the tied
+    weight is cast by each module using it, its gradient (both uses summed) reaches the one
+    float32 parameter."""
+    if library == "devmesh":
+        from devmesh.parallel import MixedPrecisionPolicy, replicate
+    else:
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    model = TiedLM()
+    replicate(model, mesh=init_device_mesh("cpu", (2,)),
+              mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                             reduce_dtype=torch.float32))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    losses = []
+    for _ in range(3):
+        ids = torch.randint(0, 16, (4, 6), generator=gen)
+        loss = F.cross_entropy(model(ids).flatten(0, 1).float(), ids.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    tied = model.head.weight is model.embed.weight
+    return {"losses": losses, "params": _params(model), "tied": tied}
+
+
+def test_a_tied_weight_computes_in_an_mp_policys_dtype_as_torchs_replicate(mesh_pool,
+                                                                            torch_runs):
+    ours = mesh_pool.run(tied_mixed_precision, 2, "devmesh")
+    theirs = torch_runs(2, tied_mixed_precision, "torch")
+    for mine, their in zip(ours, theirs):
+        assert mine["tied"]
+        _same_training(mine, their)
 
 
 def ddp_plain_losses():

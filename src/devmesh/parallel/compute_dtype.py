@@ -8,7 +8,13 @@ its forward starts — the cast copies stand in their slots while it runs (torch
 parallelism's DTensors cast as DTensors) — and puts the parameters back as it ends.
 Autograd carries each gradient back through the cast into the parameter's own dtype, so the
 optimizer and the gradient reduction see float32 gradients of float32 weights; a block run
-again by activation checkpointing casts again. Like FSDP's, the model's floating-point
+again by activation checkpointing casts again. A weight tied between modules (an embedding
+and its head) is cast once per forward of the whole model: one copy, whose uses' gradients
+sum in ``param_dtype`` before the cast back, as FSDP's one gathered copy and
+``torch.autocast``'s cast cache sum them (cast per module, they summed in float32 and the
+tied weight trained apart from torch's). Only tied weights share a copy: a block recomputed
+by activation checkpointing runs outside the forward and casts anew, and a selectively
+checkpointed block must replay the casts its forward made. Like FSDP's, the model's floating-point
 inputs are cast to ``param_dtype`` (``cast_forward_inputs``) and its outputs to
 ``output_dtype``.
 
@@ -44,13 +50,17 @@ def compute_in(module: nn.Module, policy: MixedPrecisionPolicy,
     those whose ids are in ``ignored``), cast its inputs and outputs as ``policy`` says."""
     dtype = policy.param_dtype
     if dtype is not None:
+        casts = _TiedCasts(_tied(module))
+        if casts.tied:
+            module.register_forward_pre_hook(casts.open, prepend=True)
+            module.register_forward_hook(casts.close, always_call=True)
         for sub in module.modules():
             names = tuple(n for n, p in sub._parameters.items()
                           if p is not None and p.is_floating_point() and id(p) not in ignored)
             if names:
                 # innermost: cast after the module's other pre-hooks (a style's own swap of
                 # its parameters), put back before its other hooks undo theirs
-                sub.register_forward_pre_hook(functools.partial(_cast, names, dtype))
+                sub.register_forward_pre_hook(functools.partial(_cast, names, dtype, casts))
                 sub.register_forward_hook(_restore, always_call=True, prepend=True)
         if policy.cast_forward_inputs:
             module.register_forward_pre_hook(functools.partial(_cast_inputs, dtype),
@@ -64,14 +74,53 @@ def _floating_to(dtype: torch.dtype, tree):
         torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, tree)
 
 
-def _cast(names: tuple[str, ...], dtype: torch.dtype, module: nn.Module, args) -> None:
+def _tied(module: nn.Module) -> frozenset[int]:
+    """The ids of the parameters held by more than one submodule of ``module``."""
+    holders: dict[int, int] = {}
+    for sub in module.modules():
+        for param in sub._parameters.values():
+            if param is not None:
+                holders[id(param)] = holders.get(id(param), 0) + 1
+    return frozenset(i for i, n in holders.items() if n > 1)
+
+
+class _TiedCasts:
+    """The cast copies of the tied parameters (ids in ``tied``) during one forward of the
+    ``compute_in`` module, shared by every module holding one; outside that forward (a block
+    recomputed in backward) each module casts its own."""
+
+    def __init__(self, tied: frozenset[int]) -> None:
+        self.tied = tied
+        self.depth = 0
+        self.copies: dict[int, torch.Tensor] = {}
+
+    def open(self, module: nn.Module, args) -> None:
+        self.depth += 1
+
+    def close(self, module: nn.Module, args, output) -> None:
+        self.depth -= 1
+        if not self.depth:
+            self.copies.clear()
+
+    def of(self, param: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        shared = self.depth > 0 and id(param) in self.tied
+        copy = self.copies.get(id(param)) if shared else None
+        if copy is None:
+            copy = param.to(dtype)
+            setattr(copy, _COPY, True)
+            if shared:
+                self.copies[id(param)] = copy
+        return copy
+
+
+def _cast(names: tuple[str, ...], dtype: torch.dtype, casts: _TiedCasts, module: nn.Module,
+          args) -> None:
     saved = {}
     for name in names:
         param = module._parameters.get(name)
         if param is None or param.dtype == dtype or is_compute_copy(param):
             continue
-        copy = param.to(dtype)
-        setattr(copy, _COPY, True)
+        copy = casts.of(param, dtype)
         saved[name] = param
         swap_parameter(module, name, copy)
     module.__dict__.setdefault(_SAVED, []).append(saved)
