@@ -33,13 +33,16 @@ def _environment() -> dict[str, str]:
             "PYTHONWARNINGS": "ignore::FutureWarning", "DEVMESH_LOG": "info"}
 
 
-def _planned_script(folder: Path, train: str, *, max_restarts: int = 0) -> Path:
-    """``devmesh plan``'s batch script for HSDP x TP (dp 2, shard 2, tp 2) on 2 nodes x 4."""
+def _planned_script(folder: Path, train: str, *, max_restarts: int = 0,
+                    no_agent: bool = False) -> Path:
+    """``devmesh plan``'s batch script for HSDP x TP (dp 2, shard 2, tp 2) on 2 nodes x 4
+    (``no_agent``: one Slurm task per rank)."""
     script = folder / "train.sbatch"
     subprocess.run([sys.executable, "-m", "devmesh", "plan", "--hosts", "2",
                     "--devices-per-host", "4", "--dp", "2", "--shard", "2", "--tp", "2",
                     "--device", "cpu", "--time", "00:10:00", "--max-restarts",
-                    str(max_restarts), "--sbatch", str(script), "--train", train],
+                    str(max_restarts), "--sbatch", str(script), "--train", train,
+                    *(["--no-agent"] if no_agent else [])],
                    check=True, capture_output=True, text=True, cwd=ROOT)
     return script
 
@@ -111,17 +114,14 @@ def test_sbatch_of_the_planned_script_trains_hsdp_tp_on_two_nodes_as_one_process
 
 
 def test_one_slurm_task_per_rank_trains_hsdp_tp_as_one_process(tmp_path):
-    """``srun --ntasks-per-node=4 devmesh run --no-agent``: each of the 8 Slurm tasks is a rank
-    (no agent), its rank from Slurm; ranks 0-3 on the first node, the TP groups inside a
-    node, equal to one process."""
+    """``devmesh plan --sbatch --no-agent``'s script (``srun devmesh run --no-agent``, 4
+    tasks a node): each of the 8 Slurm tasks is a rank (no agent), its rank from Slurm;
+    ranks 0-3 on the first node, the TP groups inside a node, equal to one process."""
     out = tmp_path / "out"
     out.mkdir()
-    script = tmp_path / "tasks.sbatch"
-    script.write_text("\n".join([
-        "#!/bin/bash", "#SBATCH --nodes=2", "#SBATCH --ntasks-per-node=4",
-        "#SBATCH --output=devmesh-%j.out", "set -euo pipefail",
-        f"srun --kill-on-bad-exit=1 devmesh run --no-agent {SCRIPTS / 'hsdp_tp_hosts.py'} "
-        f"{out}", ""]))
+    script = _planned_script(tmp_path, f"{SCRIPTS / 'hsdp_tp_hosts.py'} {out}",
+                             no_agent=True)
+    assert "#SBATCH --ntasks-per-node=4" in script.read_text()
     with slurm_cluster.slurm_cluster(tmp_path / "slurm", environment=_environment()) as cluster:
         job = _submit(cluster, script, tmp_path)
         state = cluster.wait_for(job, DONE, timeout=300)

@@ -275,6 +275,18 @@ def test_devmesh_plan_writes_the_sbatch_script_of_its_plan(tmp_path):
     text = job.read_text()
     assert "--gpus-per-node" not in text and 'init_device_mesh("cpu", (2, 2, 8)' in text, text
     assert "devmesh run -n 8 " in text
+    # one Slurm task per rank: 8 tasks a node, each its rank through devmesh run --no-agent
+    done = subprocess.run(command + ["--train", "train.py --steps 3", "--no-agent",
+                                     "--max-restarts", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    lines = job.read_text().splitlines()
+    for line in ("#SBATCH --nodes=4", "#SBATCH --ntasks-per-node=8", "#SBATCH --requeue",
+                 "srun --kill-on-bad-exit=1 --distribution=block devmesh run --no-agent "
+                 "train.py --steps 3"):
+        assert line in lines, line
+    assert "-n 8" not in job.read_text() and "--max-restarts" not in job.read_text()
+    assert subprocess.run(["bash", "-n", str(job)]).returncode == 0
     job.unlink()
     for extra, says in ((["--train", "train.py", "--tp", "16"], "plan is not valid"),
                         ([], "--sbatch needs --train"),

@@ -1,7 +1,8 @@
 """``devmesh plan --hosts H --devices-per-host G ... --sbatch FILE``: the Slurm batch script
 that runs a planned mesh — ``H`` nodes, one ``srun`` task per node, ``G`` GPUs each (or ``G``
 CPU ranks, ``--device cpu``), and the ``srun devmesh run`` line, which takes the hosts, each node's rank and the rendezvous from
-Slurm's environment (:mod:`devmesh.launching.slurm`)."""
+Slurm's environment (:mod:`devmesh.launching.slurm`). With ``--no-agent``, one task per
+rank instead (``G`` per node), each made its rank by ``devmesh run --no-agent``."""
 
 from __future__ import annotations
 
@@ -20,9 +21,10 @@ _TIME = re.compile(r"^(\d+-)?\d{1,3}(:\d{2}){0,2}$")  # Slurm's forms: MM, HH:MM
 
 def sbatch_script(plan: ClusterPlan, train: str, *, time: str = "01:00:00",
                   max_restarts: int = 0, job_name: str = "devmesh",
-                  device: str = "cuda") -> str:
+                  device: str = "cuda", task_per_rank: bool = False) -> str:
     """The script's text (``train``: the script and its arguments, as typed; ``device``
-    "cuda" asks for ``G`` GPUs per node, "cpu" for none)."""
+    "cuda" asks for ``G`` GPUs per node, "cpu" for none; ``task_per_rank``: one Slurm task
+    per rank, no agent — a failure then restarts nothing but the requeued job)."""
     if device not in ("cuda", "cpu"):
         raise ValueError(f"device {device!r}: give 'cuda' or 'cpu'")
     if not plan.ok:
@@ -46,22 +48,33 @@ def sbatch_script(plan: ClusterPlan, train: str, *, time: str = "01:00:00",
         f"mesh_dim_names={tuple(names)!r})",
         f"#SBATCH --job-name={job_name}",
         f"#SBATCH --nodes={plan.hosts}",
-        "#SBATCH --ntasks-per-node=1",
+        f"#SBATCH --ntasks-per-node={g if task_per_rank else 1}",
         *([f"#SBATCH --gpus-per-node={g}"] if device == "cuda" else []),
         f"#SBATCH --time={time}",
         f"#SBATCH --output={job_name}-%j.out",
     ]
     if max_restarts:  # a node lost: Slurm may requeue the job, which resumes from its checkpoint
         lines.append("#SBATCH --requeue")
-    lines += [
-        "",
-        "set -euo pipefail",
-        "# one devmesh run per node: the hosts, its node rank and the rendezvous come from",
-        "# Slurm's environment; it starts the node's ranks itself",
-        f"srun --kill-on-bad-exit=1 devmesh run -n {g} --max-restarts {max_restarts} "
-        + " ".join(shlex.quote(part) for part in shlex.split(train)),
-        "",
-    ]
+    command = " ".join(shlex.quote(part) for part in shlex.split(train))
+    if task_per_rank:
+        lines += [
+            "",
+            "set -euo pipefail",
+            "# one Slurm task per rank (a node's ranks consecutive: srun's block distribution);",
+            "# each task takes its rank and the rendezvous from Slurm's environment",
+            f"srun --kill-on-bad-exit=1 --distribution=block devmesh run --no-agent {command}",
+            "",
+        ]
+    else:
+        lines += [
+            "",
+            "set -euo pipefail",
+            "# one devmesh run per node: the hosts, its node rank and the rendezvous come from",
+            "# Slurm's environment; it starts the node's ranks itself",
+            f"srun --kill-on-bad-exit=1 devmesh run -n {g} --max-restarts {max_restarts} "
+            + command,
+            "",
+        ]
     return "\n".join(lines)
 
 

@@ -39,6 +39,9 @@ def add(sub) -> None:
     plan.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                       help="with --sbatch: GPUs per node (cuda, --gpus-per-node) or CPU ranks "
                            "(cpu: no GPUs asked for)")
+    plan.add_argument("--no-agent", action="store_true",
+                      help="with --sbatch: one Slurm task per rank (srun devmesh run "
+                           "--no-agent), not one devmesh run per node starting the node's ranks")
     plan.add_argument("--max-restarts", type=int, default=0,
                       help="with --sbatch: devmesh run's restarts after a failure (the "
                            "script also asks Slurm to requeue the job)")
@@ -156,12 +159,17 @@ def run(args: argparse.Namespace) -> int:
     plan = plan_cluster(args.hosts, args.devices_per_host, dp=args.dp, shard=args.shard,
                         tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, model=model)
     print(plan)
+    if args.no_agent and args.sbatch is None:
+        print("devmesh plan: error: --no-agent shapes the --sbatch script: give --sbatch FILE",
+              file=sys.stderr)
+        return 2
     if args.sbatch is not None:
         from devmesh.tools.sbatch import sbatch_script, write_sbatch
 
         try:
             text = sbatch_script(plan, args.train, time=args.time,
-                                 max_restarts=args.max_restarts, device=args.device)
+                                 max_restarts=args.max_restarts, device=args.device,
+                                 task_per_rank=args.no_agent)
         except ValueError as exc:
             print(f"devmesh plan: error: {exc}", file=sys.stderr)
             return 2
