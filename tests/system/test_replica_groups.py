@@ -80,7 +80,7 @@ def _run(tmp_path, groups, ranks, steps, fault, *, shard=False, timeout_s=3):
     command = [sys.executable, "-m", "devmesh", "run", "--replica-groups", str(groups),
                "-n", str(ranks), "--max-restarts", "1", str(script), str(tmp_path),
                str(steps), "shard" if shard else "whole", json.dumps(fault)]
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     logs = {(g, r): [json.loads(line) for line in
                      (tmp_path / f"log-{g}-{r}.jsonl").read_text().splitlines()]
@@ -108,6 +108,9 @@ def _reference(ranks, committed):
 
 def _check(tmp_path, logs, groups, ranks, steps, died_at, *, faulty, at_step, commit_within,
            heal_within):
+    """The bounds on seconds are loose (a loaded CI machine runs these several times slower
+    than a quiet one: 3.0 s to commit and 8.9 s to heal there, printed by each run); what
+    they catch is a survivor waiting for the dead group, or a heal that never comes."""
     survivor = logs[(next(g for g in range(groups) if g != faulty), 0)]
     committed = [(row["step"], row["contributors"]) for row in survivor if row["committed"]]
     # each step once, in order (the groups step on past ``steps`` until the faulty one healed)
@@ -143,7 +146,7 @@ def test_ddp_groups_step_on_without_a_killed_group_which_heals_from_a_live_one(t
     done, logs, died_at = _run(tmp_path, groups, 1, steps,
                                {"group": 1, "rank": 0, "step": 3, "how": "kill"})
     committed, healed = _check(tmp_path, logs, groups, 1, steps, died_at, faulty=1,
-                               at_step=3, commit_within=5, heal_within=30)
+                               at_step=3, commit_within=10, heal_within=90)
     assert committed[3][1] == [0, 2] and committed[0][1] == [0, 1, 2]
     assert "heal from group 0" in done.stderr and "without [1]" in done.stderr
 
@@ -153,7 +156,7 @@ def test_hsdp_groups_step_on_without_a_group_whose_rank_was_killed(tmp_path):
     done, logs, died_at = _run(tmp_path, groups, ranks, steps,
                                {"group": 1, "rank": 1, "step": 2, "how": "kill"}, shard=True)
     committed, _ = _check(tmp_path, logs, groups, ranks, steps, died_at, faulty=1,
-                          at_step=2, commit_within=5, heal_within=30)
+                          at_step=2, commit_within=10, heal_within=90)
     assert [0] in [c for _, c in committed]  # steps group 0 took alone
     # both ranks of the restarted group healed, each from its counterpart
     assert "healed from group 0" in done.stderr
@@ -165,6 +168,6 @@ def test_a_hung_group_is_left_out_and_heals_when_it_answers_again(tmp_path):
                                {"group": 2, "rank": 0, "step": 2, "how": "hang",
                                 "seconds": 5})
     committed, _ = _check(tmp_path, logs, groups, 1, steps, died_at, faulty=2,
-                          at_step=2, commit_within=5, heal_within=30)
+                          at_step=2, commit_within=10, heal_within=90)
     # it was never restarted: its one attempt went on after the hang
     assert {row["attempt"] for row in logs[(2, 0)]} == {"0"}
