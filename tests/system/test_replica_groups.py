@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import torch
 from torch import nn
@@ -171,3 +172,70 @@ def test_a_hung_group_is_left_out_and_heals_when_it_answers_again(tmp_path):
                           at_step=2, commit_within=10, heal_within=90)
     # it was never restarted: its one attempt went on after the hang
     assert {row["attempt"] for row in logs[(2, 0)]} == {"0"}
+
+
+ORPHAN_SCRIPT = textwrap.dedent('''
+    import os, sys, time
+    import torch
+    from torch import nn
+    from devmesh.fault import ReplicaGroups
+
+    out = sys.argv[1]
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    replicas = ReplicaGroups(model, optimizer)
+    with open(os.path.join(out, f"pids-{replicas.group}"), "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")  # the rank and its group's devmesh run
+    while True:
+        model(torch.randn(2, 4)).sum().backward()
+        time.sleep(0.2)
+        replicas.step()
+        optimizer.zero_grad()
+        ckpt = os.path.join(out, f"ckpt-{replicas.group}.pt")
+        torch.save({"step": replicas.step_count, "model": model.state_dict()}, ckpt + ".tmp")
+        os.replace(ckpt + ".tmp", ckpt)  # whole or not at all
+''')
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie waiting for its parent counts as gone
+        return open(f"/proc/{pid}/stat").read().split(") ")[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def test_the_launcher_killed_takes_every_group_with_it_and_leaves_whole_checkpoints(tmp_path):
+    """The coordinator lives in the launcher: SIGKILLed, it takes every group's devmesh run
+    and rank with it within seconds (no orphan trains on without it), and the checkpoints
+    the ranks wrote are whole, for the restarted job to resume from."""
+    script = tmp_path / "train.py"
+    script.write_text(ORPHAN_SCRIPT)
+    launcher = subprocess.Popen(
+        [sys.executable, "-m", "devmesh", "run", "--replica-groups", "2", "-n", "1",
+         "--max-restarts", "1", str(script), str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and not all(
+                (tmp_path / f"ckpt-{g}.pt").exists() for g in (0, 1)):
+            time.sleep(0.2)
+        pids = [int(p) for g in (0, 1) for p in (tmp_path / f"pids-{g}").read_text().split()]
+        assert all(_alive(p) for p in pids), pids
+        launcher.kill()
+        launcher.wait()
+        killed = time.monotonic()
+        while time.monotonic() - killed < 30 and any(_alive(p) for p in pids):
+            time.sleep(0.2)
+        left = [p for p in pids if _alive(p)]
+        print(f"every group gone {time.monotonic() - killed:.2f} s after the launcher")
+        assert not left, f"processes left after the launcher died: {left}"
+    finally:
+        launcher.kill()
+    for g in (0, 1):
+        saved = torch.load(tmp_path / f"ckpt-{g}.pt")
+        assert saved["step"] >= 1 and set(saved["model"]) == {"weight", "bias"}

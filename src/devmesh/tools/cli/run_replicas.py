@@ -19,7 +19,11 @@ _AGENT_ONLY = (("--nnodes", "nnodes"), ("--node-rank", "node_rank"),
 
 
 def _group_command(args: argparse.Namespace, group: int) -> list[str]:
-    command = [sys.executable, "-m", "devmesh", "run", "-n", str(args.nproc),
+    # each group's devmesh run dies with this launcher (the child wrapper's PR_SET_PDEATHSIG),
+    # its ranks with it: the coordinator lives here, and groups left without it would train
+    # on as orphans, failing one by one
+    command = [sys.executable, "-m", "devmesh.launching.child", "-m", "devmesh", "run",
+               "-n", str(args.nproc),
                f"--max-restarts={args.max_restarts}"]
     if args.oversubscribe:
         command.append("--oversubscribe")
@@ -48,6 +52,7 @@ def run_replica_groups(args: argparse.Namespace) -> int:
         raise SystemExit("devmesh run: give -n N, the ranks of each replica group")
     from devmesh.fault import Coordinator
     from devmesh.fault import protocol
+    from devmesh.launching.child import ARGV_VARIABLE
 
     try:
         timeout = protocol.timeout_from_environment()
@@ -64,7 +69,7 @@ def run_replica_groups(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stopped)
     try:
         for group in range(args.replica_groups):
-            env = dict(os.environ, **{
+            env = dict({k: v for k, v in os.environ.items() if k != ARGV_VARIABLE}, **{
                 protocol.ADDRESS_VARIABLE: coordinator.address,
                 protocol.GROUP_VARIABLE: str(group),
                 protocol.GROUPS_VARIABLE: str(args.replica_groups),
