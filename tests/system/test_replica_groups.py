@@ -24,6 +24,9 @@ SCRIPT = textwrap.dedent('''
 
     out, steps, shard = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "shard"
     fault = json.loads(sys.argv[4])  # {"group", "rank", "step", "how": "kill" | "hang"}
+    # optionally a second failure: "source_dies": the group sending its state to the healed
+    # one is SIGKILLed as it starts sending (its first attempt); the stop then waits for its
+    # own heal
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 1)).double()
     if shard:
@@ -37,6 +40,18 @@ SCRIPT = textwrap.dedent('''
     replicas = ReplicaGroups(model, optimizer)
     group, rank = replicas.group, int(os.environ["RANK"])
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if fault.get("source_dies") and attempt == "0":
+        import devmesh.fault.replicas as replicas_module
+
+        sending = replicas_module.send_state
+
+        def dying(*args, **kwargs):
+            if os.path.exists(os.path.join(out, "source-died")):  # only the first source dies
+                return sending(*args, **kwargs)
+            open(os.path.join(out, "source-died"), "w").write(str(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        replicas_module.send_state = dying
     log = open(os.path.join(out, f"log-{group}-{rank}.jsonl"), "a")
     # every group stops at one step: ``steps``, or three past the one the faulty group
     # healed at, whichever is later (written once by the healed group)
@@ -62,7 +77,7 @@ SCRIPT = textwrap.dedent('''
         nn.functional.mse_loss(model(x), y).backward()
         time.sleep(0.15)  # a step that takes time, as real ones do
         result = replicas.step()
-        if result.healed and last_step() is None:
+        if result.healed and last_step() is None and group == fault.get("last_heal", group):
             open(stop + f".{rank}", "w").write(str(max(steps, result.step + 3)))
             os.replace(stop + f".{rank}", stop)
         log.write(json.dumps({"t": time.time(), "attempt": attempt, **result.__dict__}) + "\\n")
@@ -239,3 +254,35 @@ def test_the_launcher_killed_takes_every_group_with_it_and_leaves_whole_checkpoi
     for g in (0, 1):
         saved = torch.load(tmp_path / f"ckpt-{g}.pt")
         assert saved["step"] >= 1 and set(saved["model"]) == {"weight", "bias"}
+
+
+def test_a_source_that_dies_while_healing_another_group_is_survived(tmp_path):
+    """A second failure during healing: group 1 is killed at step 3; as it comes back, the
+    group sending it the state (group 0) is killed too. The heal's round aborts, group 1
+    heals from group 2 instead, group 0 restarts and heals in turn, and every group ends
+    equal to one process on the committed batches."""
+    groups, steps = 3, 16
+    done, logs, died_at = _run(tmp_path, groups, 1, steps,
+                               {"group": 1, "rank": 0, "step": 3, "how": "kill",
+                                "source_dies": True, "last_heal": 0})
+    source_died = float((tmp_path / "source-died").read_text())
+    survivor = logs[(2, 0)]
+    committed = [(row["step"], row["contributors"]) for row in survivor if row["committed"]]
+    assert [s for s, _ in committed] == list(range(len(committed))) and len(committed) >= steps
+    for (g, r), rows in logs.items():
+        for row in rows:
+            if row["committed"]:
+                assert (row["step"], row["contributors"]) == committed[row["step"]], (g, r)
+    # group 1 healed after the source died, from group 2; group 0 healed after it
+    healed_1 = [row for row in logs[(1, 0)] if row["healed"]]
+    healed_0 = [row for row in logs[(0, 0)] if row["healed"]]
+    assert healed_1 and healed_1[0]["t"] > source_died, logs[(1, 0)]
+    assert healed_0 and healed_0[0]["t"] > source_died, logs[(0, 0)]
+    assert "[1] heal from group 2" in done.stderr, done.stderr[-3000:]
+    assert any(row["retries"] for row in survivor), "the healing round was not aborted"
+    assert committed[-1][1] == [0, 1, 2]
+    want = _reference(1, committed)
+    for g in range(groups):
+        got = torch.load(tmp_path / f"model-{g}-0.pt")
+        for key, value in want.items():
+            assert torch.allclose(got[key], value, rtol=0, atol=1e-12), (g, key)
