@@ -93,7 +93,7 @@ _DTENSOR_ON_ONE_RANK = textwrap.dedent("""
     pathlib.Path(f"started{os.environ['RANK']}").touch()  # a short timeout starts together
     while not all(pathlib.Path(f"started{r}").exists() for r in (0, 1)): time.sleep(0.05)
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))  # < the sleep
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     w = distribute_tensor(torch.arange(8.0), mesh, [Shard(0)])
     full = w.full_tensor()  # line 13: both ranks
