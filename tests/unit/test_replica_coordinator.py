@@ -132,3 +132,19 @@ def test_a_group_back_after_the_others_finished_is_told_to_end(two_groups):
     ranks.join(1, 1, 0)
     quorum = ranks.quorum(1)
     assert quorum.finished and quorum.error == ""
+
+
+def test_a_group_restarted_again_after_being_told_no_peer_is_told_again_not_left_waiting(
+        two_groups):
+    """After a round that said no live group holds the committed steps, the same group
+    restarted once more (its agent's next attempt) is told so again at once: it is not a
+    holder itself, so nothing is left to wait for."""
+    coordinator, ranks = two_groups
+    _commit_step_zero(ranks)
+    ranks.pids[0] = None
+    ranks.pids[1] = "2001"
+    ranks.join(1, 1, 0)
+    assert "no live replica group holds" in ranks.quorum(1).error
+    ranks.pids[1] = "3001"  # restarted again: the round it was told in is aborted
+    ranks.join(2, 1, 0)
+    assert "no live replica group holds" in ranks.quorum(2).error
