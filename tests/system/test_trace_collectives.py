@@ -22,7 +22,7 @@ _SKIPS_ONE = textwrap.dedent("""
     pathlib.Path(f"started{{os.environ['RANK']}}").touch()  # a short timeout starts together
     while not all(pathlib.Path(f"started{{r}}").exists() for r in (0, 1)): time.sleep(0.05)
 
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=4))
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=10))  # < the sleep
     rank = dist.get_rank()
     x = torch.ones(4)
     for step in range(3):
