@@ -90,7 +90,8 @@ def state_dict(model: nn.Module, *, full: bool = True, rank0_only: bool = False
     ``rank0_only=True`` (with ``full=True``, as FSDP's ``FullStateDictConfig``): every rank
     still takes part in each gather, but only rank 0 keeps the full tensors; the others drop
     each as soon as it is gathered and get ``{}``, so no rank but the writer ever holds the
-    whole model."""
+    whole model (a pipeline runner's whole state is still gathered on every rank, then
+    dropped on all but rank 0)."""
     if rank0_only and not full:
         raise ValueError("state_dict(rank0_only=True) keeps full tensors on rank 0: pass "
                          "full=True (a sharded state dict is each rank's own blocks)")
@@ -156,13 +157,6 @@ def local_state_dict(model: nn.Module, *, full: bool = True, keep: bool = True
     pipeline runner checks once, over its whole mesh); ``keep=False`` gathers each full
     tensor with the others and drops it (``{}``: another rank keeps them)."""
     _adopt_replaced(model)
-    if not keep:
-        for _, p in named_parameters(model, remove_duplicate=True):
-            if is_dtensor(p):
-                p.detach().full_tensor()
-            elif as_sharded(p) is not None:
-                as_sharded(p).full_tensor()
-        return {}
     out: dict[str, torch.Tensor | ShardedTensor] = {}
     done: dict[int, torch.Tensor | ShardedTensor] = {}  # tied parameters: gathered once
     for name, p in named_parameters(model):
@@ -175,17 +169,21 @@ def local_state_dict(model: nn.Module, *, full: bool = True, keep: bool = True
             # a snapshot, as of devmesh's parameters: a replicated DTensor's full tensor is
             # its local tensor itself, which training would change under the caller
             replicated = all(placement.is_replicate() for placement in p.placements)
-            out[name] = value.clone() if replicated else value
+            out[name] = value.clone() if replicated and keep else value
         elif is_dtensor(p):
             out[name] = ShardedTensor.from_dtensor(p.detach())
         elif sharded is None:
-            out[name] = p.detach().clone()
+            out[name] = p.detach().clone() if keep else p
         elif full:
             out[name] = sharded.full_tensor().reshape(get_layout(p).full_shape)
         else:
             out[name] = sharded
+        if not keep:  # gathered with the other ranks; another rank keeps it
+            del out[name]
+            done[id(p)] = None
+            continue
         done[id(p)] = out[name]
-    return _in_module_order(model, out)
+    return _in_module_order(model, out) if keep else {}
 
 
 def _in_module_order(model: nn.Module, params: dict[str, Any]) -> dict[str, Any]:

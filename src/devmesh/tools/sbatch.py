@@ -57,24 +57,14 @@ def sbatch_script(plan: ClusterPlan, train: str, *, time: str = "01:00:00",
         lines.append("#SBATCH --requeue")
     command = " ".join(shlex.quote(part) for part in shlex.split(train))
     if task_per_rank:
-        lines += [
-            "",
-            "set -euo pipefail",
-            "# one Slurm task per rank (a node's ranks consecutive: srun's block distribution);",
-            "# each task takes its rank and the rendezvous from Slurm's environment",
-            f"srun --kill-on-bad-exit=1 --distribution=block devmesh run --no-agent {command}",
-            "",
-        ]
+        how = ["# one Slurm task per rank (a node's ranks consecutive: srun's block distribution);",
+               "# each task takes its rank and the rendezvous from Slurm's environment"]
+        launch = f"--distribution=block devmesh run --no-agent {command}"
     else:
-        lines += [
-            "",
-            "set -euo pipefail",
-            "# one devmesh run per node: the hosts, its node rank and the rendezvous come from",
-            "# Slurm's environment; it starts the node's ranks itself",
-            f"srun --kill-on-bad-exit=1 devmesh run -n {g} --max-restarts {max_restarts} "
-            + command,
-            "",
-        ]
+        how = ["# one devmesh run per node: the hosts, its node rank and the rendezvous come from",
+               "# Slurm's environment; it starts the node's ranks itself"]
+        launch = f"devmesh run -n {g} --max-restarts {max_restarts} {command}"
+    lines += ["", "set -euo pipefail", *how, f"srun --kill-on-bad-exit=1 {launch}", ""]
     return "\n".join(lines)
 
 
