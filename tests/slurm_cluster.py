@@ -100,8 +100,34 @@ class SlurmCluster:
         return out.strip() or "unknown"
 
     def start_now(self, job: str) -> None:
-        """A requeued job may start at once: Slurm otherwise holds it back for 121 s."""
+        """A requeued job may start at once: Slurm otherwise holds it back for 121 s.
+
+        Call it only after :meth:`wait_for_terminate` on a node that was lost: the 121 s
+        also let the controller's retried terminate of the lost run reach the node, and
+        when that lands after the job started again (same job id), slurmctld 22.05 takes
+        the node out of the new run's count (srun: "SLURM_JOB_NUM_NODES ... conflicts with
+        allocated node count (2 != 1)", then "Requested nodes are busy" for ever)."""
         self.command("scontrol", "update", f"JobId={job}", "StartTime=now")
+
+    def wait_for_terminate(self, node: str, job: str, since: int, timeout: float) -> None:
+        """Until the node's slurmd, started again, has received the controller's terminate
+        of ``job``'s lost run (its log past byte ``since``, from :meth:`log_size`)."""
+        path = self.folder / "log" / f"slurmd-{node}.log"
+        line = f"_rpc_terminate_job: uid = 0 JobId={job}\n"
+        deadline = time.monotonic() + timeout
+        while True:
+            with path.open("rb") as f:
+                f.seek(since)
+                if line.encode() in f.read():
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"slurmd on {node} was never told to end job {job}'s lost run "
+                                   f"within {timeout:.0f} s: {path}")
+            time.sleep(0.2)
+
+    def log_size(self, name: str) -> int:
+        path = self.folder / "log" / f"{name}.log"
+        return path.stat().st_size if path.exists() else 0
 
     def log(self, name: str) -> str:
         path = self.folder / "log" / f"{name}.log"
@@ -130,7 +156,7 @@ def _config(folder: Path, nodes: list[str], addresses: dict[str, str], cpus: int
         f"SlurmctldLogFile={log}/slurmctld.log",
         f"SlurmdLogFile={log}/slurmd-%n.log",
         "SlurmctldDebug=info",
-        "SlurmdDebug=info",
+        "SlurmdDebug=debug",  # the RPCs a node receives: see SlurmCluster.wait_for_terminate
         "ProctrackType=proctrack/linuxproc",
         "TaskPlugin=task/none",
         "JobAcctGatherType=jobacct_gather/none",

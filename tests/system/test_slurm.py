@@ -185,7 +185,9 @@ def test_a_node_lost_requeues_the_job_which_resumes_from_its_checkpoint_bit_for_
             time.sleep(0.5)
         state = cluster.wait_for(job, {"PENDING", *DONE}, timeout=120)
         assert state == "PENDING", (state, _output(broken, job)[-4000:])
+        since = cluster.log_size("slurmd-n2")
         cluster.start_slurmd("n2")
+        cluster.wait_for_terminate("n2", job, since, timeout=120)
         cluster.start_now(job)
         fields: dict[str, str] = {}
         while time.monotonic() < deadline + 300:
