@@ -1,16 +1,22 @@
 """``parallelize(model, mesh)``: every parallelism a mesh's dim names ask for, applied to a
 model in torchtitan's order — tensor parallelism over ``tp`` (the model's own plan, for a
-transformers model), activation checkpointing of its blocks, then FSDP over the sharded
-data-parallel dim (HSDP with a replicate dim beside it) or DDP over replicate dims alone.
+transformers model), expert parallelism over ``ep``, activation checkpointing of its blocks,
+then FSDP over the sharded data-parallel dim (HSDP with a replicate dim beside it) or DDP
+over replicate dims alone.
 
 Dim names, as torchtitan's ``ParallelDims`` and devmesh's docs write them:
 
 * ``tp``: tensor parallelism;
+* ``ep``: expert parallelism — each experts module (transformers' stacked experts, a devmesh
+  ``MoE``) split over it; its ranks are data-parallel ranks too, as torchtitan borrows
+  ``ep`` from the data dims: the experts are then sharded over the shard dim alone, every
+  other parameter over the shard dim and ``ep`` together (DDP over ``ep`` without a shard
+  dim); the experts are left out of the tensor-parallel plan;
 * ``dp_shard``, ``shard``, ``dp``, ``fsdp``: FSDP's shard dim;
 * ``dp_replicate``, ``replicate``: replicas (HSDP with a shard dim, else DDP).
 
-A dim it does not place (``pp``, ``cp``, ``ep``, or a name of one's own) is refused by name,
-with the function that places it.
+A dim it does not place (``pp``, ``cp``, or a name of one's own) is refused by name, with
+the function that places it.
 """
 
 from __future__ import annotations
@@ -24,6 +30,8 @@ from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
 from devmesh.parallel.activation_checkpointing import MODES, check_mode, checkpoint_blocks
 from devmesh.parallel.compute_dtype import compute_in
+from devmesh.parallel.expert_parallel import MoE, expert_parallel
+from devmesh.parallel.expert_parallel.stacked import is_stacked_experts
 from devmesh.parallel.fsdp import MixedPrecisionPolicy, fully_shard
 from devmesh.parallel.replicate import replicate
 from devmesh.parallel.tensor_parallel import ParallelStyle, parallelize_module
@@ -36,7 +44,6 @@ CHECKPOINTING = MODES
 _ELSEWHERE = {
     "pp": "pipeline stages: devmesh.parallel.pipeline (split_sequential, PipelineRunner)",
     "cp": "context parallelism: devmesh.parallel.context_parallel",
-    "ep": "expert parallelism: devmesh.parallel.expert_parallel",
 }
 
 
@@ -72,24 +79,61 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
             f"the mesh {names} names several data-parallel dims of one kind "
             f"({shard or replicas}): give one shard dim and at most one replicate dim "
             "(build the mesh with one of each, e.g. ('dp_replicate', 'dp_shard', 'tp'))")
+    experts = _experts(model, names, replicas)
     if blocks is None:
         blocks = hf.blocks_of(model) if hf.is_transformers_model(model) else []
     blocks = _untied(model, list(blocks))
     if "tp" in names:
-        _tensor_parallel(model, mesh["tp"], tp_plan)
+        _tensor_parallel(model, mesh["tp"], tp_plan, experts)
+    if experts:
+        data = mesh[(shard[0], "ep")] if shard else mesh["ep"]
+        for layer in experts:
+            expert_parallel(layer, mesh["ep"], data_mesh=data)
     blocks = _checkpoint(model, blocks, activation_checkpointing)
     if shard:
-        dp_mesh = mesh[tuple(replicas + shard)] if replicas else mesh[shard[0]]
-        shard_kwargs = {"mesh": dp_mesh, "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        shard_kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(),
                         "reshard_after_forward": reshard_after_forward}
+        if experts:  # the experts over the shard dim; the rest over the shard dim and ep
+            for layer in experts:
+                fully_shard(_split_part(layer), mesh=mesh[shard[0]], **shard_kwargs)
+            dp_mesh = mesh[(shard[0], "ep")]._flatten(f"{shard[0]}_ep")
+        else:
+            dp_mesh = mesh[tuple(replicas + shard)] if replicas else mesh[shard[0]]
         for block in blocks:
-            fully_shard(block, **shard_kwargs)
-        fully_shard(model, **shard_kwargs)
-    elif replicas:
-        replicate(model, mesh=mesh[replicas[0]], mp_policy=mp_policy)
+            fully_shard(block, mesh=dp_mesh, **shard_kwargs)
+        fully_shard(model, mesh=dp_mesh, **shard_kwargs)
+    elif replicas or experts:
+        replicate(model, mesh=mesh[replicas[0] if replicas else "ep"], mp_policy=mp_policy,
+                  ignored_modules=[_split_part(layer) for layer in experts])
     elif mp_policy is not None:  # tensor parallelism alone: nothing reduces the gradients
         compute_in(model, mp_policy)
     return model
+
+
+def _experts(model: nn.Module, names: tuple[str, ...], replicas: list[str]
+             ) -> list[nn.Module]:
+    """The expert layers ``ep`` splits (none without ``ep``): transformers' stacked experts
+    modules and devmesh ``MoE`` layers."""
+    if "ep" not in names:
+        return []
+    if replicas:
+        raise ParallelizeError(
+            f"parallelize places 'ep' beside a shard dim or alone (the mesh {names} has the "
+            f"replicate dim {replicas[0]!r} too): build the mesh as ('dp_shard', 'ep'), "
+            "('ep',), with 'tp' if wanted")
+    found = [m for m in model.modules() if isinstance(m, MoE) or is_stacked_experts(m)]
+    if not found:
+        raise ParallelizeError(
+            f"the mesh has 'ep' but {type(model).__name__} has no experts to split (a "
+            "transformers experts module holding its experts' weights stacked along dim 0, "
+            "or a devmesh.parallel.MoE): build the mesh without 'ep'")
+    return found
+
+
+def _split_part(layer: nn.Module) -> nn.Module:
+    """The module whose parameters expert parallelism split: an ``MoE``'s experts, or the
+    stacked experts module itself."""
+    return layer.experts if isinstance(layer, MoE) else layer
 
 
 def _untied(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
@@ -119,22 +163,24 @@ def _refuse_unknown_dims(names: tuple[str, ...]) -> None:
             raise ParallelizeError(
                 f"parallelize does not place the mesh's {name!r} dim; apply "
                 f"{_ELSEWHERE[name]} on mesh[{name!r}], and parallelize on the other dims")
-        if name != "tp" and name not in SHARD_DIMS + REPLICATE_DIMS:
+        if name not in ("tp", "ep") and name not in SHARD_DIMS + REPLICATE_DIMS:
             raise ParallelizeError(
-                f"parallelize does not know the mesh dim {name!r}: it reads 'tp', a shard "
+                f"parallelize does not know the mesh dim {name!r}: it reads 'tp', 'ep', a shard "
                 f"dim ({', '.join(SHARD_DIMS)}) and a replicate dim "
                 f"({', '.join(REPLICATE_DIMS)})")
 
 
 def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
-                     plan: Mapping[str, ParallelStyle] | None) -> None:
+                     plan: Mapping[str, ParallelStyle] | None, experts: list[nn.Module]
+                     ) -> None:
     if plan is None:
         if not hf.is_transformers_model(model):
             raise ParallelizeError(
                 f"the mesh has 'tp' but {type(model).__name__} declares no plan: pass "
                 "tp_plan={module name: style}")
         _check_heads(model, tp_mesh.size())
-        plan = hf.tensor_parallel_plan(model)
+        where = {id(m): name for name, m in model.named_modules()}
+        plan = hf.tensor_parallel_plan(model, leave_out=[where[id(m)] for m in experts])
     parallelize_module(model, tp_mesh, dict(plan))
 
 

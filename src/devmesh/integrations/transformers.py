@@ -9,7 +9,7 @@ transformers is not imported here: a model is read through the attributes every
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from torch import nn
 
@@ -45,10 +45,12 @@ def is_transformers_model(model: nn.Module) -> bool:
     return hasattr(model, "_tp_plan") and hasattr(model, "config")
 
 
-def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
+def tensor_parallel_plan(model: nn.Module, leave_out: Sequence[str] = ()
+                         ) -> dict[str, ParallelStyle]:
     """The model's own tensor-parallel plan as devmesh styles, keyed by module name (``*``
-    for one segment, as transformers and ``parallelize_module`` read it). A style devmesh
-    does not compute is refused by name, listing those it does."""
+    for one segment, as transformers and ``parallelize_module`` read it), without the
+    entries for the modules named in ``leave_out`` and theirs (experts split over ``ep``
+    instead). A style devmesh does not compute is refused by name, listing those it does."""
     declared: Mapping[str, str] = getattr(model, "_tp_plan", None) or {}
     if not declared:
         raise ParallelizeError(
@@ -58,6 +60,8 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
     plan: dict[str, ParallelStyle] = {}
     unknown = {}
     for name, style in declared.items():
+        if any(_within(name, module) for module in leave_out):
+            continue
         make = STYLES.get(style)
         if make is None:
             unknown[name] = style
@@ -67,9 +71,18 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelStyle]:
         raise ParallelizeError(
             f"{type(model).__name__}'s tensor-parallel plan names styles devmesh does not "
             f"apply: {unknown}; devmesh applies {sorted(STYLES)}. Pass tp_plan= with "
-            "devmesh styles for those modules, or a mesh without 'tp'")
+            "devmesh styles for those modules, or a mesh without 'tp'"
+            + ("; experts are split over an 'ep' dim instead (e.g. mesh dim names "
+               "('dp_shard', 'ep', 'tp'))" if any("expert" in n for n in unknown) else ""))
     return plan
 
+
+def _within(pattern: str, module: str) -> bool:
+    """Whether the plan's entry ``pattern`` (``*`` for one segment) names ``module`` or a
+    module inside it."""
+    have, want = pattern.split("."), module.split(".")
+    return len(have) >= len(want) and all(
+        a == "*" or a == b for a, b in zip(have, want, strict=False))
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks (its ``_no_split_modules`` classes: the decoder layers),

@@ -84,6 +84,9 @@ STRATEGIES = {  # name: (mesh shape, dim names, activation checkpointing)
     "ddp_tp_full_ac": ((2, 2), ("dp_replicate", "tp"), "full"),
     "fsdp_tp": ((2, 2), ("dp_shard", "tp"), "none"),
     "fsdp_tp_every_2nd_ac": ((2, 2), ("dp_shard", "tp"), 2),
+    "ep": ((4,), ("ep",), "none"),  # the experts split, every other parameter DDP's
+    "fsdp_ep": ((2, 2), ("dp_shard", "ep"), "none"),
+    "ep_tp_selective_ac": ((2, 2), ("ep", "tp"), "selective"),
 }
 
 
@@ -121,9 +124,10 @@ def train_parallel(arch: str, strategy: str):
 
 
 DECODERS = ("llama", "qwen3", "mistral", "gemma3")
-CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES]
+CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES if "ep" not in s.split("_")]
          + [(arch, s) for arch in ("gpt2", "mixtral", "bert")
-            for s in ("ddp", "fsdp", "hsdp_selective_ac")])
+            for s in ("ddp", "fsdp", "hsdp_selective_ac")]
+         + [("mixtral", s) for s in ("ep", "fsdp_ep", "ep_tp_selective_ac")])
 
 
 @pytest.mark.parametrize("arch, strategy", CASES)
@@ -145,6 +149,9 @@ def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...]):
 @pytest.mark.parametrize("arch, names, shape, says", [
     ("gpt2", ("dp_shard", "tp"), (2, 2), "declares no tensor-parallel plan"),
     ("mixtral", ("dp_shard", "tp"), (2, 2), "'packed_colwise'"),
+    ("mixtral", ("dp_shard", "tp"), (2, 2), "experts are split over an 'ep' dim instead"),
+    ("mixtral", ("dp_replicate", "ep"), (2, 2), "build the mesh as ('dp_shard', 'ep')"),
+    ("llama", ("ep",), (4,), "LlamaForCausalLM has no experts to split"),
     ("llama", ("tp",), (4,), "tp may be 1, 2"),
     ("llama", ("pp", "dp_shard"), (2, 2), "devmesh.parallel.pipeline"),
     ("llama", ("dp", "rows"), (2, 2), "does not know the mesh dim 'rows'"),
@@ -283,3 +290,62 @@ def test_mixed_precision_without_fsdp_computes_in_bfloat16_over_float32_weights(
     for logits, dtypes, grads, loss in mesh_pool.run(bfloat16_compute, 2, names):
         assert logits == "torch.bfloat16" and dtypes == grads == {"torch.float32"}
         assert loss == pytest.approx(want.loss.item(), rel=2e-2)
+
+
+def mixtral_block_under_ep(ep_size: int, uneven: bool):
+    """transformers' own Mixtral sparse-MoE block (router, SwiGLU experts with packed
+    ``gate_up_proj``) with its experts split over ``ep``: each rank's output on its rows, its
+    input's gradient and the experts' and router's gradients against one process on the
+    whole batch (the router's averaged over the ranks, as data parallelism would)."""
+    import torch.distributed as dist
+    import transformers as T
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    from devmesh.parallel import expert_parallel
+
+    config = T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                             experts_implementation="eager")
+    torch.manual_seed(0)
+    block = MixtralSparseMoeBlock(config).double()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    if uneven:  # nearly every token to experts 0 and 1: one rank gets most of them
+        with torch.no_grad():
+            block.gate.weight[:2] += 2.0
+    ref = type(block)(config).double()
+    ref.load_state_dict(block.state_dict())
+    x = torch.randn(4, 6, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mesh = init_device_mesh("cpu", (ep_size,), mesh_dim_names=("ep",))
+    expert_parallel(block.experts, mesh["ep"])
+    rank = mesh.get_local_rank()
+    mine = x.chunk(ep_size)[rank].clone().requires_grad_(True)
+    out = block(mine)
+    out.square().mean().backward()
+    dist.all_reduce(block.gate.weight.grad)
+    block.gate.weight.grad /= ep_size
+    whole = x.clone().requires_grad_(True)
+    ref_out = ref(whole)
+    # the mean over each rank's rows, averaged over the ranks: the whole batch's mean
+    ref_out.square().mean().backward()
+    local = 4 // ep_size
+    rows = slice(rank * (4 // ep_size), (rank + 1) * (4 // ep_size))
+    experts = slice(rank * local, (rank + 1) * local)
+    return {
+        "shape": tuple(block.experts.gate_up_proj.shape),
+        "out": (out - ref_out[rows]).abs().max().item(),
+        "input_grad": (mine.grad / ep_size - whole.grad[rows]).abs().max().item(),
+        "router": (block.gate.weight.grad - ref.gate.weight.grad).abs().max().item(),
+        "gate_up": (block.experts.gate_up_proj.grad
+                    - ref.experts.gate_up_proj.grad[experts]).abs().max().item(),
+        "down": (block.experts.down_proj.grad
+                 - ref.experts.down_proj.grad[experts]).abs().max().item(),
+    }
+
+
+@pytest.mark.parametrize("ep_size, uneven", [(2, False), (4, False), (2, True)])
+def test_transformers_own_mixtral_experts_split_over_ep_compute_as_one_process(
+        mesh_pool, ep_size, uneven):
+    for result in mesh_pool.run(mixtral_block_under_ep, ep_size, ep_size, uneven):
+        assert result["shape"] == (4 // ep_size, 96, 32), result
+        for key in ("out", "input_grad", "router", "gate_up", "down"):
+            assert result[key] <= 1e-12, result

@@ -183,7 +183,9 @@ def test_bad_inputs_are_refused_on_every_rank_naming_the_fix(mesh_pool):
         assert errors[0] == ("ParallelizeError", f"[rank {rank}] expert_parallel: 3 experts do "
                              "not split evenly over ep = 2: use a number of experts divisible "
                              "by 2, or an ep size dividing 3")
-        assert errors[1][1].endswith("expert_parallel takes a devmesh MoE layer, got Linear")
+        assert errors[1][1].startswith(f"[rank {rank}] expert_parallel takes a devmesh MoE "
+                                       "layer or an experts module") and \
+            errors[1][1].endswith("got Linear")
         assert errors[2][1].endswith("MoE: top_k = 3 must be between 1 and the number of "
                                      "experts, 2")
 

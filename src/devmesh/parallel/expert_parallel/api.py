@@ -1,5 +1,6 @@
-"""``expert_parallel(moe, mesh["ep"])``: a :class:`~.moe.MoE` layer's experts split over an
-``ep`` mesh dim, its tokens dispatched to them with all-to-all."""
+"""``expert_parallel(moe, mesh["ep"])``: a :class:`~.moe.MoE` layer's experts — or a
+transformers experts module's (:mod:`.stacked`) — split over an ``ep`` mesh dim, its tokens
+dispatched to them with all-to-all."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.expert_parallel.dispatch import ExpertParallelDispatch
 from devmesh.parallel.expert_parallel.moe import MoE
+from devmesh.parallel.expert_parallel.stacked import is_stacked_experts, split_stacked_experts
 from devmesh.parallel.param import sharded_parameter
 from devmesh.parallel.placement import place_parameter
 from devmesh.tensor import Shard, distribute_tensor
@@ -16,8 +18,8 @@ from devmesh.tensor import Shard, distribute_tensor
 __all__ = ["expert_parallel"]
 
 
-def expert_parallel(moe: MoE, mesh: DeviceMesh, *, data_mesh: DeviceMesh | None = None
-                    ) -> MoE:
+def expert_parallel(moe: torch.nn.Module, mesh: DeviceMesh, *,
+                    data_mesh: DeviceMesh | None = None) -> torch.nn.Module:
     """Split ``moe``'s experts over the 1-D ``mesh`` (``experts / ep`` per rank, in order)
     and dispatch each rank's tokens to the ranks holding their experts (in place; returns
     ``moe``).
@@ -26,13 +28,23 @@ def expert_parallel(moe: MoE, mesh: DeviceMesh, *, data_mesh: DeviceMesh | None 
     parallelism averages gradients over its ranks, the experts' gradients — summed over
     every rank's tokens by the dispatch — are divided by ``ep``. ``data_mesh``: the ranks
     whose tokens differ, over which the aux loss's assignment counts are summed (default:
-    ``mesh``; with more data-parallel dims, e.g. ``mesh["dp", "ep"]``)."""
-    if not isinstance(moe, MoE):
-        raise ParallelizeError(f"expert_parallel takes a devmesh MoE layer, got "
-                               f"{type(moe).__name__}")
+    ``mesh``; with more data-parallel dims, e.g. ``mesh["dp", "ep"]``).
+
+    ``moe`` may also be a transformers experts module (Mixtral's ``block.mlp.experts``, any
+    module holding its experts' weights stacked along dim 0 and called with
+    ``(hidden_states, top_k_index, top_k_weights)``): its own computation is kept, its
+    weights split (:mod:`devmesh.parallel.expert_parallel.stacked`)."""
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ParallelizeError(f"expert_parallel takes the 1-D mesh of the expert-parallel "
                                f"dim, e.g. mesh['ep'], got {mesh!r}")
+    if not isinstance(moe, MoE):
+        if is_stacked_experts(moe):
+            return split_stacked_experts(moe, mesh, data_mesh or mesh)
+        raise ParallelizeError(
+            f"expert_parallel takes a devmesh MoE layer or an experts module holding its "
+            f"experts' weights stacked along dim 0 (an int num_experts, a forward taking "
+            f"hidden_states, top_k_index, top_k_weights: transformers' Mixtral, Qwen-MoE), "
+            f"got {type(moe).__name__}")
     ep = mesh.size()
     if moe.num_experts % ep:
         raise ParallelizeError(
@@ -51,6 +63,8 @@ def expert_parallel(moe: MoE, mesh: DeviceMesh, *, data_mesh: DeviceMesh | None 
 
 
 def expert_parameters(module: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters of every MoE's experts in ``module`` (those expert parallelism
-    splits; the rest are data-parallel everywhere)."""
-    return [p for m in module.modules() if isinstance(m, MoE) for p in m.experts.parameters()]
+    """The parameters of every MoE's experts in ``module``, and of every stacked experts
+    module (those expert parallelism splits; the rest are data-parallel everywhere)."""
+    return [p for m in module.modules() if isinstance(m, MoE) for p in m.experts.parameters()
+            ] + [p for m in module.modules() if is_stacked_experts(m)
+                 for p in m._parameters.values()]

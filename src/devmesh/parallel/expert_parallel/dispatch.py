@@ -10,11 +10,12 @@ all-to-alls the other way. Every exchange is devmesh's counted, watched all-to-a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.expert_parallel.moe import GroupedExperts
 
 __all__ = ["ExpertParallelDispatch"]
 
@@ -54,7 +55,10 @@ class ExpertParallelDispatch:
         return comm.all_reduce(total, self.data_mesh, tuple(range(self.data_mesh.ndim)))
 
     def run(self, tokens: torch.Tensor, per_expert: list[int],
-            experts: GroupedExperts) -> torch.Tensor:
+            experts: Callable[[torch.Tensor, list[int]], torch.Tensor]) -> torch.Tensor:
+        """``tokens`` sorted by expert, ``per_expert[e]`` of them for expert ``e`` of the
+        whole layer; ``experts(arriving, counts)`` runs this rank's experts on the arriving
+        tokens sorted by local expert, ``counts[l]`` for local expert ``l``."""
         ep = self.mesh.size()
         local = len(per_expert) // ep
         counts = torch.tensor(per_expert, dtype=torch.int64).view(ep, local)

@@ -1,0 +1,108 @@
+"""Expert parallelism for experts modules as transformers writes them: one module holding
+every expert's weights stacked along dim 0 (Mixtral's ``gate_up_proj (experts, 2·hidden,
+dim)`` and ``down_proj (experts, dim, hidden)``, Qwen-MoE's, gpt-oss's with biases), called
+as ``experts(hidden_states, top_k_index, top_k_weights)`` after the block's own router.
+
+The module's own computation is kept, whatever its MLP (SwiGLU, GELU, biases, packed or not,
+eager or grouped kernels): only its weights are split — each parameter's dim 0 over ``ep``,
+``num_experts`` set to the local count — and its call is wrapped. The wrapper sorts this
+rank's ``(token, expert)`` assignments by expert, sends each token to the rank holding its
+expert (:class:`~.dispatch.ExpertParallelDispatch`'s all-to-alls), runs the module's own
+forward there on the arriving tokens with their local expert index and weight one, sends the
+outputs back, and weighs and sums them per token, as the module itself does.
+
+The ranks of ``ep`` are data-parallel ranks too, so the experts' gradients, summed over every
+rank's tokens by the dispatch, are divided by ``ep`` (as data parallelism averages the other
+parameters'): the local run's input gradient is scaled by ``ep`` and its output gradient by
+``1/ep``, which scales the weights' gradients alone and leaves the tokens' as they were.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+
+from devmesh.errors import ParallelizeError
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.expert_parallel.dispatch import ExpertParallelDispatch
+from devmesh.parallel.expert_parallel.moe import _ScaleGradient
+from devmesh.parallel.param import sharded_parameter, with_methods
+from devmesh.parallel.placement import place_parameter
+from devmesh.tensor import Shard, distribute_tensor
+
+__all__ = ["is_stacked_experts", "split_stacked_experts", "ExpertParallelExperts"]
+
+_CALL = ("top_k_index", "top_k_weights")
+
+
+def is_stacked_experts(module: nn.Module) -> bool:
+    """An experts module in transformers' convention: an int ``num_experts``, its own
+    parameters all stacked along dim 0 by expert, and a forward taking
+    ``(hidden_states, top_k_index, top_k_weights)``."""
+    experts = getattr(module, "num_experts", None)
+    params = list(module._parameters.values())
+    if not isinstance(experts, int) or not params:
+        return False
+    if not all(p is not None and p.dim() >= 1 and p.shape[0] == experts for p in params):
+        return False
+    try:
+        names = list(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return all(name in names for name in _CALL)
+
+
+class ExpertParallelExperts:
+    """What expert parallelism adds to a stacked experts module's class (see the module's
+    docstring); its own forward runs the local experts."""
+
+    _devmesh_prefix = "ExpertParallel"
+    expert_dispatch: ExpertParallelDispatch
+    global_num_experts: int  #: the experts of the whole layer
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        tokens, k = top_k_index.shape
+        expert = top_k_index.reshape(-1)
+        order = torch.argsort(expert, stable=True)  # by expert, then token order
+        token = torch.arange(tokens, device=expert.device).repeat_interleave(k)[order]
+        weight, expert = top_k_weights.reshape(-1)[order], expert[order]
+        per_expert = torch.bincount(expert, minlength=self.global_num_experts).tolist()
+        ep = self.expert_dispatch.mesh.size()
+
+        def local(arriving: torch.Tensor, counts: list[int]) -> torch.Tensor:
+            index = torch.repeat_interleave(
+                torch.arange(len(counts), device=arriving.device),
+                torch.tensor(counts, device=arriving.device))[:, None]
+            ones = torch.ones(index.shape, dtype=top_k_weights.dtype, device=arriving.device)
+            scaled = _ScaleGradient.apply(arriving, float(ep))
+            out = super(ExpertParallelExperts, self).forward(  # type: ignore[misc]
+                scaled, index, ones, *args, **kwargs)
+            return _ScaleGradient.apply(out, 1.0 / ep)
+
+        out = self.expert_dispatch.run(hidden_states[token], per_expert, local)
+        weighted = out * weight[:, None].to(out.dtype)
+        return torch.zeros_like(hidden_states).index_add_(0, token,
+                                                          weighted.to(hidden_states.dtype))
+
+
+def split_stacked_experts(experts: nn.Module, mesh: DeviceMesh, data_mesh: DeviceMesh
+                          ) -> nn.Module:
+    """Split ``experts``' stacked parameters over the 1-D ``mesh`` and wrap its call (in
+    place; returns it)."""
+    total, ep = experts.num_experts, mesh.size()
+    if total % ep:
+        raise ParallelizeError(
+            f"expert_parallel: {total} experts of {type(experts).__name__} do not split "
+            f"evenly over ep = {ep}: use an ep size dividing {total}")
+    for name, param in list(experts._parameters.items()):
+        split = distribute_tensor(param.detach(), mesh, [Shard(0)])
+        place_parameter(experts, name, sharded_parameter(
+            split.to_local().contiguous(), param.requires_grad, mesh, split.spec))
+    experts.num_experts = total // ep
+    experts.global_num_experts = total
+    experts.expert_dispatch = ExpertParallelDispatch(mesh, data_mesh)
+    with_methods(experts, ExpertParallelExperts)
+    return experts
