@@ -6,5 +6,7 @@ transformers' safetensors format read into and written from parallelized models
 
 from devmesh.integrations.parallelize import parallelize
 from devmesh.integrations.pretrained import LoadedWeights, load_pretrained, save_pretrained
+from devmesh.integrations.transformers import context_parallel_batch
 
-__all__ = ["parallelize", "load_pretrained", "save_pretrained", "LoadedWeights"]
+__all__ = ["parallelize", "load_pretrained", "save_pretrained", "LoadedWeights",
+           "context_parallel_batch"]

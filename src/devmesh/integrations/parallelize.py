@@ -12,11 +12,15 @@ Dim names, as torchtitan's ``ParallelDims`` and devmesh's docs write them:
   ``ep`` from the data dims: the experts are then sharded over the shard dim alone, every
   other parameter over the shard dim and ``ep`` together (DDP over ``ep`` without a shard
   dim); the experts are left out of the tensor-parallel plan;
+* ``cp``: context parallelism — the model's ``scaled_dot_product_attention`` calls attend
+  over the whole sequence while each rank holds a part of it (feed each rank
+  :func:`~devmesh.integrations.transformers.context_parallel_batch`'s share); its ranks
+  are data-parallel ranks for the parameters, as ``ep``'s (not both at once);
 * ``dp_shard``, ``shard``, ``dp``, ``fsdp``: FSDP's shard dim;
 * ``dp_replicate``, ``replicate``: replicas (HSDP with a shard dim, else DDP).
 
-A dim it does not place (``pp``, ``cp``, or a name of one's own) is refused by name, with
-the function that places it.
+A dim it does not place (``pp``, or a name of one's own) is refused by name, with the
+function that places it.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
 from devmesh.parallel.activation_checkpointing import MODES, check_mode, checkpoint_blocks
 from devmesh.parallel.compute_dtype import compute_in
+from devmesh.parallel.context_parallel import context_parallel
 from devmesh.parallel.expert_parallel import MoE, expert_parallel
 from devmesh.parallel.expert_parallel.stacked import is_stacked_experts
 from devmesh.parallel.fsdp import MixedPrecisionPolicy, fully_shard
@@ -43,7 +48,6 @@ REPLICATE_DIMS = ("dp_replicate", "replicate")
 CHECKPOINTING = MODES
 _ELSEWHERE = {
     "pp": "pipeline stages: devmesh.parallel.pipeline (split_sequential, PipelineRunner)",
-    "cp": "context parallelism: devmesh.parallel.context_parallel",
 }
 
 
@@ -80,6 +84,9 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
             f"({shard or replicas}): give one shard dim and at most one replicate dim "
             "(build the mesh with one of each, e.g. ('dp_replicate', 'dp_shard', 'tp'))")
     experts = _experts(model, names, replicas)
+    borrowed = "ep" if experts else "cp" if "cp" in names else None
+    if "cp" in names:
+        _check_context_parallel(model, names, shard, replicas)
     if blocks is None:
         blocks = hf.blocks_of(model) if hf.is_transformers_model(model) else []
     blocks = _untied(model, list(blocks))
@@ -89,25 +96,49 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
         data = mesh[(shard[0], "ep")] if shard else mesh["ep"]
         for layer in experts:
             expert_parallel(layer, mesh["ep"], data_mesh=data)
+    if "cp" in names:  # on each block: a checkpointed block's recompute routes it again
+        for part in blocks or [model]:
+            context_parallel(part, mesh["cp"])
     blocks = _checkpoint(model, blocks, activation_checkpointing)
+    # the ranks of ep and cp hold their own tokens: data-parallel ranks for the parameters
+    data_dims = [*(replicas or shard), *([borrowed] if borrowed else [])]
+    data_mesh = (mesh[tuple(data_dims)]._flatten("_".join(data_dims)) if len(data_dims) > 1
+                 else mesh[data_dims[0]] if data_dims else None)
     if shard:
         shard_kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(),
                         "reshard_after_forward": reshard_after_forward}
         if experts:  # the experts over the shard dim; the rest over the shard dim and ep
             for layer in experts:
                 fully_shard(_split_part(layer), mesh=mesh[shard[0]], **shard_kwargs)
-            dp_mesh = mesh[(shard[0], "ep")]._flatten(f"{shard[0]}_ep")
-        else:
-            dp_mesh = mesh[tuple(replicas + shard)] if replicas else mesh[shard[0]]
+        dp_mesh = mesh[tuple(replicas + shard)] if replicas else data_mesh
         for block in blocks:
             fully_shard(block, mesh=dp_mesh, **shard_kwargs)
         fully_shard(model, mesh=dp_mesh, **shard_kwargs)
-    elif replicas or experts:
-        replicate(model, mesh=mesh[replicas[0] if replicas else "ep"], mp_policy=mp_policy,
+    elif data_mesh is not None:
+        replicate(model, mesh=data_mesh, mp_policy=mp_policy,
                   ignored_modules=[_split_part(layer) for layer in experts])
     elif mp_policy is not None:  # tensor parallelism alone: nothing reduces the gradients
         compute_in(model, mp_policy)
     return model
+
+
+def _check_context_parallel(model: nn.Module, names: tuple[str, ...], shard: list[str],
+                            replicas: list[str]) -> None:
+    if "ep" in names:
+        raise ParallelizeError(
+            f"the mesh {names} has both 'cp' and 'ep': parallelize places one of them "
+            "(both borrow the data-parallel ranks); build the mesh with one")
+    if shard and replicas:
+        raise ParallelizeError(
+            f"parallelize places 'cp' beside one data-parallel dim (the mesh {names} has "
+            f"{replicas[0]!r} and {shard[0]!r}): build it as ('dp_shard', 'cp'), "
+            "('dp_replicate', 'cp') or ('cp',), with 'tp' if wanted")
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
+    if implementation != "sdpa":
+        raise ParallelizeError(
+            f"context parallelism routes scaled_dot_product_attention, and "
+            f"{type(model).__name__} attends with {implementation!r}: load or build it with "
+            "attn_implementation='sdpa'")
 
 
 def _experts(model: nn.Module, names: tuple[str, ...], replicas: list[str]
@@ -163,9 +194,10 @@ def _refuse_unknown_dims(names: tuple[str, ...]) -> None:
             raise ParallelizeError(
                 f"parallelize does not place the mesh's {name!r} dim; apply "
                 f"{_ELSEWHERE[name]} on mesh[{name!r}], and parallelize on the other dims")
-        if name not in ("tp", "ep") and name not in SHARD_DIMS + REPLICATE_DIMS:
+        if name not in ("tp", "ep", "cp") and name not in SHARD_DIMS + REPLICATE_DIMS:
             raise ParallelizeError(
-                f"parallelize does not know the mesh dim {name!r}: it reads 'tp', 'ep', a shard "
+                f"parallelize does not know the mesh dim {name!r}: it reads 'tp', 'ep', 'cp', a "
+                "shard "
                 f"dim ({', '.join(SHARD_DIMS)}) and a replicate dim "
                 f"({', '.join(REPLICATE_DIMS)})")
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from devmesh.errors import ParallelizeError
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.context_parallel import sequence_positions, shard_sequence
 from devmesh.parallel.tensor_parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -22,7 +25,8 @@ from devmesh.parallel.tensor_parallel import (
 )
 from devmesh.tensor import Replicate
 
-__all__ = ["is_transformers_model", "tensor_parallel_plan", "blocks_of", "STYLES"]
+__all__ = ["is_transformers_model", "tensor_parallel_plan", "blocks_of", "STYLES",
+           "context_parallel_batch"]
 
 # transformers' style names (transformers.integrations.tensor_parallel's ParallelInterface)
 # and the devmesh style that computes the same thing
@@ -98,3 +102,33 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
             found.append(module)
             inside.update(id(m) for m in module.modules())
     return found
+
+
+def context_parallel_batch(input_ids: torch.Tensor, mesh: DeviceMesh, *,
+                           labels: torch.Tensor | None = None, ignore_index: int = -100,
+                           load_balance: bool = True) -> dict[str, torch.Tensor]:
+    """This rank's share of a causal LM batch under context parallelism over the ``cp`` mesh
+    ``mesh``, as keyword arguments of a transformers model's forward: its tokens
+    (``input_ids``), their positions in the whole sequence (``position_ids``: rotary
+    embeddings need them), and the loss's targets shifted over the *whole* sequence before
+    it is split (``shift_labels``: shifting each rank's piece would lose the target of every
+    piece's last token), with ``num_items_in_batch`` the whole sequence's count of targets
+    divided by ``cp``; and an ``attention_mask`` of ones (the batch holds no padding: a padded
+    batch's mask is not a key padding mask that splits over ``cp``, and is refused).
+
+    So each rank's ``loss`` is its targets' summed cross-entropy over ``1/cp`` of the
+    batch's targets: averaged over ``cp`` (as data parallelism over ``cp`` averages the
+    gradients), it is the whole batch's mean, however the ignored targets fall. ``labels``:
+    the unshifted targets (default ``input_ids``), ``ignore_index`` where none."""
+    labels = input_ids if labels is None else labels
+    shifted = torch.nn.functional.pad(labels[..., 1:], (0, 1), value=ignore_index)
+    count = (shifted != ignore_index).sum().to(torch.float64) / mesh.size()
+    positions = sequence_positions(input_ids.shape[-1], mesh, load_balance=load_balance,
+                                   device=input_ids.device)
+    mine = shard_sequence(shifted, mesh, dim=-1, load_balance=load_balance)
+    tokens = shard_sequence(input_ids, mesh, dim=-1, load_balance=load_balance)
+    return {"input_ids": tokens, "position_ids": positions.expand(*input_ids.shape[:-1], -1),
+            # every key a token: without a mask, transformers reads this rank's positions
+            # (a head chunk and a tail) as packed sequences and masks across them
+            "attention_mask": torch.ones_like(tokens),
+            "labels": mine, "shift_labels": mine, "num_items_in_batch": count}

@@ -30,6 +30,8 @@ def make(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "llama":
         model = T.LlamaForCausalLM(T.LlamaConfig(**COMMON))
+    elif arch == "llama-eager":  # attention by matmuls, not scaled_dot_product_attention
+        model = T.LlamaForCausalLM(T.LlamaConfig(**COMMON, attn_implementation="eager"))
     elif arch == "qwen3":  # q_norm / k_norm over the local heads: gradients summed over tp
         model = T.Qwen3ForCausalLM(T.Qwen3Config(**COMMON, head_dim=8))
     elif arch == "mistral":  # sliding-window attention, shorter than the sequence
@@ -152,6 +154,10 @@ def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...]):
     ("mixtral", ("dp_shard", "tp"), (2, 2), "experts are split over an 'ep' dim instead"),
     ("mixtral", ("dp_replicate", "ep"), (2, 2), "build the mesh as ('dp_shard', 'ep')"),
     ("llama", ("ep",), (4,), "LlamaForCausalLM has no experts to split"),
+    ("mixtral", ("cp", "ep"), (2, 2), "has both 'cp' and 'ep'"),
+    ("llama", ("dp_replicate", "dp_shard", "cp"), (1, 2, 2), "build it as ('dp_shard', 'cp')"),
+    ("llama-eager", ("dp_shard", "cp"), (2, 2), "attends with 'eager': load or build it with "
+     "attn_implementation='sdpa'"),
     ("llama", ("tp",), (4,), "tp may be 1, 2"),
     ("llama", ("pp", "dp_shard"), (2, 2), "devmesh.parallel.pipeline"),
     ("llama", ("dp", "rows"), (2, 2), "does not know the mesh dim 'rows'"),
@@ -349,3 +355,64 @@ def test_transformers_own_mixtral_experts_split_over_ep_compute_as_one_process(
         assert result["shape"] == (4 // ep_size, 96, 32), result
         for key in ("out", "input_grad", "router", "gate_up", "down"):
             assert result[key] <= 1e-12, result
+
+
+CP_STRATEGIES = {  # name: (mesh shape, dim names, activation checkpointing)
+    "ddp_cp": ((2, 2), ("dp_replicate", "cp"), "none"),
+    "fsdp_cp_full_ac": ((2, 2), ("dp_shard", "cp"), "full"),
+    "cp_tp_selective_ac": ((2, 2), ("cp", "tp"), "selective"),
+}
+
+
+def train_context_parallel(arch: str, strategy: str):
+    """Context parallelism over ``cp`` (with DDP, FSDP or TP): each rank trains on its share
+    of each sequence (``context_parallel_batch``); the loss averaged over ``cp`` against one
+    process's on the same rows, and the full state dict against the one process's."""
+    import torch.distributed as dist
+
+    from devmesh.integrations.transformers import context_parallel_batch
+    from devmesh.parallel import parallelize, state_dict
+
+    shape, names, checkpointing = CP_STRATEGIES[strategy]
+    ref = make(arch)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = parallelize(make(arch), mesh, activation_checkpointing=checkpointing)
+    cp = mesh["cp"]
+    data = [n for n in names if n not in ("cp", "tp")]
+    index, per = (mesh[data[0]].get_local_rank(), BATCH // mesh[data[0]].size()) if data \
+        else (0, BATCH)
+    rows = slice(index * per, (index + 1) * per)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    gaps = []
+    for step in range(STEPS):
+        ids = _ids(step)
+        with torch.no_grad():
+            want = ref(input_ids=ids[rows], labels=ids[rows]).loss.item()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = model(**context_parallel_batch(ids[rows], cp)).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=cp.get_group())
+        gaps.append(abs(mean.item() / cp.size() - want))
+    full = state_dict(model, full=True)
+    want_state = ref.state_dict()
+    return {"losses": max(gaps),
+            "params": max((full[k] - v).abs().max().item() for k, v in want_state.items()),
+            "keys": list(full) == list(want_state)}
+
+
+@pytest.mark.parametrize("arch, strategy", [(a, s) for a in ("llama", "qwen3")
+                                            for s in CP_STRATEGIES])
+def test_a_transformers_model_trains_under_context_parallelism_as_one_process(
+        mesh_pool, arch, strategy):
+    for result in mesh_pool.run(train_context_parallel, 4, arch, strategy):
+        assert result["keys"], "the full state dict's keys differ from nn.Module's"
+        # transformers' loss computes in float32 (logits.float()): each rank sums its own
+        # tokens' there, one process takes the mean of all
+        assert result["losses"] <= 1e-6, result
+        assert result["params"] <= 1e-12, result
