@@ -50,6 +50,10 @@ def make(arch: str) -> torch.nn.Module:
         model = T.MixtralForCausalLM(T.MixtralConfig(**COMMON, num_local_experts=4,
                                                      num_experts_per_tok=2,
                                                      experts_implementation="eager"))
+    elif arch == "qwen3_moe":  # experts in layer 0, a dense MLP in layer 1; q/k norms
+        model = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+            **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=24, mlp_only_layers=[1], experts_implementation="eager"))
     elif arch == "bert":  # an encoder
         model = T.BertForMaskedLM(T.BertConfig(vocab_size=VOCAB, hidden_size=32,
                                                num_hidden_layers=2, num_attention_heads=4,
@@ -129,7 +133,9 @@ DECODERS = ("llama", "qwen3", "mistral", "gemma3")
 CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES if "ep" not in s.split("_")]
          + [(arch, s) for arch in ("gpt2", "mixtral", "bert")
             for s in ("ddp", "fsdp", "hsdp_selective_ac")]
-         + [("mixtral", s) for s in ("ep", "fsdp_ep", "ep_tp_selective_ac")])
+         + [(arch, s) for arch in ("mixtral", "qwen3_moe")
+            for s in ("ep", "fsdp_ep", "ep_tp_selective_ac")]
+         + [("qwen3_moe", s) for s in ("ddp", "fsdp")])
 
 
 @pytest.mark.parametrize("arch, strategy", CASES)
