@@ -59,7 +59,15 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
         assert predicted.coordinate == measured.coordinate
         assert predicted.collectives == measured.collectives, rank
         if runner is not None:
-            assert predicted.collectives == runner[rank], rank
+            assert predicted.collectives == runner[rank][0], rank
+            # FSDP's unsharded float32 gradients held between the micro-batches' backwards
+            assert predicted.accumulated_gradient_bytes == runner[rank][1] > 0, rank
+        assert predicted.accumulated_gradient_bytes == measured.accumulated_gradient_bytes
+        if "pp" in dims:  # the stage's tensor-parallel blocks, whole over shard, in float32
+            d, kv, tp = config.dim, config.kv_heads * config.head_dim, dims.get("tp", 1)
+            block = (2 * d * d + 2 * d * kv + 3 * d * config.ffn_dim) // tp + 2 * d
+            whole = 2 * block + config.vocab * d // tp + d * predicted.coordinate["pp"]
+            assert predicted.accumulated_gradient_bytes == 4 * whole, rank
         assert predicted.parameter_bytes == measured.parameter_bytes
         assert predicted.optimizer_bytes == measured.optimizer_bytes
         assert predicted.activation_bytes_per_microbatch == pytest.approx(
@@ -79,6 +87,24 @@ def pipelined_step(dims, checkpointing="none"):
 
     mesh, model = build_rank_model(CONFIG, dims, "cpu", checkpointing=checkpointing)
     stage = mesh.get_coordinate()[0]
+    # the most unsharded gradients FSDP's units hold between the runner's backwards: each
+    # unit's accumulated tensors, read after every reduction it makes or holds back
+    units = [m._devmesh_fsdp for m in model.modules() if getattr(m, "_devmesh_fsdp", None)]
+    held = [0]
+
+    def watched(unit):
+        reduce = unit.reduce_grads
+
+        def reduce_grads(grads):
+            out = reduce(grads)
+            held[0] = max(held[0], sum(sum(g.numel() * g.element_size()
+                                               for g in u._accumulated or () if g is not None)
+                                           for u in units))
+            return out
+        return reduce_grads
+
+    for unit in units:
+        unit.reduce_grads = watched(unit)
     runner = PipelineRunner({stage: model}, mesh, build_schedule("1f1b", 2, 4),
                             lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
     data = CONFIG.batch // dims["shard"]
@@ -88,7 +114,7 @@ def pipelined_step(dims, checkpointing="none"):
     # train context), and torch's collectives for it and for DTensor activations count too
     with comm_stats(include_torch=True) as stats, loss_parallel():
         runner.step(x if stage == 0 else None, x if stage == 1 else None)
-    return {key: tuple(value) for key, value in stats.records.items()}
+    return {key: tuple(value) for key, value in stats.records.items()}, held[0]
 
 
 @pytest.mark.parametrize("dims", [{"dp": 8}, {"shard": 4, "tp": 2}], ids=str)

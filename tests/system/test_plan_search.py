@@ -53,7 +53,8 @@ def test_the_closed_form_equals_the_dry_run_on_every_kind_of_candidate():
         for stage, measured in enumerate(measure(CONFIG, candidate)):
             estimated = estimate(CONFIG, candidate, stage, calibration)
             for name in ("layers", "parameters", "parameter_bytes", "gradient_bytes",
-                         "optimizer_bytes", "activation_bytes_per_microbatch",
+                         "optimizer_bytes", "accumulated_gradient_bytes",
+                         "activation_bytes_per_microbatch",
                          "microbatches_in_flight", "compute_dtype", "collectives"):
                 assert getattr(estimated, name) == getattr(measured, name), (
                     candidate.describe(), stage, name)
@@ -68,7 +69,7 @@ def test_the_closed_form_equals_the_dry_run_under_activation_checkpointing(candi
     for stage, measured in enumerate(measure(CONFIG, candidate)):
         estimated = estimate(CONFIG, candidate, stage, calibration)
         for name in ("parameters", "activation_bytes_per_microbatch", "microbatches_in_flight",
-                     "collectives", "checkpointing"):
+                     "collectives", "checkpointing", "accumulated_gradient_bytes"):
             assert getattr(estimated, name) == getattr(measured, name), (stage, name)
 
 

@@ -457,6 +457,13 @@ class FSDPUnit:
         """Drop the parameters kept between backwards (``set_reshard_after_backward(True)``)."""
         self._kept = None
 
+    def accumulated_gradient_bytes(self) -> int:
+        """The bytes of the unsharded gradients held between backwards without
+        synchronization (``set_requires_gradient_sync(False)``: a pipeline's micro-batches,
+        gradient accumulation): what the dry run counts."""
+        return sum(g.numel() * g.element_size() for g in self._accumulated or ()
+                   if g is not None)
+
     def release_weight_gradient_gather(self) -> None:
         """A pipeline step ended: drop the parameters still kept for a weight-gradient half
         (``W``) that never came (a unit whose parameters are frozen has none)."""

@@ -321,6 +321,7 @@ def reports_as_json(config: TransformerConfig, dims: dict[str, int],
             "layers": list(report.layers), "parameters": report.parameters,
             "parameter_bytes": report.parameter_bytes, "gradient_bytes": report.gradient_bytes,
             "optimizer_bytes": report.optimizer_bytes,
+            "accumulated_gradient_bytes": report.accumulated_gradient_bytes,
             "activation_bytes_per_microbatch": report.activation_bytes_per_microbatch,
             "microbatches_in_flight": report.microbatches_in_flight,
             "activation_bytes": report.activation_bytes, "total_bytes": report.total_bytes,
@@ -367,6 +368,9 @@ def format_reports(config: TransformerConfig, dims: dict[str, int], reports: lis
         lines.append(f"  parameters {_gib(report.parameter_bytes):>14}   (float32)")
         lines.append(f"  gradients  {_gib(report.gradient_bytes):>14}")
         lines.append(f"  AdamW      {_gib(report.optimizer_bytes):>14}   (2 states)")
+        if report.accumulated_gradient_bytes:
+            lines.append(f"  accumulated{_gib(report.accumulated_gradient_bytes):>14}   "
+                         "(FSDP's unsharded float32 gradients, between micro-batches)")
         lines.append(f"  activations{_gib(report.activation_bytes):>14}   "
                      f"({_gib(report.activation_bytes_per_microbatch)} per micro-batch x "
                      f"{report.microbatches_in_flight} in flight, {report.compute_dtype})")

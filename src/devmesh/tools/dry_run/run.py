@@ -76,6 +76,9 @@ class RankReport:
     activation_bytes_per_microbatch: int
     microbatches_in_flight: int
     compute_dtype: str = "float32"
+    #: FSDP's unsharded gradients (float32) summed over a pipeline's micro-batches: held
+    #: from the stage's first backward of the step to its last, which reduce-scatters them
+    accumulated_gradient_bytes: int = 0
     collectives: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     seconds: float = 0.0
     checkpointing: str | int = "none"  # the blocks' activation checkpointing
@@ -87,7 +90,7 @@ class RankReport:
     @property
     def total_bytes(self) -> int:
         return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
-                + self.activation_bytes)
+                + self.activation_bytes + self.accumulated_gradient_bytes)
 
     def by_dim(self) -> dict[str, tuple[int, int]]:
         """Calls and bytes per mesh dim (summed over the kinds of collective)."""
@@ -290,6 +293,8 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
         parameter_bytes=grown(one.parameter_bytes, two.parameter_bytes),
         gradient_bytes=grown(one.gradient_bytes, two.gradient_bytes),
         optimizer_bytes=grown(one.optimizer_bytes, two.optimizer_bytes),
+        accumulated_gradient_bytes=grown(one.accumulated_gradient_bytes,
+                                         two.accumulated_gradient_bytes),
         activation_bytes_per_microbatch=grown(one.activation_bytes_per_microbatch,
                                               two.activation_bytes_per_microbatch),
         microbatches_in_flight=one.microbatches_in_flight, compute_dtype=one.compute_dtype,
@@ -339,6 +344,8 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
         actions = [a for m in range(microbatches) for a in (("F", m), ("B", m))]
     syncs = [m for m in (getattr(m, "set_requires_gradient_sync", None)
                          for m in model.modules()) if m is not None]
+    units = [u for u in (getattr(m, "_devmesh_fsdp", None) for m in model.modules()) if u]
+    accumulated = 0  # the most unsharded gradients FSDP holds between backwards
     backwards = [a for a in actions if (a.kind if schedule else a[0]) in ("B", "I")]
     outputs: dict[int, torch.Tensor] = {}
     # the activations of one micro-batch, from a forward before the step (not counted:
@@ -370,6 +377,8 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
                 out = outputs.pop(mb)
                 grad = None if out.dim() == 0 else torch.ones_like(out)
                 out.backward(grad)
+                accumulated = max(accumulated,
+                                  sum(u.accumulated_gradient_bytes() for u in units))
     collectives = {key: (calls, nbytes) for key, (calls, nbytes) in stats.records.items()}
     if pp > 1:
         add_pipeline_messages(collectives, schedule, stage, mb_size, config,
@@ -382,7 +391,8 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
         parameter_bytes=param_bytes, gradient_bytes=param_bytes,
         optimizer_bytes=2 * params * 4, activation_bytes_per_microbatch=saved.bytes,
         microbatches_in_flight=in_flight, compute_dtype=str(activation_dtype).split(".")[-1],
-        collectives=collectives, checkpointing=checkpointing)
+        collectives=collectives, checkpointing=checkpointing,
+        accumulated_gradient_bytes=accumulated)
 
 
 def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: str = "meta",

@@ -22,7 +22,9 @@ The closed form, per rank of a stage with ``b`` blocks and ``m`` micro-batches:
 - FSDP: every block a unit gathered in its forward and again in its backward per micro-batch
   (the stage's root unit, holding embedding or head, once per micro-batch), in the compute
   dtype, rounded up to ``shard`` rows; its float32 gradients reduce-scattered once per step;
-  HSDP all-reduces the shards over ``dp``; DDP all-reduces the float32 gradients;
+  HSDP all-reduces the shards over ``dp``; DDP all-reduces the float32 gradients; with
+  several micro-batches the stage's unsharded float32 gradients are held from its first
+  backward to its last (FSDP accumulates them unsynchronized);
 - tensor parallelism: the collectives of each kind one block and the rest of the stage
   send (torchtitan's plan: sequence gathers and reduce-scatters, the norms' and the loss's
   all-reduces), measured with the activations, times blocks, sequences and micro-batches;
@@ -303,7 +305,10 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
             block_shapes[i] for i in _REGISTRATION_ORDER] + (rest_shapes[-2:] if head else [])
         collectives[("all_reduce", "dp")] = (_ddp_buckets([4 * r * c for r, c in order]),
                                              4 * params + flags)
-    in_flight = 1
+    in_flight, accumulated = 1, 0
+    if fsdp and m > 1:  # the stage's unsharded float32 gradients, between backwards
+        accumulated = 4 * sum(rows * cols for rows, cols in
+                              blocks * block_shapes + rest_shapes)
     if pp > 1:
         schedule = _schedule(candidate.schedule, pp, m)
         add_pipeline_messages(collectives, schedule, stage, mb_size, config,
@@ -316,7 +321,7 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
         activation_bytes_per_microbatch=measured.activation_bytes(blocks, mb_size),
         microbatches_in_flight=in_flight,
         compute_dtype=config.dtype, collectives=collectives,
-        checkpointing=candidate.checkpointing)
+        checkpointing=candidate.checkpointing, accumulated_gradient_bytes=accumulated)
 
 
 @dataclass
