@@ -196,9 +196,8 @@ def _refuse_unknown_dims(names: tuple[str, ...]) -> None:
                 f"{_ELSEWHERE[name]} on mesh[{name!r}], and parallelize on the other dims")
         if name not in ("tp", "ep", "cp") and name not in SHARD_DIMS + REPLICATE_DIMS:
             raise ParallelizeError(
-                f"parallelize does not know the mesh dim {name!r}: it reads 'tp', 'ep', 'cp', a "
-                "shard "
-                f"dim ({', '.join(SHARD_DIMS)}) and a replicate dim "
+                f"parallelize does not know the mesh dim {name!r}: it reads 'tp', 'ep', 'cp', "
+                f"a shard dim ({', '.join(SHARD_DIMS)}) and a replicate dim "
                 f"({', '.join(REPLICATE_DIMS)})")
 
 
