@@ -113,8 +113,11 @@ def context_parallel_batch(input_ids: torch.Tensor, mesh: DeviceMesh, *,
     embeddings need them), and the loss's targets shifted over the *whole* sequence before
     it is split (``shift_labels``: shifting each rank's piece would lose the target of every
     piece's last token), with ``num_items_in_batch`` the whole sequence's count of targets
-    divided by ``cp``; and an ``attention_mask`` of ones (the batch holds no padding: a padded
-    batch's mask is not a key padding mask that splits over ``cp``, and is refused).
+    divided by ``cp``; and an ``attention_mask`` of ones. No padding mask is taken: ring
+    attention is causal over the whole sequence, so *right* padding is exact (give its
+    targets ``ignore_index`` in ``labels``: no real token attends to a later pad), while
+    *left* padding is not (real tokens would attend to the pads before them) — pad on the
+    right, or pack sequences without padding.
 
     So each rank's ``loss`` is its targets' summed cross-entropy over ``1/cp`` of the
     batch's targets: averaged over ``cp`` (as data parallelism over ``cp`` averages the

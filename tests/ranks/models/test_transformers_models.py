@@ -10,6 +10,9 @@ float32's precision only (the same model split differently rounds differently th
 
 from __future__ import annotations
 
+import copy
+import io
+
 import pytest
 import torch
 
@@ -339,6 +342,13 @@ def mixtral_block_under_ep(ep_size: int, uneven: bool):
     ref_out = ref(whole)
     # the mean over each rank's rows, averaged over the ranks: the whole batch's mean
     ref_out.square().mean().backward()
+    # a copy (deepcopy, pickling) computes as the block; a second split is refused
+    copied = copy.deepcopy(block)
+    buffer = io.BytesIO()
+    torch.save(block, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    again = caught(lambda: expert_parallel(block.experts, mesh["ep"]))
     local = 4 // ep_size
     rows = slice(rank * (4 // ep_size), (rank + 1) * (4 // ep_size))
     experts = slice(rank * local, (rank + 1) * local)
@@ -351,6 +361,8 @@ def mixtral_block_under_ep(ep_size: int, uneven: bool):
                     - ref.experts.gate_up_proj.grad[experts]).abs().max().item(),
         "down": (block.experts.down_proj.grad
                  - ref.experts.down_proj.grad[experts]).abs().max().item(),
+        "copies": [(m(mine.detach()) - out).abs().max().item() for m in (copied, loaded)],
+        "again": again,
     }
 
 
@@ -361,6 +373,10 @@ def test_transformers_own_mixtral_experts_split_over_ep_compute_as_one_process(
         assert result["shape"] == (4 // ep_size, 96, 32), result
         for key in ("out", "input_grad", "router", "gate_up", "down"):
             assert result[key] <= 1e-12, result
+        assert result["copies"] == [0.0, 0.0], result
+        assert result["again"][0] == "ParallelizeError" and result["again"][1].endswith(
+            f"is already split over an ep mesh (4 experts, {4 // ep_size} on this rank); "
+            f"call expert_parallel once per experts module"), result
 
 
 CP_STRATEGIES = {  # name: (mesh shape, dim names, activation checkpointing)

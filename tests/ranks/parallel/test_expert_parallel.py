@@ -15,6 +15,7 @@ from torch import nn
 
 from devmesh import init_device_mesh
 from devmesh.distributed.comm import comm_stats
+from devmesh.parallel import fully_shard
 from devmesh.parallel.expert_parallel import MoE, expert_parallel, expert_parameters
 from helpers import caught
 
@@ -173,9 +174,14 @@ def test_a_capacity_drops_and_counts_the_same_assignments_as_one_process(mesh_po
 
 def refused():
     mesh = init_device_mesh("cpu", (int(os.environ["WORLD_SIZE"]),), mesh_dim_names=("ep",))
+    split = expert_parallel(MoE(8, 16, experts=2), mesh)
+    sharded = MoE(8, 16, experts=2)
+    fully_shard(sharded.experts, mesh=mesh)
     return [caught(lambda: expert_parallel(MoE(8, 16, experts=3), mesh)),
             caught(lambda: expert_parallel(nn.Linear(2, 2), mesh)),
-            caught(lambda: MoE(8, 16, experts=2, top_k=3))]
+            caught(lambda: MoE(8, 16, experts=2, top_k=3)),
+            caught(lambda: expert_parallel(split, mesh)),
+            caught(lambda: expert_parallel(sharded, mesh))]
 
 
 def test_bad_inputs_are_refused_on_every_rank_naming_the_fix(mesh_pool):
@@ -188,6 +194,12 @@ def test_bad_inputs_are_refused_on_every_rank_naming_the_fix(mesh_pool):
             errors[1][1].endswith("got Linear")
         assert errors[2][1].endswith("MoE: top_k = 3 must be between 1 and the number of "
                                      "experts, 2")
+        assert errors[3] == ("ParallelizeError", f"[rank {rank}] expert_parallel: this MoE is "
+                             "already split over an ep mesh of 2 ranks; call expert_parallel "
+                             "once per MoE layer")
+        assert errors[4][1].endswith("is already distributed (expert_parallel, fully_shard or "
+                                     "tensor parallelism ran on it first); apply "
+                                     "expert_parallel once, to the plain module, before FSDP")
 
 
 class _Residual(nn.Module):

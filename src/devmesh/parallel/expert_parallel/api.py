@@ -10,10 +10,11 @@ from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.expert_parallel.dispatch import ExpertParallelDispatch
 from devmesh.parallel.expert_parallel.moe import MoE
-from devmesh.parallel.expert_parallel.stacked import is_stacked_experts, split_stacked_experts
-from devmesh.parallel.param import sharded_parameter
-from devmesh.parallel.placement import place_parameter
-from devmesh.tensor import Shard, distribute_tensor
+from devmesh.parallel.expert_parallel.stacked import (
+    is_stacked_experts,
+    split_by_expert,
+    split_stacked_experts,
+)
 
 __all__ = ["expert_parallel"]
 
@@ -45,18 +46,17 @@ def expert_parallel(moe: torch.nn.Module, mesh: DeviceMesh, *,
             f"experts' weights stacked along dim 0 (an int num_experts, a forward taking "
             f"hidden_states, top_k_index, top_k_weights: transformers' Mixtral, Qwen-MoE), "
             f"got {type(moe).__name__}")
+    if isinstance(moe.dispatch, ExpertParallelDispatch):
+        raise ParallelizeError(
+            f"expert_parallel: this MoE is already split over an ep mesh of "
+            f"{moe.dispatch.mesh.size()} ranks; call expert_parallel once per MoE layer")
     ep = mesh.size()
     if moe.num_experts % ep:
         raise ParallelizeError(
             f"expert_parallel: {moe.num_experts} experts do not split evenly over ep = {ep}: "
             f"use a number of experts divisible by {ep}, or an ep size dividing "
             f"{moe.num_experts}")
-    for name in ("w1", "w2"):
-        param = moe.experts._parameters[name]
-        split = distribute_tensor(param.detach(), mesh, [Shard(0)])
-        new = sharded_parameter(split.to_local().contiguous(), param.requires_grad, mesh,
-                                split.spec)
-        place_parameter(moe.experts, name, new)
+    split_by_expert(moe.experts, ["w1", "w2"], mesh)
     moe.experts.gradient_scale = 1.0 / ep
     moe.dispatch = ExpertParallelDispatch(mesh, data_mesh or mesh)
     return moe

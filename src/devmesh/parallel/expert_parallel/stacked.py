@@ -28,11 +28,12 @@ from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.expert_parallel.dispatch import ExpertParallelDispatch
 from devmesh.parallel.expert_parallel.moe import _ScaleGradient
-from devmesh.parallel.param import sharded_parameter, with_methods
+from devmesh.parallel.param import get_layout, is_dtensor, sharded_parameter, with_methods
 from devmesh.parallel.placement import place_parameter
 from devmesh.tensor import Shard, distribute_tensor
 
-__all__ = ["is_stacked_experts", "split_stacked_experts", "ExpertParallelExperts"]
+__all__ = ["is_stacked_experts", "split_stacked_experts", "split_by_expert",
+           "ExpertParallelExperts"]
 
 _CALL = ("top_k_index", "top_k_weights")
 
@@ -88,19 +89,40 @@ class ExpertParallelExperts:
                                                           weighted.to(hidden_states.dtype))
 
 
+def split_by_expert(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
+    """Replace ``module``'s parameters ``names`` (experts along dim 0) by this rank's
+    contiguous block of experts over the 1-D ``mesh``: ``experts / ep`` of them, in order.
+    A parameter some parallelism already distributed is refused: splitting it again would
+    silently hand each rank a fraction of its own experts."""
+    for name in names:
+        param = module._parameters[name]
+        if get_layout(param) is not None or is_dtensor(param):
+            raise ParallelizeError(
+                f"expert_parallel: {type(module).__name__}.{name} is already distributed "
+                f"(expert_parallel, fully_shard or tensor parallelism ran on it first); apply "
+                f"expert_parallel once, to the plain module, before FSDP")
+    for name in names:
+        param = module._parameters[name]
+        split = distribute_tensor(param.detach(), mesh, [Shard(0)])
+        place_parameter(module, name, sharded_parameter(
+            split.to_local().contiguous(), param.requires_grad, mesh, split.spec))
+
+
 def split_stacked_experts(experts: nn.Module, mesh: DeviceMesh, data_mesh: DeviceMesh
                           ) -> nn.Module:
     """Split ``experts``' stacked parameters over the 1-D ``mesh`` and wrap its call (in
     place; returns it)."""
+    if isinstance(experts, ExpertParallelExperts):
+        raise ParallelizeError(
+            f"expert_parallel: {type(experts).__name__} is already split over an ep mesh "
+            f"({experts.global_num_experts} experts, {experts.num_experts} on this rank); "
+            f"call expert_parallel once per experts module")
     total, ep = experts.num_experts, mesh.size()
     if total % ep:
         raise ParallelizeError(
             f"expert_parallel: {total} experts of {type(experts).__name__} do not split "
             f"evenly over ep = {ep}: use an ep size dividing {total}")
-    for name, param in list(experts._parameters.items()):
-        split = distribute_tensor(param.detach(), mesh, [Shard(0)])
-        place_parameter(experts, name, sharded_parameter(
-            split.to_local().contiguous(), param.requires_grad, mesh, split.spec))
+    split_by_expert(experts, list(experts._parameters), mesh)
     experts.num_experts = total // ep
     experts.global_num_experts = total
     experts.expert_dispatch = ExpertParallelDispatch(mesh, data_mesh)
