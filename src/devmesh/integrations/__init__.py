@@ -1,6 +1,7 @@
 """Models other libraries write, under devmesh's parallelisms: transformers' declared plans
 read as devmesh styles (:mod:`.transformers`), ``parallelize(model, mesh)``, every
-parallelism a mesh's dim names ask for in one call (:mod:`.parallelize`), and checkpoints in
+parallelism a mesh's dim names ask for in one call (:mod:`.parallelize`; a model's pipeline
+stages by its declared plan, :mod:`.pipeline_stages`), and checkpoints in
 transformers' safetensors format read into and written from parallelized models
 (:mod:`.pretrained`)."""
 

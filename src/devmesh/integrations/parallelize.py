@@ -19,25 +19,34 @@ Dim names, as torchtitan's ``ParallelDims`` and devmesh's docs write them:
 * ``dp_shard``, ``shard``, ``dp``, ``fsdp``: FSDP's shard dim;
 * ``dp_replicate``, ``replicate``: replicas (HSDP with a shard dim, else DDP).
 
-A dim it does not place (``pp``, or a name of one's own) is refused by name, with the
-function that places it.
+* ``pp``: pipeline stages — a transformers model split by its declared plan
+  (:mod:`.pipeline_stages`: the embedding on the first stage, the decoder layers in even runs,
+  the final norm and head on the last), each stage parallelized as above on the other dims,
+  run by a :class:`~devmesh.parallel.pipeline.PipelineRunner` with the given schedule, which
+  ``parallelize`` returns instead of the model.
+
+A dim name it does not know is refused by name, listing those it reads.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
+import torch
 from torch import nn
 
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
+from devmesh.integrations.pipeline_stages import REMOVED, transformers_stages
+from devmesh.layout.schedule import Schedule, build_schedule
 from devmesh.parallel.activation_checkpointing import MODES, check_mode, checkpoint_blocks
 from devmesh.parallel.compute_dtype import compute_in
 from devmesh.parallel.context_parallel import context_parallel
 from devmesh.parallel.expert_parallel import MoE, expert_parallel
 from devmesh.parallel.expert_parallel.stacked import is_stacked_experts
 from devmesh.parallel.fsdp import MixedPrecisionPolicy, fully_shard
+from devmesh.parallel.pipeline import PipelineRunner
 from devmesh.parallel.replicate import replicate
 from devmesh.parallel.tensor_parallel import ParallelStyle, parallelize_module
 
@@ -46,9 +55,6 @@ __all__ = ["parallelize", "SHARD_DIMS", "REPLICATE_DIMS", "CHECKPOINTING"]
 SHARD_DIMS = ("dp_shard", "shard", "dp", "fsdp")
 REPLICATE_DIMS = ("dp_replicate", "replicate")
 CHECKPOINTING = MODES
-_ELSEWHERE = {
-    "pp": "pipeline stages: devmesh.parallel.pipeline (split_sequential, PipelineRunner)",
-}
 
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, *,
@@ -56,9 +62,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
                 blocks: Sequence[nn.Module] | None = None,
                 activation_checkpointing: str | int = "none",
                 mp_policy: MixedPrecisionPolicy | None = None,
-                reshard_after_forward: bool | None = None) -> nn.Module:
+                reshard_after_forward: bool | None = None,
+                schedule: str | Schedule = "1f1b", microbatches: int | None = None,
+                loss_fn: Callable[..., torch.Tensor] | None = None
+                ) -> nn.Module | PipelineRunner:
     """Apply to ``model`` what ``mesh``'s dim names ask for (see the module's docstring),
-    in torchtitan's order, and return it.
+    in torchtitan's order, and return it — or, when the mesh has ``pp``, the
+    :class:`~devmesh.parallel.pipeline.PipelineRunner` of this rank's stages.
 
     ``tp_plan``: module name -> devmesh style (default: a transformers model's own
     ``_tp_plan``, translated). ``blocks``: the repeated blocks, each an FSDP unit and a
@@ -69,6 +79,13 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
     in full. ``mp_policy``: compute in its ``param_dtype`` over parameters kept in their own
     dtype, under FSDP (``fully_shard``'s), DDP (``replicate``'s) or tensor parallelism
     alone; ``reshard_after_forward``: as ``fully_shard``'s.
+
+    With ``pp``: ``schedule`` (a name of :data:`~devmesh.parallel.pipeline.SCHEDULES`, or a
+    :class:`~devmesh.parallel.pipeline.Schedule`) over ``microbatches`` (default: the
+    ``pp`` size); ``loss_fn(logits, targets)`` (default: the model's own causal LM loss,
+    its ``loss_function``, the mean over a micro-batch's targets). Train with
+    ``runner.step(input_ids, targets=labels)`` and an optimizer over
+    ``runner.module.parameters()``.
     """
     names = tuple(mesh.mesh_dim_names or ())
     if not names:
@@ -76,6 +93,75 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
                                "mesh_dim_names, e.g. ('dp_shard', 'tp')")
     _refuse_unknown_dims(names)
     check_mode(activation_checkpointing)
+    options = {"tp_plan": tp_plan, "activation_checkpointing": activation_checkpointing,
+               "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
+    if "pp" in names:
+        if blocks is not None:
+            raise ParallelizeError(
+                "parallelize with 'pp' takes each stage's blocks from the model's own "
+                "_no_split_modules: leave blocks= out")
+        return _pipelined(model, mesh, schedule, microbatches, loss_fn, options)
+    return _parallelize_on(model, mesh, names, blocks, **options)
+
+
+def _pipelined(model: nn.Module, mesh: DeviceMesh, schedule: str | Schedule,
+               microbatches: int | None, loss_fn: Callable[..., torch.Tensor] | None,
+               options: dict) -> PipelineRunner:
+    """This rank's stages of ``model``, each parallelized on the mesh's other dims, and the
+    runner that plays ``schedule`` over them."""
+    names = tuple(mesh.mesh_dim_names or ())
+    pp = mesh["pp"]
+    if isinstance(schedule, str):
+        schedule = build_schedule(schedule, pp.size(), microbatches or pp.size())
+    elif microbatches is not None and microbatches != schedule.microbatches:
+        raise ParallelizeError(
+            f"the schedule given plays {schedule.microbatches} micro-batches, microbatches="
+            f"{microbatches}: leave microbatches= out with a Schedule, or give the name")
+    if options["activation_checkpointing"] == "selective" and any(
+            action.kind == "I" for actions in schedule.actions for action in actions):
+        raise ParallelizeError(
+            f"the schedule {schedule.name!r} splits each backward in two (input gradients, "
+            "then weight gradients), and torch's selective checkpointing allows one backward "
+            "through a region: use activation_checkpointing='full' (or an int) with it, or "
+            "a schedule without split backwards (1f1b, interleaved-1f1b, gpipe)")
+    index = pp.get_local_rank()
+    mine = [s for s in range(schedule.stages) if schedule.rank_of(s) == index]
+    stages = transformers_stages(model, schedule.stages, mine)
+    if loss_fn is None:
+        loss_fn = _causal_lm_loss(model)
+    others = tuple(n for n in names if n != "pp")
+    if others or options["mp_policy"] is not None or \
+            options["activation_checkpointing"] != "none":
+        inner = mesh[others] if others else None
+        for s, stage in stages.items():
+            _parallelize_on(stage, inner, others, None, **options)
+    return PipelineRunner(stages, mesh, schedule, loss_fn)
+
+
+def _causal_lm_loss(model: nn.Module) -> Callable[..., torch.Tensor]:
+    """The model's own loss of logits against unshifted targets (transformers'
+    ``loss_function``: shifted, float32, the mean over the targets not ignored)."""
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if vocab is None or not hasattr(model, "loss_function"):
+        raise ParallelizeError(
+            f"{type(model).__name__} has no causal LM loss (a transformers model's "
+            "loss_function and config.vocab_size): pass loss_fn=(logits, targets) -> loss")
+    function = model.loss_function
+
+    def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return function(logits, targets, vocab_size=vocab)
+
+    return loss
+
+
+def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str, ...],
+                    blocks: Sequence[nn.Module] | None, *,
+                    tp_plan: Mapping[str, ParallelStyle] | None,
+                    activation_checkpointing: str | int,
+                    mp_policy: MixedPrecisionPolicy | None,
+                    reshard_after_forward: bool | None) -> nn.Module:
+    """``parallelize`` without ``pp``, on ``mesh`` whose dims are ``names`` (``None`` and no
+    names: activation checkpointing and compute dtype alone)."""
     shard = [n for n in names if n in SHARD_DIMS]
     replicas = [n for n in names if n in REPLICATE_DIMS]
     if len(shard) > 1 or len(replicas) > 1:
@@ -91,7 +177,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
         blocks = hf.blocks_of(model) if hf.is_transformers_model(model) else []
     blocks = _untied(model, list(blocks))
     if "tp" in names:
-        _tensor_parallel(model, mesh["tp"], tp_plan, experts)
+        _tensor_parallel(model, mesh["tp"], tp_plan, experts)  # type: ignore[index]
     if experts:
         data = mesh[(shard[0], "ep")] if shard else mesh["ep"]
         for layer in experts:
@@ -115,8 +201,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
             fully_shard(block, mesh=dp_mesh, **shard_kwargs)
         fully_shard(model, mesh=dp_mesh, **shard_kwargs)
     elif data_mesh is not None:
+        # a transformers model's buffers are constants (rotary tables, embedding scales),
+        # equal after replicate's first broadcast; broadcast again in place before each
+        # forward, they would change under a pipeline's earlier micro-batches' graphs
         replicate(model, mesh=data_mesh, mp_policy=mp_policy,
-                  ignored_modules=[_split_part(layer) for layer in experts])
+                  ignored_modules=[_split_part(layer) for layer in experts],
+                  forward_sync_buffers=not hf.is_transformers_model(model))
     elif mp_policy is not None:  # tensor parallelism alone: nothing reduces the gradients
         compute_in(model, mp_policy)
     return model
@@ -190,14 +280,10 @@ def _untied(model: nn.Module, blocks: list[nn.Module]) -> list[nn.Module]:
 
 def _refuse_unknown_dims(names: tuple[str, ...]) -> None:
     for name in names:
-        if name in _ELSEWHERE:
+        if name not in ("pp", "tp", "ep", "cp") and name not in SHARD_DIMS + REPLICATE_DIMS:
             raise ParallelizeError(
-                f"parallelize does not place the mesh's {name!r} dim; apply "
-                f"{_ELSEWHERE[name]} on mesh[{name!r}], and parallelize on the other dims")
-        if name not in ("tp", "ep", "cp") and name not in SHARD_DIMS + REPLICATE_DIMS:
-            raise ParallelizeError(
-                f"parallelize does not know the mesh dim {name!r}: it reads 'tp', 'ep', 'cp', "
-                f"a shard dim ({', '.join(SHARD_DIMS)}) and a replicate dim "
+                f"parallelize does not know the mesh dim {name!r}: it reads 'pp', 'tp', 'ep', "
+                f"'cp', a shard dim ({', '.join(SHARD_DIMS)}) and a replicate dim "
                 f"({', '.join(REPLICATE_DIMS)})")
 
 
@@ -211,7 +297,8 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
                 "tp_plan={module name: style}")
         _check_heads(model, tp_mesh.size())
         where = {id(m): name for name, m in model.named_modules()}
-        plan = hf.tensor_parallel_plan(model, leave_out=[where[id(m)] for m in experts])
+        plan = hf.tensor_parallel_plan(model, leave_out=[where[id(m)] for m in experts]
+                                       + list(getattr(model, REMOVED, ())))
     parallelize_module(model, tp_mesh, dict(plan))
 
 

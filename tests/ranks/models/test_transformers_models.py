@@ -27,10 +27,11 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden
 TOLERANCE = {"gemma3": 1e-6}  # float32 norms; float64 everywhere else
 
 
-def make(arch: str) -> torch.nn.Module:
+def make(arch: str, layers: int = 2) -> torch.nn.Module:
     import transformers as T
 
     torch.manual_seed(0)
+    COMMON = dict(globals()["COMMON"], num_hidden_layers=layers)
     if arch == "llama":
         model = T.LlamaForCausalLM(T.LlamaConfig(**COMMON))
     elif arch == "llama-eager":  # attention by matmuls, not scaled_dot_product_attention
@@ -42,7 +43,7 @@ def make(arch: str) -> torch.nn.Module:
     elif arch == "gemma3":  # scaled, tied embedding; logit soft-capping; sliding layers
         model = T.Gemma3ForCausalLM(T.Gemma3TextConfig(
             **COMMON, head_dim=8, sliding_window=4, final_logit_softcapping=30.0,
-            layer_types=["sliding_attention", "full_attention"]))
+            layer_types=["sliding_attention", "full_attention"] * (layers // 2)))
     elif arch == "gpt2":  # Conv1D weights, stored transposed
         model = T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32,
                                                n_layer=2, n_head=4, resid_pdrop=0.0,
@@ -150,14 +151,14 @@ def test_a_transformers_model_trains_as_one_process(mesh_pool, arch, strategy):
         assert result["params"] <= tolerance, result
 
 
-def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...]):
+def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...], options: dict):
     from devmesh.parallel import parallelize
 
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    return caught(lambda: parallelize(make(arch), mesh))
+    return caught(lambda: parallelize(make(arch), mesh, **options))
 
 
-@pytest.mark.parametrize("arch, names, shape, says", [
+@pytest.mark.parametrize("arch, names, shape, says, options", [(*row, {}) for row in [
     ("gpt2", ("dp_shard", "tp"), (2, 2), "declares no tensor-parallel plan"),
     ("mixtral", ("dp_shard", "tp"), (2, 2), "'packed_colwise'"),
     ("mixtral", ("dp_shard", "tp"), (2, 2), "experts are split over an 'ep' dim instead"),
@@ -168,11 +169,19 @@ def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...]):
     ("llama-eager", ("dp_shard", "cp"), (2, 2), "attends with 'eager': load or build it with "
      "attn_implementation='sdpa'"),
     ("llama", ("tp",), (4,), "tp may be 1, 2"),
-    ("llama", ("pp", "dp_shard"), (2, 2), "devmesh.parallel.pipeline"),
+    ("gpt2", ("pp", "dp_shard"), (2, 2), "GPT2LMHeadModel declares no pipeline plan"),
+    ("llama", ("pp", "tp"), (4, 1), "4 pipeline stages need at least one decoder layer each; "
+     "the model has 2"),
     ("llama", ("dp", "rows"), (2, 2), "does not know the mesh dim 'rows'"),
+]] + [
+    ("llama", ("pp", "tp"), (2, 2), "torch's selective checkpointing allows one backward "
+     "through a region: use activation_checkpointing='full'",
+     {"schedule": "zbv-zero-bubble", "activation_checkpointing": "selective"}),
+    ("llama", ("pp", "tp"), (2, 2), "leave blocks= out", {"blocks": []}),
 ])
-def test_what_parallelize_cannot_place_is_refused_by_name(mesh_pool, arch, names, shape, says):
-    for error in mesh_pool.run(refused, 4, arch, names, shape):
+def test_what_parallelize_cannot_place_is_refused_by_name(mesh_pool, arch, names, shape, says,
+                                                          options):
+    for error in mesh_pool.run(refused, 4, arch, names, shape, options):
         assert error is not None and error[0] == "ParallelizeError" and says in error[1], error
 
 
@@ -438,3 +447,66 @@ def test_a_transformers_model_trains_under_context_parallelism_as_one_process(
         # tokens' there, one process takes the mean of all
         assert result["losses"] <= 1e-6, result
         assert result["params"] <= 1e-12, result
+
+
+PP_STRATEGIES = {  # name: (mesh shape, dim names, schedule, micro-batches, layers, checkpointing)
+    "pp_fsdp": ((2, 2), ("pp", "dp_shard"), "1f1b", 2, 2, "none"),
+    "pp_ddp_interleaved_full_ac": ((2, 2), ("pp", "dp_replicate"), "interleaved-1f1b", 2, 4,
+                                   "full"),
+    "pp_tp_dualpipe_v_full_ac": ((2, 2), ("pp", "tp"), "dualpipe-v", 4, 4, "full"),
+    "pp_tp_selective_ac": ((2, 2), ("pp", "tp"), "gpipe", 2, 2, "selective"),
+    "pp_ep": ((2, 2), ("pp", "ep"), "1f1b", 2, 2, "none"),
+}
+
+
+def train_pipelined(arch: str, strategy: str):
+    """Pipeline stages over ``pp`` (the model's declared plan) with FSDP, DDP, TP or EP on
+    the other dim: the last stage's loss against one process's on the same rows, and the
+    whole model's state dict (every stage's) against the one process's."""
+    from devmesh.parallel import parallelize
+
+    shape, names, schedule, microbatches, layers, checkpointing = PP_STRATEGIES[strategy]
+    ref = make(arch, layers)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    runner = parallelize(make(arch, layers), mesh, schedule=schedule,
+                         microbatches=microbatches, activation_checkpointing=checkpointing)
+    data = [n for n in names if n not in ("pp", "tp")]
+    index, per = (mesh[data[0]].get_local_rank(), BATCH // mesh[data[0]].size()) if data \
+        else (0, BATCH)
+    rows = slice(index * per, (index + 1) * per)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(runner.module.parameters(), lr=1e-2)
+    gaps = []
+    for step in range(STEPS):
+        ids = _ids(step)
+        with torch.no_grad():
+            want = ref(input_ids=ids[rows], labels=ids[rows]).loss.item()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = runner.step(ids[rows], targets=ids[rows])
+        opt.step()
+        opt.zero_grad()
+        if loss is not None:  # the last stage's rank
+            gaps.append(abs(loss.item() - want))
+    full = runner.state_dict(full=True)
+    want_state = ref.state_dict()
+    return {"losses": max(gaps, default=0.0), "had_loss": bool(gaps),
+            "stages": {s: type(m).__name__ for s, m in runner.stages.items()},
+            "params": max((full[k] - v).abs().max().item() for k, v in want_state.items()),
+            "keys": sorted(full) == sorted(want_state)}
+
+
+@pytest.mark.parametrize("arch, strategy", [
+    ("llama", "pp_fsdp"), ("gemma3", "pp_ddp_interleaved_full_ac"),
+    ("qwen3", "pp_tp_dualpipe_v_full_ac"), ("gemma3", "pp_tp_selective_ac"),
+    ("mixtral", "pp_ep")])
+def test_a_transformers_model_trains_in_pipeline_stages_as_one_process(mesh_pool, arch,
+                                                                       strategy):
+    results = mesh_pool.run(train_pipelined, 4, arch, strategy)
+    assert sum(r["had_loss"] for r in results) == 2, results  # a last stage per data rank
+    for result in results:
+        assert result["keys"], "the stages' state dicts together are not the model's"
+        # transformers computes the loss in float32 (logits.float())
+        assert result["losses"] <= 1e-6, result
+        assert result["params"] <= TOLERANCE.get(arch, 1e-12), result

@@ -155,10 +155,17 @@ def _unwrapped(stage: nn.Module) -> nn.Module:
 
 
 def _join(name: str, first: nn.Module, second: nn.Module) -> nn.Module:
-    """Two stages' parts of one container of the model (``split_sequential`` at a dotted
-    name, interleaved: ``blocks.0-3`` and ``blocks.8-11`` on one rank) as one container
-    under its name; anything else under one name on two stages is refused."""
-    if not (type(first) is type(second) is nn.Sequential):
+    """Two stages' parts of one module of the model (``split_sequential`` at a dotted name,
+    interleaved: ``blocks.0-3`` and ``blocks.8-11`` on one rank; a transformers model's
+    ``model`` holding each stage's decoder layers) as one container under its name. A part
+    holding no state (an ``Identity`` standing for another stage's norm, rotary tables in
+    non-persistent buffers) gives way to the other; two parts of different kinds, or holding
+    state of their own under one name, are refused."""
+    if _stateless(first):
+        return second
+    if _stateless(second):
+        return first
+    if type(first) is not type(second) or _own_state(first) or _own_state(second):
         raise StateDictError(f"stages of this rank share the child name {name!r}: give each "
                              "stage the whole model's names (split_sequential does)")
     children: dict[str, nn.Module] = dict(first.named_children())
@@ -166,6 +173,16 @@ def _join(name: str, first: nn.Module, second: nn.Module) -> nn.Module:
         children[key] = _join(f"{name}.{key}", children[key], child) if key in children \
             else child
     return nn.Sequential(OrderedDict(children))
+
+
+def _stateless(module: nn.Module) -> bool:
+    """No parameter and no persistent buffer anywhere in ``module``."""
+    return not any(True for _ in module.parameters()) and not persistent_buffers(module)
+
+
+def _own_state(module: nn.Module) -> bool:
+    return bool(module._parameters) or any(
+        name not in module._non_persistent_buffers_set for name in module._buffers)
 
 
 class _JoinedStages(nn.Sequential):
