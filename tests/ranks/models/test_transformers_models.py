@@ -388,6 +388,34 @@ def test_transformers_own_mixtral_experts_split_over_ep_compute_as_one_process(
             f"call expert_parallel once per experts module"), result
 
 
+def _steps_against_one_process(ref, parameters, mesh, step) -> list[float]:
+    """``STEPS`` AdamW steps of ``ref`` (one process, the whole batch) and of the
+    parallelized model's ``parameters`` (``step(rows)``: its forward and backward on this
+    data rank's rows, returning the loss where it is known, else ``None``); the gap between
+    each known loss and one process's loss on the same rows."""
+    names = mesh.mesh_dim_names
+    data = [n for n in names if n not in ("pp", "tp", "cp")]
+    index, per = (mesh[data[0]].get_local_rank(), BATCH // mesh[data[0]].size()) if data \
+        else (0, BATCH)
+    rows = slice(index * per, (index + 1) * per)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(parameters, lr=1e-2)
+    gaps = []
+    for number in range(STEPS):
+        ids = _ids(number)
+        with torch.no_grad():
+            want = ref(input_ids=ids[rows], labels=ids[rows]).loss.item()
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        loss = step(ids[rows])
+        opt.step()
+        opt.zero_grad()
+        if loss is not None:
+            gaps.append(abs(loss - want))
+    return gaps
+
+
 CP_STRATEGIES = {  # name: (mesh shape, dim names, activation checkpointing)
     "ddp_cp": ((2, 2), ("dp_replicate", "cp"), "none"),
     "fsdp_cp_full_ac": ((2, 2), ("dp_shard", "cp"), "full"),
@@ -409,27 +437,15 @@ def train_context_parallel(arch: str, strategy: str):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = parallelize(make(arch), mesh, activation_checkpointing=checkpointing)
     cp = mesh["cp"]
-    data = [n for n in names if n not in ("cp", "tp")]
-    index, per = (mesh[data[0]].get_local_rank(), BATCH // mesh[data[0]].size()) if data \
-        else (0, BATCH)
-    rows = slice(index * per, (index + 1) * per)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gaps = []
-    for step in range(STEPS):
-        ids = _ids(step)
-        with torch.no_grad():
-            want = ref(input_ids=ids[rows], labels=ids[rows]).loss.item()
-        ref(input_ids=ids, labels=ids).loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = model(**context_parallel_batch(ids[rows], cp)).loss
+
+    def step(ids: torch.Tensor) -> float:
+        loss = model(**context_parallel_batch(ids, cp)).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad()
         mean = loss.detach().clone()
         dist.all_reduce(mean, group=cp.get_group())
-        gaps.append(abs(mean.item() / cp.size() - want))
+        return mean.item() / cp.size()
+
+    gaps = _steps_against_one_process(ref, model.parameters(), mesh, step)
     full = state_dict(model, full=True)
     want_state = ref.state_dict()
     return {"losses": max(gaps),
@@ -470,25 +486,12 @@ def train_pipelined(arch: str, strategy: str):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     runner = parallelize(make(arch, layers), mesh, schedule=schedule,
                          microbatches=microbatches, activation_checkpointing=checkpointing)
-    data = [n for n in names if n not in ("pp", "tp")]
-    index, per = (mesh[data[0]].get_local_rank(), BATCH // mesh[data[0]].size()) if data \
-        else (0, BATCH)
-    rows = slice(index * per, (index + 1) * per)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = torch.optim.AdamW(runner.module.parameters(), lr=1e-2)
-    gaps = []
-    for step in range(STEPS):
-        ids = _ids(step)
-        with torch.no_grad():
-            want = ref(input_ids=ids[rows], labels=ids[rows]).loss.item()
-        ref(input_ids=ids, labels=ids).loss.backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
-        loss = runner.step(ids[rows], targets=ids[rows])
-        opt.step()
-        opt.zero_grad()
-        if loss is not None:  # the last stage's rank
-            gaps.append(abs(loss.item() - want))
+
+    def step(ids: torch.Tensor) -> float | None:
+        loss = runner.step(ids, targets=ids)
+        return None if loss is None else loss.item()  # on the last stage's ranks
+
+    gaps = _steps_against_one_process(ref, runner.module.parameters(), mesh, step)
     full = runner.state_dict(full=True)
     want_state = ref.state_dict()
     return {"losses": max(gaps, default=0.0), "had_loss": bool(gaps),
