@@ -469,6 +469,12 @@ def batch_p2p(ops: Sequence[tuple[str, torch.Tensor, int]], mesh: DeviceMesh, di
     one). Every message has tag 0: between two ranks, the ``k``-th receive gets the ``k``-th
     send, on every backend (NCCL ignores tags). ``wait()`` on a receive returns its buffer;
     the caller keeps each sent tensor alive until its ``wait()``."""
+    if all(tensor.is_meta for _, tensor, _ in ops):
+        # a dry run's messages (torch's fake process group, meta tensors): there are no
+        # bytes to move, and torch's batch finds no backend for the meta device; counted
+        for kind, tensor, _ in ops:
+            _record(kind, mesh, (dim,), tensor.numel() * tensor.element_size())
+        return [Pending(None, functools.partial(_same, tensor), watch) for _, tensor, _ in ops]
     g = _group(mesh, (dim,))
     p2p = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, _on_wire(tensor),
                       peer=_peer(mesh, dim, peer), group=g.group)

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -23,7 +24,26 @@ from torch import nn
 from devmesh import _torch_compat
 from devmesh.errors import ParallelizeError
 
-__all__ = ["MODES", "check_mode", "checkpoint_blocks", "saved_ops"]
+__all__ = ["MODES", "check_mode", "checkpoint_blocks", "saved_ops", "recomputed_inside"]
+
+_INSIDE = threading.local()  # how deep this thread is in regions recomputed whole
+
+
+@contextlib.contextmanager
+def recomputed_inside() -> Iterator[None]:
+    """Selective checkpointing keeps no op's output inside: the region (ring attention's
+    blockwise loop, whose matmuls are each sequence-chunk pair's scores, quadratic in the
+    chunk) is recomputed in backward from its inputs, as its own backward needs its inputs
+    and outputs only."""
+    _INSIDE.depth = getattr(_INSIDE, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _INSIDE.depth -= 1
+
+
+def _inside() -> bool:
+    return getattr(_INSIDE, "depth", 0) > 0
 
 MODES = ("none", "full", "selective")
 Mode = str | int
@@ -61,7 +81,7 @@ class _ReportSaved(_torch_compat.TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self._ops:
+        if func in self._ops and not _inside():
             for t in _torch_compat.pytree.tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self._on_saved(t)
@@ -71,8 +91,15 @@ class _ReportSaved(_torch_compat.TorchDispatchMode):
 def _selective_contexts(on_saved: Callable[[torch.Tensor], None] | None):
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+    from torch.utils.checkpoint import CheckpointPolicy
+
     ops = saved_ops()
-    forward, recompute = create_selective_checkpoint_contexts(ops)
+
+    def policy(_ctx, op, *_args, **_kwargs):
+        return (CheckpointPolicy.MUST_SAVE if op in ops and not _inside()
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    forward, recompute = create_selective_checkpoint_contexts(policy)
     if on_saved is None:
         return forward, recompute
     stack = contextlib.ExitStack()

@@ -26,6 +26,7 @@ from devmesh import _torch_compat
 from devmesh.distributed import comm
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
+from devmesh.parallel.activation_checkpointing import recomputed_inside
 from devmesh.parallel.context_parallel.sequence import check_cp_mesh, gather_keys, positions_of
 
 __all__ = ["ring_attention", "METHODS"]
@@ -287,7 +288,9 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if scale is None:
         scale = 1.0 / math.sqrt(query.shape[-1])
     mask = key_padding_mask.bool() if key_padding_mask is not None else None
-    if method == "allgather":
-        return _allgather_attention(query, key, value, mask, mesh, is_causal, scale,
+    with recomputed_inside():  # selective checkpointing keeps none of the chunks' scores
+        if method == "allgather":
+            return _allgather_attention(query, key, value, mask, mesh, is_causal, scale,
+                                        load_balance)
+        return _RingAttention.apply(query, key, value, mask, mesh, is_causal, scale,
                                     load_balance)
-    return _RingAttention.apply(query, key, value, mask, mesh, is_causal, scale, load_balance)

@@ -134,12 +134,13 @@ class Attention(nn.Module):
         self.wk = nn.Linear(config.dim, kv, bias=False)
         self.wv = nn.Linear(config.dim, kv, bias=False)
         self.wo = nn.Linear(config.dim, config.dim, bias=False)
+        self.routed = False  # scaled_dot_product_attention is context parallelism's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
         q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2)
                    for w in (self.wq, self.wk, self.wv))
-        if q.is_meta:
+        if q.is_meta and not self.routed:
             # on meta, torch picks the math path, whose saved scores grow with seq x seq; a
             # real run uses a fused kernel saving q, k, v, the output and its log-sum-exp:
             # run that one (its meta kernel), k and v repeated to the query heads

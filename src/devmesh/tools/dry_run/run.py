@@ -42,13 +42,14 @@ from devmesh.tools.dry_run.model import Transformer, TransformerConfig, stage_la
 __all__ = ["DIM_ORDER", "RankReport", "dry_run", "dry_run_by_blocks", "parse_mesh",
            "ranks_to_report", "build_rank_model", "add_pipeline_messages"]
 
-DIM_ORDER = ("pp", "dp", "shard", "tp")  # outer to inner: tensor parallelism inside a host
+DIM_ORDER = ("pp", "dp", "shard", "cp", "tp")  # outer to inner: tensor parallelism inside a host
 _ALIASES = {"fsdp": "shard", "dp_shard": "shard", "dp_replicate": "dp"}
 SCHEDULES = ("gpipe", "1f1b")  # one stage per rank, whole backwards (as devmesh's runner)
 
 
 def parse_mesh(text: str) -> dict[str, int]:
-    """``"pp=4,dp=32,tp=8"`` as ``{"pp": 4, "dp": 32, "tp": 8}`` (``fsdp`` is ``shard``)."""
+    """``"pp=4,dp=32,tp=8"`` as ``{"pp": 4, "dp": 32, "tp": 8}`` (``fsdp`` is ``shard``;
+    ``cp``: context parallelism, each rank a part of every sequence)."""
     dims: dict[str, int] = {}
     for item in text.split(","):
         name, _, size = item.strip().partition("=")
@@ -200,7 +201,8 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
             device: str = "meta", blocks: int | None = None,
             checkpointing: str | int = "none") -> RankReport:
     """One training step of global rank ``rank`` on a mesh of ``dims`` (outer to inner
-    ``pp, dp, shard, tp``; ``dp`` replicates: DDP, or HSDP beside ``shard``), measured.
+    ``pp, dp, shard, cp, tp``; ``dp`` replicates: DDP, or HSDP beside ``shard``; ``cp``
+    splits every sequence, its ranks data-parallel for the parameters), measured.
     ``device="cpu"`` runs the same step with real tensors in a real process group (the test
     that compares the two); the default runs on ``meta`` under a fake world of its own.
     ``blocks`` builds only that many of the stage's transformer blocks (its embedding and
@@ -227,14 +229,24 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
                           f"{', '.join(map(str, _divisors(local)))}")
     if pp > 1 and schedule not in SCHEDULES:
         raise DryRunError(f"--schedule {schedule!r}: the dry run plays {', '.join(SCHEDULES)}")
+    cp = dims.get("cp", 1)
+    if cp > 1 and "dp" in dims and "shard" in dims:
+        raise DryRunError(f"--mesh {dims}: context parallelism goes beside one data-parallel "
+                          "dim (dp or shard), as parallelize places it: drop dp or shard")
+    if config.seq % (2 * cp):
+        fits = [c for c in _divisors(config.seq // 2)]
+        raise DryRunError(f"cp {cp}: the sequence of {config.seq} tokens does not split into "
+                          f"2 x cp = {2 * cp} equal chunks (a head and a tail per rank): cp may "
+                          f"be {', '.join(map(str, fits))}")
+    local_seq = config.seq // cp
     tp = dims.get("tp", 1)
-    if config.heads % tp or config.kv_heads % tp or config.ffn_dim % tp or config.seq % tp:
+    if config.heads % tp or config.kv_heads % tp or config.ffn_dim % tp or local_seq % tp:
         fits = [t for t in _divisors(config.heads)
-                if config.kv_heads % t == 0 and config.ffn_dim % t == 0 and config.seq % t == 0]
+                if config.kv_heads % t == 0 and config.ffn_dim % t == 0 and local_seq % t == 0]
         raise DryRunError(f"tp {tp} does not divide the heads ({config.heads}), kv heads "
                           f"({config.kv_heads}), ffn dim ({config.ffn_dim}) and sequence "
-                          f"({config.seq} tokens, which sequence parallelism splits) together: "
-                          f"tp may be {', '.join(map(str, fits))}")
+                          f"({local_seq} tokens per rank, which sequence parallelism splits) "
+                          f"together: tp may be {', '.join(map(str, fits))}")
     start = time.perf_counter()
     world_context = _fake_world(rank, world) if device == "meta" else contextlib.nullcontext()
     with world_context:
@@ -320,16 +332,17 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     activation_dtype = compute
 
     gen = torch.Generator().manual_seed(0)
+    seq = config.seq // dims.get("cp", 1)  # this rank's part of each sequence
 
     def tokens() -> torch.Tensor:
         if device == "meta":
-            return torch.empty(mb_size, config.seq, dtype=torch.int64, device=device)
-        return torch.randint(0, config.vocab, (mb_size, config.seq), generator=gen)
+            return torch.empty(mb_size, seq, dtype=torch.int64, device=device)
+        return torch.randint(0, config.vocab, (mb_size, seq), generator=gen)
 
     tp = dims.get("tp", 1)
 
     def hidden() -> torch.Tensor:  # the residual stream, split along the sequence over tp
-        shape = (mb_size, config.seq // tp, config.dim)
+        shape = (mb_size, seq // tp, config.dim)
         if device == "meta":
             h = torch.empty(shape, dtype=activation_dtype, device=device)
         else:
@@ -382,7 +395,7 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     collectives = {key: (calls, nbytes) for key, (calls, nbytes) in stats.records.items()}
     if pp > 1:
         add_pipeline_messages(collectives, schedule, stage, mb_size, config,
-                               activation_dtype, tp)
+                               activation_dtype, tp, dims.get("cp", 1))
     in_flight = (activation_liveness(schedule, pp_rank=stage, stage_indices=[stage],
                                      granularity="stage_microbatch").num_slots
                  if schedule is not None else 1)
@@ -400,14 +413,17 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
                      saved: _SavedBytes | None = None) -> tuple[object, Transformer]:
     """This rank's mesh and its part of the model, parallelized as a real run does, in
     torchtitan's order: its pipeline stage's layers (only the first ``blocks`` of them, if
-    given), tensor parallelism over ``tp`` (torchtitan's plan), activation checkpointing of
-    the blocks, then FSDP over ``shard`` (HSDP with ``dp``: each block a unit, then the root;
-    parameters in float32, computing in the config's dtype) or, without ``shard``, DDP over
-    ``dp``. ``saved``: the count of what the checkpointed blocks keep."""
+    given), tensor parallelism over ``tp`` (torchtitan's plan), ring attention over ``cp``
+    in each block, activation checkpointing of the blocks, then FSDP over ``shard`` (HSDP
+    with ``dp``: each block a unit, then the root; parameters in float32, computing in the
+    config's dtype) or, without ``shard``, DDP over ``dp`` — ``cp``'s ranks joining the data
+    dim, as ``parallelize`` places them. ``saved``: the count of what the checkpointed blocks
+    keep."""
     from devmesh import init_device_mesh
     from devmesh.parallel import MixedPrecisionPolicy, fully_shard, parallelize_module, replicate
     from devmesh.parallel.activation_checkpointing import checkpoint_blocks
     from devmesh.parallel.compute_dtype import compute_in
+    from devmesh.parallel.context_parallel import context_parallel
 
     names = tuple(dims)
     mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=names)
@@ -420,6 +436,10 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
     if "tp" in dims:
         parallelize_module(model, mesh["tp"], tp_plan(model))
     plain = list(model.layers.values())
+    if "cp" in dims:  # on each block: a checkpointed block's recompute is routed too
+        for block in plain:
+            block.attention.routed = True
+            context_parallel(block, mesh["cp"])
     held = checkpoint_blocks(model, plain, checkpointing,
                              on_saved=saved.count if saved is not None else None)
     if saved is not None:
@@ -432,15 +452,22 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
     policy = (MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
               if compute != torch.float32 else None)
     if "shard" in dims:
-        data_mesh = mesh["dp", "shard"] if "dp" in dims else mesh["shard"]
+        data_mesh = (mesh["dp", "shard"] if "dp" in dims
+                     else _flattened(mesh, ("shard", "cp")) if "cp" in dims else mesh["shard"])
         for block in model.layers.values():
             fully_shard(block, mesh=data_mesh, mp_policy=policy)
         fully_shard(model, mesh=data_mesh, mp_policy=policy)
-    elif "dp" in dims:
-        replicate(model, mesh=mesh["dp"], mp_policy=policy)
+    elif "dp" in dims or "cp" in dims:
+        data = tuple(d for d in ("dp", "cp") if d in dims)
+        replicate(model, mesh=_flattened(mesh, data) if len(data) > 1 else mesh[data[0]],
+                  mp_policy=policy)
     elif policy is not None:
         compute_in(model, policy)
     return mesh, model
+
+
+def _flattened(mesh, names: tuple[str, ...]):
+    return mesh[names]._flatten("_".join(names))
 
 
 def _loss_parallel():
@@ -450,15 +477,16 @@ def _loss_parallel():
 
 
 def add_pipeline_messages(collectives: dict, schedule, stage: int, mb_size: int,
-                           config: TransformerConfig, dtype: torch.dtype, tp: int = 1) -> None:
+                           config: TransformerConfig, dtype: torch.dtype, tp: int = 1,
+                           cp: int = 1) -> None:
     """The messages this rank's stage sends and receives in one step, as devmesh's runner
-    sends them: per micro-batch, one activation of ``(micro-batch, seq / tp, dim)`` (the
+    sends them: per micro-batch, one activation of ``(micro-batch, seq / cp / tp, dim)`` (the
     residual stream is split along the sequence between blocks) forward across each boundary
     and its gradient back, and before a step's first activation a header announcing its
     shape."""
     from devmesh.parallel.pipeline.messages import HEADER_BYTES
 
-    nbytes = (mb_size * (config.seq // tp) * config.dim
+    nbytes = (mb_size * (config.seq // cp // tp) * config.dim
               * torch.empty((), dtype=dtype).element_size())
     forwards = sum(1 for a in schedule.actions[stage] if a.kind == "F")
     backwards = sum(1 for a in schedule.actions[stage] if a.kind in ("B", "I"))

@@ -71,7 +71,7 @@ class Candidate:
     @property
     def dims(self) -> dict[str, int]:
         sizes = {"pp": self.pp, "dp": self.dp, "shard": self.shard, "tp": self.tp}
-        return {name: sizes[name] for name in DIM_ORDER if sizes[name] > 1} or {"dp": 1}
+        return {name: sizes[name] for name in DIM_ORDER if sizes.get(name, 1) > 1} or {"dp": 1}
 
     @property
     def mesh(self) -> str:
