@@ -207,6 +207,9 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
         replicate(model, mesh=data_mesh, mp_policy=mp_policy,
                   ignored_modules=[_split_part(layer) for layer in experts],
                   forward_sync_buffers=not hf.is_transformers_model(model))
+        if mp_policy is not None:  # DDP leaves the experts alone: they compute in it too
+            for layer in experts:
+                compute_in(_split_part(layer), mp_policy)
     elif mp_policy is not None:  # tensor parallelism alone: nothing reduces the gradients
         compute_in(model, mp_policy)
     return model

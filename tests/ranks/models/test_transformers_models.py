@@ -283,36 +283,44 @@ def test_a_load_refused_on_one_rank_is_refused_on_every_rank(mesh_pool, tmp_path
     assert "rank 1:" in mine[1]
 
 
-def bfloat16_compute(names: tuple[str, ...]):
-    """A float32 Llama parallelized with a bfloat16 MixedPrecisionPolicy on a DDP or a
-    tensor-parallel mesh: it computes in bfloat16 (its logits), its parameters stay float32,
-    and its first loss is one process's with the same policy to bfloat16's precision."""
+def bfloat16_compute(arch: str, names: tuple[str, ...]):
+    """A float32 model parallelized with a bfloat16 MixedPrecisionPolicy on a DDP, a
+    tensor-parallel or an expert-parallel mesh: it computes in bfloat16 (its logits, its
+    experts' outputs), its parameters stay float32, and its first loss is one process's with
+    the same policy to bfloat16's precision."""
     from devmesh.parallel import MixedPrecisionPolicy, parallelize
 
     policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=names)
-    model = parallelize(make("llama").float(), mesh, mp_policy=policy)
+    model = parallelize(make(arch).float(), mesh, mp_policy=policy)
+    experts = set()
+    for module in model.modules():
+        if type(module).__name__.endswith("Experts"):
+            module.register_forward_hook(lambda m, a, out: experts.add(str(out.dtype)))
     ids = _ids(0)[:2]
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     dtypes = {str(p.dtype) for p in model.parameters()}
     grads = {str(p.grad.dtype) for p in model.parameters() if p.grad is not None}
-    return str(out.logits.dtype), dtypes, grads, out.loss.item()
+    return str(out.logits.dtype), dtypes, grads, out.loss.item(), experts
 
 
-@pytest.mark.parametrize("names", [("dp_replicate",), ("tp",)], ids=str)
+@pytest.mark.parametrize("arch, names", [("llama", ("dp_replicate",)), ("llama", ("tp",)),
+                                         ("mixtral", ("ep",))], ids=str)
 def test_mixed_precision_without_fsdp_computes_in_bfloat16_over_float32_weights(mesh_pool,
-                                                                              names):
+                                                                              arch, names):
     from devmesh.parallel.compute_dtype import compute_in
     from devmesh.parallel import MixedPrecisionPolicy
 
-    one = make("llama").float()
+    one = make(arch).float()
     compute_in(one, MixedPrecisionPolicy(param_dtype=torch.bfloat16))
     ids = _ids(0)[:2]
     want = one(input_ids=ids, labels=ids)
     assert want.logits.dtype == torch.bfloat16
-    for logits, dtypes, grads, loss in mesh_pool.run(bfloat16_compute, 2, names):
+    for logits, dtypes, grads, loss, experts in mesh_pool.run(bfloat16_compute, 2, arch,
+                                                              names):
         assert logits == "torch.bfloat16" and dtypes == grads == {"torch.float32"}
+        assert experts == ({"torch.bfloat16"} if arch == "mixtral" else set())
         assert loss == pytest.approx(want.loss.item(), rel=2e-2)
 
 
