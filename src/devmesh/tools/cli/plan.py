@@ -71,7 +71,8 @@ def add(sub) -> None:
                           "llama3-8b:seq=4096,batch=512)")
     dry.add_argument("--mesh", default=None,
                      help="with --model: the mesh, outer to inner, e.g. pp=4,dp=32,tp=8 "
-                          "(dp replicates; shard (or fsdp) shards; both: HSDP)")
+                          "(dp replicates; shard (or fsdp) shards; both: HSDP; cp: context "
+                          "parallelism, ring attention)")
     dry.add_argument("--rank", type=int, default=None,
                      help="with --model: this rank only (default: one rank per pipeline stage)")
     dry.add_argument("--device-memory", default=None,
