@@ -43,9 +43,10 @@ def one_rank_prefix() -> None:
     up; ``devmesh run`` already prefixes every line of a rank's output so, and twice
     (``[rank0]:[rank0]:W1204 ...``) is noise. Drop torch's own, leaving the rest of its
     line as it is."""
-    try:
-        from torch._logging._internal import TorchLogsFormatter
-    except ImportError:  # a torch without it writes no prefix of its own
+    from devmesh._torch_compat import torch_logs_formatter
+
+    TorchLogsFormatter = torch_logs_formatter()
+    if TorchLogsFormatter is None:  # a torch without it writes no prefix of its own
         return
     if getattr(TorchLogsFormatter.format, "_devmesh_one_prefix", False):
         return

@@ -9,7 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-import torchtitan  # noqa: F401  (the test extra installs it: a failed import is a failure)
+# torchtitan is an extra of its own (pip install -e '.[test,torchtitan]'): importing it takes
+# 8-17 s of CPU per process (triton, its config system, quantization), which starved the
+# suite's timed tests on a 2-core machine; the ranks import it, collection only checks it
+pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e "
+                    "'.[torchtitan]' runs this comparison")
 
 VOCAB, SEQ, BATCH, STEPS = 64, 13, 4, 3  # 12 input tokens: sequence parallelism splits them
 
