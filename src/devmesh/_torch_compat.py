@@ -409,14 +409,3 @@ def composable_replicate_state(module: torch.nn.Module) -> tuple[dict, Any]:
     state = _require(_require(composable, "replicate", "torch.distributed._composable"),
                      "state", where)(module)
     return _require(state, "_init_kwargs", f"{where}'s state"), getattr(state, "_ddp", None)
-
-
-def torch_logs_formatter() -> type | None:
-    """torch's log formatter (``torch._logging._internal.TorchLogsFormatter``, which starts
-    each line with ``[rankN]:`` once a process group is up), or ``None`` in a torch
-    without it."""
-    try:
-        from torch._logging._internal import TorchLogsFormatter
-    except ImportError:
-        return None
-    return TorchLogsFormatter

@@ -38,32 +38,6 @@ def die_with_parent(parent: int | None = None) -> None:
 ARGV_VARIABLE = "DEVMESH_RUN_ARGV"
 
 
-def one_rank_prefix() -> None:
-    """torch's log formatter starts each line with ``[rankN]:`` once the process group is
-    up; ``devmesh run`` already prefixes every line of a rank's output so, and twice
-    (``[rank0]:[rank0]:W1204 ...``) is noise. Drop torch's own, leaving the rest of its
-    line as it is."""
-    from devmesh._torch_compat import torch_logs_formatter
-
-    TorchLogsFormatter = torch_logs_formatter()
-    if TorchLogsFormatter is None:  # a torch without it writes no prefix of its own
-        return
-    if getattr(TorchLogsFormatter.format, "_devmesh_one_prefix", False):
-        return
-    torch_format = TorchLogsFormatter.format
-
-    def format(self, record):  # noqa: A001 - logging.Formatter's method name
-        text = torch_format(self, record)
-        prefix = getattr(record, "rankprefix", "")
-        if not prefix:
-            return text
-        return "\n".join(line[len(prefix):] if line.startswith(prefix) else line
-                         for line in text.split("\n"))
-
-    format._devmesh_one_prefix = True  # type: ignore[attr-defined]
-    TorchLogsFormatter.format = format
-
-
 def main(argv: list[str]) -> None:
     """Run ``argv[0]`` with ``argv``; ``devmesh run`` passes the script's arguments in
     ``DEVMESH_RUN_ARGV`` (JSON) instead, because torchrun's parser would otherwise try its own
@@ -77,7 +51,6 @@ def main(argv: list[str]) -> None:
         raise SystemExit("usage: python -m devmesh.launching.child SCRIPT [ARGS...]")
     die_with_parent()
     settle_collective_threads_at_exit()
-    one_rank_prefix()
     # whole lines: the launcher copies each rank's output to the console line by line, and a
     # line written in pieces (print's arguments, unbuffered) would reach it in pieces
     for stream in (sys.stdout, sys.stderr):
