@@ -155,8 +155,12 @@ def test_a_run_that_ended_well_exits_zero(tmp_path, launcher):
     script = tmp_path / "ends.py"
     if launcher.startswith("devmesh run"):
         script.write_text(_ENDS_WITH_A_QUEUED_GLOO_THREAD.format(
-            setup='dist.init_process_group("gloo")'))
+            setup='dist.init_process_group("gloo")\nimport logging\n'
+                  'logging.getLogger("torch.distributed").warning("said by torch")'))
         proc = _devmesh("run", "-n", "2", str(script))
+        # torch's own log line carries devmesh run's rank prefix, once
+        assert re.search(r"^\[rank1\]:W\d{4} [^\n]*ends.py:\d+\] said by torch$", proc.stderr,
+                         re.M) and "[rank1]:[rank1]:" not in proc.stderr, proc.stderr[-2000:]
     else:
         script.write_text(_ENDS_WITH_A_QUEUED_GLOO_THREAD.format(
             setup='from devmesh import init_device_mesh\ninit_device_mesh("cpu", (2,))'))

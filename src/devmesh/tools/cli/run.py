@@ -244,8 +244,11 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger(name).setLevel(logging.CRITICAL)
     relay_restarts(args.max_restarts)  # DEVMESH_LOG=info: a failed rank and each restart
     kept_before = _entries(args.log_dir)
+    from devmesh.launching.console import one_rank_prefix
+
     try:
-        torchrun_main(torchrun_args)
+        with one_rank_prefix():  # torch's log lines carry "[rankN]:" already
+            torchrun_main(torchrun_args)
     except SystemExit as exc:
         return int(exc.code or 0)
     except ChildFailedError as exc:  # the failing rank's own exit code, as a shell would
