@@ -18,7 +18,7 @@ from devmesh.layout.pipeline_program import (
     lower,
     program_problem,
 )
-from devmesh.layout.schedule import SCHEDULES, build_schedule
+from devmesh.layout.schedule import SCHEDULES, build_schedule, stage_bounds
 
 # every schedule takes these (dualpipe-v: 2 x ranks micro-batches; interleaved: equal rounds)
 SIZES = [(2, 4), (2, 6), (4, 8), (3, 6)]
@@ -167,3 +167,18 @@ def test_devmesh_plan_prints_the_checked_programs():
                           "--pp", "2", "--program", "gloo", "--rank", "7"],
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "--rank 7, but the schedule has 2 ranks" in bad.stderr
+
+
+@pytest.mark.parametrize("layers,stages", [(32, 4), (7, 3), (5, 5), (2, 1), (10, 4)])
+def test_stages_split_the_layers_evenly_the_earlier_ones_taking_the_extra(layers, stages):
+    bounds = stage_bounds(layers, stages)
+    assert bounds[0][0] == 0 and bounds[-1][1] == layers
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    sizes = [end - start for start, end in bounds]
+    assert sizes == sorted(sizes, reverse=True) and max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("stages", [0, 6])
+def test_more_stages_than_layers_are_refused_naming_the_sizes_that_work(stages):
+    with pytest.raises(ValueError, match="use 1 to 5 stages"):
+        stage_bounds(5, stages)

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from devmesh.errors import ParallelizeError
+from devmesh.layout.schedule import stage_bounds
 from devmesh.parallel.param import with_methods
 from devmesh.parallel.pipeline.tied import Tie, record_ties
 
@@ -57,9 +58,7 @@ class PipelinePlan:
                 f"{stages} pipeline stages need at least one decoder layer each; the model "
                 f"has {self.count}: use a pp size (times the stages per rank) of at most "
                 f"{self.count}")
-        per, extra = divmod(self.count, stages)
-        starts = [s * per + min(s, extra) for s in range(stages + 1)]
-        return list(zip(starts[:-1], starts[1:], strict=True))
+        return stage_bounds(self.count, stages)
 
 
 def pipeline_plan(model: nn.Module) -> PipelinePlan:

@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from devmesh.errors import ScheduleError
 
-__all__ = ["Action", "Schedule", "ScheduleError", "gpipe", "one_f_one_b", "interleaved_1f1b",
-           "looped_bfs", "zero_bubble", "interleaved_zero_bubble", "zbv_zero_bubble",
-           "dualpipe_v", "SCHEDULES", "PLACEMENTS", "LOOPED", "IN_A_V", "build_schedule",
+__all__ = ["Action", "Schedule", "ScheduleError", "stage_bounds", "gpipe", "one_f_one_b",
+           "interleaved_1f1b", "looped_bfs", "zero_bubble", "interleaved_zero_bubble",
+           "zbv_zero_bubble", "dualpipe_v", "SCHEDULES", "PLACEMENTS", "LOOPED", "IN_A_V", "build_schedule",
            "parse_schedule"]
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
@@ -175,6 +175,18 @@ class Schedule:
         for r, actions in enumerate(self.actions):
             lines.append(f"rank {r}: " + " ".join(map(str, actions)))
         return "\n".join(lines)
+
+
+def stage_bounds(layers: int, stages: int) -> list[tuple[int, int]]:
+    """The layers ``[start, end)`` of each of ``stages`` pipeline stages over ``layers``
+    repeated blocks: as even as they go, the earlier stages taking one more where they do not
+    divide (torchtitan's even split). The one rule for the runner's stages and the dry run's."""
+    if not 1 <= stages <= layers:
+        raise ValueError(f"{stages} pipeline stages over {layers} layers: each stage needs "
+                         f"at least one layer, so use 1 to {layers} stages")
+    per, extra = divmod(layers, stages)
+    starts = [s * per + min(s, extra) for s in range(stages + 1)]
+    return list(zip(starts[:-1], starts[1:], strict=True))
 
 
 def _rank_of(stage: int, ranks: int, placement: str) -> int:

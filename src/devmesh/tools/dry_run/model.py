@@ -21,6 +21,7 @@ from torch import nn
 
 from devmesh._torch_compat import cpu_flash_attention
 from devmesh.errors import DryRunError as ConfigError
+from devmesh.layout.schedule import stage_bounds
 
 __all__ = ["TransformerConfig", "PRESETS", "read_config", "Transformer", "Block",
            "stage_layers", "tp_plan"]
@@ -208,9 +209,7 @@ def stage_layers(config: TransformerConfig, stages: int, stage: int) -> tuple[in
     if stages > config.layers:
         raise ConfigError(f"{stages} pipeline stages for {config.layers} layers: use at most "
                           f"{config.layers} stages")
-    base, extra = divmod(config.layers, stages)
-    first = stage * base + min(stage, extra)
-    return first, first + base + (stage < extra)
+    return stage_bounds(config.layers, stages)[stage]
 
 
 def tp_plan(model: Transformer) -> dict[str, object]:
