@@ -77,7 +77,9 @@ SCRIPT = textwrap.dedent('''
         nn.functional.mse_loss(model(x), y).backward()
         time.sleep(0.15)  # a step that takes time, as real ones do
         result = replicas.step()
-        if result.healed and last_step() is None and group == fault.get("last_heal", group):
+        # one group writes it (two healed groups could each write a stop of their own)
+        if (result.healed and last_step() is None
+                and group == fault.get("last_heal", fault["group"])):
             open(stop + f".{rank}", "w").write(str(max(steps, result.step + 3)))
             os.replace(stop + f".{rank}", stop)
         log.write(json.dumps({"t": time.time(), "attempt": attempt, **result.__dict__}) + "\\n")
@@ -98,6 +100,7 @@ def _run(tmp_path, groups, ranks, steps, fault, *, shard=False, timeout_s=3):
                str(steps), "shard" if shard else "whole", json.dumps(fault)]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    (tmp_path / "launcher-stderr.txt").write_text(done.stderr)  # for a failed check to show
     logs = {(g, r): [json.loads(line) for line in
                      (tmp_path / f"log-{g}-{r}.jsonl").read_text().splitlines()]
             for g in range(groups) for r in range(ranks)}
@@ -122,6 +125,19 @@ def _reference(ranks, committed):
     return model.state_dict()
 
 
+def _what_happened(tmp_path, logs) -> str:
+    """Each rank's committed steps by attempt, and the end of the launcher's log: what a
+    failed consistency check needs to be understood."""
+    lines = []
+    for (g, r), rows in sorted(logs.items()):
+        by_attempt: dict[str, list[int]] = {}
+        for row in rows:
+            by_attempt.setdefault(row["attempt"], []).append(
+                row["step"] if row["committed"] else -1)
+        lines.append(f"group {g} rank {r}: steps by attempt (-1: not committed) {by_attempt}")
+    return "\n".join(lines) + "\n" + (tmp_path / "launcher-stderr.txt").read_text()[-4000:]
+
+
 def _check(tmp_path, logs, groups, ranks, steps, died_at, *, faulty, at_step, commit_within,
            heal_within):
     """The bounds on seconds are loose (a loaded CI machine runs these several times slower
@@ -130,8 +146,11 @@ def _check(tmp_path, logs, groups, ranks, steps, died_at, *, faulty, at_step, co
     survivor = logs[(next(g for g in range(groups) if g != faulty), 0)]
     committed = [(row["step"], row["contributors"]) for row in survivor if row["committed"]]
     # each step once, in order (the groups step on past ``steps`` until the faulty one healed)
-    assert [s for s, _ in committed] == list(range(len(committed))) and len(committed) >= steps
-    assert all(len([r for r in rows if r["committed"]]) <= len(committed) for rows in logs.values())
+    told = _what_happened(tmp_path, logs)
+    assert [s for s, _ in committed] == list(range(len(committed))), told
+    assert len(committed) >= steps, told
+    assert all(len([r for r in rows if r["committed"]]) <= len(committed)
+               for rows in logs.values()), told
     # every member logged the same commit of every step it took part in
     for (g, r), rows in logs.items():
         for row in rows:
