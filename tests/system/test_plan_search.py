@@ -42,6 +42,9 @@ KINDS = [  # every data-parallel kind, with and without tp and pp, both schedule
     Candidate(1, 2, 2, 2, "1f1b", 2), Candidate(2, 4, 1, 1, "1f1b", 4),
     Candidate(2, 1, 2, 2, "gpipe", 4), Candidate(2, 2, 2, 1, "1f1b", 8),
     Candidate(4, 1, 1, 2, "gpipe", 8), Candidate(4, 2, 1, 1, "1f1b", 4),
+    # context parallelism: FSDP over shard x cp, DDP over dp x cp or cp, with tp and pp
+    Candidate(1, 1, 4, 1, "1f1b", 2, cp=2), Candidate(1, 4, 1, 1, "1f1b", 1, cp=2),
+    Candidate(2, 1, 2, 1, "1f1b", 4, cp=2), Candidate(1, 1, 1, 2, "1f1b", 2, cp=4),
 ]
 
 
@@ -62,7 +65,9 @@ def test_the_closed_form_equals_the_dry_run_on_every_kind_of_candidate():
 
 @pytest.mark.parametrize("candidate", [
     Candidate(1, 2, 2, 2, "1f1b", 2, "full"), Candidate(2, 1, 2, 2, "gpipe", 4, "selective"),
-    Candidate(1, 8, 1, 1, "1f1b", 1, "selective"), Candidate(2, 4, 1, 1, "1f1b", 4, "full")],
+    Candidate(1, 8, 1, 1, "1f1b", 1, "selective"), Candidate(2, 4, 1, 1, "1f1b", 4, "full"),
+    Candidate(1, 1, 2, 2, "1f1b", 2, "selective", cp=2),
+    Candidate(2, 2, 1, 1, "gpipe", 4, "full", cp=2)],
     ids=lambda c: c.describe())
 def test_the_closed_form_equals_the_dry_run_under_activation_checkpointing(candidate):
     calibration = _Calibration(CONFIG)
@@ -107,17 +112,30 @@ def test_the_closed_form_fills_ddps_buckets_as_replicate_does():
 
 
 def test_the_candidates_are_every_valid_shape():
-    found = candidates(CONFIG, 8)
+    found = candidates(CONFIG, 8, min_cp_tokens=1)
     assert len(set(found)) == len(found)
     for c in found:
-        assert c.pp * c.dp * c.shard * c.tp == 8
+        assert c.pp * c.dp * c.shard * c.cp * c.tp == 8
         assert CONFIG.heads % c.tp == 0 and c.pp <= CONFIG.layers
         local = CONFIG.batch // (c.dp * c.shard)
         assert local % c.microbatches == 0 and (c.pp == 1 or c.microbatches >= c.pp)
-    shapes = {(c.pp, c.dp, c.shard, c.tp) for c in found}
-    assert (2, 1, 2, 2) in shapes and (1, 2, 4, 1) in shapes and (8, 1, 1, 1) not in shapes
+        # cp: 2 x cp equal chunks of a sequence, tp splitting a rank's part, one data dim
+        assert CONFIG.seq % (2 * c.cp) == 0 and CONFIG.seq // c.cp % c.tp == 0
+        assert c.cp == 1 or c.dp == 1 or c.shard == 1
+    shapes = {(c.pp, c.dp, c.shard, c.cp, c.tp) for c in found}
+    assert (2, 1, 2, 1, 2) in shapes and (1, 2, 4, 1, 1) in shapes
+    assert (8, 1, 1, 1, 1) not in shapes  # 7 layers
+    assert {(1, 1, 4, 2, 1), (1, 4, 1, 2, 1), (1, 1, 1, 8, 1), (2, 1, 1, 2, 2)} <= shapes
+    assert (1, 2, 2, 2, 1) not in shapes  # HSDP beside cp
+    # a sequence of 8 tokens: cp 4 leaves each rank 2, which tp 2 splits and tp 4 does not;
+    # cp 8 cannot give each rank a head and a tail chunk
+    short = {(c.cp, c.tp) for c in candidates(replace(CONFIG, seq=8), 16, min_cp_tokens=1)}
+    assert (4, 2) in short and (4, 4) not in short and not any(cp == 8 for cp, _ in short)
     assert {c.schedule for c in found if c.pp > 1} == {"1f1b", "gpipe"}
     assert max(c.tp for c in candidates(CONFIG, 8, devices_per_host=2)) == 2
+    # by default, cp only where each rank keeps 4,096 tokens of a sequence or more
+    assert {c.cp for c in candidates(CONFIG, 8)} == {1}
+    assert {c.cp for c in candidates(replace(CONFIG, seq=16384), 8)} == {1, 2, 4}
 
 
 def test_the_search_drops_what_does_not_fit_and_ranks_the_rest():

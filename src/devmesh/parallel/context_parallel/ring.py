@@ -114,10 +114,16 @@ def _rows(t: torch.Tensor, index: int, chunks: int) -> torch.Tensor:
     return t[..., index * size:(index + 1) * size, :]
 
 
+#: where torch's CPU flash attention runs: the CPU, and ``meta`` (shapes only, as the dry run
+#: steps), where it is far cheaper than the scores written out op by op
+_FUSED_DEVICES = ("cpu", "meta")
+
+
 def _block_forward(q, k, v, diagonal: bool, key_mask, scale: float):
     """One sub-block's softmax attention and its log-sum-exp ``(..., Sq, 1)``. On the CPU
-    without a padding mask, torch's fused kernel; else the scores written out."""
-    if key_mask is None and q.device.type == "cpu":
+    (or ``meta``, the dry run's) without a padding mask, torch's fused kernel; else the
+    scores written out."""
+    if key_mask is None and q.device.type in _FUSED_DEVICES:
         out, lse = _torch_compat.cpu_flash_attention()(q, k, v, 0.0, diagonal, scale=scale)
         return out, lse.unsqueeze(-1)
     dtype = _compute_dtype(q.dtype)
@@ -131,7 +137,7 @@ def _block_forward(q, k, v, diagonal: bool, key_mask, scale: float):
 def _block_backward(do, q, k, v, out, lse, diagonal: bool, key_mask, scale: float):
     """The sub-block's share of the gradients of q, k and v, given the whole row's output
     and log-sum-exp (the flash-attention backward's inputs)."""
-    if key_mask is None and q.device.type == "cpu":
+    if key_mask is None and q.device.type in _FUSED_DEVICES:
         backward = _torch_compat.cpu_flash_attention_backward()
         return backward(do, q, k, v, out, lse.squeeze(-1), 0.0, diagonal, scale=scale)
     dtype = _compute_dtype(q.dtype)
@@ -155,6 +161,8 @@ def _sub_allowed(q, k, diagonal: bool, key_mask):
 
 def _merge(out, lse, block_out, block_lse):
     """Two partial softmax results of the same rows as one (log-sum-exp rule), in place."""
+    if out.device.type == "meta":  # the dry run: shapes only, which merging keeps (and
+        return  # torch's meta element-wise ops cost milliseconds each)
     new = torch.logaddexp(lse, block_lse)
     safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
     out.mul_(torch.exp(lse - safe)).add_(block_out * torch.exp(block_lse - safe))

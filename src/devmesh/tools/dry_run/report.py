@@ -112,11 +112,20 @@ class Costs:
         (b0, t0), (b1, t1) = (sizes[index - 1], times[index - 1]), (sizes[index], times[index])
         return t0 + (t1 - t0) * (nbytes - b0) / (b1 - b0)
 
+    def _slowest_part(self, dims: str) -> float | None:
+        """Over dims flattened or grouped together (``shard_cp``), with a bandwidth stated
+        for each part: the slowest part's (a ring over them all crosses its links)."""
+        parts = label_dims(dims)
+        if len(parts) < 2 or any(p not in self.bandwidth for p in parts):
+            return None
+        return min(self.bandwidth[p] for p in parts)
+
     def bus_bandwidth(self, dims: str, kind: str | None = None) -> float:
         """The bandwidth of ``kind`` over ``dims``: measured for that collective over those
         dims, else stated for the dims, else measured for that collective, else the default."""
         for value in (self.by_collective.get((dims, kind)), self.bandwidth.get(dims),
-                      self.by_collective.get(("*", kind)), self.default):
+                      self._slowest_part(dims), self.by_collective.get(("*", kind)),
+                      self.default):
             if value is not None:
                 return value
         raise DryRunError(f"no bandwidth for mesh dims {dims!r}: give --bandwidth "
@@ -209,7 +218,9 @@ def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, in
     full."""
     tp = dims.get("tp", 1)
     data = dims.get("dp", 1) * dims.get("shard", 1)
-    tokens = config.batch // data * config.seq
+    # context parallelism: a rank computes seq / cp of each sequence's tokens, each of them
+    # attending over the whole sequence (the ring brings the rest)
+    tokens = config.batch // data * config.seq // dims.get("cp", 1)
     kv = config.kv_heads * config.head_dim
     matmul = (2 * config.dim * config.dim + 2 * config.dim * kv
               + 3 * config.dim * config.ffn_dim) / tp
@@ -227,9 +238,16 @@ def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, in
     return (3 * per_token + extra) * tokens
 
 
+def label_dims(label: str) -> list[str]:
+    """The mesh dims a collective's label names: ``"dp+shard"`` (a group over several dims)
+    and ``"shard_cp"`` (a dim flattened from several, as FSDP over ``shard`` and ``cp``)
+    both name two."""
+    return [name for part in label.split("+") for name in part.split("_")]
+
+
 def _ranks_of(dims_label: str, dims: dict[str, int]) -> int:
     n = 1
-    for name in dims_label.split("+"):
+    for name in label_dims(dims_label):
         n *= dims.get(name, 1)
     return n
 
@@ -237,16 +255,16 @@ def _ranks_of(dims_label: str, dims: dict[str, int]) -> int:
 def buffer_copies(kind: str, label: str, dims: dict[str, int]) -> int:
     """How many times a rank copies a collective's bytes besides the collective, as the
     dry run's parallelisms do: FSDP's all-gather copies the gathered bytes out of its flat
-    buffer and its reduce-scatter the gradients into one (once each); DDP (``dp`` without
-    ``shard``: :func:`~devmesh.tools.dry_run.run.build_rank_model` replicates over ``dp``)
-    packs each gradient into its bucket before the all-reduce and copies it back after
+    buffer and its reduce-scatter the gradients into one (once each); DDP (``dp`` or ``cp``
+    without ``shard``: :func:`~devmesh.tools.dry_run.run.build_rank_model` replicates over
+    them) packs each gradient into its bucket before the all-reduce and copies it back after
     (twice). Sequence parallelism's all-gathers and reduce-scatters over ``tp`` reorder their
     blocks of the sequence (once each, as FSDP's); tensor parallelism's all-reduces and
     HSDP's (over ``dp``, of the reduce-scattered shard in place) copy nothing."""
     if kind in ("all_gather", "reduce_scatter"):
         return 1
-    if kind == "all_reduce" and label == "dp" and "shard" not in dims:
-        return 2
+    if kind == "all_reduce" and "shard" not in dims and set(label_dims(label)) <= {"dp", "cp"}:
+        return 2  # DDP over dp, cp or both flattened
     return 0
 
 

@@ -1,8 +1,9 @@
 """``devmesh plan --model CONFIG --world N --search``: the mesh to run a model on, chosen.
 
-Every way of writing ``N`` ranks as ``pp x dp x shard x tp`` that the model allows (tensor
-parallelism inside a host and dividing the heads and widths, no more stages than layers, the
-batch splitting over the data ranks), each with the pipeline schedules and micro-batch counts
+Every way of writing ``N`` ranks as ``pp x dp x shard x cp x tp`` that the model allows
+(tensor parallelism inside a host and dividing the heads and widths, no more stages than
+layers, the batch splitting over the data ranks, context parallelism splitting each sequence
+into ``2 x cp`` equal chunks beside one data-parallel dim), each with the pipeline schedules and micro-batch counts
 that fit it, is a candidate. Each is estimated per pipeline stage in closed form (below),
 those whose largest rank does not fit the device's memory are dropped, and the rest are
 ranked by predicted step time (:func:`~devmesh.tools.dry_run.report.predict`, the same model
@@ -13,21 +14,24 @@ only chooses which ones to measure.
 
 The closed form, per rank of a stage with ``b`` blocks and ``m`` micro-batches:
 
-- parameters: each tensor's tensor-parallel block, its first dim split in ``shard`` rows
-  rounded up (FSDP's shards); gradients as many; AdamW two float32 states;
-- activations per micro-batch: measured once per (tp, FSDP or not, stage kind, activation
-  checkpointing) on stages of one and two blocks and micro-batches of one and two
+- parameters: each tensor's tensor-parallel block, its first dim split in ``shard x cp``
+  rows rounded up (FSDP's shards: ``cp``'s ranks are data ranks for the parameters);
+  gradients as many; AdamW two float32 states;
+- activations per micro-batch: measured once per (tp, cp, FSDP or not, stage kind,
+  activation checkpointing) on stages of one and two blocks and micro-batches of one and two
   sequences, each block and the rest of the stage a fixed part (weights cast to the
   compute dtype) and a part per sequence;
 - FSDP: every block a unit gathered in its forward and again in its backward per micro-batch
   (the stage's root unit, holding embedding or head, once per micro-batch), in the compute
   dtype, rounded up to ``shard`` rows; its float32 gradients reduce-scattered once per step;
-  HSDP all-reduces the shards over ``dp``; DDP all-reduces the float32 gradients; with
+  HSDP all-reduces the shards over ``dp``; DDP (over ``dp``, ``cp`` or both) all-reduces
+  the float32 gradients; with
   several micro-batches the stage's unsharded float32 gradients are held from its first
   backward to its last (FSDP accumulates them unsynchronized);
 - tensor parallelism: the collectives of each kind one block and the rest of the stage
   send (torchtitan's plan: sequence gathers and reduce-scatters, the norms' and the loss's
   all-reduces), measured with the activations, times blocks, sequences and micro-batches;
+  context parallelism's ring messages (each block's attention) likewise;
 - the pipeline's messages, counted from the schedule as the dry run counts them.
 """
 
@@ -52,6 +56,10 @@ __all__ = ["Candidate", "Evaluation", "SearchResult", "candidates", "estimate", 
            "search", "format_search", "search_as_json"]
 
 SCHEDULE_NAMES = ("1f1b", "gpipe")
+#: context parallelism is tried while each rank keeps at least this many tokens of every
+#: sequence: below, the ring's messages of a block outweigh its attention, and the search
+#: would spend its time on rings of hundreds of ranks nobody runs
+MIN_TOKENS_PER_CP_RANK = 4096
 MICROBATCH_FACTORS = (1, 2, 4)  # micro-batches per step: pp times these (pp 1: powers of 2)
 
 
@@ -67,10 +75,12 @@ class Candidate:
     schedule: str
     microbatches: int
     checkpointing: str = "none"  # the blocks' activation checkpointing (none, full, selective)
+    cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
 
     @property
     def dims(self) -> dict[str, int]:
-        sizes = {"pp": self.pp, "dp": self.dp, "shard": self.shard, "tp": self.tp}
+        sizes = {"pp": self.pp, "dp": self.dp, "shard": self.shard, "cp": self.cp,
+                 "tp": self.tp}
         return {name: sizes[name] for name in DIM_ORDER if sizes.get(name, 1) > 1} or {"dp": 1}
 
     @property
@@ -93,10 +103,12 @@ SEARCHED_CHECKPOINTING = ("none", "full", "selective")
 
 
 def candidates(config: TransformerConfig, world: int, *, devices_per_host: int = 8,
-               checkpointing: tuple[str, ...] = ("none",)) -> list[Candidate]:
+               checkpointing: tuple[str, ...] = ("none",),
+               min_cp_tokens: int = MIN_TOKENS_PER_CP_RANK) -> list[Candidate]:
     """Every candidate for ``world`` ranks (see the module's docstring for the rules), with
     each of the ``checkpointing`` modes (among :data:`SEARCHED_CHECKPOINTING`: the modes
-    whose blocks are alike, as the closed form needs)."""
+    whose blocks are alike, as the closed form needs); ``cp`` above 1 only where each rank
+    keeps ``min_cp_tokens`` of a sequence or more."""
     for mode in checkpointing:
         if mode not in SEARCHED_CHECKPOINTING:
             raise DryRunError(f"--activation-checkpointing {mode!r} in a search: give "
@@ -105,12 +117,14 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
     if world < 1:
         raise DryRunError(f"--world {world}: give the number of ranks, a positive integer")
     found = []
-    for tp in _divisors(world):
-        if tp > devices_per_host or any(n % tp for n in (config.heads, config.kv_heads,
-                                                         config.ffn_dim, config.seq)):
+    for tp, cp in ((t, c) for t in _divisors(world) for c in _divisors(world // t)):
+        local_seq = config.seq // cp  # a rank's tokens of each sequence, split by tp's SP
+        if tp > devices_per_host or config.seq % (2 * cp) or (
+                cp > 1 and local_seq < min_cp_tokens) or any(
+                n % tp for n in (config.heads, config.kv_heads, config.ffn_dim, local_seq)):
             continue
-        for pp in _divisors(world // tp):
-            data = world // (tp * pp)
+        for pp in _divisors(world // (tp * cp)):
+            data = world // (tp * cp * pp)
             if pp > config.layers or config.batch % data:
                 continue
             local = config.batch // data
@@ -121,96 +135,99 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
                 counts = [2 ** k for k in range(8) if local % 2 ** k == 0]
                 schedules = ("1f1b",)
             for shard in _divisors(data):
+                if cp > 1 and 1 < shard < data:  # cp goes beside one data dim, not HSDP
+                    continue
                 for schedule in schedules:
                     for m in counts:
                         for mode in checkpointing:
                             found.append(Candidate(pp, data // shard, shard, tp, schedule, m,
-                                                   mode))
+                                                   mode, cp))
     if not found:
         raise DryRunError(f"no mesh of {world} ranks suits the model: tp must divide heads "
                           f"({config.heads}), kv heads ({config.kv_heads}), ffn dim "
-                          f"({config.ffn_dim}) and sequence ({config.seq}) and be at most "
+                          f"({config.ffn_dim}) and a rank's part of the sequence "
+                          f"({config.seq} tokens over cp) and be at most "
                           "--devices-per-host "
                           f"{devices_per_host}; the batch ({config.batch}) must split over "
                           "dp x shard")
     return found
 
 
-Traffic = dict[str, tuple[int, int]]  # collective kind -> (calls, bytes)
-
-
 @dataclass
 class _PerSequence:
-    """What a stage adds per micro-batch: saved activation bytes and the tensor-parallel
-    collectives of each kind (calls per block and for the rest of the stage), bytes as
+    """What a stage adds per micro-batch: saved activation bytes and the tensor- and
+    context-parallel collectives of each kind over ``tp`` and ``cp`` (calls per block and
+    for the rest of the stage), bytes as
     ``fixed + per sequence`` per block and for the rest — a block's weights cast to the
     compute dtype (kept for its backward) and the norms' gradients are as many bytes
     whatever the sequences; the activations grow with them."""
 
     activations: tuple[int, int, int, int]  # block fixed, block per sequence; rest ...
-    tp_calls: dict[str, tuple[int, int]]  # kind -> (per block, rest)
-    tp_bytes: dict[str, tuple[int, int, int, int]]  # kind -> block fixed, per seq; rest ...
+    calls: dict[tuple[str, str], tuple[int, int]]  # (kind, dims) -> (per block, rest)
+    bytes: dict[tuple[str, str], tuple[int, int, int, int]]  # (kind, dims) -> block fixed,
+    # block per sequence; rest ...
 
     def activation_bytes(self, blocks: int, sequences: int) -> int:
         bf, bs, rf, rs = self.activations
         return blocks * (bf + bs * sequences) + rf + rs * sequences
 
-    def tp_traffic(self, blocks: int, sequences: int, microbatches: int) -> Traffic:
+    def traffic(self, blocks: int, sequences: int, microbatches: int
+                ) -> dict[tuple[str, str], tuple[int, int]]:
         out = {}
-        for kind, (per_block, rest) in self.tp_calls.items():
-            bf, bs, rf, rs = self.tp_bytes[kind]
+        for key, (per_block, rest) in self.calls.items():
+            bf, bs, rf, rs = self.bytes[key]
             calls = microbatches * (blocks * per_block + rest)
             nbytes = microbatches * (blocks * (bf + bs * sequences) + rf + rs * sequences)
             if calls:
-                out[kind] = (calls, nbytes)
+                out[key] = (calls, nbytes)
         return out
 
 
 class _Calibration:
-    """Activations and tensor-parallel traffic per micro-batch, measured by the dry run once
-    per (tp, FSDP or not, stage kind) and kept: a stage of one block and of two, on a
-    micro-batch of one sequence and of two."""
+    """Activations and the traffic over ``tp`` and ``cp`` per micro-batch, measured by the
+    dry run once per (tp, cp, FSDP or not, stage kind, checkpointing) and kept: a stage of
+    one block and of two, on a micro-batch of one sequence and of two."""
 
     def __init__(self, config: TransformerConfig) -> None:
         self.config = config
-        self._kept: dict[tuple[int, bool, bool, bool, str], _PerSequence] = {}
+        self._kept: dict[tuple[int, bool, bool, bool, str, int], _PerSequence] = {}
 
     def __call__(self, tp: int, fsdp: bool, embedding: bool, head: bool,
-                 checkpointing: str = "none") -> _PerSequence:
-        key = (tp, fsdp, embedding, head, checkpointing)
+                 checkpointing: str = "none", cp: int = 1) -> _PerSequence:
+        key = (tp, fsdp, embedding, head, checkpointing, cp)
         if key not in self._kept:
             self._kept[key] = self._measure(*key)
         return self._kept[key]
 
     def _measure(self, tp: int, fsdp: bool, embedding: bool, head: bool,
-                 checkpointing: str) -> _PerSequence:
+                 checkpointing: str, cp: int) -> _PerSequence:
         # a pipeline whose stage of this kind is stage ``stage``: 1, 2 or 3 stages
         pp = 1 if embedding and head else 2 if embedding or head else 3
         stage = 0 if embedding else pp - 1 if head else 1
         shard = 2 if fsdp else 1
-        dims = {"pp": pp, "shard": shard, "tp": tp}
+        dims = {"pp": pp, "shard": shard, "cp": cp, "tp": tp}
 
         def run(blocks: int, sequences: int) -> RankReport:
             config = replace(self.config, layers=max(self.config.layers, pp),
                              batch=sequences * shard)
-            return dry_run(config, dims, rank=stage * shard * tp, schedule="gpipe",
+            return dry_run(config, dims, rank=stage * shard * cp * tp, schedule="gpipe",
                            microbatches=1, blocks=blocks, checkpointing=checkpointing)
 
-        def on_tp(report: RankReport) -> Traffic:
-            return {kind: value for (kind, dims_), value in report.collectives.items()
-                    if dims_ == "tp"}
+        def per_sequence(report: RankReport) -> dict[tuple[str, str], tuple[int, int]]:
+            # tp's collectives and the ring's messages (DDP's all-reduce over cp is not)
+            return {key: value for key, value in report.collectives.items()
+                    if key[1] == "tp" or key in (("send", "cp"), ("recv", "cp"))}
 
         # stages of one and two blocks, on micro-batches of one and two sequences
         runs = [run(1, 1), run(2, 1), run(1, 2), run(2, 2)]
         activations = _bilinear([r.activation_bytes_per_microbatch for r in runs])
         calls, nbytes = {}, {}
-        if tp > 1:
-            t11, t21, t12, t22 = (on_tp(r) for r in runs)
-            for kind in t11.keys() | t21.keys():
-                (c1, b11), (c2, b21) = t11.get(kind, (0, 0)), t21.get(kind, (0, 0))
-                b12, b22 = t12.get(kind, (0, 0))[1], t22.get(kind, (0, 0))[1]
-                calls[kind] = (c2 - c1, 2 * c1 - c2)
-                nbytes[kind] = _bilinear([b11, b21, b12, b22])
+        t11, t21, t12, t22 = (per_sequence(r) for r in runs)
+        for key in t11.keys() | t21.keys():
+            (c1, b11), (c2, b21) = t11.get(key, (0, 0)), t21.get(key, (0, 0))
+            b12, b22 = t12.get(key, (0, 0))[1], t22.get(key, (0, 0))[1]
+            calls[key] = (c2 - c1, 2 * c1 - c2)
+            nbytes[key] = _bilinear([b11, b21, b12, b22])
         return _PerSequence(activations, calls, nbytes)
 
 
@@ -268,43 +285,46 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
              calibration: Callable[..., _PerSequence]) -> RankReport:
     """The closed-form report of the first rank of ``stage`` (see the module docstring)."""
     pp, shard, tp, m = candidate.pp, candidate.shard, candidate.tp, candidate.microbatches
+    cp = candidate.cp
     fsdp = shard > 1
     first, last = stage_layers(config, pp, stage)
     blocks, embedding, head = last - first, first == 0, last == config.layers
     mb_size = config.batch // (candidate.dp * shard) // m
     block_shapes, rest_shapes = _stage_tensors(config, tp, embedding, head)
+    # cp's ranks are data ranks for the parameters: FSDP over shard x cp flattened, or DDP
+    # over dp x cp (as parallelize and the dry run place them)
+    shards = shard * cp if fsdp else 1
+    fsdp_dims = "shard_cp" if cp > 1 else "shard"
+    ddp_dims = "_".join(d for d, n in (("dp", candidate.dp), ("cp", cp)) if n > 1)
 
     def held(shapes: list[tuple[int, int]]) -> int:
-        return sum(math.ceil(rows / shard) * cols for rows, cols in shapes)
+        return sum(math.ceil(rows / shards) * cols for rows, cols in shapes)
 
     def gathered(shapes: list[tuple[int, int]]) -> int:
-        return shard * held(shapes)
+        return shards * held(shapes)
 
     params = blocks * held(block_shapes) + held(rest_shapes)
-    measured = calibration(tp, fsdp, embedding, head, candidate.checkpointing)
+    measured = calibration(tp, fsdp, embedding, head, candidate.checkpointing, cp)
     compute = torch.empty((), dtype=config.torch_dtype).element_size()
-    collectives: dict[tuple[str, str], tuple[int, int]] = {}
-    if tp > 1:
-        for kind, traffic in measured.tp_traffic(blocks, mb_size, m).items():
-            collectives[(kind, "tp")] = traffic
+    collectives = measured.traffic(blocks, mb_size, m)
     units = blocks + (1 if rest_shapes else 0)
     full_block, full_rest = gathered(block_shapes), gathered(rest_shapes)
     # each reduction carries a float32 flag per parameter (per shard in a reduce-scatter):
     # which parameters got a gradient
     flags = 4 * (blocks * len(block_shapes) + len(rest_shapes))
     if fsdp:
-        collectives[("all_gather", "shard")] = (
+        collectives[("all_gather", fsdp_dims)] = (
             m * (2 * blocks + (1 if rest_shapes else 0)),
             m * (2 * blocks * full_block + full_rest) * compute)
-        collectives[("reduce_scatter", "shard")] = (
-            units, 4 * (blocks * full_block + full_rest) + shard * flags)
+        collectives[("reduce_scatter", fsdp_dims)] = (
+            units, 4 * (blocks * full_block + full_rest) + shards * flags)
         if candidate.dp > 1:
             collectives[("all_reduce", "dp")] = (units, 4 * params + flags)
-    elif candidate.dp > 1:
+    elif ddp_dims:
         order = (rest_shapes[:1] if embedding else []) + blocks * [
             block_shapes[i] for i in _REGISTRATION_ORDER] + (rest_shapes[-2:] if head else [])
-        collectives[("all_reduce", "dp")] = (_ddp_buckets([4 * r * c for r, c in order]),
-                                             4 * params + flags)
+        collectives[("all_reduce", ddp_dims)] = (_ddp_buckets([4 * r * c for r, c in order]),
+                                                 4 * params + flags)
     in_flight, accumulated = 1, 0
     if fsdp and m > 1:  # the stage's unsharded float32 gradients, between backwards
         accumulated = 4 * sum(rows * cols for rows, cols in
@@ -312,10 +332,10 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
     if pp > 1:
         schedule = _schedule(candidate.schedule, pp, m)
         add_pipeline_messages(collectives, schedule, stage, mb_size, config,
-                               config.torch_dtype, tp)
+                               config.torch_dtype, tp, cp)
         in_flight = _in_flight(candidate.schedule, pp, m, stage)
     return RankReport(
-        rank=stage * (candidate.dp * shard * tp), coordinate={}, layers=(first, last),
+        rank=stage * (candidate.dp * shard * cp * tp), coordinate={}, layers=(first, last),
         parameters=params, parameter_bytes=4 * params, gradient_bytes=4 * params,
         optimizer_bytes=8 * params,
         activation_bytes_per_microbatch=measured.activation_bytes(blocks, mb_size),
@@ -365,7 +385,7 @@ def _evaluate(config: TransformerConfig, candidate: Candidate, reports: list[Ran
 def measure(config: TransformerConfig, candidate: Candidate) -> list[RankReport]:
     """The first rank of each pipeline stage, measured by the dry run (one- and two-block
     runs of the stage, extended to its blocks)."""
-    stride = candidate.dp * candidate.shard * candidate.tp
+    stride = candidate.dp * candidate.shard * candidate.cp * candidate.tp
     return [dry_run_by_blocks(config, candidate.dims, rank=stage * stride,
                               schedule=candidate.schedule, microbatches=candidate.microbatches,
                               checkpointing=candidate.checkpointing)
@@ -387,17 +407,20 @@ class SearchResult:
 def search(config: TransformerConfig, world: int, costs: Costs, *,
            device_memory: int | None = None, devices_per_host: int = 8, verify: int = 5,
            progress: Callable[[str], None] | None = None,
-           checkpointing: str | tuple[str, ...] = "none") -> SearchResult:
+           checkpointing: str | tuple[str, ...] = "none",
+           min_cp_tokens: int = MIN_TOKENS_PER_CP_RANK) -> SearchResult:
     """Rank the candidates for ``world`` ranks by predicted step time, dropping those that do
     not fit ``device_memory``; the best ``verify`` (by the closed form) are measured by the
     dry run and ranked again by what it measured. ``checkpointing``: the activation
-    checkpointing modes to try (a name, several, or ``"any"``: every one the search takes)."""
+    checkpointing modes to try (a name, several, or ``"any"``: every one the search takes).
+    ``min_cp_tokens``: context parallelism is tried down to this many tokens per rank."""
     import time
 
     start = time.perf_counter()
     calibration = _Calibration(config)
     modes = _checkpointing_modes(checkpointing)
-    found = candidates(config, world, devices_per_host=devices_per_host, checkpointing=modes)
+    found = candidates(config, world, devices_per_host=devices_per_host, checkpointing=modes,
+                       min_cp_tokens=min_cp_tokens)
     estimated = [_evaluate(config, c, [estimate(config, c, s, calibration)
                                        for s in range(c.pp)], costs, measured=False)
                  for c in found]
