@@ -504,3 +504,27 @@ def test_ranks_sharing_devices_lend_a_lighter_stages_device_to_the_slowest(shari
                                                 if k != "step"))
     # 1.1 ranks per device: the slowest alone on a device is the bound; 4: the mean
     assert (shared == max(busy) / sharing) == (sharing == 1.1)
+
+
+def test_context_parallel_ranks_compute_their_part_and_pay_for_the_flattened_data_dim():
+    """Under cp a rank computes seq / cp tokens of each sequence: shard=4,cp=2 computes what
+    shard=8 does. FSDP's collectives over shard and cp flattened (``shard_cp``) are priced
+    over its 8 ranks (7 hops of latency each) at the slowest of the two dims' bandwidths."""
+    calibration = _Calibration(CONFIG)
+    with_cp = Candidate(1, 1, 4, 1, "1f1b", 1, cp=2)
+    plain = Candidate(1, 1, 8, 1, "1f1b", 1)
+    costs = Costs(tflops=0.05, bandwidth={"shard": 4.0, "cp": 2.0}, latency=2e-5)
+    report = estimate(CONFIG, with_cp, 0, calibration)
+    parts = predict(CONFIG, with_cp.dims, report, costs, "1f1b", 1)
+    plain_parts = predict(CONFIG, plain.dims, estimate(CONFIG, plain, 0, calibration),
+                          costs, "1f1b", 1)
+    assert parts["compute"] == pytest.approx(plain_parts["compute"])
+    free = replace(costs, latency=0.0)
+    calls = sum(c for (_, label), (c, _) in report.collectives.items() if label == "shard_cp")
+    assert calls > 0
+    gap = parts["comm shard_cp"] - predict(CONFIG, with_cp.dims, report, free, "1f1b",
+                                           1)["comm shard_cp"]
+    assert gap == pytest.approx(calls * 7 * costs.latency, rel=1e-9)
+    slow = replace(free, bandwidth={"shard": 4.0, "cp": 1.0})
+    assert predict(CONFIG, with_cp.dims, report, slow, "1f1b", 1)["comm shard_cp"] == \
+        pytest.approx(2 * predict(CONFIG, with_cp.dims, report, free, "1f1b", 1)["comm shard_cp"])
