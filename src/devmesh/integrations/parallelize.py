@@ -85,7 +85,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
     ``pp`` size); ``loss_fn(logits, targets)`` (default: the model's own causal LM loss,
     its ``loss_function``, the mean over a micro-batch's targets). Train with
     ``runner.step(input_ids, targets=labels)`` and an optimizer over
-    ``runner.module.parameters()``.
+    ``runner.module.parameters()``. The model passed in becomes one of this rank's stages,
+    the other stages' parts removed from it: use ``runner.module`` from then on.
     """
     names = tuple(mesh.mesh_dim_names or ())
     if not names:
