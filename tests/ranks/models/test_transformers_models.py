@@ -521,3 +521,57 @@ def test_a_transformers_model_trains_in_pipeline_stages_as_one_process(mesh_pool
         # transformers computes the loss in float32 (logits.float())
         assert result["losses"] <= 1e-6, result
         assert result["params"] <= TOLERANCE.get(arch, 1e-12), result
+
+
+def train_pipelined_context_parallel(arch: str):
+    """Pipeline stages over ``pp`` with context parallelism over ``cp``: each stage's
+    attention runs the ring over ``cp``; the first stage takes this rank's tokens, every
+    stage their whole-sequence positions (``input_kwargs``), the last stage the targets
+    shifted over the whole sequence, summed and divided by the batch's count of them, so
+    the loss averaged over ``cp`` (and over micro-batches, by the runner) is the batch's
+    mean. The loss and the whole model against one process's."""
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from devmesh.integrations.transformers import context_parallel_batch
+    from devmesh.parallel import parallelize
+
+    ref = make(arch)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "cp"))
+    microbatches = 2
+    runner = parallelize(make(arch), mesh, schedule="1f1b", microbatches=microbatches,
+                         loss_fn=lambda logits, targets: F.cross_entropy(
+                             logits.flatten(0, 1).float(), targets.flatten(),
+                             ignore_index=-100, reduction="sum") * microbatches / count[0])
+    cp = mesh["cp"]
+    count = [None]
+
+    def step(ids: torch.Tensor) -> float | None:
+        batch = context_parallel_batch(ids, cp)
+        count[0] = batch["num_items_in_batch"]
+        loss = runner.step(batch["input_ids"], targets=batch["shift_labels"],
+                           input_kwargs={"position_ids": batch["position_ids"],
+                                         "attention_mask": batch["attention_mask"]})
+        if loss is None:
+            return None
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=cp.get_group())
+        return mean.item() / cp.size()
+
+    gaps = _steps_against_one_process(ref, runner.module.parameters(), mesh, step)
+    full = runner.state_dict(full=True)
+    want_state = ref.state_dict()
+    return {"losses": max(gaps, default=0.0), "had_loss": bool(gaps),
+            "params": max((full[k] - v).abs().max().item() for k, v in want_state.items()),
+            "keys": sorted(full) == sorted(want_state)}
+
+
+@pytest.mark.parametrize("arch", ["llama"])
+def test_a_pipelined_transformers_model_trains_under_context_parallelism_as_one_process(
+        mesh_pool, arch):
+    results = mesh_pool.run(train_pipelined_context_parallel, 4, arch)
+    assert sum(r["had_loss"] for r in results) == 2, results  # the last stage's cp ranks
+    for result in results:
+        assert result["keys"], "the stages' state dicts together are not the model's"
+        assert result["losses"] <= 1e-6, result
+        assert result["params"] <= 1e-12, result
