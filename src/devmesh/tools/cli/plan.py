@@ -121,7 +121,8 @@ def add(sub) -> None:
                      help="with --model --world: rank every mesh, schedule and micro-batch "
                           "count by predicted step time (needs --tflops and --bandwidth or "
                           "--costs); drops those over --device-memory; tp at most "
-                          "--devices-per-host (default 8)")
+                          "--devices-per-host (default 8); cp where each rank keeps 4,096 "
+                          "tokens of a sequence or more")
     dry.add_argument("--top", type=int, default=5, help="with --search: candidates printed")
     dry.add_argument("--verify", type=int, default=5,
                      help="with --search: the best this many by the closed form are measured "
