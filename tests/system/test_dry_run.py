@@ -240,6 +240,13 @@ def test_devmesh_plan_model_prints_each_role_and_says_whether_it_fits(tmp_path, 
             code = exit.code
         err = capsys.readouterr().err
         assert code == 2 and words in err, err
+    # cp's chunks: only where there is cp (a sequence of odd length plans without it), and
+    # the cp sizes named are ones that split the sequence
+    for model, mesh, words in (("tiny:seq=12", "cp=4", "cp may be 2, 3, 6"),
+                               ("tiny:seq=15", "cp=2", "give the sequence an even length")):
+        assert main(["plan", "--model", model, "--mesh", mesh]) == 2
+        assert words in capsys.readouterr().err
+    assert main(["plan", "--model", "tiny:seq=15", "--mesh", "dp=2"]) == 0
 
 
 def test_devmesh_plan_model_json_holds_every_number_the_report_has():

@@ -27,8 +27,8 @@ from devmesh.errors import ScheduleError
 
 __all__ = ["Action", "Schedule", "ScheduleError", "stage_bounds", "gpipe", "one_f_one_b",
            "interleaved_1f1b", "looped_bfs", "zero_bubble", "interleaved_zero_bubble",
-           "zbv_zero_bubble", "dualpipe_v", "SCHEDULES", "PLACEMENTS", "LOOPED", "IN_A_V", "build_schedule",
-           "parse_schedule"]
+           "zbv_zero_bubble", "dualpipe_v", "SCHEDULES", "PLACEMENTS", "LOOPED", "IN_A_V",
+           "build_schedule", "parse_schedule"]
 
 DEFAULT_COSTS = {"F": 1.0, "B": 2.0, "I": 1.0, "W": 1.0}
 

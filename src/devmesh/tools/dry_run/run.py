@@ -233,10 +233,12 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
     if cp > 1 and "dp" in dims and "shard" in dims:
         raise DryRunError(f"--mesh {dims}: context parallelism goes beside one data-parallel "
                           "dim (dp or shard), as parallelize places it: drop dp or shard")
-    if config.seq % (2 * cp):
+    if cp > 1 and config.seq % (2 * cp):
+        fits = [c for c in _divisors(config.seq) if c > 1 and config.seq % (2 * c) == 0]
         raise DryRunError(f"cp {cp}: the sequence of {config.seq} tokens does not split into "
-                          f"2 x cp = {2 * cp} equal chunks (a head and a tail per rank): cp may "
-                          f"be {', '.join(map(str, _divisors(config.seq // 2)))}")
+                          f"2 x cp = {2 * cp} equal chunks (a head and a tail per rank): "
+                          + (f"cp may be {', '.join(map(str, fits))}" if fits else
+                             "give the sequence an even length, or drop cp"))
     local_seq = config.seq // cp
     tp = dims.get("tp", 1)
     if config.heads % tp or config.kv_heads % tp or config.ffn_dim % tp or local_seq % tp:

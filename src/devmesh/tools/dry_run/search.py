@@ -3,8 +3,8 @@
 Every way of writing ``N`` ranks as ``pp x dp x shard x cp x tp`` that the model allows
 (tensor parallelism inside a host and dividing the heads and widths, no more stages than
 layers, the batch splitting over the data ranks, context parallelism splitting each sequence
-into ``2 x cp`` equal chunks beside one data-parallel dim), each with the pipeline schedules and micro-batch counts
-that fit it, is a candidate. Each is estimated per pipeline stage in closed form (below),
+into ``2 x cp`` equal chunks beside one data-parallel dim), each with the pipeline schedules
+and micro-batch counts that fit it, is a candidate. Each is estimated per pipeline stage in closed form (below),
 those whose largest rank does not fit the device's memory are dropped, and the rest are
 ranked by predicted step time (:func:`~devmesh.tools.dry_run.report.predict`, the same model
 ``devmesh plan --model --mesh`` prints). The best few are then **measured by the dry run
@@ -119,8 +119,8 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
     found = []
     for tp, cp in ((t, c) for t in _divisors(world) for c in _divisors(world // t)):
         local_seq = config.seq // cp  # a rank's tokens of each sequence, split by tp's SP
-        if tp > devices_per_host or config.seq % (2 * cp) or (
-                cp > 1 and local_seq < min_cp_tokens) or any(
+        if tp > devices_per_host or (cp > 1 and (
+                config.seq % (2 * cp) or local_seq < min_cp_tokens)) or any(
                 n % tp for n in (config.heads, config.kv_heads, config.ffn_dim, local_seq)):
             continue
         for pp in _divisors(world // (tp * cp)):
