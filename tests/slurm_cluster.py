@@ -109,9 +109,11 @@ class SlurmCluster:
         allocated node count (2 != 1)", then "Requested nodes are busy" for ever)."""
         self.command("scontrol", "update", f"JobId={job}", "StartTime=now")
 
-    def wait_for_terminate(self, node: str, job: str, since: int, timeout: float) -> None:
+    def wait_for_terminate(self, node: str, job: str, since: int, timeout: float) -> bool:
         """Until the node's slurmd, started again, has received the controller's terminate
-        of ``job``'s lost run (its log past byte ``since``, from :meth:`log_size`)."""
+        of ``job``'s lost run (its log past byte ``since``, from :meth:`log_size`): whether it
+        did within ``timeout`` seconds (under load the controller's retry can come later;
+        then leave the requeued job to Slurm's own hold, which is there for it)."""
         path = self.folder / "log" / f"slurmd-{node}.log"
         line = f"_rpc_terminate_job: uid = 0 JobId={job}\n"
         deadline = time.monotonic() + timeout
@@ -119,10 +121,9 @@ class SlurmCluster:
             with path.open("rb") as f:
                 f.seek(since)
                 if line.encode() in f.read():
-                    return
+                    return True
             if time.monotonic() > deadline:
-                raise TimeoutError(f"slurmd on {node} was never told to end job {job}'s lost run "
-                                   f"within {timeout:.0f} s: {path}")
+                return False
             time.sleep(0.2)
 
     def log_size(self, name: str) -> int:
