@@ -4,7 +4,8 @@ Every way of writing ``N`` ranks as ``pp x dp x shard x cp x tp`` that the model
 (tensor parallelism inside a host and dividing the heads and widths, no more stages than
 layers, the batch splitting over the data ranks, context parallelism splitting each sequence
 into ``2 x cp`` equal chunks beside one data-parallel dim), each with the pipeline schedules
-and micro-batch counts that fit it, is a candidate. Each is estimated per pipeline stage in closed form (below),
+and micro-batch counts that fit it, is a candidate. Each is estimated per pipeline stage in
+closed form (below),
 those whose largest rank does not fit the device's memory are dropped, and the rest are
 ranked by predicted step time (:func:`~devmesh.tools.dry_run.report.predict`, the same model
 ``devmesh plan --model --mesh`` prints). The best few are then **measured by the dry run
