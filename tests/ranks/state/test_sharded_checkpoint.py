@@ -580,34 +580,37 @@ def test_paths_that_differ_between_ranks_are_refused_on_every_rank(mesh_pool, tm
         assert unchanged and written == [], (unchanged, written)
 
 
-def flipped_byte_in_rows_one_rank_reads(path: str, damaged_row: int):
+def flipped_byte_in_rows_one_rank_reads(path: str, damaged_row: int, target: str = "fsdp"):
     """A replicated 16x16 weight saved whole (one block, one chunk a row), one byte of row
-    ``damaged_row`` flipped, then loaded sharded over 2 ranks: each rank reads (and checks)
-    only its 8 rows. What each rank raised, and whether its parameters stayed as they were."""
+    ``damaged_row`` flipped, then loaded into ``target``: ``fsdp`` over
+    every rank (each reads, and checks, only its rows) or ``ddp`` (every rank reads every
+    row, and the ranks split the checking). What each rank raised, and whether its
+    parameters stayed as they were."""
     from devmesh.parallel.checkpoint import checksums
 
     chunk_bytes = checksums.CHUNK_BYTES
     checksums.CHUNK_BYTES = 64  # one 16-float row a chunk: reads of a few rows are checked
     try:
-        return _flip_and_load(path, damaged_row)
+        return _flip_and_load(path, damaged_row, target)
     finally:  # this worker serves other tests next
         checksums.CHUNK_BYTES = chunk_bytes
 
 
-def _flip_and_load(path: str, damaged_row: int):
+def _flip_and_load(path: str, damaged_row: int, target_kind: str):
     import torch.distributed as dist
 
     from devmesh.errors import CheckpointError
     from devmesh.parallel import replicate
-
-    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    world = int(os.environ["WORLD_SIZE"])
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("dp",))
     torch.manual_seed(0)
     saved = torch.nn.Linear(16, 16, bias=False)
     replicate(saved, mesh=mesh)
     save_checkpoint(path, saved)
+    meta = json.load(open(os.path.join(path, "metadata.json")))
+    block = meta["tensors"]["model.weight"]["blocks"][0]
+    dist.barrier()
     if dist.get_rank() == 0:
-        meta = json.load(open(os.path.join(path, "metadata.json")))
-        block = meta["tensors"]["model.weight"]["blocks"][0]
         assert len(block["crc32"]) == 16
         name = os.path.join(path, block["file"])
         raw = bytearray(open(name, "rb").read())
@@ -616,24 +619,108 @@ def _flip_and_load(path: str, damaged_row: int):
     dist.barrier()
     torch.manual_seed(1)
     target = torch.nn.Linear(16, 16, bias=False)
-    fully_shard(target, mesh=mesh)
+    (fully_shard if target_kind == "fsdp" else replicate)(target, mesh=mesh)
     before = target.weight.detach().clone()
     try:
         load_checkpoint(path, target)
         outcome = "loaded"
     except CheckpointError as exc:
         outcome = f"{type(exc).__name__}: {exc}"
-    return outcome, torch.equal(before, target.weight.detach())
+    return outcome, torch.equal(before, target.weight.detach()), damaged_row
 
 
 def test_a_flipped_byte_is_found_by_the_rank_that_reads_it_and_refused_everywhere(mesh_pool,
                                                                                   tmp_path):
-    (r0, same0), (r1, same1) = mesh_pool.run(flipped_byte_in_rows_one_rank_reads, 2,
-                                             str(tmp_path / "c"), 12)
+    (r0, same0, _), (r1, same1, _) = mesh_pool.run(flipped_byte_in_rows_one_rank_reads, 2,
+                                                   str(tmp_path / "c"), 12)
     assert r1.startswith("CheckpointChecksumError") and "rows 12..12" in r1, r1
     assert "the block of 'model.weight' starting at [0, 0], size [16, 16]" in r1
     assert r0 != "loaded" and "rank 1" in r0, r0  # the rank whose rows were clean refuses too
     assert same0 and same1  # nothing was loaded anywhere
+
+
+def test_replicas_on_one_host_split_the_checking_and_still_refuse_a_flipped_byte(mesh_pool,
+                                                                                 tmp_path):
+    """Every rank of a replicated model reads every row from the host's page cache, and
+    checks only its share: the flipped row is found by one rank (every rank used to check,
+    and find, it), and every rank refuses, nothing loaded."""
+    results = mesh_pool.run(flipped_byte_in_rows_one_rank_reads, 4, str(tmp_path / "c"), 5,
+                            "ddp")
+    found = [i for i, (outcome, _, _) in enumerate(results)
+             if outcome.startswith("CheckpointChecksumError")]
+    assert len(found) == 1, [outcome for outcome, _, _ in results]
+    assert "rows 5..5" in results[found[0]][0]
+    for rank, (outcome, unchanged, _) in enumerate(results):
+        assert unchanged, rank
+        if rank != found[0]:
+            assert outcome.startswith("CheckpointError") and f"rank {found[0]}" in outcome, \
+                outcome
+
+
+def halves_read_by_different_ranks(path: str):
+    """Two replicated 16x16 weights saved over 4 ranks, then loaded by models holding one
+    each (ranks 0, 1 the first, ranks 2, 3 the second: as a pipeline's stages hold their
+    layers), after a byte is flipped in the one whose chunks the host's split of the checking
+    gives to a rank that does not read it. What each rank raised, whether its weight stayed
+    as it was, and which weight was damaged."""
+    import torch.distributed as dist
+
+    from devmesh.errors import CheckpointError
+    from devmesh.parallel import replicate
+    from devmesh.parallel.checkpoint import checksums
+    from devmesh.parallel.checkpoint.format import CheckShare
+
+    chunk_bytes, checksums.CHUNK_BYTES = checksums.CHUNK_BYTES, 64  # a chunk a row
+    try:
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+        torch.manual_seed(0)
+        saved = torch.nn.Sequential(torch.nn.Linear(16, 16, bias=False),
+                                    torch.nn.Linear(16, 16, bias=False))
+        replicate(saved, mesh=mesh)
+        save_checkpoint(path, saved)
+        meta = json.load(open(os.path.join(path, "metadata.json")))
+        readers = {"0": (0, 1), "1": (2, 3)}
+        damaged = [name for name, ranks in readers.items()
+                   if CheckShare(0, 4).owner(meta["tensors"][f"model.{name}.weight"]["blocks"][0]
+                                             ["file"], 0) not in ranks]
+        assert damaged, "every weight's checking falls to one of its readers"
+        block = meta["tensors"][f"model.{damaged[0]}.weight"]["blocks"][0]
+        dist.barrier()
+        if dist.get_rank() == 0:
+            name = os.path.join(path, block["file"])
+            raw = bytearray(open(name, "rb").read())
+            raw[block["offset"] + 7 * 64 + 3] ^= 0x10  # row 7
+            open(name, "wb").write(bytes(raw))
+        dist.barrier()
+        mine = "0" if dist.get_rank() < 2 else "1"
+        target = torch.nn.Sequential()
+        target.add_module(mine, torch.nn.Linear(16, 16, bias=False))  # named as in `saved`
+        before = target.get_submodule(mine).weight.detach().clone()
+        try:
+            load_checkpoint(path, target)
+            outcome = "loaded"
+        except CheckpointError as exc:
+            outcome = f"{type(exc).__name__}: {exc}"
+        return outcome, torch.equal(before, target.get_submodule(mine).weight), damaged[0]
+    finally:  # this worker serves other tests next
+        checksums.CHUNK_BYTES = chunk_bytes
+
+
+def test_a_replicated_row_left_to_a_rank_that_does_not_read_it_is_checked_by_its_readers(
+        mesh_pool, tmp_path):
+    """Ranks that hold different layers read different replicated tensors, so a chunk the
+    host's split of the checking gives to one rank may be read only by others: the digest
+    that confirms the checkpoint shows the reads differ, and each rank checks what it left
+    to others (without that, this flip loaded silently)."""
+    results = mesh_pool.run(halves_read_by_different_ranks, 4, str(tmp_path / "c"))
+    damaged = results[0][2]
+    readers = (0, 1) if damaged == "0" else (2, 3)
+    for rank, (outcome, unchanged, _) in enumerate(results):
+        assert unchanged and outcome != "loaded", (rank, outcome)
+        if rank in readers:
+            assert outcome.startswith("CheckpointChecksumError") and "rows 7..7" in outcome, \
+                outcome
+            assert f"the block of 'model.{damaged}.weight'" in outcome
 
 
 def test_consolidate_names_the_extra_that_reads_its_file_where_it_is_missing(

@@ -18,32 +18,37 @@ previous metadata and the data files it names intact; the next save removes the 
 
 :class:`CheckpointReader` checks the metadata's structure, that every data file exists and is
 as long as the metadata says, and reads any box of any tensor, touching only the rows of the
-blocks that overlap it.
+blocks that overlap it. Ranks of one host that all read the same blocks can split the checking
+among them (:class:`CheckShare`): each chunk is read by every rank from the host's page cache
+and checked by one, and the chunks a rank left to others are listed so that a load can check
+them itself where the ranks turn out to have read different blocks.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
 import re
 import stat
-from dataclasses import dataclass
+import zlib
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from devmesh.errors import CheckpointChecksumError, CheckpointError, CheckpointNotFoundError
 from devmesh.parallel.checkpoint.blocks import overlap
-from devmesh.parallel.checkpoint.checksums import chunk_bounds, chunk_count, crcs_of
+from devmesh.parallel.checkpoint.checksums import CHUNK_BYTES, chunk_bounds, chunk_count
 from devmesh.parallel.checkpoint.encoding import Malformed, dtype_of
 
-__all__ = ["FORMAT", "METADATA", "BlockMeta", "TensorMeta", "CheckpointReader", "data_file_name",
-           "DATA_FILE"]
+__all__ = ["FORMAT", "METADATA", "BlockMeta", "TensorMeta", "CheckpointReader", "CheckShare",
+           "data_file_name", "DATA_FILE"]
 
 FORMAT = "devmesh-sharded-checkpoint/1"
 METADATA = "metadata.json"
-DATA_FILE = re.compile(r"data-[0-9a-f]{16}-r[0-9]{5}\.bin")
+DATA_FILE = re.compile(r"data-[0-9a-f]{16}-r[0-9]{5}\.bin")  # the writer's rank at [-9:-4]
 
 
 def data_file_name(save_id: str, rank: int) -> str:
@@ -73,6 +78,32 @@ class TensorMeta:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass
+class CheckShare:
+    """This rank's part in checking chunks that ``count`` ranks of one host all read (whole
+    tensors stored as one block: replicated ones): the chunks whose :meth:`owner` is
+    ``index``. What the rank read and what it left unchecked are kept, so that the ranks can
+    confirm they read the same chunks (then every chunk was checked on the host) or check
+    the rest themselves."""
+
+    index: int
+    count: int
+    read: set[tuple[str, int]] = field(default_factory=set)  # (file, byte offset) per chunk
+    # (tensor, block, chunk, the chunk's bytes as read) per chunk left to another rank
+    unchecked: list[tuple[TensorMeta, BlockMeta, int, Any]] = field(default_factory=list)
+
+    def owner(self, file: str, at: int) -> int:
+        """The rank (of ``count``) that checks the chunk at byte ``at`` of ``file``: chunks
+        one after another in a file go to ranks one after another, starting at the rank
+        that wrote the file (so a save spread evenly over the ranks is checked evenly)."""
+        return (int(file[-9:-4]) + at // CHUNK_BYTES) % self.count
+
+    def digest(self) -> str:
+        """The chunks read, as a short text equal on ranks that read the same ones."""
+        listed = "\n".join(f"{f}:{at}" for f, at in sorted(self.read))
+        return hashlib.blake2b(listed.encode(), digest_size=8).hexdigest()
 
 
 def _ints(value: Any, where: str, length: int | None = None) -> tuple[int, ...]:
@@ -144,6 +175,7 @@ class CheckpointReader:
             raise CheckpointError(f"{meta_path} is damaged or not written by devmesh: {exc}"
                                   ) from None
         self._handles: dict[str, Any] = {}
+        self.share: CheckShare | None = None  # None: this reader checks every chunk it reads
 
     def _parse(self, raw: Any) -> None:
         if not isinstance(raw, dict) or raw.get("format") != FORMAT:
@@ -208,6 +240,16 @@ class CheckpointReader:
         pieces = [(block, box) for block in meta.blocks
                   if (box := overlap(start, size, block.start, block.size)) is not None]
         self._check_tiled(key, start, size, [box for _, box in pieces])
+        whole = tuple((s, s + n) for s, n in zip(start, size, strict=True))
+        if len(pieces) == 1 and pieces[0][1] == whole:  # one block holds the box: no copy
+            block, box = pieces[0]
+            # a whole tensor stored as one block: what every holder of a replicated tensor
+            # reads, so its checking may be shared (its bytes stay in the tensor returned)
+            shared = size == meta.shape and block.size == meta.shape
+            rows = self._read_block_box(meta, block, box, shared)
+            if rows.is_contiguous() and rows.untyped_storage().nbytes() == rows.nbytes:
+                return rows
+            return rows.clone()
         out = torch.empty(size, dtype=meta.dtype)
         for block, box in pieces:
             out[tuple(slice(lo - s, hi - s) for (lo, hi), s in zip(box, start, strict=True))] = \
@@ -234,11 +276,11 @@ class CheckpointReader:
                 "overlap, leaving part of it unwritten")
 
     def _read_block_box(self, meta: TensorMeta, block: BlockMeta,
-                        box: tuple[tuple[int, int], ...]) -> torch.Tensor:
+                        box: tuple[tuple[int, int], ...], shared: bool = False) -> torch.Tensor:
         if not block.size:  # a 0-d tensor
             raw = self._bytes(block.file, block.offset, meta.dtype.itemsize)
             if block.crc32 is not None:
-                self._check_chunks(meta, block, raw, 0, 0)
+                self._check_chunks(meta, block, raw, 0, 0, shared)
             return raw.view(meta.dtype).reshape(())
         row = math.prod(block.size[1:]) * meta.dtype.itemsize
         first, last = box[0][0] - block.start[0], box[0][1] - block.start[0]
@@ -248,30 +290,55 @@ class CheckpointReader:
             chunk, lo, hi = chunk_bounds(block.size, meta.dtype.itemsize, block.crc_rows,
                                          first, last)
             raw = self._bytes(block.file, block.offset + lo * row, (hi - lo) * row)
-            self._check_chunks(meta, block, raw, chunk, lo * row)
+            self._check_chunks(meta, block, raw, chunk, lo * row, shared)
             raw = raw[(first - lo) * row:(last - lo) * row]
         rows = raw.view(meta.dtype).reshape((last - first, *block.size[1:]))
         return rows[(slice(None), *(slice(lo - s, hi - s) for (lo, hi), s in
                                     zip(box[1:], block.start[1:], strict=True)))]
 
     def _check_chunks(self, meta: TensorMeta, block: BlockMeta, raw: torch.Tensor,
-                      chunk: int, start: int) -> None:
+                      chunk: int, start: int, shared: bool = False) -> None:
         """``raw``, the block's bytes from ``start`` (chunk ``chunk``'s first), against the
-        checksums written with them."""
-        found = crcs_of(raw.numpy(), block.size, meta.dtype.itemsize, block.crc_rows)
-        wanted = block.crc32[chunk:chunk + len(found)]
-        for i, (got, want) in enumerate(zip(found, wanted, strict=True)):
-            if got != want:
-                per = block.crc_rows
-                first = (chunk + i) * per
-                rows = f"rows {first}..{min(first + per, block.size[0]) - 1} of " \
-                    if block.size else ""
-                raise CheckpointChecksumError(
-                    f"{self.path}: {block.file} does not match the checksum written with it "
-                    f"at bytes {block.offset + start}.. ({rows}the block of {meta.key!r} "
-                    f"starting at {list(block.start)}, size {list(block.size)}): the file "
-                    "was changed or damaged after the save; nothing was loaded. Restore the "
-                    "checkpoint from a copy, or load an earlier one")
+        checksums written with them; where the reading is ``shared`` and this reader has a
+        :attr:`share`, only the chunks this rank checks (the others are kept in it, with
+        their bytes)."""
+        row = math.prod(block.size[1:]) * meta.dtype.itemsize if block.size else len(raw)
+        step = block.crc_rows * row if block.size else len(raw)
+        data = raw.numpy()
+        share = self.share if shared else None
+        for i, at in enumerate(range(0, len(raw), step)):
+            if share is not None:
+                offset = block.offset + start + at
+                share.read.add((block.file, offset))
+                if share.owner(block.file, offset) != share.index:
+                    share.unchecked.append((meta, block, chunk + i, data[at:at + step]))
+                    continue
+            if zlib.crc32(data[at:at + step]) != block.crc32[chunk + i]:
+                raise self._mismatch(meta, block, chunk + i)
+
+    def _mismatch(self, meta: TensorMeta, block: BlockMeta, chunk: int
+                  ) -> CheckpointChecksumError:
+        per = block.crc_rows
+        first = chunk * per
+        row = math.prod(block.size[1:]) * meta.dtype.itemsize if block.size else 0
+        rows = f"rows {first}..{min(first + per, block.size[0]) - 1} of " if block.size else ""
+        return CheckpointChecksumError(
+            f"{self.path}: {block.file} does not match the checksum written with it "
+            f"at bytes {block.offset + first * row}.. ({rows}the block of {meta.key!r} "
+            f"starting at {list(block.start)}, size {list(block.size)}): the file "
+            "was changed or damaged after the save; nothing was loaded. Restore the "
+            "checkpoint from a copy, or load an earlier one")
+
+    def check_unchecked(self) -> None:
+        """Check the chunks this rank left to other ranks of its :attr:`share` (when the
+        ranks read different chunks, some may have been checked by nobody): their bytes,
+        kept since the read, not read again."""
+        if self.share is None:
+            return
+        for meta, block, chunk, data in self.share.unchecked:
+            if zlib.crc32(data) != block.crc32[chunk]:
+                raise self._mismatch(meta, block, chunk)
+        self.share.unchecked.clear()
 
     def verify(self) -> tuple[int, int]:
         """Read every block and check it against its checksums: ``(blocks, bytes)`` checked;

@@ -5,9 +5,18 @@ plain model), and changes nothing unless every rank could read and check everyth
 The steps: *read* — this rank checks the metadata and data files, the model's names and
 global shapes, the optimizer's parameter groups, and reads its blocks into new tensors;
 *agree* — one all-reduce of a flag tells every rank whether some rank failed (then every rank
-raises, the failing rank its own error), and one all-reduce of a flag per saved name checks
-that the ranks together load everything the checkpoint holds; *apply* — copy into the model
-and load the optimizer's state dict.
+raises, the failing rank its own error), one all-reduce of a digest that the ranks read the
+same checkpoint, and one all-reduce of a flag per saved name checks that the ranks together
+load everything the checkpoint holds; *apply* — copy into the model and load the optimizer's
+state dict.
+
+Replicated tensors (DDP's weights, buffers, Adam's step: a whole tensor stored as one block)
+are read by every rank that holds them, but checked against their checksums once per host:
+the ranks of a host (``LOCAL_RANK`` of ``LOCAL_WORLD_SIZE``) read them from the host's page
+cache, and each checks its share of the chunks. The same digest that confirms the checkpoint
+also confirms that the ranks read the same such chunks; where they did not (a pipeline's
+stages read their own layers), each rank then checks the chunks it left to others itself,
+from the bytes it read.
 
 A rank loads the names its model has: a pipeline stage loads its own layers from a checkpoint
 of the whole model (saved by any layout, pipelined or not), and every stage together must
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,7 +40,7 @@ from devmesh.distributed import comm, consensus
 from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictError
 from devmesh.parallel.checkpoint import legacy
 from devmesh.parallel.checkpoint.encoding import Malformed, decode
-from devmesh.parallel.checkpoint.format import CheckpointReader
+from devmesh.parallel.checkpoint.format import CheckpointReader, CheckShare
 from devmesh.parallel.checkpoint.save import (
     _raise_if_failed,
     checkpoint_progress,
@@ -145,12 +155,36 @@ def _no_tensor(key: str) -> torch.Tensor:
     raise Malformed(f"a parameter group setting refers to tensor {key!r}")
 
 
+@dataclass
+class _Read:
+    """What this rank read of a checkpoint, nothing applied yet."""
+
+    prepared: tuple[Any, Any, Any]  # (writes, optimizer state, extra states)
+    extra: Any
+    saved: list[str]  # the checkpoint's model names (and extra-state keys)
+    save: str  # the data files read: their names tell one save from another
+    reader: CheckpointReader | None = None  # closed; for the chunks left to other ranks
+
+
+def _check_share() -> CheckShare | None:
+    """This rank's share of checking the chunks that every rank of its host reads, or None
+    (one rank on the host, or no launcher saying which ranks share it)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    try:
+        local, count = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    except (KeyError, ValueError):
+        return None
+    return CheckShare(local, count) if count > 1 and 0 <= local < count else None
+
+
 def _load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer | None
-                  ) -> tuple[Any, Any, list[str], str]:
-    """Read and check everything this rank needs: ``((writes, optimizer state), extra, saved
-    model names, the save it read)``, nothing applied yet. Each save names its data files
-    after a random id, so their names tell one save from another."""
+                  ) -> _Read:
+    """Read and check everything this rank needs (the chunks it shares with its host's other
+    ranks: its share), nothing applied yet. Each save names its data files after a random id,
+    so their names tell one save from another."""
     with CheckpointReader(path) as reader:
+        reader.share = _check_share()
         try:
             writes = _model_writes(reader, model)
             optimizer_state = (None if optimizer is None
@@ -164,7 +198,28 @@ def _load_sharded(path: str, model: nn.Module, optimizer: torch.optim.Optimizer 
             raise CheckpointError(f"{path} does not hold tensor {exc}: damaged, or written "
                                   "for another model") from None
     saved = list(reader.model_keys) + list(reader.extra_state or ())
-    return (writes, optimizer_state, states), extra, saved, ", ".join(reader.files)
+    return _Read((writes, optimizer_state, states), extra, saved, ", ".join(reader.files),
+                 reader)
+
+
+def _agree_on_what_was_read(path: str, read: _Read) -> None:
+    """Every rank raises if the ranks read different checkpoints; where they read the same
+    checkpoint but different chunks of it, each rank checks the chunks it left to others.
+    One all-reduce of a digest when they read the same chunks."""
+    share = read.reader.share if read.reader is not None else None
+    files = f"{os.fspath(path)} (files {read.save})"
+    if not consensus.differing(f"{files}\nchunks {share.digest() if share else '-'}"):
+        return  # the same chunks everywhere: each was checked by one rank of each host
+    refuse_differing(files, "load_checkpoint: the ranks read different checkpoints",
+                     "pass every rank the same path; where they did, a save replaced the "
+                     "checkpoint while they read it — load again once it is done")
+    error: BaseException | None = None
+    if read.reader is not None:
+        try:
+            read.reader.check_unchecked()
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below
+            error = exc
+    _raise_if_failed(error, f"load_checkpoint({path!r})")
 
 
 def _refuse_missing(reader: CheckpointReader, model: nn.Module, missing: list[str]) -> None:
@@ -215,16 +270,14 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     consensus.warn_if_called_alone("load_checkpoint")  # inside `if rank == 0:`, say so
     began = time.perf_counter()
     model = module_of(model, "load_checkpoint")  # the same kind of object on every rank
-    prepared = extra = None
-    saved: list[str] = []
-    save = "a single file"
+    read: _Read | None = None
     error: BaseException | None = None
     try:
         if os.path.isdir(path):
-            prepared, extra, saved, save = _load_sharded(path, model, optimizer)
+            read = _load_sharded(path, model, optimizer)
         elif os.path.isfile(path):
             (writes, optimizer_state), extra = legacy.prepare(path, model, optimizer)
-            prepared = (writes, optimizer_state, [])
+            read = _Read((writes, optimizer_state, []), extra, [], "a single file")
         else:
             raise CheckpointNotFoundError(f"no checkpoint at {path}")
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
@@ -232,19 +285,18 @@ def load_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     if dist.is_initialized():
         _raise_if_failed(error, f"load_checkpoint({path!r})")
         # ranks that read different checkpoints would train on as replicas that differ
-        refuse_differing(f"{os.fspath(path)} (files {save})",
-                         "load_checkpoint: the ranks read different checkpoints",
-                         "pass every rank the same path; where they did, a save replaced the "
-                         "checkpoint while they read it — load again once it is done")
+        assert read is not None
+        _agree_on_what_was_read(path, read)
     elif error is not None:
         raise error
-    unloaded = _unloaded(saved, model)  # the same list on every rank
+    assert read is not None
+    prepared, extra = read.prepared, read.extra
+    unloaded = _unloaded(read.saved, model)  # the same list on every rank
     if unloaded:
         raise StateDictError(
             f"Error(s) in loading checkpoint {path} for {type(model).__name__}: Unexpected "
             f"key(s): {', '.join(map(repr, unloaded))} (no rank's model has them). Nothing was "
             "loaded; the checkpoint must come from the same model")
-    assert prepared is not None
     writes, optimizer_state, states = prepared
     with torch.no_grad():
         for target, value in writes:
