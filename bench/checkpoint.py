@@ -10,7 +10,7 @@ replicated block); torch uses FSDP2 ``fully_shard`` / ``DistributedDataParallel`
 process groups and ``dcp.save``/``dcp.load`` of ``get_state_dict``. Prints the slowest rank's
 median time, the ratio devmesh / torch, each rank's peak memory growth during the save (RSS
 sampled every millisecond, minus the RSS before), the bytes written, the time devmesh spends
-computing its blocks' checksums (CRC-32, against the save's time), and for FSDP, devmesh's
+computing its blocks' checksums (XXH3, against the save's time), and for FSDP, devmesh's
 ``async_=True``: how long the call blocks and how much a training step slows while the
 write runs.
 
@@ -149,17 +149,17 @@ def run(library: str, directory: str, repeats: int, strategy: str = "fsdp"):
         loads.append(time.perf_counter() - start)
     written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
                   if not f.startswith("."))
-    blocking = slowed = crc_seconds = None
+    blocking = slowed = check_seconds = None
     if library == "devmesh":  # what the blocks' checksums cost: the CRC of this rank's files
-        from devmesh.parallel.checkpoint.checksums import crcs_of
+        from devmesh.parallel.checkpoint.checksums import checksums_of
 
         files = [os.path.join(path, f) for f in os.listdir(path)
                  if f.endswith(f"r{dist.get_rank():05d}.bin")]
         data = [open(f, "rb").read() for f in files]
         start = time.perf_counter()
         for raw in data:
-            crcs_of(raw, (len(raw),), 1, 4 << 20)
-        crc_seconds = time.perf_counter() - start
+            checksums_of(raw, (len(raw),), 1, 4 << 20)
+        check_seconds = time.perf_counter() - start
     if library == "devmesh" and strategy == "fsdp":
         plain = statistics.median(step() for _ in range(3))
         dist.barrier()
@@ -170,7 +170,7 @@ def run(library: str, directory: str, repeats: int, strategy: str = "fsdp"):
         handle.wait()
         slowed = during / plain
     return (statistics.median(saves), statistics.median(loads), max(growth), own_mb, written,
-            blocking, slowed, crc_seconds)
+            blocking, slowed, check_seconds)
 
 
 def main() -> None:
@@ -216,7 +216,7 @@ def report(strategy: str, results: dict, repeats: int) -> None:
     a, b = ours[0][4], theirs[0][4]
     print(f"{'bytes written':<26}{a / 2**20:>10.1f}MB{b / 2**20:>10.1f}MB{a / b:>8.2f}")
     crc = max(r[7] for r in ours)
-    print(f"devmesh's checksums (CRC-32 of a rank's data file): {crc * 1e3:.1f} ms of a "
+    print(f"devmesh's checksums (XXH3 of a rank's data file): {crc * 1e3:.1f} ms of a "
           f"{max(r[0] for r in ours) * 1e3:.0f} ms save")
     if strategy == "fsdp":
         blocking = max(r[5] for r in ours)

@@ -5,6 +5,7 @@ mesh of size 1 runs the same code paths as a larger one."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import pickle
 import signal
@@ -16,7 +17,8 @@ import pytest
 import torch
 from torch import nn
 
-from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictError
+from devmesh.errors import (CheckpointChecksumError, CheckpointError, CheckpointNotFoundError,
+                            StateDictError)
 from devmesh.parallel import load_checkpoint, load_state_dict, save_checkpoint
 
 
@@ -165,7 +167,8 @@ def _damage(path, meta, change):
     ("foreign format", "expected 'devmesh-sharded-checkpoint/1'"),
     ("object in extra", "unknown tag"),
     ("a flipped byte", "does not match the checksum written with it"),
-    ("checksums of another block", "crc32 is not a list"),
+    ("checksums of another block", "xxh3 is not a list"),
+    ("checksums out of range", "holds values that are not xxh3 sums"),
 ])
 def test_damaged_or_hostile_checkpoints_are_refused_before_anything_changes(tmp_path, case,
                                                                                words):
@@ -209,13 +212,57 @@ def test_damaged_or_hostile_checkpoints_are_refused_before_anything_changes(tmp_
         raw[len(raw) // 2] ^= 0x40
         (path / data).write_bytes(bytes(raw))
     elif case == "checksums of another block":
-        _damage(path, meta, lambda m: m["tensors"][first]["blocks"][0].update(crc32=[1, 2, 3]))
+        _damage(path, meta, lambda m: m["tensors"][first]["blocks"][0].update(xxh3=[1, 2, 3]))
+    elif case == "checksums out of range":
+        _damage(path, meta, lambda m: m["tensors"][first]["blocks"][0].update(
+            xxh3=[1 << 63] * len(m["tensors"][first]["blocks"][0]["xxh3"])))
     target = Net()
     before = {k: v.clone() for k, v in target.state_dict().items()}
     with pytest.raises(CheckpointError, match=words) as info:
         load_checkpoint(str(path), target, torch.optim.Adam(target.parameters()))
     assert str(path) in str(info.value)
     assert all(torch.equal(before[k], v) for k, v in target.state_dict().items())
+
+
+def _as_written_with_crc32(path, meta) -> None:
+    """Rewrite a checkpoint's checksums as checkpoints written before XXH3 carry them: a
+    CRC-32 per chunk of rows, under ``crc32`` and ``crc_rows``."""
+    import zlib
+
+    for tensor in meta["tensors"].values():
+        itemsize = torch.empty((), dtype=getattr(torch, tensor["dtype"])).element_size()
+        for block in tensor["blocks"]:
+            data = (path / block["file"]).read_bytes()
+            size = block["size"]
+            row = math.prod(size[1:]) * itemsize if size else itemsize
+            step = block["chunk_rows"] * row
+            nbytes = math.prod(size) * itemsize
+            chunk_starts = range(block["offset"], block["offset"] + nbytes, step)
+            block["crc32"] = [zlib.crc32(data[at:min(at + step, block["offset"] + nbytes)])
+                              for at in chunk_starts]
+            block["crc_rows"] = block.pop("chunk_rows")
+            del block["xxh3"]
+    _damage(path, meta, lambda m: None)
+
+
+def test_a_checkpoint_written_with_crc32_checksums_still_loads_and_is_still_checked(tmp_path):
+    """Checkpoints written before XXH3 carry a CRC-32 per chunk: they load as before, every
+    byte checked, and a flipped byte is refused naming the block."""
+    model, _ = _trained()
+    path, meta = _saved(tmp_path)
+    _as_written_with_crc32(path, meta)
+    assert "crc32" in json.loads((path / "metadata.json").read_text())["tensors"][
+        "model.lin.weight"]["blocks"][0]
+    loaded = Net()
+    loaded.lin.weight.data.zero_()
+    load_checkpoint(str(path), loaded, torch.optim.Adam(loaded.parameters()))
+    assert _same(loaded, model)
+    block = meta["tensors"]["model.lin.weight"]["blocks"][0]
+    raw = bytearray((path / block["file"]).read_bytes())
+    raw[block["offset"] + 5] ^= 1
+    (path / block["file"]).write_bytes(bytes(raw))
+    with pytest.raises(CheckpointChecksumError, match="does not match the checksum written"):
+        load_checkpoint(str(path), Net())
 
 
 def test_missing_and_plain_files(tmp_path):

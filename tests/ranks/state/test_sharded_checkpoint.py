@@ -611,7 +611,7 @@ def _flip_and_load(path: str, damaged_row: int, target_kind: str):
     block = meta["tensors"]["model.weight"]["blocks"][0]
     dist.barrier()
     if dist.get_rank() == 0:
-        assert len(block["crc32"]) == 16
+        assert len(block["xxh3"]) == 16
         name = os.path.join(path, block["file"])
         raw = bytearray(open(name, "rb").read())
         raw[block["offset"] + damaged_row * 64 + 3] ^= 0x10

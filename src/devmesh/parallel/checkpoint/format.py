@@ -9,7 +9,7 @@ metadata file, and the reader that checks and reads them.
 
 ``metadata.json`` names every tensor (``model.<name>``, ``optim.state.<name>.<key>``,
 ``extra...``), its dtype, global shape and layout, and for each distinct block the file,
-byte offset, start, size and the CRC-32 of each chunk of its rows
+byte offset, start, size and the checksum of each chunk of its rows
 (:mod:`~devmesh.parallel.checkpoint.checksums`: a load checks every byte it uses); tied
 parameters are aliases of one entry. Data files are raw
 little-endian bytes in row-major order: no pickle anywhere, so reading a checkpoint can never
@@ -32,7 +32,6 @@ import math
 import os
 import re
 import stat
-import zlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,7 +39,8 @@ import torch
 
 from devmesh.errors import CheckpointChecksumError, CheckpointError, CheckpointNotFoundError
 from devmesh.parallel.checkpoint.blocks import overlap
-from devmesh.parallel.checkpoint.checksums import CHUNK_BYTES, chunk_bounds, chunk_count
+from devmesh.parallel.checkpoint.checksums import (CHUNK_BYTES, WRITTEN, checksum,
+                                                    checksum_limit, chunk_bounds, chunk_count)
 from devmesh.parallel.checkpoint.encoding import Malformed, dtype_of
 
 __all__ = ["FORMAT", "METADATA", "BlockMeta", "TensorMeta", "CheckpointReader", "CheckShare",
@@ -61,10 +61,11 @@ class BlockMeta:
     offset: int
     start: tuple[int, ...]
     size: tuple[int, ...]
-    # CRC-32 of each chunk of rows (:mod:`~devmesh.parallel.checkpoint.checksums`); None in
-    # a checkpoint written before devmesh stored them (read unchecked)
-    crc32: tuple[int, ...] | None = None
-    crc_rows: int = 1  # the rows each checksum covers
+    # the checksum of each chunk of rows (:mod:`~devmesh.parallel.checkpoint.checksums`);
+    # None in a checkpoint written before devmesh stored them (read unchecked)
+    checksums: tuple[int, ...] | None = None
+    chunk_rows: int = 1  # the rows each checksum covers
+    algorithm: str = WRITTEN  # which checksum: "xxh3", or "crc32" (older checkpoints)
 
 
 @dataclass(frozen=True)
@@ -125,17 +126,22 @@ def _tensor_meta(key: str, raw: Any, files: dict[str, int]) -> TensorMeta:
         if not isinstance(b, dict) or b.get("file") not in files:
             raise Malformed(f"{where} names a data file the metadata does not list")
         size = _ints(b.get("size"), f"{where}.size", len(shape))
-        crc32, per = None, 1
-        if "crc32" in b:
-            per = _ints([b.get("crc_rows")], f"{where}.crc_rows")[0]
-            if per < 1:
-                raise Malformed(f"{where}.crc_rows is not a positive number of rows")
-            crc32 = _ints(b["crc32"], f"{where}.crc32", chunk_count(size, dtype.itemsize, per))
-            if any(c >= 1 << 32 for c in crc32):
-                raise Malformed(f"{where}.crc32 holds values that are not CRC-32s")
+        sums, per, algorithm = None, 1, WRITTEN
+        # a block carries one checksum's list and its chunk rows: xxh3 and chunk_rows, or
+        # crc32 and crc_rows (checkpoints written before XXH3)
+        for name, rows_key in (("xxh3", "chunk_rows"), ("crc32", "crc_rows")):
+            if name in b:
+                per = _ints([b.get(rows_key)], f"{where}.{rows_key}")[0]
+                if per < 1:
+                    raise Malformed(f"{where}.{rows_key} is not a positive number of rows")
+                sums = _ints(b[name], f"{where}.{name}", chunk_count(size, dtype.itemsize, per))
+                if any(c >= checksum_limit(name) for c in sums):
+                    raise Malformed(f"{where}.{name} holds values that are not {name} sums")
+                algorithm = name
+                break
         block = BlockMeta(b["file"], _ints([b.get("offset")], where)[0],
-                          _ints(b.get("start"), f"{where}.start", len(shape)), size, crc32,
-                          per)
+                          _ints(b.get("start"), f"{where}.start", len(shape)), size, sums,
+                          per, algorithm)
         if any(s + n > d for s, n, d in zip(block.start, block.size, shape, strict=True)):
             raise Malformed(f"{where} lies outside the tensor's shape {shape}")
         nbytes = math.prod(block.size) * dtype.itemsize
@@ -279,15 +285,15 @@ class CheckpointReader:
                         box: tuple[tuple[int, int], ...], shared: bool = False) -> torch.Tensor:
         if not block.size:  # a 0-d tensor
             raw = self._bytes(block.file, block.offset, meta.dtype.itemsize)
-            if block.crc32 is not None:
+            if block.checksums is not None:
                 self._check_chunks(meta, block, raw, 0, 0, shared)
             return raw.view(meta.dtype).reshape(())
         row = math.prod(block.size[1:]) * meta.dtype.itemsize
         first, last = box[0][0] - block.start[0], box[0][1] - block.start[0]
-        if block.crc32 is None:
+        if block.checksums is None:
             raw = self._bytes(block.file, block.offset + first * row, (last - first) * row)
         else:  # read whole chunks and check them, then keep the rows asked for
-            chunk, lo, hi = chunk_bounds(block.size, meta.dtype.itemsize, block.crc_rows,
+            chunk, lo, hi = chunk_bounds(block.size, meta.dtype.itemsize, block.chunk_rows,
                                          first, last)
             raw = self._bytes(block.file, block.offset + lo * row, (hi - lo) * row)
             self._check_chunks(meta, block, raw, chunk, lo * row, shared)
@@ -303,7 +309,7 @@ class CheckpointReader:
         :attr:`share`, only the chunks this rank checks (the others are kept in it, with
         their bytes)."""
         row = math.prod(block.size[1:]) * meta.dtype.itemsize if block.size else len(raw)
-        step = block.crc_rows * row if block.size else len(raw)
+        step = block.chunk_rows * row if block.size else len(raw)
         data = raw.numpy()
         share = self.share if shared else None
         for i, at in enumerate(range(0, len(raw), step)):
@@ -313,12 +319,12 @@ class CheckpointReader:
                 if share.owner(block.file, offset) != share.index:
                     share.unchecked.append((meta, block, chunk + i, data[at:at + step]))
                     continue
-            if zlib.crc32(data[at:at + step]) != block.crc32[chunk + i]:
+            if checksum(data[at:at + step], block.algorithm) != block.checksums[chunk + i]:
                 raise self._mismatch(meta, block, chunk + i)
 
     def _mismatch(self, meta: TensorMeta, block: BlockMeta, chunk: int
                   ) -> CheckpointChecksumError:
-        per = block.crc_rows
+        per = block.chunk_rows
         first = chunk * per
         row = math.prod(block.size[1:]) * meta.dtype.itemsize if block.size else 0
         rows = f"rows {first}..{min(first + per, block.size[0]) - 1} of " if block.size else ""
@@ -336,7 +342,7 @@ class CheckpointReader:
         if self.share is None:
             return
         for meta, block, chunk, data in self.share.unchecked:
-            if zlib.crc32(data) != block.crc32[chunk]:
+            if checksum(data, block.algorithm) != block.checksums[chunk]:
                 raise self._mismatch(meta, block, chunk)
         self.share.unchecked.clear()
 
@@ -346,10 +352,10 @@ class CheckpointReader:
         checked = nbytes = 0
         for meta in self.tensors.values():
             for block in meta.blocks:
-                if block.crc32 is None or not math.prod(block.size):
+                if block.checksums is None or not math.prod(block.size):
                     continue
                 whole = tuple((s, s + n) for s, n in zip(block.start, block.size, strict=True))
-                per = block.crc_rows if block.size else 1
+                per = block.chunk_rows if block.size else 1
                 for row in range(0, block.size[0] if block.size else 1, per):  # chunk by chunk
                     top = block.start[0] + row if block.size else 0
                     box = whole and ((top, min(top + per, whole[0][1])),) + whole[1:]

@@ -44,7 +44,7 @@ from devmesh.distributed import comm, consensus, groups
 from devmesh.errors import CheckpointError
 from devmesh.layout import format_ranks
 from devmesh.parallel.checkpoint.blocks import Placed, TensorLayout, distinct_blocks, place_blocks
-from devmesh.parallel.checkpoint.checksums import chunk_count, chunk_rows, crcs_of
+from devmesh.parallel.checkpoint.checksums import WRITTEN, checksums_of, chunk_count, chunk_rows
 from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
 from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data_file_name
 from devmesh.parallel.checkpoint.union import Listed, Merged, listed_json, merge_listings
@@ -493,7 +493,7 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
                     for start in range(0, len(data), _SLAB):  # slabs: progress as it goes
                         f.write(data[start:start + _SLAB])
                         progress.advance(min(_SLAB, len(data) - start))
-                    written[id(p)] = crcs_of(data, p.block.size, _itemsize(p), _per(p))
+                    written[id(p)] = checksums_of(data, p.block.size, _itemsize(p), _per(p))
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = CheckpointError(f"save_checkpoint could not write {os.path.join(path, name)}: "
                                 f"{type(exc).__name__}: {exc}; the previous checkpoint, if "
@@ -564,11 +564,11 @@ def _commit(path: str, save_id: str, world: int, placed: list[Placed], merged: M
     for t in merged.tensors + extras:
         tensors[t.key] = {"dtype": t.dtype, "shape": list(t.shape), "layout": t.text,
                           "mesh": t.mesh, "blocks": []}
-    for p, crc32 in zip(placed, checksums, strict=True):
+    for p, sums in zip(placed, checksums, strict=True):
         tensors[p.key]["blocks"].append({
             "file": data_file_name(save_id, p.rank), "offset": p.offset,
-            "start": list(p.block.start), "size": list(p.block.size), "crc32": crc32,
-            "crc_rows": _per(p)})
+            "start": list(p.block.start), "size": list(p.block.size), WRITTEN: sums,
+            "chunk_rows": _per(p)})
     metadata = {"format": FORMAT, "world_size": world, "files": sizes, "tensors": tensors,
                 "aliases": merged.aliases, "model": merged.model_keys,
                 "optimizer": merged.optimizer, "extra": extra[0], "extra_state": extra[1]}
