@@ -10,7 +10,9 @@ measures what they cost, and counts them.
 Cases (each in a fresh world; the time is the slowest rank's, median of ``--repeats``):
 
 - ``fully_shard``: ``--blocks`` blocks (Linear(64, 128) -> ReLU -> Linear(128, 64)), each
-  block sharded, then the root, over a (8,) mesh;
+  block sharded, then the root, over a (8,) mesh; for devmesh twice: each call checked on
+  its own (one collective per call), and the calls inside ``batched_checks()`` (their checks
+  made together at its end);
 - ``parallelize_module``: the same model, one call with a plan of column- and row-wise
   layers for every block, over a (8,) mesh.
 
@@ -84,25 +86,29 @@ def case(which: str, what: str, blocks: int) -> dict[str, float]:
     warnings.filterwarnings("ignore")
     logging.disable(logging.WARNING)
     dist.init_process_group("gloo")
+    batched = contextlib.nullcontext
     if which == "devmesh":
         from devmesh import init_device_mesh
-        from devmesh.parallel import (ColwiseParallel, RowwiseParallel, fully_shard,
-                                      parallelize_module)
+        from devmesh.parallel import (ColwiseParallel, RowwiseParallel, batched_checks,
+                                      fully_shard, parallelize_module)
+        if what == "fsdp batched":
+            batched = batched_checks
     else:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
         from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                        parallelize_module)
-    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("dp" if what == "fsdp" else "tp",))
+    mesh = init_device_mesh("cpu", (8,), mesh_dim_names=("tp" if what == "tp" else "dp",))
     model = _model(blocks)
     counts = {"collectives": 0, "store": 0}
     dist.barrier()
     with _counting(counts):
         start = time.perf_counter()
-        if what == "fsdp":
-            for block in model:
-                fully_shard(block, mesh=mesh)
-            fully_shard(model, mesh=mesh)
+        if what != "tp":
+            with batched():
+                for block in model:
+                    fully_shard(block, mesh=mesh)
+                fully_shard(model, mesh=mesh)
             calls = blocks + 1
         else:
             plan = {}
@@ -125,10 +131,11 @@ def main() -> None:
 
     print(f"setup of a {args.blocks}-block model on 8 gloo ranks: devmesh vs torch "
           "(slowest rank, median of repeats; ratio = devmesh / torch, < 1: devmesh faster)")
-    print(f"  {'case':<20}{'devmesh':>11}{'torch':>11}{'ratio':>8}{'A/A':>7}"
+    print(f"  {'case':<22}{'devmesh':>11}{'torch':>11}{'ratio':>8}{'A/A':>7}"
           f"   per call: collectives, store ops (devmesh | torch)")
     with WorkerPool(8) as pool:
         for what, title in (("fsdp", f"fully_shard x{args.blocks + 1}"),
+                            ("fsdp batched", "  in batched_checks()"),
                             ("tp", "parallelize_module")):
             runs: dict[str, list[dict]] = {"devmesh": [], "torch": [], "torch again": []}
             for _ in range(args.repeats):
@@ -140,9 +147,9 @@ def main() -> None:
             last = {w: rs[-1] for w, rs in runs.items()}
 
             def per_call(r):
-                return f"{r['collectives'] / r['calls']:.1f}, {r['store'] / r['calls']:.1f}"
+                return f"{r['collectives'] / r['calls']:.2f}, {r['store'] / r['calls']:.2f}"
 
-            print(f"  {title:<20}{time_of['devmesh'] * 1e3:>9.1f}ms"
+            print(f"  {title:<22}{time_of['devmesh'] * 1e3:>9.1f}ms"
                   f"{time_of['torch'] * 1e3:>9.1f}ms"
                   f"{time_of['devmesh'] / time_of['torch']:>8.2f}"
                   f"{time_of['torch again'] / time_of['torch']:>7.2f}"

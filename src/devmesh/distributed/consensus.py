@@ -13,6 +13,8 @@ collectives as they can:
 * :func:`agree` — the same over a mesh's dims, raising :class:`~devmesh.errors.MeshMismatchError`;
 * :func:`refused_everywhere` — a refusal of one rank's own arguments raised on every rank;
 * :func:`refused_or_agreed` — that refusal and an agreement on a value in one collective;
+* :func:`batched` — the refusals and agreements of many calls that do not communicate
+  (a model's ``fully_shard`` calls) made once, at the end of a block;
 * :func:`texts_through_store` and :func:`warn_if_called_alone` — exchanges through the
   rendezvous store for calls users make on one rank by mistake, bounded by a timeout.
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import hashlib
+import json
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
@@ -42,7 +45,7 @@ if TYPE_CHECKING:
     from devmesh.mesh import DeviceMesh
 
 __all__ = ["agree", "describe_disagreement", "failures", "refused_everywhere",
-           "refused_or_agreed", "differing",
+           "refused_or_agreed", "batched", "differing",
            "gather_texts", "texts_through_store", "warn_if_called_alone", "ALONE_SECONDS"]
 
 
@@ -165,6 +168,9 @@ def refused_everywhere(group: dist.ProcessGroup | None, what: str,
     leave the others waiting in the next collective."""
     from devmesh.errors import rank_prefix
 
+    if _batch is not None:  # batched(): a refusal raises here, every rank raises at its end
+        yield
+        return
     error: Exception | None = None
     try:
         yield
@@ -197,6 +203,10 @@ def refused_or_agreed(group: dist.ProcessGroup | None, what: str, error_type: ty
     from devmesh.errors import MeshMismatchError, rank_prefix
 
     values: list[str] = []
+    if _batch is not None:  # batched(): agreed at its end, a refusal raised there everywhere
+        yield values
+        _batch.append((group, agreed, values[0] if values else ""))
+        return
     error: Exception | None = None
     try:
         yield values
@@ -227,6 +237,75 @@ def refused_or_agreed(group: dist.ProcessGroup | None, what: str, error_type: ty
             by_value[text].append(rank)
         raise MeshMismatchError(f"{agreed}: the ranks disagree — "
                                 f"{describe_disagreement(by_value)}")
+
+
+# the agreements batched() holds back, in call order: (group, what they agree on, value)
+_batch: list[tuple[dist.ProcessGroup | None, str, str]] | None = None
+
+
+@contextlib.contextmanager
+def batched(what: str, error_type: type[Exception]) -> Iterator[None]:
+    """Collective over the world: the refusals and agreements of the calls inside
+    (:func:`refused_or_agreed`, :func:`refused_everywhere`) made once, at the end of the
+    block, instead of one collective per call. A model's setup (a ``fully_shard`` per block,
+    then the root) then costs two collectives, not one per call.
+
+    A call refused on some rank raises there at once, and ends that rank's block; the other
+    ranks go on to the end of theirs. At the end one all-reduce of a failure flag over the
+    world finds it, and every rank raises: the failing rank its own error, the others
+    ``error_type`` naming it (``what`` failed on other ranks). Then, for each process group
+    the calls agreed over (in the order the calls first used it), one all-reduce of a digest
+    of all their values; where the ranks disagree, every rank of the group raises the
+    :class:`~devmesh.errors.MeshMismatchError` of the first call whose values differ. The
+    calls inside must not communicate (their checks run before their collectives, which
+    would otherwise meet a rank that stopped early) and their groups must exist before the
+    block (create them first); a refusal is raised at the end of the block, where the
+    calls' work on the other ranks is done, not undone. Nested blocks are agreed by the
+    outermost."""
+    global _batch
+    if _batch is not None:
+        yield
+        return
+    _batch = entries = []
+    error: Exception | None = None
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        error = exc
+    finally:
+        _batch = None
+    _agree_on_batch(what, error_type, error, entries)
+
+
+def _agree_on_batch(what: str, error_type: type[Exception], error: Exception | None,
+                    entries: list[tuple[dist.ProcessGroup | None, str, str]]) -> None:
+    from devmesh.errors import MeshMismatchError, rank_prefix
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    text = None if error is None else (
+        f"{type(error).__name__}: {str(error).removeprefix(rank_prefix())}")
+    failed = failures(text)
+    if failed:
+        if error is not None:
+            raise error
+        raise error_type(f"{what} failed on other ranks — " + "; ".join(
+            f"rank {rank}: {t}" for rank, t in sorted(failed.items())))
+    by_group: dict[int, tuple[dist.ProcessGroup | None, list[tuple[str, str]]]] = {}
+    for group, agreed, value in entries:
+        by_group.setdefault(id(group), (group, []))[1].append((agreed, value))
+    for group, calls in by_group.values():
+        held = differing(json.dumps([value for _, value in calls]), group)
+        for i, (agreed, _) in enumerate(calls):  # the first call whose values differ
+            by_value: dict[str, list[int]] = defaultdict(list)
+            for listing, ranks in held.items():
+                values = json.loads(listing)
+                by_value[values[i] if i < len(values) else "(no such call)"] += ranks
+            if len(by_value) > 1:
+                raise MeshMismatchError(f"{agreed}: the ranks disagree — "
+                                        f"{describe_disagreement(dict(by_value))}")
 
 
 def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, list[int]]:

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from devmesh.distributed import comm
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
@@ -45,7 +46,7 @@ from devmesh.parallel.compute_dtype import compute_in
 from devmesh.parallel.context_parallel import context_parallel
 from devmesh.parallel.expert_parallel import MoE, expert_parallel
 from devmesh.parallel.expert_parallel.stacked import is_stacked_experts
-from devmesh.parallel.fsdp import MixedPrecisionPolicy, fully_shard
+from devmesh.parallel.fsdp import MixedPrecisionPolicy, batched_checks, fully_shard
 from devmesh.parallel.pipeline import PipelineRunner
 from devmesh.parallel.replicate import replicate
 from devmesh.parallel.tensor_parallel import ParallelStyle, parallelize_module
@@ -194,13 +195,17 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
     if shard:
         shard_kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(),
                         "reshard_after_forward": reshard_after_forward}
-        if experts:  # the experts over the shard dim; the rest over the shard dim and ep
-            for layer in experts:
-                fully_shard(_split_part(layer), mesh=mesh[shard[0]], **shard_kwargs)
         dp_mesh = mesh[tuple(replicas + shard)] if replicas else data_mesh
-        for block in blocks:
-            fully_shard(block, mesh=dp_mesh, **shard_kwargs)
-        fully_shard(model, mesh=dp_mesh, **shard_kwargs)
+        meshes = [mesh[shard[0]]] if experts else []
+        for one in [*meshes, dp_mesh]:  # the units' groups, made by every rank before
+            comm.process_group(one, range(one.ndim))
+        with batched_checks():  # the calls' checks in two collectives, not one per call
+            # the experts over the shard dim; the rest over the shard dim and ep
+            for layer in experts:
+                fully_shard(_split_part(layer), mesh=meshes[0], **shard_kwargs)
+            for block in blocks:
+                fully_shard(block, mesh=dp_mesh, **shard_kwargs)
+            fully_shard(model, mesh=dp_mesh, **shard_kwargs)
     elif data_mesh is not None:
         # a transformers model's buffers are constants (rotary tables, embedding scales),
         # equal after replicate's first broadcast; broadcast again in place before each

@@ -16,6 +16,7 @@ from devmesh.parallel.fsdp import (
     GradientReductionHandle,
     MixedPrecisionPolicy,
     UnshardHandle,
+    batched_checks,
     fully_shard,
     register_fsdp_forward_method,
     share_comm_ctx,
@@ -37,7 +38,7 @@ from devmesh.parallel.grad_scaler import GradScaler
 from devmesh.parallel.state_dict import load_state_dict, state_dict
 
 __all__ = [
-    "fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
+    "fully_shard", "batched_checks", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
     "GradientReductionHandle", "register_fsdp_forward_method", "share_comm_ctx", "replicate",
     "ReplicateModule", "parallelize_module", "context_parallel", "ring_attention",
     "shard_sequence", "gather_sequence", "sequence_positions", "MoE", "expert_parallel",

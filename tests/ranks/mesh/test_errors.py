@@ -257,6 +257,66 @@ def test_arguments_one_rank_passes_differently_are_refused_on_every_rank(mesh_po
             assert "ranks 0:" in message and "ranks 1:" in message, message
 
 
+def one_rank_passing_other_arguments_in_a_batch():
+    """The ``fully_shard`` cases above, each a model's blocks and root inside
+    ``batched_checks()``, rank 1's own argument at block 2: the refusal or disagreement
+    comes at the end of the block, on every rank, naming the call that differs."""
+    import torch
+    from torch import nn
+
+    from devmesh.parallel import MixedPrecisionPolicy, batched_checks, fully_shard
+    from devmesh.tensor import Shard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), timeout=20)
+    odd = dist_rank() == 1
+    odd_kwargs = {
+        "int reshard": {"reshard_after_forward": 3 if odd else True},
+        "bad split dim": {"shard_placement_fn": (lambda p: Shard(1)) if odd else None},
+        "mixed precision": {"mp_policy": MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if odd else None)},
+        "reshard": {"reshard_after_forward": not odd},
+        "other block": {},
+    }
+    out = {}
+    for case, kwargs in odd_kwargs.items():
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4)) for _ in range(4)])
+        if case == "other block" and odd:
+            model[3] = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4))
+
+        def setup(model=model, kwargs=kwargs):
+            with batched_checks():
+                for i, block in enumerate(model):
+                    fully_shard(block, mesh=mesh, **(kwargs if i == 2 else {}))
+                fully_shard(model, mesh=mesh)
+
+        out[case] = _catch(setup)
+    return out
+
+
+def test_arguments_one_rank_passes_differently_in_batched_checks_are_refused_on_every_rank(
+        mesh_pool):
+    for rank, out in enumerate(mesh_pool.run(one_rank_passing_other_arguments_in_a_batch, 2)):
+        for case, words in {
+            "int reshard": "If passing reshard_after_forward as an int, it should be a factor "
+                           "of 2, not 3",
+            "bad split dim": "shard_placement_fn gave Shard(dim=1) for 0.bias",
+        }.items():
+            name, message, _ = out[case]
+            assert name == "ParallelizeError" and words in message, (case, out[case])
+            if rank == 0:  # the rank that passed good arguments names the one that did not
+                assert f"fully_shard failed on other ranks — rank 1: ParallelizeError: " \
+                       f"{words}" in message, message
+        for case, words in {
+            "mixed precision": "param_dtype=None",
+            "reshard": "reshard_after_forward=True",
+            "other block": "0.weight (6, 4) torch.float32",  # block 3, whose Linear differs
+        }.items():
+            name, message, _ = out[case]
+            assert name == "MeshMismatchError" and words in message, (case, out[case])
+            assert "ranks 0:" in message and "ranks 1:" in message, message
+
+
 def test_every_public_exception_is_importable_from_devmesh_errors():
     """PipelineError lived in devmesh.parallel.pipeline and ScheduleError in the layout: a user
     catching them had to know where each was raised. Every exception and warning class devmesh

@@ -1,5 +1,6 @@
 """What setting a model up costs in communication: ``fully_shard`` checks one rank's own
-arguments and agrees on what its unit holds in a single collective per call, and
+arguments and agrees on what its unit holds in a single collective per call (inside
+``batched_checks()``, two collectives for all the calls), and
 ``parallelize_module`` agrees on its whole plan (styles, and the shapes and dtypes of the
 parameters they split) once, then sends each split parameter once — as torch's sends it.
 Counted on real gloo ranks (every collective entered on a process group); the refusals and
@@ -24,12 +25,17 @@ def _model() -> nn.Sequential:
 
 
 def setup_collectives() -> dict[str, int]:
-    from devmesh.parallel import ColwiseParallel, RowwiseParallel, fully_shard, \
-        parallelize_module
+    from devmesh.parallel import ColwiseParallel, RowwiseParallel, batched_checks, \
+        fully_shard, parallelize_module
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model = _model()
     with entered_collectives() as sharding:
+        for block in model:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    model = _model()
+    with entered_collectives() as batched, batched_checks():
         for block in model:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -40,12 +46,13 @@ def setup_collectives() -> dict[str, int]:
     with entered_collectives() as splitting:
         parallelize_module(model, mesh, plan)
     return {"fully_shard": sum(sharding.values()), "parallelize_module": sum(splitting.values()),
-            "broadcasts": splitting["broadcast"]}
+            "broadcasts": splitting["broadcast"], "batched": sum(batched.values())}
 
 
 def test_each_setup_call_costs_one_agreement_and_each_split_parameter_one_send(mesh_pool):
     for counts in mesh_pool.run(setup_collectives, 2):
         assert counts["fully_shard"] == BLOCKS + 1, counts           # one per call
+        assert counts["batched"] == 2, counts  # a failure flag, then one digest of them all
         split = 4 * BLOCKS  # two Linear layers per block, a weight and a bias each
         assert counts["broadcasts"] == split, counts
         assert counts["parallelize_module"] == split + 2, counts     # + refusal + plan

@@ -23,6 +23,7 @@ The modules, each with one job:
 """
 
 from devmesh.parallel.fsdp.api import (
+    batched_checks,
     fully_shard,
     parameters_grouped_with,
     register_fsdp_forward_method,
@@ -36,7 +37,7 @@ from devmesh.parallel.fsdp.weight_grads import (
     weight_gradients_follow,
 )
 
-__all__ = ["fully_shard", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
+__all__ = ["fully_shard", "batched_checks", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
            "GradientReductionHandle",
            "register_fsdp_forward_method", "share_comm_ctx", "parameters_grouped_with",
            "users_saved_tensor_hooks", "weight_gradients_follow",

@@ -4,8 +4,9 @@ of the units in a stage."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -92,6 +93,33 @@ def fully_shard(
         one.register_forward_hook(unit.post_forward, always_call=True)
     unit.watch_recomputation(modules)
     return module
+
+
+@contextlib.contextmanager
+def batched_checks() -> Iterator[None]:
+    """Collective over the world: the ``fully_shard`` calls inside check their arguments and
+    agree across their ranks once, at the end of the block, instead of one collective per
+    call. A model of hundreds of blocks then pays two small collectives for its setup,
+    where each call would otherwise wait for every rank of its mesh (torch's ``fully_shard``
+    checks nothing across ranks)::
+
+        with batched_checks():
+            for block in model.layers:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+
+    Every refusal still reaches every rank: a call refused on one rank raises there at once
+    (its block ends), and at the end of the block the other ranks raise a
+    :class:`~devmesh.parallel.ParallelizeError` naming it; ranks that passed different
+    settings or hold different parameters raise the
+    :class:`~devmesh.errors.MeshMismatchError` of the first call that differs. The errors
+    come at the end of the block, once the other calls have sharded their modules (they
+    are not undone). Put only ``fully_shard`` calls inside (nothing that communicates),
+    and make each mesh's process groups before it (a mesh used by an earlier call, or one
+    sliced before the block, has them). ``devmesh.parallel.parallelize`` shards a model's
+    blocks this way."""
+    with consensus.batched("fully_shard", ParallelizeError):
+        yield
 
 
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
