@@ -117,6 +117,12 @@ def unpack_gathered(params: list[ShardedParam], stacked: torch.Tensor,
     out = []
     for p, dtype, start in zip(params, dtypes, offsets, strict=True):
         nbytes_per_row = p.slice_numel * dtype.itemsize
+        if p.dim == 0 and p.padded_rows * k == p.full_shape[0] and p.padded_numel:
+            # every rank's block is whole (no padding): the rows' segments, read in order,
+            # are the parameter: one copy, no block by block
+            segment = stacked[:, start: start + p.padded_numel * dtype.itemsize]
+            out.append(segment.contiguous().view(dtype).view(p.full_shape))
+            continue
         blocks = []
         for j in range(k):
             size = chunk_bounds(p.full_shape[p.dim], k, j)[1]
