@@ -47,6 +47,7 @@ from devmesh.errors import (
     WorldSizeMismatchError,
 )
 from devmesh.layout import Dim, MeshLayout, _check_names, _check_shape
+from devmesh.layout.data_parallel import flattened_name
 
 if TYPE_CHECKING:
     import datetime
@@ -567,7 +568,7 @@ class DeviceMesh(TorchDeviceMesh):
                 "Cannot flatten a DeviceMesh without mesh_dim_names: create it with "
                 "mesh_dim_names=(...)"
             )
-        name = mesh_dim_name or "_".join(self.mesh_dim_names)
+        name = mesh_dim_name or flattened_name(self.mesh_dim_names)
         if self.ndim == 1 and name in self.mesh_dim_names:
             return self
         roots = tuple(d for r in self._dim_roots for d in r)

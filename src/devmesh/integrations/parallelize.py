@@ -40,6 +40,7 @@ from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
 from devmesh.integrations.pipeline_stages import REMOVED, transformers_stages
+from devmesh.layout.data_parallel import cp_beside_one_data_dim, flattened_name
 from devmesh.layout.schedule import Schedule, build_schedule
 from devmesh.parallel.activation_checkpointing import MODES, check_mode, checkpoint_blocks
 from devmesh.parallel.compute_dtype import compute_in
@@ -190,7 +191,7 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
     blocks = _checkpoint(model, blocks, activation_checkpointing)
     # the ranks of ep and cp hold their own tokens: data-parallel ranks for the parameters
     data_dims = [*(replicas or shard), *([borrowed] if borrowed else [])]
-    data_mesh = (mesh[tuple(data_dims)]._flatten("_".join(data_dims)) if len(data_dims) > 1
+    data_mesh = (mesh[tuple(data_dims)]._flatten(flattened_name(data_dims)) if len(data_dims) > 1
                  else mesh[data_dims[0]] if data_dims else None)
     if shard:
         shard_kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(),
@@ -227,7 +228,7 @@ def _check_context_parallel(model: nn.Module, names: tuple[str, ...], shard: lis
         raise ParallelizeError(
             f"the mesh {names} has both 'cp' and 'ep': parallelize places one of them "
             "(both borrow the data-parallel ranks); build the mesh with one")
-    if shard and replicas:
+    if not cp_beside_one_data_dim(bool(replicas), bool(shard)):
         raise ParallelizeError(
             f"parallelize places 'cp' beside one data-parallel dim (the mesh {names} has "
             f"{replicas[0]!r} and {shard[0]!r}): build it as ('dp_shard', 'cp'), "

@@ -28,6 +28,7 @@ from typing import Union
 import numpy as np
 
 from devmesh.errors import MeshDimNameError, MeshNamesError, MeshRankError, MeshShapeError
+from devmesh.layout.data_parallel import flattened_name
 
 __all__ = ["MeshLayout", "Dim", "Dims", "format_ranks"]
 
@@ -405,7 +406,7 @@ class MeshLayout:
         )
         names: tuple[str, ...] | None = None
         if self._names is not None or name is not None:
-            merged_name = name or "_".join(self.dim_name(d) for d in chosen)
+            merged_name = name or flattened_name([self.dim_name(d) for d in chosen])
             others = [self.dim_name(d) for d in before + after]
             if merged_name in others:
                 raise MeshDimNameError(

@@ -9,6 +9,8 @@ import math
 import os
 import sys
 
+from devmesh.layout.data_parallel import MIN_TOKENS_PER_CP_RANK
+
 
 def add(sub) -> None:
     """``devmesh plan``: a mesh for a cluster, with estimated traffic."""
@@ -121,8 +123,8 @@ def add(sub) -> None:
                      help="with --model --world: rank every mesh, schedule and micro-batch "
                           "count by predicted step time (needs --tflops and --bandwidth or "
                           "--costs); drops those over --device-memory; tp at most "
-                          "--devices-per-host (default 8); cp where each rank keeps 4,096 "
-                          "tokens of a sequence or more")
+                          "--devices-per-host (default 8); cp where each rank keeps "
+                          f"{MIN_TOKENS_PER_CP_RANK:,} tokens of a sequence or more")
     dry.add_argument("--top", type=int, default=5, help="with --search: candidates printed")
     dry.add_argument("--verify", type=int, default=5,
                      help="with --search: the best this many by the closed form are measured "

@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 
 from devmesh._torch_compat import fake_store, pytree, storage_key
 from devmesh.errors import DryRunError
+from devmesh.layout.data_parallel import cp_beside_one_data_dim, flattened_name
 from devmesh.layout.liveness import activation_liveness
 from devmesh.parallel.compute_dtype import is_compute_copy
 from devmesh.layout.schedule import build_schedule
@@ -230,7 +231,7 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
     if pp > 1 and schedule not in SCHEDULES:
         raise DryRunError(f"--schedule {schedule!r}: the dry run plays {', '.join(SCHEDULES)}")
     cp = dims.get("cp", 1)
-    if cp > 1 and "dp" in dims and "shard" in dims:
+    if cp > 1 and not cp_beside_one_data_dim("dp" in dims, "shard" in dims):
         raise DryRunError(f"--mesh {dims}: context parallelism goes beside one data-parallel "
                           "dim (dp or shard), as parallelize places it: drop dp or shard")
     if cp > 1 and config.seq % (2 * cp):
@@ -468,7 +469,7 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
 
 
 def _flattened(mesh, names: tuple[str, ...]):
-    return mesh[names]._flatten("_".join(names))
+    return mesh[names]._flatten(flattened_name(names))
 
 
 def _loss_parallel():

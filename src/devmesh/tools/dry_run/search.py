@@ -46,6 +46,8 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from devmesh.errors import DryRunError
+from devmesh.layout.data_parallel import (MIN_TOKENS_PER_CP_RANK, cp_beside_one_data_dim,
+                                          flattened_name)
 from devmesh.layout.liveness import activation_liveness
 from devmesh.layout.schedule import Schedule, build_schedule
 from devmesh.tools.dry_run.model import TransformerConfig, stage_layers
@@ -57,10 +59,6 @@ __all__ = ["Candidate", "Evaluation", "SearchResult", "candidates", "estimate", 
            "search", "format_search", "search_as_json"]
 
 SCHEDULE_NAMES = ("1f1b", "gpipe")
-#: context parallelism is tried while each rank keeps at least this many tokens of every
-#: sequence: below, the ring's messages of a block outweigh its attention, and the search
-#: would spend its time on rings of hundreds of ranks nobody runs
-MIN_TOKENS_PER_CP_RANK = 4096
 MICROBATCH_FACTORS = (1, 2, 4)  # micro-batches per step: pp times these (pp 1: powers of 2)
 
 
@@ -136,7 +134,7 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
                 counts = [2 ** k for k in range(8) if local % 2 ** k == 0]
                 schedules = ("1f1b",)
             for shard in _divisors(data):
-                if cp > 1 and 1 < shard < data:  # cp goes beside one data dim, not HSDP
+                if cp > 1 and not cp_beside_one_data_dim(data // shard > 1, shard > 1):
                     continue
                 for schedule in schedules:
                     for m in counts:
@@ -295,8 +293,8 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
     # cp's ranks are data ranks for the parameters: FSDP over shard x cp flattened, or DDP
     # over dp x cp (as parallelize and the dry run place them)
     shards = shard * cp if fsdp else 1
-    fsdp_dims = "shard_cp" if cp > 1 else "shard"
-    ddp_dims = "_".join(d for d, n in (("dp", candidate.dp), ("cp", cp)) if n > 1)
+    fsdp_dims = flattened_name(["shard", "cp"] if cp > 1 else ["shard"])
+    ddp_dims = flattened_name([d for d, n in (("dp", candidate.dp), ("cp", cp)) if n > 1])
 
     def held(shapes: list[tuple[int, int]]) -> int:
         return sum(math.ceil(rows / shards) * cols for rows, cols in shapes)
