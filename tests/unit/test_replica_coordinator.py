@@ -148,3 +148,29 @@ def test_a_group_restarted_again_after_being_told_no_peer_is_told_again_not_left
     ranks.pids[1] = "3001"  # restarted again: the round it was told in is aborted
     ranks.join(2, 1, 0)
     assert "no live replica group holds" in ranks.quorum(2).error
+
+
+def test_a_round_closes_and_a_step_is_decided_when_the_last_rank_speaks(monkeypatch):
+    """Each rank announces its join and its vote as an event, and the coordinator wakes on
+    it: with its look at the heartbeats set 30 s apart, healthy rounds still close and
+    commit at once. (It used to sleep between looks, 20 ms, so a step waited for two of
+    them: 70 ms a step in bench/replica_groups.py, a third of the small model's step.)"""
+    monkeypatch.setattr(protocol, "POLL_SECONDS", 30.0)
+    coordinator = Coordinator(2, 1, timeout=5)
+    ranks = _Ranks(coordinator, 2)
+    try:
+        time.sleep(0.3)  # both groups' heartbeats are in: alive when they join
+        for round_ in range(3):
+            for g in (0, 1):
+                ranks.join(round_, g, round_)
+                protocol.announce(ranks.store)
+            assert ranks.quorum(round_).members == (0, 1)  # waits at most 10 s
+            for g in (0, 1):
+                ranks.store.set(protocol.vote_key("ok", round_, g, 0), "1")
+                protocol.announce(ranks.store)
+            ranks.store.wait([protocol.decision_key(round_)], timedelta(seconds=10))
+            assert ranks.store.get(protocol.decision_key(round_)) == b"commit"
+        assert [step for step, _ in coordinator.commits] == [0, 1, 2]
+    finally:
+        ranks.stop()
+        coordinator.stop()

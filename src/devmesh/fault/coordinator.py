@@ -18,7 +18,6 @@ from devmesh.fault.protocol import Quorum
 
 __all__ = ["Coordinator"]
 
-_POLL_SECONDS = 0.02
 #: How long the first round waits for every group to start (importing torch, building the
 #: model) before it goes on with the groups that came.
 START_SECONDS = 300.0
@@ -46,10 +45,16 @@ class Coordinator:
         self.commits: list[tuple[int, tuple[int, ...]]] = []
         self._log = get_logger("replicas")
         self._beats: dict[tuple[int, int], tuple[str, float]] = {}  # last value, when it moved
+        self._woken = threading.Event()  # set by the waiter at each of the ranks' events
         self._stopping = threading.Event()
         self._store.set(protocol.OPEN, "0")
         self._thread = threading.Thread(target=self._serve, name="devmesh-coordinator",
                                         daemon=True)
+        self._waiter = threading.Thread(
+            target=self._watch_events, name="devmesh-coordinator-events", daemon=True,
+            args=(dist.TCPStore(host, self.port, is_master=False,
+                                timeout=timedelta(seconds=60)),))
+        self._waiter.start()
         self._thread.start()
 
     @property
@@ -59,6 +64,7 @@ class Coordinator:
     def stop(self) -> None:
         self._stopping.set()
         self._thread.join(timeout=5)
+        self._waiter.join(timeout=5)
 
     # -- who lives -------------------------------------------------------------------------
 
@@ -154,7 +160,7 @@ class Coordinator:
             if behind and expected:
                 # only restarted groups came: a group holding the committed steps still
                 # lives, so wait for it (it is the one to heal from), late or not
-                time.sleep(_POLL_SECONDS)
+                self._wait_for_event()
                 continue
             if present and (expected <= present or late):
                 step = max(steps.values())
@@ -182,7 +188,7 @@ class Coordinator:
                 self._store.set(protocol.quorum_key(round_), quorum.encode())
                 self._store.set(protocol.OPEN, str(round_ + 1))
                 return quorum
-            time.sleep(_POLL_SECONDS)
+            self._wait_for_event()
         return None
 
     def _finished(self, committed: int) -> bool:
@@ -219,8 +225,30 @@ class Coordinator:
             if decision is not None:
                 self._store.set(protocol.decision_key(round_), decision)
                 return decision
-            time.sleep(_POLL_SECONDS)
+            self._wait_for_event()
         return None
+
+    def _wait_for_event(self) -> None:
+        """Until a rank's next join or vote, or at most
+        :data:`~devmesh.fault.protocol.POLL_SECONDS`: then the heartbeats are looked at."""
+        self._woken.wait(protocol.POLL_SECONDS)
+        self._woken.clear()  # what woke it is in the store: the caller reads it next
+
+    def _watch_events(self, store: dist.TCPStore) -> None:
+        """The waiter's thread: wait on its own connection for each event in turn (a
+        wait that times out is cancelled by the store and waited again), wake the
+        coordinator, and drop the event's key."""
+        number = 1
+        while not self._stopping.is_set():
+            try:
+                store.wait([protocol.event_key(number)], timedelta(seconds=1))
+            except dist.DistStoreError as exc:
+                if "timeout" in str(exc).lower():
+                    continue
+                return  # the store went away: the launcher is ending
+            self._woken.set()
+            store.delete_key(protocol.event_key(number))
+            number += 1
 
     def _forget(self, round_: int) -> None:
         """Delete the joins and votes of an old round (the coordinator has read them); its

@@ -15,6 +15,11 @@ Rounds are numbered; round ``q`` is one attempt at one optimizer step:
    ``abort`` as soon as one failed, died, or one timeout passed after the first ok: every
    member steps its optimizer, or none does.
 
+After each join and vote a rank numbers it as an event (``events``, counted by the store)
+and writes ``event/n``: the coordinator waits for the next event's key instead of polling,
+so a round closes and a step is decided as soon as the last rank has spoken (it still looks
+every :data:`POLL_SECONDS` at the heartbeats, for the dead).
+
 Heartbeats (``hb/g/r`` = ``pid:count``, every :data:`HEARTBEAT_SECONDS`) tell the
 coordinator that a rank lives; one left unchanged for the timeout is dead. A rank whose
 training ended writes ``finished/g/r`` = its committed steps as it stops beating, so a group
@@ -33,6 +38,9 @@ DEFAULT_TIMEOUT = 3.0
 TIMEOUT_VARIABLE = "DEVMESH_REPLICA_TIMEOUT"
 #: How often each rank tells the coordinator it lives.
 HEARTBEAT_SECONDS = 0.2
+#: How long the coordinator waits for a rank's next join or vote before it looks at the
+#: heartbeats again.
+POLL_SECONDS = 0.02
 
 #: Set by ``devmesh run --replica-groups`` for each rank: the coordinator's store, this rank's
 #: group and the number of groups.
@@ -57,6 +65,19 @@ def vote_key(vote: str, round_: int, group: int, rank: int) -> str:
 
 def decision_key(round_: int) -> str:
     return f"decision/{round_}"
+
+
+EVENTS = "events"  # how many joins and votes the ranks have announced
+
+
+def event_key(number: int) -> str:
+    return f"event/{number}"
+
+
+def announce(store) -> None:
+    """Tell the coordinator that this rank wrote a join or a vote: the next event number,
+    and its key, which the coordinator waits for."""
+    store.set(event_key(store.add(EVENTS, 1)), "")
 
 
 def heartbeat_key(group: int, rank: int) -> str:

@@ -139,6 +139,7 @@ class ReplicaGroups:
             self._round = max(self._round + 1, opened)
             self._store.set(protocol.join_key(self._round, self.group, self.rank),
                             json.dumps({"step": self.step_count, "fresh": self._fresh}))
+            protocol.announce(self._store)
             quorum = Quorum.decode(self._wait(protocol.quorum_key(self._round)))
             if quorum.error:
                 raise RuntimeError(f"replica group {self.group}: {quorum.error}")
@@ -215,6 +216,7 @@ class ReplicaGroups:
                 self._log.info("group %d: round %d failed (%s)", self.group, self._round,
                                str(exc).splitlines()[0][:200])
             self._store.set(protocol.vote_key(vote, self._round, self.group, self.rank), "1")
+            protocol.announce(self._store)
             decision = self._wait(protocol.decision_key(self._round)).decode()
             if decision == "commit":
                 committed = bool(quorum.contributors)
