@@ -392,6 +392,9 @@ def test_devmesh_run_names_a_hung_rank(tmp_path):
         import os, time, torch
         from devmesh import init_device_mesh
         from devmesh.distributed import comm
+        # every rank started (on a loaded machine that takes more than 3 s); then the mesh
+        # whose collectives wait 3 s
+        init_device_mesh("cpu", (3,), mesh_dim_names=("start",))
         mesh = init_device_mesh("cpu", (3,), mesh_dim_names=("dp",), timeout=3)
         if os.environ["RANK"] == "2":
             time.sleep(120)
