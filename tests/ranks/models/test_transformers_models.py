@@ -100,6 +100,23 @@ STRATEGIES = {  # name: (mesh shape, dim names, activation checkpointing)
 }
 
 
+def gpt2_tp_plan() -> dict:
+    """GPT-2 declares no tensor-parallel plan: its MLP's Conv1D pair split (column, row), the
+    attention's output projection split on its input (the packed q/k/v projection stays
+    whole), the tied embedding and head split on the vocabulary."""
+    from devmesh.parallel import ColwiseParallel, RowwiseParallel
+    from devmesh.tensor import Replicate
+
+    return {"transformer.wte": RowwiseParallel(input_layouts=Replicate()),
+            "transformer.h.*.attn.c_proj": RowwiseParallel(input_layouts=Replicate()),
+            "transformer.h.*.mlp.c_fc": ColwiseParallel(),
+            "transformer.h.*.mlp.c_proj": RowwiseParallel(),
+            "lm_head": ColwiseParallel(output_layouts=Replicate())}
+
+
+TP_PLANS = {"gpt2": gpt2_tp_plan}  # architectures that declare none
+
+
 def train_parallel(arch: str, strategy: str):
     """This rank's losses (over its share of each batch) next to one process's on the same
     share, and the full state dict against the one process's."""
@@ -108,7 +125,8 @@ def train_parallel(arch: str, strategy: str):
     shape, names, checkpointing = STRATEGIES[strategy]
     ref = make(arch)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    model = parallelize(make(arch), mesh, activation_checkpointing=checkpointing)
+    plan = {"tp_plan": TP_PLANS[arch]()} if arch in TP_PLANS and "tp" in names else {}
+    model = parallelize(make(arch), mesh, activation_checkpointing=checkpointing, **plan)
     dp_names = tuple(n for n in names if n != "tp")
     dp = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
     coordinate = dp.get_coordinate()
@@ -137,6 +155,7 @@ DECODERS = ("llama", "qwen3", "mistral", "gemma3")
 CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES if "ep" not in s.split("_")]
          + [(arch, s) for arch in ("gpt2", "mixtral", "bert")
             for s in ("ddp", "fsdp", "hsdp_selective_ac")]
+         + [("gpt2", s) for s in ("ddp_tp_full_ac", "fsdp_tp", "fsdp_tp_every_2nd_ac")]
          + [(arch, s) for arch in ("mixtral", "qwen3_moe")
             for s in ("ep", "fsdp_ep", "ep_tp_selective_ac")]
          + [("qwen3_moe", s) for s in ("ddp", "fsdp")])
@@ -149,6 +168,58 @@ def test_a_transformers_model_trains_as_one_process(mesh_pool, arch, strategy):
         assert result["keys"], "the full state dict's keys differ from nn.Module's"
         assert result["losses"] <= tolerance, result
         assert result["params"] <= tolerance, result
+
+
+def gpt2_mlp_under_tp(sequence_parallel: bool):
+    """transformers' own GPT-2 MLP (two ``Conv1D``: weights stored ``(in, out)``) with
+    ``c_fc`` split by columns and ``c_proj`` by rows (or, sequence-parallel, its input and
+    output split on the sequence): output, input gradient and the full weights' gradients
+    against one process."""
+    import transformers as T
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    from devmesh.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from devmesh.tensor import Shard
+
+    config = T.GPT2Config(n_embd=8, resid_pdrop=0.0)
+    torch.manual_seed(0)
+    ref = GPT2MLP(12, config).double()
+    mlp = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rank = mesh.get_local_rank()
+    if sequence_parallel:
+        plan = {"c_fc": ColwiseParallel(input_layouts=Shard(1)),
+                "c_proj": RowwiseParallel(output_layouts=Shard(1))}
+    else:
+        plan = {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()}
+    parallelize_module(mlp, mesh, plan)
+    x = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    whole = x.clone().requires_grad_(True)
+    want = ref(whole)
+    want.square().sum().backward()
+    mine = (x[:, 2 * rank:2 * rank + 2] if sequence_parallel else x).clone().requires_grad_(True)
+    out = mlp(mine)
+    out.square().sum().backward()
+    rows = slice(2 * rank, 2 * rank + 2)
+    cols = slice(6 * rank, 6 * rank + 6)
+    return {
+        "local": (tuple(mlp.c_fc.weight.shape), tuple(mlp.c_proj.weight.shape)),
+        "out": (out - (want[:, rows] if sequence_parallel else want)).abs().max().item(),
+        "input_grad": (mine.grad - (whole.grad[:, rows] if sequence_parallel
+                                    else whole.grad)).abs().max().item(),
+        "c_fc": max((mlp.c_fc.weight.grad - ref.c_fc.weight.grad[:, cols]).abs().max().item(),
+                    (mlp.c_fc.bias.grad - ref.c_fc.bias.grad[cols]).abs().max().item()),
+        "c_proj": max((mlp.c_proj.weight.grad - ref.c_proj.weight.grad[cols]).abs().max().item(),
+                      (mlp.c_proj.bias.grad - ref.c_proj.bias.grad).abs().max().item()),
+    }
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_gpt2_conv1d_splits_by_column_and_row_as_one_process(mesh_pool, sequence_parallel):
+    for result in mesh_pool.run(gpt2_mlp_under_tp, 2, sequence_parallel):
+        assert result["local"] == ((8, 6), (6, 8)), result  # (in, out) as stored
+        for key in ("out", "input_grad", "c_fc", "c_proj"):
+            assert result[key] <= 1e-13, result
 
 
 def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...], options: dict):

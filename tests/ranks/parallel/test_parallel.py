@@ -421,7 +421,7 @@ def test_bad_plans_are_named(mesh_pool):
     errors = mesh_pool.run(bad_plans, 4)[0]
     assert "needs a 1-D tensor-parallel mesh" in errors[0] and "mesh['tp']" in errors[0]
     assert "matches no submodule" in errors[1] and "0, 1, 2, 3, 4" in errors[1]
-    assert "applies to nn.Linear and nn.Embedding, but '1' is a ReLU" in errors[2]
+    assert "applies to nn.Linear, nn.Embedding and transformers' Conv1D, but '1' is a ReLU" in errors[2]
     assert "already applied" in errors[3]
 
 

@@ -6,6 +6,10 @@
 * ``RowwiseParallel``: ``nn.Linear`` weight split on dim 1 (input features), bias replicated and
   added once after the reduction; ``nn.Embedding`` split on the vocabulary; input sharded on
   the last dim, output reduced to replicated (or reduce-scattered to ``Shard(seq)``).
+
+Both also take transformers' ``Conv1D`` (GPT-2's projections: a linear layer whose weight is
+stored transposed, ``(in, out)``), which torch's styles refuse: its weight is split on the
+other dim, and its forward computes what ``nn.Linear``'s would.
 * ``SequenceParallel``: norm/dropout layers run on the sequence shard with replicated
   parameters, whose gradients are summed over the TP group.
 * ``ReplicatedWithGradSum``: replicated parameters of a module running on local features
@@ -95,7 +99,23 @@ class ParallelStyle:
         return f"{type(self).__name__}({fields})"
 
 
+def _conv1d_class(module: nn.Module) -> type | None:
+    """transformers' ``Conv1D`` among the module's classes (``x @ weight + bias`` with the
+    weight stored ``(in, out)``), recognized without importing transformers."""
+    return next((c for c in type(module).__mro__ if c.__name__ == "Conv1D"
+                 and c.__module__ == "transformers.pytorch_utils"), None)
+
+
+def _in_out_features(module: nn.Module) -> tuple[int, int]:
+    """A linear layer's (input, output) features: ``nn.Linear``'s or ``Conv1D``'s."""
+    if isinstance(module, nn.Linear):
+        return module.in_features, module.out_features
+    return module.nx, module.nf  # Conv1D
+
+
 def _check_linear_or_embedding(style: ParallelStyle, module: nn.Module, name: str) -> None:
+    if _conv1d_class(module) is not None:
+        return
     if isinstance(module, nn.Embedding):
         if module.max_norm is not None or module.sparse:
             raise ParallelizeError(
@@ -105,8 +125,8 @@ def _check_linear_or_embedding(style: ParallelStyle, module: nn.Module, name: st
         return
     if not isinstance(module, nn.Linear):
         raise ParallelizeError(
-            f"{type(style).__name__} applies to nn.Linear and nn.Embedding, but {name!r} is a "
-            f"{type(module).__name__}"
+            f"{type(style).__name__} applies to nn.Linear, nn.Embedding and transformers' "
+            f"Conv1D, but {name!r} is a {type(module).__name__}"
         )
 
 
@@ -136,12 +156,20 @@ class ColwiseParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
         if isinstance(module, nn.Embedding):
+            features = module.embedding_dim
             distribute(module, "weight", Shard(1))
+        elif _conv1d_class(module) is not None:
+            features = module.nf
+            distribute(module, "weight", Shard(1))
+            distribute(module, "bias", Shard(0))
+            # Conv1D's own forward shapes its output by nf: this rank's columns
+            module.nf = module.weight.shape[1]
         else:
+            features = module.out_features
             distribute(module, "weight", Shard(0))
             distribute(module, "bias", Shard(0))
         module.register_forward_pre_hook(functools.partial(_colwise_input, self, mesh))
-        module.register_forward_hook(functools.partial(_colwise_output, self, mesh))
+        module.register_forward_hook(functools.partial(_colwise_output, self, mesh, features))
         return module
 
 
@@ -158,8 +186,8 @@ def _colwise_input(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Module, 
 
 
 @_eager
-def _colwise_output(style: ColwiseParallel, mesh: DeviceMesh, module: nn.Module, args, y):
-    features = module.embedding_dim if isinstance(module, nn.Embedding) else module.out_features
+def _colwise_output(style: ColwiseParallel, mesh: DeviceMesh, features: int,
+                    module: nn.Module, args, y):
     return A.finish_output(y, Shard(-1), style.output_layouts, mesh, style.use_local_output,
                            extent=(-1, features))
 
@@ -181,12 +209,15 @@ class RowwiseParallel(ParallelStyle):
         _check_linear_or_embedding(self, module, name)
         if isinstance(module, nn.Embedding):
             _check_embedding_subclass(module, name)
-        elif type(module).forward is not nn.Linear.forward:
-            raise ParallelizeError(
-                f"RowwiseParallel on {name!r}: {type(module).__name__} overrides "
-                "nn.Linear.forward, and its own computation would run on each rank's partial "
-                "sums before they are reduced; split a plain nn.Linear inside it, or leave "
-                "it replicated")
+        else:
+            base = _conv1d_class(module) or nn.Linear
+            if type(module).forward is not base.forward:
+                base_name = "nn.Linear" if base is nn.Linear else base.__name__
+                raise ParallelizeError(
+                    f"RowwiseParallel on {name!r}: {type(module).__name__} overrides "
+                    f"{base_name}.forward, and its own computation would run on each "
+                    "rank's partial sums before they are reduced; split a plain "
+                    f"{base_name} inside it, or leave it replicated")
 
     def sharded_parameters(self, module: nn.Module) -> tuple[str, ...]:
         return ("weight",)
@@ -203,8 +234,8 @@ class RowwiseParallel(ParallelStyle):
                 with_kwargs=True)
             module.register_forward_hook(functools.partial(_rowwise_embedding_output, self, mesh),
                                          prepend=True, always_call=True)
-        else:
-            distribute(module, "weight", Shard(1))
+        else:  # the forward is replaced: the bias is added once, after the reduction
+            distribute(module, "weight", Shard(0 if _conv1d_class(module) else 1))
             distribute(module, "bias", Replicate())
             module.forward = functools.partial(_rowwise_linear, self, mesh, module)
         return module
@@ -218,10 +249,13 @@ class RowwiseParallel(ParallelStyle):
 
 
 @_eager
-def _rowwise_linear(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Linear, x):
+def _rowwise_linear(style: RowwiseParallel, mesh: DeviceMesh, module: nn.Module, x):
     refuse_torch_fsdp_over_blocks(module)
-    x = A.sharded_input(x, style.input_layouts, Shard(-1), mesh, extent=(-1, module.in_features))
-    y = style.reduce(F.linear(x, module.weight), mesh)
+    x = A.sharded_input(x, style.input_layouts, Shard(-1), mesh,
+                        extent=(-1, _in_out_features(module)[0]))
+    weight = module.weight
+    partial = F.linear(x, weight) if isinstance(module, nn.Linear) else x.matmul(weight)
+    y = style.reduce(partial, mesh)
     bias = module.bias
     if bias is not None:
         # a sequence shard of the output: each rank's bias gradient covers its positions only
