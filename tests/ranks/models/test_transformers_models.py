@@ -473,9 +473,12 @@ def _steps_against_one_process(ref, parameters, mesh, step) -> list[float]:
     data rank's rows, returning the loss where it is known, else ``None``); the gap between
     each known loss and one process's loss on the same rows."""
     names = mesh.mesh_dim_names
-    data = [n for n in names if n not in ("pp", "tp", "cp")]
-    index, per = (mesh[data[0]].get_local_rank(), BATCH // mesh[data[0]].size()) if data \
-        else (0, BATCH)
+    index, ranks = 0, 1  # this rank's place among the data ranks (every data dim)
+    for name in names:
+        if name not in ("pp", "tp", "cp"):
+            index = index * mesh[name].size() + mesh[name].get_local_rank()
+            ranks *= mesh[name].size()
+    per = BATCH // ranks
     rows = slice(index * per, (index + 1) * per)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(parameters, lr=1e-2)
@@ -551,6 +554,7 @@ PP_STRATEGIES = {  # name: (mesh shape, dim names, schedule, micro-batches, laye
     "pp_tp_dualpipe_v_full_ac": ((2, 2), ("pp", "tp"), "dualpipe-v", 4, 4, "full"),
     "pp_tp_selective_ac": ((2, 2), ("pp", "tp"), "gpipe", 2, 2, "selective"),
     "pp_ep": ((2, 2), ("pp", "ep"), "1f1b", 2, 2, "none"),
+    "pp_fsdp_ep": ((2, 2, 2), ("pp", "dp_shard", "ep"), "1f1b", 1, 2, "none"),
 }
 
 
@@ -582,11 +586,14 @@ def train_pipelined(arch: str, strategy: str):
 @pytest.mark.parametrize("arch, strategy", [
     ("llama", "pp_fsdp"), ("gemma3", "pp_ddp_interleaved_full_ac"),
     ("qwen3", "pp_tp_dualpipe_v_full_ac"), ("gemma3", "pp_tp_selective_ac"),
-    ("mixtral", "pp_ep")])
+    ("mixtral", "pp_ep"), ("mixtral", "pp_fsdp_ep")])
 def test_a_transformers_model_trains_in_pipeline_stages_as_one_process(mesh_pool, arch,
                                                                        strategy):
-    results = mesh_pool.run(train_pipelined, 4, arch, strategy)
-    assert sum(r["had_loss"] for r in results) == 2, results  # a last stage per data rank
+    shape = PP_STRATEGIES[strategy][0]
+    world = shape[0] * shape[1] * (shape[2] if len(shape) > 2 else 1)
+    results = mesh_pool.run(train_pipelined, world, arch, strategy)
+    # a last stage per data rank
+    assert sum(r["had_loss"] for r in results) == world // shape[0], results
     for result in results:
         assert result["keys"], "the stages' state dicts together are not the model's"
         # transformers computes the loss in float32 (logits.float())
