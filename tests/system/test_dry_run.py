@@ -33,21 +33,27 @@ STRATEGIES = {
     "ddp-cp-full": ({"dp": 4, "cp": 2}, "full"),
     "fsdp-cp-tp-selective": ({"shard": 2, "cp": 2, "tp": 2}, "selective"),
     "pp-fsdp-cp": {"pp": 2, "shard": 2, "cp": 2},
+    # several stages per rank: looped (interleaved 1F1B) and in a V (zero-bubble V splits
+    # backwards into I and W; DualPipeV mixes whole and split ones), 4 stages of one layer
+    "pp-fsdp-tp-interleaved": ({"pp": 2, "shard": 2, "tp": 2}, "none", "float32",
+                               "interleaved-1f1b"),
+    "pp-fsdp-zbv": ({"pp": 2, "shard": 4}, "none", "float32", "zbv-zero-bubble"),
+    "pp-ddp-dualpipe-v-full": ({"pp": 2, "dp": 4}, "full", "float32", "dualpipe-v"),
 }
 
 
 def _case(strategy):
     case = STRATEGIES[strategy]
     case = case if isinstance(case, tuple) else (case,)
-    dims, checkpointing, dtype = case + ("none", "float32")[len(case) - 1:]
-    return dims, checkpointing, replace(CONFIG, dtype=dtype)
+    dims, checkpointing, dtype, schedule = case + ("none", "float32", "1f1b")[len(case) - 1:]
+    return dims, checkpointing, replace(CONFIG, dtype=dtype), schedule
 
 
-def real_step(dims, checkpointing="none", config=CONFIG):
+def real_step(dims, checkpointing="none", config=CONFIG, schedule="1f1b"):
     import os
 
     return dry_run(config, dims, rank=int(os.environ["RANK"]), device="cpu",
-                   checkpointing=checkpointing)
+                   checkpointing=checkpointing, schedule=schedule)
 
 
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
@@ -55,20 +61,24 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
     """Every rank's collectives per kind and mesh dim — calls and bytes — and its parameter,
     gradient and optimizer bytes equal the real step's exactly; the pipeline's against
     devmesh's own runner running the step (its messages included)."""
-    dims, checkpointing, config = _case(strategy)
-    real = mesh_pool.run(real_step, 8, dims, checkpointing, config)
-    runner = (mesh_pool.run(pipelined_step, 8, dims, checkpointing) if "pp" in dims else None)
+    dims, checkpointing, config, schedule = _case(strategy)
+    real = mesh_pool.run(real_step, 8, dims, checkpointing, config, schedule)
+    runner = (mesh_pool.run(pipelined_step, 8, dims, checkpointing, schedule) if "pp" in dims
+              else None)
     for rank, measured in enumerate(real):
-        predicted = dry_run(config, dims, rank=rank, checkpointing=checkpointing)
+        predicted = dry_run(config, dims, rank=rank, checkpointing=checkpointing,
+                            schedule=schedule)
         assert predicted.compute_dtype == measured.compute_dtype == config.dtype
         assert predicted.coordinate == measured.coordinate
         assert predicted.collectives == measured.collectives, rank
         if runner is not None:
             assert predicted.collectives == runner[rank][0], rank
             # FSDP's unsharded float32 gradients held between the micro-batches' backwards
-            assert predicted.accumulated_gradient_bytes == runner[rank][1] > 0, rank
+            assert predicted.accumulated_gradient_bytes == runner[rank][1], rank
+            assert (runner[rank][1] > 0) == ("shard" in dims), rank
         assert predicted.accumulated_gradient_bytes == measured.accumulated_gradient_bytes
-        if "pp" in dims:  # the stage's tensor-parallel blocks, whole over shard, in float32
+        if "pp" in dims and schedule == "1f1b":
+            # the stage's tensor-parallel blocks, whole over shard, in float32
             d, kv, tp = config.dim, config.kv_heads * config.head_dim, dims.get("tp", 1)
             block = (2 * d * d + 2 * d * kv + 3 * d * config.ffn_dim) // tp + 2 * d
             whole = 2 * block + config.vocab * d // tp + d * predicted.coordinate["pp"]
@@ -87,22 +97,24 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
             measured.activation_bytes_per_microbatch, rel=0.15)
 
 
-def pipelined_step(dims, checkpointing="none"):
-    """The pipeline case run by devmesh's own runner (1F1B, 4 micro-batches) on the stage
-    the dry run builds: its collectives over the step."""
+def pipelined_step(dims, checkpointing="none", schedule="1f1b"):
+    """The pipeline case run by devmesh's own runner (``schedule``, 4 micro-batches) on the
+    stages the dry run builds: its collectives over the step."""
     import torch.nn.functional as F
 
     from devmesh import comm_stats
     from devmesh.layout.schedule import build_schedule
     from devmesh.parallel import loss_parallel
     from devmesh.parallel.pipeline import PipelineRunner
-    from devmesh.tools.dry_run.run import build_rank_model
+    from devmesh.tools.dry_run.run import build_rank_stages
 
-    mesh, model = build_rank_model(CONFIG, dims, "cpu", checkpointing=checkpointing)
-    stage = mesh.get_coordinate()[0]
+    plan = build_schedule(schedule, 2, 4)
+    mesh, models = build_rank_stages(CONFIG, dims, plan, "cpu", checkpointing=checkpointing)
+    last = plan.stages - 1
     # the most unsharded gradients FSDP's units hold between the runner's backwards: each
     # unit's accumulated tensors, read after every reduction it makes or holds back
-    units = [m._devmesh_fsdp for m in model.modules() if getattr(m, "_devmesh_fsdp", None)]
+    units = [m._devmesh_fsdp for model in models.values() for m in model.modules()
+             if getattr(m, "_devmesh_fsdp", None)]
     held = [0]
 
     def watched(unit):
@@ -118,16 +130,62 @@ def pipelined_step(dims, checkpointing="none"):
 
     for unit in units:
         unit.reduce_grads = watched(unit)
-    runner = PipelineRunner({stage: model}, mesh, build_schedule("1f1b", 2, 4),
+    runner = PipelineRunner(models, mesh, plan,
                             lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
-    data = CONFIG.batch // dims["shard"]
+    data = CONFIG.batch // (dims.get("shard", 1) * dims.get("dp", 1))
     gen = torch.Generator().manual_seed(0)
     x = torch.randint(0, CONFIG.vocab, (data, CONFIG.seq // dims.get("cp", 1)), generator=gen)
     # the head's logits stay split over tp: the step runs under loss_parallel (torchtitan's
     # train context), and torch's collectives for it and for DTensor activations count too
     with comm_stats(include_torch=True) as stats, loss_parallel():
-        runner.step(x if stage == 0 else None, x if stage == 1 else None)
+        runner.step(x if 0 in models else None, x if last in models else None)
     return {key: tuple(value) for key, value in stats.records.items()}, held[0]
+
+
+@pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",
+                                  "zero-bubble", "interleaved-zero-bubble", "zbv-zero-bubble",
+                                  "dualpipe-v"])
+def test_the_activations_held_at_once_are_the_schedules_liveness_slots(name):
+    """The peak of a rank's activations over a schedule: with every stage's micro-batch one
+    unit, the most held at once is the activation liveness' slot count (torch's, for the
+    rank's stages together); a heavier stage counts by its bytes. And the dry run's report
+    of a rank of several stages: their layers, the peak, a stage's bytes per micro-batch."""
+    from devmesh.layout.liveness import activation_liveness
+    from devmesh.layout.schedule import build_schedule
+    from devmesh.tools.dry_run.run import activation_peak
+
+    schedule = build_schedule(name, 4, 8)
+    for rank in range(4):
+        stages = [s for s in range(schedule.stages) if schedule.rank_of(s) == rank]
+        slots = activation_liveness(schedule, pp_rank=rank, stage_indices=stages,
+                                    granularity="stage_microbatch").num_slots
+        actions = list(schedule.actions[rank])
+        assert activation_peak(actions, dict.fromkeys(stages, 1)) == slots, rank
+        heavier = {s: 1 + 1000 * (s == stages[-1]) for s in stages}
+        held = sum(1 for a in actions if a.kind == "F" and a.stage == stages[-1])
+        assert 1000 * min(held, 1) < activation_peak(actions, heavier) <= 1001 * slots
+    report = dry_run(CONFIG, {"pp": 2, "shard": 4}, schedule=name, rank=0, microbatches=4)
+    if name in ("gpipe", "1f1b", "zero-bubble"):
+        assert report.stage_layers == {} and report.activation_peak_bytes is None
+    else:
+        assert list(report.stage_layers.values()) == (
+            [(0, 1), (2, 3)] if schedule.placement == "loop" else [(0, 1), (3, 4)])
+        assert report.activation_bytes == report.activation_peak_bytes
+        assert report.activation_bytes_per_microbatch == max(
+            report.stage_activation_bytes.values())
+
+
+@pytest.mark.parametrize("schedule, microbatches, says", [
+    ("dualpipe-v", 2, "dualpipe-v needs at least as many micro-batches as stages"),
+    ("interleaved-1f1b", 4, "makes 16 stages, more than the model's 4 layers"),
+    ("sideways", 4, "the dry run plays gpipe, 1f1b, interleaved-1f1b"),
+])
+def test_a_schedule_the_job_cannot_play_is_refused_naming_why(schedule, microbatches, says):
+    from devmesh.errors import DryRunError
+
+    pp = 8 if "16 stages" in says else 2
+    with pytest.raises(DryRunError, match=says):
+        dry_run(CONFIG, {"pp": pp, "dp": 2}, schedule=schedule, microbatches=microbatches)
 
 
 @pytest.mark.parametrize("dims", [{"dp": 8}, {"shard": 4, "tp": 2}, {"shard": 4, "cp": 2}],

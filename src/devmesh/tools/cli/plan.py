@@ -51,7 +51,8 @@ def add(sub) -> None:
                       help="instead: print a pipeline schedule for --pp ranks (gpipe, 1f1b, "
                            "interleaved-1f1b, looped-bfs, zero-bubble, interleaved-zero-bubble, "
                            "zbv-zero-bubble, dualpipe-v) with its bubble, or check one written in a file "
-                           "(one 'rank R: F0@0 B0@0 ...' line per rank, as printed)")
+                           "(one 'rank R: F0@0 B0@0 ...' line per rank, as printed); with "
+                           "--model: the schedule the dry run plays (default 1f1b)")
     plan.add_argument("--microbatches", type=int, default=None,
                       help="micro-batches per step (with --schedule; default 2 x --pp)")
     plan.add_argument("--virtual", type=int, default=2,

@@ -225,15 +225,16 @@ def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, in
     matmul = (2 * config.dim * config.dim + 2 * config.dim * kv
               + 3 * config.dim * config.ffn_dim) / tp
     attention = 2 * config.seq * config.dim / tp  # QK^T and AV, causal: half of 4 s d
-    first, last = report.layers
-    per_token = (last - first) * (2 * matmul + attention)
+    ranges = report.layer_ranges  # several where the rank runs several stages
+    per_token = sum(last - first for first, last in ranges) * (2 * matmul + attention)
     # a block checkpointed in full runs its forward again in backward; selective keeps its
     # matmuls' and attention's outputs, recomputing only element-wise work (no FLOPs here)
     mode = report.checkpointing
-    recomputed = (last - first if mode == "full" else
-                  len(range(0, last - first, mode)) if isinstance(mode, int) else 0)
+    recomputed = sum(last - first if mode == "full" else
+                     len(range(0, last - first, mode)) if isinstance(mode, int) else 0
+                     for first, last in ranges)
     extra = recomputed * (2 * matmul + attention)
-    if last == config.layers:
+    if any(last == config.layers for _, last in ranges):
         per_token += 2 * config.dim * config.vocab
     return (3 * per_token + extra) * tokens
 
@@ -281,8 +282,8 @@ def predict(config: TransformerConfig, dims: dict[str, int], report: RankReport,
     idle time), and ``step`` (their sum)."""
     parts = {"compute": step_flops(config, report, dims) / (costs.tflops * 1e12)}
     if costs.block_overhead:  # every block of the rank, forward and backward, per micro-batch
-        first, last = report.layers
-        parts["overhead"] = costs.block_overhead * (last - first) * microbatches
+        blocks = sum(last - first for first, last in report.layer_ranges)
+        parts["overhead"] = costs.block_overhead * blocks * microbatches
     for (kind, label), (calls, nbytes) in sorted(report.collectives.items()):
         ranks = _ranks_of(label, dims)
         # a collective over n ranks passes n - 1 hops of a ring (as the redistribution
@@ -343,6 +344,9 @@ def reports_as_json(config: TransformerConfig, dims: dict[str, int],
             "activation_bytes_per_microbatch": report.activation_bytes_per_microbatch,
             "microbatches_in_flight": report.microbatches_in_flight,
             "activation_bytes": report.activation_bytes, "total_bytes": report.total_bytes,
+            "stages": [{"stage": stage, "layers": list(report.stage_layers[stage]),
+                        "activation_bytes_per_microbatch": nbytes}
+                       for stage, nbytes in report.stage_activation_bytes.items()],
             "compute_dtype": report.compute_dtype, "seconds": report.seconds,
             "collectives": [{"collective": kind, "dims": label, "calls": calls,
                              "bytes": nbytes}
@@ -380,18 +384,28 @@ def format_reports(config: TransformerConfig, dims: dict[str, int], reports: lis
     for report in reports:
         where = ", ".join(f"{k} {v}" for k, v in report.coordinate.items())
         lines.append("")
-        lines.append(f"rank {report.rank} ({where}): layers {report.layers[0]}.."
-                     f"{report.layers[1] - 1}, {report.parameters:,} parameters here "
-                     f"(measured in {report.seconds:.1f} s)")
+        held = (", ".join(f"stage {stage} (layers {first}..{last - 1})"
+                          for stage, (first, last) in report.stage_layers.items())
+                if report.stage_layers else
+                f"layers {report.layers[0]}..{report.layers[1] - 1}")
+        lines.append(f"rank {report.rank} ({where}): {held}, {report.parameters:,} parameters "
+                     f"here (measured in {report.seconds:.1f} s)")
         lines.append(f"  parameters {_gib(report.parameter_bytes):>14}   (float32)")
         lines.append(f"  gradients  {_gib(report.gradient_bytes):>14}")
         lines.append(f"  AdamW      {_gib(report.optimizer_bytes):>14}   (2 states)")
         if report.accumulated_gradient_bytes:
             lines.append(f"  accumulated{_gib(report.accumulated_gradient_bytes):>14}   "
                          "(FSDP's unsharded float32 gradients, between micro-batches)")
-        lines.append(f"  activations{_gib(report.activation_bytes):>14}   "
-                     f"({_gib(report.activation_bytes_per_microbatch)} per micro-batch x "
-                     f"{report.microbatches_in_flight} in flight, {report.compute_dtype})")
+        if report.stage_activation_bytes:
+            each = ", ".join(f"stage {stage} {_gib(nbytes)}"
+                             for stage, nbytes in report.stage_activation_bytes.items())
+            lines.append(f"  activations{_gib(report.activation_bytes):>14}   "
+                         f"(the most held at once: {report.microbatches_in_flight} micro-batch "
+                         f"stages in flight; per micro-batch {each}; {report.compute_dtype})")
+        else:
+            lines.append(f"  activations{_gib(report.activation_bytes):>14}   "
+                         f"({_gib(report.activation_bytes_per_microbatch)} per micro-batch x "
+                         f"{report.microbatches_in_flight} in flight, {report.compute_dtype})")
         verdict = ""
         if device_memory is not None:
             verdict = ("   fits" if report.total_bytes <= device_memory else

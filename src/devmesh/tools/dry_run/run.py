@@ -9,9 +9,11 @@ reduces, DDP's buckets), and ``comm_stats`` counts each with its bytes and mesh 
 as it counts them in a real step. What a rank holds:
 
 - parameters, gradients (float32 master copies, this rank's shards) and AdamW's two states;
-- activations: the bytes autograd saves for backward in one micro-batch's forward of the
-  rank's stage (counted by saved-tensor hooks, each storage once), times the most
-  micro-batches the schedule keeps in flight on this rank (its activation liveness slots).
+- activations: the bytes autograd saves for backward in one micro-batch's forward of each of
+  the rank's stages (counted by saved-tensor hooks, each storage once), at the moment of the
+  schedule's step when the most of them are held: one stage's bytes times the micro-batches
+  in flight (its activation liveness slots), or, where a rank runs several stages (interleaved
+  and V-shaped schedules), the largest sum of every stage's micro-batches held at once.
 
 A pipeline's messages between stages are not sent through ``fake`` (a stage's receive needs
 its peer's data); they are counted from the schedule: per micro-batch, the activation forward
@@ -37,15 +39,17 @@ from devmesh.errors import DryRunError
 from devmesh.layout.data_parallel import cp_beside_one_data_dim, flattened_name
 from devmesh.layout.liveness import activation_liveness
 from devmesh.parallel.compute_dtype import is_compute_copy
-from devmesh.layout.schedule import build_schedule
+from devmesh.layout.schedule import SCHEDULES as ALL_SCHEDULES
+from devmesh.layout.schedule import Action, Schedule, ScheduleError, build_schedule
 from devmesh.tools.dry_run.model import Transformer, TransformerConfig, stage_layers, tp_plan
 
 __all__ = ["DIM_ORDER", "RankReport", "dry_run", "dry_run_by_blocks", "parse_mesh",
-           "ranks_to_report", "build_rank_model", "add_pipeline_messages"]
+           "ranks_to_report", "build_rank_model", "build_rank_stages", "activation_peak",
+           "add_pipeline_messages"]
 
 DIM_ORDER = ("pp", "dp", "shard", "cp", "tp")  # outer to inner: tensor parallelism inside a host
 _ALIASES = {"fsdp": "shard", "dp_shard": "shard", "dp_replicate": "dp"}
-SCHEDULES = ("gpipe", "1f1b")  # one stage per rank, whole backwards (as devmesh's runner)
+SCHEDULES = tuple(ALL_SCHEDULES)  # every built-in schedule devmesh's runner plays
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -84,10 +88,24 @@ class RankReport:
     collectives: dict[tuple[str, str], tuple[int, int]] = field(default_factory=dict)
     seconds: float = 0.0
     checkpointing: str | int = "none"  # the blocks' activation checkpointing
+    #: where the rank runs several pipeline stages: each stage's layers, and the bytes one
+    #: micro-batch's forward of it keeps (``activation_bytes_per_microbatch`` is the most of
+    #: those, ``microbatches_in_flight`` the most micro-batch stages held at once)
+    stage_layers: dict[int, tuple[int, int]] = field(default_factory=dict)
+    stage_activation_bytes: dict[int, int] = field(default_factory=dict)
+    #: the most activation bytes held at once over the step (several stages' micro-batches)
+    activation_peak_bytes: int | None = None
 
     @property
     def activation_bytes(self) -> int:
+        if self.activation_peak_bytes is not None:
+            return self.activation_peak_bytes
         return self.activation_bytes_per_microbatch * self.microbatches_in_flight
+
+    @property
+    def layer_ranges(self) -> list[tuple[int, int]]:
+        """The (first, last) layers of each of the rank's stages."""
+        return list(self.stage_layers.values()) or [self.layers]
 
     @property
     def total_bytes(self) -> int:
@@ -148,6 +166,11 @@ class _SavedBytes:
         self._model: torch.nn.Module | None = None
         self._counted: set[int] = set()
 
+    def reset(self) -> None:
+        """Count afresh (the next stage's probe)."""
+        self.bytes = 0
+        self._counted = set()
+
     def count(self, t: torch.Tensor) -> None:
         if not self.active:
             return
@@ -200,7 +223,7 @@ def _torch_compat_tree_leaves(tree: object) -> list:
 def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
             schedule: str = "1f1b", microbatches: int | None = None,
             device: str = "meta", blocks: int | None = None,
-            checkpointing: str | int = "none") -> RankReport:
+            checkpointing: str | int = "none", virtual: int = 2) -> RankReport:
     """One training step of global rank ``rank`` on a mesh of ``dims`` (outer to inner
     ``pp, dp, shard, cp, tp``; ``dp`` replicates: DDP, or HSDP beside ``shard``; ``cp``
     splits every sequence, its ranks data-parallel for the parameters), measured.
@@ -209,7 +232,10 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
     ``blocks`` builds only that many of the stage's transformer blocks (its embedding and
     head kept): :func:`dry_run_by_blocks` extrapolates from two such runs.
     ``checkpointing``: the blocks' activation checkpointing, ``"none"``, ``"full"``,
-    ``"selective"`` or every k-th block (:mod:`devmesh.parallel.activation_checkpointing`)."""
+    ``"selective"`` or every k-th block (:mod:`devmesh.parallel.activation_checkpointing`).
+    ``schedule``: any of :data:`SCHEDULES`; ``virtual``: stages per rank of the looped ones
+    (interleaved 1F1B, interleaved zero-bubble, looped BFS); the V-shaped ones (zero-bubble
+    V, DualPipeV) run two. A rank's stages each get ``layers / stages`` of the layers."""
     _check_checkpointing(checkpointing)
     dims = {name: dims[name] for name in DIM_ORDER if dims.get(name, 1) > 1} or {"dp": 1}
     world = 1
@@ -230,6 +256,15 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
                           f"{', '.join(map(str, _divisors(local)))}")
     if pp > 1 and schedule not in SCHEDULES:
         raise DryRunError(f"--schedule {schedule!r}: the dry run plays {', '.join(SCHEDULES)}")
+    if pp > 1:
+        try:
+            stages = build_schedule(schedule, pp, microbatches, virtual).stages
+        except ScheduleError as exc:
+            raise DryRunError(f"--schedule {schedule}: {exc}") from None
+        if stages > config.layers:
+            raise DryRunError(f"--schedule {schedule} on pp {pp} makes {stages} stages, more "
+                              f"than the model's {config.layers} layers: use fewer pipeline "
+                              "ranks or a schedule of one stage per rank (1f1b, gpipe)")
     cp = dims.get("cp", 1)
     if cp > 1 and not cp_beside_one_data_dim("dp" in dims, "shard" in dims):
         raise DryRunError(f"--mesh {dims}: context parallelism goes beside one data-parallel "
@@ -253,7 +288,7 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
     world_context = _fake_world(rank, world) if device == "meta" else contextlib.nullcontext()
     with world_context:
         report = _step(config, dims, schedule, microbatches, local // microbatches, device,
-                       blocks, checkpointing)
+                       blocks, checkpointing, virtual)
     report.seconds = time.perf_counter() - start
     return report
 
@@ -281,8 +316,11 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
     (parameter, gradient, optimizer and activation bytes; each collective's calls and bytes)
     grows by the same amount per block: what the second block adds, times the blocks past
     the first. A stage of one block is run as it is."""
-    if isinstance(checkpointing, int) and checkpointing > 1:
-        # every k-th block: the stage's blocks are not alike, so it is run whole
+    pp = dims.get("pp", 1)
+    if (isinstance(checkpointing, int) and checkpointing > 1) or (
+            pp > 1 and schedule not in ("1f1b", "gpipe")):
+        # every k-th block: the stage's blocks are not alike; several stages on the rank:
+        # the peak of their activations held at once is no line in the blocks. Run whole
         return dry_run(config, dims, rank=rank, schedule=schedule, microbatches=microbatches,
                        checkpointing=checkpointing)
     kwargs = dict(rank=rank, schedule=schedule, microbatches=microbatches,
@@ -318,20 +356,23 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
 
 def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
           microbatches: int, mb_size: int, device: str, blocks: int | None = None,
-          checkpointing: str | int = "none") -> RankReport:
+          checkpointing: str | int = "none", virtual: int = 2) -> RankReport:
     from devmesh import comm_stats
 
     saved = _SavedBytes()
-    mesh, model = build_rank_model(config, dims, device, blocks, checkpointing=checkpointing,
-                                   saved=saved)
+    pp = dims.get("pp", 1)
+    schedule = build_schedule(schedule_name, pp, microbatches, virtual) if pp > 1 else None
+    mesh, models = build_rank_stages(config, dims, schedule, device, blocks,
+                                     checkpointing=checkpointing, saved=saved)
     names = tuple(dims)
     coordinate = dict(zip(names, mesh.get_coordinate() or ()))
-    pp, stage = dims.get("pp", 1), coordinate.get("pp", 0)
-    first, last = stage_layers(config, pp, stage)
-    compute = config.torch_dtype
-    params = sum(p.numel() for p in model.parameters())
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    activation_dtype = compute
+    pp_rank = coordinate.get("pp", 0)
+    total = schedule.stages if schedule is not None else 1
+    bounds = {s: stage_layers(config, total, s) for s in models}
+    every = [p for model in models.values() for p in model.parameters()]
+    params = sum(p.numel() for p in every)
+    param_bytes = sum(p.numel() * p.element_size() for p in every)
+    activation_dtype = config.torch_dtype
 
     gen = torch.Generator().manual_seed(0)
     seq = config.seq // dims.get("cp", 1)  # this rank's part of each sequence
@@ -351,63 +392,91 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
             h = torch.randn(shape, generator=gen).to(activation_dtype)
         return h.requires_grad_(True)
 
-    if pp > 1:
-        schedule = build_schedule(schedule_name, pp, microbatches)
-        actions = schedule.actions[stage]
+    if schedule is not None:
+        actions = list(schedule.actions[pp_rank])
     else:
-        schedule = None
-        actions = [a for m in range(microbatches) for a in (("F", m), ("B", m))]
-    syncs = [m for m in (getattr(m, "set_requires_gradient_sync", None)
-                         for m in model.modules()) if m is not None]
-    units = [u for u in (getattr(m, "_devmesh_fsdp", None) for m in model.modules()) if u]
+        actions = [Action(kind, 0, m) for m in range(microbatches) for kind in ("F", "B")]
+    syncs = {s: [f for f in (getattr(m, "set_requires_gradient_sync", None)
+                             for m in model.modules()) if f is not None]
+             for s, model in models.items()}
+    units = [u for model in models.values()
+             for u in (getattr(m, "_devmesh_fsdp", None) for m in model.modules()) if u]
     accumulated = 0  # the most unsharded gradients FSDP holds between backwards
-    backwards = [a for a in actions if (a.kind if schedule else a[0]) in ("B", "I")]
-    outputs: dict[int, torch.Tensor] = {}
-    # the activations of one micro-batch, from a forward before the step (not counted:
-    # saved-tensor hooks of one's own change what FSDP saves, so the step runs without them)
+    last_backward = {a.stage: a for a in actions if a.kind in ("B", "I")}
+    outputs: dict[tuple[int, int], torch.Tensor] = {}
 
     def loss(logits: torch.Tensor) -> torch.Tensor:
         # the logits: float32, split over the vocabulary under tp (loss parallelism)
         return F.cross_entropy(logits.flatten(0, 1).float(), tokens().flatten())
 
+    def forward(stage: int) -> torch.Tensor:
+        out = models[stage](tokens() if stage == 0 else hidden())
+        return loss(out) if bounds[stage][1] == config.layers else out
+
     # the head's logits stay split over tp: the loss and its backward run under torch's
     # loss_parallel(), as torchtitan's train step does
-    loss_context = _loss_parallel if tp > 1 and last == config.layers else contextlib.nullcontext
-    with saved.probing(model), loss_context():
-        probe = model(tokens() if stage == 0 else hidden())
-        if last == config.layers:
-            probe = loss(probe)
-    del probe
+    has_head = any(last == config.layers for _, last in bounds.values())
+    loss_context = _loss_parallel if tp > 1 and has_head else contextlib.nullcontext
+    # the activations of one micro-batch of each stage, from a forward before the step (not
+    # counted: saved-tensor hooks of one's own change what FSDP saves, so the step runs
+    # without them)
+    stage_bytes = {}
+    for stage, model in models.items():
+        saved.reset()
+        with saved.probing(model), loss_context():
+            probe = forward(stage)
+        del probe
+        stage_bytes[stage] = saved.bytes
     with comm_stats(include_torch=True) as stats, loss_context():
         for action in actions:
-            kind, mb = (action.kind, action.microbatch) if schedule else action
-            if kind == "F":
-                out = model(tokens() if stage == 0 else hidden())
-                if last == config.layers:
-                    out = loss(out) / microbatches
-                outputs[mb] = out
-            elif kind in ("B", "I"):
-                for switch in syncs:
-                    switch(action is backwards[-1])
-                out = outputs.pop(mb)
+            key = (action.stage, action.microbatch)
+            if action.kind == "F":
+                out = forward(action.stage)
+                if bounds[action.stage][1] == config.layers:
+                    out = out / microbatches
+                outputs[key] = out
+            elif action.kind in ("B", "I"):  # a split backward's "W" is done by its "I" here
+                for switch in syncs[action.stage]:
+                    switch(action is last_backward[action.stage])
+                out = outputs.pop(key)
                 grad = None if out.dim() == 0 else torch.ones_like(out)
                 out.backward(grad)
                 accumulated = max(accumulated,
                                   sum(u.accumulated_gradient_bytes() for u in units))
     collectives = {key: (calls, nbytes) for key, (calls, nbytes) in stats.records.items()}
-    if pp > 1:
-        add_pipeline_messages(collectives, schedule, stage, mb_size, config,
-                               activation_dtype, tp, dims.get("cp", 1))
-    in_flight = (activation_liveness(schedule, pp_rank=stage, stage_indices=[stage],
+    if schedule is not None:
+        add_pipeline_messages(collectives, schedule, list(models), mb_size, config,
+                              activation_dtype, tp, dims.get("cp", 1))
+    in_flight = (activation_liveness(schedule, pp_rank=pp_rank, stage_indices=list(models),
                                      granularity="stage_microbatch").num_slots
                  if schedule is not None else 1)
+    several = len(models) > 1
     return RankReport(
-        rank=dist.get_rank(), coordinate=coordinate, layers=(first, last), parameters=params,
-        parameter_bytes=param_bytes, gradient_bytes=param_bytes,
-        optimizer_bytes=2 * params * 4, activation_bytes_per_microbatch=saved.bytes,
+        rank=dist.get_rank(), coordinate=coordinate, layers=bounds[min(bounds)],
+        parameters=params, parameter_bytes=param_bytes, gradient_bytes=param_bytes,
+        optimizer_bytes=2 * params * 4,
+        activation_bytes_per_microbatch=max(stage_bytes.values()),
         microbatches_in_flight=in_flight, compute_dtype=str(activation_dtype).split(".")[-1],
         collectives=collectives, checkpointing=checkpointing,
-        accumulated_gradient_bytes=accumulated)
+        accumulated_gradient_bytes=accumulated,
+        stage_layers=bounds if several else {},
+        stage_activation_bytes=stage_bytes if several else {},
+        activation_peak_bytes=activation_peak(actions, stage_bytes) if several else None)
+
+
+def activation_peak(actions: list[Action], stage_bytes: dict[int, int]) -> int:
+    """The most activation bytes a rank holds at once over ``actions``: a micro-batch's
+    forward of a stage keeps ``stage_bytes[stage]`` until its backward (a split backward's
+    ``W``) releases them."""
+    release = {(a.stage, a.microbatch): i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+    held = peak = 0
+    for i, action in enumerate(actions):
+        if action.kind == "F":
+            held += stage_bytes[action.stage]
+            peak = max(peak, held)
+        if release.get((action.stage, action.microbatch)) == i:
+            held -= stage_bytes[action.stage]
+    return peak
 
 
 def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: str = "meta",
@@ -421,16 +490,51 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
     config's dtype) or, without ``shard``, DDP over ``dp`` — ``cp``'s ranks joining the data
     dim, as ``parallelize`` places them. ``saved``: the count of what the checkpointed blocks
     keep."""
+    mesh = _rank_mesh(dims)
+    stage = dict(zip(dims, mesh.get_coordinate() or ())).get("pp", 0)
+    first, last = stage_layers(config, dims.get("pp", 1), stage)
+    return mesh, _stage_model(config, dims, mesh, first, last, device, blocks,
+                              checkpointing=checkpointing, saved=saved)
+
+
+def build_rank_stages(config: TransformerConfig, dims: dict[str, int],
+                      schedule: Schedule | None, device: str = "meta",
+                      blocks: int | None = None, *, checkpointing: str | int = "none",
+                      saved: _SavedBytes | None = None) -> tuple[object, dict[int, Transformer]]:
+    """This rank's mesh and each of its pipeline stages under ``schedule`` (several for the
+    interleaved and V-shaped schedules), each parallelized as :func:`build_rank_model`
+    parallelizes one: by stage index."""
+    if schedule is None:
+        mesh, model = build_rank_model(config, dims, device, blocks,
+                                       checkpointing=checkpointing, saved=saved)
+        return mesh, {0: model}
+    mesh = _rank_mesh(dims)
+    rank = dict(zip(dims, mesh.get_coordinate() or ())).get("pp", 0)
+    models = {}
+    for stage in range(schedule.stages):
+        if schedule.rank_of(stage) == rank:
+            first, last = stage_layers(config, schedule.stages, stage)
+            models[stage] = _stage_model(config, dims, mesh, first, last, device, blocks,
+                                         checkpointing=checkpointing, saved=saved)
+    return mesh, models
+
+
+def _rank_mesh(dims: dict[str, int]):
     from devmesh import init_device_mesh
+
+    return init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=tuple(dims))
+
+
+def _stage_model(config: TransformerConfig, dims: dict[str, int], mesh, first: int, last: int,
+                 device: str, blocks: int | None, *, checkpointing: str | int,
+                 saved: _SavedBytes | None) -> Transformer:
+    """Layers ``first..last-1`` (only the first ``blocks`` of them, if given), parallelized
+    over ``mesh`` as :func:`build_rank_model` says."""
     from devmesh.parallel import MixedPrecisionPolicy, fully_shard, parallelize_module, replicate
     from devmesh.parallel.activation_checkpointing import checkpoint_blocks
     from devmesh.parallel.compute_dtype import compute_in
     from devmesh.parallel.context_parallel import context_parallel
 
-    names = tuple(dims)
-    mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=names)
-    coordinate = dict(zip(names, mesh.get_coordinate() or ()))
-    first, last = stage_layers(config, dims.get("pp", 1), coordinate.get("pp", 0))
     torch.manual_seed(0)
     with torch.device(device):
         model = Transformer(config, first, last if blocks is None else first + blocks,
@@ -465,7 +569,7 @@ def build_rank_model(config: TransformerConfig, dims: dict[str, int], device: st
                   mp_policy=policy)
     elif policy is not None:
         compute_in(model, policy)
-    return mesh, model
+    return model
 
 
 def _flattened(mesh, names: tuple[str, ...]):
@@ -478,29 +582,35 @@ def _loss_parallel():
     return loss_parallel()
 
 
-def add_pipeline_messages(collectives: dict, schedule, stage: int, mb_size: int,
-                           config: TransformerConfig, dtype: torch.dtype, tp: int = 1,
-                           cp: int = 1) -> None:
-    """The messages this rank's stage sends and receives in one step, as devmesh's runner
-    sends them: per micro-batch, one activation of ``(micro-batch, seq / cp / tp, dim)`` (the
-    residual stream is split along the sequence between blocks) forward across each boundary
-    and its gradient back, and before a step's first activation a header announcing its
-    shape."""
+def add_pipeline_messages(collectives: dict, schedule, stage: int | list[int], mb_size: int,
+                          config: TransformerConfig, dtype: torch.dtype, tp: int = 1,
+                          cp: int = 1) -> None:
+    """The messages this rank's stages (one, or a list) send and receive in one step, as
+    devmesh's runner sends them: per micro-batch, one activation of ``(micro-batch,
+    seq / cp / tp, dim)`` (the residual stream is split along the sequence between blocks)
+    forward across each boundary to a stage on another rank and its gradient back, and
+    before a step's first activation across a boundary a header announcing its shape.
+    Between two stages of this rank (the turn of a V) nothing is sent."""
     from devmesh.parallel.pipeline.messages import HEADER_BYTES
 
     nbytes = (mb_size * (config.seq // cp // tp) * config.dim
               * torch.empty((), dtype=dtype).element_size())
-    forwards = sum(1 for a in schedule.actions[stage] if a.kind == "F")
-    backwards = sum(1 for a in schedule.actions[stage] if a.kind in ("B", "I"))
+    stages = [stage] if isinstance(stage, int) else list(stage)
+    actions = schedule.actions[schedule.rank_of(stages[0])]
     counts = {"send": [0, 0], "recv": [0, 0]}
-    if stage < schedule.stages - 1:  # to the next stage, and back from it
-        counts["send"] = [forwards + 1, forwards * nbytes + HEADER_BYTES]
-        counts["recv"] = [backwards, backwards * nbytes]
-    if stage > 0:  # from the previous stage, and back to it
-        counts["recv"][0] += forwards + 1
-        counts["recv"][1] += forwards * nbytes + HEADER_BYTES
-        counts["send"][0] += backwards
-        counts["send"][1] += backwards * nbytes
+    for here in stages:
+        forwards = sum(1 for a in actions if a.stage == here and a.kind == "F")
+        backwards = sum(1 for a in actions if a.stage == here and a.kind in ("B", "I"))
+        if here < schedule.stages - 1 and here + 1 not in stages:  # to the next, and back
+            counts["send"][0] += forwards + 1
+            counts["send"][1] += forwards * nbytes + HEADER_BYTES
+            counts["recv"][0] += backwards
+            counts["recv"][1] += backwards * nbytes
+        if here > 0 and here - 1 not in stages:  # from the previous, and back to it
+            counts["recv"][0] += forwards + 1
+            counts["recv"][1] += forwards * nbytes + HEADER_BYTES
+            counts["send"][0] += backwards
+            counts["send"][1] += backwards * nbytes
     for kind, (calls, total) in counts.items():
         if calls:
             collectives[(kind, "pp")] = (calls, total)
