@@ -15,10 +15,12 @@ See docs/reference/torch-versions.md for the releases and what each needed.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import sys
 import types
+from collections.abc import Iterator
 from typing import Any, Callable, ParamSpec, TypeVar
 
 import torch
@@ -360,6 +362,33 @@ def non_reentrant_checkpoint_wrapper(module: torch.nn.Module, **checkpoint_kwarg
     impl = _require(wrappers, "CheckpointImpl", where)
     wrap = _require(wrappers, "checkpoint_wrapper", where, params=("checkpoint_impl",))
     return wrap(module, checkpoint_impl=impl.NO_REENTRANT, **checkpoint_kwargs)
+
+
+@contextlib.contextmanager
+def outside_selective_checkpointing() -> Iterator[None]:
+    """Run what is inside hidden from torch's selective activation checkpointing: its
+    dispatch modes (which record every op of a checkpointed region's forward and expect the
+    same ops, in the same order, when the region runs again in backward) are set aside, the
+    other modes kept. For work whose ops differ between a region's forward and its
+    recomputation by design: an FSDP unit nested in a checkpointed block gathers its
+    parameters inside the region in one pass and ahead of it (prefetched) in the other."""
+    from torch.utils import checkpoint
+    from torch.utils._python_dispatch import (
+        _disable_current_modes,
+        _get_current_dispatch_mode_stack,
+    )
+
+    sac = tuple(getattr(checkpoint, name) for name in
+                ("_CachingTorchDispatchMode", "_CachedTorchDispatchMode")
+                if hasattr(checkpoint, name))
+    if not sac or not any(isinstance(m, sac) for m in _get_current_dispatch_mode_stack()):
+        yield
+        return
+    with _disable_current_modes() as modes, contextlib.ExitStack() as kept:
+        for mode in modes:
+            if not isinstance(mode, sac):
+                kept.enter_context(mode)
+        yield
 
 
 @functools.cache

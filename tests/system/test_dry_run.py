@@ -13,6 +13,8 @@ from devmesh.tools.dry_run import TransformerConfig, dry_run
 
 CONFIG = TransformerConfig(layers=4, dim=64, heads=8, kv_heads=8, ffn_dim=128, vocab=256,
                            seq=16, batch=16, dtype="float32")
+# a mixture of experts after a dense first layer: 8 SwiGLU experts, top 2, one shared
+MOE = replace(CONFIG, experts=8, top_k=2, expert_ffn_dim=32, shared_experts=1, dense_layers=1)
 
 STRATEGIES = {
     "ddp": {"dp": 8},
@@ -39,14 +41,22 @@ STRATEGIES = {
                                "interleaved-1f1b"),
     "pp-fsdp-zbv": ({"pp": 2, "shard": 4}, "none", "float32", "zbv-zero-bubble"),
     "pp-ddp-dualpipe-v-full": ({"pp": 2, "dp": 4}, "full", "float32", "dualpipe-v"),
+    # expert parallelism: the experts split over ep, tokens to them by all-to-all; the rest
+    # data-parallel over ep too (DDP alone, FSDP over shard x ep beside the experts' shard)
+    "moe-ep": ({"ep": 8}, "none", "float32", "1f1b", MOE),
+    "moe-fsdp-ep-selective": ({"shard": 4, "ep": 2}, "selective", "float32", "1f1b", MOE),
+    "moe-fsdp-ep-bf16": ({"shard": 2, "ep": 4}, "none", "bfloat16", "1f1b", MOE),
+    "moe-pp-fsdp-ep": ({"pp": 2, "shard": 2, "ep": 2}, "none", "float32", "1f1b", MOE),
+    "moe-fsdp": ({"shard": 8}, "none", "float32", "1f1b", MOE),
 }
 
 
 def _case(strategy):
     case = STRATEGIES[strategy]
     case = case if isinstance(case, tuple) else (case,)
-    dims, checkpointing, dtype, schedule = case + ("none", "float32", "1f1b")[len(case) - 1:]
-    return dims, checkpointing, replace(CONFIG, dtype=dtype), schedule
+    dims, checkpointing, dtype, schedule, config = case + (
+        "none", "float32", "1f1b", CONFIG)[len(case) - 1:]
+    return dims, checkpointing, replace(config, dtype=dtype), schedule
 
 
 def real_step(dims, checkpointing="none", config=CONFIG, schedule="1f1b"):
@@ -63,8 +73,8 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
     devmesh's own runner running the step (its messages included)."""
     dims, checkpointing, config, schedule = _case(strategy)
     real = mesh_pool.run(real_step, 8, dims, checkpointing, config, schedule)
-    runner = (mesh_pool.run(pipelined_step, 8, dims, checkpointing, schedule) if "pp" in dims
-              else None)
+    runner = (mesh_pool.run(pipelined_step, 8, dims, checkpointing, schedule, config)
+              if "pp" in dims else None)
     for rank, measured in enumerate(real):
         predicted = dry_run(config, dims, rank=rank, checkpointing=checkpointing,
                             schedule=schedule)
@@ -77,7 +87,7 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
             assert predicted.accumulated_gradient_bytes == runner[rank][1], rank
             assert (runner[rank][1] > 0) == ("shard" in dims), rank
         assert predicted.accumulated_gradient_bytes == measured.accumulated_gradient_bytes
-        if "pp" in dims and schedule == "1f1b":
+        if "pp" in dims and schedule == "1f1b" and not config.experts:
             # the stage's tensor-parallel blocks, whole over shard, in float32
             d, kv, tp = config.dim, config.kv_heads * config.head_dim, dims.get("tp", 1)
             block = (2 * d * d + 2 * d * kv + 3 * d * config.ffn_dim) // tp + 2 * d
@@ -97,7 +107,7 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
             measured.activation_bytes_per_microbatch, rel=0.15)
 
 
-def pipelined_step(dims, checkpointing="none", schedule="1f1b"):
+def pipelined_step(dims, checkpointing="none", schedule="1f1b", config=CONFIG):
     """The pipeline case run by devmesh's own runner (``schedule``, 4 micro-batches) on the
     stages the dry run builds: its collectives over the step."""
     import torch.nn.functional as F
@@ -109,7 +119,7 @@ def pipelined_step(dims, checkpointing="none", schedule="1f1b"):
     from devmesh.tools.dry_run.run import build_rank_stages
 
     plan = build_schedule(schedule, 2, 4)
-    mesh, models = build_rank_stages(CONFIG, dims, plan, "cpu", checkpointing=checkpointing)
+    mesh, models = build_rank_stages(config, dims, plan, "cpu", checkpointing=checkpointing)
     last = plan.stages - 1
     # the most unsharded gradients FSDP's units hold between the runner's backwards: each
     # unit's accumulated tensors, read after every reduction it makes or holds back
@@ -132,9 +142,9 @@ def pipelined_step(dims, checkpointing="none", schedule="1f1b"):
         unit.reduce_grads = watched(unit)
     runner = PipelineRunner(models, mesh, plan,
                             lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten()))
-    data = CONFIG.batch // (dims.get("shard", 1) * dims.get("dp", 1))
+    data = config.batch // (dims.get("shard", 1) * dims.get("dp", 1) * dims.get("ep", 1))
     gen = torch.Generator().manual_seed(0)
-    x = torch.randint(0, CONFIG.vocab, (data, CONFIG.seq // dims.get("cp", 1)), generator=gen)
+    x = torch.randint(0, config.vocab, (data, config.seq // dims.get("cp", 1)), generator=gen)
     # the head's logits stay split over tp: the step runs under loss_parallel (torchtitan's
     # train context), and torch's collectives for it and for DTensor activations count too
     with comm_stats(include_torch=True) as stats, loss_parallel():
@@ -186,6 +196,49 @@ def test_a_schedule_the_job_cannot_play_is_refused_naming_why(schedule, microbat
     pp = 8 if "16 stages" in says else 2
     with pytest.raises(DryRunError, match=says):
         dry_run(CONFIG, {"pp": pp, "dp": 2}, schedule=schedule, microbatches=microbatches)
+
+
+@pytest.mark.parametrize("name, billions, moe_layers, first", [
+    ("deepseek-v3", 672.15, 58, 3), ("llama4-scout", 107.77, 48, 0),
+    ("llama4-maverick", 400.71, 24, 1), ("tiny-moe", 0.000274, 3, 1)])
+def test_a_mixture_of_experts_preset_has_the_parameters_it_states(name, billions, moe_layers,
+                                                                 first):
+    """A preset's stated count is its model's, built on meta (DeepSeek-V3's 3 dense layers
+    first, Maverick's experts in every second layer)."""
+    from devmesh.tools.dry_run.model import PRESETS, MoEFeedForward, Transformer
+
+    config = PRESETS[name]
+    with torch.device("meta"):
+        model = Transformer(config)
+    assert sum(p.numel() for p in model.parameters()) == config.parameters()
+    assert config.parameters() / 1e9 == pytest.approx(billions, abs=0.005)
+    moe = [i for i, block in enumerate(model.layers.values())
+           if isinstance(block.feed_forward, MoEFeedForward)]
+    assert len(moe) == moe_layers and moe[0] == first
+
+
+@pytest.mark.parametrize("mesh, says", [
+    ({"ep": 2}, "the model has no experts"),
+    ({"ep": 3, "shard": 2}, "ep 3 does not divide the 8 experts: ep may be 2, 4, 8"),
+    ({"dp": 2, "ep": 4}, "ep with dp: build the mesh with shard instead of dp"),
+    ({"shard": 2, "ep": 2, "cp": 2}, "ep with cp"),
+    ({"shard": 4, "tp": 2}, "the dry run does not split a mixture of experts over tp"),
+])
+def test_expert_parallelism_the_dry_run_cannot_place_is_refused_naming_why(mesh, says):
+    from devmesh.errors import DryRunError
+
+    config = CONFIG if "no experts" in says else MOE
+    with pytest.raises(DryRunError, match=says):
+        dry_run(replace(config, batch=48), mesh)
+
+
+def test_the_search_refuses_a_mixture_of_experts_naming_what_to_do():
+    from devmesh.errors import DryRunError
+    from devmesh.tools.dry_run.report import read_costs
+    from devmesh.tools.dry_run.search import search
+
+    with pytest.raises(DryRunError, match="dry-run the meshes you consider with --mesh"):
+        search(MOE, 8, read_costs(1.0, "10", None, None, 1, None, None, None))
 
 
 @pytest.mark.parametrize("dims", [{"dp": 8}, {"shard": 4, "tp": 2}, {"shard": 4, "cp": 2}],

@@ -96,6 +96,8 @@ STRATEGIES = {  # name: (mesh shape, dim names, activation checkpointing)
     "fsdp_tp_every_2nd_ac": ((2, 2), ("dp_shard", "tp"), 2),
     "ep": ((4,), ("ep",), "none"),  # the experts split, every other parameter DDP's
     "fsdp_ep": ((2, 2), ("dp_shard", "ep"), "none"),
+    "fsdp_ep_selective_ac": ((2, 2), ("dp_shard", "ep"), "selective"),
+    "fsdp_ep_full_ac": ((2, 2), ("dp_shard", "ep"), "full"),
     "ep_tp_selective_ac": ((2, 2), ("ep", "tp"), "selective"),
 }
 
@@ -157,7 +159,8 @@ CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES if "ep" not in s.sp
             for s in ("ddp", "fsdp", "hsdp_selective_ac")]
          + [("gpt2", s) for s in ("ddp_tp_full_ac", "fsdp_tp", "fsdp_tp_every_2nd_ac")]
          + [(arch, s) for arch in ("mixtral", "qwen3_moe")
-            for s in ("ep", "fsdp_ep", "ep_tp_selective_ac")]
+            for s in ("ep", "fsdp_ep", "ep_tp_selective_ac", "fsdp_ep_selective_ac",
+                      "fsdp_ep_full_ac")]
          + [("qwen3_moe", s) for s in ("ddp", "fsdp")])
 
 

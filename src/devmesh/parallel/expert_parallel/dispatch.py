@@ -6,6 +6,10 @@ sends to each of the receiver's experts; (2) one all-to-all of the tokens, with 
 split sizes; (3) the received tokens regrouped by local expert and run; (4) the outputs put
 back in arrival order and (5) returned by one more all-to-all. Backward runs the two token
 all-to-alls the other way. Every exchange is devmesh's counted, watched all-to-all.
+
+On the ``meta`` device (a dry run: shapes, no values) where a token goes cannot be read: the
+routing is taken as balanced (:func:`expert_counts`), every rank sending each expert the
+same share, so the sizes each exchange moves are known without the values.
 """
 
 from __future__ import annotations
@@ -17,7 +21,17 @@ import torch
 from devmesh.distributed import comm
 from devmesh.mesh import DeviceMesh
 
-__all__ = ["ExpertParallelDispatch"]
+__all__ = ["ExpertParallelDispatch", "expert_counts"]
+
+
+def expert_counts(expert: torch.Tensor, experts: int) -> list[int]:
+    """How many of the assignments ``expert`` (expert indices) go to each of the
+    ``experts``. On the ``meta`` device, where no index has a value, as a balanced router
+    sends them: evenly, the first experts taking one more where they do not divide."""
+    if expert.is_meta:
+        n = expert.numel()
+        return [n // experts + (e < n % experts) for e in range(experts)]
+    return torch.bincount(expert, minlength=experts).tolist()
 
 
 class _AllToAll(torch.autograd.Function):
@@ -65,6 +79,8 @@ class ExpertParallelDispatch:
         # (1) how many tokens each rank sends to each of my experts: received[s][l]
         received = torch.stack(comm.all_to_all(list(counts), self.mesh, (0,),
                                                [(local,)] * ep))
+        if tokens.is_meta:  # balanced routing: every rank sends my experts what I send them
+            received = counts[self.mesh.get_local_rank()].expand(ep, local).clone()
         send = counts.sum(1).tolist()
         arriving = received.sum(1).tolist()
         # (2) the tokens, grouped by source rank, each source's sorted by my experts
@@ -75,7 +91,9 @@ class ExpertParallelDispatch:
         for n in runs[:-1]:
             starts.append(starts[-1] + n)
         by_expert = [s * local + e for e in range(local) for s in range(ep)]
-        index = torch.cat([torch.arange(starts[i], starts[i] + runs[i]) for i in by_expert])
+        # on the tokens' device: index_copy below takes no index from another device
+        index = torch.cat([torch.arange(starts[i], starts[i] + runs[i], device=tokens.device)
+                           for i in by_expert])
         out = experts(mine[index], received.sum(0).tolist())
         # (4) back to arrival order, (5) back to the senders
         back = torch.zeros_like(out).index_copy(0, index, out)

@@ -26,7 +26,7 @@ from torch import nn
 
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.expert_parallel.dispatch import ExpertParallelDispatch
+from devmesh.parallel.expert_parallel.dispatch import ExpertParallelDispatch, expert_counts
 from devmesh.parallel.expert_parallel.moe import _ScaleGradient
 from devmesh.parallel.param import get_layout, is_dtensor, sharded_parameter, with_methods
 from devmesh.parallel.placement import place_parameter
@@ -70,13 +70,14 @@ class ExpertParallelExperts:
         order = torch.argsort(expert, stable=True)  # by expert, then token order
         token = torch.arange(tokens, device=expert.device).repeat_interleave(k)[order]
         weight, expert = top_k_weights.reshape(-1)[order], expert[order]
-        per_expert = torch.bincount(expert, minlength=self.global_num_experts).tolist()
+        per_expert = expert_counts(expert, self.global_num_experts)
         ep = self.expert_dispatch.mesh.size()
 
         def local(arriving: torch.Tensor, counts: list[int]) -> torch.Tensor:
             index = torch.repeat_interleave(
                 torch.arange(len(counts), device=arriving.device),
-                torch.tensor(counts, device=arriving.device))[:, None]
+                torch.tensor(counts, device=arriving.device),
+                output_size=sum(counts))[:, None]  # known: a meta tensor's too (a dry run)
             ones = torch.ones(index.shape, dtype=top_k_weights.dtype, device=arriving.device)
             scaled = _ScaleGradient.apply(arriving, float(ep))
             out = super(ExpertParallelExperts, self).forward(  # type: ignore[misc]

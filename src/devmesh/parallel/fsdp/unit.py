@@ -342,7 +342,13 @@ class FSDPUnit:
 
     def gather(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         """All parameters of the unit, unsharded, from one all-gather (a prefetched one if the
-        previous unit started it)."""
+        previous unit started it). Hidden from selective checkpointing: a unit inside a
+        checkpointed block (experts split over ep) is gathered within the block's forward
+        in one pass and prefetched ahead of it in the other."""
+        with _torch_compat.outside_selective_checkpointing():
+            return self._gather(shards)
+
+    def _gather(self, shards: list[torch.Tensor]) -> list[torch.Tensor]:
         if self._kept is not None:  # kept since the last backward: no all-gather
             return [t.view(t.shape) for t in self._kept]
         if self._unsharded is not None:  # unshard() gathered them: no all-gather either
@@ -362,7 +368,8 @@ class FSDPUnit:
         if (self._prefetched is None and self._kept is None and self.slots is not Slots.FORWARD
                 and self._unsharded is None and self.params):
             self.adopt_replaced()
-            self._prefetched = self.start_gather([p.sharded for p in self.params])
+            with _torch_compat.outside_selective_checkpointing():
+                self._prefetched = self.start_gather([p.sharded for p in self.params])
 
     def prefetch_for_backward(self) -> None:
         """Start re-gathering this unit's parameters for its backward (unless they are there

@@ -1,8 +1,10 @@
 """The transformer a dry run builds: a Llama-shaped decoder described by a few numbers.
 
 :class:`TransformerConfig` holds what sizes a training step (layers, width, heads, grouped
-key/value heads, feed-forward width, vocabulary, sequence, global batch, dtype); presets name
-well-known shapes (``llama3-8b``, ``llama3-70b``, ``llama3-405b``, and ``tiny`` for tests).
+key/value heads, feed-forward width, vocabulary, sequence, global batch, dtype, and a mixture
+of experts in place of some feed-forwards); presets name well-known shapes (``llama3-8b``,
+``llama3-70b``, ``llama3-405b``; ``deepseek-v3`` and ``llama4-scout`` / ``llama4-maverick``
+shaped mixtures of experts; ``tiny`` and ``tiny-moe`` for tests).
 The modules are plain PyTorch and run on any device, ``meta`` included (a dry run computes
 shapes only). Attention reads its head count from its projection's output width, so a
 tensor-parallel split of the projections (heads divided among ranks) runs unchanged, as in
@@ -24,7 +26,7 @@ from devmesh.errors import DryRunError as ConfigError
 from devmesh.layout.schedule import stage_bounds
 
 __all__ = ["TransformerConfig", "PRESETS", "read_config", "Transformer", "Block",
-           "stage_layers", "tp_plan"]
+           "MoEFeedForward", "Experts", "stage_layers", "tp_plan"]
 
 
 @dataclass(frozen=True)
@@ -41,13 +43,31 @@ class TransformerConfig:
     seq: int = 2048
     batch: int = 8
     dtype: str = "bfloat16"
+    #: a mixture of experts in place of the feed-forward of some layers (0: a dense model);
+    #: each token goes to ``top_k`` of them, each a SwiGLU of ``expert_ffn_dim`` (0: the
+    #: ``ffn_dim``), and through ``shared_experts`` more (one SwiGLU that much wider)
+    experts: int = 0
+    top_k: int = 1
+    expert_ffn_dim: int = 0
+    shared_experts: int = 0
+    #: the first ``dense_layers`` keep the dense feed-forward (DeepSeek-V3's 3); after them
+    #: every ``moe_every``-th layer has experts (Llama 4 Maverick's 2: layers 1, 3, 5, ...)
+    dense_layers: int = 0
+    moe_every: int = 1
+
+    _MAY_BE_ZERO = ("experts", "expert_ffn_dim", "shared_experts", "dense_layers")
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "dtype" and (not isinstance(value, int) or value < 1):
-                raise ConfigError(f"model config: {f.name} must be a positive integer, got "
-                                  f"{value!r}")
+            least = 0 if f.name in self._MAY_BE_ZERO else 1
+            if f.name != "dtype" and (not isinstance(value, int) or value < least):
+                raise ConfigError(f"model config: {f.name} must be "
+                                  f"{'a non-negative' if least == 0 else 'a positive'} "
+                                  f"integer, got {value!r}")
+        if self.experts and self.top_k > self.experts:
+            raise ConfigError(f"model config: top_k {self.top_k} is more than the "
+                              f"{self.experts} experts")
         if self.dim % self.heads:
             raise ConfigError(f"model config: dim {self.dim} is not a multiple of heads "
                               f"{self.heads}")
@@ -66,23 +86,64 @@ class TransformerConfig:
     def head_dim(self) -> int:
         return self.dim // self.heads
 
+    @property
+    def expert_hidden(self) -> int:
+        return self.expert_ffn_dim or self.ffn_dim
+
+    def has_experts(self, layer: int) -> bool:
+        """Whether layer ``layer`` (from 0) has a mixture of experts."""
+        return (self.experts > 0 and layer >= self.dense_layers
+                and (layer - self.dense_layers) % self.moe_every == self.moe_every - 1)
+
+    def feed_forward_parameters(self, layer: int, *, active: bool = False) -> int:
+        """Layer ``layer``'s feed-forward parameters (``active``: those one token uses)."""
+        if not self.has_experts(layer):
+            return 3 * self.dim * self.ffn_dim
+        experts = self.top_k if active else self.experts
+        return (self.dim * self.experts  # the router
+                + (experts + self.shared_experts) * 3 * self.dim * self.expert_hidden)
+
     def parameters(self) -> int:
         """The model's parameter count (embedding and head untied)."""
         kv = self.kv_heads * self.head_dim
-        block = 2 * self.dim * self.dim + 2 * self.dim * kv + 3 * self.dim * self.ffn_dim
-        return self.layers * (block + 2 * self.dim) + 2 * self.vocab * self.dim + self.dim
+        attention = 2 * self.dim * self.dim + 2 * self.dim * kv
+        blocks = sum(attention + self.feed_forward_parameters(i) + 2 * self.dim
+                     for i in range(self.layers))
+        return blocks + 2 * self.vocab * self.dim + self.dim
 
     def describe(self) -> str:
+        moe = (f"; {sum(map(self.has_experts, range(self.layers)))} layers of {self.experts} "
+               f"experts (top {self.top_k}, ffn {self.expert_hidden}"
+               + (f", {self.shared_experts} shared" if self.shared_experts else "") + ")"
+               if self.experts else "")
         return (f"{self.layers} layers, dim {self.dim}, {self.heads} heads ({self.kv_heads} "
-                f"kv), ffn {self.ffn_dim}, vocab {self.vocab}; {self.parameters() / 1e9:.2f}B "
-                f"parameters; batch {self.batch} x {self.seq} tokens in {self.dtype}")
+                f"kv), ffn {self.ffn_dim}, vocab {self.vocab}{moe}; "
+                f"{self.parameters() / 1e9:.2f}B parameters; batch {self.batch} x {self.seq} "
+                f"tokens in {self.dtype}")
 
 
 PRESETS: dict[str, TransformerConfig] = {
     "llama3-8b": TransformerConfig(32, 4096, 32, 8, 14336, 128256, seq=8192, batch=1024),
     "llama3-70b": TransformerConfig(80, 8192, 64, 8, 28672, 128256, seq=8192, batch=1024),
     "llama3-405b": TransformerConfig(126, 16384, 128, 8, 53248, 128256, seq=8192, batch=2048),
+    # DeepSeek-V3's shape (671B): its multi-head latent attention taken as plain attention
+    # of 128 heads (MLA's low-rank projections are not modelled), 256 routed experts (top 8)
+    # and one shared in every layer after the first 3 dense ones
+    "deepseek-v3": TransformerConfig(61, 7168, 128, 128, 18432, 129280, seq=4096, batch=1536,
+                                     experts=256, top_k=8, expert_ffn_dim=2048,
+                                     shared_experts=1, dense_layers=3),
+    # Llama 4 Scout (109B: 16 experts, top 1, one shared, in every layer) and Maverick
+    # (400B: 128 experts in every second layer, dense ones between)
+    "llama4-scout": TransformerConfig(48, 5120, 40, 8, 16384, 202048, seq=8192, batch=512,
+                                      experts=16, top_k=1, expert_ffn_dim=8192,
+                                      shared_experts=1),
+    "llama4-maverick": TransformerConfig(48, 5120, 40, 8, 16384, 202048, seq=8192, batch=512,
+                                         experts=128, top_k=1, expert_ffn_dim=8192,
+                                         shared_experts=1, moe_every=2),
     "tiny": TransformerConfig(4, 64, 8, 4, 128, 256, seq=16, batch=16, dtype="float32"),
+    "tiny-moe": TransformerConfig(4, 64, 8, 4, 128, 256, seq=16, batch=16, dtype="float32",
+                                  experts=8, top_k=2, expert_ffn_dim=32, shared_experts=1,
+                                  dense_layers=1),
 }
 
 
@@ -155,23 +216,84 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    def __init__(self, config: TransformerConfig) -> None:
+    def __init__(self, config: TransformerConfig, hidden: int | None = None) -> None:
         super().__init__()
-        self.w1 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w3 = nn.Linear(config.dim, config.ffn_dim, bias=False)
-        self.w2 = nn.Linear(config.ffn_dim, config.dim, bias=False)
+        hidden = hidden or config.ffn_dim
+        self.w1 = nn.Linear(config.dim, hidden, bias=False)
+        self.w3 = nn.Linear(config.dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, config.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class Block(nn.Module):
+class Experts(nn.Module):
+    """``num_experts`` SwiGLU MLPs, their weights stacked along dim 0 (``w1``/``w3``
+    ``(experts, hidden, dim)``, ``w2`` ``(experts, dim, hidden)``) and called as transformers'
+    experts modules are, ``(hidden_states, top_k_index, top_k_weights)``: so expert
+    parallelism splits them as it splits a transformers model's."""
+
+    def __init__(self, experts: int, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.w1 = nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
+        self.w3 = nn.Parameter(torch.randn(experts, hidden, dim) / dim ** 0.5)
+        self.w2 = nn.Parameter(torch.randn(experts, dim, hidden) / hidden ** 0.5)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        from devmesh.parallel.expert_parallel.dispatch import expert_counts
+
+        device = hidden_states.device
+        tokens, k = top_k_index.shape
+        expert = top_k_index.reshape(-1).to(device)
+        order = torch.argsort(expert, stable=True)  # each expert's tokens one run
+        token = torch.arange(tokens, device=device).repeat_interleave(k)[order]
+        runs = hidden_states[token].split(expert_counts(expert, self.num_experts))
+        out = torch.cat([F.linear(F.silu(F.linear(x, self.w1[e])) * F.linear(x, self.w3[e]),
+                                  self.w2[e]) for e, x in enumerate(runs)])
+        weighted = out * top_k_weights.reshape(-1).to(device)[order][:, None].to(out.dtype)
+        return torch.zeros_like(hidden_states).index_add_(0, token, weighted)
+
+
+class MoEFeedForward(nn.Module):
+    """A router, ``experts`` routed SwiGLU experts (``top_k`` per token, weighted by the
+    router's probabilities) and the shared experts every token goes through.
+
+    Which experts a token goes to is the one thing a dry run cannot know (it depends on the
+    values), so this router is balanced by construction: token ``t``'s ``j``-th choice is
+    expert ``(t * top_k + j) mod experts``, every expert getting an equal share. It still
+    computes its scores (their FLOPs and saved bytes), and the choices' scores weigh the
+    outputs, so the router trains."""
+
     def __init__(self, config: TransformerConfig) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        self.router = nn.Linear(config.dim, config.experts, bias=False)
+        self.experts = Experts(config.experts, config.dim, config.expert_hidden)
+        self.shared = (FeedForward(config, config.shared_experts * config.expert_hidden)
+                       if config.shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        scores = torch.softmax(self.router(flat).float(), dim=-1)
+        experts = scores.shape[-1]
+        chosen = (torch.arange(flat.shape[0] * self.top_k, device=x.device)
+                  % experts).view(-1, self.top_k)
+        out = self.experts(flat, chosen, scores.gather(-1, chosen).to(x.dtype))
+        if self.shared is not None:
+            out = out + self.shared(flat)
+        return out.view(x.shape)
+
+
+class Block(nn.Module):
+    def __init__(self, config: TransformerConfig, layer: int = 0) -> None:
         super().__init__()
         self.attention_norm = RMSNorm(config.dim)
         self.attention = Attention(config)
         self.ffn_norm = RMSNorm(config.dim)
-        self.feed_forward = FeedForward(config)
+        self.feed_forward = (MoEFeedForward(config) if config.has_experts(layer)
+                             else FeedForward(config))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -189,7 +311,7 @@ class Transformer(nn.Module):
         last = config.layers if last is None else last
         self.config = config
         self.tok_embeddings = nn.Embedding(config.vocab, config.dim) if first == 0 else None
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(first, last)})
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(first, last)})
         end = last == config.layers if head is None else head
         self.norm = RMSNorm(config.dim) if end else None
         self.output = nn.Linear(config.dim, config.vocab, bias=False) if end else None

@@ -213,27 +213,30 @@ def read_costs(tflops: float | None, bandwidth: str | None, bench_json: str | No
 
 def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, int]) -> float:
     """The FLOPs one rank computes in a step: forward and backward (3x forward) of its
-    layers' matmuls (split by tp) and causal attention, and the output head on the last
-    stage, over its share of the batch; the forward again of each block checkpointed in
-    full."""
+    layers' matmuls (split by tp; a mixture of experts' router and the experts each token
+    goes to) and causal attention, and the output head on the last stage, over its share of
+    the batch; the forward again of each block checkpointed in full."""
     tp = dims.get("tp", 1)
-    data = dims.get("dp", 1) * dims.get("shard", 1)
+    data = dims.get("dp", 1) * dims.get("shard", 1) * dims.get("ep", 1)
     # context parallelism: a rank computes seq / cp of each sequence's tokens, each of them
     # attending over the whole sequence (the ring brings the rest)
     tokens = config.batch // data * config.seq // dims.get("cp", 1)
     kv = config.kv_heads * config.head_dim
-    matmul = (2 * config.dim * config.dim + 2 * config.dim * kv
-              + 3 * config.dim * config.ffn_dim) / tp
     attention = 2 * config.seq * config.dim / tp  # QK^T and AV, causal: half of 4 s d
+
+    def layer(i: int) -> float:  # one token's forward FLOPs in layer i
+        matmul = (2 * config.dim * config.dim + 2 * config.dim * kv
+                  + config.feed_forward_parameters(i, active=True)) / tp
+        return 2 * matmul + attention
+
     ranges = report.layer_ranges  # several where the rank runs several stages
-    per_token = sum(last - first for first, last in ranges) * (2 * matmul + attention)
+    per_token = sum(layer(i) for first, last in ranges for i in range(first, last))
     # a block checkpointed in full runs its forward again in backward; selective keeps its
     # matmuls' and attention's outputs, recomputing only element-wise work (no FLOPs here)
     mode = report.checkpointing
-    recomputed = sum(last - first if mode == "full" else
-                     len(range(0, last - first, mode)) if isinstance(mode, int) else 0
-                     for first, last in ranges)
-    extra = recomputed * (2 * matmul + attention)
+    every = 1 if mode == "full" else mode if isinstance(mode, int) else 0
+    extra = sum(layer(i) for first, last in ranges
+                for i in (range(first, last, every) if every else ()))
     if any(last == config.layers for _, last in ranges):
         per_token += 2 * config.dim * config.vocab
     return (3 * per_token + extra) * tokens

@@ -41,20 +41,23 @@ from devmesh.layout.liveness import activation_liveness
 from devmesh.parallel.compute_dtype import is_compute_copy
 from devmesh.layout.schedule import SCHEDULES as ALL_SCHEDULES
 from devmesh.layout.schedule import Action, Schedule, ScheduleError, build_schedule
-from devmesh.tools.dry_run.model import Transformer, TransformerConfig, stage_layers, tp_plan
+from devmesh.tools.dry_run.model import (MoEFeedForward, Transformer, TransformerConfig,
+                                         stage_layers, tp_plan)
 
 __all__ = ["DIM_ORDER", "RankReport", "dry_run", "dry_run_by_blocks", "parse_mesh",
            "ranks_to_report", "build_rank_model", "build_rank_stages", "activation_peak",
            "add_pipeline_messages"]
 
-DIM_ORDER = ("pp", "dp", "shard", "cp", "tp")  # outer to inner: tensor parallelism inside a host
+# outer to inner: tensor parallelism inside a host
+DIM_ORDER = ("pp", "dp", "shard", "ep", "cp", "tp")
 _ALIASES = {"fsdp": "shard", "dp_shard": "shard", "dp_replicate": "dp"}
 SCHEDULES = tuple(ALL_SCHEDULES)  # every built-in schedule devmesh's runner plays
 
 
 def parse_mesh(text: str) -> dict[str, int]:
     """``"pp=4,dp=32,tp=8"`` as ``{"pp": 4, "dp": 32, "tp": 8}`` (``fsdp`` is ``shard``;
-    ``cp``: context parallelism, each rank a part of every sequence)."""
+    ``cp``: context parallelism, each rank a part of every sequence; ``ep``: expert
+    parallelism, each rank ``experts / ep`` of every layer's experts and its own tokens)."""
     dims: dict[str, int] = {}
     for item in text.split(","):
         name, _, size = item.strip().partition("=")
@@ -244,10 +247,12 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
     if not 0 <= rank < world:
         raise DryRunError(f"--rank {rank}: the mesh {dims} has ranks 0..{world - 1}")
     pp = dims.get("pp", 1)
-    data = dims.get("dp", 1) * dims.get("shard", 1)
+    _check_experts(config, dims)
+    data = dims.get("dp", 1) * dims.get("shard", 1) * dims.get("ep", 1)
     if config.batch % data:
         raise DryRunError(f"the batch of {config.batch} sequences does not split over "
-                          f"{data} data-parallel ranks (dp x shard): use a multiple of {data}")
+                          f"{data} data-parallel ranks (dp x shard x ep): use a multiple of "
+                          f"{data}")
     local = config.batch // data
     microbatches = microbatches or (2 * pp if pp > 1 else 1)
     if local % microbatches:
@@ -291,6 +296,29 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
                        blocks, checkpointing, virtual)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _check_experts(config: TransformerConfig, dims: dict[str, int]) -> None:
+    """``ep`` as ``parallelize`` places it: beside a shard dim or alone, not with ``dp``,
+    ``cp`` or (in the dry run) ``tp``; dividing the experts."""
+    ep = dims.get("ep", 1)
+    if ep == 1:
+        if config.experts and "tp" in dims:
+            raise DryRunError("the dry run does not split a mixture of experts over tp: "
+                              "drop tp, or split the experts over ep (e.g. --mesh shard=8,ep=8)")
+        return
+    if not config.experts:
+        raise DryRunError(f"--mesh has ep {ep} but the model has no experts: drop ep, or give "
+                          "the model experts (e.g. --model deepseek-v3, or experts=N)")
+    if config.experts % ep:
+        fits = [e for e in _divisors(config.experts) if e > 1]
+        raise DryRunError(f"ep {ep} does not divide the {config.experts} experts: ep may be "
+                          f"{', '.join(map(str, fits))}")
+    for other, why in (("dp", "build the mesh with shard instead of dp beside ep"),
+                       ("cp", "both borrow the data-parallel ranks; drop one"),
+                       ("tp", "the dry run does not split experts over tp; drop tp")):
+        if other in dims:
+            raise DryRunError(f"--mesh {dims}: ep with {other}: {why}")
 
 
 def _divisors(n: int) -> list[int]:
@@ -534,6 +562,7 @@ def _stage_model(config: TransformerConfig, dims: dict[str, int], mesh, first: i
     from devmesh.parallel.activation_checkpointing import checkpoint_blocks
     from devmesh.parallel.compute_dtype import compute_in
     from devmesh.parallel.context_parallel import context_parallel
+    from devmesh.parallel.expert_parallel import expert_parallel
 
     torch.manual_seed(0)
     with torch.device(device):
@@ -546,6 +575,11 @@ def _stage_model(config: TransformerConfig, dims: dict[str, int], mesh, first: i
         for block in plain:
             block.attention.routed = True
             context_parallel(block, mesh["cp"])
+    experts = [m.experts for m in model.modules() if isinstance(m, MoEFeedForward)]
+    if "ep" in dims:  # as parallelize: each rank's tokens reach every rank's experts
+        data = mesh["shard", "ep"] if "shard" in dims else mesh["ep"]
+        for module in experts:
+            expert_parallel(module, mesh["ep"], data_mesh=data)
     held = checkpoint_blocks(model, plain, checkpointing,
                              on_saved=saved.count if saved is not None else None)
     if saved is not None:
@@ -557,16 +591,25 @@ def _stage_model(config: TransformerConfig, dims: dict[str, int], mesh, first: i
     # reduction in float32, under every strategy (torchtitan's defaults)
     policy = (MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
               if compute != torch.float32 else None)
+    # the ranks of ep and cp hold their own tokens: data-parallel ranks for the parameters
+    borrowed = "ep" if "ep" in dims else "cp" if "cp" in dims else None
     if "shard" in dims:
         data_mesh = (mesh["dp", "shard"] if "dp" in dims
-                     else _flattened(mesh, ("shard", "cp")) if "cp" in dims else mesh["shard"])
+                     else _flattened(mesh, ("shard", borrowed)) if borrowed else mesh["shard"])
+        # the experts over shard alone (split over ep already); the rest over shard and ep
+        for module in experts if "ep" in dims else ():
+            fully_shard(module, mesh=mesh["shard"], mp_policy=policy)
         for block in model.layers.values():
             fully_shard(block, mesh=data_mesh, mp_policy=policy)
         fully_shard(model, mesh=data_mesh, mp_policy=policy)
-    elif "dp" in dims or "cp" in dims:
-        data = tuple(d for d in ("dp", "cp") if d in dims)
+    elif "dp" in dims or borrowed:
+        data = tuple(d for d in ("dp", borrowed) if d in dims)
+        split = experts if "ep" in dims else []
         replicate(model, mesh=_flattened(mesh, data) if len(data) > 1 else mesh[data[0]],
-                  mp_policy=policy)
+                  mp_policy=policy, ignored_modules=split)
+        if policy is not None:  # DDP leaves the split experts alone: they compute in it too
+            for module in split:
+                compute_in(module, policy)
     elif policy is not None:
         compute_in(model, policy)
     return model

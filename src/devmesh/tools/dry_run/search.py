@@ -415,6 +415,10 @@ def search(config: TransformerConfig, world: int, costs: Costs, *,
     ``min_cp_tokens``: context parallelism is tried down to this many tokens per rank."""
     import time
 
+    if config.experts:
+        raise DryRunError(
+            "the search ranks meshes of dense models: for a mixture of experts, dry-run the "
+            "meshes you consider with --mesh (e.g. --mesh pp=16,shard=2,ep=64)")
     start = time.perf_counter()
     calibration = _Calibration(config)
     modes = _checkpointing_modes(checkpointing)
