@@ -202,6 +202,8 @@ def process_group(mesh: DeviceMesh, dims: Sequence[int], purpose: str | None = N
 def _watch(collective: str, mesh: DeviceMesh, dims: Sequence[int], g: _Group) -> Watch:
     """Numbers this collective on its group; a timeout then names who never entered it."""
     stops.refuse_if_broken()
+    groups.refuse_communication(
+        f"{collective} over {'+'.join(mesh.layout.dim_name(d) for d in dims)}")
     return Watch(collective, g.ranks, lambda: "+".join(mesh.layout.dim_name(d) for d in dims))
 
 

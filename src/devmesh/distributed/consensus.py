@@ -269,7 +269,12 @@ def batched(what: str, error_type: type[Exception]) -> Iterator[None]:
     _batch = entries = []
     error: Exception | None = None
     try:
-        yield
+        with groups.silent(
+                f"the {what} calls inside a batched block must not communicate (a rank "
+                "refused there has left its block): make the meshes' process groups before "
+                "the block (slice the mesh, or devmesh.distributed.comm.process_group), and "
+                "communicate after it"):
+            yield
     except Exception as exc:  # noqa: BLE001 - raised on every rank below
         error = exc
     finally:

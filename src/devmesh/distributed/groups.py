@@ -16,16 +16,17 @@ silent hang into an error naming the ranks, within a bounded time.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import itertools
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
 from devmesh import _torch_compat
-from devmesh.errors import MeshMismatchError, MeshTimeoutError
+from devmesh.errors import MeshMismatchError, MeshTimeoutError, MeshUsageError
 from devmesh.layout import format_ranks
 
 __all__ = [
@@ -132,6 +133,30 @@ def _is_world(ranks: tuple[int, ...]) -> bool:
     return len(ranks) == dist.get_world_size() and ranks == tuple(range(len(ranks)))
 
 
+#: why communicating must not happen now (inside ``consensus.batched``: a rank whose checks
+#: failed has left its block, and would never meet a collective the others entered)
+_silent: str | None = None
+
+
+@contextlib.contextmanager
+def silent(reason: str) -> Iterator[None]:
+    """Refuse, while inside, any collective or process-group creation of devmesh's, with
+    ``reason`` as the fix (:func:`refuse_communication`)."""
+    global _silent
+    previous, _silent = _silent, reason
+    try:
+        yield
+    finally:
+        _silent = previous
+
+
+def refuse_communication(what: str) -> None:
+    """Raise :class:`~devmesh.errors.MeshUsageError` naming ``what`` if communication is
+    refused now (:func:`silent`), instead of a collective some ranks never join."""
+    if _silent is not None:
+        raise MeshUsageError(f"{what} communicates, and {_silent}")
+
+
 def get_group(
     ranks: Sequence[int],
     *,
@@ -159,6 +184,7 @@ def get_group(
             and purpose is None):
         group = dist.group.WORLD
     else:
+        refuse_communication(f"making the process group of ranks {format_ranks(key[0])}")
         group = dist.new_group(
             list(key[0]),
             timeout=timeout,

@@ -317,6 +317,44 @@ def test_arguments_one_rank_passes_differently_in_batched_checks_are_refused_on_
             assert "ranks 0:" in message and "ranks 1:" in message, message
 
 
+def communicating_inside_a_batch(what: str):
+    """Inside ``batched_checks()``, a collective or a process group made there is refused
+    by name on the rank that tries, and the block's end says so on the others — where a
+    rank refused earlier in the block would never join it."""
+    import torch
+    from torch import nn
+
+    from devmesh.distributed import comm
+    from devmesh.parallel import batched_checks, fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"), timeout=20)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+
+    def setup():
+        with batched_checks():
+            fully_shard(model[0], mesh=mesh["dp"])
+            if what == "collective" and dist_rank() == 1:
+                comm.all_reduce(torch.ones(1), mesh["dp"], (0,))
+            elif what == "new group":  # a mesh never sliced before: its group is made here
+                fully_shard(model[1], mesh=mesh["dp", "tp"]._flatten("dp_tp"))
+    return _catch(setup)
+
+
+@pytest.mark.parametrize("what, says", [
+    ("collective", "all_reduce over dp communicates, and the fully_shard calls inside a "
+     "batched block must not communicate"),
+    ("new group", "making the process group of ranks 0-3 communicates"),
+])
+def test_communicating_inside_batched_checks_is_refused_by_name(mesh_pool, what, says):
+    results = mesh_pool.run(communicating_inside_a_batch, 4, what)
+    for rank, (name, message, _) in enumerate(results):
+        if what == "new group" or rank == 1:
+            assert name == "MeshUsageError" and says in message, (rank, message)
+        else:
+            assert name == "ParallelizeError" and "fully_shard failed on other ranks" in message
+            assert says in message, (rank, message)
+
+
 def test_every_public_exception_is_importable_from_devmesh_errors():
     """PipelineError lived in devmesh.parallel.pipeline and ScheduleError in the layout: a user
     catching them had to know where each was raised. Every exception and warning class devmesh

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import xxhash
 
@@ -49,6 +49,15 @@ def checksum(data, algorithm: str) -> int:
     """The checksum ``algorithm`` (``"xxh3"``, or ``"crc32"`` of older checkpoints) of the
     bytes ``data``."""
     return _ALGORITHMS[algorithm][0](data)
+
+
+def xxh3_of_pieces(pieces: Iterable) -> int:
+    """``checksum(b"".join(pieces), "xxh3")`` without joining them: the bytes of a block
+    that must be copied to be read, one slab at a time."""
+    state = xxhash.xxh3_64()
+    for piece in pieces:
+        state.update(piece)
+    return state.intdigest() >> 1
 
 
 def checksum_limit(algorithm: str) -> int:

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import xxhash
 from torch import nn
 
 from devmesh._files import TMP_SUFFIX, atomic_file
@@ -44,7 +43,8 @@ from devmesh.distributed import comm, consensus, groups
 from devmesh.errors import CheckpointError
 from devmesh.layout import format_ranks
 from devmesh.parallel.checkpoint.blocks import Placed, TensorLayout, distinct_blocks, place_blocks
-from devmesh.parallel.checkpoint.checksums import WRITTEN, checksums_of, chunk_count, chunk_rows
+from devmesh.parallel.checkpoint.checksums import (WRITTEN, checksum, checksums_of, chunk_count,
+                                                   chunk_rows, xxh3_of_pieces)
 from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
 from devmesh.parallel.checkpoint.format import DATA_FILE, FORMAT, METADATA, data_file_name
 from devmesh.parallel.checkpoint.union import Listed, Merged, listed_json, merge_listings
@@ -434,12 +434,10 @@ def _digest(block: torch.Tensor) -> int:
     flat = block.detach().reshape(-1)
     if flat.device.type == "cpu":
         if flat.is_contiguous():
-            return xxhash.xxh3_64_intdigest(flat.view(torch.uint8).numpy()) >> 1
-        state = xxhash.xxh3_64()
+            return checksum(flat.view(torch.uint8).numpy(), "xxh3")
         step = max(1, DIGEST_SLAB_BYTES // flat.element_size())
-        for start in range(0, flat.numel(), step):
-            state.update(flat[start:start + step].contiguous().view(torch.uint8).numpy())
-        return state.intdigest() >> 1
+        return xxh3_of_pieces(flat[start:start + step].contiguous().view(torch.uint8).numpy()
+                              for start in range(0, flat.numel(), step))
     raw = flat.contiguous().view(torch.uint8)
     as_words = raw.numel() % 4 == 0  # the same rule on every holder: it depends on the size
     total = 0

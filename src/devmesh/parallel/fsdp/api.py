@@ -114,10 +114,12 @@ def batched_checks() -> Iterator[None]:
     settings or hold different parameters raise the
     :class:`~devmesh.errors.MeshMismatchError` of the first call that differs. The errors
     come at the end of the block, once the other calls have sharded their modules (they
-    are not undone). Put only ``fully_shard`` calls inside (nothing that communicates),
-    and make each mesh's process groups before it (a mesh used by an earlier call, or one
-    sliced before the block, has them). ``devmesh.parallel.parallelize`` shards a model's
-    blocks this way."""
+    are not undone). Put only ``fully_shard`` calls inside, and make each mesh's process
+    groups before it (a mesh used by an earlier call, or one sliced before the block, has
+    them): a devmesh collective, or a process group made inside, raises
+    :class:`~devmesh.errors.MeshUsageError` on the rank that tries, as a rank refused
+    earlier in the block would never join it. ``devmesh.parallel.parallelize`` shards a
+    model's blocks this way."""
     with consensus.batched("fully_shard", ParallelizeError):
         yield
 
