@@ -391,3 +391,31 @@ def test_devmesh_plan_model_json_holds_every_number_the_report_has():
         assert entry["predicted_seconds"] == pytest.approx(
             predict(config, dims, report, costs, "1f1b", 4))
     assert done.returncode == (0 if all(e["fits"] for e in data["ranks"]) else 1)
+
+
+def test_devmesh_plan_states_what_replica_groups_add_to_a_step():
+    """``--replica-groups G``: each rank's quorum — 4 round trips to the coordinator's store,
+    priced at the latency — and one all-reduce of its gradient shards over the groups,
+    priced at the bandwidth given for ``replicas``; the mesh shows the groups."""
+    import json
+    import subprocess
+    import sys
+
+    args = ["--model", "tiny", "--mesh", "shard=4", "--replica-groups", "3", "--tflops", "1",
+            "--bandwidth", "10,replicas=0.5", "--latency", "1ms", "--json"]
+    done = subprocess.run([sys.executable, "-m", "devmesh", "plan", *args],
+                          capture_output=True, text=True, timeout=300)
+    data = json.loads(done.stdout)
+    assert data["mesh"] == {"replicas": 3, "shard": 4}, done.stderr
+    (entry,) = data["ranks"]
+    from devmesh.tools.dry_run.model import PRESETS
+
+    alone = dry_run(PRESETS["tiny"], {"shard": 4})
+    assert entry["store_round_trips"] == 4
+    got = {(c["collective"], c["dims"]): (c["calls"], c["bytes"]) for c in entry["collectives"]}
+    assert got == {**alone.collectives, ("all_reduce", "replicas"): (1, alone.gradient_bytes)}
+    parts = entry["predicted_seconds"]
+    assert parts["quorum"] == pytest.approx(4e-3)
+    # a ring all-reduce over 3 groups: 2 hops, 2 x 2/3 of the bytes over 0.5 GB/s
+    assert parts["comm replicas"] == pytest.approx(
+        2e-3 + alone.gradient_bytes * 4 / 3 / 0.5e9, rel=1e-6)

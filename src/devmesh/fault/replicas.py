@@ -181,12 +181,11 @@ class ReplicaGroups:
         ended, has no peer to heal from and nothing left to do: this raises ``SystemExit(0)``
         there, so its script ends without saving state it never received."""
         grads = self._gradients()
-        own = [g.detach().clone() for g in grads]
         retries, healed = 0, False
         self._fresh = True
         while True:
             quorum = self._join()
-            vote = "ok"
+            vote, averaged = "ok", None
             try:
                 members = self._members(quorum)
                 index = quorum.members.index
@@ -202,14 +201,7 @@ class ReplicaGroups:
                     for healer in quorum.healers:
                         send_state(members, index(healer), self.model, self.optimizer)
                 contributing = self.group in quorum.contributors
-                with torch.no_grad():
-                    for grad, mine in zip(grads, own):
-                        grad.copy_(mine if contributing else torch.zeros_like(mine))
-                    works = [members.allreduce([g]) for g in grads]
-                    for work in works:
-                        work.wait()
-                    for grad in grads:
-                        grad.div_(max(1, len(quorum.contributors)))
+                averaged = _average(grads, members, contributing, len(quorum.contributors))
             except Exception as exc:  # a peer died or hung: this epoch's group is broken
                 vote = "fail"
                 self._epoch = None
@@ -221,6 +213,8 @@ class ReplicaGroups:
             if decision == "commit":
                 committed = bool(quorum.contributors)
                 if committed:
+                    assert averaged is not None  # a commit needs every member's "ok" vote
+                    _unpack(averaged, grads)
                     self.optimizer.step()
                     self.step_count = quorum.step + 1
                 return StepResult(committed=committed, step=quorum.step,
@@ -246,3 +240,36 @@ class ReplicaGroups:
             self.close()
         else:  # failed: not finished, only gone
             self._heartbeat.stop()
+
+
+def _average(grads: list[torch.Tensor], members, contributing: bool, contributors: int
+             ) -> dict[torch.dtype, torch.Tensor]:
+    """The gradients averaged over the quorum's contributing groups, one flat buffer per
+    dtype, each one all-reduce (a group that does not contribute adds zeros). ``grads`` are
+    left as they are: a round a member fails in is retried from them."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for grad in grads:
+        by_dtype.setdefault(grad.dtype, []).append(grad)
+    flat = {}
+    with torch.no_grad():
+        for dtype, same in by_dtype.items():
+            buffer = (torch.cat([g.reshape(-1) for g in same]) if contributing else
+                      torch.zeros(sum(g.numel() for g in same), dtype=dtype,
+                                  device=same[0].device))
+            flat[dtype] = buffer
+        works = [members.allreduce([buffer]) for buffer in flat.values()]
+        for work in works:
+            work.wait()
+        for buffer in flat.values():
+            buffer.div_(max(1, contributors))
+    return flat
+
+
+def _unpack(flat: dict[torch.dtype, torch.Tensor], grads: list[torch.Tensor]) -> None:
+    """The averaged buffers back into the gradients, in :func:`_average`'s order."""
+    offsets = dict.fromkeys(flat, 0)
+    with torch.no_grad():
+        for grad in grads:
+            start = offsets[grad.dtype]
+            grad.copy_(flat[grad.dtype][start:start + grad.numel()].view_as(grad))
+            offsets[grad.dtype] = start + grad.numel()

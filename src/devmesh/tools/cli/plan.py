@@ -115,6 +115,12 @@ def add(sub) -> None:
                      help="with --model: the blocks' activation checkpointing, torchtitan's "
                           "modes: none, full, selective (keep matmuls' and attention's "
                           "outputs, recompute the rest) or K (every K-th block in full)")
+    dry.add_argument("--replica-groups", type=int, default=None, metavar="G",
+                     help="with --model --mesh: the mesh is one of G replica groups (devmesh "
+                          "run --replica-groups G; --model's batch is one group's): add each "
+                          "step's quorum, 4 round trips to the coordinator's store (priced at "
+                          "--latency) and one all-reduce of each rank's gradients over the "
+                          "groups (labelled replicas: --bandwidth replicas=...)")
     dry.add_argument("--json", action="store_true",
                      help="with --model --mesh (or --search): print every number of the "
                           "report (or the ranking) as JSON instead of text")
@@ -232,6 +238,7 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
     process (devmesh.tools.dry_run)."""
     from devmesh.errors import DryRunError
     from devmesh.tools.dry_run import dry_run, parse_mesh, ranks_to_report, read_config
+    from devmesh.tools.dry_run.run import add_replica_groups
     import json
 
     from devmesh.tools.dry_run.report import (format_reports, parse_bytes, read_costs,
@@ -262,6 +269,10 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
         reports = [dry_run(config, dims, rank=rank, schedule=schedule,
                            microbatches=microbatches,
                            checkpointing=args.activation_checkpointing) for rank in ranks]
+        if args.replica_groups is not None:  # the groups as one more, outermost dim
+            for report in reports:
+                add_replica_groups(report, args.replica_groups)
+            dims = {"replicas": args.replica_groups, **dims}
         if args.json:
             print(json.dumps(reports_as_json(config, dims, reports, schedule=schedule,
                                              microbatches=microbatches, costs=costs,

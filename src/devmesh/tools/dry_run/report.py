@@ -267,6 +267,8 @@ def buffer_copies(kind: str, label: str, dims: dict[str, int]) -> int:
     HSDP's (over ``dp``, of the reduce-scattered shard in place) copy nothing."""
     if kind in ("all_gather", "reduce_scatter"):
         return 1
+    if label == "replicas":  # replica groups pack the gradients and read them back
+        return 2
     if kind == "all_reduce" and "shard" not in dims and set(label_dims(label)) <= {"dp", "cp"}:
         return 2  # DDP over dp, cp or both flattened
     return 0
@@ -301,6 +303,8 @@ def predict(config: TransformerConfig, dims: dict[str, int], report: RankReport,
         parts[key] = parts.get(key, 0.0) + seconds + calls * hops * costs.wait
         if costs.copy_bandwidth:
             parts[key] += buffer_copies(kind, label, dims) * nbytes / (costs.copy_bandwidth * 1e9)
+    if report.store_round_trips:  # a replica group's quorum, at the coordinator's store
+        parts["quorum"] = report.store_round_trips * (costs.latency + costs.wait)
     busy = sum(parts.values())
     pp = dims.get("pp", 1)
     bubble = schedule_bubble(schedule, pp, microbatches) if pp > 1 else 0.0
@@ -347,6 +351,7 @@ def reports_as_json(config: TransformerConfig, dims: dict[str, int],
             "activation_bytes_per_microbatch": report.activation_bytes_per_microbatch,
             "microbatches_in_flight": report.microbatches_in_flight,
             "activation_bytes": report.activation_bytes, "total_bytes": report.total_bytes,
+            "store_round_trips": report.store_round_trips,
             "stages": [{"stage": stage, "layers": list(report.stage_layers[stage]),
                         "activation_bytes_per_microbatch": nbytes}
                        for stage, nbytes in report.stage_activation_bytes.items()],
@@ -414,6 +419,9 @@ def format_reports(config: TransformerConfig, dims: dict[str, int], reports: lis
             verdict = ("   fits" if report.total_bytes <= device_memory else
                        f"   does NOT fit in {_gib(device_memory)}")
         lines.append(f"  total      {_gib(report.total_bytes):>14}{verdict}")
+        if report.store_round_trips:
+            lines.append(f"  quorum: {report.store_round_trips} round trips to the replica "
+                         "coordinator's store per step")
         lines.append(f"  {'collective':<16}{'mesh dims':<14}{'calls':>7}{'bytes':>18}")
         for (kind, label), (calls, nbytes) in sorted(report.collectives.items()):
             lines.append(f"  {kind:<16}{label:<14}{calls:>7}{nbytes:>18,}")

@@ -46,7 +46,7 @@ from devmesh.tools.dry_run.model import (MoEFeedForward, Transformer, Transforme
 
 __all__ = ["DIM_ORDER", "RankReport", "dry_run", "dry_run_by_blocks", "parse_mesh",
            "ranks_to_report", "build_rank_model", "build_rank_stages", "activation_peak",
-           "add_pipeline_messages"]
+           "add_pipeline_messages", "add_replica_groups"]
 
 # outer to inner: tensor parallelism inside a host
 DIM_ORDER = ("pp", "dp", "shard", "ep", "cp", "tp")
@@ -98,6 +98,8 @@ class RankReport:
     stage_activation_bytes: dict[int, int] = field(default_factory=dict)
     #: the most activation bytes held at once over the step (several stages' micro-batches)
     activation_peak_bytes: int | None = None
+    #: round trips to a replica-group coordinator's store per step (:func:`add_replica_groups`)
+    store_round_trips: int = 0
 
     @property
     def activation_bytes(self) -> int:
@@ -623,6 +625,23 @@ def _loss_parallel():
     from devmesh.parallel import loss_parallel
 
     return loss_parallel()
+
+
+#: a replica group's rank, per step: its join, the quorum's answer, its vote, the decision
+QUORUM_ROUND_TRIPS = 4
+
+
+def add_replica_groups(report: RankReport, groups: int) -> None:
+    """What being one of ``groups`` replica groups (``devmesh run --replica-groups``,
+    :class:`~devmesh.fault.ReplicaGroups`) adds to a rank's step: the quorum's round trips to
+    the coordinator's store, and one all-reduce of the rank's gradients (its shards, float32,
+    packed into one buffer) with its counterparts in the other groups, labelled
+    ``replicas``."""
+    if groups < 1:
+        raise DryRunError(f"--replica-groups {groups}: give the number of groups, at least 1")
+    report.store_round_trips = QUORUM_ROUND_TRIPS
+    if groups > 1:
+        report.collectives[("all_reduce", "replicas")] = (1, report.gradient_bytes)
 
 
 def add_pipeline_messages(collectives: dict, schedule, stage: int | list[int], mb_size: int,
