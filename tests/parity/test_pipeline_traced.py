@@ -581,8 +581,8 @@ def test_tensor_parallel_inside_a_traced_stage_is_refused_by_name(mesh_pool):
     them as well): a clear error on every rank, not a reshape error or wrong numbers."""
     from devmesh.errors import RankFailedError
 
-    with pytest.raises(RankFailedError, match="ColwiseParallel applies to nn.Linear and "
-                                              "nn.Embedding, but 'attention.wq' is a "
-                                              "InterpreterModule") as info:
+    with pytest.raises(RankFailedError, match="ColwiseParallel applies to nn.Linear, "
+                                              "nn.Embedding and transformers' Conv1D, but "
+                                              "'attention.wq' is a InterpreterModule") as info:
         mesh_pool.run(tensor_parallel_inside_a_traced_stage, 4)
     assert "ranks [1, 2, 3] failed too" in str(info.value)

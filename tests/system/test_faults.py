@@ -483,9 +483,17 @@ def test_devmesh_run_takes_a_module_a_log_dir_and_a_ranks_filter(tmp_path):
     package = tmp_path / "pkg"
     package.mkdir()
     (package / "__init__.py").write_text("")
+    # rank 1 fails once rank 0 has printed: the launcher then stops rank 0, which on a
+    # loaded machine might otherwise not have started printing yet
     (package / "train.py").write_text(
-        "import os, sys\nprint('rank', os.environ['RANK'], sys.argv[1:], flush=True)\n"
-        "if os.environ['RANK'] == '1':\n    raise SystemExit(3)\n")
+        "import os, sys, time\nprint('rank', os.environ['RANK'], sys.argv[1:], flush=True)\n"
+        f"marker = {str(tmp_path / 'printed')!r}\n"
+        "if os.environ['RANK'] == '0':\n    open(marker, 'w').close()\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    deadline = time.monotonic() + 120\n"
+        "    while not os.path.exists(marker) and time.monotonic() < deadline:\n"
+        "        time.sleep(0.05)\n"
+        "    raise SystemExit(3)\n")
     proc = _devmesh("run", "-n", "2", "--log-dir", str(tmp_path / "logs"),
                     "--local-ranks-filter", "0", "-m", "pkg.train", "--lr", "3", cwd=tmp_path)
     assert proc.returncode == 3, proc.stderr[-2000:]
