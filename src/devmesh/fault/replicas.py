@@ -165,13 +165,16 @@ class ReplicaGroups:
 
     # -- one step --------------------------------------------------------------------------
 
-    def _gradients(self) -> list[torch.Tensor]:
-        grads = []
+    def _gradients(self) -> tuple[list[torch.Tensor], list[bool]]:
+        """Each parameter's gradient (its local block), and whether it is a block of a
+        DTensor's (written in place, not swapped)."""
+        grads, blocks = [], []
         for param in self.model.parameters():
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
             grads.append(_local(param.grad))
-        return grads
+            blocks.append(grads[-1] is not param.grad)
+        return grads, blocks
 
     def step(self) -> StepResult:
         """Average the gradients over the quorum's groups and step the optimizer once the
@@ -180,7 +183,7 @@ class ReplicaGroups:
         A group that comes back (restarted) after every other group closed, its training
         ended, has no peer to heal from and nothing left to do: this raises ``SystemExit(0)``
         there, so its script ends without saving state it never received."""
-        grads = self._gradients()
+        grads, blocks = self._gradients()
         retries, healed = 0, False
         self._fresh = True
         while True:
@@ -214,7 +217,7 @@ class ReplicaGroups:
                 committed = bool(quorum.contributors)
                 if committed:
                     assert averaged is not None  # a commit needs every member's "ok" vote
-                    _unpack(averaged, grads)
+                    _unpack(averaged, grads, blocks)
                     self.optimizer.step()
                     self.step_count = quorum.step + 1
                 return StepResult(committed=committed, step=quorum.step,
@@ -243,33 +246,30 @@ class ReplicaGroups:
 
 
 def _average(grads: list[torch.Tensor], members, contributing: bool, contributors: int
-             ) -> dict[torch.dtype, torch.Tensor]:
-    """The gradients averaged over the quorum's contributing groups, one flat buffer per
-    dtype, each one all-reduce (a group that does not contribute adds zeros). ``grads`` are
-    left as they are: a round a member fails in is retried from them."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for grad in grads:
-        by_dtype.setdefault(grad.dtype, []).append(grad)
-    flat = {}
+             ) -> list[torch.Tensor]:
+    """Copies of the gradients averaged over the quorum's contributing groups (a group that
+    does not contribute adds zeros), each all-reduced on its own, all in flight at once
+    (gloo runs them side by side on its threads: measured here, 16 gradients of 33 MB took
+    41 ms so against 51 ms packed into one buffer, which costs a second copy too). ``grads``
+    are left as they are: a round a member fails in is retried from them."""
     with torch.no_grad():
-        for dtype, same in by_dtype.items():
-            buffer = (torch.cat([g.reshape(-1) for g in same]) if contributing else
-                      torch.zeros(sum(g.numel() for g in same), dtype=dtype,
-                                  device=same[0].device))
-            flat[dtype] = buffer
-        works = [members.allreduce([buffer]) for buffer in flat.values()]
+        averaged = [g.clone() if contributing else torch.zeros_like(g) for g in grads]
+        works = [members.allreduce([a]) for a in averaged]
         for work in works:
             work.wait()
-        for buffer in flat.values():
-            buffer.div_(max(1, contributors))
-    return flat
+        for a in averaged:
+            a.div_(max(1, contributors))
+    return averaged
 
 
-def _unpack(flat: dict[torch.dtype, torch.Tensor], grads: list[torch.Tensor]) -> None:
-    """The averaged buffers back into the gradients, in :func:`_average`'s order."""
-    offsets = dict.fromkeys(flat, 0)
+def _unpack(averaged: list[torch.Tensor], grads: list[torch.Tensor],
+            in_place: list[bool]) -> None:
+    """The committed averages become the gradients: a plain gradient takes its copy's
+    storage (no second copy); a DTensor's local block (another tensor object over the
+    DTensor's storage) is copied into."""
     with torch.no_grad():
-        for grad in grads:
-            start = offsets[grad.dtype]
-            grad.copy_(flat[grad.dtype][start:start + grad.numel()].view_as(grad))
-            offsets[grad.dtype] = start + grad.numel()
+        for grad, mean, copy in zip(grads, averaged, in_place, strict=True):
+            if copy:
+                grad.copy_(mean)
+            else:
+                grad.set_(mean)
