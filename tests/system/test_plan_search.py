@@ -45,6 +45,9 @@ KINDS = [  # every data-parallel kind, with and without tp and pp, both schedule
     # context parallelism: FSDP over shard x cp, DDP over dp x cp or cp, with tp and pp
     Candidate(1, 1, 4, 1, "1f1b", 2, cp=2), Candidate(1, 4, 1, 1, "1f1b", 1, cp=2),
     Candidate(2, 1, 2, 1, "1f1b", 4, cp=2), Candidate(1, 1, 1, 2, "1f1b", 2, cp=4),
+    # interleaved 1F1B: two stages per rank (7 layers: stages of 2, 2, 2 and 1 blocks)
+    Candidate(2, 2, 2, 1, "interleaved-1f1b", 4), Candidate(2, 4, 1, 1, "interleaved-1f1b", 8),
+    Candidate(2, 1, 2, 2, "interleaved-1f1b", 4),
 ]
 
 
@@ -57,7 +60,8 @@ def test_the_closed_form_equals_the_dry_run_on_every_kind_of_candidate():
             estimated = estimate(CONFIG, candidate, stage, calibration)
             for name in ("layers", "parameters", "parameter_bytes", "gradient_bytes",
                          "optimizer_bytes", "accumulated_gradient_bytes",
-                         "activation_bytes_per_microbatch",
+                         "activation_bytes_per_microbatch", "activation_bytes",
+                         "stage_layers", "stage_activation_bytes",
                          "microbatches_in_flight", "compute_dtype", "collectives"):
                 assert getattr(estimated, name) == getattr(measured, name), (
                     candidate.describe(), stage, name)
@@ -131,7 +135,9 @@ def test_the_candidates_are_every_valid_shape():
     # cp 8 cannot give each rank a head and a tail chunk
     short = {(c.cp, c.tp) for c in candidates(replace(CONFIG, seq=8), 16, min_cp_tokens=1)}
     assert (4, 2) in short and (4, 4) not in short and not any(cp == 8 for cp, _ in short)
-    assert {c.schedule for c in found if c.pp > 1} == {"1f1b", "gpipe"}
+    assert {c.schedule for c in found if c.pp > 1} == {"1f1b", "gpipe", "interleaved-1f1b"}
+    # two stages per rank: none where the layers (7) are fewer than 2 x pp
+    assert not [c for c in found if c.schedule == "interleaved-1f1b" and 2 * c.pp > 7]
     assert max(c.tp for c in candidates(CONFIG, 8, devices_per_host=2)) == 2
     # by default, cp only where each rank keeps 4,096 tokens of a sequence or more
     assert {c.cp for c in candidates(CONFIG, 8)} == {1}

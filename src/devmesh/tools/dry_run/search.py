@@ -33,7 +33,10 @@ The closed form, per rank of a stage with ``b`` blocks and ``m`` micro-batches:
   send (torchtitan's plan: sequence gathers and reduce-scatters, the norms' and the loss's
   all-reduces), measured with the activations, times blocks, sequences and micro-batches;
   context parallelism's ring messages (each block's attention) likewise;
-- the pipeline's messages, counted from the schedule as the dry run counts them.
+- the pipeline's messages, counted from the schedule as the dry run counts them;
+- interleaved 1F1B: a rank's two stages each estimated so and added up, its activations the
+  most its stages' micro-batches hold at once, its accumulated gradients the most its
+  stages hold between their first and last backwards at once.
 """
 
 from __future__ import annotations
@@ -49,16 +52,17 @@ from devmesh.errors import DryRunError
 from devmesh.layout.data_parallel import (MIN_TOKENS_PER_CP_RANK, cp_beside_one_data_dim,
                                           flattened_name)
 from devmesh.layout.liveness import activation_liveness
-from devmesh.layout.schedule import Schedule, build_schedule
+from devmesh.layout.schedule import IN_A_V, LOOPED, Schedule, build_schedule
 from devmesh.tools.dry_run.model import TransformerConfig, stage_layers
 from devmesh.tools.dry_run.report import Costs, _gib, predict
-from devmesh.tools.dry_run.run import (DIM_ORDER, RankReport, add_pipeline_messages, dry_run,
-                                       dry_run_by_blocks)
+from devmesh.tools.dry_run.run import (DIM_ORDER, RankReport, activation_peak,
+                                       add_pipeline_messages, dry_run, dry_run_by_blocks)
 
 __all__ = ["Candidate", "Evaluation", "SearchResult", "candidates", "estimate", "measure",
            "search", "format_search", "search_as_json"]
 
-SCHEDULE_NAMES = ("1f1b", "gpipe")
+#: the schedules tried; interleaved 1F1B runs two stages per rank (when the layers allow)
+SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved-1f1b")
 MICROBATCH_FACTORS = (1, 2, 4)  # micro-batches per step: pp times these (pp 1: powers of 2)
 
 
@@ -129,7 +133,8 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
             local = config.batch // data
             if pp > 1:
                 counts = [pp * f for f in MICROBATCH_FACTORS if local % (pp * f) == 0]
-                schedules = SCHEDULE_NAMES
+                schedules = tuple(n for n in SCHEDULE_NAMES
+                                  if _stages_of(n, pp) <= config.layers)
             else:
                 counts = [2 ** k for k in range(8) if local % 2 ** k == 0]
                 schedules = ("1f1b",)
@@ -259,9 +264,12 @@ def _schedule(name: str, pp: int, microbatches: int) -> Schedule:
 
 
 @functools.lru_cache(maxsize=4096)
-def _in_flight(name: str, pp: int, microbatches: int, stage: int) -> int:
-    return activation_liveness(_schedule(name, pp, microbatches), pp_rank=stage,
-                               stage_indices=[stage], granularity="stage_microbatch").num_slots
+def _in_flight(name: str, pp: int, microbatches: int, rank: int) -> int:
+    """The most micro-batch stages pipeline rank ``rank`` holds activations of at once."""
+    schedule = _schedule(name, pp, microbatches)
+    stages = [s for s in range(schedule.stages) if schedule.rank_of(s) == rank]
+    return activation_liveness(schedule, pp_rank=rank, stage_indices=stages,
+                               granularity="stage_microbatch").num_slots
 
 
 # one block's tensors of _stage_tensors in the order the module registers them: attention
@@ -280,15 +288,75 @@ def _ddp_buckets(sizes: list[int], cap: int = 25 * 2**20) -> int:
     return buckets + (filled > 0)
 
 
+def _stages_of(schedule: str, pp: int) -> int:
+    """How many stages ``schedule`` makes on ``pp`` ranks."""
+    return pp * 2 if schedule in LOOPED or schedule in IN_A_V else pp
+
+
 def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
              calibration: Callable[..., _PerSequence]) -> RankReport:
-    """The closed-form report of the first rank of ``stage`` (see the module docstring)."""
-    pp, shard, tp, m = candidate.pp, candidate.shard, candidate.tp, candidate.microbatches
+    """The closed-form report of the first rank of pipeline rank ``stage`` (see the module
+    docstring): its one stage, or under an interleaved schedule its two, added up."""
+    pp, m = candidate.pp, candidate.microbatches
+    mb_size = config.batch // (candidate.dp * candidate.shard) // m
+    schedule = _schedule(candidate.schedule, pp, m) if pp > 1 else None
+    total = schedule.stages if schedule is not None else 1
+    mine = ([s for s in range(total) if schedule.rank_of(s) == stage]
+            if schedule is not None else [0])
+    parts = {s: _stage_estimate(config, candidate, stage_layers(config, total, s), mb_size,
+                                calibration) for s in mine}
+    collectives: dict[tuple[str, str], tuple[int, int]] = {}
+    for part in parts.values():
+        for key, (calls, nbytes) in part.collectives.items():
+            have = collectives.get(key, (0, 0))
+            collectives[key] = (have[0] + calls, have[1] + nbytes)
+    params = sum(p.parameters for p in parts.values())
+    activations = {s: p.activation_bytes_per_microbatch for s, p in parts.items()}
+    in_flight, accumulated, peak = 1, parts[mine[0]].accumulated_gradient_bytes, None
+    if schedule is not None:
+        cp, tp = candidate.cp, candidate.tp
+        add_pipeline_messages(collectives, schedule, mine if len(mine) > 1 else stage,
+                              mb_size, config, config.torch_dtype, tp, cp)
+        in_flight = _in_flight(candidate.schedule, pp, m, stage)
+        if len(mine) > 1:
+            actions = list(schedule.actions[stage])
+            peak = activation_peak(actions, activations)
+            accumulated = _accumulated_at_most(
+                actions, {s: p.accumulated_gradient_bytes for s, p in parts.items()})
+    several = len(mine) > 1
+    first = parts[mine[0]]
+    return RankReport(
+        rank=stage * (candidate.dp * candidate.shard * candidate.cp * candidate.tp),
+        coordinate={}, layers=first.layers, parameters=params, parameter_bytes=4 * params,
+        gradient_bytes=4 * params, optimizer_bytes=8 * params,
+        activation_bytes_per_microbatch=max(activations.values()),
+        microbatches_in_flight=in_flight, compute_dtype=config.dtype,
+        collectives=collectives, checkpointing=candidate.checkpointing,
+        accumulated_gradient_bytes=accumulated,
+        stage_layers={s: p.layers for s, p in parts.items()} if several else {},
+        stage_activation_bytes=activations if several else {},
+        activation_peak_bytes=peak)
+
+
+def _accumulated_at_most(actions: list, per_stage: dict[int, int]) -> int:
+    """The most unsharded gradients FSDP holds after any backward of ``actions``: each
+    stage's from its first backward until its last, which reduce-scatters them."""
+    backwards = [(i, a.stage) for i, a in enumerate(actions) if a.kind in ("B", "I")]
+    first = {s: min(i for i, t in backwards if t == s) for s in per_stage}
+    last = {s: max(i for i, t in backwards if t == s) for s in per_stage}
+    return max((sum(n for s, n in per_stage.items() if first[s] <= i < last[s])
+                for i, _ in backwards), default=0)
+
+
+def _stage_estimate(config: TransformerConfig, candidate: Candidate, layers: tuple[int, int],
+                    mb_size: int, calibration: Callable[..., _PerSequence]) -> RankReport:
+    """One pipeline stage's closed form (layers ``first..last-1``), without the pipeline's
+    messages: what the stage's model holds and sends in a step."""
+    shard, tp, m = candidate.shard, candidate.tp, candidate.microbatches
     cp = candidate.cp
     fsdp = shard > 1
-    first, last = stage_layers(config, pp, stage)
+    first, last = layers
     blocks, embedding, head = last - first, first == 0, last == config.layers
-    mb_size = config.batch // (candidate.dp * shard) // m
     block_shapes, rest_shapes = _stage_tensors(config, tp, embedding, head)
     # cp's ranks are data ranks for the parameters: FSDP over shard x cp flattened, or DDP
     # over dp x cp (as parallelize and the dry run place them)
@@ -324,22 +392,15 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
             block_shapes[i] for i in _REGISTRATION_ORDER] + (rest_shapes[-2:] if head else [])
         collectives[("all_reduce", ddp_dims)] = (_ddp_buckets([4 * r * c for r, c in order]),
                                                  4 * params + flags)
-    in_flight, accumulated = 1, 0
+    accumulated = 0
     if fsdp and m > 1:  # the stage's unsharded float32 gradients, between backwards
         accumulated = 4 * sum(rows * cols for rows, cols in
                               blocks * block_shapes + rest_shapes)
-    if pp > 1:
-        schedule = _schedule(candidate.schedule, pp, m)
-        add_pipeline_messages(collectives, schedule, stage, mb_size, config,
-                               config.torch_dtype, tp, cp)
-        in_flight = _in_flight(candidate.schedule, pp, m, stage)
     return RankReport(
-        rank=stage * (candidate.dp * shard * cp * tp), coordinate={}, layers=(first, last),
-        parameters=params, parameter_bytes=4 * params, gradient_bytes=4 * params,
-        optimizer_bytes=8 * params,
+        rank=0, coordinate={}, layers=(first, last), parameters=params,
+        parameter_bytes=4 * params, gradient_bytes=4 * params, optimizer_bytes=8 * params,
         activation_bytes_per_microbatch=measured.activation_bytes(blocks, mb_size),
-        microbatches_in_flight=in_flight,
-        compute_dtype=config.dtype, collectives=collectives,
+        microbatches_in_flight=1, compute_dtype=config.dtype, collectives=collectives,
         checkpointing=candidate.checkpointing, accumulated_gradient_bytes=accumulated)
 
 
