@@ -57,6 +57,7 @@ def xxh3_of_pieces(pieces: Iterable) -> int:
     state = xxhash.xxh3_64()
     for piece in pieces:
         state.update(piece)
+        del piece  # before the next is made: one slab held at a time
     return state.intdigest() >> 1
 
 
