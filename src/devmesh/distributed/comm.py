@@ -202,9 +202,11 @@ def process_group(mesh: DeviceMesh, dims: Sequence[int], purpose: str | None = N
 def _watch(collective: str, mesh: DeviceMesh, dims: Sequence[int], g: _Group) -> Watch:
     """Numbers this collective on its group; a timeout then names who never entered it."""
     stops.refuse_if_broken()
-    groups.refuse_communication(
-        f"{collective} over {'+'.join(mesh.layout.dim_name(d) for d in dims)}")
-    return Watch(collective, g.ranks, lambda: "+".join(mesh.layout.dim_name(d) for d in dims))
+    def label() -> str:
+        return "+".join(mesh.layout.dim_name(d) for d in dims)
+
+    groups.refuse_communication(lambda: f"{collective} over {label()}")
+    return Watch(collective, g.ranks, label)
 
 
 def exchange_watch(what: str, mesh: DeviceMesh, dim: int | Sequence[int], *,

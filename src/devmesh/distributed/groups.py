@@ -20,7 +20,7 @@ import contextlib
 import datetime
 import itertools
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -150,11 +150,12 @@ def silent(reason: str) -> Iterator[None]:
         _silent = previous
 
 
-def refuse_communication(what: str) -> None:
-    """Raise :class:`~devmesh.errors.MeshUsageError` naming ``what`` if communication is
-    refused now (:func:`silent`), instead of a collective some ranks never join."""
+def refuse_communication(what: Callable[[], str]) -> None:
+    """Raise :class:`~devmesh.errors.MeshUsageError` naming ``what()`` if communication is
+    refused now (:func:`silent`), instead of a collective some ranks never join. ``what``
+    is called only then: every collective asks, and describing one costs a join of names."""
     if _silent is not None:
-        raise MeshUsageError(f"{what} communicates, and {_silent}")
+        raise MeshUsageError(f"{what()} communicates, and {_silent}")
 
 
 def get_group(
@@ -184,7 +185,8 @@ def get_group(
             and purpose is None):
         group = dist.group.WORLD
     else:
-        refuse_communication(f"making the process group of ranks {format_ranks(key[0])}")
+        refuse_communication(lambda: f"making the process group of ranks "
+                                     f"{format_ranks(key[0])}")
         group = dist.new_group(
             list(key[0]),
             timeout=timeout,

@@ -52,7 +52,7 @@ from devmesh.errors import DryRunError
 from devmesh.layout.data_parallel import (MIN_TOKENS_PER_CP_RANK, cp_beside_one_data_dim,
                                           flattened_name)
 from devmesh.layout.liveness import activation_liveness
-from devmesh.layout.schedule import IN_A_V, LOOPED, Schedule, build_schedule
+from devmesh.layout.schedule import Schedule, build_schedule
 from devmesh.tools.dry_run.model import TransformerConfig, stage_layers
 from devmesh.tools.dry_run.report import Costs, _gib, predict
 from devmesh.tools.dry_run.run import (DIM_ORDER, RankReport, activation_peak,
@@ -134,7 +134,8 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
             if pp > 1:
                 counts = [pp * f for f in MICROBATCH_FACTORS if local % (pp * f) == 0]
                 schedules = tuple(n for n in SCHEDULE_NAMES
-                                  if _stages_of(n, pp) <= config.layers)
+                                  if _schedule(n, pp, counts[0]).stages <= config.layers
+                                  ) if counts else ()
             else:
                 counts = [2 ** k for k in range(8) if local % 2 ** k == 0]
                 schedules = ("1f1b",)
@@ -286,11 +287,6 @@ def _ddp_buckets(sizes: list[int], cap: int = 25 * 2**20) -> int:
         if filled >= cap:
             buckets, filled = buckets + 1, 0
     return buckets + (filled > 0)
-
-
-def _stages_of(schedule: str, pp: int) -> int:
-    """How many stages ``schedule`` makes on ``pp`` ranks."""
-    return pp * 2 if schedule in LOOPED or schedule in IN_A_V else pp
 
 
 def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
