@@ -2,9 +2,10 @@
 per op, or every k-th block in full.
 
 A checkpointed block keeps only its inputs after its forward and runs again in backward to
-rebuild what its backward needs; "selective" keeps the outputs of its matmuls and attention
-too (costly to recompute, and most of a block's FLOPs) and recomputes the rest (norms,
-activations, element-wise ops). Blocks are wrapped in torch's non-reentrant
+rebuild what its backward needs; "selective" keeps, as torchtitan's op-level policy does, the
+outputs of its attention and of every other matmul (the first, the third, ...: half of the
+costly ops to recompute at about half of their memory) and recomputes the rest (the other
+matmuls, norms, activations, element-wise ops). Blocks are wrapped in torch's non-reentrant
 ``checkpoint_wrapper`` in their parents' places, before FSDP wraps them (torchtitan's
 order), so FSDP's gather covers the recomputation too. ``devmesh.parallel.parallelize`` and
 the dry run (``devmesh plan --model ... --activation-checkpointing``) both checkpoint
@@ -24,7 +25,8 @@ from torch import nn
 from devmesh import _torch_compat
 from devmesh.errors import ParallelizeError
 
-__all__ = ["MODES", "check_mode", "checkpoint_blocks", "saved_ops", "recomputed_inside"]
+__all__ = ["MODES", "MATMULS", "check_mode", "checkpoint_blocks", "saved_ops",
+           "recomputed_inside"]
 
 _INSIDE = threading.local()  # how deep this thread is in regions recomputed whole
 
@@ -56,12 +58,15 @@ def check_mode(mode: Mode, what: str = "activation_checkpointing") -> None:
                                "checkpoint every k-th block")
 
 
+#: the matmuls, of which selective checkpointing keeps every other output in a block's forward
+MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
 def saved_ops() -> list:
-    """The ops whose outputs selective checkpointing keeps: matmuls and attention (the
-    costly ones to recompute); everything else in a block is recomputed."""
+    """The ops selective checkpointing considers keeping: matmuls (every other one kept,
+    :data:`MATMULS`) and attention (always kept); everything else in a block is recomputed."""
     aten = torch.ops.aten
-    ops = [aten.mm.default, aten.addmm.default, aten.bmm.default,
-           aten._scaled_dot_product_flash_attention.default,
+    ops = [*MATMULS, aten._scaled_dot_product_flash_attention.default,
            aten._scaled_dot_product_efficient_attention.default]
     for name in ("_scaled_dot_product_flash_attention_for_cpu",
                  "_scaled_dot_product_cudnn_attention"):
@@ -71,17 +76,39 @@ def saved_ops() -> list:
     return ops
 
 
-class _ReportSaved(_torch_compat.TorchDispatchMode):
-    """Hands each output of a saved op to ``on_saved`` as selective checkpointing's forward
-    keeps it (entered inside that forward's caching mode: it sees the op first)."""
+class _Choice:
+    """One checkpointed forward's (or recomputation's) choices: which ops' outputs are kept.
+    The matmuls are counted in the order they run, the first kept and the second recomputed
+    alike in the forward and in its recomputation (torchtitan's "op" policy), so the two
+    agree on what was kept."""
 
-    def __init__(self, ops: set, on_saved: Callable[[torch.Tensor], None]) -> None:
+    def __init__(self) -> None:
+        self._ops = set(saved_ops())
+        self._matmuls = {False: 0, True: 0}  # counted in the forward, in the recomputation
+        self.kept = False  # the last op's choice, read by :class:`_ReportSaved`
+
+    def keep(self, op, recompute: bool) -> bool:
+        keep = op in self._ops and not _inside()
+        if keep and op in MATMULS:
+            self._matmuls[recompute] += 1
+            keep = self._matmuls[recompute] % 2 == 1
+        self.kept = keep
+        return keep
+
+
+class _ReportSaved(_torch_compat.TorchDispatchMode):
+    """Hands each output selective checkpointing's forward keeps to ``on_saved`` (entered
+    inside that forward's caching mode: it sees the op first, and the choice once the op has
+    run)."""
+
+    def __init__(self, choice: _Choice, on_saved: Callable[[torch.Tensor], None]) -> None:
         super().__init__()
-        self._ops, self._on_saved = ops, on_saved
+        self._choice, self._on_saved = choice, on_saved
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._choice.kept = False
         out = func(*args, **(kwargs or {}))
-        if func in self._ops and not _inside():
+        if self._choice.kept:
             for t in _torch_compat.pytree.tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
                     self._on_saved(t)
@@ -89,14 +116,12 @@ class _ReportSaved(_torch_compat.TorchDispatchMode):
 
 
 def _selective_contexts(on_saved: Callable[[torch.Tensor], None] | None):
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
-    from torch.utils.checkpoint import CheckpointPolicy
+    choice = _Choice()
 
-    ops = saved_ops()
-
-    def policy(_ctx, op, *_args, **_kwargs):
-        return (CheckpointPolicy.MUST_SAVE if op in ops and not _inside()
+    def policy(ctx, op, *_args, **_kwargs):
+        return (CheckpointPolicy.MUST_SAVE if choice.keep(op, ctx.is_recompute)
                 else CheckpointPolicy.PREFER_RECOMPUTE)
 
     forward, recompute = create_selective_checkpoint_contexts(policy)
@@ -104,7 +129,7 @@ def _selective_contexts(on_saved: Callable[[torch.Tensor], None] | None):
         return forward, recompute
     stack = contextlib.ExitStack()
     stack.enter_context(forward)
-    stack.enter_context(_ReportSaved(set(ops), on_saved))
+    stack.enter_context(_ReportSaved(choice, on_saved))
     return stack, recompute
 
 
@@ -112,7 +137,7 @@ def checkpoint_blocks(root: nn.Module, blocks: Sequence[nn.Module], mode: Mode, 
                       on_saved: Callable[[torch.Tensor], None] | None = None
                       ) -> list[nn.Module]:
     """Wrap the chosen ``blocks`` of ``root`` for ``mode`` (``"none"``: none; ``"full"``:
-    all; ``"selective"``: all, keeping matmuls' and attention's outputs; ``k``: every k-th,
+    all; ``"selective"``: all, keeping attention's outputs and every other matmul's; ``k``: every k-th,
     from the first, in full) in their parents' places; returns the blocks as ``root`` now
     holds them. ``on_saved`` (the dry run's count) gets each tensor a selective block keeps
     in its forward."""

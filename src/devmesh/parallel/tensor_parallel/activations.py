@@ -79,9 +79,18 @@ def as_dtensor(x: torch.Tensor | DTensor | ShardedTensor, mesh: DeviceMesh,
         return DTensor.from_local(x, mesh, [to_torch_placement(placement)], run_check=False)
     shape = list(x.shape)
     shape[placement.dim % x.ndim] = size
-    stride = torch.empty(shape, device="meta").stride()
     return DTensor.from_local(x, mesh, [to_torch_placement(placement)], run_check=False,
-                              shape=torch.Size(shape), stride=stride)
+                              shape=torch.Size(shape), stride=_contiguous_stride(shape))
+
+
+def _contiguous_stride(shape: list[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (computed, not read off an empty
+    tensor of the global shape: a memory count of the step would see that one)."""
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
 
 
 def _length(extent: Extent, placement: Placement, ndim: int) -> int | None:

@@ -80,6 +80,12 @@ def add(sub) -> None:
                      help="with --model: this rank only (default: one rank per pipeline stage)")
     dry.add_argument("--device-memory", default=None,
                      help="with --model: say whether each rank fits, e.g. 80GB or 80GiB")
+    dry.add_argument("--allowance", default=None,
+                     help="with --model: what a device holds besides the step's measured "
+                          "peak: cache=PERCENT%% (the caching allocator's reserve over it; "
+                          "default 20%%) and context=SIZE (outside torch's allocator: CUDA "
+                          "context, NCCL buffers; default 0), e.g. cache=10%%,context=1GiB, "
+                          "or none")
     dry.add_argument("--tflops", type=float, default=None,
                      help="with --model: the device's dense throughput, for a predicted step "
                           "time")
@@ -241,8 +247,8 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
     from devmesh.tools.dry_run.run import add_replica_groups
     import json
 
-    from devmesh.tools.dry_run.report import (format_reports, parse_bytes, read_costs,
-                                              reports_as_json)
+    from devmesh.tools.dry_run.report import (format_reports, parse_allowance, parse_bytes,
+                                              read_costs, reports_as_json)
 
     if args.search or (args.world is not None and args.mesh is None):
         return _cmd_search(args)
@@ -265,6 +271,7 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
                            args.ranks_per_device, args.block_overhead, args.copy_bandwidth,
                            args.wait)
         memory = parse_bytes(args.device_memory) if args.device_memory else None
+        allowance = parse_allowance(args.allowance)
         ranks = [args.rank] if args.rank is not None else ranks_to_report(dims)
         reports = [dry_run(config, dims, rank=rank, schedule=schedule,
                            microbatches=microbatches,
@@ -276,15 +283,17 @@ def _cmd_dry_run(args: argparse.Namespace) -> int:
         if args.json:
             print(json.dumps(reports_as_json(config, dims, reports, schedule=schedule,
                                              microbatches=microbatches, costs=costs,
-                                             device_memory=memory), indent=1))
+                                             device_memory=memory, allowance=allowance),
+                             indent=1))
         else:
             print(format_reports(config, dims, reports, schedule=schedule,
                                  microbatches=microbatches, costs=costs,
-                                 device_memory=memory))
+                                 device_memory=memory, allowance=allowance))
     except DryRunError as exc:
         print(f"devmesh plan: error: {exc}", file=sys.stderr)
         return 2
-    fits = memory is None or all(r.total_bytes <= memory for r in reports)
+    fits = memory is None or all(allowance.device_bytes(r.most_bytes) <= memory
+                                 for r in reports)
     return 0 if fits else 1
 
 
@@ -294,7 +303,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
     (devmesh.tools.dry_run.search)."""
     from devmesh.errors import DryRunError
     from devmesh.tools.dry_run import read_config
-    from devmesh.tools.dry_run.report import parse_bytes, read_costs
+    from devmesh.tools.dry_run.report import parse_allowance, parse_bytes, read_costs
     from devmesh.tools.dry_run.search import format_search, search, search_as_json
 
     try:
@@ -315,6 +324,7 @@ def _cmd_search(args: argparse.Namespace) -> int:
         if args.top < 1 or args.verify < 0:
             raise DryRunError("--top must be at least 1 and --verify at least 0")
         result = search(config, args.world, costs, device_memory=memory,
+                        allowance=parse_allowance(args.allowance),
                         devices_per_host=args.devices_per_host or 8, verify=args.verify,
                         checkpointing=args.activation_checkpointing,
                         progress=lambda text: print(text, file=sys.stderr, flush=True))

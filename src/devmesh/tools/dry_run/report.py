@@ -35,7 +35,8 @@ from devmesh.tools.dry_run.model import TransformerConfig
 from devmesh.tools.dry_run.run import RankReport
 
 __all__ = ["Costs", "read_costs", "parse_seconds", "schedule_bubble", "step_flops",
-           "buffer_copies", "predict", "format_reports", "parse_bytes"]
+           "buffer_copies", "predict", "format_reports", "parse_bytes", "Allowance",
+           "parse_allowance"]
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
@@ -49,6 +50,59 @@ def parse_bytes(text: str) -> int:
         return int(float(number) * _UNITS[unit])
     except (KeyError, ValueError):
         raise DryRunError(f"{text!r} is not a size: write e.g. 80GB or 80GiB") from None
+
+
+@dataclass(frozen=True)
+class Allowance:
+    """What a device holds besides the step's measured peak (the most bytes its tensors
+    take at once), stated rather than measured:
+
+    - ``cache``: the caching allocator's reserve over that peak, as a fraction — freed
+      blocks it keeps for reuse and the fragments between them. torch's
+      ``max_memory_reserved``, which torchtitan reports, is the peak times ``1 + cache``;
+    - ``context``: bytes outside torch's allocator — the CUDA context, NCCL's buffers —
+      which ``nvidia-smi`` shows and torch's counts do not (0 by default: the figure is
+      torch's reserved memory).
+    """
+
+    cache: float = 0.2
+    context: int = 0
+
+    def device_bytes(self, peak: int) -> int:
+        return round(peak * (1 + self.cache)) + self.context
+
+    def describe(self) -> str:
+        """`` + 20% allocator cache``, as the report appends it to what it allows for."""
+        parts = [f"{self.cache:.0%} allocator cache"] if self.cache else []
+        if self.context:
+            parts.append(f"{_gib(self.context)} context")
+        return "".join(f" + {part}" for part in parts) or ", no allowance"
+
+
+def parse_allowance(text: str | None) -> Allowance:
+    """``--allowance``: ``cache=20%,context=1GiB`` (either part; the other keeps its
+    default), or ``none``; not given, the defaults."""
+    if not text:
+        return Allowance()
+    if text.strip().lower() == "none":
+        return Allowance(cache=0.0, context=0)
+    values: dict[str, float | int] = {}
+    for item in text.split(","):
+        name, _, value = item.strip().partition("=")
+        try:
+            if name == "cache" and value.endswith("%") and float(value[:-1]) >= 0:
+                values["cache"] = float(value[:-1]) / 100
+                continue
+            if name == "context":
+                values["context"] = parse_bytes(value)
+                continue
+        except (ValueError, DryRunError):
+            pass
+        raise DryRunError(f"--allowance {text!r}: {item!r} is not cache=PERCENT% (the "
+                          "allocator's reserve over the peak, e.g. cache=20%) or "
+                          "context=SIZE (outside torch's allocator, e.g. context=1GiB); "
+                          "or give none")
+    return Allowance(**values)
 
 
 @dataclass(frozen=True)
@@ -337,7 +391,8 @@ def _checkpointing(mode: str | int) -> str:
 
 def reports_as_json(config: TransformerConfig, dims: dict[str, int],
                     reports: list[RankReport], *, schedule: str, microbatches: int,
-                    costs: Costs | None = None, device_memory: int | None = None) -> dict:
+                    costs: Costs | None = None, device_memory: int | None = None,
+                    allowance: Allowance = Allowance()) -> dict:
     """Every number :func:`format_reports` prints, as a JSON-ready dict (bytes as integers,
     predicted parts in seconds)."""
     ranks = []
@@ -351,6 +406,8 @@ def reports_as_json(config: TransformerConfig, dims: dict[str, int],
             "activation_bytes_per_microbatch": report.activation_bytes_per_microbatch,
             "microbatches_in_flight": report.microbatches_in_flight,
             "activation_bytes": report.activation_bytes, "total_bytes": report.total_bytes,
+            "peak_bytes": report.most_bytes,
+            "device_bytes": allowance.device_bytes(report.most_bytes),
             "store_round_trips": report.store_round_trips,
             "stages": [{"stage": stage, "layers": list(report.stage_layers[stage]),
                         "activation_bytes_per_microbatch": nbytes}
@@ -362,7 +419,7 @@ def reports_as_json(config: TransformerConfig, dims: dict[str, int],
                             sorted(report.collectives.items())],
         }
         if device_memory is not None:
-            entry["fits"] = report.total_bytes <= device_memory
+            entry["fits"] = allowance.device_bytes(report.most_bytes) <= device_memory
         if costs is not None:
             entry["predicted_seconds"] = predict(config, dims, report, costs, schedule,
                                                  microbatches)
@@ -374,12 +431,15 @@ def reports_as_json(config: TransformerConfig, dims: dict[str, int],
             "schedule": schedule if dims.get("pp", 1) > 1 else None,
             "microbatches": microbatches,
             "activation_checkpointing": reports[0].checkpointing if reports else "none",
-            "device_memory": device_memory, "ranks": ranks}
+            "device_memory": device_memory,
+            "allowance": {"cache": allowance.cache, "context_bytes": allowance.context},
+            "ranks": ranks}
 
 
 def format_reports(config: TransformerConfig, dims: dict[str, int], reports: list[RankReport],
                    *, schedule: str, microbatches: int, costs: Costs | None = None,
-                   device_memory: int | None = None) -> str:
+                   device_memory: int | None = None, allowance: Allowance = Allowance()
+                   ) -> str:
     world = 1
     for size in dims.values():
         world *= size
@@ -414,11 +474,18 @@ def format_reports(config: TransformerConfig, dims: dict[str, int], reports: lis
             lines.append(f"  activations{_gib(report.activation_bytes):>14}   "
                          f"({_gib(report.activation_bytes_per_microbatch)} per micro-batch x "
                          f"{report.microbatches_in_flight} in flight, {report.compute_dtype})")
+        device = allowance.device_bytes(report.most_bytes)
         verdict = ""
         if device_memory is not None:
-            verdict = ("   fits" if report.total_bytes <= device_memory else
+            verdict = ("   fits" if device <= device_memory else
                        f"   does NOT fit in {_gib(device_memory)}")
-        lines.append(f"  total      {_gib(report.total_bytes):>14}{verdict}")
+        lines.append(f"  total      {_gib(report.total_bytes):>14}   (the parts added up)")
+        if report.peak_bytes is not None:
+            lines.append(f"  peak       {_gib(report.peak_bytes):>14}   (the most alive at once "
+                         "in the step, with AdamW's states)")
+        what = "peak" if report.peak_bytes is not None else "total"
+        lines.append(f"  device     {_gib(device):>14}   ({what}{allowance.describe()})"
+                     f"{verdict}")
         if report.store_round_trips:
             lines.append(f"  quorum: {report.store_round_trips} round trips to the replica "
                          "coordinator's store per step")

@@ -13,7 +13,11 @@ as it counts them in a real step. What a rank holds:
   the rank's stages (counted by saved-tensor hooks, each storage once), at the moment of the
   schedule's step when the most of them are held: one stage's bytes times the micro-batches
   in flight (its activation liveness slots), or, where a rank runs several stages (interleaved
-  and V-shaped schedules), the largest sum of every stage's micro-batches held at once.
+  and V-shaped schedules), the largest sum of every stage's micro-batches held at once;
+- the peak: the most bytes alive at once over the whole step (:mod:`.live`), which adds to
+  the parts what is held only for a moment (the loss's float32 logits and their gradient,
+  FSDP's gathered units, a recomputed block, the collectives' buffers) and leaves out what is
+  not held yet at that moment (gradients made later in backward), plus AdamW's states.
 
 A pipeline's messages between stages are not sent through ``fake`` (a stage's receive needs
 its peer's data); they are counted from the schedule: per micro-batch, the activation forward
@@ -41,6 +45,7 @@ from devmesh.layout.liveness import activation_liveness
 from devmesh.parallel.compute_dtype import is_compute_copy
 from devmesh.layout.schedule import SCHEDULES as ALL_SCHEDULES
 from devmesh.layout.schedule import Action, Schedule, ScheduleError, build_schedule
+from devmesh.tools.dry_run.live import LiveBytes
 from devmesh.tools.dry_run.model import (MoEFeedForward, Transformer, TransformerConfig,
                                          stage_layers, tp_plan)
 
@@ -100,6 +105,9 @@ class RankReport:
     activation_peak_bytes: int | None = None
     #: round trips to a replica-group coordinator's store per step (:func:`add_replica_groups`)
     store_round_trips: int = 0
+    #: the most bytes alive at once in the step, measured (:class:`~.live.LiveBytes`), plus
+    #: AdamW's states; ``None`` where estimated in closed form from the parts alone
+    peak_bytes: int | None = None
 
     @property
     def activation_bytes(self) -> int:
@@ -114,8 +122,14 @@ class RankReport:
 
     @property
     def total_bytes(self) -> int:
+        """The parts added up: parameters, gradients, AdamW, activations, accumulated."""
         return (self.parameter_bytes + self.gradient_bytes + self.optimizer_bytes
                 + self.activation_bytes + self.accumulated_gradient_bytes)
+
+    @property
+    def most_bytes(self) -> int:
+        """The measured peak where there is one, else the parts added up."""
+        return self.peak_bytes if self.peak_bytes is not None else self.total_bytes
 
     def by_dim(self) -> dict[str, tuple[int, int]]:
         """Calls and bytes per mesh dim (summed over the kinds of collective)."""
@@ -340,12 +354,14 @@ def _check_checkpointing(mode: str | int) -> None:
 def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
                       schedule: str = "1f1b", microbatches: int | None = None,
                       checkpointing: str | int = "none") -> RankReport:
-    """:func:`dry_run`'s report from two cheap runs: the rank's stage built with one and with
-    two of its blocks, extended to all of them. A stage's blocks are identical (same shapes,
+    """:func:`dry_run`'s report from two cheap runs: the rank's stage built with two and with
+    three of its blocks, extended to all of them. A stage's blocks are identical (same shapes,
     each its own FSDP unit, the same tensor-parallel plan), so every count the report holds
-    (parameter, gradient, optimizer and activation bytes; each collective's calls and bytes)
-    grows by the same amount per block: what the second block adds, times the blocks past
-    the first. A stage of one block is run as it is."""
+    (parameter, gradient, optimizer and activation bytes; each collective's calls and bytes;
+    the step's peak) grows by the same amount per block: what the third block adds, times the
+    blocks past the second. (All but the peak already grow so from the first block; the
+    peak of a one-block stage comes at another moment of its step than a longer stage's,
+    so it is off that line.) A stage of up to three blocks is run as it is."""
     pp = dims.get("pp", 1)
     if (isinstance(checkpointing, int) and checkpointing > 1) or (
             pp > 1 and schedule not in ("1f1b", "gpipe")):
@@ -355,12 +371,12 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
                        checkpointing=checkpointing)
     kwargs = dict(rank=rank, schedule=schedule, microbatches=microbatches,
                   checkpointing=checkpointing)
-    one = dry_run(config, dims, blocks=1, **kwargs)
+    one = dry_run(config, dims, blocks=2, **kwargs)
     first, last = one.layers
-    if last - first <= 1:
+    if last - first <= 3:
         return dry_run(config, dims, **kwargs)
-    two = dry_run(config, dims, blocks=2, **kwargs)
-    more = last - first - 1
+    two = dry_run(config, dims, blocks=3, **kwargs)
+    more = last - first - 2
 
     def grown(a: int, b: int) -> int:
         return a + more * (b - a)
@@ -381,7 +397,7 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
                                               two.activation_bytes_per_microbatch),
         microbatches_in_flight=one.microbatches_in_flight, compute_dtype=one.compute_dtype,
         collectives=dict(sorted(collectives.items())), seconds=one.seconds + two.seconds,
-        checkpointing=one.checkpointing)
+        checkpointing=one.checkpointing, peak_bytes=grown(one.peak_bytes, two.peak_bytes))
 
 
 def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
@@ -457,7 +473,9 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
             probe = forward(stage)
         del probe
         stage_bytes[stage] = saved.bytes
-    with comm_stats(include_torch=True) as stats, loss_context():
+    live = LiveBytes()  # from here on: what the step holds at once, at its worst moment
+    live.hold(t for model in models.values() for t in (*model.parameters(), *model.buffers()))
+    with comm_stats(include_torch=True) as stats, loss_context(), live:
         for action in actions:
             key = (action.stage, action.microbatch)
             if action.kind == "F":
@@ -484,14 +502,15 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     return RankReport(
         rank=dist.get_rank(), coordinate=coordinate, layers=bounds[min(bounds)],
         parameters=params, parameter_bytes=param_bytes, gradient_bytes=param_bytes,
-        optimizer_bytes=2 * params * 4,
+        optimizer_bytes=2 * params * 4,  # not made in the step: added to its peak
         activation_bytes_per_microbatch=max(stage_bytes.values()),
         microbatches_in_flight=in_flight, compute_dtype=str(activation_dtype).split(".")[-1],
         collectives=collectives, checkpointing=checkpointing,
         accumulated_gradient_bytes=accumulated,
         stage_layers=bounds if several else {},
         stage_activation_bytes=stage_bytes if several else {},
-        activation_peak_bytes=activation_peak(actions, stage_bytes) if several else None)
+        activation_peak_bytes=activation_peak(actions, stage_bytes) if several else None,
+        peak_bytes=live.peak + 2 * params * 4)
 
 
 def activation_peak(actions: list[Action], stage_bytes: dict[int, int]) -> int:

@@ -54,7 +54,7 @@ from devmesh.layout.data_parallel import (MIN_TOKENS_PER_CP_RANK, cp_beside_one_
 from devmesh.layout.liveness import activation_liveness
 from devmesh.layout.schedule import Schedule, build_schedule
 from devmesh.tools.dry_run.model import TransformerConfig, stage_layers
-from devmesh.tools.dry_run.report import Costs, _gib, predict
+from devmesh.tools.dry_run.report import Allowance, Costs, _gib, predict
 from devmesh.tools.dry_run.run import (DIM_ORDER, RankReport, activation_peak,
                                        add_pipeline_messages, dry_run, dry_run_by_blocks)
 
@@ -173,8 +173,7 @@ class _PerSequence:
     # block per sequence; rest ...
 
     def activation_bytes(self, blocks: int, sequences: int) -> int:
-        bf, bs, rf, rs = self.activations
-        return blocks * (bf + bs * sequences) + rf + rs * sequences
+        return _grown(self.activations, blocks, sequences)
 
     def traffic(self, blocks: int, sequences: int, microbatches: int
                 ) -> dict[tuple[str, str], tuple[int, int]]:
@@ -191,11 +190,45 @@ class _PerSequence:
 class _Calibration:
     """Activations and the traffic over ``tp`` and ``cp`` per micro-batch, measured by the
     dry run once per (tp, cp, FSDP or not, stage kind, checkpointing) and kept: a stage of
-    one block and of two, on a micro-batch of one sequence and of two."""
+    one block and of two, on a micro-batch of one sequence and of two. And what the step's
+    peak holds besides those parts (:meth:`transient`), per block and for the rest of the
+    stage, at a micro-batch size: the peak is the highest of several moments of the step,
+    each growing otherwise with the sequences, so it is no line in them."""
 
     def __init__(self, config: TransformerConfig) -> None:
         self.config = config
         self._kept: dict[tuple[int, bool, bool, bool, str, int], _PerSequence] = {}
+        self._transient: dict[tuple, int] = {}
+        self._per_block: dict[tuple, int] = {}
+
+    def transient(self, tp: int, fsdp: bool, embedding: bool, head: bool,
+                  checkpointing: str, cp: int, sequences: int, blocks: int) -> int:
+        """What the peak of a stage of ``blocks`` blocks holds besides its parameters, AdamW's
+        states, activations and accumulated gradients, on micro-batches of ``sequences``:
+        measured on a stage of two blocks on such micro-batches, plus per block more what a
+        third block adds on one sequence (the peak of a one-block stage comes at another
+        moment: :func:`~devmesh.tools.dry_run.run.dry_run_by_blocks`)."""
+        kind = (tp, fsdp, embedding, head, checkpointing, cp)
+        if kind not in self._per_block:
+            two, three = (_transient(self._run(*kind, blocks=n, sequences=1)) for n in (2, 3))
+            self._per_block[kind] = three - two
+        if (*kind, sequences) not in self._transient:
+            self._transient[(*kind, sequences)] = _transient(
+                self._run(*kind, blocks=2, sequences=sequences))
+        return self._transient[(*kind, sequences)] + (blocks - 2) * self._per_block[kind]
+
+    def _run(self, tp: int, fsdp: bool, embedding: bool, head: bool, checkpointing: str,
+             cp: int, *, blocks: int, sequences: int) -> RankReport:
+        """A stage of this kind (a pipeline of 1, 2 or 3 stages, this one of them) of
+        ``blocks`` blocks on one micro-batch of ``sequences``, measured."""
+        pp = 1 if embedding and head else 2 if embedding or head else 3
+        stage = 0 if embedding else pp - 1 if head else 1
+        shard = 2 if fsdp else 1
+        dims = {"pp": pp, "shard": shard, "cp": cp, "tp": tp}
+        config = replace(self.config, layers=max(self.config.layers, 3 * pp),
+                         batch=sequences * shard)
+        return dry_run(config, dims, rank=stage * shard * cp * tp, schedule="gpipe",
+                       microbatches=1, blocks=blocks, checkpointing=checkpointing)
 
     def __call__(self, tp: int, fsdp: bool, embedding: bool, head: bool,
                  checkpointing: str = "none", cp: int = 1) -> _PerSequence:
@@ -206,17 +239,9 @@ class _Calibration:
 
     def _measure(self, tp: int, fsdp: bool, embedding: bool, head: bool,
                  checkpointing: str, cp: int) -> _PerSequence:
-        # a pipeline whose stage of this kind is stage ``stage``: 1, 2 or 3 stages
-        pp = 1 if embedding and head else 2 if embedding or head else 3
-        stage = 0 if embedding else pp - 1 if head else 1
-        shard = 2 if fsdp else 1
-        dims = {"pp": pp, "shard": shard, "cp": cp, "tp": tp}
-
         def run(blocks: int, sequences: int) -> RankReport:
-            config = replace(self.config, layers=max(self.config.layers, pp),
-                             batch=sequences * shard)
-            return dry_run(config, dims, rank=stage * shard * cp * tp, schedule="gpipe",
-                           microbatches=1, blocks=blocks, checkpointing=checkpointing)
+            return self._run(tp, fsdp, embedding, head, checkpointing, cp, blocks=blocks,
+                             sequences=sequences)
 
         def per_sequence(report: RankReport) -> dict[tuple[str, str], tuple[int, int]]:
             # tp's collectives and the ring's messages (DDP's all-reduce over cp is not)
@@ -234,6 +259,26 @@ class _Calibration:
             calls[key] = (c2 - c1, 2 * c1 - c2)
             nbytes[key] = _bilinear([b11, b21, b12, b22])
         return _PerSequence(activations, calls, nbytes)
+
+
+@functools.lru_cache(maxsize=4)
+def _calibration(config: TransformerConfig) -> _Calibration:
+    """One calibration per model, kept for the searches that follow (what it measures
+    depends on the model alone)."""
+    return _Calibration(config)
+
+
+def _grown(parts: tuple[int, int, int, int], blocks: int, sequences: int) -> int:
+    bf, bs, rf, rs = parts
+    return blocks * (bf + bs * sequences) + rf + rs * sequences
+
+
+def _transient(report: RankReport) -> int:
+    """What ``report``'s measured peak holds besides its parameters, AdamW's states, its
+    activations and accumulated gradients (its gradients too where the peak holds them)."""
+    assert report.peak_bytes is not None
+    return report.peak_bytes - (report.parameter_bytes + report.optimizer_bytes
+                                + report.activation_bytes + report.accumulated_gradient_bytes)
 
 
 def _bilinear(values: list[int]) -> tuple[int, int, int, int]:
@@ -290,7 +335,7 @@ def _ddp_buckets(sizes: list[int], cap: int = 25 * 2**20) -> int:
 
 
 def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
-             calibration: Callable[..., _PerSequence]) -> RankReport:
+             calibration: _Calibration) -> RankReport:
     """The closed-form report of the first rank of pipeline rank ``stage`` (see the module
     docstring): its one stage, or under an interleaved schedule its two, added up."""
     pp, m = candidate.pp, candidate.microbatches
@@ -321,7 +366,7 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
                 actions, {s: p.accumulated_gradient_bytes for s, p in parts.items()})
     several = len(mine) > 1
     first = parts[mine[0]]
-    return RankReport(
+    report = RankReport(
         rank=stage * (candidate.dp * candidate.shard * candidate.cp * candidate.tp),
         coordinate={}, layers=first.layers, parameters=params, parameter_bytes=4 * params,
         gradient_bytes=4 * params, optimizer_bytes=8 * params,
@@ -332,6 +377,11 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
         stage_layers={s: p.layers for s, p in parts.items()} if several else {},
         stage_activation_bytes=activations if several else {},
         activation_peak_bytes=peak)
+    # the worst moment of one of its stages (they come one after another)
+    report.peak_bytes = (report.parameter_bytes + report.optimizer_bytes
+                         + report.activation_bytes + report.accumulated_gradient_bytes
+                         + max(p.peak_bytes or 0 for p in parts.values()))
+    return report
 
 
 def _accumulated_at_most(actions: list, per_stage: dict[int, int]) -> int:
@@ -345,7 +395,7 @@ def _accumulated_at_most(actions: list, per_stage: dict[int, int]) -> int:
 
 
 def _stage_estimate(config: TransformerConfig, candidate: Candidate, layers: tuple[int, int],
-                    mb_size: int, calibration: Callable[..., _PerSequence]) -> RankReport:
+                    mb_size: int, calibration: _Calibration) -> RankReport:
     """One pipeline stage's closed form (layers ``first..last-1``), without the pipeline's
     messages: what the stage's model holds and sends in a step."""
     shard, tp, m = candidate.shard, candidate.tp, candidate.microbatches
@@ -397,7 +447,13 @@ def _stage_estimate(config: TransformerConfig, candidate: Candidate, layers: tup
         parameter_bytes=4 * params, gradient_bytes=4 * params, optimizer_bytes=8 * params,
         activation_bytes_per_microbatch=measured.activation_bytes(blocks, mb_size),
         microbatches_in_flight=1, compute_dtype=config.dtype, collectives=collectives,
-        checkpointing=candidate.checkpointing, accumulated_gradient_bytes=accumulated)
+        checkpointing=candidate.checkpointing, accumulated_gradient_bytes=accumulated,
+        # here only what the peak holds besides the parts (:func:`estimate` adds them):
+        # measured on one micro-batch, and over several the gradients (in ``.grad``, where
+        # FSDP does not hold them unsharded) that the earlier micro-batches left
+        peak_bytes=(calibration.transient(tp, fsdp, embedding, head, candidate.checkpointing,
+                                          cp, mb_size, blocks)
+                    + (4 * params if m > 1 and not fsdp else 0)))
 
 
 @dataclass
@@ -416,13 +472,16 @@ class Evaluation:
     def step(self) -> float:
         return self.parts["step"]
 
+    allowance: Allowance = field(default_factory=Allowance)
+
     @property
     def peak_bytes(self) -> int:
-        return max(r.total_bytes for r in self.reports)
+        """What the largest rank's device holds: its peak and the allowance."""
+        return max(self.allowance.device_bytes(r.most_bytes) for r in self.reports)
 
 
 def _evaluate(config: TransformerConfig, candidate: Candidate, reports: list[RankReport],
-              costs: Costs, measured: bool) -> Evaluation:
+              costs: Costs, measured: bool, allowance: Allowance = Allowance()) -> Evaluation:
     by_stage = [predict(config, candidate.dims, r, costs, candidate.schedule,
                         candidate.microbatches) for r in reports]
     slowest = dict(max(by_stage, key=lambda parts: parts["step"]))
@@ -435,7 +494,7 @@ def _evaluate(config: TransformerConfig, candidate: Candidate, reports: list[Ran
         shared = max(sum(busy) / len(busy), max(busy) / costs.ranks_per_device)
         slowest["lent"] = shared - max(busy)
         slowest["step"] = shared + slowest["bubble"]
-    return Evaluation(candidate, reports, slowest, measured)
+    return Evaluation(candidate, reports, slowest, measured, allowance)
 
 
 def measure(config: TransformerConfig, candidate: Candidate) -> list[RankReport]:
@@ -464,12 +523,16 @@ def search(config: TransformerConfig, world: int, costs: Costs, *,
            device_memory: int | None = None, devices_per_host: int = 8, verify: int = 5,
            progress: Callable[[str], None] | None = None,
            checkpointing: str | tuple[str, ...] = "none",
-           min_cp_tokens: int = MIN_TOKENS_PER_CP_RANK) -> SearchResult:
+           min_cp_tokens: int = MIN_TOKENS_PER_CP_RANK,
+           allowance: Allowance = Allowance()) -> SearchResult:
     """Rank the candidates for ``world`` ranks by predicted step time, dropping those that do
-    not fit ``device_memory``; the best ``verify`` (by the closed form) are measured by the
-    dry run and ranked again by what it measured. ``checkpointing``: the activation
+    not fit ``device_memory``; the best (by the closed form) are measured by the dry run, down
+    the order until ``verify`` of them fit as measured (at most ``4 x verify`` measured), and
+    ranked again by what it measured. ``checkpointing``: the activation
     checkpointing modes to try (a name, several, or ``"any"``: every one the search takes).
-    ``min_cp_tokens``: context parallelism is tried down to this many tokens per rank."""
+    ``min_cp_tokens``: context parallelism is tried down to this many tokens per rank.
+    ``allowance``: what a device holds besides a step's peak (a rank fits where its peak
+    and the allowance do)."""
     import time
 
     if config.experts:
@@ -477,27 +540,34 @@ def search(config: TransformerConfig, world: int, costs: Costs, *,
             "the search ranks meshes of dense models: for a mixture of experts, dry-run the "
             "meshes you consider with --mesh (e.g. --mesh pp=16,shard=2,ep=64)")
     start = time.perf_counter()
-    calibration = _Calibration(config)
+    calibration = _calibration(config)
     modes = _checkpointing_modes(checkpointing)
     found = candidates(config, world, devices_per_host=devices_per_host, checkpointing=modes,
                        min_cp_tokens=min_cp_tokens)
     estimated = [_evaluate(config, c, [estimate(config, c, s, calibration)
-                                       for s in range(c.pp)], costs, measured=False)
+                                       for s in range(c.pp)], costs, measured=False,
+                           allowance=allowance)
                  for c in found]
 
     def fits(e: Evaluation) -> bool:
         return device_memory is None or e.peak_bytes <= device_memory
 
     order = sorted((e for e in estimated if fits(e)), key=lambda e: (e.step, e.peak_bytes))
-    checked = []
-    for evaluation in order[:verify]:
+    # the closed form's peak is an estimate: measure down the order until ``verify`` fit as
+    # measured (or 4 x verify were measured)
+    checked, tried = [], 0
+    for evaluation in order:
+        if sum(fits(e) for e in checked) >= verify or tried >= 4 * verify:
+            break
         if progress:
             progress(f"measuring {evaluation.candidate.describe()} by a dry run")
         reports = measure(config, evaluation.candidate)
-        checked.append(_evaluate(config, evaluation.candidate, reports, costs, measured=True))
+        checked.append(_evaluate(config, evaluation.candidate, reports, costs, measured=True,
+                                 allowance=allowance))
+        tried += 1
     too_big = [e for e in estimated if not fits(e)] + [e for e in checked if not fits(e)]
     kept = sorted((e for e in checked if fits(e)), key=lambda e: (e.step, e.peak_bytes))
-    ranked = kept + order[verify:]
+    ranked = kept + order[tried:]
     return SearchResult(config, world, device_memory, len(found), too_big, ranked,
                         time.perf_counter() - start)
 
