@@ -225,6 +225,65 @@ def test_gpt2_conv1d_splits_by_column_and_row_as_one_process(mesh_pool, sequence
             assert result[key] <= 1e-13, result
 
 
+def gpt2_mlp_uneven_under_tp():
+    """GPT-2's MLP with 9 inner features over 2 ranks: ``c_fc``'s columns and ``c_proj``'s rows
+    split 5 and 4 (``torch.chunk``), each rank's ``Conv1D`` shaped by its own share; against
+    one process. And a ``Conv1D`` subclass with a ``forward`` of its own, refused row-wise by
+    name (the style replaces the forward to add the bias once, after the reduction)."""
+    import transformers as T
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+    from transformers.pytorch_utils import Conv1D
+
+    from devmesh.errors import ParallelizeError
+    from devmesh.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    config = T.GPT2Config(n_embd=8, resid_pdrop=0.0)
+    torch.manual_seed(0)
+    ref = GPT2MLP(9, config).double()
+    mlp = copy.deepcopy(ref)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rank = mesh.get_local_rank()
+    parallelize_module(mlp, mesh, {"c_fc": ColwiseParallel(), "c_proj": RowwiseParallel()})
+    x = torch.randn(2, 4, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    whole = x.clone().requires_grad_(True)
+    ref(whole).square().sum().backward()
+    mine = x.clone().requires_grad_(True)
+    out = mlp(mine)
+    out.square().sum().backward()
+    cols = slice(0, 5) if rank == 0 else slice(5, 9)
+
+    class Doubled(Conv1D):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    error = None
+    try:
+        parallelize_module(torch.nn.Sequential(Doubled(8, 8)), mesh, {"0": RowwiseParallel()})
+    except ParallelizeError as exc:
+        error = str(exc)
+    return {
+        "local": (mlp.c_fc.nf, tuple(mlp.c_fc.weight.shape), tuple(mlp.c_proj.weight.shape)),
+        "out": (out - ref(x)).abs().max().item(),
+        "input_grad": (mine.grad - whole.grad).abs().max().item(),
+        "c_fc": max((mlp.c_fc.weight.grad - ref.c_fc.weight.grad[:, cols]).abs().max().item(),
+                    (mlp.c_fc.bias.grad - ref.c_fc.bias.grad[cols]).abs().max().item()),
+        "c_proj": max((mlp.c_proj.weight.grad - ref.c_proj.weight.grad[cols]).abs().max().item(),
+                      (mlp.c_proj.bias.grad - ref.c_proj.bias.grad).abs().max().item()),
+        "refused": error,
+    }
+
+
+def test_gpt2_conv1d_of_uneven_features_splits_as_torch_chunk_and_equals_one_process(
+        mesh_pool):
+    results = mesh_pool.run(gpt2_mlp_uneven_under_tp, 2)
+    assert [r["local"] for r in results] == [(5, (8, 5), (5, 8)), (4, (8, 4), (4, 8))]
+    for result in results:
+        for key in ("out", "input_grad", "c_fc", "c_proj"):
+            assert result[key] <= 1e-13, result
+        assert result["refused"] is not None and "Doubled overrides" in result["refused"], \
+            result
+
+
 def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...], options: dict):
     from devmesh.parallel import parallelize
 
