@@ -196,13 +196,16 @@ def test_the_activations_held_at_once_are_the_schedules_liveness_slots(name):
     ("dualpipe-v", 2, "dualpipe-v needs at least as many micro-batches as stages"),
     ("interleaved-1f1b", 4, "makes 16 stages, more than the model's 4 layers"),
     ("sideways", 4, "the dry run plays gpipe, 1f1b, interleaved-1f1b"),
+    ("zbv-zero-bubble", 4, "selective checkpointing allows one backward through a region"),
 ])
 def test_a_schedule_the_job_cannot_play_is_refused_naming_why(schedule, microbatches, says):
     from devmesh.errors import DryRunError
 
     pp = 8 if "16 stages" in says else 2
+    checkpointing = "selective" if "selective" in says else "none"
     with pytest.raises(DryRunError, match=says):
-        dry_run(CONFIG, {"pp": pp, "dp": 2}, schedule=schedule, microbatches=microbatches)
+        dry_run(CONFIG, {"pp": pp, "dp": 2}, schedule=schedule, microbatches=microbatches,
+                checkpointing=checkpointing)
 
 
 @pytest.mark.parametrize("name, billions, moe_layers, first", [

@@ -48,6 +48,10 @@ KINDS = [  # every data-parallel kind, with and without tp and pp, both schedule
     # interleaved 1F1B: two stages per rank (7 layers: stages of 2, 2, 2 and 1 blocks)
     Candidate(2, 2, 2, 1, "interleaved-1f1b", 4), Candidate(2, 4, 1, 1, "interleaved-1f1b", 8),
     Candidate(2, 1, 2, 2, "interleaved-1f1b", 4),
+    # split backwards (I, then W): zero-bubble, and in a V (two stages per rank) zero-bubble
+    # V and DualPipeV
+    Candidate(2, 2, 2, 1, "zero-bubble", 4), Candidate(2, 4, 1, 1, "zbv-zero-bubble", 8),
+    Candidate(2, 1, 2, 2, "dualpipe-v", 4),
 ]
 
 
@@ -85,12 +89,16 @@ def test_the_closed_form_equals_the_dry_run_under_activation_checkpointing(candi
 def test_a_search_that_may_checkpoint_fits_where_none_does_and_pays_the_recompute():
     """Below the smallest peak without checkpointing nothing fits; allowed to checkpoint,
     the search ranks the candidates that then fit, each checkpointing; full recomputes its
-    blocks' forward (a third more of their FLOPs), selective no matmul."""
+    blocks' forward (a third more of their FLOPs), selective every other matmul (wk, wo and
+    w3: fewer than full)."""
     plain = search(CONFIG, 8, COSTS, verify=0)
     limit = min(e.peak_bytes for e in plain.ranked) - 1
     assert not search(CONFIG, 8, COSTS, device_memory=limit, verify=0).ranked
     result = search(CONFIG, 8, COSTS, device_memory=limit, verify=1, checkpointing="any")
-    assert result.ranked and result.considered == 3 * plain.considered
+    # every mode with every candidate, but selective with none that splits backwards
+    assert result.ranked and result.considered == len(
+        candidates(CONFIG, 8, checkpointing=("none", "full", "selective")))
+    assert 2 * plain.considered < result.considered < 3 * plain.considered
     assert all(e.candidate.checkpointing != "none" for e in result.ranked)
     assert result.ranked[0].measured
     base = Candidate(1, 8, 1, 1, "1f1b", 1)
@@ -99,7 +107,11 @@ def test_a_search_that_may_checkpoint_fits_where_none_does_and_pays_the_recomput
         candidate = replace(base, checkpointing=mode)
         report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
         compute[mode] = predict(CONFIG, candidate.dims, report, COSTS, "1f1b", 1)["compute"]
-    assert compute["selective"] == compute["none"] < compute["full"] < compute["none"] * 4 / 3
+    assert compute["none"] < compute["selective"] < compute["full"] < compute["none"] * 4 / 3
+    d, kv, ffn = CONFIG.dim, CONFIG.kv_heads * CONFIG.head_dim, CONFIG.ffn_dim
+    tokens = CONFIG.batch // 8 * CONFIG.seq
+    recomputed = CONFIG.layers * 2 * (d * kv + d * d + d * ffn) * tokens
+    assert compute["selective"] - compute["none"] == pytest.approx(recomputed / 0.05e12)
 
 
 def test_the_closed_form_fills_ddps_buckets_as_replicate_does():
@@ -135,9 +147,17 @@ def test_the_candidates_are_every_valid_shape():
     # cp 8 cannot give each rank a head and a tail chunk
     short = {(c.cp, c.tp) for c in candidates(replace(CONFIG, seq=8), 16, min_cp_tokens=1)}
     assert (4, 2) in short and (4, 4) not in short and not any(cp == 8 for cp, _ in short)
-    assert {c.schedule for c in found if c.pp > 1} == {"1f1b", "gpipe", "interleaved-1f1b"}
+    assert {c.schedule for c in found if c.pp > 1} == {
+        "1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv-zero-bubble", "dualpipe-v"}
     # two stages per rank: none where the layers (7) are fewer than 2 x pp
-    assert not [c for c in found if c.schedule == "interleaved-1f1b" and 2 * c.pp > 7]
+    assert not [c for c in found if c.schedule in ("interleaved-1f1b", "zbv-zero-bubble",
+                                                   "dualpipe-v") and 2 * c.pp > 7]
+    # selective checkpointing allows one backward through a region: never with a schedule
+    # that splits backwards, which a real run refuses
+    modes = candidates(CONFIG, 8, checkpointing=("full", "selective"))
+    split = ("zero-bubble", "zbv-zero-bubble", "dualpipe-v")
+    assert {c.checkpointing for c in modes if c.schedule in split} == {"full"}
+    assert {c.checkpointing for c in modes if c.schedule == "1f1b"} == {"full", "selective"}
     assert max(c.tp for c in candidates(CONFIG, 8, devices_per_host=2)) == 2
     # by default, cp only where each rank keeps 4,096 tokens of a sequence or more
     assert {c.cp for c in candidates(CONFIG, 8)} == {1}

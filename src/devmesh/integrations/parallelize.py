@@ -120,8 +120,7 @@ def _pipelined(model: nn.Module, mesh: DeviceMesh, schedule: str | Schedule,
         raise ParallelizeError(
             f"the schedule given plays {schedule.microbatches} micro-batches, microbatches="
             f"{microbatches}: leave microbatches= out with a Schedule, or give the name")
-    if options["activation_checkpointing"] == "selective" and any(
-            action.kind == "I" for actions in schedule.actions for action in actions):
+    if options["activation_checkpointing"] == "selective" and schedule.splits_backward:
         raise ParallelizeError(
             f"the schedule {schedule.name!r} splits each backward in two (input gradients, "
             "then weight gradients), and torch's selective checkpointing allows one backward "

@@ -98,6 +98,12 @@ class Schedule:
     def __getstate__(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "_hash"}
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether some backward is played in two (``I``: input gradients, then ``W``: weight
+        gradients), as the zero-bubble schedules and DualPipeV do."""
+        return any(action.kind == "I" for actions in self.actions for action in actions)
+
     def rank_of(self, stage: int) -> int:
         """The rank holding ``stage`` (see :data:`PLACEMENTS`)."""
         return _rank_of(stage, self.ranks, self.placement)

@@ -269,7 +269,8 @@ def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, in
     """The FLOPs one rank computes in a step: forward and backward (3x forward) of its
     layers' matmuls (split by tp; a mixture of experts' router and the experts each token
     goes to) and causal attention, and the output head on the last stage, over its share of
-    the batch; the forward again of each block checkpointed in full."""
+    the batch; the forward again of each block checkpointed in full, and of the matmuls
+    selective checkpointing recomputes."""
     tp = dims.get("tp", 1)
     data = dims.get("dp", 1) * dims.get("shard", 1) * dims.get("ep", 1)
     # context parallelism: a rank computes seq / cp of each sequence's tokens, each of them
@@ -286,11 +287,16 @@ def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, in
     ranges = report.layer_ranges  # several where the rank runs several stages
     per_token = sum(layer(i) for first, last in ranges for i in range(first, last))
     # a block checkpointed in full runs its forward again in backward; selective keeps its
-    # matmuls' and attention's outputs, recomputing only element-wise work (no FLOPs here)
+    # attention's outputs and every other matmul's, recomputing the others: in a SwiGLU
+    # block wk, wo and w3 (a third of the feed-forward's; likewise taken for experts)
     mode = report.checkpointing
     every = 1 if mode == "full" else mode if isinstance(mode, int) else 0
     extra = sum(layer(i) for first, last in ranges
                 for i in (range(first, last, every) if every else ()))
+    if mode == "selective":
+        extra = sum(2 * (config.dim * kv + config.dim * config.dim
+                         + config.feed_forward_parameters(i, active=True) / 3) / tp
+                    for first, last in ranges for i in range(first, last))
     if any(last == config.layers for _, last in ranges):
         per_token += 2 * config.dim * config.vocab
     return (3 * per_token + extra) * tokens

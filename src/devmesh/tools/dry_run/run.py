@@ -279,9 +279,16 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
         raise DryRunError(f"--schedule {schedule!r}: the dry run plays {', '.join(SCHEDULES)}")
     if pp > 1:
         try:
-            stages = build_schedule(schedule, pp, microbatches, virtual).stages
+            played = build_schedule(schedule, pp, microbatches, virtual)
         except ScheduleError as exc:
             raise DryRunError(f"--schedule {schedule}: {exc}") from None
+        stages = played.stages
+        if checkpointing == "selective" and played.splits_backward:
+            raise DryRunError(
+                f"--schedule {schedule} splits each backward in two (input gradients, then "
+                "weight gradients), and torch's selective checkpointing allows one backward "
+                "through a region: use --activation-checkpointing full (or K) with it, or a "
+                "schedule without split backwards (1f1b, interleaved-1f1b, gpipe)")
         if stages > config.layers:
             raise DryRunError(f"--schedule {schedule} on pp {pp} makes {stages} stages, more "
                               f"than the model's {config.layers} layers: use fewer pipeline "

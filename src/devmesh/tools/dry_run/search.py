@@ -34,9 +34,10 @@ The closed form, per rank of a stage with ``b`` blocks and ``m`` micro-batches:
   all-reduces), measured with the activations, times blocks, sequences and micro-batches;
   context parallelism's ring messages (each block's attention) likewise;
 - the pipeline's messages, counted from the schedule as the dry run counts them;
-- interleaved 1F1B: a rank's two stages each estimated so and added up, its activations the
-  most its stages' micro-batches hold at once, its accumulated gradients the most its
-  stages hold between their first and last backwards at once.
+- two stages per rank (interleaved 1F1B, zero-bubble V, DualPipeV): each estimated so and
+  added up, its activations the most its stages' micro-batches hold at once (a split
+  backward's until its ``W``), its accumulated gradients the most its stages hold between
+  their first and last backwards at once.
 """
 
 from __future__ import annotations
@@ -52,7 +53,7 @@ from devmesh.errors import DryRunError
 from devmesh.layout.data_parallel import (MIN_TOKENS_PER_CP_RANK, cp_beside_one_data_dim,
                                           flattened_name)
 from devmesh.layout.liveness import activation_liveness
-from devmesh.layout.schedule import Schedule, build_schedule
+from devmesh.layout.schedule import Schedule, ScheduleError, build_schedule
 from devmesh.tools.dry_run.model import TransformerConfig, stage_layers
 from devmesh.tools.dry_run.report import Allowance, Costs, _gib, predict
 from devmesh.tools.dry_run.run import (DIM_ORDER, RankReport, activation_peak,
@@ -61,8 +62,10 @@ from devmesh.tools.dry_run.run import (DIM_ORDER, RankReport, activation_peak,
 __all__ = ["Candidate", "Evaluation", "SearchResult", "candidates", "estimate", "measure",
            "search", "format_search", "search_as_json"]
 
-#: the schedules tried; interleaved 1F1B runs two stages per rank (when the layers allow)
-SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved-1f1b")
+#: the schedules tried; interleaved 1F1B, zero-bubble V and DualPipeV run two stages per rank
+#: (when the layers allow); the zero-bubble ones and DualPipeV split backwards in two
+SCHEDULE_NAMES = ("1f1b", "gpipe", "interleaved-1f1b", "zero-bubble", "zbv-zero-bubble",
+                  "dualpipe-v")
 MICROBATCH_FACTORS = (1, 2, 4)  # micro-batches per step: pp times these (pp 1: powers of 2)
 
 
@@ -133,20 +136,20 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
             local = config.batch // data
             if pp > 1:
                 counts = [pp * f for f in MICROBATCH_FACTORS if local % (pp * f) == 0]
-                schedules = tuple(n for n in SCHEDULE_NAMES
-                                  if _schedule(n, pp, counts[0]).stages <= config.layers
-                                  ) if counts else ()
+                plays = [(n, m) for n in SCHEDULE_NAMES for m in counts
+                         if _plays(n, pp, m, config.layers)]
             else:
-                counts = [2 ** k for k in range(8) if local % 2 ** k == 0]
-                schedules = ("1f1b",)
+                plays = [("1f1b", 2 ** k) for k in range(8) if local % 2 ** k == 0]
             for shard in _divisors(data):
                 if cp > 1 and not cp_beside_one_data_dim(data // shard > 1, shard > 1):
                     continue
-                for schedule in schedules:
-                    for m in counts:
-                        for mode in checkpointing:
-                            found.append(Candidate(pp, data // shard, shard, tp, schedule, m,
-                                                   mode, cp))
+                for schedule, m in plays:
+                    for mode in checkpointing:
+                        if mode == "selective" and pp > 1 and _schedule(
+                                schedule, pp, m).splits_backward:
+                            continue  # refused: one backward through a selective region
+                        found.append(Candidate(pp, data // shard, shard, tp, schedule, m,
+                                               mode, cp))
     if not found:
         raise DryRunError(f"no mesh of {world} ranks suits the model: tp must divide heads "
                           f"({config.heads}), kv heads ({config.kv_heads}), ffn dim "
@@ -307,6 +310,15 @@ def _stage_tensors(config: TransformerConfig, tp: int, embedding: bool, head: bo
 @functools.lru_cache(maxsize=64)
 def _schedule(name: str, pp: int, microbatches: int) -> Schedule:
     return build_schedule(name, pp, microbatches)
+
+
+def _plays(name: str, pp: int, microbatches: int, layers: int) -> bool:
+    """Whether schedule ``name`` plays ``microbatches`` on ``pp`` ranks (DualPipeV needs as
+    many as its stages) with no more stages than the model's layers."""
+    try:
+        return _schedule(name, pp, microbatches).stages <= layers
+    except ScheduleError:
+        return False
 
 
 @functools.lru_cache(maxsize=4096)
