@@ -38,6 +38,7 @@ __all__ = [
     "current_torch_mesh", "innermost_torch_mesh", "unwrap_fake_script_object",
     "current_graph_task_id", "queue_callback", "saved_tensors_hooks_in_force",
     "disable_current_modes", "is_traceable_wrapper_subclass", "TorchDispatchMode", "pytree", "CFuture",
+    "FakeTensor",
     "clear_dtensor_caches", "eager", "import_dynamo", "IncompatibleKeys", "strided_shard_type",
     "pipeline_stage_types", "cpu_flash_attention", "cpu_flash_attention_backward",
     "modify_graph_op_device", "compiled_module_inner", "composable_replicate_state",
@@ -243,6 +244,9 @@ is_traceable_wrapper_subclass: Callable = _require(
     _dispatch, "is_traceable_wrapper_subclass", "torch.utils._python_dispatch")
 #: torch's base class of a Python dispatch mode (what sees each op and its outputs)
 TorchDispatchMode: type = _require(_dispatch, "TorchDispatchMode", "torch.utils._python_dispatch")
+#: the fake tensors DTensor's sharding propagation computes shapes on (no device memory)
+FakeTensor: type = _require(_import("torch._subclasses.fake_tensor"), "FakeTensor",
+                            "torch._subclasses.fake_tensor")
 pytree: types.ModuleType = _import("torch.utils._pytree")
 for _name in ("tree_map_only", "tree_flatten", "tree_unflatten"):
     _require(pytree, _name, "torch.utils._pytree")

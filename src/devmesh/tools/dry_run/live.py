@@ -24,7 +24,7 @@ from collections.abc import Iterable
 import torch
 from torch.distributed.tensor import DTensor
 
-from devmesh._torch_compat import TorchDispatchMode, pytree
+from devmesh._torch_compat import FakeTensor, TorchDispatchMode, pytree
 
 __all__ = ["LiveBytes"]
 
@@ -46,7 +46,7 @@ class LiveBytes(TorchDispatchMode):
     def _count(self, t: torch.Tensor) -> None:
         if isinstance(t, DTensor):
             t = t._local_tensor
-        if _is_fake(t) or t.is_sparse or t.is_nested:
+        if isinstance(t, FakeTensor) or t.is_sparse or t.is_nested:
             return
         storage = t.untyped_storage()
         key = id(storage)
@@ -75,8 +75,3 @@ class LiveBytes(TorchDispatchMode):
                     self._count(t)
         return out
 
-
-def _is_fake(t: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
-    return isinstance(t, FakeTensor)
