@@ -62,6 +62,11 @@ def check_mode(mode: Mode, what: str = "activation_checkpointing") -> None:
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
+@functools.cache
+def _saved_set() -> frozenset:
+    return frozenset(saved_ops())
+
+
 def saved_ops() -> list:
     """The ops selective checkpointing considers keeping: matmuls (every other one kept,
     :data:`MATMULS`) and attention (always kept); everything else in a block is recomputed."""
@@ -83,7 +88,7 @@ class _Choice:
     agree on what was kept."""
 
     def __init__(self) -> None:
-        self._ops = set(saved_ops())
+        self._ops = _saved_set()  # each checkpointed forward makes a _Choice: built once
         self._matmuls = {False: 0, True: 0}  # counted in the forward, in the recomputation
         self.kept = False  # the last op's choice, read by :class:`_ReportSaved`
 

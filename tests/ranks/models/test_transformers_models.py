@@ -173,6 +173,17 @@ def test_a_transformers_model_trains_as_one_process(mesh_pool, arch, strategy):
         assert result["params"] <= tolerance, result
 
 
+def _conv1d_grad_errors(mlp, ref, cols: slice) -> dict[str, float]:
+    """The largest differences of a split GPT-2 MLP's weight and bias gradients from one
+    process's: ``c_fc``'s columns ``cols``, ``c_proj``'s rows ``cols`` and its whole bias."""
+    return {
+        "c_fc": max((mlp.c_fc.weight.grad - ref.c_fc.weight.grad[:, cols]).abs().max().item(),
+                    (mlp.c_fc.bias.grad - ref.c_fc.bias.grad[cols]).abs().max().item()),
+        "c_proj": max((mlp.c_proj.weight.grad - ref.c_proj.weight.grad[cols]).abs().max().item(),
+                      (mlp.c_proj.bias.grad - ref.c_proj.bias.grad).abs().max().item()),
+    }
+
+
 def gpt2_mlp_under_tp(sequence_parallel: bool):
     """transformers' own GPT-2 MLP (two ``Conv1D``: weights stored ``(in, out)``) with
     ``c_fc`` split by columns and ``c_proj`` by rows (or, sequence-parallel, its input and
@@ -210,10 +221,7 @@ def gpt2_mlp_under_tp(sequence_parallel: bool):
         "out": (out - (want[:, rows] if sequence_parallel else want)).abs().max().item(),
         "input_grad": (mine.grad - (whole.grad[:, rows] if sequence_parallel
                                     else whole.grad)).abs().max().item(),
-        "c_fc": max((mlp.c_fc.weight.grad - ref.c_fc.weight.grad[:, cols]).abs().max().item(),
-                    (mlp.c_fc.bias.grad - ref.c_fc.bias.grad[cols]).abs().max().item()),
-        "c_proj": max((mlp.c_proj.weight.grad - ref.c_proj.weight.grad[cols]).abs().max().item(),
-                      (mlp.c_proj.bias.grad - ref.c_proj.bias.grad).abs().max().item()),
+        **_conv1d_grad_errors(mlp, ref, cols),
     }
 
 
@@ -265,10 +273,7 @@ def gpt2_mlp_uneven_under_tp():
         "local": (mlp.c_fc.nf, tuple(mlp.c_fc.weight.shape), tuple(mlp.c_proj.weight.shape)),
         "out": (out - ref(x)).abs().max().item(),
         "input_grad": (mine.grad - whole.grad).abs().max().item(),
-        "c_fc": max((mlp.c_fc.weight.grad - ref.c_fc.weight.grad[:, cols]).abs().max().item(),
-                    (mlp.c_fc.bias.grad - ref.c_fc.bias.grad[cols]).abs().max().item()),
-        "c_proj": max((mlp.c_proj.weight.grad - ref.c_proj.weight.grad[cols]).abs().max().item(),
-                      (mlp.c_proj.bias.grad - ref.c_proj.bias.grad).abs().max().item()),
+        **_conv1d_grad_errors(mlp, ref, cols),
         "refused": error,
     }
 

@@ -290,13 +290,14 @@ def step_flops(config: TransformerConfig, report: RankReport, dims: dict[str, in
     # attention's outputs and every other matmul's, recomputing the others: in a SwiGLU
     # block wk, wo and w3 (a third of the feed-forward's; likewise taken for experts)
     mode = report.checkpointing
-    every = 1 if mode == "full" else mode if isinstance(mode, int) else 0
-    extra = sum(layer(i) for first, last in ranges
-                for i in (range(first, last, every) if every else ()))
     if mode == "selective":
         extra = sum(2 * (config.dim * kv + config.dim * config.dim
                          + config.feed_forward_parameters(i, active=True) / 3) / tp
                     for first, last in ranges for i in range(first, last))
+    else:
+        every = 1 if mode == "full" else mode if isinstance(mode, int) else 0
+        extra = sum(layer(i) for first, last in ranges
+                    for i in (range(first, last, every) if every else ()))
     if any(last == config.layers for _, last in ranges):
         per_token += 2 * config.dim * config.vocab
     return (3 * per_token + extra) * tokens
