@@ -9,7 +9,9 @@ During backward, gradients are packed into buckets (in the reverse order
 of registration, about the order backward produces them); as soon as a bucket's gradients are
 all accumulated, its all-reduce (averaging over the flattened group of the mesh's dims) starts
 asynchronously, overlapping the rest of backward. At the end of backward every bucket is
-waited on and copied back into ``param.grad``.
+waited on and copied back into ``param.grad``. A bucket's flat buffer is kept from step to
+step, as DDP's is (never handed out: the gradients are copies, so one kept by the user is not
+overwritten by the next step).
 
 A communication hook (``module.register_comm_hook(state, hook)``, DDP's: torch's
 ``fp16_compress_hook``, PowerSGD, one's own) replaces a bucket's averaging: it gets the
@@ -30,6 +32,7 @@ parameters are held as devmesh blocks (:mod:`devmesh.parallel.dtensor_params`).
 from __future__ import annotations
 
 import copy
+import functools
 import weakref
 from collections.abc import Callable, Iterable
 
@@ -74,6 +77,17 @@ class _Bucket:
         self.pending: comm.Pending | torch.futures.Future | None = None
         self.buffer: torch.Tensor | None = None
         self.used: torch.Tensor | None = None  # with a comm hook: the "used here" flags
+        # the flat buffer the gradients are packed into, kept from step to step as DDP's
+        # buckets are: made anew each step, it cost a fresh (zero-filled) allocation of
+        # every gradient's bytes per step
+        self.storage: torch.Tensor | None = None
+
+    def flat(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The bucket's flat buffer of ``numel`` elements: the kept one where it fits."""
+        kept = self.storage
+        if kept is None or kept.numel() != numel or kept.dtype != dtype or kept.device != device:
+            kept = self.storage = torch.empty(numel, dtype=dtype, device=device)
+        return kept
 
 
 class GradBucket:
@@ -343,9 +357,12 @@ class DataParallelState:
             return
         used = torch.tensor([float(p.grad is not None) for p in bucket.params],
                             dtype=grads[0].dtype, device=grads[0].device)
-        bucket.buffer = torch.cat([g.reshape(-1) for g in grads] + [used])
-        if self.reduce_dtype is not None and bucket.buffer.is_floating_point():
-            bucket.buffer = bucket.buffer.to(self.reduce_dtype)  # mp_policy's reduce_dtype
+        pieces = [g.reshape(-1) for g in grads] + [used]
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in pieces))
+        if self.reduce_dtype is not None and dtype.is_floating_point:
+            dtype = self.reduce_dtype  # mp_policy's reduce_dtype: each value cast once
+        bucket.buffer = bucket.flat(sum(t.numel() for t in pieces), dtype, used.device)
+        torch.cat(pieces, out=bucket.buffer)
         bucket.pending = comm.all_reduce_async(bucket.buffer, self.mesh, self.dims, "avg")
 
     def reduce_accumulated(self) -> None:
