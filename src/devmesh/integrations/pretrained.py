@@ -4,9 +4,12 @@
 only the bytes of its own blocks, never the whole model — and a parallelized model written
 as such a folder, which ``from_pretrained`` loads back.
 
-Names are the model's state-dict names (:func:`devmesh.parallel.state_dict` 's keys); a
-tied parameter is read once, under whichever of its names the checkpoint has (transformers
-saves a tied head under the embedding's name only).
+Names are the model's state-dict names (:func:`devmesh.parallel.state_dict` 's keys), found
+in the checkpoint as transformers' own loading finds them: renamed and merged by its
+conversion mapping (a mixture of experts' per-expert tensors stacked into the model's
+``gate_up_proj`` and ``down_proj``; :mod:`.checkpoint_names`), each rank reading only the
+experts of its block. A tied parameter is read once, under whichever of its names the
+checkpoint has (transformers saves a tied head under the embedding's name only).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from torch import nn
 
 from devmesh.distributed import consensus
 from devmesh.errors import StateDictError
+from devmesh.integrations.checkpoint_names import Stored, sources
 from devmesh.parallel.param import is_dtensor, layout_of, local_block, local_of
 from devmesh.parallel.state_dict import (
     named_parameters,
@@ -89,45 +93,51 @@ def _read_blocks(model: nn.Module, root: Path, strict: bool
     from safetensors import safe_open
 
     files = _files(root)
+    found, problems = sources(model, files)
     targets: dict[str, torch.Tensor] = dict(named_parameters(model))
     targets.update(persistent_buffers(model))
     by_id: dict[int, list[str]] = {}
     for name, tensor in targets.items():
         by_id.setdefault(id(tensor), []).append(name)
-    missing = [names[0] for names in by_id.values() if not any(n in files for n in names)]
-    unexpected = sorted(set(files) - set(targets))
-    problems = []
+    missing = [names[0] for names in by_id.values() if not any(n in found for n in names)]
+    unexpected = sorted(set(found) - set(targets))
     if strict and missing:
         problems.append(f"missing from the checkpoint: {sorted(missing)}")
     if strict and unexpected:
         problems.append(f"not in the model: {unexpected}")
     handles: dict[Path, object] = {}
+
+    def open_(stored: Stored):
+        if stored.file not in handles:
+            handles[stored.file] = safe_open(str(stored.file), framework="pt").__enter__()
+        return handles[stored.file].get_slice(stored.key)
+
     writes: list[tuple[torch.Tensor, torch.Tensor]] = []
     read = 0
     try:
         for names in by_id.values():
-            name = next((n for n in names if n in files), None)
+            name = next((n for n in names if n in found), None)
             if name is None:
                 continue
-            target = targets[name]
-            file = files[name]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt").__enter__()
-            piece = handles[file].get_slice(name)
+            target, source = targets[name], found[name]
             layout = layout_of(target)
             full_shape = tuple(layout.full_shape) if layout is not None else tuple(target.shape)
-            if tuple(piece.get_shape()) != full_shape:
-                problems.append(f"{name}: the checkpoint's shape is {tuple(piece.get_shape())}, "
-                                f"the model's {full_shape}")
+            try:
+                shape = source.shape(open_)
+            except ValueError as exc:  # experts' tensors that do not stack
+                problems.append(f"{name}: {exc}")
+                continue
+            if shape != full_shape:
+                problems.append(f"{name}: the checkpoint's shape is {shape} "
+                                f"({source.describe()}), the model's {full_shape}")
                 continue
             destination = local_of(target) if is_dtensor(target) else target
             if layout is None or tuple(layout.spec.global_shape) != full_shape:
-                block = piece[:]  # whole (a 0-d parameter's block is itself)
+                block = source.read(open_, [(0, n) for n in full_shape])  # whole
                 if layout is not None:
                     block = local_block(target, block.reshape(layout.spec.global_shape))
             else:
-                bounds = layout.spec.local_bounds(layout.mesh.get_coordinate())
-                block = piece[tuple(slice(start, start + size) for start, size in bounds)]
+                block = source.read(open_, layout.spec.local_bounds(layout.mesh.get_coordinate()))
             read += block.numel() * block.element_size()
             writes.append((destination, block.reshape(destination.shape)))
     finally:

@@ -375,10 +375,69 @@ def test_a_transformers_checkpoint_loads_into_a_sharded_model_and_back(mesh_pool
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out.")]
 
 
-def load_refused(folder: str):
+def load_experts_and_save(arch: str, folder: str, out: str):
+    """A mixture of experts parallelized over ``("dp_shard", "ep")`` reads a folder in the
+    checkpoint's own names (each expert's tensors apart, as transformers' save_pretrained
+    writes them and the downloaded checkpoints hold them), each rank its own experts."""
+    from devmesh.integrations import load_pretrained, save_pretrained
+    from devmesh.parallel import parallelize, state_dict
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    model = parallelize(make(arch), mesh)  # seed 0: other weights than the checkpoint's
+    loaded = load_pretrained(model, folder)
+    mine = sum(p.to_local().numel() * p.element_size() if hasattr(p, "to_local")
+               else p.numel() * p.element_size() for p in model.parameters())
+    full = state_dict(model, full=True)
+    save_pretrained(model, out)
+    return loaded, mine, {k: v.clone() for k, v in full.items()}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe"])
+def test_a_mixture_of_experts_checkpoint_loads_expert_by_expert_and_back(mesh_pool, tmp_path,
+                                                                         arch):
+    from safetensors import safe_open
+
+    torch.manual_seed(1)
+    pretrained = make(arch)
+    for p in pretrained.parameters():  # not make()'s seed-0 weights
+        torch.nn.init.normal_(p)
+    pretrained.save_pretrained(tmp_path / "in", max_shard_size="20KB")
+    stored = set()
+    for file in (tmp_path / "in").glob("*.safetensors"):
+        with safe_open(str(file), framework="pt") as f:
+            stored |= set(f.keys())
+    assert any(".experts.3." in key for key in stored)  # each expert's own tensors
+    assert not any(key.endswith("gate_up_proj") for key in stored)
+    want = pretrained.state_dict()
+    results = mesh_pool.run(load_experts_and_save, 4, arch, str(tmp_path / "in"),
+                            str(tmp_path / "out"))
+    for loaded, mine, full in results:
+        assert set(full) == set(want)
+        assert all(torch.equal(full[k], v) for k, v in want.items())
+        assert loaded.bytes_read == mine < loaded.checkpoint_bytes / 2  # its experts only
+    back = type(pretrained).from_pretrained(tmp_path / "out", dtype=torch.float64,
+                                            experts_implementation="eager")
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in want.items())
+
+
+def test_experts_missing_from_a_checkpoint_are_named_and_nothing_loaded(mesh_pool, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    make("mixtral").save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["model.layers.1.block_sparse_moe.experts.2.w3.weight"]
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    for error, untouched in mesh_pool.run(load_refused, 1, str(tmp_path), "mixtral"):
+        assert error[0] == "StateDictError" and untouched, error
+        assert ("model.layers.1.mlp.experts.gate_up_proj: the checkpoint's experts for "
+                "'.experts.*.w3.weight' are numbered [0, 1, 3]") in error[1], error
+        assert "Nothing was loaded" in error[1]
+
+
+def load_refused(folder: str, arch: str = "mistral"):
     from devmesh.integrations import load_pretrained
 
-    model = make("mistral")
+    model = make(arch)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     error = caught(lambda: load_pretrained(model, folder))
     return error, all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
