@@ -41,12 +41,17 @@ LONGEST_FIRST = ("system/test_multihost.py", "system/test_slurm.py",
                  "system/test_checkpoint_safety.py", "ranks/pipeline/test_pipeline.py",
                  "system/test_elastic.py", "ranks/pipeline/test_pipeline_indivisible.py")
 THEN = ("system", "ranks", "parity", "unit")
+# last of all, beside the unit tests' tail: its ranks import torchtitan (and triton), seconds
+# of CPU apiece that would slow the timed tests of a launch running beside them
+LAST = ("ranks/models/test_torchtitan_llama.py",)
 
 
 def _file_order(item) -> tuple[int, int]:
     relative = item.path.relative_to(item.config.rootpath / "tests").as_posix()
     if relative in LONGEST_FIRST:
         return 0, LONGEST_FIRST.index(relative)
+    if relative in LAST:
+        return 2, LAST.index(relative)
     kind = relative.split("/")[0]
     return 1, THEN.index(kind) if kind in THEN else len(THEN)
 

@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-# torchtitan is an extra of its own (pip install -e '.[test,torchtitan]'): importing it takes
-# 8-17 s of CPU per process (triton, its config system, quantization), which starved the
-# suite's timed tests on a 2-core machine; the ranks import it, collection only checks it
+# torchtitan is an extra of its own, which the test command installs (pip install -e
+# '.[test,docs,torchtitan]'); the ranks import it, collection only checks it
 pytest.importorskip("torchtitan", reason="torchtitan is not installed: pip install -e "
                     "'.[torchtitan]' runs this comparison")
 
