@@ -361,8 +361,11 @@ class DataParallelState:
         dtype = functools.reduce(torch.promote_types, (t.dtype for t in pieces))
         if self.reduce_dtype is not None and dtype.is_floating_point:
             dtype = self.reduce_dtype  # mp_policy's reduce_dtype: each value cast once
-        bucket.buffer = bucket.flat(sum(t.numel() for t in pieces), dtype, used.device)
-        torch.cat(pieces, out=bucket.buffer)
+        if any(t.requires_grad for t in pieces):  # backward(create_graph=True): a graph
+            bucket.buffer = torch.cat(pieces).to(dtype)
+        else:
+            bucket.buffer = bucket.flat(sum(t.numel() for t in pieces), dtype, used.device)
+            torch.cat(pieces, out=bucket.buffer)
         bucket.pending = comm.all_reduce_async(bucket.buffer, self.mesh, self.dims, "avg")
 
     def reduce_accumulated(self) -> None:

@@ -2,7 +2,8 @@
 (a bucket made anew each step cost a fresh allocation of every gradient's bytes, and held
 the process's peak memory above DDP's): training still equals one process, whether the
 optimizer sets gradients to ``None`` or zeroes them, and a gradient the user kept from one
-step is not overwritten by the next step's packing."""
+step is not overwritten by the next step's packing; a backward that creates a graph keeps
+it."""
 
 from __future__ import annotations
 
@@ -72,3 +73,23 @@ def test_buckets_are_kept_between_steps_and_training_equals_one_process(mesh_poo
         for name, value in expected.items():
             torch.testing.assert_close(params[name], value.detach(), rtol=0, atol=1e-15,
                                        msg=name)
+
+
+def double_backward():
+    """A backward with ``create_graph=True`` (a gradient penalty): gradients that require
+    grad are packed into a new buffer, so the graph through them stays."""
+    import torch.distributed as dist
+
+    model = _model()
+    replicate(model, mesh=init_device_mesh("cpu", (RANKS,)))
+    _loss(model, 0, dist.get_rank()).backward(create_graph=True)
+    return [(p.grad.requires_grad, p.grad.detach().clone()) for p in model.parameters()]
+
+
+def test_a_backward_that_creates_a_graph_averages_its_gradients(mesh_pool):
+    model = _model()
+    (sum(_loss(model, 0, r) for r in range(RANKS)) / RANKS).backward()
+    for grads in mesh_pool.run(double_backward, RANKS):
+        for (requires_grad, grad), p in zip(grads, model.parameters(), strict=True):
+            assert requires_grad
+            torch.testing.assert_close(grad, p.grad, rtol=0, atol=1e-15)
