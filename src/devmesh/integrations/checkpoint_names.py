@@ -154,8 +154,11 @@ def _conversions(model: nn.Module) -> tuple[list, list]:
     """transformers' renamings and converters for ``model`` (none for any other model)."""
     if not hf.is_transformers_model(model):
         return [], []
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightConverter, WeightRenaming
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+    except ImportError:  # a transformers before 5 loads checkpoints under the model's names
+        return [], []
 
     transforms = get_model_conversion_mapping(model)
     return ([t for t in transforms if isinstance(t, WeightRenaming)],
