@@ -86,7 +86,8 @@ def block_costs(model_text: str, sequences: int = 8) -> tuple[float, float]:
     many = torch.randn(sequences, config.seq, config.dim, requires_grad=True)
     overhead = _median_seconds(lambda: block(one).sum().backward())
     loaded = _median_seconds(lambda: block(many).sum().backward(), warmup=1, calls=3)
-    flops = step_flops(replace(config, batch=sequences), SimpleNamespace(layers=(0, 1)), {})
+    one_block = SimpleNamespace(layers=(0, 1), layer_ranges=[(0, 1)], checkpointing="none")
+    flops = step_flops(replace(config, batch=sequences), one_block, {})
     return flops / max(loaded - overhead, 1e-9), overhead
 
 
@@ -225,7 +226,7 @@ def fit_costs(model_text: str) -> tuple[float, dict[str, float], float, float, f
             curves)
 
 
-def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: int
+def time_steps(model_text: str, meshes: list[tuple[dict, str, int, str]], repeats: int
                ) -> list[list[float]]:
     """This rank's time of each repeat of each candidate's step."""
     import os
@@ -235,29 +236,33 @@ def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: in
     import torch.nn.functional as F
 
     from devmesh.layout.schedule import build_schedule
+    from devmesh.parallel import loss_parallel
     from devmesh.parallel.pipeline import PipelineRunner
     from devmesh.tools.dry_run import read_config
-    from devmesh.tools.dry_run.run import build_rank_model
+    from devmesh.tools.dry_run.run import build_rank_model, build_rank_stages
 
     config = read_config(model_text)
     dist.init_process_group("gloo")
     rank = int(os.environ["RANK"])
     out = []
-    for dims, schedule, microbatches in meshes:
-        mesh, model = build_rank_model(config, dims, "cpu")
+    for dims, schedule, microbatches, checkpointing in meshes:
         data = dims.get("dp", 1) * dims.get("shard", 1)
         gen = torch.Generator().manual_seed(rank)
         tokens = torch.randint(0, config.vocab, (config.batch // data, config.seq), generator=gen)
         pp = dims.get("pp", 1)
-        if pp > 1:
-            stage = mesh.get_coordinate()[0]
-            runner = PipelineRunner({stage: model}, mesh,
-                                    build_schedule(schedule, pp, microbatches),
+        if pp > 1:  # the rank's stages: two of a looped or V-shaped schedule
+            plan = build_schedule(schedule, pp, microbatches)
+            mesh, stages = build_rank_stages(config, dims, plan, "cpu",
+                                             checkpointing=checkpointing)
+            runner = PipelineRunner(stages, mesh, plan,
                                     lambda y, t: F.cross_entropy(y.flatten(0, 1), t.flatten()))
+            last = plan.stages - 1
 
             def step() -> None:
-                runner.step(tokens if stage == 0 else None, tokens if stage == pp - 1 else None)
+                runner.step(tokens if 0 in stages else None,
+                            tokens if last in stages else None)
         else:
+            mesh, model = build_rank_model(config, dims, "cpu", checkpointing=checkpointing)
             syncs = [m for m in (getattr(m, "set_requires_gradient_sync", None)
                                  for m in model.modules()) if m is not None]
 
@@ -271,7 +276,10 @@ def time_steps(model_text: str, meshes: list[tuple[dict, str, int]], repeats: in
         for repeat in range(repeats + 1):
             dist.barrier()
             start = time.perf_counter()
-            step()
+            # the head's logits stay split over tp (torchtitan's plan): the loss runs under
+            # loss_parallel, as torchtitan's train context does
+            with loss_parallel():
+                step()
             dist.barrier()
             if repeat:
                 times.append(time.perf_counter() - start)
@@ -340,8 +348,8 @@ def main() -> None:
               for e in ranked[::step][:args.candidates]]
     print(f"{result.considered} candidates; {len(chosen)} spread over the ranking measured by "
           f"the dry run ({time.perf_counter() - start:.0f} s)")
-    meshes = [(e.candidate.dims, e.candidate.schedule, e.candidate.microbatches)
-              for e in chosen]
+    meshes = [(e.candidate.dims, e.candidate.schedule, e.candidate.microbatches,
+               e.candidate.checkpointing) for e in chosen]
     per_rank = launch(time_steps, 8, args.model, meshes, args.repeats, timeout=3600)
     measured = []
     for index in range(len(chosen)):
