@@ -43,7 +43,7 @@ LONGEST_FIRST = ("system/test_multihost.py", "system/test_slurm.py",
 THEN = ("system", "ranks", "parity", "unit")
 # last of all, beside the unit tests' tail: its ranks import torchtitan (and triton), seconds
 # of CPU apiece that would slow the timed tests of a launch running beside them
-LAST = ("ranks/models/test_torchtitan_llama.py",)
+LAST = ("ranks/models/test_torchtitan_llama.py", "ranks/models/test_torchtitan_moe.py")
 
 
 def _file_order(item) -> tuple[int, int]:

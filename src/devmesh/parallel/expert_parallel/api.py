@@ -31,10 +31,12 @@ def expert_parallel(moe: torch.nn.Module, mesh: DeviceMesh, *,
     whose tokens differ, over which the aux loss's assignment counts are summed (default:
     ``mesh``; with more data-parallel dims, e.g. ``mesh["dp", "ep"]``).
 
-    ``moe`` may also be a transformers experts module (Mixtral's ``block.mlp.experts``, any
-    module holding its experts' weights stacked along dim 0 and called with
-    ``(hidden_states, top_k_index, top_k_weights)``): its own computation is kept, its
-    weights split (:mod:`devmesh.parallel.expert_parallel.stacked`)."""
+    ``moe`` may also be an experts module as transformers or torchtitan writes it, holding
+    its experts' weights stacked along dim 0 and called with ``(hidden_states, top_k_index,
+    top_k_weights)`` (Mixtral's ``block.mlp.experts``) or with ``(x,
+    num_tokens_per_expert)``, the tokens sorted by expert (torchtitan's ``GroupedExperts``):
+    its own computation is kept, its weights split
+    (:mod:`devmesh.parallel.expert_parallel.stacked`)."""
     if not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
         raise ParallelizeError(f"expert_parallel takes the 1-D mesh of the expert-parallel "
                                f"dim, e.g. mesh['ep'], got {mesh!r}")
@@ -44,8 +46,9 @@ def expert_parallel(moe: torch.nn.Module, mesh: DeviceMesh, *,
         raise ParallelizeError(
             f"expert_parallel takes a devmesh MoE layer or an experts module holding its "
             f"experts' weights stacked along dim 0 (an int num_experts, a forward taking "
-            f"hidden_states, top_k_index, top_k_weights: transformers' Mixtral, Qwen-MoE), "
-            f"got {type(moe).__name__}")
+            f"hidden_states, top_k_index, top_k_weights: transformers' Mixtral, Qwen-MoE; or "
+            f"x, num_tokens_per_expert: torchtitan's GroupedExperts), got "
+            f"{type(moe).__name__}")
     if isinstance(moe.dispatch, ExpertParallelDispatch):
         raise ParallelizeError(
             f"expert_parallel: this MoE is already split over an ep mesh of "

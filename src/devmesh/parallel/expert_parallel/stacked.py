@@ -1,7 +1,13 @@
-"""Expert parallelism for experts modules as transformers writes them: one module holding
-every expert's weights stacked along dim 0 (Mixtral's ``gate_up_proj (experts, 2·hidden,
-dim)`` and ``down_proj (experts, dim, hidden)``, Qwen-MoE's, gpt-oss's with biases), called
-as ``experts(hidden_states, top_k_index, top_k_weights)`` after the block's own router.
+"""Expert parallelism for experts modules as transformers and torchtitan write them: one
+module holding every expert's weights stacked along dim 0 (Mixtral's ``gate_up_proj
+(experts, 2·hidden, dim)`` and ``down_proj (experts, dim, hidden)``, Qwen-MoE's, gpt-oss's
+with biases; torchtitan's ``GroupedExperts`` ``w1``, ``w2``, ``w3``), called after the
+block's own router in one of two ways:
+
+* transformers': ``experts(hidden_states, top_k_index, top_k_weights)``, each token with its
+  experts and their weights (the module weighs and sums);
+* torchtitan's: ``experts(x, num_tokens_per_expert)``, the routed tokens already sorted by
+  expert with each expert's count (the caller weighs and puts them back).
 
 The module's own computation is kept, whatever its MLP (SwiGLU, GELU, biases, packed or not,
 eager or grouped kernels): only its weights are split — each parameter's dim 0 over ``ep``,
@@ -10,6 +16,10 @@ rank's ``(token, expert)`` assignments by expert, sends each token to the rank h
 expert (:class:`~.dispatch.ExpertParallelDispatch`'s all-to-alls), runs the module's own
 forward there on the arriving tokens with their local expert index and weight one, sends the
 outputs back, and weighs and sums them per token, as the module itself does.
+
+A module called torchtitan's way gets the same exchange without the sorting and weighing:
+its sorted tokens go to their experts' ranks, its own forward runs there on the arriving
+tokens with this rank's counts, and the outputs come back in the order they were given.
 
 The ranks of ``ep`` are data-parallel ranks too, so the experts' gradients, summed over every
 rank's tokens by the dispatch, are divided by ``ep`` (as data parallelism averages the other
@@ -33,26 +43,37 @@ from devmesh.parallel.placement import place_parameter
 from devmesh.tensor import Shard, distribute_tensor
 
 __all__ = ["is_stacked_experts", "split_stacked_experts", "split_by_expert",
-           "ExpertParallelExperts"]
+           "ExpertParallelExperts", "ExpertParallelSortedExperts"]
 
-_CALL = ("top_k_index", "top_k_weights")
+_CALL = ("top_k_index", "top_k_weights")  # transformers'
+_SORTED_CALL = ("num_tokens_per_expert",)  # torchtitan's
+
+
+def _forward_takes(module: nn.Module, names: tuple[str, ...]) -> bool:
+    try:
+        taken = list(inspect.signature(type(module).forward).parameters)
+    except (TypeError, ValueError):
+        return False
+    return all(name in taken for name in names)
+
+
+def takes_sorted_tokens(module: nn.Module) -> bool:
+    """Whether an experts module is called torchtitan's way, ``(x, num_tokens_per_expert)``."""
+    return _forward_takes(module, _SORTED_CALL) and not _forward_takes(module, _CALL)
 
 
 def is_stacked_experts(module: nn.Module) -> bool:
-    """An experts module in transformers' convention: an int ``num_experts``, its own
-    parameters all stacked along dim 0 by expert, and a forward taking
-    ``(hidden_states, top_k_index, top_k_weights)``."""
+    """An experts module expert parallelism can split as it is: an int ``num_experts``, its
+    own parameters all stacked along dim 0 by expert, and a forward called transformers'
+    way ``(hidden_states, top_k_index, top_k_weights)`` or torchtitan's
+    ``(x, num_tokens_per_expert)``."""
     experts = getattr(module, "num_experts", None)
     params = list(module._parameters.values())
     if not isinstance(experts, int) or not params:
         return False
     if not all(p is not None and p.dim() >= 1 and p.shape[0] == experts for p in params):
         return False
-    try:
-        names = list(inspect.signature(type(module).forward).parameters)
-    except (TypeError, ValueError):
-        return False
-    return all(name in names for name in _CALL)
+    return _forward_takes(module, _CALL) or takes_sorted_tokens(module)
 
 
 class ExpertParallelExperts:
@@ -88,6 +109,30 @@ class ExpertParallelExperts:
         weighted = out * weight[:, None].to(out.dtype)
         return torch.zeros_like(hidden_states).index_add_(0, token,
                                                           weighted.to(hidden_states.dtype))
+
+
+class ExpertParallelSortedExperts(ExpertParallelExperts):
+    """What expert parallelism adds to an experts module called torchtitan's way: the
+    tokens, sorted by expert, to their experts' ranks and back in the same order."""
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor, *args,
+                **kwargs) -> torch.Tensor:
+        counts = num_tokens_per_expert
+        if counts.is_meta:  # a dry run: balanced routing
+            per_expert = expert_counts(counts.new_empty(x.shape[0], dtype=torch.long),
+                                       self.global_num_experts)
+        else:
+            per_expert = [int(n) for n in counts.tolist()]
+        ep = self.expert_dispatch.mesh.size()
+
+        def local(arriving: torch.Tensor, local_counts: list[int]) -> torch.Tensor:
+            scaled = _ScaleGradient.apply(arriving, float(ep))
+            out = super(ExpertParallelExperts, self).forward(  # type: ignore[misc]
+                scaled, torch.tensor(local_counts, dtype=counts.dtype, device=counts.device),
+                *args, **kwargs)
+            return _ScaleGradient.apply(out, 1.0 / ep)
+
+        return self.expert_dispatch.run(x, per_expert, local)
 
 
 def split_by_expert(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
@@ -127,5 +172,6 @@ def split_stacked_experts(experts: nn.Module, mesh: DeviceMesh, data_mesh: Devic
     experts.num_experts = total // ep
     experts.global_num_experts = total
     experts.expert_dispatch = ExpertParallelDispatch(mesh, data_mesh)
-    with_methods(experts, ExpertParallelExperts)
+    with_methods(experts, ExpertParallelSortedExperts if takes_sorted_tokens(experts)
+                 else ExpertParallelExperts)
     return experts
