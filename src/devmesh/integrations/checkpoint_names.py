@@ -15,7 +15,7 @@ each, that the block covers.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -121,10 +121,14 @@ class Stacked:
 Source = Stored | Stacked
 
 
-def sources(model: nn.Module, files: dict[str, Path]) -> tuple[dict[str, Source], list[str]]:
+def sources(model: nn.Module, files: dict[str, Path], names: Collection[str]
+            ) -> tuple[dict[str, Source], list[str]]:
     """Each model tensor name the checkpoint ``files`` (key -> file) holds -> where to read
     it; and what cannot be read (a conversion this module does not perform, experts
-    missing), each named. A model that is not a transformers model reads keys as they are."""
+    missing), each named. ``names``: the model's tensor names, against which a transformers
+    checkpoint's keys gain or lose the model's ``base_model_prefix`` as transformers' loading
+    does (a ``LlamaForCausalLM`` checkpoint's ``model.layers.0...`` into a ``LlamaModel``).
+    A model that is not a transformers model reads keys as they are."""
     renamings, converters = _conversions(model)
     found: dict[str, Source] = {}
     merged: dict[str, tuple[object, dict[str, dict[int, Stored]]]] = {}
@@ -132,8 +136,11 @@ def sources(model: nn.Module, files: dict[str, Path]) -> tuple[dict[str, Source]
         return {key: Stored(key, file) for key, file in files.items()}, []
     from transformers.core_model_loading import apply_renamings, rename_source_key
 
+    prefix = getattr(model, "base_model_prefix", None) or None
+    known = dict.fromkeys(names, True)  # transformers asks which names the model has
     for key, file in files.items():
-        name, pattern = rename_source_key(key, renamings, converters)
+        name, pattern = rename_source_key(key, renamings, converters, base_model_prefix=prefix,
+                                          meta_state_dict=known)
         if pattern is None:
             found[name] = Stored(key, file)
             continue

@@ -93,9 +93,9 @@ def _read_blocks(model: nn.Module, root: Path, strict: bool
     from safetensors import safe_open
 
     files = _files(root)
-    found, problems = sources(model, files)
     targets: dict[str, torch.Tensor] = dict(named_parameters(model))
     targets.update(persistent_buffers(model))
+    found, problems = sources(model, files, targets)
     by_id: dict[int, list[str]] = {}
     for name, tensor in targets.items():
         by_id.setdefault(id(tensor), []).append(name)

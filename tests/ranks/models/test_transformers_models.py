@@ -434,6 +434,36 @@ def test_experts_missing_from_a_checkpoint_are_named_and_nothing_loaded(mesh_poo
         assert "Nothing was loaded" in error[1]
 
 
+def load_into_the_base_model(folder: str):
+    """A ``LlamaModel`` (no head) sharded over 2 ranks reads a ``LlamaForCausalLM``
+    checkpoint, whose keys carry the ``model.`` prefix, as transformers' loading does."""
+    import transformers as T
+
+    from devmesh.integrations import load_pretrained
+    from devmesh.parallel import parallelize, state_dict
+
+    torch.manual_seed(0)
+    base = T.LlamaModel(T.LlamaConfig(**COMMON)).double()
+    parallelize(base, init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",)))
+    refused = caught(lambda: load_pretrained(base, folder))
+    load_pretrained(base, folder, strict=False)
+    return refused, {k: v.clone() for k, v in state_dict(base, full=True).items()}
+
+
+def test_a_causal_lm_checkpoint_loads_into_its_base_model_as_transformers_does(mesh_pool,
+                                                                                tmp_path):
+    import transformers as T
+
+    torch.manual_seed(1)
+    pretrained = T.LlamaForCausalLM(T.LlamaConfig(**COMMON)).double()
+    pretrained.save_pretrained(tmp_path)
+    want = pretrained.state_dict()
+    for refused, loaded in mesh_pool.run(load_into_the_base_model, 2, str(tmp_path)):
+        assert refused[0] == "StateDictError" and "not in the model: ['lm_head.weight']" \
+            in refused[1], refused  # strict: the head it has no place for, by name
+        assert loaded and all(torch.equal(v, want["model." + k]) for k, v in loaded.items())
+
+
 def load_refused(folder: str, arch: str = "mistral"):
     from devmesh.integrations import load_pretrained
 
