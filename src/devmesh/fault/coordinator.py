@@ -135,6 +135,9 @@ class Coordinator:
             else:
                 self._log.info("step %d aborted in round %d: it is retried without the "
                                "groups that failed", quorum.step, round_)
+            # published once recorded: a rank (or a test) that reads the decision finds the
+            # commit in commits
+            self._store.set(protocol.decision_key(round_), decision)
             self._forget(round_ - 2)
             round_ += 1
 
@@ -223,8 +226,7 @@ class Coordinator:
             elif failed or died or (first_ok is not None and now - first_ok > self.timeout):
                 decision = "abort"
             if decision is not None:
-                self._store.set(protocol.decision_key(round_), decision)
-                return decision
+                return decision  # published by the caller, once recorded
             self._wait_for_event()
         return None
 
