@@ -89,3 +89,20 @@ def test_parts_that_cannot_be_concatenated_are_named():
     with pytest.raises(ValueError, match=r"parts' shapes \(3, 2\) and \(3, 4\) cannot be "
                                          "concatenated along dim 1"):
         source.shape(open_)
+
+
+def test_an_experts_key_without_its_number_is_named_not_raised():
+    """A checkpoint key transformers' pattern takes (``.experts.*.w1.weight``) whose ``*``
+    is not an expert's number: a problem naming it, as load_pretrained reports the others."""
+    import transformers as T
+
+    from devmesh.integrations.checkpoint_names import sources
+
+    model = T.MixtralForCausalLM(T.MixtralConfig(
+        vocab_size=16, hidden_size=8, intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_local_experts=2))
+    key = "model.layers.0.block_sparse_moe.experts.first.w1.weight"
+    found, problems = sources(model, {key: Path("model.safetensors")},
+                              dict(model.named_parameters()))
+    assert found == {} and len(problems) == 1, problems
+    assert f"no expert number in {key.replace('block_sparse_moe', 'mlp')!r}" in problems[0]

@@ -130,11 +130,13 @@ def sources(model: nn.Module, files: dict[str, Path], names: Collection[str]
     does (a ``LlamaForCausalLM`` checkpoint's ``model.layers.0...`` into a ``LlamaModel``).
     A model that is not a transformers model reads keys as they are."""
     renamings, converters = _conversions(model)
-    found: dict[str, Source] = {}
-    merged: dict[str, tuple[object, dict[str, dict[int, Stored]]]] = {}
     if not renamings and not converters:
         return {key: Stored(key, file) for key, file in files.items()}, []
     from transformers.core_model_loading import apply_renamings, rename_source_key
+
+    found: dict[str, Source] = {}
+    merged: dict[str, tuple[object, dict[str, dict[int, Stored]]]] = {}
+    problems = []
 
     prefix = getattr(model, "base_model_prefix", None) or None
     known = dict.fromkeys(names, True)  # transformers asks which names the model has
@@ -145,10 +147,13 @@ def sources(model: nn.Module, files: dict[str, Path], names: Collection[str]
             found[name] = Stored(key, file)
             continue
         converter = next(c for c in converters if pattern in c.source_patterns)
-        index = _expert_index(apply_renamings(key, renamings), pattern)
+        try:
+            index = _expert_index(apply_renamings(key, renamings), pattern)
+        except ValueError as exc:  # a key the pattern takes, with no expert number in it
+            problems.append(f"{name}: {exc}")
+            continue
         merged.setdefault(name, (converter, {}))[1].setdefault(pattern, {})[index] = \
             Stored(key, file)
-    problems = []
     for name, (converter, by_pattern) in merged.items():
         try:
             found[name] = _stacked(converter, by_pattern)
