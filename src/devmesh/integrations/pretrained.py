@@ -28,6 +28,7 @@ from torch import nn
 from devmesh.distributed import consensus
 from devmesh.errors import StateDictError
 from devmesh.integrations.checkpoint_names import Stored, sources
+from devmesh.parallel.checkpoint.blocks import packed_parts
 from devmesh.parallel.param import is_dtensor, layout_of, local_block, local_of
 from devmesh.parallel.state_dict import (
     named_parameters,
@@ -132,7 +133,13 @@ def _read_blocks(model: nn.Module, root: Path, strict: bool
                                 f"({source.describe()}), the model's {full_shape}")
                 continue
             destination = local_of(target) if is_dtensor(target) else target
-            if layout is None or tuple(layout.spec.global_shape) != full_shape:
+            if layout is not None and layout.packed is not None:  # its piece of each part
+                bounds = layout.spec.local_bounds(layout.mesh.get_coordinate())
+                parts = [source.read(open_, list(zip(start, size, strict=True)))
+                         for _, start, size in packed_parts(bounds, layout.packed, full_shape)]
+                block = (torch.stack(parts, layout.packed[0]) if parts
+                         else destination.new_empty(tuple(n for _, n in bounds)))
+            elif layout is None or tuple(layout.spec.global_shape) != full_shape:
                 block = source.read(open_, [(0, n) for n in full_shape])  # whole
                 if layout is not None:
                     block = local_block(target, block.reshape(layout.spec.global_shape))

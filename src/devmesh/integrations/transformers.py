@@ -19,6 +19,7 @@ from devmesh.mesh import DeviceMesh
 from devmesh.parallel.context_parallel import sequence_positions, shard_sequence
 from devmesh.parallel.tensor_parallel import (
     ColwiseParallel,
+    ExpertsTensorParallel,
     ParallelStyle,
     ReplicatedWithGradSum,
     RowwiseParallel,
@@ -63,9 +64,14 @@ def tensor_parallel_plan(model: nn.Module, leave_out: Sequence[str] = ()
             "(devmesh.parallel's ColwiseParallel, RowwiseParallel, ...)")
     plan: dict[str, ParallelStyle] = {}
     unknown = {}
+    declared = {name: style for name, style in declared.items()
+                if not any(_within(name, module) for module in leave_out)}
     for name, style in declared.items():
-        if any(_within(name, module) for module in leave_out):
+        if style == "moe_tp_experts":
+            plan[name] = _experts_style(name, declared)
             continue
+        if _owner(name) in declared and declared[_owner(name)] == "moe_tp_experts":
+            continue  # one of those experts' weights: split by their style
         make = STYLES.get(style)
         if make is None:
             unknown[name] = style
@@ -79,6 +85,37 @@ def tensor_parallel_plan(model: nn.Module, leave_out: Sequence[str] = ()
             + ("; experts are split over an 'ep' dim instead (e.g. mesh dim names "
                "('dp_shard', 'ep', 'tp'))" if any("expert" in n for n in unknown) else ""))
     return plan
+
+
+# how transformers splits a stacked expert weight under ``moe_tp_experts``: its packed
+# gate and up on the output dim, in two parts; a plain weight on its output or input dim
+_EXPERT_WEIGHTS = {"packed_colwise": ("colwise", 2), "colwise": ("colwise", 1),
+                   "rowwise": ("rowwise", 1)}
+
+
+def _owner(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _experts_style(name: str, declared: Mapping[str, str]) -> ParallelStyle:
+    """transformers' ``moe_tp_experts`` entry and its weights' entries (``<name>.<weight>``)
+    as one :class:`ExpertsTensorParallel`."""
+    colwise: dict[str, int] = {}
+    rowwise: list[str] = []
+    for entry, style in declared.items():
+        if _owner(entry) != name:
+            continue
+        weight = entry.rpartition(".")[2]
+        how = _EXPERT_WEIGHTS.get(style)
+        if how is None:
+            raise ParallelizeError(
+                f"the tensor-parallel plan splits expert weight {entry!r} as {style!r}; "
+                f"devmesh splits stacked expert weights as {sorted(_EXPERT_WEIGHTS)}")
+        if how[0] == "colwise":
+            colwise[weight] = how[1]
+        else:
+            rowwise.append(weight)
+    return ExpertsTensorParallel(colwise=colwise, rowwise=rowwise)
 
 
 def _within(pattern: str, module: str) -> bool:

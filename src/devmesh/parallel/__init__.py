@@ -25,6 +25,7 @@ from devmesh.parallel.param import ParallelizeError, as_sharded, get_layout
 from devmesh.parallel.replicate import ReplicateModule, replicate
 from devmesh.parallel.tensor_parallel import (
     ColwiseParallel,
+    ExpertsTensorParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
@@ -43,7 +44,8 @@ __all__ = [
     "ReplicateModule", "parallelize_module", "context_parallel", "ring_attention",
     "shard_sequence", "gather_sequence", "sequence_positions", "MoE", "expert_parallel",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
-    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict", "load_state_dict", "describe",
+    "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
+    "ExpertsTensorParallel", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict", "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",
     "parallelize",
 ]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,16 +34,43 @@ _ATTR = "_devmesh_layout"
 
 @dataclass(frozen=True)
 class ParamLayout:
+    """Where a parameter's blocks lie: ``spec`` on ``mesh``, over the parameter itself or
+    over a reshaped view of it (``shape``).
+
+    The view serves two kinds of parameter whose blocks are not boxes of the parameter's own
+    shape: a 0-d parameter, which FSDP shards as one element (spec ``(1,)``, shape ``()``),
+    and a *packed* one — several equal parts laid end to end on one dim (a SwiGLU expert's
+    ``gate_up_proj``, ``(E, 2I, H)``; a fused q/k/v projection), each part split over the
+    mesh, so a rank holds its piece of every part side by side. Its spec splits the view
+    with that dim cut into ``(parts, part size)`` (``(E, 2, I, H)``, split on dim 2), where
+    the rank's block is a box again; the parameter holds that block reshaped to its own
+    rank count of dims (``(E, 2 * I/tp, H)``: gate then up, as the module computes)."""
+
     mesh: DeviceMesh
     spec: ShardingSpec
-    #: the parameter's own full shape where it differs from ``spec.global_shape`` (FSDP
-    #: shards a 0-d parameter as one element: spec ``(1,)``, shape ``()``)
+    #: the parameter's own full shape where the spec describes a view of it (see above)
     shape: tuple[int, ...] | None = None
 
     @property
     def full_shape(self) -> tuple[int, ...]:
         """The full parameter's shape, as single-process training has it."""
         return tuple(self.spec.global_shape) if self.shape is None else self.shape
+
+    @property
+    def packed(self) -> tuple[int, int] | None:
+        """``(dim, parts)`` of a packed parameter: its dim made of ``parts`` equal parts."""
+        if not self.shape:  # whole, or a 0-d parameter
+            return None
+        view = self.spec.global_shape
+        dim = next(d for d in range(len(self.shape)) if view[d] != self.shape[d])
+        return dim, view[dim]
+
+    def spec_block(self, block: torch.Tensor) -> torch.Tensor:
+        """``block`` (this rank's block of the parameter, or of a tensor laid out like it:
+        its gradient, an optimizer state) in the spec's shape, sharing its memory."""
+        if self.shape is None:
+            return block
+        return block.reshape(self.spec.local_shape(self.mesh.get_coordinate()))
 
 
 def get_layout(param: torch.Tensor) -> ParamLayout | None:
@@ -118,7 +146,7 @@ def split_layout(param: torch.Tensor | None) -> ParamLayout | None:
     """The layout of ``param`` if it is split on its mesh (not whole on every rank, and not a
     0-d parameter, which FSDP keeps as one element on one rank)."""
     layout = get_layout(param) if param is not None else None
-    if layout is None or layout.shape is not None:
+    if layout is None or layout.shape == ():
         return None
     return layout if any(layout.spec.dim_map) else None
 
@@ -128,7 +156,45 @@ def as_dtensor(block: torch.Tensor, param: torch.Tensor):
     an optimizer state of it) as a torch DTensor, sharing its storage."""
     layout = get_layout(param)
     assert layout is not None
-    return ShardedTensor(block.detach(), layout.mesh, layout.spec).to_dtensor()
+    if layout.packed is not None:
+        return _packed_dtensor(block.detach(), layout)
+    return ShardedTensor(layout.spec_block(block.detach()), layout.mesh,
+                         layout.spec).to_dtensor()
+
+
+def _packed_dtensor(block: torch.Tensor, layout: ParamLayout):
+    """A packed parameter's block as a torch DTensor of the parameter's own shape: its
+    packed dim's mesh dim becomes ``_StridedShard(dim, split_factor=parts)`` — torch's
+    placement for "each of ``parts`` pieces split over the mesh dim", which is what a
+    packed dim is. Only what that placement describes is converted: one mesh dim splitting
+    the parts, evenly; a packed dim also split by FSDP (or unevenly) is refused by name."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard as TorchShard
+
+    from devmesh import _torch_compat
+
+    dim, parts = layout.packed
+    spec = layout.spec
+    splitting = spec.dim_map[dim + 1]
+    if (spec.dim_map[dim] or len(splitting) != 1
+            or spec.global_shape[dim + 1] % spec.mesh_shape[splitting[0]]):
+        raise ParallelizeError(
+            f"a packed parameter of shape {layout.full_shape} laid out as {spec} has no "
+            "torch DTensor form: a DTensor describes a packed dim split evenly by one mesh "
+            "dim. Take its full tensor instead (devmesh.parallel.state_dict(model, "
+            "full=True)), or save it with devmesh's checkpoints")
+    own = ShardingSpec(spec.mesh_shape, layout.full_shape,
+                       spec.dim_map[:dim] + (splitting,) + spec.dim_map[dim + 2:],
+                       spec.partial, spec.mesh_dim_names)
+    placements = list(ShardedTensor(block.reshape(own.local_shape(layout.mesh.get_coordinate())),
+                                    layout.mesh, own).to_dtensor().placements)
+    assert placements[splitting[0]] == TorchShard(dim)
+    placements[splitting[0]] = _torch_compat.strided_shard_type()(dim, split_factor=parts)
+    shape = layout.full_shape
+    stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+    return DTensor.from_local(block.reshape(own.local_shape(layout.mesh.get_coordinate())),
+                              layout.mesh, placements, run_check=False, shape=shape,
+                              stride=stride)
 
 
 def block_of(value: torch.Tensor, param: torch.Tensor, name: str) -> torch.Tensor:
@@ -178,7 +244,7 @@ def as_sharded(param: torch.Tensor) -> ShardedTensor | None:
     layout = get_layout(param)
     if layout is None:
         return None
-    return ShardedTensor(param.detach(), layout.mesh, layout.spec)
+    return ShardedTensor(layout.spec_block(param.detach()), layout.mesh, layout.spec)
 
 
 def describe_tensors(module: torch.nn.Module) -> str:

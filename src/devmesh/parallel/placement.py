@@ -8,7 +8,9 @@ into a module's ``_parameters``."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+import contextvars
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -26,7 +28,24 @@ from devmesh.parallel.param import (
 from devmesh.parallel.swap import swap_parameter
 
 __all__ = ["refuse_torch_fsdp_over_blocks", "place_parameter", "keep_layout",
-           "replaced_parameters", "adopt_replaced_parameters"]
+           "replaced_parameters", "adopt_replaced_parameters", "state_dict_of_blocks"]
+
+# set while devmesh reads a module's own state_dict() for its keys and buffers
+_BLOCKS_ONLY = contextvars.ContextVar("devmesh_state_dict_of_blocks", default=False)
+
+
+@contextlib.contextmanager
+def state_dict_of_blocks() -> Iterator[None]:
+    """``module.state_dict()`` inside leaves each split parameter as this rank's block
+    instead of making its DTensor: devmesh's own state dicts read the module's for its keys
+    (what hooks add or drop), its buffers and extra states, and take the parameters' values
+    from their layouts, so a DTensor made there would be wasted — or refused, for a packed
+    parameter that has no DTensor form."""
+    token = _BLOCKS_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _BLOCKS_ONLY.reset(token)
 
 
 def refuse_torch_fsdp_over_blocks(module: nn.Module, module_name: str | None = None) -> None:
@@ -121,6 +140,8 @@ def adopt_replaced_parameters(module: nn.Module) -> None:
 def _give_dtensors(module: nn.Module, state: dict, prefix: str, local_metadata: dict) -> None:
     refuse_torch_fsdp_over_blocks(module, prefix.removesuffix(".") or None)
     adopt_replaced_parameters(module)
+    if _BLOCKS_ONLY.get():
+        return
     for name, param in module._parameters.items():
         if prefix + name in state and split_layout(param) is not None:
             state[prefix + name] = as_dtensor(param, param)

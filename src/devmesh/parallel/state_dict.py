@@ -33,7 +33,7 @@ from devmesh.parallel.param import (
     local_block,
     local_of,
 )
-from devmesh.parallel.placement import adopt_replaced_parameters
+from devmesh.parallel.placement import adopt_replaced_parameters, state_dict_of_blocks
 from devmesh.tensor import ShardedTensor
 
 __all__ = ["state_dict", "local_state_dict", "load_state_dict", "prepare_load", "apply_load",
@@ -84,7 +84,10 @@ def _pipeline_runner(model: Any) -> bool:
 def state_dict(model: nn.Module, *, full: bool = True, rank0_only: bool = False
                ) -> dict[str, torch.Tensor | ShardedTensor]:
     """Parameters and buffers by name: full tensors (``full=True``) or ShardedTensors. A tied
-    parameter appears under every name it has, as in ``nn.Module.state_dict()``. Given a
+    parameter appears under every name it has, as in ``nn.Module.state_dict()``. A packed
+    parameter's ShardedTensor (a fused gate/up weight split part by part) is of its view
+    with the packed dim cut into its parts, ``(E, 2, I, H)`` for ``(E, 2I, H)``: only that
+    shape has this rank's block as one box; :func:`load_state_dict` takes it back. Given a
     pipeline runner: its ``state_dict(full=...)`` (the whole model with ``full=True``).
 
     ``rank0_only=True`` (with ``full=True``, as FSDP's ``FullStateDictConfig``): every rank
@@ -192,7 +195,9 @@ def _in_module_order(model: nn.Module, params: dict[str, Any]) -> dict[str, Any]
     buffers only, ``_extra_state``, what registered state-dict hooks add or remove —
     buffers cloned (a snapshot, as the parameters are)."""
     out: dict[str, Any] = {}
-    for key, value in model.state_dict(keep_vars=True).items():
+    with state_dict_of_blocks():
+        own = model.state_dict(keep_vars=True)
+    for key, value in own.items():
         name = state_dict_name(key)
         if name in params:
             out[name] = params[name]
@@ -271,6 +276,8 @@ def prepare_load(model: nn.Module, state: Mapping[str, Any], *, strict: bool = T
         dtensor = is_dtensor(target)  # torch's tensor parallelism alone: shape is global
         sharded = as_sharded(target) if name in params and not dtensor else None
         shape = get_layout(target).full_shape if sharded is not None else tuple(target.shape)
+        if sharded is not None and tuple(value.shape) == tuple(sharded.shape) != shape:
+            value = value.reshape(shape)  # a packed parameter's ShardedTensor: its view
         if tuple(value.shape) != shape:
             problems.append(
                 f"size mismatch for {name}: copying a param with shape {tuple(value.shape)} "

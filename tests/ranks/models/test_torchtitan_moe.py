@@ -60,20 +60,45 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
 
 
-def train_expert_parallel():
+def tensor_parallel_plan() -> dict:
+    """torchtitan's Qwen3 plan for its blocks (torchtitan applies it with torch's styles and
+    its own ``TensorParallel`` for the experts): attention by heads, the q/k norms on the
+    local heads, the shared experts column/row, every routed expert column/row."""
+    from devmesh.parallel import ColwiseParallel, ExpertsTensorParallel, RowwiseParallel
+    from devmesh.parallel.tensor_parallel import ReplicatedWithGradSum
+
+    return {"layers.*.attention.wq": ColwiseParallel(),
+            "layers.*.attention.wk": ColwiseParallel(),
+            "layers.*.attention.wv": ColwiseParallel(),
+            "layers.*.attention.wo": RowwiseParallel(),
+            "layers.*.attention.q_norm": ReplicatedWithGradSum(),
+            "layers.*.attention.k_norm": ReplicatedWithGradSum(),
+            "layers.*.moe.shared_experts.w1": ColwiseParallel(),
+            "layers.*.moe.shared_experts.w3": ColwiseParallel(),
+            "layers.*.moe.shared_experts.w2": RowwiseParallel(),
+            "layers.*.moe.experts": ExpertsTensorParallel(colwise={"w1": 1, "w3": 1},
+                                                          rowwise=("w2",))}
+
+
+def train_expert_parallel(split: str = "ep"):
     import torch.distributed as dist
 
     from devmesh import init_device_mesh
     from devmesh.parallel import parallelize, state_dict
 
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "ep"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", split))
     model = make()
-    parallelize(model, mesh, blocks=list(model.layers.values()))
+    plan = {"tp_plan": tensor_parallel_plan()} if split == "tp" else {}
+    parallelize(model, mesh, blocks=list(model.layers.values()), **plan)
     experts = model.layers["0"].moe.experts
     local = {name: tuple(p.shape) for name, p in experts.named_parameters()}
-    # every rank has its own rows: the data ranks are dp_shard x ep
-    index = mesh.get_coordinate()[0] * 2 + mesh.get_coordinate()[1]
-    rows = slice(2 * index, 2 * index + 2)
+    # every rank has its own rows: the data ranks are dp_shard x ep (dp_shard alone: tp's
+    # ranks share theirs)
+    if split == "ep":
+        index, per = mesh.get_coordinate()[0] * 2 + mesh.get_coordinate()[1], 2
+    else:
+        index, per = mesh.get_coordinate()[0], 4
+    rows = slice(per * index, per * index + per)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for step in range(STEPS):
@@ -108,4 +133,12 @@ def test_torchtitans_moe_experts_split_over_ep_train_as_one_process(mesh_pool):
         assert result["keys"], "state dict names differ"
         # 2 of the 4 experts on each ep rank, then FSDP over dp_shard splits them again
         assert result["local"] == {"w1": (1, 24, 32), "w2": (1, 32, 24), "w3": (1, 24, 32)}
+        assert result["losses"] <= 1e-12 and result["params"] <= 1e-12, result
+
+
+def test_torchtitans_moe_experts_split_over_tp_train_as_one_process(mesh_pool):
+    for result in mesh_pool.run(train_expert_parallel, 4, "tp"):
+        assert result["keys"], "state dict names differ"
+        # every expert's hidden features halved over tp, then FSDP halves the experts
+        assert result["local"] == {"w1": (2, 12, 32), "w2": (2, 32, 12), "w3": (2, 12, 32)}
         assert result["losses"] <= 1e-12 and result["params"] <= 1e-12, result

@@ -23,7 +23,8 @@ from typing import Any
 
 from devmesh.layout.spec import ShardingSpec
 
-__all__ = ["Block", "TensorLayout", "Placed", "distinct_blocks", "place_blocks", "overlap"]
+__all__ = ["Block", "TensorLayout", "Placed", "distinct_blocks", "packed_parts", "place_blocks",
+           "overlap"]
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,11 @@ class TensorLayout:
     root_shape: tuple[int, ...] = ()
     dim_roots: tuple[tuple[int, ...], ...] = ()
     writer: int | None = None  # for ``spec=None``: only this rank holds it (``extra``: rank 0)
+    #: ``(dim, parts)`` of a packed parameter: ``spec`` lays out the view of ``shape`` with
+    #: that dim cut into ``(parts, part size)`` (:class:`~devmesh.parallel.param.ParamLayout`);
+    #: each of a rank's parts is a block of its own in ``shape``, so the stored tensor is
+    #: the parameter as single-process training has it
+    packed: tuple[int, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,8 +95,27 @@ def distinct_blocks(layout: TensorLayout, world_size: int) -> list[Block]:
                 index = index * root_shape[d] + root_coord[d]
             coord.append(index)
         by_bounds.setdefault(layout.spec.local_bounds(coord), []).append(rank)
+    if layout.packed is not None:
+        return [Block(start, size, tuple(r)) for b, r in by_bounds.items()
+                for _, start, size in packed_parts(b, layout.packed, layout.shape)
+                if all(size)]
     return [Block(tuple(s for s, _ in b), tuple(n for _, n in b), tuple(r))
             for b, r in by_bounds.items() if all(n for _, n in b)]
+
+
+def packed_parts(view_bounds: Sequence[tuple[int, int]], packed: tuple[int, int],
+                 shape: Sequence[int]) -> list[tuple[int, tuple[int, ...], tuple[int, ...]]]:
+    """A packed tensor's block, given by its ``(start, size)`` per dim of the view (its
+    packed dim cut into ``(parts, part size)``), as one box of ``shape`` per part it holds:
+    ``(index of the part within the block, start, size)``."""
+    dim, parts = packed
+    part_size = shape[dim] // parts
+    (first, count), (offset, length) = view_bounds[dim], view_bounds[dim + 1]
+    before, after = view_bounds[:dim], view_bounds[dim + 2:]
+    return [(i, tuple(s for s, _ in before) + ((first + i) * part_size + offset,)
+             + tuple(s for s, _ in after),
+             tuple(n for _, n in before) + (length,) + tuple(n for _, n in after))
+            for i in range(count)]
 
 
 def place_blocks(tensors: Sequence[Any], world_size: int) -> list[Placed]:

@@ -40,6 +40,7 @@ from devmesh.distributed import comm, consensus
 from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictError
 from devmesh.parallel.checkpoint import legacy
 from devmesh.parallel.checkpoint.encoding import Malformed, decode
+from devmesh.parallel.checkpoint.blocks import packed_parts
 from devmesh.parallel.checkpoint.format import CheckpointReader, CheckShare
 from devmesh.parallel.checkpoint.save import (
     _raise_if_failed,
@@ -65,17 +66,25 @@ def read_block(reader: CheckpointReader, key: str, target: torch.Tensor,
     shape = layout.full_shape if layout else tuple(target.shape)
     # (a 0-d parameter fully_shard holds as one element: saved in its own shape, or, by
     # checkpoints written before that was fixed, as its one-element spec)
-    if meta.shape != shape and not (layout and meta.shape == tuple(layout.spec.global_shape)):
+    as_spec = layout is not None and layout.shape == () and meta.shape == layout.spec.global_shape
+    if meta.shape != shape and not as_spec:
         raise StateDictError(
             f"size mismatch for {key}: copying a param with shape {meta.shape} from "
             f"checkpoint, the shape in current model is {shape}")
     if layout is None:
         return reader.read(key)
-    if meta.shape != tuple(layout.spec.global_shape):  # stored whole in the parameter's shape
+    if layout.packed is None and meta.shape != tuple(layout.spec.global_shape):
+        # a 0-d parameter, stored whole in its own shape
         full = reader.read(key).reshape(layout.spec.global_shape)
         return local_block(like, full).reshape(target.shape)
     coord = layout.mesh.get_coordinate()
     bounds = layout.spec.local_bounds(coord)
+    if layout.packed is not None:  # stored in its own shape: this rank's piece of each part
+        parts = [reader.read(key, start, size)
+                 for _, start, size in packed_parts(bounds, layout.packed, shape)]
+        block = torch.stack(parts, layout.packed[0]) if parts else torch.empty(
+            tuple(n for _, n in bounds), dtype=meta.dtype)
+        return block.reshape(target.shape)
     block = reader.read(key, tuple(s for s, _ in bounds), tuple(n for _, n in bounds))
     return block.reshape(target.shape)
 
@@ -140,7 +149,7 @@ def _optimizer_state(reader: CheckpointReader, model: nn.Module,
         def tensor(key: str, p=p) -> torch.Tensor:
             meta = reader.meta(key)
             layout = layout_of(p)
-            global_shape = tuple(layout.spec.global_shape) if layout else p.shape
+            global_shape = layout.full_shape if layout else tuple(p.shape)
             if meta.shape and meta.shape == tuple(global_shape):  # laid out like its parameter
                 return shaped_like(p, read_block(reader, key, local_of(p), like=p))
             return reader.read(key)

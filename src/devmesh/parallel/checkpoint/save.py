@@ -42,7 +42,8 @@ from devmesh._progress import Progress, bytes_text
 from devmesh.distributed import comm, consensus, groups
 from devmesh.errors import CheckpointError
 from devmesh.layout import format_ranks
-from devmesh.parallel.checkpoint.blocks import Placed, TensorLayout, distinct_blocks, place_blocks
+from devmesh.parallel.checkpoint.blocks import (Block, Placed, TensorLayout, distinct_blocks,
+                                                packed_parts, place_blocks)
 from devmesh.parallel.checkpoint.checksums import (WRITTEN, checksum, checksums_of, chunk_count,
                                                    chunk_rows, xxh3_of_pieces)
 from devmesh.parallel.checkpoint.encoding import check_plain, dtype_name, encode
@@ -64,6 +65,24 @@ class _Entry:
     local: torch.Tensor
     text: str  # the layout, in words, for ``devmesh ckpt info``
     mesh: dict[str, Any] | None = None
+    coordinate: tuple[int, ...] = ()  # this rank's on the layout's mesh (a packed one's)
+
+    def data(self, block: Block) -> torch.Tensor:
+        """The bytes of ``block`` (one this rank holds), contiguous on the host: the local
+        tensor, or, for a packed parameter, the one part of it the block is."""
+        local = self.local
+        packed = self.layout.packed
+        if packed is not None:
+            spec = self.layout.spec
+            assert spec is not None
+            bounds = spec.local_bounds(self.coordinate)
+            for i, start, size in packed_parts(bounds, packed, self.layout.shape):
+                if start == block.start:
+                    local = local.select(packed[0], i).reshape(size)
+                    break
+            else:  # pragma: no cover - the block was placed from this rank's own bounds
+                raise AssertionError(f"{self.layout.key}: no part starts at {block.start}")
+        return local.contiguous().cpu()
 
     def listed(self, world_size: int) -> Listed:
         layout = self.layout
@@ -83,7 +102,7 @@ def _entry(key: str, tensor: torch.Tensor, like: torch.Tensor | None = None,
     if layout is None:
         return _Entry(TensorLayout(key, tuple(local.shape), local.element_size(), writer=writer),
                       local, "whole")
-    if layout.shape is not None:
+    if layout.shape == ():
         # a 0-d parameter under fully_shard: one element, held by the mesh's first rank (and
         # its replicas); saved whole in its own shape, so any layout (or a plain model)
         # loads it as single-process training has it
@@ -94,10 +113,20 @@ def _entry(key: str, tensor: torch.Tensor, like: torch.Tensor | None = None,
     spec = layout.spec
     mesh = layout.mesh
     root = mesh._root
-    return _Entry(TensorLayout(key, spec.global_shape, local.element_size(), spec,
+    # a packed parameter is stored in its own shape, each of its parts a block
+    return _Entry(TensorLayout(key, layout.full_shape, local.element_size(), spec,
                                tuple(root.mesh.flatten().tolist()), tuple(root.mesh.shape),
-                               mesh._dim_roots), local, str(spec), {"shape": list(spec.mesh_shape),
-                              "names": list(mesh.mesh_dim_names or ())})
+                               mesh._dim_roots, packed=layout.packed),
+                  layout.spec_block(local), str(spec) + _packed_text(layout.packed),
+                  {"shape": list(spec.mesh_shape), "names": list(mesh.mesh_dim_names or ())},
+                  tuple(mesh.get_coordinate()) if layout.packed else ())
+
+
+def _packed_text(packed: tuple[int, int] | None) -> str:
+    if packed is None:
+        return ""
+    dim, parts = packed
+    return f" (of dim {dim} cut into its {parts} packed parts)"
 
 
 class _Contents:
@@ -337,16 +366,16 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     extras = [e.listed(world) for e in contents.extra_entries]
     placed = place_blocks(merged.tensors + extras, world)
     mine = [p for p in placed if p.rank == rank]
-    local = {e.layout.key: e.local for e in contents.entries + contents.extra_entries}
+    entries = {e.layout.key: e for e in contents.entries + contents.extra_entries}
+    local = {key: e.local for key, e in entries.items()}
     if group is not None and check_replicas:
         save_id = _refuse_differing_replicas(placed, local, contents.parameter_keys, rank,
                                              group)
     else:
         save_id = _agree_on_save_id(group)
-    blocks = [(p, local[p.key].contiguous().cpu()) for p in mine]
+    blocks = [(p, entries[p.key].data(p.block)) for p in mine]
     if async_:  # a host copy now, so training may change the parameters right away
-        blocks = [(p, t.clone() if t.data_ptr() == local[p.key].data_ptr() else t)
-                  for p, t in blocks]
+        blocks = [(p, t.clone() if _shares_memory(t, local[p.key]) else t) for p, t in blocks]
 
     def work() -> None:
         _write_and_commit(path, save_id, rank, world, blocks, placed, merged, extras,
@@ -358,6 +387,10 @@ def save_checkpoint(path: str, model: nn.Module, optimizer: torch.optim.Optimize
     else:
         handle.wait()
     return handle
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _refuse_differing_replicas(placed: list[Placed], local: dict[str, torch.Tensor],

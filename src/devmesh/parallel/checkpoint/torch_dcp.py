@@ -39,7 +39,7 @@ from devmesh.distributed import consensus
 from devmesh.errors import CheckpointError
 from devmesh.parallel.checkpoint.format import METADATA, CheckpointReader
 from devmesh.parallel.checkpoint.save import wait_for_pending_save
-from devmesh.parallel.param import as_sharded, get_layout
+from devmesh.parallel.param import as_sharded, get_layout, local_block
 from devmesh.parallel.state_dict import named_parameters, persistent_buffers
 
 __all__ = ["DevmeshReader", "SafeFileSystemReader", "load_torch_dcp"]
@@ -165,8 +165,9 @@ def load_torch_dcp(path: str | os.PathLike, model: nn.Module, *, prefix: str = "
         if layout is None:
             view = p.detach()
         elif layout.shape is not None:
-            # a 0-d parameter under fully_shard (one element, on the shard dim's first rank):
-            # offered whole in its own shape, as DCP stores it
+            # a 0-d parameter under fully_shard (one element, on the shard dim's first rank),
+            # or a packed one (each part split: not one box, which torch's loader needs):
+            # offered whole in its own shape, as DCP stores it, and cut after
             view = torch.empty(layout.full_shape, dtype=p.dtype)
         else:
             view = as_sharded(p).to_dtensor()
@@ -180,5 +181,6 @@ def load_torch_dcp(path: str | os.PathLike, model: nn.Module, *, prefix: str = "
     with torch.no_grad():
         for p, view in targets:
             local = view.to_local() if hasattr(view, "to_local") else view
-            if local.data_ptr() != p.data_ptr():  # (a 0-d one: this rank's 1 or 0 of it)
-                p.copy_(local.reshape(-1)[: p.numel()].reshape(p.shape))
+            if local.data_ptr() != p.data_ptr():  # read whole: this rank's block of it
+                layout = get_layout(p)
+                p.copy_(local_block(p, local.reshape(layout.spec.global_shape)).reshape(p.shape))

@@ -237,14 +237,22 @@ class FSDPUnit:
         else:
             param_data = param.detach()
         shape = tuple(param_data.shape)
-        data = param_data.reshape(-1) if param_data.ndim == 0 else param_data
+        if param_data.ndim == 0:  # sharded as one element
+            data, whole = param_data.reshape(-1), ()
+        elif tp is not None and tp.packed is not None:
+            # a packed parameter (its parts split by tensor parallelism): FSDP shards the
+            # view whose blocks are boxes, and the module computes with it reshaped back
+            data, whole = tp.spec_block(param_data), tp.full_shape
+        else:
+            data, whole = param_data, None
         full_shape = tuple(data.shape)
         dim = self._split_dims.get(id(param), 0)
+        if whole and dim > tp.packed[0]:  # the view has the packed dim cut in two
+            dim += 1
         start, size = chunk_bounds(full_shape[dim], self.k, self.index)
         local = data.narrow(dim, start, size).clone()
         spec_mesh, spec = self._spec(tp, full_shape, dim)
-        new = sharded_parameter(local, param.requires_grad, spec_mesh, spec,
-                                shape=() if param_data.ndim == 0 else None)
+        new = sharded_parameter(local, param.requires_grad, spec_mesh, spec, shape=whole)
         setattr(param, SHARDED_BY, self)
         place_parameter(module, name, new)
         padded_rows = -(-full_shape[dim] // self.k) if full_shape[dim] else 0

@@ -2,6 +2,7 @@
 autograd-aware collectives that move activations between layouts."""
 
 from devmesh.parallel.tensor_parallel.api import parallelize_module
+from devmesh.parallel.tensor_parallel.experts import ExpertsTensorParallel
 from devmesh.parallel.tensor_parallel.styles import (
     ColwiseParallel,
     ParallelStyle,
@@ -16,7 +17,7 @@ from devmesh.parallel.tensor_parallel.styles import (
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ReplicatedWithGradSum",
-    "parallelize_module", "loss_parallel",
+    "ExpertsTensorParallel", "parallelize_module", "loss_parallel",
 ]
 
 

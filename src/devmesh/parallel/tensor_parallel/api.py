@@ -23,7 +23,7 @@ from devmesh.parallel.conversion import KeepsLayouts
 from devmesh.parallel.param import get_layout, sharded_parameter, with_methods
 from devmesh.parallel.placement import place_parameter
 from devmesh.parallel.tensor_parallel.styles import ParallelStyle
-from devmesh.tensor import Placement, ShardingSpec, distribute_tensor
+from devmesh.tensor import Placement, Shard, ShardingSpec, distribute_tensor
 
 __all__ = ["parallelize_module", "parameter_aliases"]
 
@@ -159,9 +159,9 @@ def parallelize_module(
     aliases = parameter_aliases(module)
     for name, target, style in entries:
         def distribute(owner: nn.Module, attr: str, placement: Placement,
-                       where: str = name) -> None:
+                       where: str = name, parts: int = 1) -> None:
             _distribute(owner, attr, placement, mesh, aliases, src_data_rank, where,
-                        checked=(id(owner), attr) in agreed)
+                        checked=(id(owner), attr) in agreed, parts=parts)
 
         style.apply(target, mesh, distribute)
         if style.distributes_parameters:
@@ -216,8 +216,10 @@ def _describe_style(style: ParallelStyle) -> str:
 
 def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: DeviceMesh,
                 aliases: dict[int, list[tuple[nn.Module, str]]], src_data_rank: int | None,
-                where: str, checked: bool = False) -> None:
-    """Split ``module.attr`` (``checked``: its shape and dtype already agreed on every rank)."""
+                where: str, checked: bool = False, parts: int = 1) -> None:
+    """Split ``module.attr`` (``checked``: its shape and dtype already agreed on every rank);
+    ``parts`` > 1: the placement's dim is ``parts`` equal parts laid end to end (a packed
+    weight), each split over the mesh (see :class:`~devmesh.parallel.param.ParamLayout`)."""
     param = module._parameters.get(attr)
     if param is None:
         return
@@ -226,10 +228,16 @@ def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: Device
         place_parameter(module, attr, replacement)
         param = replacement
     layout = get_layout(param)
+    full_shape = layout.full_shape if layout is not None else tuple(param.shape)
+    view = None
+    if parts > 1:
+        view = _packed_view(full_shape, placement, parts, f"{where}.{attr}")
+        placement = Shard(placement.dim % len(full_shape) + 1)
     if layout is not None:
-        wanted = ShardingSpec.from_placements([placement], mesh.shape, layout.spec.global_shape,
+        wanted = ShardingSpec.from_placements([placement], mesh.shape, view or full_shape,
                                               mesh.mesh_dim_names)
-        if layout.mesh == mesh and layout.spec == wanted:
+        if (layout.mesh == mesh and layout.spec == wanted
+                and layout.shape == (None if view is None else full_shape)):
             return  # a tied alias, already distributed the same way
         raise ParallelizeError(
             f"{where + '.' if where else ''}{attr} is already distributed ({layout.spec} on "
@@ -237,11 +245,31 @@ def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: Device
             "module must be split the same way in both (e.g. RowwiseParallel on the embedding "
             "and ColwiseParallel on the tied output projection both split the vocabulary)"
         )
-    sharded = distribute_tensor(param.detach(), mesh, [placement], src_rank=src_data_rank,
+    whole = param.detach() if view is None else param.detach().reshape(view)
+    sharded = distribute_tensor(whole, mesh, [placement], src_rank=src_data_rank,
                                 check=not checked)
-    new = sharded_parameter(sharded.to_local().contiguous(), param.requires_grad, mesh,
-                            sharded.spec)
+    local = sharded.to_local().contiguous()
+    if view is not None:  # the parts side by side, as the module computes with them
+        d = placement.dim
+        local = local.reshape(local.shape[:d - 1] + (local.shape[d - 1] * local.shape[d],)
+                              + local.shape[d + 1:])
+    new = sharded_parameter(local, param.requires_grad, mesh, sharded.spec,
+                            shape=None if view is None else tuple(param.shape))
     for owner, name in aliases.get(id(param), [(module, attr)]):
         place_parameter(owner, name, new)
     place_parameter(module, attr, new)
     setattr(param, _REPLACED_BY, new)
+
+
+def _packed_view(shape: tuple[int, ...], placement: Placement, parts: int,
+                 where: str) -> tuple[int, ...]:
+    """``shape`` with the placement's dim cut into ``(parts, part size)``."""
+    if not isinstance(placement, Shard):
+        raise ParallelizeError(f"{where}: a packed parameter is split with Shard(d), "
+                               f"not {placement}")
+    d = placement.dim % len(shape)
+    if shape[d] % parts:
+        raise ParallelizeError(
+            f"{where}: dim {d} of shape {shape} is {shape[d]} long, which is not {parts} "
+            "equal packed parts")
+    return shape[:d] + (parts, shape[d] // parts) + shape[d + 1:]

@@ -48,8 +48,10 @@ __all__ = [
     "ReplicatedWithGradSum",
 ]
 
-Distribute = Callable[[nn.Module, str, Placement], None]
-"""Replaces ``module.<name>`` (and every tied alias of it) by this rank's block of it."""
+Distribute = Callable[..., None]
+"""``distribute(module, name, placement, parts=1)`` replaces ``module.<name>`` (and every
+tied alias of it) by this rank's block of it; ``parts`` > 1: the placement's dim is that
+many equal parts packed end to end, each split (a fused gate/up or q/k/v weight)."""
 
 # The functions below run in a module's forward and call collectives on devmesh's meshes:
 # under torch.compile they run eagerly, between compiled regions, rather than be traced

@@ -1,0 +1,116 @@
+"""``ExpertsTensorParallel``: a mixture of experts' stacked expert weights split over the
+tensor-parallel mesh, every expert as a column/row pair — transformers' ``moe_tp_experts``
+with its ``packed_colwise`` and ``rowwise`` expert weights.
+
+The experts module holds each weight for all experts stacked, ``(experts, out, in)`` as
+transformers' experts call ``F.linear(x, weight[e])``: the column weights (SwiGLU's packed
+``gate_up_proj``, ``(E, 2I, H)``) are split on their output dim, each packed part apart, so a
+rank holds gate and up for the same ``I/tp`` features; the row weights (``down_proj``,
+``(E, H, I)``) on their input dim. The module's own forward then runs unchanged on every
+rank with every token routed to it (the tokens are replicated over tp, as after an attention
+block's row-wise projection), on its slice of every expert, and its output is a partial sum
+that the style reduces. The router stays whole: the gradient of its weights for the experts'
+output, like the tokens', is summed over the ranks before it leaves the experts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from devmesh import _torch_compat
+from devmesh.errors import ParallelizeError
+from devmesh.mesh import DeviceMesh
+from devmesh.parallel.placement import refuse_torch_fsdp_over_blocks
+from devmesh.parallel.tensor_parallel import functional as PF
+from devmesh.parallel.tensor_parallel.styles import Distribute, ParallelStyle
+from devmesh.tensor import Shard
+
+__all__ = ["ExpertsTensorParallel"]
+
+
+class ExpertsTensorParallel(ParallelStyle):
+    """Every expert of a stacked-experts module split over the tensor-parallel mesh.
+
+    Args:
+        colwise: the weights split on their output dim (dim -2 of ``(E, out, in)``), each
+            with the number of equal parts packed in it: ``{"gate_up_proj": 2}`` (gate and
+            up side by side), ``{"w1": 1, "w3": 1}`` for unpacked ones.
+        rowwise: the weights split on their input dim (dim -1), ``("down_proj",)``.
+
+    Any other parameter of the module is refused: a bias of the row weights would be added
+    on every rank before the sum.
+    """
+
+    distributes_parameters = True
+
+    def __init__(self, *, colwise: Mapping[str, int] | None = None,
+                 rowwise: Sequence[str] = ("down_proj",)) -> None:
+        self.colwise = dict({"gate_up_proj": 2} if colwise is None else colwise)
+        self.rowwise = tuple(rowwise)
+        bad = {k: v for k, v in self.colwise.items() if not isinstance(v, int) or v < 1}
+        if bad:
+            raise ParallelizeError(f"ExpertsTensorParallel colwise={self.colwise!r}: each "
+                                   "weight takes its number of packed parts, 1 or more")
+
+    def check(self, module: nn.Module, name: str) -> None:
+        own = dict(module.named_parameters(recurse=False))
+        named = [*self.colwise, *self.rowwise]
+        missing = [n for n in named if n not in own]
+        if missing:
+            raise ParallelizeError(
+                f"ExpertsTensorParallel on {name!r}: {type(module).__name__} has no "
+                f"parameter {missing} (it has {sorted(own)}); name its stacked expert "
+                "weights with colwise={...: parts} and rowwise=(...)")
+        flat = [n for n in named if own[n].ndim < 2]
+        if flat:
+            raise ParallelizeError(
+                f"ExpertsTensorParallel on {name!r}: {flat} are not stacked matrices "
+                "(experts, out, in)")
+        other = sorted(set(own) - set(named)) + sorted(
+            n for n, _ in module.named_parameters() if "." in n)
+        if other:
+            raise ParallelizeError(
+                f"ExpertsTensorParallel on {name!r}: {type(module).__name__} holds "
+                f"{other} besides the split weights; a bias would be added on every rank "
+                "before the partial sums are reduced. Leave these experts whole (no 'tp' "
+                "entry for them) or split them over an 'ep' mesh dim instead")
+
+    def sharded_parameters(self, module: nn.Module) -> tuple[str, ...]:
+        return (*self.colwise, *self.rowwise)
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        for attr, parts in self.colwise.items():
+            distribute(module, attr, Shard(-2), parts=parts)
+        for attr in self.rowwise:
+            distribute(module, attr, Shard(-1))
+        module.register_forward_pre_hook(functools.partial(_experts_input, mesh),
+                                         with_kwargs=True)
+        module.register_forward_hook(functools.partial(_experts_output, mesh))
+        return module
+
+
+@_torch_compat.eager
+def _experts_input(mesh: DeviceMesh, module: nn.Module, args, kwargs):
+    """Every floating-point input (the tokens, the routing weights): its gradient from this
+    rank's slice of the experts is a partial sum, summed over the ranks in backward."""
+    refuse_torch_fsdp_over_blocks(module)
+
+    def summed(x):
+        if isinstance(x, torch.Tensor) and x.is_floating_point():
+            return PF.copy_to_parallel(x, mesh)
+        return x
+
+    return tuple(summed(a) for a in args), {k: summed(v) for k, v in kwargs.items()}
+
+
+@_torch_compat.eager
+def _experts_output(mesh: DeviceMesh, module: nn.Module, args, y):
+    if not isinstance(y, torch.Tensor):
+        raise ParallelizeError(
+            f"ExpertsTensorParallel: {type(module).__name__}'s forward returned "
+            f"{type(y).__name__}, not the tensor of the experts' summed outputs it reduces")
+    return PF.reduce_from_parallel(y, mesh)

@@ -1,0 +1,128 @@
+"""``ExpertsTensorParallel``: stacked SwiGLU experts (gate and up packed in one weight, as
+transformers stores them) split over tp, every expert a column/row pair, against the same
+module in one process — outputs and the gradients of the weights, the tokens and the routing
+weights (float64, relative to the largest value); the parts split unevenly as ``torch.chunk``; and what it cannot split,
+refused by name on every rank."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from devmesh import init_device_mesh
+from helpers import caught
+
+EXPERTS, HIDDEN, TOKENS, TOP = 4, 8, 10, 2
+
+
+class StackedExperts(nn.Module):
+    """Experts held stacked, ``(E, 2I, H)`` and ``(E, H, I)``, called with the tokens, each
+    token's experts and their weights: transformers' experts as they compute."""
+
+    def __init__(self, intermediate: int, bias: bool = False) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * intermediate, HIDDEN))
+        self.down_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, intermediate))
+        if bias:
+            self.down_proj_bias = nn.Parameter(torch.randn(EXPERTS, HIDDEN))
+
+    def forward(self, x, index, weights):
+        out = torch.zeros_like(x)
+        for e in range(EXPERTS):
+            token, slot = torch.where(index == e)
+            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
+            out = out.index_add(0, token, y)
+        return out
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(TOKENS, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
+    index = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOP] for _ in range(TOKENS)])
+    weights = torch.rand(TOKENS, TOP, generator=g, dtype=torch.float64, requires_grad=True)
+    return x, index, weights
+
+
+def split_experts(intermediate: int):
+    from devmesh.parallel import ExpertsTensorParallel, parallelize_module, state_dict
+
+    torch.manual_seed(0)
+    ref = StackedExperts(intermediate).double()
+    torch.manual_seed(0)
+    experts = StackedExperts(intermediate).double()
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    parallelize_module(experts, mesh, ExpertsTensorParallel())
+    local = tuple(experts.gate_up_proj.shape)
+    x, index, weights = _inputs()
+    want = ref(x, index, weights)
+    want.pow(2).sum().backward()
+    want_grads = (x.grad.clone(), weights.grad.clone())
+    x.grad = weights.grad = None
+    got = experts(x, index, weights)
+    got.pow(2).sum().backward()
+    full = state_dict(experts, full=True)
+    grads = {"gate_up_proj": experts.gate_up_proj.grad, "down_proj": experts.down_proj.grad}
+    # this rank's features of every expert: gate's and up's, side by side
+    rank = mesh.get_local_rank()
+    step = -(-intermediate // 2)
+    mine = slice(rank * step, min((rank + 1) * step, intermediate))
+    gate_up = ref.gate_up_proj.grad
+    want_block = torch.cat([gate_up[:, :intermediate][:, mine],
+                            gate_up[:, intermediate:][:, mine]], dim=1)
+
+    def error(a, b):  # relative to the largest value
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    return {
+        "local": local,
+        "output": error(got, want),
+        "input grads": max(error(x.grad, want_grads[0]), error(weights.grad, want_grads[1])),
+        "weight grads": max(error(grads["gate_up_proj"], want_block),
+                            error(grads["down_proj"], ref.down_proj.grad[:, :, mine])),
+        "state": all(torch.equal(full[k], v) for k, v in ref.state_dict().items()),
+    }
+
+
+def test_experts_split_over_tp_compute_as_one_process(mesh_pool):
+    for rank, result in enumerate(mesh_pool.run(split_experts, 2, 6)):
+        assert result["local"] == (EXPERTS, 6, HIDDEN)  # 3 of gate's 6, 3 of up's
+        assert result["state"]
+        assert max(result["output"], result["input grads"], result["weight grads"]) < 1e-12, (
+            rank, result)
+
+
+def test_experts_of_uneven_features_split_each_part_as_torch_chunk(mesh_pool):
+    results = mesh_pool.run(split_experts, 2, 5)  # 5 features: 3 and 2 per rank
+    assert [r["local"] for r in results] == [(EXPERTS, 6, HIDDEN), (EXPERTS, 4, HIDDEN)]
+    for result in results:
+        assert result["state"]
+        assert max(result["output"], result["input grads"], result["weight grads"]) < 1e-12
+
+
+def refusals():
+    from devmesh.parallel import ExpertsTensorParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    out = {}
+    out["bias"] = caught(lambda: parallelize_module(
+        StackedExperts(4, bias=True), mesh, ExpertsTensorParallel()))
+    out["missing"] = caught(lambda: parallelize_module(
+        StackedExperts(4), mesh, ExpertsTensorParallel(colwise={"w1": 1}, rowwise=("w2",))))
+    odd = StackedExperts(4)
+    odd.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 9, HIDDEN))
+    out["parts"] = caught(lambda: parallelize_module(odd, mesh, ExpertsTensorParallel(
+        colwise={"gate_up_proj": 2})))
+    uneven = StackedExperts(5)
+    parallelize_module(uneven, mesh, ExpertsTensorParallel())
+    out["dtensor"] = caught(uneven.state_dict)
+    return out
+
+
+def test_what_experts_tensor_parallel_cannot_split_is_refused_by_name(mesh_pool):
+    for result in mesh_pool.run(refusals, 2):
+        assert "holds ['down_proj_bias'] besides the split weights" in result["bias"][1]
+        assert "has no parameter ['w1', 'w2']" in result["missing"][1]
+        assert "9 long, which is not 2 equal packed parts" in result["parts"][1]
+        assert "has no torch DTensor form" in result["dtensor"][1]

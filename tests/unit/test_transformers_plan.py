@@ -1,0 +1,55 @@
+"""A transformers model's declared tensor-parallel plan read as devmesh styles: the experts'
+``moe_tp_experts`` entry and its weights' entries become one ``ExpertsTensorParallel``; what
+devmesh does not apply is refused by name. No model is built: the plan is read from the
+attributes every ``PreTrainedModel`` has."""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from devmesh.errors import ParallelizeError
+from devmesh.integrations.transformers import tensor_parallel_plan
+from devmesh.parallel import ColwiseParallel, ExpertsTensorParallel, RowwiseParallel
+
+
+def declaring(plan: dict[str, str]) -> nn.Module:
+    model = nn.Module()
+    model._tp_plan = plan
+    model.config = object()
+    return model
+
+
+MIXTRAL = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+           "layers.*.mlp.experts.gate_up_proj": "packed_colwise",
+           "layers.*.mlp.experts.down_proj": "rowwise",
+           "layers.*.mlp.experts": "moe_tp_experts"}
+
+
+def test_a_mixture_of_experts_plan_splits_every_expert_as_one_style():
+    plan = tensor_parallel_plan(declaring(MIXTRAL))
+    assert sorted(plan) == ["layers.*.mlp.experts", "layers.*.self_attn.o_proj",
+                            "layers.*.self_attn.q_proj"]
+    experts = plan["layers.*.mlp.experts"]
+    assert isinstance(experts, ExpertsTensorParallel)
+    assert experts.colwise == {"gate_up_proj": 2} and experts.rowwise == ("down_proj",)
+    assert isinstance(plan["layers.*.self_attn.q_proj"], ColwiseParallel)
+    assert isinstance(plan["layers.*.self_attn.o_proj"], RowwiseParallel)
+
+
+def test_experts_left_to_ep_leave_the_plan_with_their_weights():
+    plan = tensor_parallel_plan(declaring(MIXTRAL), leave_out=["layers.0.mlp.experts"])
+    assert "layers.*.mlp.experts" not in plan and len(plan) == 2
+
+
+def test_an_expert_weight_split_another_way_is_refused_by_name():
+    plan = dict(MIXTRAL, **{"layers.*.mlp.experts.gate_up_proj": "local_colwise"})
+    with pytest.raises(ParallelizeError, match="splits expert weight "
+                       "'layers.*.mlp.experts.gate_up_proj' as 'local_colwise'"):
+        tensor_parallel_plan(declaring(plan))
+
+
+def test_a_style_devmesh_does_not_apply_is_refused_naming_those_it_does():
+    with pytest.raises(ParallelizeError, match=r"names styles devmesh does not apply: "
+                       r"\{'lm_head': 'sequence_parallel_gather'\}"):
+        tensor_parallel_plan(declaring({"lm_head": "sequence_parallel_gather"}))
