@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = ["VARIABLE", "KEEP", "install", "uninstall", "installed", "install_from_environment",
-           "records", "compare"]
+           "records", "note", "compare"]
 
 VARIABLE = "DEVMESH_TRACE_COLLECTIVES"
 KEEP = 64  # records kept per rank
@@ -87,6 +87,7 @@ class Record:
 _lock = threading.Lock()
 _records: collections.deque[Record] = collections.deque(maxlen=KEEP)
 _counts: dict[tuple[int, ...], int] = {}
+_noted: dict[str, int] = {}  # the collectives of :func:`note`, by operation
 _originals: list[tuple[Any, str, Callable]] = []
 _store: Any = None
 _listener: threading.Thread | None = None
@@ -101,6 +102,22 @@ def records() -> list[Record]:
     """This rank's recorded collectives, oldest first."""
     with _lock:
         return list(_records)
+
+
+def note(op: str, shapes: str) -> Record | None:
+    """Record a collective devmesh issues on a process-group object of its own, outside
+    ``torch.distributed``'s functions (the replica groups' all-reduces across groups, over a
+    group made for each quorum): it shows among this rank's records, numbered on its own,
+    and its caller sets its ``state`` (``shapes``: what it moves, in words). Such records name no ranks of this job's world (the
+    groups are worlds of their own), so a hang report compares no ranks over them. ``None``
+    while the recorder is off."""
+    if not _originals:
+        return None
+    with _lock:
+        seq = _noted[op] = _noted.get(op, 0) + 1  # counted apart from any group of ranks
+        record = Record(op, (), seq, shapes, _user_line())
+        _records.append(record)
+    return record
 
 
 def install() -> None:

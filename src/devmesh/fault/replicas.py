@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from devmesh._log import get_logger
+from devmesh.distributed import trace
 from devmesh.fault import protocol
 from devmesh.fault.protocol import Quorum
 from devmesh.fault.transfer import _local, receive_state, send_state
@@ -254,12 +255,26 @@ def _average(grads: list[torch.Tensor], members, contributing: bool, contributor
     are left as they are: a round a member fails in is retried from them."""
     with torch.no_grad():
         averaged = [g.clone() if contributing else torch.zeros_like(g) for g in grads]
-        works = [members.allreduce([a]) for a in averaged]
-        for work in works:
-            work.wait()
+        # one record of the round in the collective recorder's (when it is on): a record
+        # per gradient would crowd the user's own collectives out of its last few
+        record = trace.note(_ACROSS, f"{len(averaged)} tensors, "
+                            f"{sum(a.nbytes for a in averaged)} bytes")
+        try:
+            works = [members.allreduce([a]) for a in averaged]
+            for work in works:
+                work.wait()
+        except Exception:  # a member died or hung: the round broke off
+            if record is not None:
+                record.state = "failed"
+            raise
+        if record is not None:
+            record.state = "done"
         for a in averaged:
             a.div_(max(1, contributors))
     return averaged
+
+
+_ACROSS = "all_reduce across replica groups"
 
 
 def _unpack(averaged: list[torch.Tensor], grads: list[torch.Tensor],
