@@ -14,7 +14,7 @@ from torch import nn
 from devmesh.distributed import consensus, groups
 from devmesh.errors import MeshUsageError
 from devmesh.layout import format_ranks, ranks_phrase
-from devmesh.parallel.param import layout_of, local_of
+from devmesh.parallel.param import ParamLayout, layout_of, local_of
 from devmesh.parallel.pipeline.runner import PipelineRunner
 from devmesh.parallel.pipeline.whole_model import stage_ranks
 
@@ -32,8 +32,25 @@ def _shapes_by_rank(p: nn.Parameter, holders: Sequence[int] | None
     for rank in layout.mesh.world_ranks() if holders is None else holders:
         coordinate = layout.mesh.coordinate_of(rank)
         if coordinate is not None:
-            out[rank] = layout.spec.local_shape(coordinate)
+            out[rank] = _held(layout, layout.spec.local_shape(coordinate))
     return out
+
+
+def _held(layout: ParamLayout, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """A block's shape in the parameter's own dims: a packed parameter's block of the view
+    (its packed dim cut into parts) with the parts side by side again."""
+    if layout.packed is None or len(shape) != len(layout.spec.global_shape):
+        return shape  # (a packed parameter under tensor parallelism holds it so already)
+    dim = layout.packed[0]
+    return shape[:dim] + (shape[dim] * shape[dim + 1],) + shape[dim + 2:]
+
+
+def _layout_text(layout: ParamLayout) -> str:
+    what = str(layout.spec).split(": ", 1)[1]
+    if layout.packed is None:
+        return what
+    dim, parts = layout.packed
+    return f"{what}, of the view with dim {dim} cut into its {parts} packed parts"
 
 
 def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
@@ -59,7 +76,7 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
         layout = layout_of(p)  # devmesh's, or a torch DTensor's (torch's TP)
         mine = local_of(p)  # this rank's block
         global_shape = layout.full_shape if layout else tuple(p.shape)
-        what = str(layout.spec).split(": ", 1)[1] if layout else "not distributed"
+        what = _layout_text(layout) if layout else "not distributed"
         total_global += math.prod(global_shape) * p.element_size()
         shapes = _shapes_by_rank(p, ranks)
         groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
@@ -68,7 +85,7 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
             per_rank[rank] += math.prod(shape) * p.element_size()
         by_param[name] = {r: math.prod(sh) * p.element_size() for r, sh in shapes.items()}
         if len(groups) <= 1:
-            local = f"{tuple(mine.shape)} on " + ("every rank" if ranks is None
+            local = f"{_held(layout, tuple(mine.shape)) if layout else tuple(mine.shape)} on " + ("every rank" if ranks is None
                                                else ranks_phrase(ranks))
         else:
             local = "; ".join(f"{shape} on {ranks_phrase(ranks)}"

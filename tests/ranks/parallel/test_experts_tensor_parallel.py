@@ -126,3 +126,21 @@ def test_what_experts_tensor_parallel_cannot_split_is_refused_by_name(mesh_pool)
         assert "has no parameter ['w1', 'w2']" in result["missing"][1]
         assert "9 long, which is not 2 equal packed parts" in result["parts"][1]
         assert "has no torch DTensor form" in result["dtensor"][1]
+
+
+def described():
+    from devmesh.parallel import ExpertsTensorParallel, describe, fully_shard, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    experts = StackedExperts(6).double()
+    parallelize_module(experts, mesh["tp"], ExpertsTensorParallel())
+    fully_shard(experts, mesh=mesh["dp"])
+    return describe(experts)
+
+
+def test_describe_shows_a_packed_weight_in_its_own_shape(mesh_pool):
+    table = mesh_pool.run(described, 4)[0]
+    row = next(line for line in table.splitlines() if line.startswith("gate_up_proj"))
+    # half the experts (FSDP), 3 of gate's features and 3 of up's (tp)
+    assert "(4, 12, 8)" in row and "(2, 6, 8) on every rank" in row, table
+    assert "of the view with dim 1 cut into its 2 packed parts" in row, table
