@@ -6,6 +6,7 @@ attributes every ``PreTrainedModel`` has."""
 from __future__ import annotations
 
 import pytest
+import torch
 from torch import nn
 
 from devmesh.errors import ParallelizeError
@@ -13,8 +14,31 @@ from devmesh.integrations.transformers import tensor_parallel_plan
 from devmesh.parallel import ColwiseParallel, ExpertsTensorParallel, RowwiseParallel
 
 
-def declaring(plan: dict[str, str]) -> nn.Module:
+class _Experts(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.zeros(2, 4, 2))
+        self.down_proj = nn.Parameter(torch.zeros(2, 2, 2))
+
+
+def _layer(experts: bool) -> nn.Module:
+    layer = nn.Module()
+    layer.self_attn = nn.Module()
+    layer.self_attn.q_proj = nn.Linear(2, 2)
+    layer.self_attn.o_proj = nn.Linear(2, 2)
+    layer.mlp = nn.Module()
+    if experts:
+        layer.mlp.experts = _Experts()
+    else:
+        layer.mlp.gate_proj = nn.Linear(2, 2)
+    return layer
+
+
+def declaring(plan: dict[str, str], experts=(True, False)) -> nn.Module:
+    """A model shaped as transformers' (``layers.N.self_attn`` / ``layers.N.mlp``), each
+    layer with experts or a dense MLP, declaring ``plan``."""
     model = nn.Module()
+    model.layers = nn.ModuleList(_layer(e) for e in experts)
     model._tp_plan = plan
     model.config = object()
     return model
@@ -42,6 +66,16 @@ def test_experts_left_to_ep_leave_the_plan_with_their_weights():
     assert "layers.*.mlp.experts" not in plan and len(plan) == 2
 
 
+def test_entries_for_modules_the_model_lacks_are_left_out():
+    plan = dict(MIXTRAL, **{"layers.*.mlp.gate_proj": "colwise"})
+    # every layer with experts (no dense MLP): the dense MLP's entry names nothing
+    assert "layers.*.mlp.gate_proj" not in tensor_parallel_plan(declaring(plan, (True, True)))
+    # every layer dense: the experts' entries go, their weights' with them
+    dense = tensor_parallel_plan(declaring(plan, (False, False)))
+    assert sorted(dense) == ["layers.*.mlp.gate_proj", "layers.*.self_attn.o_proj",
+                             "layers.*.self_attn.q_proj"]
+
+
 def test_an_expert_weight_split_another_way_is_refused_by_name():
     plan = dict(MIXTRAL, **{"layers.*.mlp.experts.gate_up_proj": "local_colwise"})
     with pytest.raises(ParallelizeError, match="splits expert weight "
@@ -51,5 +85,6 @@ def test_an_expert_weight_split_another_way_is_refused_by_name():
 
 def test_a_style_devmesh_does_not_apply_is_refused_naming_those_it_does():
     with pytest.raises(ParallelizeError, match=r"names styles devmesh does not apply: "
-                       r"\{'lm_head': 'sequence_parallel_gather'\}"):
-        tensor_parallel_plan(declaring({"lm_head": "sequence_parallel_gather"}))
+                       r"\{'layers.\*.self_attn.o_proj': 'sequence_parallel_gather'\}"):
+        tensor_parallel_plan(declaring({"layers.*.self_attn.o_proj":
+                                        "sequence_parallel_gather"}))

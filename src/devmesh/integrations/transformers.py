@@ -55,7 +55,9 @@ def tensor_parallel_plan(model: nn.Module, leave_out: Sequence[str] = ()
     """The model's own tensor-parallel plan as devmesh styles, keyed by module name (``*``
     for one segment, as transformers and ``parallelize_module`` read it), without the
     entries for the modules named in ``leave_out`` and theirs (experts split over ``ep``
-    instead). A style devmesh does not compute is refused by name, listing those it does."""
+    instead), and without those naming nothing the model has (a dense MLP's where every
+    layer has experts; another pipeline stage's layers). A style devmesh does not compute
+    is refused by name, listing those it does."""
     declared: Mapping[str, str] = getattr(model, "_tp_plan", None) or {}
     if not declared:
         raise ParallelizeError(
@@ -64,8 +66,14 @@ def tensor_parallel_plan(model: nn.Module, leave_out: Sequence[str] = ()
             "(devmesh.parallel's ColwiseParallel, RowwiseParallel, ...)")
     plan: dict[str, ParallelStyle] = {}
     unknown = {}
+    # entries for modules this model does not have are left out, as transformers' own
+    # loading passes them by: a dense MLP's in a model whose every layer has experts (or
+    # the reverse), another pipeline stage's layers
+    present = ([name for name, _ in model.named_modules() if name]
+               + [name for name, _ in model.named_parameters()])  # (expert weights' entries)
     declared = {name: style for name, style in declared.items()
-                if not any(_within(name, module) for module in leave_out)}
+                if not any(_within(name, module) for module in leave_out)
+                and any(_names(name, module) for module in present)}
     for name, style in declared.items():
         if style == "moe_tp_experts":
             plan[name] = _experts_style(name, declared)
@@ -116,6 +124,12 @@ def _experts_style(name: str, declared: Mapping[str, str]) -> ParallelStyle:
         else:
             rowwise.append(weight)
     return ExpertsTensorParallel(colwise=colwise, rowwise=rowwise)
+
+
+def _names(pattern: str, module: str) -> bool:
+    """Whether the plan's entry ``pattern`` (``*`` for one segment) is ``module``."""
+    have, want = pattern.split("."), module.split(".")
+    return len(have) == len(want) and all(a == "*" or a == b for a, b in zip(have, want))
 
 
 def _within(pattern: str, module: str) -> bool:

@@ -63,6 +63,11 @@ def make(arch: str, layers: int = 2) -> torch.nn.Module:
         model = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
             **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=24, mlp_only_layers=[1], experts_implementation="eager"))
+    elif arch == "qwen3_moe_all":  # experts in every layer (as Qwen3-30B-A3B): its plan's
+        # dense-MLP entries name nothing
+        model = T.Qwen3MoeForCausalLM(T.Qwen3MoeConfig(
+            **COMMON, head_dim=8, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=24, mlp_only_layers=[], experts_implementation="eager"))
     elif arch == "bert":  # an encoder
         model = T.BertForMaskedLM(T.BertConfig(vocab_size=VOCAB, hidden_size=32,
                                                num_hidden_layers=2, num_attention_heads=4,
@@ -170,7 +175,8 @@ CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES if "ep" not in s.sp
          + [("qwen3_moe", s) for s in ("ddp", "fsdp")]
          # every expert split over tp: the model's own moe_tp_experts / packed_colwise plan
          + [(arch, s) for arch in ("mixtral", "qwen3_moe")
-            for s in ("ddp_tp_full_ac", "fsdp_tp", "fsdp_tp_every_2nd_ac")])
+            for s in ("ddp_tp_full_ac", "fsdp_tp", "fsdp_tp_every_2nd_ac")]
+         + [("qwen3_moe_all", "fsdp_tp")])
 
 
 @pytest.mark.parametrize("arch, strategy", CASES)
@@ -753,7 +759,8 @@ def train_pipelined(arch: str, strategy: str):
 @pytest.mark.parametrize("arch, strategy", [
     ("llama", "pp_fsdp"), ("gemma3", "pp_ddp_interleaved_full_ac"),
     ("qwen3", "pp_tp_dualpipe_v_full_ac"), ("gemma3", "pp_tp_selective_ac"),
-    ("mixtral", "pp_ep"), ("mixtral", "pp_fsdp_ep")])
+    ("mixtral", "pp_ep"), ("mixtral", "pp_fsdp_ep"),
+    ("qwen3_moe", "pp_tp_selective_ac")])  # every expert split over tp in its stage
 def test_a_transformers_model_trains_in_pipeline_stages_as_one_process(mesh_pool, arch,
                                                                        strategy):
     shape = PP_STRATEGIES[strategy][0]
