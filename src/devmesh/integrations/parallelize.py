@@ -11,7 +11,8 @@ Dim names, as torchtitan's ``ParallelDims`` and devmesh's docs write them:
   ``MoE``) split over it; its ranks are data-parallel ranks too, as torchtitan borrows
   ``ep`` from the data dims: the experts are then sharded over the shard dim alone, every
   other parameter over the shard dim and ``ep`` together (DDP over ``ep`` without a shard
-  dim); the experts are left out of the tensor-parallel plan;
+  dim); the experts are left out of the tensor-parallel plan (each expert whole on its
+  rank), or with ``experts_over_tp=True`` split over ``tp`` as well;
 * ``cp``: context parallelism — the model's ``scaled_dot_product_attention`` calls attend
   over the whole sequence while each rank holds a part of it (feed each rank
   :func:`~devmesh.integrations.transformers.context_parallel_batch`'s share); its ranks
@@ -65,6 +66,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
                 activation_checkpointing: str | int = "none",
                 mp_policy: MixedPrecisionPolicy | None = None,
                 reshard_after_forward: bool | None = None,
+                experts_over_tp: bool = False,
                 schedule: str | Schedule = "1f1b", microbatches: int | None = None,
                 loss_fn: Callable[..., torch.Tensor] | None = None
                 ) -> nn.Module | PipelineRunner:
@@ -80,7 +82,10 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
     and recomputing the rest, as torchtitan's per-op mode); or an int ``k``: every k-th block
     in full. ``mp_policy``: compute in its ``param_dtype`` over parameters kept in their own
     dtype, under FSDP (``fully_shard``'s), DDP (``replicate``'s) or tensor parallelism
-    alone; ``reshard_after_forward``: as ``fully_shard``'s.
+    alone; ``reshard_after_forward``: as ``fully_shard``'s. ``experts_over_tp``: with both
+    ``ep`` and ``tp``, every expert split over ``tp`` too, as the model's plan splits it
+    without ``ep`` (torchtitan's expert tensor parallelism): each rank holds its experts'
+    ``1/tp`` of features; by default the experts are split over ``ep`` alone, each whole.
 
     With ``pp``: ``schedule`` (a name of :data:`~devmesh.parallel.pipeline.SCHEDULES`, or a
     :class:`~devmesh.parallel.pipeline.Schedule`) over ``microbatches`` (default: the
@@ -96,8 +101,14 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
                                "mesh_dim_names, e.g. ('dp_shard', 'tp')")
     _refuse_unknown_dims(names)
     check_mode(activation_checkpointing)
+    if experts_over_tp and not {"ep", "tp"} <= set(names):
+        raise ParallelizeError(
+            f"experts_over_tp=True splits the experts over both 'ep' and 'tp', but the mesh "
+            f"has {names}: add both dims, or leave experts_over_tp out (without 'ep' the "
+            "model's plan splits every expert over 'tp' already)")
     options = {"tp_plan": tp_plan, "activation_checkpointing": activation_checkpointing,
-               "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward}
+               "mp_policy": mp_policy, "reshard_after_forward": reshard_after_forward,
+               "experts_over_tp": experts_over_tp}
     if "pp" in names:
         if blocks is not None:
             raise ParallelizeError(
@@ -161,7 +172,8 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
                     tp_plan: Mapping[str, ParallelStyle] | None,
                     activation_checkpointing: str | int,
                     mp_policy: MixedPrecisionPolicy | None,
-                    reshard_after_forward: bool | None) -> nn.Module:
+                    reshard_after_forward: bool | None,
+                    experts_over_tp: bool = False) -> nn.Module:
     """``parallelize`` without ``pp``, on ``mesh`` whose dims are ``names`` (``None`` and no
     names: activation checkpointing and compute dtype alone)."""
     shard = [n for n in names if n in SHARD_DIMS]
@@ -179,7 +191,8 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
         blocks = hf.blocks_of(model) if hf.is_transformers_model(model) else []
     blocks = _untied(model, list(blocks))
     if "tp" in names:
-        _tensor_parallel(model, mesh["tp"], tp_plan, experts)  # type: ignore[index]
+        _tensor_parallel(model, mesh["tp"], tp_plan,  # type: ignore[index]
+                         [] if experts_over_tp else experts)
     if experts:
         data = mesh[(shard[0], "ep")] if shard else mesh["ep"]
         for layer in experts:

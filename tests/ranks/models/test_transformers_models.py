@@ -109,7 +109,10 @@ STRATEGIES = {  # name: (mesh shape, dim names, activation checkpointing)
     "fsdp_ep_selective_ac": ((2, 2), ("dp_shard", "ep"), "selective"),
     "fsdp_ep_full_ac": ((2, 2), ("dp_shard", "ep"), "full"),
     "ep_tp_selective_ac": ((2, 2), ("ep", "tp"), "selective"),
+    # every expert split over ep and over tp too (parallelize's experts_over_tp)
+    "ep_tp_experts_over_tp": ((2, 2), ("ep", "tp"), "none"),
 }
+OPTIONS = {"ep_tp_experts_over_tp": {"experts_over_tp": True}}
 
 
 def gpt2_tp_plan() -> dict:
@@ -138,7 +141,8 @@ def train_parallel(arch: str, strategy: str):
     ref = make(arch)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     plan = {"tp_plan": TP_PLANS[arch]()} if arch in TP_PLANS and "tp" in names else {}
-    model = parallelize(make(arch), mesh, activation_checkpointing=checkpointing, **plan)
+    model = parallelize(make(arch), mesh, activation_checkpointing=checkpointing, **plan,
+                        **OPTIONS.get(strategy, {}))
     dp_names = tuple(n for n in names if n != "tp")
     dp = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
     coordinate = dp.get_coordinate()
@@ -176,13 +180,15 @@ CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES if "ep" not in s.sp
          # every expert split over tp: the model's own moe_tp_experts / packed_colwise plan
          + [(arch, s) for arch in ("mixtral", "qwen3_moe")
             for s in ("ddp_tp_full_ac", "fsdp_tp", "fsdp_tp_every_2nd_ac")]
-         + [("qwen3_moe_all", "fsdp_tp")])
+         + [("qwen3_moe_all", "fsdp_tp")]
+         + [(arch, "ep_tp_experts_over_tp") for arch in ("mixtral", "qwen3_moe")])
 
 
 @pytest.mark.parametrize("arch, strategy", CASES)
 def test_a_transformers_model_trains_as_one_process(mesh_pool, arch, strategy):
     tolerance = TOLERANCE.get(arch, 1e-12)
-    if "tp" in strategy.split("_") and "ep" not in strategy.split("_"):
+    if ("tp" in strategy.split("_") and "ep" not in strategy.split("_")
+            or OPTIONS.get(strategy, {}).get("experts_over_tp")):
         tolerance = TP_EXPERTS_TOLERANCE.get(arch, tolerance)
     for result in mesh_pool.run(train_parallel, 4, arch, strategy):
         assert result["keys"], "the full state dict's keys differ from nn.Module's"
@@ -331,6 +337,8 @@ def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...], options: 
      "through a region: use activation_checkpointing='full'",
      {"schedule": "zbv-zero-bubble", "activation_checkpointing": "selective"}),
     ("llama", ("pp", "tp"), (2, 2), "leave blocks= out", {"blocks": []}),
+    ("mixtral", ("dp_shard", "tp"), (2, 2), "experts_over_tp=True splits the experts over "
+     "both 'ep' and 'tp'", {"experts_over_tp": True}),
 ])
 def test_what_parallelize_cannot_place_is_refused_by_name(mesh_pool, arch, names, shape, says,
                                                           options):
@@ -568,27 +576,35 @@ def test_mixed_precision_without_fsdp_computes_in_bfloat16_over_float32_weights(
         assert loss == pytest.approx(want.loss.item(), rel=2e-2)
 
 
+def _mixtral_block() -> torch.nn.Module:
+    """transformers' own Mixtral sparse-MoE block (4 experts, top 2), float64, its weights
+    drawn wide enough for the routing to matter."""
+    import transformers as T
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    config = T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
+                             experts_implementation="eager")
+    torch.manual_seed(0)
+    block = MixtralSparseMoeBlock(config).double()
+    block.config = config
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return block
+
+
 def mixtral_block_under_ep(ep_size: int, uneven: bool):
     """transformers' own Mixtral sparse-MoE block (router, SwiGLU experts with packed
     ``gate_up_proj``) with its experts split over ``ep``: each rank's output on its rows, its
     input's gradient and the experts' and router's gradients against one process on the
     whole batch (the router's averaged over the ranks, as data parallelism would)."""
     import torch.distributed as dist
-    import transformers as T
-    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
     from devmesh.parallel import expert_parallel
 
-    config = T.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2,
-                             experts_implementation="eager")
-    torch.manual_seed(0)
-    block = MixtralSparseMoeBlock(config).double()
-    for p in block.parameters():
-        torch.nn.init.normal_(p, std=0.2)
+    block = _mixtral_block()
     if uneven:  # nearly every token to experts 0 and 1: one rank gets most of them
         with torch.no_grad():
             block.gate.weight[:2] += 2.0
-    ref = type(block)(config).double()
+    ref = type(block)(block.config).double()
     ref.load_state_dict(block.state_dict())
     x = torch.randn(4, 6, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     mesh = init_device_mesh("cpu", (ep_size,), mesh_dim_names=("ep",))
@@ -638,6 +654,60 @@ def test_transformers_own_mixtral_experts_split_over_ep_compute_as_one_process(
         assert result["again"][0] == "ParallelizeError" and result["again"][1].endswith(
             f"is already split over an ep mesh (4 experts, {4 // ep_size} on this rank); "
             f"call expert_parallel once per experts module"), result
+
+
+def mixtral_block_under_ep_and_tp():
+    """transformers' Mixtral sparse-MoE block with its experts split over ``ep`` and every
+    expert over ``tp`` too (torchtitan's expert tensor parallelism): each ep rank's rows,
+    shared by its tp ranks; the output, the input's, the router's and the experts' gradients
+    (each rank's experts, its features of each) against one process on the whole batch."""
+    import torch.distributed as dist
+
+    from devmesh.parallel import (ExpertsTensorParallel, expert_parallel, parallelize_module,
+                                  state_dict)
+
+    block = _mixtral_block()
+    ref = type(block)(block.config).double()
+    ref.load_state_dict(block.state_dict())
+    x = torch.randn(4, 6, 32, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    parallelize_module(block.experts, mesh["tp"], ExpertsTensorParallel())
+    expert_parallel(block.experts, mesh["ep"])
+    ep, tp = mesh["ep"].get_local_rank(), mesh["tp"].get_local_rank()
+    mine = x.chunk(2)[ep].clone().requires_grad_(True)
+    out = block(mine)
+    out.square().mean().backward()
+    dist.all_reduce(block.gate.weight.grad, group=mesh["ep"].get_group())
+    block.gate.weight.grad /= 2
+    whole = x.clone().requires_grad_(True)
+    ref_out = ref(whole)
+    ref_out.square().mean().backward()
+    rows, experts, features = slice(2 * ep, 2 * ep + 2), slice(2 * ep, 2 * ep + 2), slice(
+        24 * tp, 24 * tp + 24)  # 48 features of gate and of up, 24 per tp rank
+    gate_up = ref.experts.gate_up_proj.grad[experts]
+    full = state_dict(block.experts, full=True)
+    return {
+        "shape": tuple(block.experts.gate_up_proj.shape),
+        "out": (out - ref_out[rows]).abs().max().item(),
+        "input_grad": (mine.grad / 2 - whole.grad[rows]).abs().max().item(),
+        "router": (block.gate.weight.grad - ref.gate.weight.grad).abs().max().item(),
+        "gate_up": (block.experts.gate_up_proj.grad - torch.cat(
+            [gate_up[:, :48][:, features], gate_up[:, 48:][:, features]], 1)).abs().max().item(),
+        "down": (block.experts.down_proj.grad
+                 - ref.experts.down_proj.grad[experts][:, :, features]).abs().max().item(),
+        "state": all(torch.equal(full[k], v) for k, v in ref.experts.state_dict().items()),
+    }
+
+
+def test_mixtral_experts_split_over_ep_and_each_over_tp_compute_as_one_process(mesh_pool):
+    for result in mesh_pool.run(mixtral_block_under_ep_and_tp, 4):
+        assert result["shape"] == (2, 48, 32), result  # 2 of 4 experts, 24 + 24 features
+        assert result["state"], result
+        for key in ("out", "gate_up", "down"):
+            assert result[key] <= 1e-12, result
+        # through the router, whose routing weights are float32 (TP_EXPERTS_TOLERANCE)
+        for key in ("input_grad", "router"):
+            assert result[key] <= 1e-6, result
 
 
 def _steps_against_one_process(ref, parameters, mesh, step) -> list[float]:

@@ -38,9 +38,11 @@ from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.expert_parallel.dispatch import ExpertParallelDispatch, expert_counts
 from devmesh.parallel.expert_parallel.moe import _ScaleGradient
-from devmesh.parallel.param import get_layout, is_dtensor, sharded_parameter, with_methods
+from devmesh.layout.spec import chunk_bounds
+from devmesh.parallel.param import (ParamLayout, combined_mesh, get_layout, is_dtensor,
+                                    sharded_parameter, with_methods)
 from devmesh.parallel.placement import place_parameter
-from devmesh.tensor import Shard, distribute_tensor
+from devmesh.tensor import Shard, ShardingSpec, distribute_tensor
 
 __all__ = ["is_stacked_experts", "split_stacked_experts", "split_by_expert",
            "ExpertParallelExperts", "ExpertParallelSortedExperts"]
@@ -138,20 +140,47 @@ class ExpertParallelSortedExperts(ExpertParallelExperts):
 def split_by_expert(module: nn.Module, names: list[str], mesh: DeviceMesh) -> None:
     """Replace ``module``'s parameters ``names`` (experts along dim 0) by this rank's
     contiguous block of experts over the 1-D ``mesh``: ``experts / ep`` of them, in order.
-    A parameter some parallelism already distributed is refused: splitting it again would
-    silently hand each rank a fraction of its own experts."""
+    Every expert already split over tensor parallelism (:class:`~devmesh.parallel.
+    ExpertsTensorParallel`, torchtitan's expert tensor parallelism) keeps its split, the
+    experts' dim split over ``ep`` around it. A parameter whose experts' dim is already
+    distributed (expert_parallel or fully_shard ran first), or a torch DTensor, is refused:
+    splitting it again would silently hand each rank a fraction of its own experts."""
     for name in names:
         param = module._parameters[name]
-        if get_layout(param) is not None or is_dtensor(param):
+        layout = get_layout(param)
+        if is_dtensor(param) or (layout is not None and (
+                layout.spec.dim_map[0] or layout.shape == () or layout.packed is not None
+                and layout.packed[0] == 0)):
             raise ParallelizeError(
                 f"expert_parallel: {type(module).__name__}.{name} is already distributed "
-                f"(expert_parallel, fully_shard or tensor parallelism ran on it first); apply "
-                f"expert_parallel once, to the plain module, before FSDP")
+                f"along its experts (expert_parallel, fully_shard or torch's tensor "
+                f"parallelism ran on it first); apply expert_parallel once, after devmesh's "
+                f"tensor parallelism if any, before FSDP")
     for name in names:
         param = module._parameters[name]
+        layout = get_layout(param)
+        if layout is not None:  # split over tp already: ep splits the experts around it
+            place_parameter(module, name, _nested_by_expert(param, layout, mesh))
+            continue
         split = distribute_tensor(param.detach(), mesh, [Shard(0)])
         place_parameter(module, name, sharded_parameter(
             split.to_local().contiguous(), param.requires_grad, mesh, split.spec))
+
+
+def _nested_by_expert(param: torch.Tensor, layout: ParamLayout, mesh: DeviceMesh
+                      ) -> nn.Parameter:
+    """``param`` (this rank's tensor-parallel block) cut to this rank's experts over the 1-D
+    ``mesh``, laid out on the mesh spanning both: the experts' dim split over ``ep``."""
+    both = combined_mesh(layout.mesh, mesh)
+    index = {n: i for i, n in enumerate(both.mesh_dim_names)}
+    old = layout.mesh.mesh_dim_names
+    dim_map = [tuple(index[old[m]] for m in dims) for dims in layout.spec.dim_map]
+    dim_map[0] = (index[mesh.mesh_dim_names[0]],)
+    spec = ShardingSpec(both.shape, layout.spec.global_shape, tuple(dim_map),
+                        mesh_dim_names=both.mesh_dim_names)
+    start, size = chunk_bounds(layout.spec.global_shape[0], mesh.size(), mesh.get_local_rank())
+    local = param.detach().narrow(0, start, size).clone()
+    return sharded_parameter(local, param.requires_grad, both, spec, shape=layout.shape)
 
 
 def split_stacked_experts(experts: nn.Module, mesh: DeviceMesh, data_mesh: DeviceMesh
