@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import io
+import math
 
 import pytest
 import torch
@@ -111,8 +112,10 @@ STRATEGIES = {  # name: (mesh shape, dim names, activation checkpointing)
     "ep_tp_selective_ac": ((2, 2), ("ep", "tp"), "selective"),
     # every expert split over ep and over tp too (parallelize's experts_over_tp)
     "ep_tp_experts_over_tp": ((2, 2), ("ep", "tp"), "none"),
+    "fsdp_ep_tp_experts_over_tp": ((2, 2, 2), ("dp_shard", "ep", "tp"), "none"),  # 8 ranks
 }
-OPTIONS = {"ep_tp_experts_over_tp": {"experts_over_tp": True}}
+OPTIONS = {"ep_tp_experts_over_tp": {"experts_over_tp": True},
+           "fsdp_ep_tp_experts_over_tp": {"experts_over_tp": True}}
 
 
 def gpt2_tp_plan() -> dict:
@@ -181,7 +184,8 @@ CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES if "ep" not in s.sp
          + [(arch, s) for arch in ("mixtral", "qwen3_moe")
             for s in ("ddp_tp_full_ac", "fsdp_tp", "fsdp_tp_every_2nd_ac")]
          + [("qwen3_moe_all", "fsdp_tp")]
-         + [(arch, "ep_tp_experts_over_tp") for arch in ("mixtral", "qwen3_moe")])
+         + [(arch, "ep_tp_experts_over_tp") for arch in ("mixtral", "qwen3_moe")]
+         + [("qwen3_moe", "fsdp_ep_tp_experts_over_tp")])
 
 
 @pytest.mark.parametrize("arch, strategy", CASES)
@@ -190,7 +194,8 @@ def test_a_transformers_model_trains_as_one_process(mesh_pool, arch, strategy):
     if ("tp" in strategy.split("_") and "ep" not in strategy.split("_")
             or OPTIONS.get(strategy, {}).get("experts_over_tp")):
         tolerance = TP_EXPERTS_TOLERANCE.get(arch, tolerance)
-    for result in mesh_pool.run(train_parallel, 4, arch, strategy):
+    world = math.prod(STRATEGIES[strategy][0])
+    for result in mesh_pool.run(train_parallel, world, arch, strategy):
         assert result["keys"], "the full state dict's keys differ from nn.Module's"
         assert result["losses"] <= tolerance, result
         assert result["params"] <= tolerance, result
