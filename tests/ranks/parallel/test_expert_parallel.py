@@ -197,9 +197,11 @@ def test_bad_inputs_are_refused_on_every_rank_naming_the_fix(mesh_pool):
         assert errors[3] == ("ParallelizeError", f"[rank {rank}] expert_parallel: this MoE is "
                              "already split over an ep mesh of 2 ranks; call expert_parallel "
                              "once per MoE layer")
-        assert errors[4][1].endswith("is already distributed (expert_parallel, fully_shard or "
-                                     "tensor parallelism ran on it first); apply "
-                                     "expert_parallel once, to the plain module, before FSDP")
+        assert errors[4][1].endswith("is already distributed along its experts "
+                                     "(expert_parallel, fully_shard or torch's tensor "
+                                     "parallelism ran on it first); apply expert_parallel "
+                                     "once, after devmesh's tensor parallelism if any, before "
+                                     "FSDP")
 
 
 class _Residual(nn.Module):

@@ -144,3 +144,77 @@ def test_describe_shows_a_packed_weight_in_its_own_shape(mesh_pool):
     # half the experts (FSDP), 3 of gate's features and 3 of up's (tp)
     assert "(4, 12, 8)" in row and "(2, 6, 8) on every rank" in row, table
     assert "of the view with dim 1 cut into its 2 packed parts" in row, table
+
+
+class _Shared(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(HIDDEN, 6, bias=False)
+        self.w3 = nn.Linear(HIDDEN, 6, bias=False)
+        self.w2 = nn.Linear(6, HIDDEN, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class _MoEBlock(nn.Module):
+    """Routed experts and a shared expert on a ``(batch, sequence, hidden)`` input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = StackedExperts(6)
+        self.shared = _Shared()
+
+    def forward(self, x, index, weights):
+        flat = x.reshape(-1, HIDDEN)
+        return (self.experts(flat, index, weights) + self.shared(flat)).view(x.shape)
+
+
+def partial_sums_reduced_once():
+    """torchtitan's plan for a mixture of experts without ``ep``: the block's sequence
+    gathered, the routed and shared experts' partial sums added and reduce-scattered back to
+    the sequence once (``output_layouts=Partial()`` on both); against one process."""
+    from devmesh.parallel import (ColwiseParallel, ExpertsTensorParallel,
+                                  PrepareModuleInputOutput, RowwiseParallel, parallelize_module)
+    from devmesh.tensor import Partial, Replicate, Shard
+
+    torch.manual_seed(0)
+    ref = _MoEBlock().double()
+    block = _MoEBlock().double()
+    block.load_state_dict(ref.state_dict())
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    parallelize_module(block, mesh, {
+        "": PrepareModuleInputOutput(input_layouts=(Shard(1),),
+                                     desired_input_layouts=(Replicate(),), use_local_input=True,
+                                     output_layouts=(Partial(),),
+                                     desired_output_layouts=(Shard(1),)),
+        "experts": ExpertsTensorParallel(output_layouts=Partial()),
+        "shared.w1": ColwiseParallel(), "shared.w3": ColwiseParallel(),
+        "shared.w2": RowwiseParallel(output_layouts=Partial())})
+    _, index, weights = _inputs()  # the first 8 tokens' routing: 2 sequences of 4
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 4, HIDDEN, generator=g, dtype=torch.float64, requires_grad=True)
+    index, weights = index[:8], weights[:8].detach().requires_grad_(True)
+    want = ref(x, index, weights)
+    want.pow(2).sum().backward()
+    rank = mesh.get_local_rank()
+    mine = x.detach()[:, 2 * rank:2 * rank + 2].clone().requires_grad_(True)
+    w = weights.detach().clone().requires_grad_(True)
+    got = block(mine, index, w)
+    got.pow(2).sum().backward()
+
+    def error(a, b):
+        return ((a - b).abs().max() / b.abs().max()).item()
+
+    return {
+        "output": error(got, want[:, 2 * rank:2 * rank + 2]),
+        "input grad": error(mine.grad, x.grad[:, 2 * rank:2 * rank + 2]),  # its positions'
+        "shared w2 grad": error(block.shared.w2.weight.grad,
+                                ref.shared.w2.weight.grad[:, 3 * rank:3 * rank + 3]),
+    }
+
+
+def test_partial_outputs_of_experts_and_shared_experts_reduce_once_as_one_process(mesh_pool):
+    for result in mesh_pool.run(partial_sums_reduced_once, 2):
+        assert max(result["output"], result["input grad"], result["shared w2 grad"]) < 1e-12, \
+            result

@@ -25,9 +25,9 @@ from devmesh import _torch_compat
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.placement import refuse_torch_fsdp_over_blocks
-from devmesh.parallel.tensor_parallel import functional as PF
-from devmesh.parallel.tensor_parallel.styles import Distribute, ParallelStyle
-from devmesh.tensor import Shard
+from devmesh.parallel.tensor_parallel import activations as A
+from devmesh.parallel.tensor_parallel.styles import Distribute, ParallelStyle, _one
+from devmesh.tensor import Partial, Placement, Replicate, Shard
 
 __all__ = ["ExpertsTensorParallel"]
 
@@ -40,6 +40,11 @@ class ExpertsTensorParallel(ParallelStyle):
             with the number of equal parts packed in it: ``{"gate_up_proj": 2}`` (gate and
             up side by side), ``{"w1": 1, "w3": 1}`` for unpacked ones.
         rowwise: the weights split on their input dim (dim -1), ``("down_proj",)``.
+        output_layouts: the summed outputs ``Replicate()`` (an all-reduce: transformers'
+            ``moe_tp_experts``), ``Shard(d)`` (a reduce-scatter), or ``Partial()``: this
+            rank's partial sums unreduced, for the caller to add the shared experts' partial
+            sums and reduce once (torchtitan's plan: a reduce-scatter to the sequence).
+        use_local_output: hand on a plain tensor (default) or a torch DTensor.
 
     Any other parameter of the module is refused: a bias of the row weights would be added
     on every rank before the sum.
@@ -48,9 +53,14 @@ class ExpertsTensorParallel(ParallelStyle):
     distributes_parameters = True
 
     def __init__(self, *, colwise: Mapping[str, int] | None = None,
-                 rowwise: Sequence[str] = ("down_proj",)) -> None:
+                 rowwise: Sequence[str] = ("down_proj",),
+                 output_layouts: Placement | None = None,
+                 use_local_output: bool = True) -> None:
         self.colwise = dict({"gate_up_proj": 2} if colwise is None else colwise)
         self.rowwise = tuple(rowwise)
+        self.output_layouts = _one(output_layouts, "ExpertsTensorParallel output_layouts") \
+            or Replicate()
+        self.use_local_output = use_local_output
         bad = {k: v for k, v in self.colwise.items() if not isinstance(v, int) or v < 1}
         if bad:
             raise ParallelizeError(f"ExpertsTensorParallel colwise={self.colwise!r}: each "
@@ -89,28 +99,30 @@ class ExpertsTensorParallel(ParallelStyle):
             distribute(module, attr, Shard(-1))
         module.register_forward_pre_hook(functools.partial(_experts_input, mesh),
                                          with_kwargs=True)
-        module.register_forward_hook(functools.partial(_experts_output, mesh))
+        module.register_forward_hook(functools.partial(_experts_output, self, mesh))
         return module
 
 
 @_torch_compat.eager
 def _experts_input(mesh: DeviceMesh, module: nn.Module, args, kwargs):
-    """Every floating-point input (the tokens, the routing weights): its gradient from this
-    rank's slice of the experts is a partial sum, summed over the ranks in backward."""
+    """Every floating-point input (the tokens, the routing weights) whole on every rank: its
+    gradient from this rank's slice of the experts is a partial sum, summed over the ranks
+    in backward."""
     refuse_torch_fsdp_over_blocks(module)
 
     def summed(x):
-        if isinstance(x, torch.Tensor) and x.is_floating_point():
-            return PF.copy_to_parallel(x, mesh)
+        if A.is_global(x) or isinstance(x, torch.Tensor) and x.is_floating_point():
+            return A.replicated_input(x, Replicate(), mesh)
         return x
 
     return tuple(summed(a) for a in args), {k: summed(v) for k, v in kwargs.items()}
 
 
 @_torch_compat.eager
-def _experts_output(mesh: DeviceMesh, module: nn.Module, args, y):
+def _experts_output(style: ExpertsTensorParallel, mesh: DeviceMesh, module: nn.Module, args,
+                    y):
     if not isinstance(y, torch.Tensor):
         raise ParallelizeError(
             f"ExpertsTensorParallel: {type(module).__name__}'s forward returned "
             f"{type(y).__name__}, not the tensor of the experts' summed outputs it reduces")
-    return PF.reduce_from_parallel(y, mesh)
+    return A.finish_output(y, Partial(), style.output_layouts, mesh, style.use_local_output)

@@ -5,7 +5,8 @@
   parallelism, gathered first), output sharded on the last dim (or ``output_layouts``).
 * ``RowwiseParallel``: ``nn.Linear`` weight split on dim 1 (input features), bias replicated and
   added once after the reduction; ``nn.Embedding`` split on the vocabulary; input sharded on
-  the last dim, output reduced to replicated (or reduce-scattered to ``Shard(seq)``).
+  the last dim, output reduced to replicated (or reduce-scattered to ``Shard(seq)``, or
+  with ``Partial()`` handed on unreduced, for a later reduction, as torch's allows).
 
 Both also take transformers' ``Conv1D`` (GPT-2's projections: a linear layer whose weight is
 stored transposed, ``(in, out)``), which torch's styles refuse: its weight is split on the
@@ -203,15 +204,22 @@ class RowwiseParallel(ParallelStyle):
         self.input_layouts = _one(input_layouts, "RowwiseParallel input_layouts") or Shard(-1)
         self.output_layouts = _one(output_layouts, "RowwiseParallel output_layouts") or Replicate()
         self.use_local_output = use_local_output
-        if isinstance(self.output_layouts, Partial):
-            raise ParallelizeError("RowwiseParallel output_layouts must be Replicate() or "
-                                   "Shard(d): the partial sums are reduced in the style")
+        if isinstance(self.output_layouts, Partial) and self.output_layouts.reduce_op != "sum":
+            raise ParallelizeError("RowwiseParallel output_layouts=Partial() hands on the "
+                                   "partial sums unreduced: Partial('sum'), not "
+                                   f"{self.output_layouts}")
 
     def check(self, module: nn.Module, name: str) -> None:
         _check_linear_or_embedding(self, module, name)
         if isinstance(module, nn.Embedding):
             _check_embedding_subclass(module, name)
-        else:
+        if isinstance(self.output_layouts, Partial) and getattr(module, "bias", None) is not None:
+            raise ParallelizeError(
+                f"RowwiseParallel(output_layouts=Partial()) on {name!r}: its output is this "
+                "rank's partial sum, reduced later, and its bias would be added on every rank "
+                "before that; use output_layouts=Replicate() or Shard(d), or a layer without "
+                "bias")
+        if not isinstance(module, nn.Embedding):
             base = _conv1d_class(module) or nn.Linear
             if type(module).forward is not base.forward:
                 base_name = "nn.Linear" if base is nn.Linear else base.__name__
@@ -243,8 +251,11 @@ class RowwiseParallel(ParallelStyle):
         return module
 
     def reduce(self, y: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
-        """The partial sums of this rank's slice, reduced into ``output_layouts``."""
+        """The partial sums of this rank's slice, reduced into ``output_layouts`` (handed on
+        as they are under ``Partial()``, for a later reduction: torch's style allows it)."""
         out = self.output_layouts
+        if isinstance(out, Partial):
+            return y
         if isinstance(out, Shard):
             return PF.reduce_scatter_from_parallel(y, mesh, out.dim)
         return PF.reduce_from_parallel(y, mesh)

@@ -340,10 +340,16 @@ def tp_plan(model: Transformer) -> dict[str, object]:
     over the vocabulary for the loss, which runs under ``loss_parallel()``); norms and the
     residual stream split along the sequence between blocks; q/k/v and w1/w3 column-wise
     after an all-gather of the sequence, wo and w2 row-wise ending in a reduce-scatter to it.
-    Whichever parts this stage holds."""
-    from devmesh.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                  SequenceParallel)
-    from devmesh.tensor import Replicate, Shard
+    Whichever parts this stage holds.
+
+    A mixture-of-experts block's feed-forward as torchtitan's ``apply_moe_ep_tp`` splits it
+    without ``ep``: its tokens gathered from the sequence, every routed expert split over
+    tp (w1/w3 by their hidden features, w2 by its inputs) and the shared experts likewise,
+    both leaving partial sums that one reduce-scatter returns to the sequence; the router
+    whole on every rank."""
+    from devmesh.parallel import (ColwiseParallel, ExpertsTensorParallel, PrepareModuleInput,
+                                  PrepareModuleInputOutput, RowwiseParallel, SequenceParallel)
+    from devmesh.tensor import Partial, Replicate, Shard
 
     plan: dict[str, object] = {}
     if model.tok_embeddings is not None:
@@ -353,15 +359,31 @@ def tp_plan(model: Transformer) -> dict[str, object]:
         plan["norm"] = SequenceParallel()
         plan["output"] = ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1),
                                          use_local_output=False)
-    for name in model.layers:
-        for module in ("attention", "feed_forward"):
-            plan[f"layers.{name}.{module}"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    for name, block in model.layers.items():
+        moe = isinstance(block.feed_forward, MoEFeedForward)
+        plan[f"layers.{name}.attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
         for norm in ("attention_norm", "ffn_norm"):
             plan[f"layers.{name}.{norm}"] = SequenceParallel()
-        for linear in ("attention.wq", "attention.wk", "attention.wv",
-                       "feed_forward.w1", "feed_forward.w3"):
+        for linear in ("attention.wq", "attention.wk", "attention.wv"):
             plan[f"layers.{name}.{linear}"] = ColwiseParallel()
-        for linear in ("attention.wo", "feed_forward.w2"):
-            plan[f"layers.{name}.{linear}"] = RowwiseParallel(output_layouts=Shard(1))
+        plan[f"layers.{name}.attention.wo"] = RowwiseParallel(output_layouts=Shard(1))
+        if not moe:
+            plan[f"layers.{name}.feed_forward"] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+            for linear in ("w1", "w3"):
+                plan[f"layers.{name}.feed_forward.{linear}"] = ColwiseParallel()
+            plan[f"layers.{name}.feed_forward.w2"] = RowwiseParallel(output_layouts=Shard(1))
+            continue
+        plan[f"layers.{name}.feed_forward"] = PrepareModuleInputOutput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+            use_local_input=True, output_layouts=(Partial(),),
+            desired_output_layouts=(Shard(1),))
+        plan[f"layers.{name}.feed_forward.experts"] = ExpertsTensorParallel(
+            colwise={"w1": 1, "w3": 1}, rowwise=("w2",), output_layouts=Partial())
+        if block.feed_forward.shared is not None:
+            for linear in ("w1", "w3"):
+                plan[f"layers.{name}.feed_forward.shared.{linear}"] = ColwiseParallel()
+            plan[f"layers.{name}.feed_forward.shared.w2"] = RowwiseParallel(
+                output_layouts=Partial())
     return plan

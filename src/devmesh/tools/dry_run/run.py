@@ -323,12 +323,10 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
 
 def _check_experts(config: TransformerConfig, dims: dict[str, int]) -> None:
     """``ep`` as ``parallelize`` places it: beside a shard dim or alone, not with ``dp``,
-    ``cp`` or (in the dry run) ``tp``; dividing the experts."""
+    ``cp`` or (in the dry run) ``tp`` — without ``ep`` every expert is split over ``tp``
+    instead, as torchtitan splits them; dividing the experts."""
     ep = dims.get("ep", 1)
     if ep == 1:
-        if config.experts and "tp" in dims:
-            raise DryRunError("the dry run does not split a mixture of experts over tp: "
-                              "drop tp, or split the experts over ep (e.g. --mesh shard=8,ep=8)")
         return
     if not config.experts:
         raise DryRunError(f"--mesh has ep {ep} but the model has no experts: drop ep, or give "
@@ -339,7 +337,8 @@ def _check_experts(config: TransformerConfig, dims: dict[str, int]) -> None:
                           f"{', '.join(map(str, fits))}")
     for other, why in (("dp", "build the mesh with shard instead of dp beside ep"),
                        ("cp", "both borrow the data-parallel ranks; drop one"),
-                       ("tp", "the dry run does not split experts over tp; drop tp")):
+                       ("tp", "the dry run splits the experts over ep or over tp, not "
+                              "both; drop one (without ep every expert is split over tp)")):
         if other in dims:
             raise DryRunError(f"--mesh {dims}: ep with {other}: {why}")
 
