@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from devmesh import _torch_compat
 from devmesh.distributed.env import read_launch_env
 from devmesh.errors import DevmeshError, ParallelizeError  # noqa: F401 - re-exported
 from devmesh.mesh import DeviceMesh, init_device_mesh
@@ -44,7 +45,7 @@ class ParamLayout:
     mesh, so a rank holds its piece of every part side by side. Its spec splits the view
     with that dim cut into ``(parts, part size)`` (``(E, 2, I, H)``, split on dim 2), where
     the rank's block is a box again; the parameter holds that block reshaped to its own
-    rank count of dims (``(E, 2 * I/tp, H)``: gate then up, as the module computes)."""
+    number of dims (``(E, 2 * I/tp, H)``: gate then up, as the module computes)."""
 
     mesh: DeviceMesh
     spec: ShardingSpec
@@ -171,8 +172,6 @@ def _packed_dtensor(block: torch.Tensor, layout: ParamLayout):
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor import Shard as TorchShard
 
-    from devmesh import _torch_compat
-
     dim, parts = layout.packed
     spec = layout.spec
     splitting = spec.dim_map[dim + 1]
@@ -183,17 +182,18 @@ def _packed_dtensor(block: torch.Tensor, layout: ParamLayout):
             "torch DTensor form: a DTensor describes a packed dim split evenly by one mesh "
             "dim. Take its full tensor instead (devmesh.parallel.state_dict(model, "
             "full=True)), or save it with devmesh's checkpoints")
+    # the same split as if the dim were not packed: each mesh dim's placement, that one's
+    # then made the strided placement of the parts
     own = ShardingSpec(spec.mesh_shape, layout.full_shape,
                        spec.dim_map[:dim] + (splitting,) + spec.dim_map[dim + 2:],
                        spec.partial, spec.mesh_dim_names)
-    placements = list(ShardedTensor(block.reshape(own.local_shape(layout.mesh.get_coordinate())),
-                                    layout.mesh, own).to_dtensor().placements)
+    local = block.reshape(own.local_shape(layout.mesh.get_coordinate()))
+    placements = list(ShardedTensor(local, layout.mesh, own).to_dtensor().placements)
     assert placements[splitting[0]] == TorchShard(dim)
     placements[splitting[0]] = _torch_compat.strided_shard_type()(dim, split_factor=parts)
     shape = layout.full_shape
     stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
-    return DTensor.from_local(block.reshape(own.local_shape(layout.mesh.get_coordinate())),
-                              layout.mesh, placements, run_check=False, shape=shape,
+    return DTensor.from_local(local, layout.mesh, placements, run_check=False, shape=shape,
                               stride=stride)
 
 
