@@ -53,6 +53,8 @@ STRATEGIES = {
     "moe-fsdp-tp": ({"shard": 4, "tp": 2}, "none", "float32", "1f1b", MOE),
     "moe-fsdp-tp-selective-bf16": ({"shard": 2, "tp": 4}, "selective", "bfloat16", "1f1b",
                                    MOE),
+    # over ep and each over tp too (torchtitan's expert tensor parallelism)
+    "moe-fsdp-ep-tp": ({"shard": 2, "ep": 2, "tp": 2}, "none", "float32", "1f1b", MOE),
 }
 
 
@@ -237,8 +239,6 @@ def test_a_mixture_of_experts_preset_has_the_parameters_it_states(name, billions
     ({"ep": 3, "shard": 2}, "ep 3 does not divide the 8 experts: ep may be 2, 4, 8"),
     ({"dp": 2, "ep": 4}, "ep with dp: build the mesh with shard instead of dp"),
     ({"shard": 2, "ep": 2, "cp": 2}, "ep with cp"),
-    ({"shard": 2, "ep": 2, "tp": 2}, "ep with tp: the dry run splits the experts over ep or "
-     "over tp, not both"),
 ])
 def test_expert_parallelism_the_dry_run_cannot_place_is_refused_naming_why(mesh, says):
     from devmesh.errors import DryRunError

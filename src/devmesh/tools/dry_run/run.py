@@ -322,9 +322,9 @@ def dry_run(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
 
 
 def _check_experts(config: TransformerConfig, dims: dict[str, int]) -> None:
-    """``ep`` as ``parallelize`` places it: beside a shard dim or alone, not with ``dp``,
-    ``cp`` or (in the dry run) ``tp`` — without ``ep`` every expert is split over ``tp``
-    instead, as torchtitan splits them; dividing the experts."""
+    """``ep`` as ``parallelize`` places it: beside a shard dim or alone, not with ``dp`` or
+    ``cp``; dividing the experts. With ``tp`` every expert is split over ``tp`` as well
+    (torchtitan's plan, its expert tensor parallelism with ``ep``)."""
     ep = dims.get("ep", 1)
     if ep == 1:
         return
@@ -336,9 +336,7 @@ def _check_experts(config: TransformerConfig, dims: dict[str, int]) -> None:
         raise DryRunError(f"ep {ep} does not divide the {config.experts} experts: ep may be "
                           f"{', '.join(map(str, fits))}")
     for other, why in (("dp", "build the mesh with shard instead of dp beside ep"),
-                       ("cp", "both borrow the data-parallel ranks; drop one"),
-                       ("tp", "the dry run splits the experts over ep or over tp, not "
-                              "both; drop one (without ep every expert is split over tp)")):
+                       ("cp", "both borrow the data-parallel ranks; drop one")):
         if other in dims:
             raise DryRunError(f"--mesh {dims}: ep with {other}: {why}")
 
