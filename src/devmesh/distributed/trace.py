@@ -108,9 +108,9 @@ def note(op: str, shapes: str) -> Record | None:
     """Record a collective devmesh issues on a process-group object of its own, outside
     ``torch.distributed``'s functions (the replica groups' all-reduces across groups, over a
     group made for each quorum): it shows among this rank's records, numbered on its own,
-    and its caller sets its ``state`` (``shapes``: what it moves, in words). Such records name no ranks of this job's world (the
-    groups are worlds of their own), so a hang report compares no ranks over them. ``None``
-    while the recorder is off."""
+    and its caller sets its ``state`` (``shapes``: what it moves, in words). Such records
+    name no ranks of this job's world (the groups are worlds of their own), so a hang
+    report compares no ranks over them. ``None`` while the recorder is off."""
     if not _originals:
         return None
     with _lock:

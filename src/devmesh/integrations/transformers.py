@@ -127,9 +127,8 @@ def _experts_style(name: str, declared: Mapping[str, str]) -> ParallelStyle:
 
 
 def _names(pattern: str, module: str) -> bool:
-    """Whether the plan's entry ``pattern`` (``*`` for one segment) is ``module``."""
-    have, want = pattern.split("."), module.split(".")
-    return len(have) == len(want) and all(a == "*" or a == b for a, b in zip(have, want))
+    """Whether the plan's entry ``pattern`` (``*`` for one segment) is ``module`` itself."""
+    return pattern.count(".") == module.count(".") and _within(pattern, module)
 
 
 def _within(pattern: str, module: str) -> bool:

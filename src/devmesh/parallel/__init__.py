@@ -45,7 +45,8 @@ __all__ = [
     "shard_sequence", "gather_sequence", "sequence_positions", "MoE", "expert_parallel",
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput",
-    "ExpertsTensorParallel", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict", "load_state_dict", "describe",
+    "ExpertsTensorParallel", "loss_parallel", "clip_grad_norm_", "GradScaler", "state_dict",
+    "load_state_dict", "describe",
     "get_layout", "as_sharded", "ParallelizeError", "save_checkpoint", "load_checkpoint",
     "parallelize",
 ]

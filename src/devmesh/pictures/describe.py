@@ -85,7 +85,8 @@ def describe(model: nn.Module | PipelineRunner, *, to_file: str | None = None,
             per_rank[rank] += math.prod(shape) * p.element_size()
         by_param[name] = {r: math.prod(sh) * p.element_size() for r, sh in shapes.items()}
         if len(groups) <= 1:
-            local = f"{_held(layout, tuple(mine.shape)) if layout else tuple(mine.shape)} on " + ("every rank" if ranks is None
+            held = _held(layout, tuple(mine.shape)) if layout else tuple(mine.shape)
+            local = f"{held} on " + ("every rank" if ranks is None
                                                else ranks_phrase(ranks))
         else:
             local = "; ".join(f"{shape} on {ranks_phrase(ranks)}"
