@@ -20,6 +20,7 @@ SCRIPT = textwrap.dedent('''
     import json, os, signal, sys, time
     import torch
     from torch import nn
+    from devmesh.distributed import trace
     from devmesh.fault import ReplicaGroups
 
     out, steps, shard = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "shard"
@@ -84,6 +85,9 @@ SCRIPT = textwrap.dedent('''
             os.replace(stop + f".{rank}", stop)
         log.write(json.dumps({"t": time.time(), "attempt": attempt, **result.__dict__}) + "\\n")
         log.flush()
+    if trace.installed():
+        json.dump([r.__dict__ for r in trace.records()],
+                  open(os.path.join(out, f"trace-{group}-{rank}.json"), "w"))
     state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v)
              for k, v in model.state_dict().items()}
     torch.save(state, os.path.join(out, f"model-{group}-{rank}.pt"))
@@ -91,10 +95,11 @@ SCRIPT = textwrap.dedent('''
 ''')
 
 
-def _run(tmp_path, groups, ranks, steps, fault, *, shard=False, timeout_s=3):
+def _run(tmp_path, groups, ranks, steps, fault, *, shard=False, timeout_s=3, traced=False):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    env = dict(os.environ, DEVMESH_LOG="info", DEVMESH_REPLICA_TIMEOUT=str(timeout_s))
+    env = dict(os.environ, DEVMESH_LOG="info", DEVMESH_REPLICA_TIMEOUT=str(timeout_s),
+               DEVMESH_TRACE_COLLECTIVES="1" if traced else "0")
     command = [sys.executable, "-m", "devmesh", "run", "--replica-groups", str(groups),
                "-n", str(ranks), "--max-restarts", "1", str(script), str(tmp_path),
                str(steps), "shard" if shard else "whole", json.dumps(fault)]
@@ -187,14 +192,27 @@ def test_ddp_groups_step_on_without_a_killed_group_which_heals_from_a_live_one(t
 
 
 def test_hsdp_groups_step_on_without_a_group_whose_rank_was_killed(tmp_path):
+    """With the collective recorder on (``DEVMESH_TRACE_COLLECTIVES=1``): the groups step on
+    as without it, and each round's all-reduce across the groups is among each rank's
+    records, one record a round (not one per gradient: the user's collectives stay in the
+    records kept)."""
     groups, ranks, steps = 2, 2, 20
     done, logs, died_at = _run(tmp_path, groups, ranks, steps,
-                               {"group": 1, "rank": 1, "step": 2, "how": "kill"}, shard=True)
+                               {"group": 1, "rank": 1, "step": 2, "how": "kill"}, shard=True,
+                               traced=True)
     committed, _ = _check(tmp_path, logs, groups, ranks, steps, died_at, faulty=1,
                           at_step=2, commit_within=10, heal_within=90)
     assert [0] in [c for _, c in committed]  # steps group 0 took alone
     # both ranks of the restarted group healed, each from its counterpart
     assert "healed from group 0" in done.stderr
+    for g in range(groups):
+        for r in range(ranks):
+            records = json.loads((tmp_path / f"trace-{g}-{r}.json").read_text())
+            across = [x for x in records if x["op"] == "all_reduce across replica groups"]
+            # a round each step (the restarted group's: 3 or more after it healed)
+            assert len(across) >= 3 and across[-1]["state"] == "done", records
+            assert across[-1]["shapes"].startswith("4 tensors, "), records
+    # (a round that breaks off leaves a failed record: tests/unit/test_replica_records.py)
 
 
 def test_a_hung_group_is_left_out_and_heals_when_it_answers_again(tmp_path):
@@ -212,6 +230,7 @@ ORPHAN_SCRIPT = textwrap.dedent('''
     import os, sys, time
     import torch
     from torch import nn
+    from devmesh.distributed import trace
     from devmesh.fault import ReplicaGroups
 
     out = sys.argv[1]

@@ -53,6 +53,7 @@ KEEP = 64  # records kept per rank
 #: How long a rank whose collective failed waits for the others' records.
 ANSWER_SECONDS = 5.0
 _POLL_SECONDS = 0.5
+_JOIN_SECONDS = 2.0  # at exit, for a listener in a store call (a store that went away)
 _PREFIX = "devmesh/trace/"
 
 # torch.distributed's collectives and point-to-point calls: a rank that skips one hangs others
@@ -91,6 +92,7 @@ _noted: dict[str, int] = {}  # the collectives of :func:`note`, by operation
 _originals: list[tuple[Any, str, Callable]] = []
 _store: Any = None
 _listener: threading.Thread | None = None
+_listening_ends = threading.Event()
 _posted = False
 
 
@@ -315,8 +317,7 @@ def _start_listener() -> None:
 
 def _listen() -> None:
     store = _store
-    while True:
-        time.sleep(_POLL_SECONDS)
+    while not _listening_ends.wait(_POLL_SECONDS):
         try:
             if store.check([_PREFIX + "request"]):
                 _post(exited=False)
@@ -339,7 +340,18 @@ def _post(*, exited: bool) -> None:
     _posted = True
 
 
+def _stop_listener() -> None:
+    """End the listener before the interpreter does: CPython ends a daemon thread that is
+    inside a store call at shutdown with ``pthread_exit``, which unwinds through torch's C++
+    frames and aborts the process (SIGABRT, "terminate called without an active
+    exception") after its work is done."""
+    _listening_ends.set()
+    if _listener is not None:
+        _listener.join(timeout=_JOIN_SECONDS)
+
+
 def _post_at_exit() -> None:
+    _stop_listener()
     try:
         _post(exited=True)
     except Exception:  # noqa: BLE001 - the store's server exited first: nothing to tell

@@ -9,6 +9,7 @@ breaks only that group, and the next epoch's group is made without it.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import threading
@@ -50,7 +51,9 @@ class StepResult:
 
 class _Heartbeat:
     """A thread telling the coordinator, every few tenths of a second, that this rank lives
-    (its own connection to the store)."""
+    (its own connection to the store). Stopped at exit too, if the script did not close its
+    groups: CPython ends a daemon thread that is inside a store call at shutdown with
+    ``pthread_exit``, which aborts the process through torch's C++ frames."""
 
     def __init__(self, host: str, port: int, group: int, rank: int) -> None:
         self._store = dist.TCPStore(host, port, is_master=False,
@@ -60,6 +63,7 @@ class _Heartbeat:
         self._thread = threading.Thread(target=self._beat, name="devmesh-heartbeat",
                                         daemon=True)
         self._thread.start()
+        atexit.register(self.stop)
 
     def _beat(self) -> None:
         count = 0

@@ -1,0 +1,51 @@
+"""devmesh's background threads that talk to a store must not abort their process at exit.
+
+A daemon thread inside a c10d store call (which releases the GIL in C++) when the
+interpreter shuts down is ended by CPython with ``pthread_exit`` as it takes the GIL back;
+that unwinds through torch's C++ frames and aborts the process ("terminate called without an
+active exception", SIGABRT) after its work is done. Each thread here polls its store with no
+pause, so without a stop at exit nearly every run would abort.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+RUNS = 3
+
+_RECORDER = """
+    from datetime import timedelta
+    import time
+    import torch.distributed as dist
+    from devmesh.distributed import trace
+
+    trace._store = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    trace._POLL_SECONDS = 0.0  # the listener asks the store without a pause
+    trace.install()
+    trace._start_listener()
+    time.sleep(0.05)
+"""
+
+_HEARTBEAT = """
+    from datetime import timedelta
+    import time
+    import torch.distributed as dist
+    from devmesh.fault import protocol, replicas
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
+    protocol.HEARTBEAT_SECONDS = 0.0  # the heartbeat writes without a pause
+    beat = replicas._Heartbeat("127.0.0.1", server.port, group=0, rank=0)  # never stopped
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("script", [_RECORDER, _HEARTBEAT], ids=["recorder", "heartbeat"])
+def test_a_process_with_the_thread_running_exits_0(script):
+    for _ in range(RUNS):
+        done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr[-2000:]
