@@ -61,6 +61,18 @@ def test_a_mixture_of_experts_plan_splits_every_expert_as_one_style():
     assert isinstance(plan["layers.*.self_attn.o_proj"], RowwiseParallel)
 
 
+def test_experts_stored_in_by_out_are_split_on_the_dims_their_styles_name():
+    """Llama 4's experts hold (E, in, out) and transformers splits them by dim: the packed
+    gate/up on dim -1 (``packed_rowwise``), down on dim -2 (``colwise``). As math they are
+    still a column/row pair: gate/up split on its outputs, down on its inputs."""
+    plan = dict(MIXTRAL, **{"layers.*.mlp.experts.gate_up_proj": "packed_rowwise",
+                            "layers.*.mlp.experts.down_proj": "colwise"})
+    experts = tensor_parallel_plan(declaring(plan))["layers.*.mlp.experts"]
+    assert experts.transposed
+    assert experts.colwise == {"gate_up_proj": 2} and experts.rowwise == ("down_proj",)
+    assert not tensor_parallel_plan(declaring(MIXTRAL))["layers.*.mlp.experts"].transposed
+
+
 def test_experts_left_to_ep_leave_the_plan_with_their_weights():
     plan = tensor_parallel_plan(declaring(MIXTRAL), leave_out=["layers.0.mlp.experts"])
     assert "layers.*.mlp.experts" not in plan and len(plan) == 2

@@ -47,7 +47,7 @@ from devmesh.parallel.activation_checkpointing import MODES, check_mode, checkpo
 from devmesh.parallel.compute_dtype import compute_in
 from devmesh.parallel.context_parallel import context_parallel
 from devmesh.parallel.expert_parallel import MoE, expert_parallel
-from devmesh.parallel.expert_parallel.stacked import is_stacked_experts
+from devmesh.parallel.expert_parallel.stacked import is_stacked_experts, is_unroutable_experts
 from devmesh.parallel.fsdp import MixedPrecisionPolicy, batched_checks, fully_shard
 from devmesh.parallel.pipeline import PipelineRunner
 from devmesh.parallel.replicate import replicate
@@ -265,6 +265,16 @@ def _experts(model: nn.Module, names: tuple[str, ...], replicas: list[str]
             f"replicate dim {replicas[0]!r} too): build the mesh as ('dp_shard', 'ep'), "
             "('ep',), with 'tp' if wanted")
     found = [m for m in model.modules() if isinstance(m, MoE) or is_stacked_experts(m)]
+    unroutable = [(n, m) for n, m in model.named_modules() if is_unroutable_experts(m)]
+    if not found and unroutable:
+        name, module = unroutable[0]
+        raise ParallelizeError(
+            f"the mesh has 'ep' but {type(model).__name__}'s experts ({name!r}, "
+            f"{type(module).__name__}) are called with every token for every expert, not "
+            "with each token's chosen experts (transformers' usual (hidden_states, "
+            "top_k_index, top_k_weights), or torchtitan's (x, num_tokens_per_expert)): "
+            "there are no tokens to send to each expert's rank. Split every expert over "
+            "'tp' instead (a mesh without 'ep': the model's own plan does)")
     if not found:
         raise ParallelizeError(
             f"the mesh has 'ep' but {type(model).__name__} has no experts to split (a "

@@ -95,10 +95,11 @@ def tensor_parallel_plan(model: nn.Module, leave_out: Sequence[str] = ()
     return plan
 
 
-# how transformers splits a stacked expert weight under ``moe_tp_experts``: its packed
-# gate and up on the output dim, in two parts; a plain weight on its output or input dim
-_EXPERT_WEIGHTS = {"packed_colwise": ("colwise", 2), "colwise": ("colwise", 1),
-                   "rowwise": ("rowwise", 1)}
+# how transformers splits a stacked expert weight under ``moe_tp_experts``: the dim its
+# style names (colwise: dim -2, rowwise: dim -1, whatever the layout) and the number of parts
+# packed in it (gate and up side by side)
+_EXPERT_WEIGHTS = {"packed_colwise": (-2, 2), "colwise": (-2, 1), "rowwise": (-1, 1),
+                   "packed_rowwise": (-1, 2)}
 
 
 def _owner(name: str) -> str:
@@ -108,22 +109,23 @@ def _owner(name: str) -> str:
 def _experts_style(name: str, declared: Mapping[str, str]) -> ParallelStyle:
     """transformers' ``moe_tp_experts`` entry and its weights' entries (``<name>.<weight>``)
     as one :class:`ExpertsTensorParallel`."""
-    colwise: dict[str, int] = {}
-    rowwise: list[str] = []
+    splits: dict[str, tuple[int, int]] = {}
     for entry, style in declared.items():
         if _owner(entry) != name:
             continue
-        weight = entry.rpartition(".")[2]
         how = _EXPERT_WEIGHTS.get(style)
         if how is None:
             raise ParallelizeError(
                 f"the tensor-parallel plan splits expert weight {entry!r} as {style!r}; "
                 f"devmesh splits stacked expert weights as {sorted(_EXPERT_WEIGHTS)}")
-        if how[0] == "colwise":
-            colwise[weight] = how[1]
-        else:
-            rowwise.append(weight)
-    return ExpertsTensorParallel(colwise=colwise, rowwise=rowwise)
+        splits[entry.rpartition(".")[2]] = how
+    # a packed weight (gate and up) is split on its output dim: on dim -1, the experts are
+    # stored (E, in, out) and multiplied as x @ W[e] (Llama 4's)
+    transposed = any(dim == -1 and parts > 1 for dim, parts in splits.values())
+    out_dim = -1 if transposed else -2
+    colwise = {w: parts for w, (dim, parts) in splits.items() if dim == out_dim}
+    rowwise = [w for w, (dim, _) in splits.items() if dim != out_dim]
+    return ExpertsTensorParallel(colwise=colwise, rowwise=rowwise, transposed=transposed)
 
 
 def _names(pattern: str, module: str) -> bool:

@@ -44,10 +44,12 @@ from devmesh.parallel.param import (ParamLayout, combined_mesh, get_layout, is_d
 from devmesh.parallel.placement import place_parameter
 from devmesh.tensor import Shard, ShardingSpec, distribute_tensor
 
-__all__ = ["is_stacked_experts", "split_stacked_experts", "split_by_expert",
+__all__ = ["is_stacked_experts", "is_unroutable_experts", "split_stacked_experts", "split_by_expert",
            "ExpertParallelExperts", "ExpertParallelSortedExperts"]
 
-_CALL = ("top_k_index", "top_k_weights")  # transformers'
+# transformers' call, each token's experts and their weights after the tokens, under the
+# names most models give them or gpt-oss's
+_CALLS = (("top_k_index", "top_k_weights"), ("router_indices", "routing_weights"))
 _SORTED_CALL = ("num_tokens_per_expert",)  # torchtitan's
 
 
@@ -59,9 +61,13 @@ def _forward_takes(module: nn.Module, names: tuple[str, ...]) -> bool:
     return all(name in taken for name in names)
 
 
+def _takes_routed_tokens(module: nn.Module) -> bool:
+    return any(_forward_takes(module, names) for names in _CALLS)
+
+
 def takes_sorted_tokens(module: nn.Module) -> bool:
     """Whether an experts module is called torchtitan's way, ``(x, num_tokens_per_expert)``."""
-    return _forward_takes(module, _SORTED_CALL) and not _forward_takes(module, _CALL)
+    return _forward_takes(module, _SORTED_CALL) and not _takes_routed_tokens(module)
 
 
 def is_stacked_experts(module: nn.Module) -> bool:
@@ -69,13 +75,22 @@ def is_stacked_experts(module: nn.Module) -> bool:
     own parameters all stacked along dim 0 by expert, and a forward called transformers'
     way ``(hidden_states, top_k_index, top_k_weights)`` or torchtitan's
     ``(x, num_tokens_per_expert)``."""
+    return _stacked(module) and (_takes_routed_tokens(module) or takes_sorted_tokens(module))
+
+
+def is_unroutable_experts(module: nn.Module) -> bool:
+    """An experts module with its weights stacked by expert but called some other way
+    (Llama 4's: every token through every expert, ``forward(hidden_states)``): expert
+    parallelism has no tokens per expert to send."""
+    return _stacked(module) and not is_stacked_experts(module)
+
+
+def _stacked(module: nn.Module) -> bool:
     experts = getattr(module, "num_experts", None)
     params = list(module._parameters.values())
     if not isinstance(experts, int) or not params:
         return False
-    if not all(p is not None and p.dim() >= 1 and p.shape[0] == experts for p in params):
-        return False
-    return _forward_takes(module, _CALL) or takes_sorted_tokens(module)
+    return all(p is not None and p.dim() >= 1 and p.shape[0] == experts for p in params)
 
 
 class ExpertParallelExperts:

@@ -3,10 +3,11 @@ tensor-parallel mesh, every expert as a column/row pair — transformers' ``moe_
 with its ``packed_colwise`` and ``rowwise`` expert weights.
 
 The experts module holds each weight for all experts stacked, ``(experts, out, in)`` as
-transformers' experts call ``F.linear(x, weight[e])``: the column weights (SwiGLU's packed
-``gate_up_proj``, ``(E, 2I, H)``) are split on their output dim, each packed part apart, so a
-rank holds gate and up for the same ``I/tp`` features; the row weights (``down_proj``,
-``(E, H, I)``) on their input dim. The module's own forward then runs unchanged on every
+most of transformers' experts call ``F.linear(x, weight[e])`` (or ``(experts, in, out)``,
+multiplied as ``x @ weight[e]``: Llama 4's, ``transposed=True``): the column weights
+(SwiGLU's packed ``gate_up_proj``, ``(E, 2I, H)``) are split on their output dim, each packed
+part apart, so a rank holds gate and up for the same ``I/tp`` features; the row weights
+(``down_proj``, ``(E, H, I)``) on their input dim. The module's own forward then runs unchanged on every
 rank with every token routed to it (the tokens are replicated over tp, as after an attention
 block's row-wise projection), on its slice of every expert, and its output is a partial sum
 that the style reduces. The router stays whole: the gradient of its weights for the experts'
@@ -40,6 +41,9 @@ class ExpertsTensorParallel(ParallelStyle):
             with the number of equal parts packed in it: ``{"gate_up_proj": 2}`` (gate and
             up side by side), ``{"w1": 1, "w3": 1}`` for unpacked ones.
         rowwise: the weights split on their input dim (dim -1), ``("down_proj",)``.
+        transposed: the weights are stored ``(E, in, out)`` and multiplied as
+            ``x @ weight[e]`` (Llama 4's experts): the column weights are split on dim -1,
+            the row weights on dim -2.
         output_layouts: the summed outputs ``Replicate()`` (an all-reduce: transformers'
             ``moe_tp_experts``), ``Shard(d)`` (a reduce-scatter), or ``Partial()``: this
             rank's partial sums unreduced, for the caller to add the shared experts' partial
@@ -55,9 +59,12 @@ class ExpertsTensorParallel(ParallelStyle):
     def __init__(self, *, colwise: Mapping[str, int] | None = None,
                  rowwise: Sequence[str] = ("down_proj",),
                  output_layouts: Placement | None = None,
-                 use_local_output: bool = True) -> None:
+                 use_local_output: bool = True, transposed: bool = False) -> None:
         self.colwise = dict({"gate_up_proj": 2} if colwise is None else colwise)
         self.rowwise = tuple(rowwise)
+        self.transposed = transposed
+        # where the output and input features lie in each expert's matrix
+        self._out_dim, self._in_dim = (-1, -2) if transposed else (-2, -1)
         self.output_layouts = _one(output_layouts, "ExpertsTensorParallel output_layouts") \
             or Replicate()
         self.use_local_output = use_local_output
@@ -79,7 +86,7 @@ class ExpertsTensorParallel(ParallelStyle):
         if flat:
             raise ParallelizeError(
                 f"ExpertsTensorParallel on {name!r}: {flat} are not stacked matrices "
-                "(experts, out, in)")
+                f"({'(experts, in, out)' if self.transposed else '(experts, out, in)'})")
         other = sorted(set(own) - set(named)) + sorted(
             n for n, _ in module.named_parameters() if "." in n)
         if other:
@@ -94,9 +101,9 @@ class ExpertsTensorParallel(ParallelStyle):
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
         for attr, parts in self.colwise.items():
-            distribute(module, attr, Shard(-2), parts=parts)
+            distribute(module, attr, Shard(self._out_dim), parts=parts)
         for attr in self.rowwise:
-            distribute(module, attr, Shard(-1))
+            distribute(module, attr, Shard(self._in_dim))
         module.register_forward_pre_hook(functools.partial(_experts_input, mesh),
                                          with_kwargs=True)
         module.register_forward_hook(functools.partial(_experts_output, self, mesh))
