@@ -139,15 +139,18 @@ def _pipelined(model: nn.Module, mesh: DeviceMesh, schedule: str | Schedule,
             "a schedule without split backwards (1f1b, interleaved-1f1b, gpipe)")
     index = pp.get_local_rank()
     mine = [s for s in range(schedule.stages) if schedule.rank_of(s) == index]
+    others = tuple(n for n in names if n != "pp")
+    # the model's experts, which some stage holds (refused here if none): a stage without
+    # any (DeepSeek's dense first layers) is data-parallel over ep
+    _experts(model, others, [n for n in others if n in REPLICATE_DIMS])
     stages = transformers_stages(model, schedule.stages, mine)
     if loss_fn is None:
         loss_fn = _causal_lm_loss(model)
-    others = tuple(n for n in names if n != "pp")
     if others or options["mp_policy"] is not None or \
             options["activation_checkpointing"] != "none":
         inner = mesh[others] if others else None
         for s, stage in stages.items():
-            _parallelize_on(stage, inner, others, None, **options)
+            _parallelize_on(stage, inner, others, None, **options, a_stage=True)
     return PipelineRunner(stages, mesh, schedule, loss_fn)
 
 
@@ -173,9 +176,10 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
                     activation_checkpointing: str | int,
                     mp_policy: MixedPrecisionPolicy | None,
                     reshard_after_forward: bool | None,
-                    experts_over_tp: bool = False) -> nn.Module:
+                    experts_over_tp: bool = False, a_stage: bool = False) -> nn.Module:
     """``parallelize`` without ``pp``, on ``mesh`` whose dims are ``names`` (``None`` and no
-    names: activation checkpointing and compute dtype alone)."""
+    names: activation checkpointing and compute dtype alone); ``a_stage``: ``model`` is a
+    pipeline stage, which may hold none of the model's experts."""
     shard = [n for n in names if n in SHARD_DIMS]
     replicas = [n for n in names if n in REPLICATE_DIMS]
     if len(shard) > 1 or len(replicas) > 1:
@@ -183,8 +187,8 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
             f"the mesh {names} names several data-parallel dims of one kind "
             f"({shard or replicas}): give one shard dim and at most one replicate dim "
             "(build the mesh with one of each, e.g. ('dp_replicate', 'dp_shard', 'tp'))")
-    experts = _experts(model, names, replicas)
-    borrowed = "ep" if experts else "cp" if "cp" in names else None
+    experts = _experts(model, names, replicas, none_here=a_stage)
+    borrowed = "ep" if "ep" in names else "cp" if "cp" in names else None
     if "cp" in names:
         _check_context_parallel(model, names, shard, replicas)
     if blocks is None:
@@ -253,10 +257,11 @@ def _check_context_parallel(model: nn.Module, names: tuple[str, ...], shard: lis
             "attn_implementation='sdpa'")
 
 
-def _experts(model: nn.Module, names: tuple[str, ...], replicas: list[str]
-             ) -> list[nn.Module]:
+def _experts(model: nn.Module, names: tuple[str, ...], replicas: list[str], *,
+             none_here: bool = False) -> list[nn.Module]:
     """The expert layers ``ep`` splits (none without ``ep``): transformers' stacked experts
-    modules and devmesh ``MoE`` layers."""
+    modules and devmesh ``MoE`` layers. ``none_here``: a model holding none is no error (a
+    pipeline stage of a model whose experts are on other stages)."""
     if "ep" not in names:
         return []
     if replicas:
@@ -266,6 +271,8 @@ def _experts(model: nn.Module, names: tuple[str, ...], replicas: list[str]
             "('ep',), with 'tp' if wanted")
     found = [m for m in model.modules() if isinstance(m, MoE) or is_stacked_experts(m)]
     unroutable = [(n, m) for n, m in model.named_modules() if is_unroutable_experts(m)]
+    if not found and none_here and not unroutable:
+        return []
     if not found and unroutable:
         name, module = unroutable[0]
         raise ParallelizeError(

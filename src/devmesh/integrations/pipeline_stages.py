@@ -20,6 +20,7 @@ keeps one tensor (:mod:`devmesh.parallel.pipeline.tied`).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -89,14 +90,41 @@ class PipelineStageOfModel:
     _devmesh_prefix = "PipelineStage"
     pipeline_first: bool
     pipeline_last: bool
+    pipeline_layers: str  #: the name of the ``ModuleList`` of decoder layers
 
     def forward(self, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         key = "input_ids" if self.pipeline_first else "inputs_embeds"
         kwargs = {key: hidden, "use_cache": False, **kwargs}
-        if self.pipeline_last:  # the whole model's forward: its head, a final soft-capping
-            return super().forward(*args, **kwargs)[0]  # type: ignore[misc]
-        base = getattr(self, self.base_model_prefix)  # type: ignore[attr-defined]
-        return base(*args, **kwargs)[0]
+        with self._first_layer_takes(hidden):
+            if self.pipeline_last:  # the whole model's forward: its head, a soft-capping
+                return super().forward(*args, **kwargs)[0]  # type: ignore[misc]
+            base = getattr(self, self.base_model_prefix)  # type: ignore[attr-defined]
+            return base(*args, **kwargs)[0]
+
+    @contextlib.contextmanager
+    def _first_layer_takes(self, hidden: torch.Tensor):
+        """On a stage after the first, hand this stage's first layer the previous stage's
+        output as it is. The base model's forward treats ``inputs_embeds`` as embeddings:
+        some scale them before the layers (Granite's ``embedding_multiplier``, Gemma 2's
+        normalizer), which the first stage did already. The shapes it derives from them
+        (positions, masks) are the same. The hook is on whatever holds the layer's place
+        now (a checkpointing wrapper: its recompute reruns from the input handed in)."""
+        if self.pipeline_first:
+            yield
+            return
+        layers = self.get_submodule(self.pipeline_layers)  # type: ignore[attr-defined]
+        first = next(iter(layers._modules.values()))
+
+        def given(_module, args, kwargs):
+            if args:
+                return (hidden, *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": hidden}
+
+        handle = first.register_forward_pre_hook(given, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
 
 
 def transformers_stages(model: nn.Module, stages: int, mine: Sequence[int]
@@ -141,6 +169,7 @@ def _keep(model: nn.Module, plan: PipelinePlan, stage: int, stages: int,
     _own_layer_types(model, plan, start, end)
     with_methods(model, PipelineStageOfModel)
     model.pipeline_first, model.pipeline_last = first, last
+    model.pipeline_layers = plan.layers
     setattr(model, REMOVED, tuple(removed))
     config = getattr(model, "config", None)
     if getattr(config, "use_cache", False):

@@ -912,7 +912,11 @@ def train_pipelined(arch: str, strategy: str):
     ("llama", "pp_fsdp"), ("gemma3", "pp_ddp_interleaved_full_ac"),
     ("qwen3", "pp_tp_dualpipe_v_full_ac"), ("gemma3", "pp_tp_selective_ac"),
     ("mixtral", "pp_ep"), ("mixtral", "pp_fsdp_ep"),
-    ("qwen3_moe", "pp_tp_selective_ac")])  # every expert split over tp in its stage
+    ("qwen3_moe", "pp_tp_selective_ac"),  # every expert split over tp in its stage
+    # Granite scales inputs_embeds in its base model's forward: once, on the first stage
+    ("granite", "pp_fsdp"), ("granite", "pp_ddp_interleaved_full_ac"),
+    ("gpt_oss", "pp_ep"),
+    ("deepseek_v3", "pp_fsdp_ep")])  # its dense first layer alone on stage 0
 def test_a_transformers_model_trains_in_pipeline_stages_as_one_process(mesh_pool, arch,
                                                                        strategy):
     shape = PP_STRATEGIES[strategy][0]
