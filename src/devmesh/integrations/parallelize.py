@@ -202,8 +202,11 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
         for layer in experts:
             expert_parallel(layer, mesh["ep"], data_mesh=data)
     if "cp" in names:  # on each block: a checkpointed block's recompute routes it again
+        windowed = hf.is_transformers_model(model)
         for part in blocks or [model]:
-            context_parallel(part, mesh["cp"])
+            # a sliding or chunked layer attends within its window over the whole sequence
+            window, chunk = hf.attention_window(part) if windowed else (None, None)
+            context_parallel(part, mesh["cp"], sliding_window=window, chunk_size=chunk)
     blocks = _checkpoint(model, blocks, activation_checkpointing)
     # the ranks of ep and cp hold their own tokens: data-parallel ranks for the parameters
     data_dims = [*(replicas or shard), *([borrowed] if borrowed else [])]
@@ -249,6 +252,15 @@ def _check_context_parallel(model: nn.Module, names: tuple[str, ...], shard: lis
             f"parallelize places 'cp' beside one data-parallel dim (the mesh {names} has "
             f"{replicas[0]!r} and {shard[0]!r}): build it as ('dp_shard', 'cp'), "
             "('dp_replicate', 'cp') or ('cp',), with 'tp' if wanted")
+    tuned = [name for name, m in model.named_modules()
+             if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)]
+    if tuned:
+        raise ParallelizeError(
+            f"{type(model).__name__}'s attention {tuned[0]!r} scales its queries by their "
+            "positions counted from this rank's first token (Llama 4's temperature tuning "
+            "in layers without rotary embeddings), which under context parallelism are not "
+            "the positions in the sequence: turn it off (config.attn_temperature_tuning="
+            "False) or build the mesh without 'cp'")
     implementation = getattr(getattr(model, "config", None), "_attn_implementation", "sdpa")
     if implementation != "sdpa":
         raise ParallelizeError(

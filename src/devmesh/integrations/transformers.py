@@ -26,8 +26,8 @@ from devmesh.parallel.tensor_parallel import (
 )
 from devmesh.tensor import Replicate
 
-__all__ = ["is_transformers_model", "tensor_parallel_plan", "blocks_of", "STYLES",
-           "context_parallel_batch"]
+__all__ = ["attention_window", "is_transformers_model", "tensor_parallel_plan", "blocks_of",
+           "STYLES", "context_parallel_batch"]
 
 # transformers' style names (transformers.integrations.tensor_parallel's ParallelInterface)
 # and the devmesh style that computes the same thing
@@ -154,6 +154,38 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
             found.append(module)
             inside.update(id(m) for m in module.modules())
     return found
+
+
+def attention_window(block: nn.Module) -> tuple[int | None, int | None]:
+    """``(sliding_window, chunk_size)`` of a decoder layer's attention, as its config says:
+    its entry in ``layer_types`` (``sliding_attention``, ``chunked_attention``,
+    ``full_attention``), or, for a config without it, a ``sliding_window`` every layer
+    uses (Mistral's). Context parallelism must know it: transformers builds the window's
+    mask from the tokens a rank holds, and leaves it out where they are fewer than the
+    window. Another kind of layer (linear attention, state spaces) is refused by name."""
+    attention = next((m for m in block.modules()
+                      if isinstance(getattr(m, "layer_idx", None), int)
+                      and getattr(m, "config", None) is not None), None)
+    if attention is None:
+        return None, None
+    config, index = attention.config, attention.layer_idx
+    types = getattr(config, "layer_types", None)
+    if types is not None and index < len(types):
+        kind = types[index]
+        if kind == "sliding_attention":
+            return config.sliding_window, None
+        if kind == "chunked_attention":
+            return None, config.attention_chunk_size
+        if kind != "full_attention":
+            raise ParallelizeError(
+                f"context parallelism splits softmax attention over the sequence, and layer "
+                f"{index} of {type(block).__name__} is {kind!r}: build the mesh without "
+                "'cp' for this model")
+        return None, None
+    window = getattr(config, "sliding_window", None)
+    if window is not None and getattr(config, "use_sliding_window", True):
+        return window, None
+    return None, None
 
 
 def context_parallel_batch(input_ids: torch.Tensor, mesh: DeviceMesh, *,

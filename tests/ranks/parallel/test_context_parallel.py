@@ -104,6 +104,58 @@ def test_attention_over_the_split_sequence_equals_attention_over_the_whole(mesh_
                 assert "send" not in stats and gathers >= 2 * (cp > 1), (case, stats)
 
 
+# (sliding window, chunk size, load balance, method): windows narrower than a chunk of a
+# rank, as wide, wider than a rank's share, wider than the sequence; chunks across ranks
+BANDS = [(1, None, True, "ring"), (3, None, True, "ring"), (4, None, False, "ring"),
+         (5, None, True, "allgather"), (9, None, True, "ring"), (20, None, False, "allgather"),
+         (None, 3, True, "ring"), (None, 8, False, "ring"), (None, 6, True, "allgather"),
+         (5, 8, True, "ring")]
+
+
+def band_cases(cases):
+    """Each windowed case on this rank: the whole sequence's output and gradients."""
+    mesh = _cp_mesh()
+    results = []
+    for window, chunk, balance, method in cases:
+        q, k, v, weight, _ = _inputs(kv_heads=2)
+        local = [shard_sequence(t, mesh, 2, load_balance=balance).requires_grad_()
+                 for t in (q, k, v)]
+        out = ring_attention(*local, mesh, is_causal=True, load_balance=balance,
+                             method=method, sliding_window=window, chunk_size=chunk)
+        (out * shard_sequence(weight, mesh, 2, load_balance=balance)).sum().backward()
+        results.append([gather_sequence(t, mesh, 2, load_balance=balance).detach()
+                        for t in (out, *(x.grad for x in local))])
+    return results
+
+
+def _band_reference(q, k, v, weight, window, chunk):
+    """torch's attention on the whole sequence with the band's mask, as transformers builds
+    a sliding layer's (a query sees keys at distances below the window) or a chunked one's."""
+    position = torch.arange(q.shape[-2])
+    mask = position[:, None] >= position[None, :]
+    if window is not None:
+        mask &= position[:, None] - position[None, :] < window
+    if chunk is not None:
+        mask &= position[:, None] // chunk == position[None, :] // chunk
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    (out * weight).sum().backward()
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_windowed_attention_over_the_split_sequence_equals_it_over_the_whole(mesh_pool, cp):
+    """A sliding window or aligned chunks (transformers' sliding and chunked layers) by the
+    tokens' positions in the whole sequence, however the window falls across the ranks'
+    chunks: output and gradients equal torch's attention with the band's mask (1e-10)."""
+    for rank_results in mesh_pool.run(band_cases, cp, BANDS):
+        for case, whole in zip(BANDS, rank_results, strict=True):
+            q, k, v, weight, _ = _inputs(kv_heads=2)
+            expected = _band_reference(q, k, v, weight, case[0], case[1])
+            for ours, theirs in zip(whole, expected, strict=True):
+                torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-10, msg=str(case))
+
+
 def sharding_round_trip():
     mesh = _cp_mesh()
     x = torch.arange(2 * 16).reshape(2, 16, 1)
@@ -231,6 +283,9 @@ def refused_inputs():
             "cpu", (1, int(os.environ["WORLD_SIZE"]))))),
         caught(lambda: context_parallel(Model(), mesh)(torch.zeros(1, 5, dtype=torch.long),
                                                        torch.arange(5))),
+        caught(lambda: ring_attention(q, q, q, mesh, sliding_window=2)),  # not causal
+        caught(lambda: ring_attention(q, q, q, mesh, is_causal=True, chunk_size=0)),
+        caught(lambda: context_parallel(nn.Linear(2, 2), mesh, sliding_window=2.5)),
     ]
 
 
@@ -246,6 +301,10 @@ def test_bad_inputs_are_refused_on_every_rank_naming_the_fix(mesh_pool):
                                      "chunks over cp = 2: pad it to a multiple of 4 (2 x cp, "
                                      "a head and a tail chunk per rank), or pass "
                                      "load_balance=False")
+        assert "attends within a sliding window or a chunk causally only: pass " \
+            "is_causal=True" in errors[4][1]
+        assert "ring_attention chunk_size=0: give a number of tokens, 1 or more" in errors[5][1]
+        assert "context_parallel sliding_window=2.5: give a number of tokens" in errors[6][1]
 
 
 class HeadsBlock(nn.Module):

@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
-from devmesh.parallel.context_parallel.ring import METHODS, ring_attention
+from devmesh.parallel.context_parallel.ring import METHODS, Band, ring_attention
 from devmesh.parallel.context_parallel.sequence import check_cp_mesh
 
 __all__ = ["context_parallel", "context_parallel_attention"]
@@ -45,10 +45,24 @@ def _key_padding(attn_mask: torch.Tensor | None, query: torch.Tensor) -> torch.T
     return attn_mask[:, 0, 0, :].expand(batch, local)
 
 
+def _local_band(attn_mask: torch.Tensor, query: torch.Tensor, band: Band) -> bool:
+    """Whether ``attn_mask`` is the band over this rank's own tokens alone, as transformers
+    builds a sliding or chunked layer's mask from the local length (and no padding): the
+    band over the whole sequence replaces it."""
+    local = query.shape[-2]
+    if attn_mask.dtype != torch.bool or attn_mask.ndim != 4 or tuple(
+            attn_mask.shape[-2:]) != (local, local):
+        return False
+    rows = torch.arange(local, device=attn_mask.device)
+    return bool((attn_mask == band.allows(rows, rows)).all())
+
+
 class _RouteAttention(TorchFunctionMode):
-    def __init__(self, mesh: DeviceMesh, load_balance: bool, method: str) -> None:
+    def __init__(self, mesh: DeviceMesh, load_balance: bool, method: str,
+                 band: Band | None = None) -> None:
         super().__init__()
         self.mesh, self.load_balance, self.method = mesh, load_balance, method
+        self.band = band
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -66,6 +80,23 @@ class _RouteAttention(TorchFunctionMode):
             raise ParallelizeError(
                 f"query has {query.shape[-3]} heads, key {key.shape[-3]}: pass "
                 "enable_gqa=True for grouped-query attention")
+        band = self.band
+        if band is not None:  # a windowed layer: causal, its band over the whole sequence
+            if attn_mask is not None and not _local_band(attn_mask, query, band):
+                raise ParallelizeError(
+                    "under context parallelism a sliding-window or chunked attention layer "
+                    "takes no mask but its own band (transformers' mask of this rank's "
+                    f"tokens); got {attn_mask.dtype} {tuple(attn_mask.shape)}: a padding "
+                    "mask is not supported there (pack sequences, or pad on the right)")
+            if attn_mask is None and not is_causal:
+                raise ParallelizeError(
+                    "a sliding-window or chunked attention layer under context parallelism "
+                    "attends causally: its scaled_dot_product_attention call has neither "
+                    "is_causal=True nor its band's mask")
+            return ring_attention(query, key, value, self.mesh, is_causal=True, scale=scale,
+                                  load_balance=self.load_balance, method=self.method,
+                                  sliding_window=band.sliding_window,
+                                  chunk_size=band.chunk_size)
         return ring_attention(query, key, value, self.mesh, is_causal=is_causal, scale=scale,
                               key_padding_mask=_key_padding(attn_mask, query),
                               load_balance=self.load_balance, method=self.method)
@@ -88,14 +119,28 @@ def context_parallel_attention(mesh: DeviceMesh, *, load_balance: bool = True,
 
 
 def context_parallel(module: nn.Module, mesh: DeviceMesh, *, load_balance: bool = True,
-                     method: str = "ring") -> nn.Module:
+                     method: str = "ring", sliding_window: int | None = None,
+                     chunk_size: int | None = None) -> nn.Module:
     """Route ``module``'s attention over the ``cp`` mesh dim ``mesh`` (in place; returns
     ``module``). ``method``: ``"ring"`` (keys and values passed around, overlapped with
     compute) or ``"allgather"`` (gathered at once: fewer, larger messages for short
     sequences). Feed the module :func:`~.sequence.shard_sequence`'s tokens with the same
-    ``load_balance``."""
+    ``load_balance``.
+
+    ``sliding_window`` / ``chunk_size``: the module's attention is windowed (a sliding layer
+    of Mistral or Gemma: each query sees the ``sliding_window`` keys up to itself; a chunked
+    layer of Llama 4: the keys of its own ``chunk_size`` tokens). The window must be given:
+    a model builds its window's mask from the tokens it holds, and skips it where they are
+    fewer than the window, which over a split sequence would attend too far."""
     _check(mesh, method, "context_parallel")
-    route = _RouteAttention(mesh, load_balance, method)
+    band = None
+    if sliding_window is not None or chunk_size is not None:
+        for name, value in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ParallelizeError(f"context_parallel {name}={value!r}: give a number "
+                                       "of tokens, 1 or more")
+        band = Band(sliding_window, chunk_size)
+    route = _RouteAttention(mesh, load_balance, method, band)
 
     def enter(_module: nn.Module, _args: Any) -> None:
         route.__enter__()

@@ -12,13 +12,19 @@ visited, and a last step hands every block's gradients back to its owner.
 latency for short sequences, ``cp`` times the memory) and reduce-scatters their gradients.
 
 Both take the tokens' positions in the whole sequence (see :mod:`.sequence`), so causal
-masks and padding masks follow the load-balanced order. Collectives and messages are
+masks and padding masks follow the load-balanced order, and so do the bands of windowed
+attention: a sliding window (a query sees the ``sliding_window`` keys up to itself:
+Mistral's, Gemma's sliding layers) or aligned chunks (a query sees the keys of its own
+``chunk_size`` tokens up to itself: Llama 4's chunked layers). A pair of chunks the band
+leaves wholly apart is skipped; one it cuts through is masked. Collectives and messages are
 devmesh's own: counted per mesh dim, with the same timeout diagnostics as everything else.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -53,11 +59,50 @@ def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     return grad.reshape(shape).sum(-3)
 
 
+@dataclass(frozen=True)
+class Band:
+    """Windowed causal attention, by the tokens' positions in the whole sequence: a query
+    sees the ``sliding_window`` keys up to itself, or the keys of its own aligned
+    ``chunk_size`` tokens up to itself (either or both)."""
+
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+
+    def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """``(Sq, Sk)``: which pairs the band lets attend (causality included)."""
+        allowed = q_pos[:, None] >= k_pos[None, :]
+        if self.sliding_window is not None:
+            allowed &= (q_pos[:, None] - k_pos[None, :]) < self.sliding_window
+        if self.chunk_size is not None:
+            allowed &= (q_pos[:, None] // self.chunk_size) == (k_pos[None, :] // self.chunk_size)
+        return allowed
+
+
+@functools.lru_cache(maxsize=256)
+def _band_block(band: Band, q_start: int, k_start: int, size: int
+                ) -> tuple[str, torch.Tensor | None]:
+    """How the band cuts the sub-block of ``size`` queries from ``q_start`` and ``size`` keys
+    from ``k_start``: ``"none"`` attend (skipped), ``"all"``, ``"causal"`` (the diagonal's
+    triangle), or ``"masked"`` with the ``(size, size)`` mask (on the CPU)."""
+    rows = torch.arange(size)
+    allowed = band.allows(q_start + rows, k_start + rows)
+    if not allowed.any():
+        return "none", None
+    if allowed.all():
+        return "all", None
+    if q_start == k_start and torch.equal(allowed, torch.ones(size, size, dtype=torch.bool
+                                                              ).tril()):
+        return "causal", None
+    return "masked", allowed
+
+
 def _allowed(q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool,
-             key_mask: torch.Tensor | None) -> torch.Tensor | None:
-    """Which (query, key) pairs attend: ``(Sq, Sk)`` from causality, broadcast with the key
-    padding mask ``(B, Sk)`` to ``(B, 1, Sq, Sk)``; ``None`` when all do."""
+             key_mask: torch.Tensor | None, band: Band | None = None) -> torch.Tensor | None:
+    """Which (query, key) pairs attend: ``(Sq, Sk)`` from causality (or the band), broadcast
+    with the key padding mask ``(B, Sk)`` to ``(B, 1, Sq, Sk)``; ``None`` when all do."""
     allowed = q_pos[:, None] >= k_pos[None, :] if causal else None
+    if band is not None:
+        allowed = band.allows(q_pos, k_pos)
     if key_mask is not None:
         keys = key_mask[:, None, None, :]
         allowed = keys if allowed is None else allowed & keys
@@ -95,17 +140,24 @@ def _chunk_ids(rank: int, cp: int, load_balance: bool) -> tuple[int, ...]:
     return (rank, 2 * cp - 1 - rank) if load_balance else (rank,)
 
 
-def _pairs(q_rank: int, k_rank: int, cp: int, load_balance: bool, causal: bool):
-    """The (query chunk, key chunk, diagonal) sub-blocks that attend, as local chunk indices:
-    under causality a later chunk sees an earlier one whole, a chunk sees itself causally,
-    an earlier one sees nothing of a later one (skipped: no work, no message waits on it)."""
+def _pairs(q_rank: int, k_rank: int, cp: int, load_balance: bool, causal: bool,
+           band: Band | None = None, size: int = 0):
+    """The (query chunk, key chunk, diagonal, band mask) sub-blocks that attend, as local
+    chunk indices: under causality a later chunk sees an earlier one whole, a chunk sees
+    itself causally, an earlier one sees nothing of a later one (skipped: no work, no
+    message waits on it). With a band (chunks of ``size`` tokens), as the band cuts them:
+    whole, causal, skipped, or masked by the ``(size, size)`` mask given."""
     pairs = []
     for i, qc in enumerate(_chunk_ids(q_rank, cp, load_balance)):
         for j, kc in enumerate(_chunk_ids(k_rank, cp, load_balance)):
-            if not causal or qc > kc:
-                pairs.append((i, j, False))
+            if band is not None:
+                how, mask = _band_block(band, qc * size, kc * size, size)
+                if how != "none":
+                    pairs.append((i, j, how == "causal", mask))
+            elif not causal or qc > kc:
+                pairs.append((i, j, False, None))
             elif qc == kc:
-                pairs.append((i, j, True))
+                pairs.append((i, j, True, None))
     return pairs
 
 
@@ -119,40 +171,43 @@ def _rows(t: torch.Tensor, index: int, chunks: int) -> torch.Tensor:
 _FUSED_DEVICES = ("cpu", "meta")
 
 
-def _block_forward(q, k, v, diagonal: bool, key_mask, scale: float):
+def _block_forward(q, k, v, diagonal: bool, key_mask, scale: float, band=None):
     """One sub-block's softmax attention and its log-sum-exp ``(..., Sq, 1)``. On the CPU
-    (or ``meta``, the dry run's) without a padding mask, torch's fused kernel; else the
-    scores written out."""
-    if key_mask is None and q.device.type in _FUSED_DEVICES:
+    (or ``meta``, the dry run's) without a padding or band mask, torch's fused kernel; else
+    the scores written out."""
+    if key_mask is None and band is None and q.device.type in _FUSED_DEVICES:
         out, lse = _torch_compat.cpu_flash_attention()(q, k, v, 0.0, diagonal, scale=scale)
         return out, lse.unsqueeze(-1)
     dtype = _compute_dtype(q.dtype)
     q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-    s = _scores(q, k, scale, _sub_allowed(q, k, diagonal, key_mask))
+    s = _scores(q, k, scale, _sub_allowed(q, k, diagonal, key_mask, band))
     lse = torch.logsumexp(s, dim=-1, keepdim=True)
     p = torch.exp(s - torch.where(torch.isinf(lse), torch.zeros_like(lse), lse))
     return torch.matmul(p, v), lse
 
 
-def _block_backward(do, q, k, v, out, lse, diagonal: bool, key_mask, scale: float):
+def _block_backward(do, q, k, v, out, lse, diagonal: bool, key_mask, scale: float,
+                    band=None):
     """The sub-block's share of the gradients of q, k and v, given the whole row's output
     and log-sum-exp (the flash-attention backward's inputs)."""
-    if key_mask is None and q.device.type in _FUSED_DEVICES:
+    if key_mask is None and band is None and q.device.type in _FUSED_DEVICES:
         backward = _torch_compat.cpu_flash_attention_backward()
         return backward(do, q, k, v, out, lse.squeeze(-1), 0.0, diagonal, scale=scale)
     dtype = _compute_dtype(q.dtype)
     do, q, k, v, out = (t.to(dtype) for t in (do, q, k, v, out))
-    p = torch.exp(_scores(q, k, scale, _sub_allowed(q, k, diagonal, key_mask)) - lse)
+    p = torch.exp(_scores(q, k, scale, _sub_allowed(q, k, diagonal, key_mask, band)) - lse)
     dv = torch.matmul(p.transpose(-1, -2), do)
     ds = p * (torch.matmul(do, v.transpose(-1, -2)) - (do * out).sum(-1, keepdim=True))
     return torch.matmul(ds, k) * scale, torch.matmul(ds.transpose(-1, -2), q) * scale, dv
 
 
-def _sub_allowed(q, k, diagonal: bool, key_mask):
+def _sub_allowed(q, k, diagonal: bool, key_mask, band=None):
     allowed = None
     if diagonal:
         allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool,
                              device=q.device).tril()
+    if band is not None:  # the band's own mask (causality in it)
+        allowed = band.to(q.device)
     if key_mask is not None:
         keys = key_mask[:, None, None, :]
         allowed = keys if allowed is None else allowed & keys
@@ -172,9 +227,10 @@ def _merge(out, lse, block_out, block_lse):
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, key_mask, mesh, causal, scale,  # type: ignore[override]
-                load_balance):
+                load_balance, band):
         ring = _Ring(mesh)
         chunks = 2 if load_balance else 1
+        size = q.shape[-2] // chunks
         dtype = _compute_dtype(q.dtype)
         heads = q.shape[-3]
         out = torch.zeros(q.shape, dtype=dtype, device=q.device)
@@ -184,12 +240,13 @@ class _RingAttention(torch.autograd.Function):
             pending = ring.start(block, "ring attention") if step < ring.cp - 1 else None
             owner = (ring.rank - step) % ring.cp
             keys, values = _expand(block[0], heads), _expand(block[1], heads)
-            for i, j, diagonal in _pairs(ring.rank, owner, ring.cp, load_balance, causal):
+            for i, j, diagonal, cut in _pairs(ring.rank, owner, ring.cp, load_balance,
+                                              causal, band, size):
                 mask = _rows(block[2][..., None], j, chunks)[..., 0].bool() if len(
                     block) == 3 else None
                 o_b, lse_b = _block_forward(
                     _rows(q, i, chunks), _rows(keys, j, chunks), _rows(values, j, chunks),
-                    diagonal, mask, scale)
+                    diagonal, mask, scale, cut)
                 _merge(_rows(out, i, chunks), _rows(lse, i, chunks), o_b.to(dtype),
                        lse_b.to(dtype))
             if pending is not None:
@@ -199,6 +256,7 @@ class _RingAttention(torch.autograd.Function):
         lse = torch.where(empty, torch.full_like(lse, float("inf")), lse)
         ctx.save_for_backward(q, k, v, key_mask, out, lse)
         ctx.mesh, ctx.causal, ctx.scale, ctx.load_balance = mesh, causal, scale, load_balance
+        ctx.band = band
         return out
 
     @staticmethod
@@ -206,6 +264,7 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, key_mask, out, lse = ctx.saved_tensors
         ring = _Ring(ctx.mesh)
         chunks = 2 if ctx.load_balance else 1
+        size = q.shape[-2] // chunks
         do = grad_out.to(q.dtype).contiguous()
         heads, kv_heads = q.shape[-3], k.shape[-3]
         dq = torch.zeros(q.shape, dtype=_compute_dtype(q.dtype), device=q.device)
@@ -219,14 +278,14 @@ class _RingAttention(torch.autograd.Function):
             keys, values = _expand(block[0], heads), _expand(block[1], heads)
             dk = torch.zeros(keys.shape, dtype=dq.dtype, device=k.device)
             dv = torch.zeros_like(dk)
-            for i, j, diagonal in _pairs(ring.rank, owner, ring.cp, ctx.load_balance,
-                                         ctx.causal):
+            for i, j, diagonal, cut in _pairs(ring.rank, owner, ring.cp, ctx.load_balance,
+                                              ctx.causal, ctx.band, size):
                 mask = _rows(block[2][..., None], j, chunks)[..., 0].bool() if len(
                     block) == 3 else None
                 dq_b, dk_b, dv_b = _block_backward(
                     _rows(do, i, chunks), _rows(q, i, chunks), _rows(keys, j, chunks),
                     _rows(values, j, chunks), _rows(out, i, chunks), _rows(lse, i, chunks),
-                    diagonal, mask, ctx.scale)
+                    diagonal, mask, ctx.scale, cut)
                 _rows(dq, i, chunks).add_(dq_b)
                 _rows(dk, j, chunks).add_(dk_b)
                 _rows(dv, j, chunks).add_(dv_b)
@@ -237,10 +296,10 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 block = ring.finish(pending)
         return (dq.to(q.dtype), grads[0].to(k.dtype), grads[1].to(v.dtype),
-                None, None, None, None, None)
+                None, None, None, None, None, None)
 
 
-def _allgather_attention(q, k, v, key_mask, mesh, causal, scale, load_balance):
+def _allgather_attention(q, k, v, key_mask, mesh, causal, scale, load_balance, band):
     """Every rank gathers every key and value (their gradients are reduce-scattered back),
     then attends locally."""
     cp, rank = mesh.size(), mesh.get_local_rank()
@@ -253,7 +312,7 @@ def _allgather_attention(q, k, v, key_mask, mesh, causal, scale, load_balance):
     if key_mask is not None:
         with torch.no_grad():
             mask = gather_keys(key_mask.to(torch.uint8), mesh, -1, load_balance).bool()
-    allowed = _allowed(q_pos, k_pos, causal, mask)
+    allowed = _allowed(q_pos, k_pos, causal, mask, band)
     dtype = _compute_dtype(q.dtype)
     heads = q.shape[-3]
     s = _scores(q.to(dtype), _expand(k_all, heads).to(dtype), scale, allowed)
@@ -264,15 +323,30 @@ def _allgather_attention(q, k, v, key_mask, mesh, causal, scale, load_balance):
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    mesh: DeviceMesh, *, is_causal: bool = False, scale: float | None = None,
                    key_padding_mask: torch.Tensor | None = None, load_balance: bool = True,
-                   method: str = "ring") -> torch.Tensor:
+                   method: str = "ring", sliding_window: int | None = None,
+                   chunk_size: int | None = None) -> torch.Tensor:
     """Attention of this rank's queries over the keys and values of every rank of ``mesh``
     (the 1-D ``cp`` mesh), equal to ``scaled_dot_product_attention`` on the whole sequence.
 
     ``query`` ``(B, H, S/cp, D)``, ``key`` and ``value`` ``(B, Hkv, S/cp, D)`` (``Hkv``
     dividing ``H``: grouped-query attention), each rank's tokens as :func:`shard_sequence`
     gives them (with the same ``load_balance``). ``key_padding_mask``: ``(B, S/cp)``, true
-    where a key is a real token. A query with no key to attend to gets zeros."""
+    where a key is a real token. ``sliding_window``: each query sees only the keys at
+    distances below it (itself included: transformers' sliding layers); ``chunk_size``: only
+    the keys of its own aligned chunk of that many tokens (Llama 4's chunked layers); either
+    is causal. A query with no key to attend to gets zeros."""
     check_cp_mesh(mesh, "ring_attention")
+    band = None
+    if sliding_window is not None or chunk_size is not None:
+        for name, value_ in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
+            if value_ is not None and (not isinstance(value_, int) or value_ < 1):
+                raise ParallelizeError(f"ring_attention {name}={value_!r}: give a number "
+                                       "of tokens, 1 or more")
+        if not is_causal:
+            raise ParallelizeError(
+                "ring_attention attends within a sliding window or a chunk causally only: "
+                "pass is_causal=True with sliding_window= or chunk_size=")
+        band = Band(sliding_window, chunk_size)
     if method not in METHODS:
         raise ParallelizeError(f"context parallelism's method must be one of {METHODS}, "
                                f"got {method!r}")
@@ -299,6 +373,6 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     with recomputed_inside():  # selective checkpointing keeps none of the chunks' scores
         if method == "allgather":
             return _allgather_attention(query, key, value, mask, mesh, is_causal, scale,
-                                        load_balance)
+                                        load_balance, band)
         return _RingAttention.apply(query, key, value, mask, mesh, is_causal, scale,
-                                    load_balance)
+                                    load_balance, band)
