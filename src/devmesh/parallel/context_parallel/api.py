@@ -133,13 +133,7 @@ def context_parallel(module: nn.Module, mesh: DeviceMesh, *, load_balance: bool 
     a model builds its window's mask from the tokens it holds, and skips it where they are
     fewer than the window, which over a split sequence would attend too far."""
     _check(mesh, method, "context_parallel")
-    band = None
-    if sliding_window is not None or chunk_size is not None:
-        for name, value in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                raise ParallelizeError(f"context_parallel {name}={value!r}: give a number "
-                                       "of tokens, 1 or more")
-        band = Band(sliding_window, chunk_size)
+    band = Band.of(sliding_window, chunk_size, "context_parallel")
     route = _RouteAttention(mesh, load_balance, method, band)
 
     def enter(_module: nn.Module, _args: Any) -> None:

@@ -68,6 +68,19 @@ class Band:
     sliding_window: int | None = None
     chunk_size: int | None = None
 
+    @classmethod
+    def of(cls, sliding_window: int | None, chunk_size: int | None, what: str
+           ) -> Band | None:
+        """The band the arguments of ``what`` give (``None`` for plain attention), each
+        checked to be a number of tokens."""
+        if sliding_window is None and chunk_size is None:
+            return None
+        for name, value in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ParallelizeError(f"{what} {name}={value!r}: give a number of tokens, "
+                                       "1 or more")
+        return cls(sliding_window, chunk_size)
+
     def allows(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
         """``(Sq, Sk)``: which pairs the band lets attend (causality included)."""
         allowed = q_pos[:, None] >= k_pos[None, :]
@@ -336,17 +349,11 @@ def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     the keys of its own aligned chunk of that many tokens (Llama 4's chunked layers); either
     is causal. A query with no key to attend to gets zeros."""
     check_cp_mesh(mesh, "ring_attention")
-    band = None
-    if sliding_window is not None or chunk_size is not None:
-        for name, value_ in (("sliding_window", sliding_window), ("chunk_size", chunk_size)):
-            if value_ is not None and (not isinstance(value_, int) or value_ < 1):
-                raise ParallelizeError(f"ring_attention {name}={value_!r}: give a number "
-                                       "of tokens, 1 or more")
-        if not is_causal:
-            raise ParallelizeError(
-                "ring_attention attends within a sliding window or a chunk causally only: "
-                "pass is_causal=True with sliding_window= or chunk_size=")
-        band = Band(sliding_window, chunk_size)
+    band = Band.of(sliding_window, chunk_size, "ring_attention")
+    if band is not None and not is_causal:
+        raise ParallelizeError(
+            "ring_attention attends within a sliding window or a chunk causally only: "
+            "pass is_causal=True with sliding_window= or chunk_size=")
     if method not in METHODS:
         raise ParallelizeError(f"context parallelism's method must be one of {METHODS}, "
                                f"got {method!r}")
