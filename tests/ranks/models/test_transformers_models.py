@@ -1001,8 +1001,9 @@ def test_a_pipelined_transformers_model_trains_under_context_parallelism_as_one_
         assert result["params"] <= 1e-12, result
 
 
-def packed_experts_through_every_state_path(folder: str):
-    """Mixtral's experts split over tp (gate and up packed in one weight, each part split)
+def packed_experts_through_every_state_path(folder: str, arch: str = "mixtral"):
+    """Mixtral's (or Llama 4's, stored (E, in, out): packed on dim -1) experts split over tp
+    (gate and up packed in one weight, each part split)
     with FSDP: every way a state leaves and comes back gives the parameters in their own
     shapes, and a fresh model of the same layout, or of another, takes it back equal."""
     import torch.distributed.checkpoint as dcp
@@ -1014,17 +1015,17 @@ def packed_experts_through_every_state_path(folder: str):
 
     names = ("dp_shard", "tp")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names)
-    model = parallelize(make("mixtral"), mesh)
+    model = parallelize(make(arch), mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ids = _ids(0)
     model(input_ids=ids, labels=ids).loss.backward()
     opt.step()
     want = {k: v.clone() for k, v in state_dict(model, full=True).items()}
-    shapes = {k: tuple(v.shape) for k, v in make("mixtral").state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in make(arch).state_dict().items()}
     out = {"full shapes": {k: tuple(v.shape) for k, v in want.items()} == shapes}
 
     def fresh(mesh_=mesh):
-        other = parallelize(make("mixtral"), mesh_)
+        other = parallelize(make(arch), mesh_)
         with torch.no_grad():
             for p in other.parameters():
                 p.zero_()
@@ -1035,10 +1036,11 @@ def packed_experts_through_every_state_path(folder: str):
         return all(torch.equal(got[k], v) for k, v in want.items())
 
     module_state = model.state_dict()  # DTensors, each in its parameter's own shape
-    packed = module_state["model.layers.0.mlp.experts.gate_up_proj"]
+    key = next(k for k in module_state if k.endswith("experts.gate_up_proj"))
+    packed = module_state[key]
     out["module shapes"] = {k: tuple(v.shape) for k, v in module_state.items()} == shapes
     out["dtensor full"] = (isinstance(packed, DTensor) and torch.equal(
-        packed.full_tensor(), want["model.layers.0.mlp.experts.gate_up_proj"]))
+        packed.full_tensor(), want[key]))
     other = fresh()
     other.load_state_dict(module_state)
     out["module load"] = equal(other)
@@ -1074,6 +1076,9 @@ def packed_experts_through_every_state_path(folder: str):
     return out
 
 
-def test_experts_split_over_tp_leave_and_return_through_every_state_path(mesh_pool, tmp_path):
-    for result in mesh_pool.run(packed_experts_through_every_state_path, 4, str(tmp_path)):
+@pytest.mark.parametrize("arch", ["mixtral", "llama4"])
+def test_experts_split_over_tp_leave_and_return_through_every_state_path(mesh_pool, tmp_path,
+                                                                         arch):
+    for result in mesh_pool.run(packed_experts_through_every_state_path, 4, str(tmp_path),
+                                arch):
         assert all(result.values()), result
