@@ -42,7 +42,7 @@ KINDS = [  # every data-parallel kind, with and without tp and pp, both schedule
     Candidate(1, 2, 2, 2, "1f1b", 2), Candidate(2, 4, 1, 1, "1f1b", 4),
     Candidate(2, 1, 2, 2, "gpipe", 4), Candidate(2, 2, 2, 1, "1f1b", 8),
     Candidate(4, 1, 1, 2, "gpipe", 8), Candidate(4, 2, 1, 1, "1f1b", 4),
-    # context parallelism: FSDP over shard x cp, DDP over dp x cp or cp, with tp and pp
+    # context parallelism: FSDP over shard x cp or cp alone, DDP over dp x cp, with tp and pp
     Candidate(1, 1, 4, 1, "1f1b", 2, cp=2), Candidate(1, 4, 1, 1, "1f1b", 1, cp=2),
     Candidate(2, 1, 2, 1, "1f1b", 4, cp=2), Candidate(1, 1, 1, 2, "1f1b", 2, cp=4),
     # interleaved 1F1B: two stages per rank (7 layers: stages of 2, 2, 2 and 1 blocks)

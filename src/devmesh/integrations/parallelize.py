@@ -16,7 +16,9 @@ Dim names, as torchtitan's ``ParallelDims`` and devmesh's docs write them:
 * ``cp``: context parallelism — the model's ``scaled_dot_product_attention`` calls attend
   over the whole sequence while each rank holds a part of it (feed each rank
   :func:`~devmesh.integrations.transformers.context_parallel_batch`'s share); its ranks
-  are data-parallel ranks for the parameters, as ``ep``'s (not both at once);
+  are data-parallel ranks for the parameters, as ``ep``'s (not both at once): FSDP over
+  the shard dim and ``cp``, DDP over the replicate dim and ``cp``, or, with no
+  data-parallel dim, FSDP over ``cp`` alone (torchtitan's FSDP over ``dp_shard x cp``);
 * ``dp_shard``, ``shard``, ``dp``, ``fsdp``: FSDP's shard dim;
 * ``dp_replicate``, ``replicate``: replicas (HSDP with a shard dim, else DDP).
 
@@ -41,7 +43,8 @@ from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
 from devmesh.integrations.pipeline_stages import REMOVED, transformers_stages
-from devmesh.layout.data_parallel import cp_beside_one_data_dim, flattened_name
+from devmesh.layout.data_parallel import (cp_beside_one_data_dim, cp_shards_parameters,
+                                          flattened_name)
 from devmesh.layout.schedule import Schedule, build_schedule
 from devmesh.parallel.activation_checkpointing import MODES, check_mode, checkpoint_blocks
 from devmesh.parallel.compute_dtype import compute_in
@@ -212,7 +215,9 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
     data_dims = [*(replicas or shard), *([borrowed] if borrowed else [])]
     data_mesh = (mesh[tuple(data_dims)]._flatten(flattened_name(data_dims)) if len(data_dims) > 1
                  else mesh[data_dims[0]] if data_dims else None)
-    if shard:
+    # cp alone shards the parameters over its ranks (torchtitan's FSDP over dp_shard x cp)
+    over_cp = borrowed == "cp" and cp_shards_parameters(bool(replicas), bool(shard))
+    if shard or over_cp:
         shard_kwargs = {"mp_policy": mp_policy or MixedPrecisionPolicy(),
                         "reshard_after_forward": reshard_after_forward}
         dp_mesh = mesh[tuple(replicas + shard)] if replicas else data_mesh

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-__all__ = ["MIN_TOKENS_PER_CP_RANK", "cp_beside_one_data_dim", "flattened_name"]
+__all__ = ["MIN_TOKENS_PER_CP_RANK", "cp_beside_one_data_dim", "cp_shards_parameters",
+           "flattened_name"]
 
 #: context parallelism is tried (by the mesh search) while each rank keeps at least this many
 #: tokens of every sequence: below, the ring's messages of a block outweigh its attention,
@@ -20,6 +21,15 @@ def cp_beside_one_data_dim(replicated: bool, sharded: bool) -> bool:
     them for the parameters (DDP over ``dp x cp``, or FSDP over ``shard x cp``), so a mesh
     that both replicates and shards (HSDP) has no one dim for them to join."""
     return not (replicated and sharded)
+
+
+def cp_shards_parameters(replicated: bool, sharded: bool) -> bool:
+    """Whether a ``cp`` dim with no data-parallel dim beside it shards the parameters (FSDP
+    over ``cp``), as torchtitan does (its FSDP mesh is ``dp_shard x cp``, FSDP on whenever
+    either is above 1): a long-context job of one data rank keeps ``1/cp`` of the model
+    per rank. Beside a data-parallel dim, ``cp`` joins it (DDP over ``dp x cp``, FSDP over
+    ``shard x cp``)."""
+    return not replicated and not sharded
 
 
 def flattened_name(names: Sequence[str]) -> str:

@@ -888,6 +888,25 @@ def test_a_transformers_model_trains_under_context_parallelism_as_one_process(
         assert result["params"] <= TOLERANCE.get(arch, 1e-12), result
 
 
+def cp_alone_shards_parameters():
+    """With cp and no data-parallel dim, the parameters are sharded over cp (torchtitan's
+    FSDP over dp_shard x cp): each rank holds its share of every block's weights."""
+    from devmesh.parallel import parallelize
+    from devmesh.parallel.param import get_layout
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("cp", "tp"))
+    model = parallelize(make("llama"), mesh)
+    norm = model.model.layers[0].input_layernorm.weight  # not split over tp: over cp only
+    layout = get_layout(norm)
+    return (tuple(layout.mesh.mesh_dim_names), tuple(norm.shape),
+            tuple(layout.full_shape))
+
+
+def test_cp_without_a_data_dim_shards_the_parameters_over_it(mesh_pool):
+    for names, local, full in mesh_pool.run(cp_alone_shards_parameters, 4):
+        assert "cp" in names and local == (full[0] // 2,), (names, local, full)
+
+
 PP_STRATEGIES = {  # name: (mesh shape, dim names, schedule, micro-batches, layers, checkpointing)
     "pp_fsdp": ((2, 2), ("pp", "dp_shard"), "1f1b", 2, 2, "none"),
     "pp_ddp_interleaved_full_ac": ((2, 2), ("pp", "dp_replicate"), "interleaved-1f1b", 2, 4,

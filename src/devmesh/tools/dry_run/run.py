@@ -40,7 +40,8 @@ from torch.distributed.tensor import DTensor
 
 from devmesh._torch_compat import fake_store, pytree, storage_key
 from devmesh.errors import DryRunError
-from devmesh.layout.data_parallel import cp_beside_one_data_dim, flattened_name
+from devmesh.layout.data_parallel import (cp_beside_one_data_dim, cp_shards_parameters,
+                                          flattened_name)
 from devmesh.layout.liveness import activation_liveness
 from devmesh.parallel.compute_dtype import is_compute_copy
 from devmesh.layout.schedule import SCHEDULES as ALL_SCHEDULES
@@ -618,8 +619,11 @@ def _stage_model(config: TransformerConfig, dims: dict[str, int], mesh, first: i
               if compute != torch.float32 else None)
     # the ranks of ep and cp hold their own tokens: data-parallel ranks for the parameters
     borrowed = "ep" if "ep" in dims else "cp" if "cp" in dims else None
-    if "shard" in dims:
+    # cp alone shards the parameters over its ranks (torchtitan's FSDP over dp_shard x cp)
+    over_cp = borrowed == "cp" and cp_shards_parameters("dp" in dims, "shard" in dims)
+    if "shard" in dims or over_cp:
         data_mesh = (mesh["dp", "shard"] if "dp" in dims
+                     else mesh["cp"] if over_cp
                      else _flattened(mesh, ("shard", borrowed)) if borrowed else mesh["shard"])
         # the experts over shard alone (split over ep already); the rest over shard and ep
         for module in experts if "ep" in dims else ():

@@ -51,7 +51,7 @@ import torch
 
 from devmesh.errors import DryRunError
 from devmesh.layout.data_parallel import (MIN_TOKENS_PER_CP_RANK, cp_beside_one_data_dim,
-                                          flattened_name)
+                                          cp_shards_parameters, flattened_name)
 from devmesh.layout.liveness import activation_liveness
 from devmesh.layout.schedule import Schedule, ScheduleError, build_schedule
 from devmesh.tools.dry_run.model import TransformerConfig, stage_layers
@@ -227,10 +227,11 @@ class _Calibration:
         pp = 1 if embedding and head else 2 if embedding or head else 3
         stage = 0 if embedding else pp - 1 if head else 1
         shard = 2 if fsdp else 1
-        dims = {"pp": pp, "shard": shard, "cp": cp, "tp": tp}
+        dp = 2 if not fsdp and cp > 1 else 1  # DDP over dp x cp (cp alone shards)
+        dims = {"pp": pp, "dp": dp, "shard": shard, "cp": cp, "tp": tp}
         config = replace(self.config, layers=max(self.config.layers, 3 * pp),
-                         batch=sequences * shard)
-        return dry_run(config, dims, rank=stage * shard * cp * tp, schedule="gpipe",
+                         batch=sequences * shard * dp)
+        return dry_run(config, dims, rank=stage * dp * shard * cp * tp, schedule="gpipe",
                        microbatches=1, blocks=blocks, checkpointing=checkpointing)
 
     def __call__(self, tp: int, fsdp: bool, embedding: bool, head: bool,
@@ -406,20 +407,27 @@ def _accumulated_at_most(actions: list, per_stage: dict[int, int]) -> int:
                 for i, _ in backwards), default=0)
 
 
+def _fsdp(candidate: Candidate) -> bool:
+    """Whether the candidate shards its parameters: over ``shard`` (and ``cp`` beside it),
+    or over ``cp`` with no data-parallel dim (torchtitan's)."""
+    return candidate.shard > 1 or candidate.cp > 1 and cp_shards_parameters(
+        candidate.dp > 1, candidate.shard > 1)
+
+
 def _stage_estimate(config: TransformerConfig, candidate: Candidate, layers: tuple[int, int],
                     mb_size: int, calibration: _Calibration) -> RankReport:
     """One pipeline stage's closed form (layers ``first..last-1``), without the pipeline's
     messages: what the stage's model holds and sends in a step."""
     shard, tp, m = candidate.shard, candidate.tp, candidate.microbatches
     cp = candidate.cp
-    fsdp = shard > 1
+    fsdp = _fsdp(candidate)
     first, last = layers
     blocks, embedding, head = last - first, first == 0, last == config.layers
     block_shapes, rest_shapes = _stage_tensors(config, tp, embedding, head)
-    # cp's ranks are data ranks for the parameters: FSDP over shard x cp flattened, or DDP
-    # over dp x cp (as parallelize and the dry run place them)
+    # cp's ranks are data ranks for the parameters: FSDP over shard x cp flattened (or cp
+    # alone), or DDP over dp x cp (as parallelize and the dry run place them)
     shards = shard * cp if fsdp else 1
-    fsdp_dims = flattened_name(["shard", "cp"] if cp > 1 else ["shard"])
+    fsdp_dims = flattened_name([d for d, n in (("shard", shard), ("cp", cp)) if n > 1])
     ddp_dims = flattened_name([d for d, n in (("dp", candidate.dp), ("cp", cp)) if n > 1])
 
     def held(shapes: list[tuple[int, int]]) -> int:
