@@ -377,9 +377,7 @@ def _checkpoint(model: nn.Module, blocks: list[nn.Module], mode: str | int) -> l
     """Checkpoint the chosen blocks (:mod:`devmesh.parallel.activation_checkpointing`);
     returns the blocks as the model now holds them."""
     if mode != "none":
-        config = getattr(model, "config", None)
-        if getattr(config, "use_cache", False):
-            # a block recomputed in backward would append its keys and values to the cache
-            # a second time (transformers' own gradient checkpointing turns the cache off too)
-            config.use_cache = False
+        # a block recomputed in backward would append its keys and values to the cache a
+        # second time
+        hf.turn_off_caches(model)
     return checkpoint_blocks(model, blocks, mode)

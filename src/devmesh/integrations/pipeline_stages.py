@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from devmesh.errors import ParallelizeError
+from devmesh.integrations.transformers import turn_off_caches
 from devmesh.layout.schedule import stage_bounds
 from devmesh.parallel.param import with_methods
 from devmesh.parallel.pipeline.tied import Tie, record_ties
@@ -171,9 +172,7 @@ def _keep(model: nn.Module, plan: PipelinePlan, stage: int, stages: int,
     model.pipeline_first, model.pipeline_last = first, last
     model.pipeline_layers = plan.layers
     setattr(model, REMOVED, tuple(removed))
-    config = getattr(model, "config", None)
-    if getattr(config, "use_cache", False):
-        config.use_cache = False  # a cache would hold each micro-batch's keys and values
+    turn_off_caches(model)  # a cache would hold each micro-batch's keys and values
     return model
 
 

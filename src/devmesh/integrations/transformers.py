@@ -26,7 +26,7 @@ from devmesh.parallel.tensor_parallel import (
 )
 from devmesh.tensor import Replicate
 
-__all__ = ["attention_window", "is_transformers_model", "tensor_parallel_plan", "blocks_of",
+__all__ = ["attention_window", "turn_off_caches", "is_transformers_model", "tensor_parallel_plan", "blocks_of",
            "STYLES", "context_parallel_batch"]
 
 # transformers' style names (transformers.integrations.tensor_parallel's ParallelInterface)
@@ -154,6 +154,18 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
             found.append(module)
             inside.update(id(m) for m in module.modules())
     return found
+
+
+def turn_off_caches(model: nn.Module) -> None:
+    """Set ``use_cache=False`` on every config the model's modules read: a model's own and
+    its parts' (a vision-language model's language model reads its ``text_config``). In
+    training a key/value cache only holds memory, and a block recomputed in backward
+    (activation checkpointing) or run again per micro-batch would append its keys and values
+    to it a second time (transformers' own gradient checkpointing turns it off too)."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", False):
+            config.use_cache = False
 
 
 def attention_window(block: nn.Module) -> tuple[int | None, int | None]:

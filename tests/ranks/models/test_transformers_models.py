@@ -146,6 +146,99 @@ def make(arch: str, layers: int = 2) -> torch.nn.Module:
     return model.double()
 
 
+IMAGE_TOKEN = VOCAB - 1  # the vision-language models' image token (and Qwen2-VL's start: -3)
+
+
+def make_vision_language(arch: str) -> torch.nn.Module:
+    """A tiny vision-language model: a vision tower whose image features replace the image
+    tokens, and a Llama-shaped language model under its own config (``text_config``)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    text = dict(COMMON)
+    if arch == "llava":  # CLIP's vision tower, 8x8 images in 4 patches of 4x4
+        vision = T.CLIPVisionConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                    num_attention_heads=2, image_size=8, patch_size=4)
+        model = T.LlavaForConditionalGeneration(T.LlavaConfig(
+            vision_config=vision, text_config=T.LlamaConfig(**text),
+            image_token_index=IMAGE_TOKEN, vision_feature_layer=-1))
+    elif arch == "qwen2_vl":  # multimodal rotary positions (M-RoPE)
+        model = T.Qwen2VLForConditionalGeneration(T.Qwen2VLConfig(
+            text_config=dict(text, model_type="qwen2_vl_text",
+                             rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+            vision_config=dict(depth=1, embed_dim=16, hidden_size=32, num_heads=2,
+                               patch_size=2, temporal_patch_size=1, spatial_merge_size=1,
+                               in_channels=3),
+            image_token_id=IMAGE_TOKEN, video_token_id=VOCAB - 2,
+            vision_start_token_id=VOCAB - 3))
+    else:
+        raise ValueError(arch)
+    return model.double()
+
+
+def _vision_language_batch(arch: str, step: int, rows: slice) -> dict:
+    """``rows`` of a batch of 4: an image (4 image tokens) and 8 text tokens each, the
+    labels ignoring the image's tokens."""
+    gen = torch.Generator().manual_seed(step)
+    text = torch.randint(0, VOCAB - 4, (BATCH, 8), generator=gen)
+    image = torch.full((BATCH, 4), IMAGE_TOKEN)
+    if arch == "llava":
+        ids = torch.cat([image, text], 1)
+        batch = {"pixel_values": torch.randn(BATCH, 3, 8, 8, generator=gen,
+                                             dtype=torch.float64)[rows]}
+    else:  # each image's 4 patches flattened, its grid (1, 2, 2), its tokens marked
+        ids = torch.cat([torch.full((BATCH, 1), VOCAB - 3), image, text], 1)
+        patches = torch.randn(BATCH, 4, 12, generator=gen, dtype=torch.float64)[rows]
+        batch = {"pixel_values": patches.reshape(-1, 12),
+                 "image_grid_thw": torch.tensor([[1, 2, 2]] * BATCH)[rows],
+                 "mm_token_type_ids": (ids == IMAGE_TOKEN).long()[rows]}
+    labels = ids.masked_fill(ids >= VOCAB - 3, -100)
+    return {"input_ids": ids[rows], "labels": labels[rows], **batch}
+
+
+def train_vision_language(arch: str, strategy: str):
+    """A vision-language model under ``parallelize`` (its language model's own tensor-parallel
+    plan; vision and language blocks sharded or checkpointed alike) against one process on
+    the whole batch: the largest difference of a trained parameter, and the keys."""
+    from devmesh.parallel import parallelize, state_dict
+
+    shape, names, checkpointing = STRATEGIES[strategy]
+    ref = make_vision_language(arch)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = parallelize(make_vision_language(arch), mesh,
+                        activation_checkpointing=checkpointing)
+    dp = mesh[tuple(n for n in names if n != "tp")]
+    coordinate = dp.get_coordinate()
+    index = coordinate[0] * (dp.shape[1] if dp.ndim > 1 else 1) + (
+        coordinate[1] if dp.ndim > 1 else 0)
+    per = BATCH // dp.size()
+    mine = slice(index * per, (index + 1) * per)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        ref(**_vision_language_batch(arch, step, slice(None))).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(**_vision_language_batch(arch, step, mine)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    full = state_dict(model, full=True)
+    want = ref.state_dict()
+    return (max((full[k] - v).abs().max().item() for k, v in want.items()),
+            list(full) == list(want))
+
+
+@pytest.mark.parametrize("arch, strategy", [
+    ("llava", "fsdp_tp"), ("llava", "hsdp_selective_ac"), ("qwen2_vl", "ddp_tp_full_ac"),
+    # selective checkpointing failed: the language model's cache (its text_config's
+    # use_cache) took each recomputed block's keys a second time
+    ("qwen2_vl", "hsdp_selective_ac")])
+def test_a_vision_language_model_trains_as_one_process(mesh_pool, arch, strategy):
+    for difference, keys in mesh_pool.run(train_vision_language, 4, arch, strategy):
+        assert keys, "the full state dict's keys differ from nn.Module's"
+        assert difference <= 1e-12, difference
+
+
 def _ids(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
 
