@@ -8,7 +8,11 @@ run, every rank one process on this host:
 - **healthy steps**: ``devmesh run --replica-groups 2 -n 1`` (two groups of one rank, each
   step through ``ReplicaGroups.step()``) against ``devmesh run -n 2`` with torch's
   ``DistributedDataParallel`` (the same two replicas, gradients averaged by DDP); the median
-  step time after ``--warmup`` steps, and the ratio (the quorum's cost is what lies above 1);
+  step time after ``--warmup`` steps, and the ratio. And the quorum's own cost: the same two
+  replicas averaging their gradients as ``ReplicaGroups`` does (a copy of each, all
+  all-reduced at once after backward, over a plain gloo group of the two) without the
+  quorum's store round trips; what ``ReplicaGroups`` takes above that, as a share of its
+  step;
 - **a failure**: the second replica SIGKILLed at step ``--kill-at``. Replica groups: the seconds
   from the death until the survivor committed its next step, and until the restarted group
   healed from it (no checkpoint read). DDP with ``--max-restarts 1``: every rank restarts and
@@ -51,6 +55,10 @@ SCRIPT = textwrap.dedent('''
         from devmesh.fault import ReplicaGroups
         replicas = ReplicaGroups(model, opt)
         who, count = replicas.group, lambda: replicas.step_count
+    elif mode == "plain":  # ReplicaGroups' averaging without its quorum
+        dist.init_process_group("gloo")
+        who, step_no = dist.get_rank(), [0]
+        count = lambda: step_no[0]
     else:
         dist.init_process_group("gloo")
         who = dist.get_rank()
@@ -78,6 +86,16 @@ SCRIPT = textwrap.dedent('''
         if mode == "replicas":
             result = replicas.step()
             healed = result.healed
+        elif mode == "plain":
+            with torch.no_grad():
+                grads = [p.grad for p in model.parameters()]
+                copies = [g.clone() for g in grads]
+                for work in [dist.all_reduce(c, async_op=True) for c in copies]:
+                    work.wait()
+                for g, c in zip(grads, copies):
+                    g.copy_(c.div_(2))
+            opt.step()
+            step_no[0] += 1
         else:
             opt.step()
             if who == 0 and kill_at >= 0:  # the fault run resumes from it
@@ -120,7 +138,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
         tmp = Path(tmp)
         healthy = {}
-        for mode in ("ddp", "replicas"):
+        for mode in ("ddp", "plain", "replicas"):
             logs = _run(tmp / f"healthy-{mode}", mode, args.steps, -1)
             healthy[mode] = statistics.median(
                 max(logs[0][i]["seconds"], logs[1][i]["seconds"])
@@ -128,6 +146,10 @@ def main() -> None:
         print(f"healthy step (median of {args.steps - args.warmup}, slowest replica): "
               f"replica groups {healthy['replicas'] * 1e3:.1f} ms, torch DDP "
               f"{healthy['ddp'] * 1e3:.1f} ms, ratio {healthy['replicas'] / healthy['ddp']:.3f}")
+        quorum = healthy["replicas"] - healthy["plain"]
+        print(f"the quorum's cost: replica groups {healthy['replicas'] * 1e3:.1f} ms, the same "
+              f"averaging without the quorum {healthy['plain'] * 1e3:.1f} ms: "
+              f"{quorum * 1e3:+.1f} ms, {100 * quorum / healthy['replicas']:+.1f}% of the step")
         rows = {}
         for mode in ("ddp", "replicas"):
             folder = tmp / f"fault-{mode}"
