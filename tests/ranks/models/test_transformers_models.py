@@ -1102,7 +1102,7 @@ def train_pipelined_context_parallel(arch: str):
             "keys": sorted(full) == sorted(want_state)}
 
 
-@pytest.mark.parametrize("arch", ["llama"])
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])  # Gemma 3: sliding layers, per stage
 def test_a_pipelined_transformers_model_trains_under_context_parallelism_as_one_process(
         mesh_pool, arch):
     results = mesh_pool.run(train_pipelined_context_parallel, 4, arch)
@@ -1110,7 +1110,7 @@ def test_a_pipelined_transformers_model_trains_under_context_parallelism_as_one_
     for result in results:
         assert result["keys"], "the stages' state dicts together are not the model's"
         assert result["losses"] <= 1e-6, result
-        assert result["params"] <= 1e-12, result
+        assert result["params"] <= TOLERANCE.get(arch, 1e-12), result
 
 
 def packed_experts_through_every_state_path(folder: str, arch: str = "mixtral"):
