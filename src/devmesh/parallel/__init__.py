@@ -34,7 +34,7 @@ from devmesh.parallel.tensor_parallel import (
     SequenceParallel,
     parallelize_module,
 )
-from devmesh.parallel.grads import clip_grad_norm_
+from devmesh.parallel.grads import clip_grad_norm_, route_torchs_clip_grad_norm
 from devmesh.parallel.grad_scaler import GradScaler
 from devmesh.parallel.state_dict import load_state_dict, state_dict
 
@@ -70,3 +70,7 @@ def __getattr__(name: str):
 
         return tensor_parallel.loss_parallel
     raise AttributeError(f"module 'devmesh.parallel' has no attribute {name!r}")
+
+# torch's clip_grad_norm_, called by code written for torch's FSDP2, clips a devmesh-sharded
+# model by its global norm (see route_torchs_clip_grad_norm); other calls stay torch's own
+route_torchs_clip_grad_norm()

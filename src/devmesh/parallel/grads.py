@@ -6,6 +6,7 @@ counted; the result is the same on every rank and in the gradients' dtype, as to
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Iterable
@@ -17,7 +18,7 @@ from devmesh.distributed import comm
 from devmesh.parallel.param import ParallelizeError, get_layout
 
 __all__ = ["clip_grad_norm_", "grad_norm_power", "reduce_norm_power", "clip_by_norm",
-           "checked_norm_type"]
+           "checked_norm_type", "route_torchs_clip_grad_norm"]
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor | nn.Module,
@@ -39,6 +40,38 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor | nn.Modul
     norm_type = checked_norm_type(norm_type)
     return clip_by_norm(grads, grad_norm_power(grads, norm_type), float(max_norm), norm_type,
                         error_if_nonfinite)
+
+
+_torchs_clip_grad_norm = None  # torch's own, kept when routed
+
+
+def route_torchs_clip_grad_norm() -> None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` clip a model devmesh sharded by its global
+    norm (idempotent). Code written for torch's FSDP2 calls torch's: there the gradients
+    are DTensors and the norm is global, but a devmesh-sharded parameter's gradient is this
+    rank's block, so torch's would clip each rank by the norm of its own blocks — training
+    silently unlike one process. Parameters with a devmesh layout among those given send
+    the call to :func:`clip_grad_norm_`; any other call is torch's own, unchanged."""
+    global _torchs_clip_grad_norm
+    if _torchs_clip_grad_norm is not None:
+        return
+    import torch.nn.utils as utils
+    from torch.nn.utils import clip_grad
+
+    torchs = _torchs_clip_grad_norm = clip_grad.clip_grad_norm_
+
+    @functools.wraps(torchs)
+    def routed(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        params = ([parameters] if isinstance(parameters, torch.Tensor)
+                  else list(parameters))  # a generator is read once
+        if any(get_layout(p) is not None for p in params):
+            return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return torchs(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    routed.__devmesh_routed__ = True  # type: ignore[attr-defined]
+    for module in (utils, clip_grad):
+        if getattr(module, "clip_grad_norm_", None) is torchs:
+            module.clip_grad_norm_ = routed
 
 
 def checked_norm_type(norm_type: float | str) -> float:

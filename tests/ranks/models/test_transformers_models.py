@@ -981,6 +981,48 @@ def test_a_transformers_model_trains_under_context_parallelism_as_one_process(
         assert result["params"] <= TOLERANCE.get(arch, 1e-12), result
 
 
+def clipped_by_torchs_clip_grad_norm(strategy: str):
+    """Llama trained with ``torch.nn.utils.clip_grad_norm_`` (torch's own, as FSDP2 code and
+    transformers' Trainer call it) at a norm below the gradients', by SGD: the norms torch's
+    returns and the trained parameters against one process clipped alike."""
+    from devmesh.parallel import parallelize, state_dict
+
+    shape, names, checkpointing = STRATEGIES[strategy]
+    ref = make("llama")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = parallelize(make("llama"), mesh, activation_checkpointing=checkpointing)
+    dp = mesh[tuple(n for n in names if n != "tp")]
+    coordinate = dp.get_coordinate()
+    index = coordinate[0] * (dp.shape[1] if dp.ndim > 1 else 1) + (
+        coordinate[1] if dp.ndim > 1 else 0)
+    per = BATCH // dp.size()
+    mine = slice(index * per, (index + 1) * per)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    norms = []
+    for step in range(STEPS):
+        ids = _ids(step)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(input_ids=ids[mine], labels=ids[mine]).loss.backward()
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+        opt.zero_grad()
+        norms.append(abs(float(got) - float(want)))
+    full = state_dict(model, full=True)
+    return max(norms), max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_tp", "hsdp_selective_ac"])
+def test_torchs_clip_grad_norm_clips_a_sharded_model_by_its_global_norm(mesh_pool, strategy):
+    """torch's clip_grad_norm_ on a devmesh-sharded model took each rank's own blocks' norm
+    (0.73 for a global 1.38 under FSDP) and trained unlike one process (0.006)."""
+    for norms, params in mesh_pool.run(clipped_by_torchs_clip_grad_norm, 4, strategy):
+        assert norms <= 1e-12 and params <= 1e-12, (norms, params)
+
+
 def cp_alone_shards_parameters():
     """With cp and no data-parallel dim, the parameters are sharded over cp (torchtitan's
     FSDP over dp_shard x cp): each rank holds its share of every block's weights."""
