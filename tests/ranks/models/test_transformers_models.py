@@ -207,12 +207,7 @@ def train_vision_language(arch: str, strategy: str):
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = parallelize(make_vision_language(arch), mesh,
                         activation_checkpointing=checkpointing)
-    dp = mesh[tuple(n for n in names if n != "tp")]
-    coordinate = dp.get_coordinate()
-    index = coordinate[0] * (dp.shape[1] if dp.ndim > 1 else 1) + (
-        coordinate[1] if dp.ndim > 1 else 0)
-    per = BATCH // dp.size()
-    mine = slice(index * per, (index + 1) * per)
+    mine = _data_rows(mesh, names)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(STEPS):
@@ -237,6 +232,17 @@ def test_a_vision_language_model_trains_as_one_process(mesh_pool, arch, strategy
     for difference, keys in mesh_pool.run(train_vision_language, 4, arch, strategy):
         assert keys, "the full state dict's keys differ from nn.Module's"
         assert difference <= 1e-12, difference
+
+
+def _data_rows(mesh, names: tuple[str, ...]) -> slice:
+    """This rank's rows of a batch of ``BATCH``: its share by its index over the mesh's
+    data-parallel dims (every dim but ``tp``)."""
+    dp = mesh[tuple(n for n in names if n != "tp")]
+    coordinate = dp.get_coordinate()
+    index = coordinate[0] * (dp.shape[1] if dp.ndim > 1 else 1) + (
+        coordinate[1] if dp.ndim > 1 else 0)
+    per = BATCH // dp.size()
+    return slice(index * per, (index + 1) * per)
 
 
 def _ids(step: int) -> torch.Tensor:
@@ -304,23 +310,18 @@ def train_parallel(arch: str, strategy: str):
     plan = {"tp_plan": TP_PLANS[arch]()} if arch in TP_PLANS and "tp" in names else {}
     model = parallelize(make(arch), mesh, activation_checkpointing=checkpointing, **plan,
                         **OPTIONS.get(strategy, {}))
-    dp_names = tuple(n for n in names if n != "tp")
-    dp = mesh[dp_names] if len(dp_names) > 1 else mesh[dp_names[0]]
-    coordinate = dp.get_coordinate()
-    index = coordinate[0] * (dp.shape[1] if dp.ndim > 1 else 1) + (
-        coordinate[1] if dp.ndim > 1 else 0)
-    per = BATCH // dp.size()
+    rows = _data_rows(mesh, names)
     ref_losses = []
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(STEPS):  # one process on the whole batch; its loss on this share
         ids = _ids(step)
         with torch.no_grad():
-            share = ids[index * per:(index + 1) * per]
+            share = ids[rows]
             ref_losses.append(ref(input_ids=share, labels=share).loss.item())
         ref(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
-    losses = _train(model, slice(index * per, (index + 1) * per))
+    losses = _train(model, rows)
     full = state_dict(model, full=True)
     want = ref.state_dict()
     return {"losses": max(abs(a - b) for a, b in zip(losses, ref_losses, strict=True)),
@@ -991,12 +992,7 @@ def clipped_by_torchs_clip_grad_norm(strategy: str):
     ref = make("llama")
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
     model = parallelize(make("llama"), mesh, activation_checkpointing=checkpointing)
-    dp = mesh[tuple(n for n in names if n != "tp")]
-    coordinate = dp.get_coordinate()
-    index = coordinate[0] * (dp.shape[1] if dp.ndim > 1 else 1) + (
-        coordinate[1] if dp.ndim > 1 else 0)
-    per = BATCH // dp.size()
-    mine = slice(index * per, (index + 1) * per)
+    mine = _data_rows(mesh, names)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
     opt = torch.optim.SGD(model.parameters(), lr=0.5)
     norms = []
