@@ -1,8 +1,8 @@
 """Loss scaling (float16 training's ``GradScaler``) under devmesh: ``devmesh.parallel.GradScaler``
 skips a step on every rank when any rank's gradient block overflowed, as torch's scaler does
 under torch's FSDP2 (whose DTensor gradients make the check agree). torch's own scaler on
-devmesh's plain gradient blocks decides per rank: one rank skips, the others step, and the
-scales part ways."""
+devmesh's plain gradient blocks decided per rank (one rank skipped, the others stepped, and
+the scales parted ways): importing ``devmesh.parallel`` makes it agree as well."""
 
 from __future__ import annotations
 
@@ -59,12 +59,13 @@ def _parallel(library: str, overflow: bool):
 
     mesh = init_device_mesh("cpu", (2,))
     model = _model()
-    if library == "devmesh":
+    if library.startswith("devmesh"):  # devmesh's scaler, or torch's ("devmesh+torch's")
         from devmesh.parallel import GradScaler, fully_shard, state_dict
 
         fully_shard(model.first, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        scaler = GradScaler("cpu", init_scale=2.0**16)
+        scaler = (GradScaler if library == "devmesh" else torch.amp.GradScaler)(
+            "cpu", init_scale=2.0**16)
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -73,7 +74,7 @@ def _parallel(library: str, overflow: bool):
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     rank = dist.get_rank()
     scales = _train(model, scaler, slice(2 * rank, 2 * rank + 2), overflow)
-    if library == "devmesh":
+    if library.startswith("devmesh"):
         full = state_dict(model, full=True)
     else:
         full = {k: v.full_tensor() for k, v in model.state_dict().items()}
@@ -86,9 +87,11 @@ def torch_runs() -> TorchRuns:
     return TorchRuns({2: [(_parallel, ("torch", True)), (_parallel, ("torch", False))]})
 
 
+@pytest.mark.parametrize("scaler", ["devmesh", "devmesh+torch's"])
 @pytest.mark.parametrize("overflow", [True, False])
-def test_grad_scaler_agrees_on_every_rank_as_under_torchs_fsdp2(mesh_pool, torch_runs, overflow):
-    ours = mesh_pool.run(_parallel, 2, "devmesh", overflow)
+def test_grad_scaler_agrees_on_every_rank_as_under_torchs_fsdp2(mesh_pool, torch_runs, overflow,
+                                                                scaler):
+    ours = mesh_pool.run(_parallel, 2, scaler, overflow)
     theirs = torch_runs(2, _parallel, "torch", overflow)
     single = _model()
     single_scales = _train(single, torch.amp.GradScaler("cpu", init_scale=2.0**16),

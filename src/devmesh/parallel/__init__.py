@@ -35,7 +35,7 @@ from devmesh.parallel.tensor_parallel import (
     parallelize_module,
 )
 from devmesh.parallel.grads import clip_grad_norm_, route_torchs_clip_grad_norm
-from devmesh.parallel.grad_scaler import GradScaler
+from devmesh.parallel.grad_scaler import GradScaler, route_torchs_grad_scaler
 from devmesh.parallel.state_dict import load_state_dict, state_dict
 
 __all__ = [
@@ -71,6 +71,8 @@ def __getattr__(name: str):
         return tensor_parallel.loss_parallel
     raise AttributeError(f"module 'devmesh.parallel' has no attribute {name!r}")
 
-# torch's clip_grad_norm_, called by code written for torch's FSDP2, clips a devmesh-sharded
-# model by its global norm (see route_torchs_clip_grad_norm); other calls stay torch's own
+# torch's clip_grad_norm_ and GradScaler, as code written for torch's FSDP2 calls them, clip
+# a devmesh-sharded model by its global norm and skip an overflowing step on every rank (see
+# route_torchs_clip_grad_norm, route_torchs_grad_scaler); other calls stay torch's own
 route_torchs_clip_grad_norm()
+route_torchs_grad_scaler()

@@ -8,6 +8,10 @@ rank's block skips the step on that rank only: the others update their blocks, a
 scales part ways — silently (reproduced under ``fully_shard``). This scaler takes torch's
 arguments and behaviour and makes the check one decision for all ranks (one all-reduce of a
 flag per step, over the default process group, as torch's FSDP1 ``ShardedGradScaler`` does).
+
+Code written for torch's FSDP2 keeps torch's scaler: importing ``devmesh.parallel`` makes
+``torch.amp.GradScaler`` agree the same way when its optimizer holds devmesh-sharded
+parameters (:func:`route_torchs_grad_scaler`); for any other optimizer it is torch's own.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["GradScaler"]
+__all__ = ["GradScaler", "route_torchs_grad_scaler"]
 
 
 class GradScaler(torch.amp.GradScaler):
@@ -25,16 +29,47 @@ class GradScaler(torch.amp.GradScaler):
     def _unscale_grads_(self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor,
                         found_inf: torch.Tensor, allow_fp16: bool
                         ) -> dict[torch.device, torch.Tensor]:
-        per_device = super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-            return per_device
-        anywhere = found_inf.new_zeros(())  # on the scaler's device
-        for flag in per_device.values():
-            anywhere = torch.maximum(anywhere, flag.to(anywhere.device).reshape(()))
-        anywhere = anywhere.reshape(1)
-        dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
-        if not per_device:  # no gradient here: the decision still has to reach step()
-            per_device[found_inf.device] = found_inf
-        for device, flag in per_device.items():
-            flag.copy_(anywhere.to(device).reshape(flag.shape))
+        return _agreed(super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16),
+                       found_inf)
+
+
+def _agreed(per_device: dict[torch.device, torch.Tensor], found_inf: torch.Tensor
+            ) -> dict[torch.device, torch.Tensor]:
+    """Every rank's inf/nan flags made one: set where any rank found one."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return per_device
+    anywhere = found_inf.new_zeros(())  # on the scaler's device
+    for flag in per_device.values():
+        anywhere = torch.maximum(anywhere, flag.to(anywhere.device).reshape(()))
+    anywhere = anywhere.reshape(1)
+    dist.all_reduce(anywhere, op=dist.ReduceOp.MAX)
+    if not per_device:  # no gradient here: the decision still has to reach step()
+        per_device[found_inf.device] = found_inf
+    for device, flag in per_device.items():
+        flag.copy_(anywhere.to(device).reshape(flag.shape))
+    return per_device
+
+
+_torchs_unscale_grads = None  # torch's own, kept when routed
+
+
+def route_torchs_grad_scaler() -> None:
+    """Make ``torch.amp.GradScaler`` (and its subclasses) agree on every rank when its
+    optimizer holds devmesh-sharded parameters, as :class:`GradScaler` does (idempotent);
+    with any other optimizer it is torch's own, unchanged."""
+    global _torchs_unscale_grads
+    if _torchs_unscale_grads is not None:
+        return
+    from devmesh.parallel.param import get_layout
+
+    torchs = _torchs_unscale_grads = torch.amp.GradScaler._unscale_grads_
+
+    def routed(self, optimizer, inv_scale, found_inf, allow_fp16):
+        per_device = torchs(self, optimizer, inv_scale, found_inf, allow_fp16)
+        if isinstance(self, GradScaler) or not any(
+                get_layout(p) is not None for group in optimizer.param_groups
+                for p in group["params"]):
+            return per_device  # devmesh's own agrees in its override; others are torch's
+        return _agreed(per_device, found_inf)
+
+    torch.amp.GradScaler._unscale_grads_ = routed
