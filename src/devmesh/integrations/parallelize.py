@@ -43,6 +43,8 @@ from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
 from devmesh.integrations.pipeline_stages import REMOVED, transformers_stages
+from devmesh.integrations.pretrained import SavesWhole
+from devmesh.parallel.param import with_methods
 from devmesh.layout.data_parallel import (cp_beside_one_data_dim, cp_shards_parameters,
                                           flattened_name)
 from devmesh.layout.schedule import Schedule, build_schedule
@@ -243,6 +245,8 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
                 compute_in(_split_part(layer), mp_policy)
     elif mp_policy is not None:  # tensor parallelism alone: nothing reduces the gradients
         compute_in(model, mp_policy)
+    if hf.is_transformers_model(model) and not a_stage:  # its save_pretrained: the whole
+        with_methods(model, SavesWhole)
     return model
 
 

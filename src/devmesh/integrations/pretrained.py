@@ -36,7 +36,7 @@ from devmesh.parallel.state_dict import (
     state_dict,
 )
 
-__all__ = ["load_pretrained", "save_pretrained", "LoadedWeights"]
+__all__ = ["load_pretrained", "save_pretrained", "LoadedWeights", "SavesWhole"]
 
 _SINGLE = "model.safetensors"
 _INDEX = "model.safetensors.index.json"
@@ -177,6 +177,24 @@ def save_pretrained(model: nn.Module, folder: str | os.PathLike, **kwargs) -> No
                                       outcome="failed"):
         if dist.get_rank() == 0:
             _write(model, Path(folder), full, kwargs)
+
+
+class SavesWhole:
+    """What ``parallelize`` adds to a transformers model: its own ``save_pretrained``,
+    called as users call it (every rank, no ``state_dict``), writes the whole model by
+    :func:`save_pretrained` — collective, rank 0 writing — where transformers' would hand
+    safetensors this rank's sharded tensors (and fail on them). Given a ``state_dict`` (as
+    :func:`save_pretrained` itself passes it), it is transformers' own."""
+
+    _devmesh_prefix = "SavesWhole"
+
+    def save_pretrained(self, save_directory, *args, state_dict=None, **kwargs):
+        if state_dict is not None or args:
+            return super().save_pretrained(  # type: ignore[misc]
+                save_directory, *args, state_dict=state_dict, **kwargs)
+        kwargs.pop("is_main_process", None)  # rank 0 writes
+        save_pretrained(self, save_directory, **kwargs)  # type: ignore[arg-type]
+        return None
 
 
 def _write(model: nn.Module, folder: Path, full: dict, kwargs: dict) -> None:

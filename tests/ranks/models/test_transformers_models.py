@@ -1019,6 +1019,36 @@ def test_torchs_clip_grad_norm_clips_a_sharded_model_by_its_global_norm(mesh_poo
         assert norms <= 1e-12 and params <= 1e-12, (norms, params)
 
 
+def saved_by_its_own_save_pretrained(folder: str, names: tuple[str, ...],
+                                     shape: tuple[int, ...]):
+    """A parallelized Llama, trained a step, written by its own ``save_pretrained`` called
+    on every rank as transformers' docs call it; its full state dict to compare."""
+    from devmesh.parallel import parallelize, state_dict
+
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = parallelize(make("llama"), mesh)
+    ids = _ids(0)
+    model(input_ids=ids, labels=ids).loss.backward()
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    full = {k: v.clone() for k, v in state_dict(model, full=True).items()}
+    model.save_pretrained(folder, is_main_process=torch.distributed.get_rank() == 0)
+    return full
+
+
+@pytest.mark.parametrize("names, shape", [(("dp_shard",), (4,)), (("dp_shard", "tp"), (2, 2))],
+                         ids=str)
+def test_a_parallelized_models_own_save_pretrained_writes_the_whole_model(mesh_pool, tmp_path,
+                                                                          names, shape):
+    """transformers' save_pretrained handed safetensors the ranks' sharded tensors ("invalid
+    python storage"); the model's own method now writes the whole model."""
+    import transformers as T
+
+    full = mesh_pool.run(saved_by_its_own_save_pretrained, 4, str(tmp_path), names, shape)[0]
+    back = T.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float64).state_dict()
+    assert full.keys() == back.keys()
+    assert all(torch.equal(back[k], v) for k, v in full.items())
+
+
 def cp_alone_shards_parameters():
     """With cp and no data-parallel dim, the parameters are sharded over cp (torchtitan's
     FSDP over dp_shard x cp): each rank holds its share of every block's weights."""
