@@ -44,7 +44,6 @@ from devmesh.mesh import DeviceMesh
 from devmesh.integrations import transformers as hf
 from devmesh.integrations.pipeline_stages import REMOVED, transformers_stages
 from devmesh.integrations.pretrained import SavesWhole
-from devmesh.parallel.param import with_methods
 from devmesh.layout.data_parallel import (cp_beside_one_data_dim, cp_shards_parameters,
                                           flattened_name)
 from devmesh.layout.schedule import Schedule, build_schedule
@@ -54,6 +53,7 @@ from devmesh.parallel.context_parallel import context_parallel
 from devmesh.parallel.expert_parallel import MoE, expert_parallel
 from devmesh.parallel.expert_parallel.stacked import is_stacked_experts, is_unroutable_experts
 from devmesh.parallel.fsdp import MixedPrecisionPolicy, batched_checks, fully_shard
+from devmesh.parallel.param import with_methods
 from devmesh.parallel.pipeline import PipelineRunner
 from devmesh.parallel.replicate import replicate
 from devmesh.parallel.tensor_parallel import ParallelStyle, parallelize_module

@@ -26,8 +26,8 @@ from devmesh.parallel.tensor_parallel import (
 )
 from devmesh.tensor import Replicate
 
-__all__ = ["attention_window", "turn_off_caches", "is_transformers_model", "tensor_parallel_plan", "blocks_of",
-           "STYLES", "context_parallel_batch"]
+__all__ = ["attention_window", "turn_off_caches", "is_transformers_model",
+           "tensor_parallel_plan", "blocks_of", "STYLES", "context_parallel_batch"]
 
 # transformers' style names (transformers.integrations.tensor_parallel's ParallelInterface)
 # and the devmesh style that computes the same thing

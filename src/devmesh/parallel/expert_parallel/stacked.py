@@ -44,8 +44,8 @@ from devmesh.parallel.param import (ParamLayout, combined_mesh, get_layout, is_d
 from devmesh.parallel.placement import place_parameter
 from devmesh.tensor import Shard, ShardingSpec, distribute_tensor
 
-__all__ = ["is_stacked_experts", "is_unroutable_experts", "split_stacked_experts", "split_by_expert",
-           "ExpertParallelExperts", "ExpertParallelSortedExperts"]
+__all__ = ["is_stacked_experts", "is_unroutable_experts", "split_stacked_experts",
+           "split_by_expert", "ExpertParallelExperts", "ExpertParallelSortedExperts"]
 
 # transformers' call, each token's experts and their weights after the tokens, under the
 # names most models give them or gpt-oss's

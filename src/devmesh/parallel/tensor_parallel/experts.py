@@ -7,11 +7,12 @@ most of transformers' experts call ``F.linear(x, weight[e])`` (or ``(experts, in
 multiplied as ``x @ weight[e]``: Llama 4's, ``transposed=True``): the column weights
 (SwiGLU's packed ``gate_up_proj``, ``(E, 2I, H)``) are split on their output dim, each packed
 part apart, so a rank holds gate and up for the same ``I/tp`` features; the row weights
-(``down_proj``, ``(E, H, I)``) on their input dim. The module's own forward then runs unchanged on every
-rank with every token routed to it (the tokens are replicated over tp, as after an attention
-block's row-wise projection), on its slice of every expert, and its output is a partial sum
-that the style reduces. The router stays whole: the gradient of its weights for the experts'
-output, like the tokens', is summed over the ranks before it leaves the experts.
+(``down_proj``, ``(E, H, I)``) on their input dim. The module's own forward then runs
+unchanged on every rank with every token routed to it (the tokens are replicated over tp,
+as after an attention block's row-wise projection), on its slice of every expert, and its
+output is a partial sum that the style reduces. The router stays whole: the gradient of its
+weights for the experts' output, like the tokens', is summed over the ranks before it
+leaves the experts.
 """
 
 from __future__ import annotations
