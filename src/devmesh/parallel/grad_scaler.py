@@ -16,6 +16,8 @@ parameters (:func:`route_torchs_grad_scaler`); for any other optimizer it is tor
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
@@ -50,26 +52,30 @@ def _agreed(per_device: dict[torch.device, torch.Tensor], found_inf: torch.Tenso
     return per_device
 
 
-_torchs_unscale_grads = None  # torch's own, kept when routed
+_torchs_unscale = None  # torch's own, kept when routed
 
 
 def route_torchs_grad_scaler() -> None:
     """Make ``torch.amp.GradScaler`` (and its subclasses) agree on every rank when its
-    optimizer holds devmesh-sharded parameters, as :class:`GradScaler` does (idempotent);
-    with any other optimizer it is torch's own, unchanged."""
-    global _torchs_unscale_grads
-    if _torchs_unscale_grads is not None:
+    optimizer holds devmesh-sharded parameters, as :class:`GradScaler` does (idempotent):
+    its public ``unscale_`` (which ``step`` calls too) is followed by the agreement on the
+    flags it found; with any other optimizer it is torch's own, unchanged."""
+    global _torchs_unscale
+    if _torchs_unscale is not None:
         return
     from devmesh.parallel.param import get_layout
 
-    torchs = _torchs_unscale_grads = torch.amp.GradScaler._unscale_grads_
+    torchs = _torchs_unscale = torch.amp.GradScaler.unscale_
 
-    def routed(self, optimizer, inv_scale, found_inf, allow_fp16):
-        per_device = torchs(self, optimizer, inv_scale, found_inf, allow_fp16)
-        if isinstance(self, GradScaler) or not any(
+    @functools.wraps(torchs)
+    def unscale_(self, optimizer):
+        torchs(self, optimizer)
+        if not self.is_enabled() or isinstance(self, GradScaler) or not any(
                 get_layout(p) is not None for group in optimizer.param_groups
                 for p in group["params"]):
-            return per_device  # devmesh's own agrees in its override; others are torch's
-        return _agreed(per_device, found_inf)
+            return  # devmesh's own agrees in its override; other optimizers are torch's
+        state = self._per_optimizer_states[id(optimizer)]
+        found_inf = torch.zeros((), dtype=torch.float32, device=self._get_scale_async().device)
+        _agreed(state["found_inf_per_device"], found_inf)
 
-    torch.amp.GradScaler._unscale_grads_ = routed
+    torch.amp.GradScaler.unscale_ = unscale_
