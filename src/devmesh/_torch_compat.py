@@ -37,6 +37,7 @@ __all__ = [
     "torch_mesh_state_for_pickle", "restore_torch_mesh_state", "torch_concatenate",
     "current_torch_mesh", "innermost_torch_mesh", "unwrap_fake_script_object",
     "current_graph_task_id", "queue_callback", "saved_tensors_hooks_in_force",
+    "grad_scaler_flags", "grad_scaler_device",
     "disable_current_modes", "is_traceable_wrapper_subclass", "TorchDispatchMode", "pytree", "CFuture",
     "FakeTensor",
     "clear_dtensor_caches", "eager", "import_dynamo", "IncompatibleKeys", "strided_shard_type",
@@ -276,6 +277,22 @@ def queue_callback(callback: Callable[[], None]) -> None:
 def saved_tensors_hooks_in_force() -> Any:
     """The innermost ``saved_tensors_hooks`` pair in force (``None`` if none)."""
     return _top_saved_hooks(False)
+
+
+# -- torch.amp.GradScaler: the flags its unscale_ left, its scale's device ----------------------
+_require(torch.amp.GradScaler, "_get_scale_async", "torch.amp.GradScaler")
+
+
+def grad_scaler_flags(scaler: Any, optimizer: Any) -> dict:
+    """The inf/nan flags per device that ``scaler.unscale_(optimizer)`` found (torch's
+    per-optimizer state, read by its ``step``): a dict to change in place."""
+    states = _require(scaler, "_per_optimizer_states", "torch.amp.GradScaler")
+    return states[id(optimizer)]["found_inf_per_device"]
+
+
+def grad_scaler_device(scaler: Any) -> torch.device:
+    """The device of the scaler's scale (where its inf/nan flags are made)."""
+    return scaler._get_scale_async().device
 
 
 def clear_dtensor_caches() -> None:

@@ -21,6 +21,8 @@ import functools
 import torch
 import torch.distributed as dist
 
+from devmesh import _torch_compat
+
 __all__ = ["GradScaler", "route_torchs_grad_scaler"]
 
 
@@ -74,8 +76,8 @@ def route_torchs_grad_scaler() -> None:
                 get_layout(p) is not None for group in optimizer.param_groups
                 for p in group["params"]):
             return  # devmesh's own agrees in its override; other optimizers are torch's
-        state = self._per_optimizer_states[id(optimizer)]
-        found_inf = torch.zeros((), dtype=torch.float32, device=self._get_scale_async().device)
-        _agreed(state["found_inf_per_device"], found_inf)
+        found_inf = torch.zeros((), dtype=torch.float32,
+                                device=_torch_compat.grad_scaler_device(self))
+        _agreed(_torch_compat.grad_scaler_flags(self, optimizer), found_inf)
 
     torch.amp.GradScaler.unscale_ = unscale_
