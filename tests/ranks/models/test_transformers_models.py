@@ -1049,6 +1049,69 @@ def test_a_parallelized_models_own_save_pretrained_writes_the_whole_model(mesh_p
     assert all(torch.equal(back[k], v) for k, v in full.items())
 
 
+def with_transformers_own_checkpointing(strategy: str, when: str):
+    """Llama with transformers' own gradient checkpointing
+    (``model.gradient_checkpointing_enable()``, before or after ``parallelize``): each
+    recomputed layer gathers its parameters again. Trained against one process."""
+    from devmesh.parallel import parallelize, state_dict
+
+    shape, names, _ = STRATEGIES[strategy]
+    ref = make("llama")
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = make("llama")
+    if when == "before":
+        model.gradient_checkpointing_enable()
+    model = parallelize(model, mesh)
+    if when == "after":
+        model.gradient_checkpointing_enable()
+    model.train()
+    rows = _data_rows(mesh, names)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        ids = _ids(step)
+        ref(input_ids=ids, labels=ids).loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        model(input_ids=ids[rows], labels=ids[rows]).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    full = state_dict(model, full=True)
+    return max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+
+
+@pytest.mark.parametrize("strategy, when", [("fsdp", "before"), ("fsdp_tp", "after")])
+def test_transformers_own_gradient_checkpointing_trains_as_one_process(mesh_pool, strategy,
+                                                                       when):
+    for difference in mesh_pool.run(with_transformers_own_checkpointing, 4, strategy, when):
+        assert difference <= 1e-12, difference
+
+
+def generated(arch: str, strategy: str):
+    """Greedy generation (transformers' ``generate``, its key/value cache) and the logits of
+    a parallelized model against the same model in one process."""
+    from devmesh.parallel import parallelize
+
+    shape, names, _ = STRATEGIES[strategy]
+    ref = make(arch)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    model = parallelize(make(arch), mesh)
+    ids = _ids(0)[:2, :6]
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False)
+        logits = (ref(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item()
+    return torch.equal(want, got), logits
+
+
+@pytest.mark.parametrize("arch, strategy", [("llama", "fsdp_tp"), ("gemma3", "fsdp"),
+                                            ("qwen3_moe", "fsdp_ep")])
+def test_a_parallelized_model_generates_as_one_process(mesh_pool, arch, strategy):
+    for same, logits in mesh_pool.run(generated, 4, arch, strategy):
+        assert same and logits <= 1e-12, (same, logits)
+
+
 def cp_alone_shards_parameters():
     """With cp and no data-parallel dim, the parameters are sharded over cp (torchtitan's
     FSDP over dp_shard x cp): each rank holds its share of every block's weights."""
