@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from devmesh.distributed import comm
-from devmesh.parallel.param import ParallelizeError, get_layout
+from devmesh.parallel.param import ParallelizeError, get_layout, laid_out_parameters
 
-__all__ = ["clip_grad_norm_", "grad_norm_power", "reduce_norm_power", "clip_by_norm",
-           "checked_norm_type", "route_torchs_clip_grad_norm"]
+__all__ = ["clip_grad_norm_", "get_total_norm", "grad_norm_power", "reduce_norm_power",
+           "clip_by_norm", "checked_norm_type", "route_torchs_clip_grad_norm"]
 
 
 def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor | nn.Module,
@@ -42,36 +42,85 @@ def clip_grad_norm_(parameters: Iterable[torch.Tensor] | torch.Tensor | nn.Modul
                         error_if_nonfinite)
 
 
-_torchs_clip_grad_norm = None  # torch's own, kept when routed
+def get_total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor,
+                   norm_type: float | str = 2.0, error_if_nonfinite: bool = False,
+                   foreach: bool | None = None) -> torch.Tensor:
+    """The norm of ``tensors`` viewed as one vector, where the gradients of parameters devmesh
+    laid out count as the whole gradients they are blocks of (the same value on every rank).
+
+    torch's ``torch.nn.utils.get_total_norm`` on the gradients, as torchtitan's
+    ``clip_grad_norm_`` and transformers' ``Trainer`` call it before
+    ``clip_grads_with_norm_``: a gradient of a devmesh parameter (found among the live
+    parameters devmesh laid out) is reduced over the mesh dims that split it, any other
+    tensor counts as it is. ``foreach`` is accepted and has no effect."""
+    tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+    norm_type = checked_norm_type(norm_type)
+    owners = _gradient_owners(tensors)
+    owned = {id(p) for p in owners.values()}
+    power = grad_norm_power([p for p in laid_out_parameters() if id(p) in owned], norm_type)
+    rest = [t.detach().double().abs() for t in tensors if id(t) not in owners]
+    if rest:
+        if norm_type == math.inf:
+            maxima = [r.max() for r in rest if r.numel()]
+            if maxima:
+                power = torch.maximum(power, torch.stack(maxima).max())
+        else:
+            power = power + sum((r ** norm_type).sum() for r in rest)
+    norm = _norm_of(power, norm_type, error_if_nonfinite)
+    return norm.to(tensors[0].dtype)  # torch's: the tensors' dtype
+
+
+def _gradient_owners(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    """``id(tensor) -> parameter`` for each of ``tensors`` that is the gradient of a
+    parameter devmesh laid out."""
+    given = {id(t) for t in tensors}
+    return {id(p.grad): p for p in laid_out_parameters()
+            if p.grad is not None and id(p.grad) in given}
+
+
+_torchs: dict[str, object] = {}  # torch's own clip_grad_norm_ and get_total_norm, once routed
 
 
 def route_torchs_clip_grad_norm() -> None:
-    """Make ``torch.nn.utils.clip_grad_norm_`` clip a model devmesh sharded by its global
-    norm (idempotent). Code written for torch's FSDP2 calls torch's: there the gradients
-    are DTensors and the norm is global, but a devmesh-sharded parameter's gradient is this
-    rank's block, so torch's would clip each rank by the norm of its own blocks — training
-    silently unlike one process. Parameters with a devmesh layout among those given send
-    the call to :func:`clip_grad_norm_`; any other call is torch's own, unchanged."""
-    global _torchs_clip_grad_norm
-    if _torchs_clip_grad_norm is not None:
+    """Make ``torch.nn.utils.clip_grad_norm_`` and ``torch.nn.utils.get_total_norm`` measure
+    a model devmesh sharded by its global norm (idempotent). Code written for torch's FSDP2
+    calls torch's: there the gradients are DTensors and the norm is global, but a
+    devmesh-sharded parameter's gradient is this rank's block, so torch's would clip each
+    rank by the norm of its own blocks — training silently unlike one process. Parameters
+    with a devmesh layout among those given (or their gradients, for ``get_total_norm``)
+    send the call to :func:`clip_grad_norm_` or :func:`get_total_norm`; any other call is
+    torch's own, unchanged."""
+    if _torchs:
         return
     import torch.nn.utils as utils
     from torch.nn.utils import clip_grad
 
-    torchs = _torchs_clip_grad_norm = clip_grad.clip_grad_norm_
+    torchs_clip = _torchs["clip_grad_norm_"] = clip_grad.clip_grad_norm_
+    torchs_total = _torchs["get_total_norm"] = utils.get_total_norm
 
-    @functools.wraps(torchs)
-    def routed(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+    @functools.wraps(torchs_clip)
+    def routed_clip(parameters, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                    foreach=None):
         params = ([parameters] if isinstance(parameters, torch.Tensor)
                   else list(parameters))  # a generator is read once
         if any(get_layout(p) is not None for p in params):
             return clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        return torchs(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return torchs_clip(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    routed.__devmesh_routed__ = True  # type: ignore[attr-defined]
+    @functools.wraps(torchs_total)
+    def routed_total(tensors, norm_type=2.0, error_if_nonfinite=False, foreach=None):
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        if _gradient_owners(tensors):
+            return get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
+        return torchs_total(tensors, norm_type, error_if_nonfinite, foreach)
+
+    for routed in (routed_clip, routed_total):
+        routed.__devmesh_routed__ = True  # type: ignore[attr-defined]
     for module in (utils, clip_grad):
-        if getattr(module, "clip_grad_norm_", None) is torchs:
-            module.clip_grad_norm_ = routed
+        if getattr(module, "clip_grad_norm_", None) is torchs_clip:
+            module.clip_grad_norm_ = routed_clip
+        if getattr(module, "get_total_norm", None) is torchs_total:
+            module.get_total_norm = routed_total
 
 
 def checked_norm_type(norm_type: float | str) -> float:
@@ -143,14 +192,21 @@ def clip_by_norm(params: Iterable[nn.Parameter], power: torch.Tensor, max_norm: 
     torch: a nan norm makes every gradient nan and an inf one zeroes them, unless
     ``error_if_nonfinite``."""
     grads = [p for p in params if p.grad is not None]
+    norm = _norm_of(power, norm_type, error_if_nonfinite)
+    coef = max_norm / (float(norm) + 1e-6)
+    if not coef >= 1:  # nan included, as torch's clamp(coef, max=1) keeps it
+        for p in grads:
+            p.grad.detach().mul_(coef)
+    return norm.to(grads[0].grad.dtype if grads else torch.float32)  # torch: the grads' dtype
+
+
+def _norm_of(power: torch.Tensor, norm_type: float, error_if_nonfinite: bool) -> torch.Tensor:
+    """The norm whose :func:`grad_norm_power` is ``power``; with ``error_if_nonfinite``
+    torch's error where it is inf or nan (raised on every rank alike: the power is global)."""
     norm = power if norm_type == math.inf else power ** (1.0 / norm_type)
     if error_if_nonfinite and not math.isfinite(float(norm)):
         raise RuntimeError(
             f"The total norm of order {norm_type} for gradients from `parameters` is "
             "non-finite, so it cannot be clipped. To disable this error and scale the "
             "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
-    coef = max_norm / (float(norm) + 1e-6)
-    if not coef >= 1:  # nan included, as torch's clamp(coef, max=1) keeps it
-        for p in grads:
-            p.grad.detach().mul_(coef)
-    return norm.to(grads[0].grad.dtype if grads else torch.float32)  # torch: the grads' dtype
+    return norm

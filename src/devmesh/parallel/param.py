@@ -13,6 +13,7 @@ import contextlib
 import copy
 import math
 import sys
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -26,11 +27,14 @@ from devmesh.errors import DevmeshError, ParallelizeError  # noqa: F401 - re-exp
 from devmesh.mesh import DeviceMesh, init_device_mesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
-__all__ = ["with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter",
+__all__ = ["with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter", "laid_out_parameters",
            "layout_of", "local_of", "shaped_like", "is_dtensor",
            "local_block", "as_sharded", "combined_mesh", "describe_tensors"]
 
 _ATTR = "_devmesh_layout"
+# every live parameter given a layout in this process: a gradient handed to torch's
+# get_total_norm without its parameter is found here (devmesh.parallel.grads)
+_laid_out: weakref.WeakSet = weakref.WeakSet()
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,13 @@ def is_dtensor(tensor: torch.Tensor) -> bool:
 def set_layout(param: torch.Tensor, mesh: DeviceMesh, spec: ShardingSpec,
                shape: tuple[int, ...] | None = None) -> None:
     setattr(param, _ATTR, ParamLayout(mesh, spec, shape))
+    _laid_out.add(param)
+
+
+def laid_out_parameters() -> list[torch.Tensor]:
+    """The live parameters of this process that carry a devmesh layout (those laid out here
+    and their deep copies)."""
+    return [p for p in list(_laid_out) if get_layout(p) is not None]
 
 
 class ShardedParameter(nn.Parameter):
@@ -130,6 +141,8 @@ class ShardedParameter(nn.Parameter):
                                   self.requires_grad)
         memo[id(self)] = result
         result.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        if get_layout(result) is not None:
+            _laid_out.add(result)
         return result
 
 

@@ -982,10 +982,21 @@ def test_a_transformers_model_trains_under_context_parallelism_as_one_process(
         assert result["params"] <= TOLERANCE.get(arch, 1e-12), result
 
 
-def clipped_by_torchs_clip_grad_norm(strategy: str):
-    """Llama trained with ``torch.nn.utils.clip_grad_norm_`` (torch's own, as FSDP2 code and
-    transformers' Trainer call it) at a norm below the gradients', by SGD: the norms torch's
-    returns and the trained parameters against one process clipped alike."""
+def torchs_clip(params: list[torch.nn.Parameter], how: str) -> torch.Tensor:
+    """Clip at 0.1 by torch's own functions, as ``how`` names: ``clip_grad_norm_`` (FSDP2
+    code), or ``get_total_norm`` on the gradients then ``clip_grads_with_norm_`` (torchtitan's
+    ``clip_grad_norm_`` and transformers' ``Trainer``); returns the norm."""
+    if how == "clip_grad_norm_":
+        return torch.nn.utils.clip_grad_norm_(params, 0.1)
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    torch.nn.utils.clip_grads_with_norm_(params, 0.1, norm)
+    return norm
+
+
+def clipped_by_torchs_clip_grad_norm(strategy: str, how: str):
+    """Llama trained with gradients clipped by torch's own functions (:func:`torchs_clip`) at
+    a norm below the gradients', by SGD: the norms torch's return and the trained parameters
+    against one process clipped alike."""
     from devmesh.parallel import parallelize, state_dict
 
     shape, names, checkpointing = STRATEGIES[strategy]
@@ -999,11 +1010,11 @@ def clipped_by_torchs_clip_grad_norm(strategy: str):
     for step in range(STEPS):
         ids = _ids(step)
         ref(input_ids=ids, labels=ids).loss.backward()
-        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1)
+        want = torchs_clip(list(ref.parameters()), how)
         ref_opt.step()
         ref_opt.zero_grad()
         model(input_ids=ids[mine], labels=ids[mine]).loss.backward()
-        got = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        got = torchs_clip(list(model.parameters()), how)
         opt.step()
         opt.zero_grad()
         norms.append(abs(float(got) - float(want)))
@@ -1011,11 +1022,16 @@ def clipped_by_torchs_clip_grad_norm(strategy: str):
     return max(norms), max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items())
 
 
-@pytest.mark.parametrize("strategy", ["fsdp", "fsdp_tp", "hsdp_selective_ac"])
-def test_torchs_clip_grad_norm_clips_a_sharded_model_by_its_global_norm(mesh_pool, strategy):
+@pytest.mark.parametrize("strategy,how", [
+    ("fsdp", "clip_grad_norm_"), ("fsdp_tp", "clip_grad_norm_"),
+    ("hsdp_selective_ac", "clip_grad_norm_"), ("fsdp", "get_total_norm"),
+    ("fsdp_tp", "get_total_norm")])
+def test_torchs_clip_grad_norm_clips_a_sharded_model_by_its_global_norm(mesh_pool, strategy,
+                                                                        how):
     """torch's clip_grad_norm_ on a devmesh-sharded model took each rank's own blocks' norm
-    (0.73 for a global 1.38 under FSDP) and trained unlike one process (0.006)."""
-    for norms, params in mesh_pool.run(clipped_by_torchs_clip_grad_norm, 4, strategy):
+    (0.73 for a global 1.38 under FSDP) and trained unlike one process (0.006); its
+    get_total_norm on the gradients (torchtitan's and transformers' Trainer's way) alike."""
+    for norms, params in mesh_pool.run(clipped_by_torchs_clip_grad_norm, 4, strategy, how):
         assert norms <= 1e-12 and params <= 1e-12, (norms, params)
 
 
