@@ -68,23 +68,47 @@ def test_crossing_and_heavy_dims():
 
 def test_plan_prices_context_and_expert_parallelism_as_devmesh_runs_them():
     """cp: devmesh's ring sends K and V cp - 1 times forward and backward, and their
-    gradients cp times; ep: each token to its top_k experts and back, forward and backward.
-    ep splits shard x cp's ranks (no dim of its own); groups spanning hosts are flagged."""
+    gradients cp times; its ranks are data ranks for the parameters (FSDP over shard x cp,
+    FSDP over cp alone, DDP over dp x cp). ep: each token to its top_k experts and back,
+    forward and backward; ep splits shard's ranks (no dim of its own); groups spanning hosts
+    are flagged. What parallelize refuses (cp beside dp and shard, ep beside dp or cp) the
+    plan refuses too."""
     model = ModelSize(params=8e9, hidden=4096, seq=8192, batch=64, layers=32, top_k=2)
-    plan = plan_cluster(4, 8, tp=4, cp=2, ep=4, model=model)
-    assert plan.ok and plan.degrees["ep"] == 4 and plan.degrees["shard"] == 4
+    plan = plan_cluster(4, 8, tp=4, cp=2, model=model)
+    assert plan.ok and plan.degrees["shard"] == 4
     traffic = {t.dim: t for t in plan.traffic}
     act = 64 / 4 * 8192 / 2 * 4096 * 2  # this rank's tokens' activations, bytes
     assert traffic["cp"].bytes_per_step == pytest.approx(32 * (4 * 1 + 2 * 2) * act / 4)
+    # FSDP over shard x cp (8 ranks): 3 (n-1)/n of the TP slice
+    assert traffic["shard_cp"].degree == 8 and "shard" not in traffic
+    assert traffic["shard_cp"].bytes_per_step == pytest.approx(3 * 7 / 8 * 8e9 / 4 * 2)
+    alone = {t.what.split(":")[0]: t for t in plan_cluster(4, 8, tp=8, cp=4, model=model).traffic}
+    assert alone["FSDP"].dim == "cp" and alone["FSDP"].degree == 4
+    ddp = {t.dim: t for t in plan_cluster(4, 8, tp=4, cp=2, dp=4, shard=1, model=model).traffic}
+    assert ddp["dp_cp"].degree == 8 and "dp" not in ddp
+    assert ddp["dp_cp"].bytes_per_step == pytest.approx(2 * 7 / 8 * 8e9 / 4 * 2)
+
+    plan = plan_cluster(4, 8, tp=4, ep=4, model=model)
+    assert plan.ok and plan.degrees["ep"] == 4 and plan.degrees["shard"] == 8
+    traffic = {t.dim: t for t in plan.traffic}
+    act = 64 / 8 * 8192 * 4096 * 2
     assert traffic["ep"].bytes_per_step == pytest.approx(32 * 4 * 2 * 0.75 * act)
-    # ep groups: 4 consecutive ranks of (shard, cp) -- shard pairs x cp, over two hosts
+    # ep groups: 4 consecutive ranks of shard, a host holding 2 of them
     assert traffic["ep"].crosses_hosts and "ep" in plan.crossing
     assert "ep     size 4     crosses hosts" in str(plan)
     inside = plan_cluster(1, 8, tp=2, ep=2)  # shard 4: ep pairs on one host
     assert inside.ok and "ep" not in inside.crossing
-    wrong = plan_cluster(4, 8, tp=8, dp=2, ep=4)  # shard 2 x cp 1
-    assert wrong.errors == ["ep=4 must divide shard * cp = 2: expert parallelism splits the "
-                            "ranks whose tokens differ (FSDP's and CP's)"]
+    assert plan_cluster(4, 8, tp=8, ep=8).errors == [
+        "ep=8 must divide shard = 4: expert parallelism splits the ranks whose tokens "
+        "differ, FSDP's"]
+    assert plan_cluster(4, 8, tp=4, cp=2, ep=4).errors == [
+        "ep=4 with cp=2: both borrow the data-parallel ranks, and parallelize places one of "
+        "them: drop one"]
+    assert plan_cluster(4, 8, tp=8, dp=2, ep=2).errors == [
+        "ep=2 with dp=2: build the plan with shard instead of dp beside ep"]
+    assert plan_cluster(4, 8, tp=4, dp=2, cp=2).errors == [  # shard 2: HSDP
+        "cp=2 with dp=2 and shard=2: context parallelism goes beside one data-parallel dim, "
+        "as parallelize places it: make dp or shard 1"]
 
 
 def test_plan_valid_layout_and_traffic():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 __all__ = ["MIN_TOKENS_PER_CP_RANK", "cp_beside_one_data_dim", "cp_shards_parameters",
-           "flattened_name"]
+           "ep_beside", "flattened_name"]
 
 #: context parallelism is tried (by the mesh search) while each rank keeps at least this many
 #: tokens of every sequence: below, the ring's messages of a block outweigh its attention,
@@ -30,6 +30,14 @@ def cp_shards_parameters(replicated: bool, sharded: bool) -> bool:
     per rank. Beside a data-parallel dim, ``cp`` joins it (DDP over ``dp x cp``, FSDP over
     ``shard x cp``)."""
     return not replicated and not sharded
+
+
+def ep_beside(replicated: bool, context: bool) -> bool:
+    """Whether an ``ep`` dim fits beside the mesh's other dims: its ranks are data ranks
+    beside a shard dim or alone (FSDP over ``shard x ep`` for the dense parameters, the
+    experts split over ``ep``), so neither a replicate dim (``dp``: HSDP) nor ``cp`` (which
+    borrows the same data ranks) may be there too."""
+    return not replicated and not context
 
 
 def flattened_name(names: Sequence[str]) -> str:

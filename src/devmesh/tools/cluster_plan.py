@@ -15,6 +15,8 @@ import math
 from dataclasses import dataclass, field
 
 from devmesh.layout import MeshLayout
+from devmesh.layout.data_parallel import (cp_beside_one_data_dim, cp_shards_parameters,
+                                          ep_beside, flattened_name)
 from devmesh.layout.topology import contiguous_hosts, crossing_dims
 
 __all__ = ["ModelSize", "ClusterPlan", "plan_cluster", "ORDER"]
@@ -78,13 +80,14 @@ class ClusterPlan:
             if "ep" in self.degrees:
                 where = "crosses hosts" if "ep" in self.crossing else "within each host"
                 lines.append(f"  {'ep':<6} size {self.degrees['ep']:<5} {where} (the ranks of "
-                             "shard x cp, innermost first)")
+                             "shard, innermost first)")
         if self.traffic:
             lines.append("estimated traffic per rank per step:")
+            width = max(6, *(len(t.dim) for t in self.traffic))  # shard_cp: flattened dims
             for t in self.traffic:
                 link = "network" if t.crosses_hosts else "intra-host"
-                lines.append(f"  {t.dim:<6} x{t.degree:<5} {link:<11} {_human(t.bytes_per_step):>10}"
-                             f"  {t.what}")
+                lines.append(f"  {t.dim:<{width}} x{t.degree:<5} {link:<11} "
+                             f"{_human(t.bytes_per_step):>10}  {t.what}")
         for message in self.errors:
             lines.append(f"ERROR: {message}")
         for message in self.warnings:
@@ -106,8 +109,9 @@ def plan_cluster(hosts: int, devices_per_host: int, *, dp: int = 1, shard: int |
                  model: ModelSize | None = None) -> ClusterPlan:
     """Lay out the degrees on the cluster; ``shard=None`` takes the devices left over.
     ``ep`` (expert parallelism) is no dim of its own: as in torchtitan's "dp2ep" layout, it
-    splits the ranks of the flattened ``(shard, cp)`` dims whose tokens differ, innermost
-    first, so it must divide ``shard * cp``."""
+    splits the ranks of ``shard`` (whose tokens differ), innermost first, so it must divide
+    ``shard``; as ``parallelize`` places the dims, ``cp`` goes beside one data-parallel dim
+    (``dp`` or ``shard``) and ``ep`` beside neither ``dp`` nor ``cp``."""
     world = hosts * devices_per_host
     given = {"pp": pp, "dp": dp, "cp": cp, "tp": tp}
     plan = ClusterPlan(hosts, devices_per_host, {}, None)
@@ -142,9 +146,21 @@ def plan_cluster(hosts: int, devices_per_host: int, *, dp: int = 1, shard: int |
             f"tp={tp} does not divide {devices_per_host} devices per host: some TP groups would "
             "straddle two hosts"
         )
-    if ep < 1 or (shard * cp) % ep:
-        plan.errors.append(f"ep={ep} must divide shard * cp = {shard * cp}: expert parallelism "
-                           "splits the ranks whose tokens differ (FSDP's and CP's)")
+    # the data-parallel dims as parallelize places them (and the dry run prices them)
+    if cp > 1 and not cp_beside_one_data_dim(dp > 1, shard > 1):
+        plan.errors.append(f"cp={cp} with dp={dp} and shard={shard}: context parallelism goes "
+                           "beside one data-parallel dim, as parallelize places it: make dp "
+                           "or shard 1")
+        return plan
+    if ep > 1 and not ep_beside(dp > 1, cp > 1):
+        plan.errors.append(
+            f"ep={ep} with dp={dp}: build the plan with shard instead of dp beside ep" if dp > 1
+            else f"ep={ep} with cp={cp}: both borrow the data-parallel ranks, and parallelize "
+            "places one of them: drop one")
+        return plan
+    if ep < 1 or shard % ep:
+        plan.errors.append(f"ep={ep} must divide shard = {shard}: expert parallelism splits "
+                           "the ranks whose tokens differ, FSDP's")
         return plan
     names = tuple(n for n in ORDER if plan.degrees[n] > 1) or ("dp",)
     shape = tuple(plan.degrees.get(n, 1) for n in names)
@@ -159,7 +175,8 @@ def plan_cluster(hosts: int, devices_per_host: int, *, dp: int = 1, shard: int |
     if "cp" in plan.crossing:
         plan.warnings.append("cp crosses hosts: ring attention traffic goes over the network; "
                              "keep cp * tp <= devices per host if you can")
-    if "shard" in plan.crossing and "dp" in plan.degrees and plan.degrees["dp"] == 1 and hosts > 1:
+    if ("shard" in plan.crossing and plan.degrees["dp"] == 1 and hosts > 1 and ep == 1
+            and cp == 1):  # (HSDP goes beside neither ep nor cp)
         plan.warnings.append("FSDP shards across hosts: consider HSDP (--dp hosts, --shard "
                              "devices per host) to keep all-gathers inside hosts")
     if model is not None:
@@ -168,12 +185,12 @@ def plan_cluster(hosts: int, devices_per_host: int, *, dp: int = 1, shard: int |
 
 
 def _ep_crosses_hosts(layout: MeshLayout, ep: int, hosts_of) -> bool:
-    """Whether an ``ep`` group — ``ep`` consecutive ranks of the flattened ``(shard, cp)``
-    dims, the other dims fixed — spans two hosts."""
+    """Whether an ``ep`` group — ``ep`` consecutive ranks of the ``shard`` dim, the other
+    dims fixed — spans two hosts."""
     import numpy as np
 
     names = layout.names
-    inner = [i for i, n in enumerate(names) if n in ("shard", "cp")]
+    inner = [i for i, n in enumerate(names) if n == "shard"]
     ranks = np.moveaxis(layout.ranks, inner, list(range(layout.ndim - len(inner), layout.ndim)))
     rows = ranks.reshape(-1, ep)
     host = np.asarray(hosts_of)[rows]
@@ -210,6 +227,12 @@ def _traffic(plan: ClusterPlan, model: ModelSize) -> list[Traffic]:
         if d[name] > 1:
             rows.append(Traffic(name, d[name], name in plan.crossing, what, nbytes))
 
+    def group(names: list[str], what: str, nbytes) -> None:
+        """A collective over the dims ``names`` flattened into one group."""
+        size = math.prod(d[n] for n in names)
+        rows.append(Traffic(flattened_name(names), size,
+                            any(n in plan.crossing for n in names), what, nbytes(size)))
+
     # an all-gather or a reduce-scatter of the whole activation moves (n-1)/n of it
     # (the norms' gradients, a few KB, left out)
     moves = TP_COLLECTIVES_PER_LAYER["all_gather"] + TP_COLLECTIVES_PER_LAYER["reduce_scatter"]
@@ -224,9 +247,18 @@ def _traffic(plan: ClusterPlan, model: ModelSize) -> list[Traffic]:
             f"all-to-all of each token to its {model.top_k} experts and back, forward and "
             "backward, per MoE layer (every layer)",
             layers * 4 * model.top_k * ring(d["ep"]) * act))
-    add("shard", "FSDP: all-gather parameters (forward, backward), reduce-scatter gradients",
-        3 * ring(d["shard"]) * stage_params * b)
-    add("dp", "all-reduce of the gradient shard",
-        2 * ring(d["dp"]) * stage_params / d["shard"] * b)
+    # cp's ranks are data ranks for the parameters: FSDP over shard x cp (or cp alone), or
+    # DDP over dp x cp, as parallelize places them
+    sharded = [n for n in ("shard", "cp") if d[n] > 1] if d["shard"] > 1 or (
+        d["cp"] > 1 and cp_shards_parameters(d["dp"] > 1, d["shard"] > 1)) else []
+    if sharded:
+        group(sharded, "FSDP: all-gather parameters (forward, backward), reduce-scatter "
+              "gradients", lambda n: 3 * ring(n) * stage_params * b)
+    replicated = [n for n in ("dp", "cp") if d[n] > 1 and n not in sharded]
+    if replicated:
+        shards = math.prod(d[n] for n in sharded)
+        group(replicated, "all-reduce of the gradient shard" if sharded else
+              "DDP: all-reduce of the gradients",
+              lambda n: 2 * ring(n) * stage_params / shards * b)
     add("pp", "activations to the next stage and gradients back", 2 * act)
     return rows

@@ -22,7 +22,7 @@ def add(sub) -> None:
     for name, default, text in (("dp", 1, "replicas (DDP, or HSDP's replicate dim)"),
                                 ("tp", 1, "tensor parallel"), ("pp", 1, "pipeline stages"),
                                 ("cp", 1, "context parallel"),
-                                ("ep", 1, "expert parallel (splits shard x cp's ranks)")):
+                                ("ep", 1, "expert parallel (splits shard's ranks)")):
         plan.add_argument(f"--{name}", type=int, default=default, help=text)
     plan.add_argument("--shard", "--fsdp", type=int, default=None,
                       help="FSDP shard degree (default: the devices left over)")

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from devmesh._torch_compat import fake_store, pytree, storage_key
 from devmesh.errors import DryRunError
 from devmesh.layout.data_parallel import (cp_beside_one_data_dim, cp_shards_parameters,
-                                          flattened_name)
+                                          ep_beside, flattened_name)
 from devmesh.layout.liveness import activation_liveness
 from devmesh.parallel.compute_dtype import is_compute_copy
 from devmesh.layout.schedule import SCHEDULES as ALL_SCHEDULES
@@ -336,10 +336,10 @@ def _check_experts(config: TransformerConfig, dims: dict[str, int]) -> None:
         fits = [e for e in _divisors(config.experts) if e > 1]
         raise DryRunError(f"ep {ep} does not divide the {config.experts} experts: ep may be "
                           f"{', '.join(map(str, fits))}")
-    for other, why in (("dp", "build the mesh with shard instead of dp beside ep"),
-                       ("cp", "both borrow the data-parallel ranks; drop one")):
-        if other in dims:
-            raise DryRunError(f"--mesh {dims}: ep with {other}: {why}")
+    if not ep_beside("dp" in dims, "cp" in dims):
+        other, why = (("dp", "build the mesh with shard instead of dp beside ep") if "dp" in dims
+                      else ("cp", "both borrow the data-parallel ranks; drop one"))
+        raise DryRunError(f"--mesh {dims}: ep with {other}: {why}")
 
 
 def _divisors(n: int) -> list[int]:
