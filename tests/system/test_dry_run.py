@@ -248,15 +248,6 @@ def test_expert_parallelism_the_dry_run_cannot_place_is_refused_naming_why(mesh,
         dry_run(replace(config, batch=48), mesh)
 
 
-def test_the_search_refuses_a_mixture_of_experts_naming_what_to_do():
-    from devmesh.errors import DryRunError
-    from devmesh.tools.dry_run.report import read_costs
-    from devmesh.tools.dry_run.search import search
-
-    with pytest.raises(DryRunError, match="dry-run the meshes you consider with --mesh"):
-        search(MOE, 8, read_costs(1.0, "10", None, None, 1, None, None, None))
-
-
 @pytest.mark.parametrize("dims", [{"dp": 8}, {"shard": 4, "tp": 2}, {"shard": 4, "cp": 2}],
                          ids=str)
 def test_what_a_checkpointed_block_keeps_is_its_input_and_selectively_its_matmuls(dims):

@@ -58,17 +58,86 @@ KINDS = [  # every data-parallel kind, with and without tp and pp, both schedule
 def test_the_closed_form_equals_the_dry_run_on_every_kind_of_candidate():
     """What the search estimates for a stage (bytes held, every collective's calls and
     bytes, micro-batches in flight) is what the dry run measures, exactly."""
-    calibration = _Calibration(CONFIG)
-    for candidate in KINDS:
-        for stage, measured in enumerate(measure(CONFIG, candidate)):
-            estimated = estimate(CONFIG, candidate, stage, calibration)
-            for name in ("layers", "parameters", "parameter_bytes", "gradient_bytes",
-                         "optimizer_bytes", "accumulated_gradient_bytes",
-                         "activation_bytes_per_microbatch", "activation_bytes",
-                         "stage_layers", "stage_activation_bytes",
-                         "microbatches_in_flight", "compute_dtype", "collectives"):
+    assert_the_closed_form_equals_the_dry_run(CONFIG, KINDS)
+
+
+EXACT = ("layers", "parameters", "parameter_bytes", "gradient_bytes", "optimizer_bytes",
+         "accumulated_gradient_bytes", "activation_bytes_per_microbatch", "activation_bytes",
+         "stage_layers", "stage_activation_bytes", "microbatches_in_flight", "compute_dtype",
+         "collectives")
+
+
+def assert_the_closed_form_equals_the_dry_run(config, kinds: list[Candidate]) -> None:
+    """Every count of :data:`EXACT` the search estimates for each stage of each candidate
+    is what the dry run measures."""
+    calibration = _Calibration(config)
+    for candidate in kinds:
+        for stage, measured in enumerate(measure(config, candidate)):
+            estimated = estimate(config, candidate, stage, calibration)
+            for name in EXACT:
                 assert getattr(estimated, name) == getattr(measured, name), (
                     candidate.describe(), stage, name)
+
+
+# mixtures of experts: a dense first layer then experts in every layer (DeepSeek-V3's shape),
+# and experts in every second layer (Llama 4 Maverick's); 8 experts, top 2, one shared
+MOE_CONFIGS = {
+    "dense-first": read_config("tiny-moe:layers=6,batch=32,dtype=bfloat16"),
+    "every-second": read_config("tiny-moe:layers=6,batch=32,dtype=bfloat16,dense_layers=0,"
+                                "moe_every=2"),
+}
+MOE_KINDS = [  # experts over ep beside FSDP or alone (DDP), with tp and pp; without ep
+    Candidate(1, 1, 2, 1, "1f1b", 1, ep=4), Candidate(1, 1, 1, 1, "1f1b", 2, ep=8),
+    Candidate(1, 1, 2, 2, "1f1b", 2, ep=2), Candidate(2, 1, 2, 1, "1f1b", 4, ep=2),
+    Candidate(2, 1, 1, 2, "gpipe", 4, ep=2), Candidate(1, 1, 4, 1, "1f1b", 2, "full", ep=2),
+    Candidate(1, 2, 2, 2, "1f1b", 2),
+]
+
+
+@pytest.mark.parametrize("config", MOE_CONFIGS, ids=str)
+def test_the_closed_form_equals_the_dry_run_on_mixtures_of_experts(config):
+    """Each kind of block counted as it is (the experts split over ep, sharded over shard
+    alone, left out of DDP's buckets; stages holding dense blocks and blocks of experts
+    both): the estimate is what the dry run measures, exactly."""
+    assert_the_closed_form_equals_the_dry_run(MOE_CONFIGS[config], MOE_KINDS)
+
+
+def test_the_candidates_of_a_mixture_of_experts_place_ep_as_parallelize_does():
+    config = MOE_CONFIGS["dense-first"]
+    found = candidates(config, 16)
+    eps = {c.ep for c in found}
+    assert eps == {1, 2, 4, 8}  # dividing the 8 experts and the data ranks
+    for c in found:
+        assert c.pp * c.dp * c.shard * c.ep * c.cp * c.tp == 16
+        assert c.ep == 1 or (c.dp == 1 and c.cp == 1)  # beside shard or alone
+        assert config.expert_hidden % c.tp == 0
+        assert config.batch % (c.dp * c.shard * c.ep) == 0
+    assert Candidate(1, 1, 2, 1, "1f1b", 1, ep=8) in found
+    assert Candidate(1, 1, 2, 1, "1f1b", 1, ep=8).mesh == "shard=2,ep=8"
+    # experts of 24 features: tp 2 and 4 split them (and the heads), tp 8 does not
+    narrow = {c.tp for c in candidates(replace(config, expert_ffn_dim=12), 8)}
+    assert narrow == {1, 2, 4}
+    # no data ranks left beside tp 4 on 4 ranks: no ep
+    assert {c.ep for c in candidates(config, 4) if c.tp == 4} == {1}
+
+
+def test_a_search_over_a_mixture_of_experts_ranks_meshes_with_ep():
+    """The search takes a mixture of experts: its candidates split the experts over ep or
+    not, the best measured by the dry run; where the experts are most of the model and no
+    tp splits them, a memory too small for every rank to hold all of them leaves only
+    meshes with ep."""
+    # experts of 256 features: most of the model
+    config = read_config("tiny-moe:layers=2,batch=8,experts=16,expert_ffn_dim=256,"
+                         "dense_layers=0")
+    costs = Costs(tflops=0.05, bandwidth={"tp": 4.0}, default=1.0, latency=2e-5)
+    free = search(config, 4, costs, verify=2, devices_per_host=1)
+    assert {e.candidate.ep for e in free.ranked} == {1, 2, 4}
+    assert [e.measured for e in free.ranked[:2]] == [True, True]
+    without_ep = min(e.peak_bytes for e in free.ranked if e.candidate.ep == 1)
+    tight = search(config, 4, costs, verify=2, devices_per_host=1,
+                   device_memory=without_ep - 1)
+    assert tight.ranked and all(e.candidate.ep > 1 for e in tight.ranked), [
+        e.candidate.describe() for e in tight.ranked[:5]]
 
 
 @pytest.mark.parametrize("candidate", [

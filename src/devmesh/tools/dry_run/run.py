@@ -366,7 +366,8 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
     the step's peak) grows by the same amount per block: what the third block adds, times the
     blocks past the second. (All but the peak already grow so from the first block; the
     peak of a one-block stage comes at another moment of its step than a longer stage's,
-    so it is off that line.) A stage of up to three blocks is run as it is."""
+    so it is off that line.) A stage of up to three blocks, or holding both dense blocks
+    and blocks of experts, is run as it is."""
     pp = dims.get("pp", 1)
     if (isinstance(checkpointing, int) and checkpointing > 1) or (
             pp > 1 and schedule not in ("1f1b", "gpipe")):
@@ -378,7 +379,8 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
                   checkpointing=checkpointing)
     one = dry_run(config, dims, blocks=2, **kwargs)
     first, last = one.layers
-    if last - first <= 3:
+    if last - first <= 3 or len({config.has_experts(i) for i in range(first, last)}) > 1:
+        # (dense blocks and blocks of experts in one stage: not alike)
         return dry_run(config, dims, **kwargs)
     two = dry_run(config, dims, blocks=3, **kwargs)
     more = last - first - 2

@@ -1,9 +1,10 @@
 """``devmesh plan --model CONFIG --world N --search``: the mesh to run a model on, chosen.
 
-Every way of writing ``N`` ranks as ``pp x dp x shard x cp x tp`` that the model allows
+Every way of writing ``N`` ranks as ``pp x dp x shard x ep x cp x tp`` that the model allows
 (tensor parallelism inside a host and dividing the heads and widths, no more stages than
 layers, the batch splitting over the data ranks, context parallelism splitting each sequence
-into ``2 x cp`` equal chunks beside one data-parallel dim), each with the pipeline schedules
+into ``2 x cp`` equal chunks beside one data-parallel dim, expert parallelism dividing the
+experts beside a shard dim or alone), each with the pipeline schedules
 and micro-batch counts that fit it, is a candidate. Each is estimated per pipeline stage in
 closed form (below),
 those whose largest rank does not fit the device's memory are dropped, and the rest are
@@ -16,23 +17,28 @@ only chooses which ones to measure.
 The closed form, per rank of a stage with ``b`` blocks and ``m`` micro-batches:
 
 - parameters: each tensor's tensor-parallel block, its first dim split in ``shard x cp``
-  rows rounded up (FSDP's shards: ``cp``'s ranks are data ranks for the parameters);
-  gradients as many; AdamW two float32 states;
-- activations per micro-batch: measured once per (tp, cp, FSDP or not, stage kind,
-  activation checkpointing) on stages of one and two blocks and micro-batches of one and two
-  sequences, each block and the rest of the stage a fixed part (weights cast to the
-  compute dtype) and a part per sequence;
+  (or ``shard x ep``) rows rounded up (FSDP's shards: ``cp``'s and ``ep``'s ranks are data
+  ranks for the parameters); a block's routed experts ``experts / ep`` of them, split over
+  ``tp``, their first dim (the experts) in ``shard`` rows; gradients as many; AdamW two
+  float32 states;
+- activations per micro-batch: measured once per (tp, cp, ep, FSDP or not, stage kind,
+  activation checkpointing, kind of block) on stages of one and two blocks and micro-batches
+  of one and two sequences, each block and the rest of the stage a fixed part (weights cast
+  to the compute dtype) and a part per sequence; a stage holding dense blocks and blocks of
+  experts adds each kind's up;
 - FSDP: every block a unit gathered in its forward and again in its backward per micro-batch
   (the stage's root unit, holding embedding or head, once per micro-batch), in the compute
   dtype, rounded up to ``shard`` rows; its float32 gradients reduce-scattered once per step;
-  HSDP all-reduces the shards over ``dp``; DDP (over ``dp``, ``cp`` or both) all-reduces
-  the float32 gradients; with
+  a block's experts beside ``ep`` a unit of their own over ``shard``;
+  HSDP all-reduces the shards over ``dp``; DDP (over ``dp``, ``cp`` or both, or ``ep``,
+  the experts left out) all-reduces the float32 gradients; with
   several micro-batches the stage's unsharded float32 gradients are held from its first
   backward to its last (FSDP accumulates them unsynchronized);
 - tensor parallelism: the collectives of each kind one block and the rest of the stage
   send (torchtitan's plan: sequence gathers and reduce-scatters, the norms' and the loss's
   all-reduces), measured with the activations, times blocks, sequences and micro-batches;
-  context parallelism's ring messages (each block's attention) likewise;
+  context parallelism's ring messages (each block's attention) and the experts'
+  all-to-all likewise;
 - the pipeline's messages, counted from the schedule as the dry run counts them;
 - two stages per rank (interleaved 1F1B, zero-bubble V, DualPipeV): each estimated so and
   added up, its activations the most its stages' micro-batches hold at once (a split
@@ -51,7 +57,7 @@ import torch
 
 from devmesh.errors import DryRunError
 from devmesh.layout.data_parallel import (MIN_TOKENS_PER_CP_RANK, cp_beside_one_data_dim,
-                                          cp_shards_parameters, flattened_name)
+                                          cp_shards_parameters, ep_beside, flattened_name)
 from devmesh.layout.liveness import activation_liveness
 from devmesh.layout.schedule import Schedule, ScheduleError, build_schedule
 from devmesh.tools.dry_run.model import TransformerConfig, stage_layers
@@ -82,11 +88,12 @@ class Candidate:
     microbatches: int
     checkpointing: str = "none"  # the blocks' activation checkpointing (none, full, selective)
     cp: int = 1  # context parallelism: each sequence split over cp ranks (ring attention)
+    ep: int = 1  # expert parallelism: each rank experts / ep of every layer's, its own tokens
 
     @property
     def dims(self) -> dict[str, int]:
-        sizes = {"pp": self.pp, "dp": self.dp, "shard": self.shard, "cp": self.cp,
-                 "tp": self.tp}
+        sizes = {"pp": self.pp, "dp": self.dp, "shard": self.shard, "ep": self.ep,
+                 "cp": self.cp, "tp": self.tp}
         return {name: sizes[name] for name in DIM_ORDER if sizes.get(name, 1) > 1} or {"dp": 1}
 
     @property
@@ -123,11 +130,13 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
     if world < 1:
         raise DryRunError(f"--world {world}: give the number of ranks, a positive integer")
     found = []
+    widths = (config.heads, config.kv_heads, config.ffn_dim) + (
+        (config.expert_hidden,) if config.experts else ())  # experts split over tp too
     for tp, cp in ((t, c) for t in _divisors(world) for c in _divisors(world // t)):
         local_seq = config.seq // cp  # a rank's tokens of each sequence, split by tp's SP
         if tp > devices_per_host or (cp > 1 and (
                 config.seq % (2 * cp) or local_seq < min_cp_tokens)) or any(
-                n % tp for n in (config.heads, config.kv_heads, config.ffn_dim, local_seq)):
+                n % tp for n in (*widths, local_seq)):
             continue
         for pp in _divisors(world // (tp * cp)):
             data = world // (tp * cp * pp)
@@ -140,32 +149,39 @@ def candidates(config: TransformerConfig, world: int, *, devices_per_host: int =
                          if _plays(n, pp, m, config.layers)]
             else:
                 plays = [("1f1b", 2 ** k) for k in range(8) if local % 2 ** k == 0]
-            for shard in _divisors(data):
-                if cp > 1 and not cp_beside_one_data_dim(data // shard > 1, shard > 1):
+            # the data ranks as dp x shard x ep: ep (dividing the experts) beside a shard dim
+            # or alone, with neither dp nor cp (as parallelize places it)
+            splits = [(data // shard, shard, 1) for shard in _divisors(data)] + [
+                (1, data // ep, ep) for ep in _divisors(math.gcd(data, config.experts))
+                if config.experts and ep > 1 and ep_beside(False, cp > 1)]
+            for dp, shard, ep in splits:
+                if cp > 1 and not cp_beside_one_data_dim(dp > 1, shard > 1):
                     continue
                 for schedule, m in plays:
                     for mode in checkpointing:
                         if mode == "selective" and pp > 1 and _schedule(
                                 schedule, pp, m).splits_backward:
                             continue  # refused: one backward through a selective region
-                        found.append(Candidate(pp, data // shard, shard, tp, schedule, m,
-                                               mode, cp))
+                        found.append(Candidate(pp, dp, shard, tp, schedule, m, mode, cp,
+                                               ep))
     if not found:
         raise DryRunError(f"no mesh of {world} ranks suits the model: tp must divide heads "
                           f"({config.heads}), kv heads ({config.kv_heads}), ffn dim "
-                          f"({config.ffn_dim}) and a rank's part of the sequence "
+                          f"({config.ffn_dim}"
+                          + (f", an expert's {config.expert_hidden}" if config.experts else "")
+                          + ") and a rank's part of the sequence "
                           f"({config.seq} tokens over cp) and be at most "
                           "--devices-per-host "
                           f"{devices_per_host}; the batch ({config.batch}) must split over "
-                          "dp x shard")
+                          "dp x shard x ep")
     return found
 
 
 @dataclass
 class _PerSequence:
-    """What a stage adds per micro-batch: saved activation bytes and the tensor- and
-    context-parallel collectives of each kind over ``tp`` and ``cp`` (calls per block and
-    for the rest of the stage), bytes as
+    """What a stage adds per micro-batch: saved activation bytes and the tensor-, context-
+    and expert-parallel collectives of each kind over ``tp``, ``cp`` and ``ep`` (calls per
+    block and for the rest of the stage), bytes as
     ``fixed + per sequence`` per block and for the rest — a block's weights cast to the
     compute dtype (kept for its backward) and the norms' gradients are as many bytes
     whatever the sequences; the activations grow with them."""
@@ -175,82 +191,134 @@ class _PerSequence:
     bytes: dict[tuple[str, str], tuple[int, int, int, int]]  # (kind, dims) -> block fixed,
     # block per sequence; rest ...
 
-    def activation_bytes(self, blocks: int, sequences: int) -> int:
-        return _grown(self.activations, blocks, sequences)
 
-    def traffic(self, blocks: int, sequences: int, microbatches: int
-                ) -> dict[tuple[str, str], tuple[int, int]]:
-        out = {}
-        for key, (per_block, rest) in self.calls.items():
-            bf, bs, rf, rs = self.bytes[key]
-            calls = microbatches * (blocks * per_block + rest)
-            nbytes = microbatches * (blocks * (bf + bs * sequences) + rf + rs * sequences)
-            if calls:
-                out[key] = (calls, nbytes)
-        return out
+def _stage_per_microbatch(parts: dict[str, tuple[_PerSequence, int]], base: str,
+                          sequences: int, microbatches: int
+                          ) -> tuple[int, dict[tuple[str, str], tuple[int, int]]]:
+    """A stage's activation bytes per micro-batch of ``sequences`` and its traffic per step
+    over ``microbatches``, from each kind of block it holds (``kind -> (measured, count)``)
+    and the rest of the stage as measured with blocks of kind ``base``."""
+    rest = parts[base][0]
+    _, _, rf, rs = rest.activations
+    activations = rf + rs * sequences + sum(
+        n * (measured.activations[0] + measured.activations[1] * sequences)
+        for measured, n in parts.values())
+    traffic = {}
+    for key in {k for measured, _ in parts.values() for k in measured.calls}:
+        calls = rest.calls.get(key, (0, 0))[1] + sum(
+            n * measured.calls.get(key, (0, 0))[0] for measured, n in parts.values())
+        rf, rs = rest.bytes.get(key, (0, 0, 0, 0))[2:]
+        nbytes = rf + rs * sequences + sum(
+            n * (bf + bs * sequences) for measured, n in parts.values()
+            for bf, bs, _, _ in [measured.bytes.get(key, (0, 0, 0, 0))])
+        if calls:
+            traffic[key] = (microbatches * calls, microbatches * nbytes)
+    return activations, traffic
+
+
+#: the kinds of block a model may hold: a dense feed-forward, a mixture of experts
+BLOCK_KINDS = ("dense", "moe")
+
+
+def _block_kinds(config: TransformerConfig, first: int, last: int) -> dict[str, int]:
+    """How many blocks of each kind layers ``first..last-1`` hold (kinds held only)."""
+    moe = sum(map(config.has_experts, range(first, last)))
+    return {kind: n for kind, n in (("dense", last - first - moe), ("moe", moe)) if n}
 
 
 class _Calibration:
-    """Activations and the traffic over ``tp`` and ``cp`` per micro-batch, measured by the
-    dry run once per (tp, cp, FSDP or not, stage kind, checkpointing) and kept: a stage of
-    one block and of two, on a micro-batch of one sequence and of two. And what the step's
-    peak holds besides those parts (:meth:`transient`), per block and for the rest of the
-    stage, at a micro-batch size: the peak is the highest of several moments of the step,
-    each growing otherwise with the sequences, so it is no line in them."""
+    """Activations and the traffic over ``tp``, ``cp`` and ``ep`` per micro-batch, measured
+    by the dry run once per (tp, cp, ep, FSDP or not, stage kind, checkpointing, block kind)
+    and kept: a stage of one block and of two, on a micro-batch of one sequence and of two,
+    every block of the kind measured (the model made all dense or all experts). And what
+    the step's peak holds besides those parts (:meth:`transient`), per block and for the
+    rest of the stage, at a micro-batch size: the peak is the highest of several moments of
+    the step, each growing otherwise with the sequences, so it is no line in them.
+
+    Expert parallelism under FSDP is measured at the smallest ``ep`` the experts allow: a
+    rank's tokens and what they send in the all-to-all are the same at any ``ep`` (the dry
+    run's router balances the experts), and what differs, each rank's experts, is counted
+    in closed form. Under DDP it is measured at the ``ep`` itself: each rank keeps its own
+    experts cast to the compute dtype for the backward."""
 
     def __init__(self, config: TransformerConfig) -> None:
         self.config = config
-        self._kept: dict[tuple[int, bool, bool, bool, str, int], _PerSequence] = {}
+        self._kept: dict[tuple, _PerSequence] = {}
         self._transient: dict[tuple, int] = {}
         self._per_block: dict[tuple, int] = {}
 
+    def _key(self, tp: int, fsdp: bool, embedding: bool, head: bool, checkpointing: str,
+             cp: int, ep: int, kind: str) -> tuple:
+        # under DDP each rank casts its own experts to the compute dtype and keeps them for
+        # the backward: as many as ep leaves it, so measured at that ep
+        measured_ep = 1 if ep == 1 or kind == "dense" else ep if not fsdp else min(
+            e for e in range(2, self.config.experts + 1) if self.config.experts % e == 0)
+        return (tp, fsdp, embedding, head, checkpointing, cp, measured_ep, kind)
+
     def transient(self, tp: int, fsdp: bool, embedding: bool, head: bool,
-                  checkpointing: str, cp: int, sequences: int, blocks: int) -> int:
-        """What the peak of a stage of ``blocks`` blocks holds besides its parameters, AdamW's
-        states, activations and accumulated gradients, on micro-batches of ``sequences``:
-        measured on a stage of two blocks on such micro-batches, plus per block more what a
-        third block adds on one sequence (the peak of a one-block stage comes at another
-        moment: :func:`~devmesh.tools.dry_run.run.dry_run_by_blocks`)."""
-        kind = (tp, fsdp, embedding, head, checkpointing, cp)
-        if kind not in self._per_block:
-            two, three = (_transient(self._run(*kind, blocks=n, sequences=1)) for n in (2, 3))
-            self._per_block[kind] = three - two
-        if (*kind, sequences) not in self._transient:
-            self._transient[(*kind, sequences)] = _transient(
-                self._run(*kind, blocks=2, sequences=sequences))
-        return self._transient[(*kind, sequences)] + (blocks - 2) * self._per_block[kind]
+                  checkpointing: str, cp: int, sequences: int, blocks: int | dict[str, int],
+                  ep: int = 1) -> int:
+        """What the peak of a stage of ``blocks`` blocks (a count, or one per kind) holds
+        besides its parameters, AdamW's states, activations and accumulated gradients, on
+        micro-batches of ``sequences``: measured on a stage of two blocks (of the kind
+        with experts, where it holds some) on such micro-batches, plus per block more what
+        a third block of its kind adds on one sequence (the peak of a one-block stage comes
+        at another moment: :func:`~devmesh.tools.dry_run.run.dry_run_by_blocks`)."""
+        kinds = {"dense": blocks} if isinstance(blocks, int) else blocks
+        base = "moe" if "moe" in kinds else "dense"
+        total = 0
+        for kind, n in kinds.items():
+            key = self._key(tp, fsdp, embedding, head, checkpointing, cp, ep, kind)
+            if key not in self._per_block:
+                two, three = (_transient(self._run(*key, blocks=b, sequences=1))
+                              for b in (2, 3))
+                self._per_block[key] = three - two
+            total += (n - (2 if kind == base else 0)) * self._per_block[key]
+        key = self._key(tp, fsdp, embedding, head, checkpointing, cp, ep, base)
+        if (*key, sequences) not in self._transient:
+            self._transient[(*key, sequences)] = _transient(
+                self._run(*key, blocks=2, sequences=sequences))
+        return self._transient[(*key, sequences)] + total
+
+    def _variant(self, kind: str) -> TransformerConfig:
+        """The model with every block of ``kind``."""
+        if kind == "moe":
+            return replace(self.config, dense_layers=0, moe_every=1)
+        return replace(self.config, experts=0)
 
     def _run(self, tp: int, fsdp: bool, embedding: bool, head: bool, checkpointing: str,
-             cp: int, *, blocks: int, sequences: int) -> RankReport:
+             cp: int, ep: int, kind: str, *, blocks: int, sequences: int) -> RankReport:
         """A stage of this kind (a pipeline of 1, 2 or 3 stages, this one of them) of
-        ``blocks`` blocks on one micro-batch of ``sequences``, measured."""
+        ``blocks`` blocks of ``kind`` on one micro-batch of ``sequences``, measured."""
         pp = 1 if embedding and head else 2 if embedding or head else 3
         stage = 0 if embedding else pp - 1 if head else 1
         shard = 2 if fsdp else 1
         dp = 2 if not fsdp and cp > 1 else 1  # DDP over dp x cp (cp alone shards)
-        dims = {"pp": pp, "dp": dp, "shard": shard, "cp": cp, "tp": tp}
-        config = replace(self.config, layers=max(self.config.layers, 3 * pp),
-                         batch=sequences * shard * dp)
-        return dry_run(config, dims, rank=stage * dp * shard * cp * tp, schedule="gpipe",
+        dims = {"pp": pp, "dp": dp, "shard": shard, "ep": ep, "cp": cp, "tp": tp}
+        config = self._variant(kind)
+        config = replace(config, layers=max(config.layers, 3 * pp),
+                         batch=sequences * shard * dp * ep)
+        return dry_run(config, dims, rank=stage * dp * shard * ep * cp * tp, schedule="gpipe",
                        microbatches=1, blocks=blocks, checkpointing=checkpointing)
 
     def __call__(self, tp: int, fsdp: bool, embedding: bool, head: bool,
-                 checkpointing: str = "none", cp: int = 1) -> _PerSequence:
-        key = (tp, fsdp, embedding, head, checkpointing, cp)
+                 checkpointing: str = "none", cp: int = 1, ep: int = 1,
+                 kind: str = "dense") -> _PerSequence:
+        key = self._key(tp, fsdp, embedding, head, checkpointing, cp, ep, kind)
         if key not in self._kept:
             self._kept[key] = self._measure(*key)
         return self._kept[key]
 
-    def _measure(self, tp: int, fsdp: bool, embedding: bool, head: bool,
-                 checkpointing: str, cp: int) -> _PerSequence:
+    def _measure(self, *key) -> _PerSequence:
         def run(blocks: int, sequences: int) -> RankReport:
-            return self._run(tp, fsdp, embedding, head, checkpointing, cp, blocks=blocks,
-                             sequences=sequences)
+            return self._run(*key, blocks=blocks, sequences=sequences)
 
         def per_sequence(report: RankReport) -> dict[tuple[str, str], tuple[int, int]]:
-            # tp's collectives and the ring's messages (DDP's all-reduce over cp is not)
+            # tp's collectives, the ring's messages and the experts' all-to-all (DDP's
+            # all-reduce over cp or ep is not)
             return {key: value for key, value in report.collectives.items()
-                    if key[1] == "tp" or key in (("send", "cp"), ("recv", "cp"))}
+                    if key[1] == "tp" or key in (("send", "cp"), ("recv", "cp"),
+                                                 ("all_to_all", "ep"))}
 
         # stages of one and two blocks, on micro-batches of one and two sequences
         runs = [run(1, 1), run(2, 1), run(1, 2), run(2, 2)]
@@ -270,11 +338,6 @@ def _calibration(config: TransformerConfig) -> _Calibration:
     """One calibration per model, kept for the searches that follow (what it measures
     depends on the model alone)."""
     return _Calibration(config)
-
-
-def _grown(parts: tuple[int, int, int, int], blocks: int, sequences: int) -> int:
-    bf, bs, rf, rs = parts
-    return blocks * (bf + bs * sequences) + rf + rs * sequences
 
 
 def _transient(report: RankReport) -> int:
@@ -306,6 +369,31 @@ def _stage_tensors(config: TransformerConfig, tp: int, embedding: bool, head: bo
     table = (math.ceil(config.vocab / tp), d)  # torch.chunk's rows: the first rank's
     rest = ([table] if embedding else []) + ([(d, 1), table] if head else [])
     return block, rest
+
+
+def _moe_tensors(config: TransformerConfig, tp: int, ep: int
+                 ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """(rows, columns) of a mixture-of-experts block's tensors on a rank, in the order the
+    module registers them: the block's own (norms, attention as in :func:`_stage_tensors`,
+    the router whole, the shared experts split over ``tp`` as a dense feed-forward), and its
+    routed experts' (``experts / ep`` of them, each split over ``tp``: w1 and w3 by their
+    hidden features, w2 by its inputs; rows the experts, as FSDP splits them)."""
+    if not config.experts:
+        return [], []
+    d, kv, hidden = config.dim, config.kv_heads * config.head_dim, config.expert_hidden
+    shared = config.shared_experts * hidden // tp
+    own = [(d, 1), (d // tp, d), (kv // tp, d), (kv // tp, d), (d, d // tp), (d, 1),
+           (config.experts, d)]
+    if shared:
+        own += [(shared, d), (shared, d), (d, shared)]
+    local = config.experts // ep
+    experts = [(local, hidden // tp * d), (local, hidden // tp * d), (local, d * hidden // tp)]
+    return own, experts
+
+
+#: where a mixture-of-experts block registers its routed experts among its own tensors of
+#: :func:`_moe_tensors`: after the router, before the shared experts
+_EXPERTS_AT = 7
 
 
 @functools.lru_cache(maxsize=64)
@@ -352,7 +440,7 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
     """The closed-form report of the first rank of pipeline rank ``stage`` (see the module
     docstring): its one stage, or under an interleaved schedule its two, added up."""
     pp, m = candidate.pp, candidate.microbatches
-    mb_size = config.batch // (candidate.dp * candidate.shard) // m
+    mb_size = config.batch // (candidate.dp * candidate.shard * candidate.ep) // m
     schedule = _schedule(candidate.schedule, pp, m) if pp > 1 else None
     total = schedule.stages if schedule is not None else 1
     mine = ([s for s in range(total) if schedule.rank_of(s) == stage]
@@ -380,7 +468,7 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
     several = len(mine) > 1
     first = parts[mine[0]]
     report = RankReport(
-        rank=stage * (candidate.dp * candidate.shard * candidate.cp * candidate.tp),
+        rank=stage * (candidate.dp * candidate.shard * candidate.ep * candidate.cp * candidate.tp),
         coordinate={}, layers=first.layers, parameters=params, parameter_bytes=4 * params,
         gradient_bytes=4 * params, optimizer_bytes=8 * params,
         activation_bytes_per_microbatch=max(activations.values()),
@@ -419,60 +507,88 @@ def _stage_estimate(config: TransformerConfig, candidate: Candidate, layers: tup
     """One pipeline stage's closed form (layers ``first..last-1``), without the pipeline's
     messages: what the stage's model holds and sends in a step."""
     shard, tp, m = candidate.shard, candidate.tp, candidate.microbatches
-    cp = candidate.cp
+    cp, ep = candidate.cp, candidate.ep
     fsdp = _fsdp(candidate)
     first, last = layers
     blocks, embedding, head = last - first, first == 0, last == config.layers
-    block_shapes, rest_shapes = _stage_tensors(config, tp, embedding, head)
-    # cp's ranks are data ranks for the parameters: FSDP over shard x cp flattened (or cp
-    # alone), or DDP over dp x cp (as parallelize and the dry run place them)
-    shards = shard * cp if fsdp else 1
-    fsdp_dims = flattened_name([d for d, n in (("shard", shard), ("cp", cp)) if n > 1])
-    ddp_dims = flattened_name([d for d, n in (("dp", candidate.dp), ("cp", cp)) if n > 1])
+    kinds = _block_kinds(config, first, last)
+    dense_shapes, rest_shapes = _stage_tensors(config, tp, embedding, head)
+    moe_shapes, expert_shapes = _moe_tensors(config, tp, ep)
+    if ep == 1:  # the experts are the block's own parameters (its FSDP unit, DDP's buckets)
+        moe_shapes = moe_shapes[:_EXPERTS_AT] + expert_shapes + moe_shapes[_EXPERTS_AT:]
+        expert_shapes = []
+    block_shapes = {"dense": dense_shapes, "moe": moe_shapes}
+    n_dense, n_moe = kinds.get("dense", 0), kinds.get("moe", 0)
+    # cp's and ep's ranks are data ranks for the parameters: FSDP over shard x cp flattened
+    # (or cp alone), shard x ep (the experts over shard alone, split over ep already), or
+    # DDP over dp x cp or ep (the experts left out), as parallelize and the dry run place
+    # them
+    shards = shard * cp * ep if fsdp else 1
+    expert_shards = shard if fsdp else 1
+    fsdp_dims = flattened_name([d for d, n in (("shard", shard), ("ep", ep), ("cp", cp))
+                                if n > 1])
+    ddp_dims = flattened_name([d for d, n in (("dp", candidate.dp), ("ep", ep), ("cp", cp))
+                               if n > 1])
 
-    def held(shapes: list[tuple[int, int]]) -> int:
-        return sum(math.ceil(rows / shards) * cols for rows, cols in shapes)
+    def held(shapes: list[tuple[int, int]], over: int = shards) -> int:
+        return sum(math.ceil(rows / over) * cols for rows, cols in shapes)
 
-    def gathered(shapes: list[tuple[int, int]]) -> int:
-        return shards * held(shapes)
+    def gathered(shapes: list[tuple[int, int]], over: int = shards) -> int:
+        return over * held(shapes, over)
 
-    params = blocks * held(block_shapes) + held(rest_shapes)
-    measured = calibration(tp, fsdp, embedding, head, candidate.checkpointing, cp)
+    in_blocks = [(block_shapes[kind], n) for kind, n in kinds.items()]
+    dense_params = sum(n * held(shapes) for shapes, n in in_blocks) + held(rest_shapes)
+    expert_params = n_moe * held(expert_shapes, expert_shards)
+    params = dense_params + expert_params
+    per = {kind: (calibration(tp, fsdp, embedding, head, candidate.checkpointing, cp, ep,
+                              kind), n) for kind, n in kinds.items()}
+    base = "moe" if n_moe else "dense"
+    activations, collectives = _stage_per_microbatch(per, base, mb_size, m)
     compute = torch.empty((), dtype=config.torch_dtype).element_size()
-    collectives = measured.traffic(blocks, mb_size, m)
     units = blocks + (1 if rest_shapes else 0)
-    full_block, full_rest = gathered(block_shapes), gathered(rest_shapes)
+    full_blocks = sum(n * gathered(shapes) for shapes, n in in_blocks)
+    full_rest = gathered(rest_shapes)
+    full_experts = gathered(expert_shapes, expert_shards)
     # each reduction carries a float32 flag per parameter (per shard in a reduce-scatter):
     # which parameters got a gradient
-    flags = 4 * (blocks * len(block_shapes) + len(rest_shapes))
+    flags = 4 * (sum(n * len(shapes) for shapes, n in in_blocks) + len(rest_shapes))
+    expert_flags = 4 * n_moe * len(expert_shapes)
     if fsdp:
         collectives[("all_gather", fsdp_dims)] = (
             m * (2 * blocks + (1 if rest_shapes else 0)),
-            m * (2 * blocks * full_block + full_rest) * compute)
+            m * (2 * full_blocks + full_rest) * compute)
         collectives[("reduce_scatter", fsdp_dims)] = (
-            units, 4 * (blocks * full_block + full_rest) + shards * flags)
+            units, 4 * (full_blocks + full_rest) + shards * flags)
+        if expert_shapes and n_moe:  # each block's experts a unit of their own, over shard
+            collectives[("all_gather", "shard")] = (m * 2 * n_moe,
+                                                    m * 2 * n_moe * full_experts * compute)
+            collectives[("reduce_scatter", "shard")] = (
+                n_moe, 4 * n_moe * full_experts + expert_shards * expert_flags)
         if candidate.dp > 1:
             collectives[("all_reduce", "dp")] = (units, 4 * params + flags)
     elif ddp_dims:
-        order = (rest_shapes[:1] if embedding else []) + blocks * [
-            block_shapes[i] for i in _REGISTRATION_ORDER] + (rest_shapes[-2:] if head else [])
+        order = (rest_shapes[:1] if embedding else []) + [
+            shape for layer in range(first, last)
+            for shape in (moe_shapes if config.has_experts(layer) else
+                          [dense_shapes[i] for i in _REGISTRATION_ORDER])
+        ] + (rest_shapes[-2:] if head else [])
         collectives[("all_reduce", ddp_dims)] = (_ddp_buckets([4 * r * c for r, c in order]),
-                                                 4 * params + flags)
+                                                 4 * dense_params + flags)
     accumulated = 0
     if fsdp and m > 1:  # the stage's unsharded float32 gradients, between backwards
-        accumulated = 4 * sum(rows * cols for rows, cols in
-                              blocks * block_shapes + rest_shapes)
+        accumulated = 4 * sum(rows * cols for shapes, n in in_blocks + [(rest_shapes, 1)]
+                              + [(expert_shapes, n_moe)] for rows, cols in n * shapes)
     return RankReport(
         rank=0, coordinate={}, layers=(first, last), parameters=params,
         parameter_bytes=4 * params, gradient_bytes=4 * params, optimizer_bytes=8 * params,
-        activation_bytes_per_microbatch=measured.activation_bytes(blocks, mb_size),
+        activation_bytes_per_microbatch=activations,
         microbatches_in_flight=1, compute_dtype=config.dtype, collectives=collectives,
         checkpointing=candidate.checkpointing, accumulated_gradient_bytes=accumulated,
         # here only what the peak holds besides the parts (:func:`estimate` adds them):
         # measured on one micro-batch, and over several the gradients (in ``.grad``, where
         # FSDP does not hold them unsharded) that the earlier micro-batches left
         peak_bytes=(calibration.transient(tp, fsdp, embedding, head, candidate.checkpointing,
-                                          cp, mb_size, blocks)
+                                          cp, mb_size, kinds, ep)
                     + (4 * params if m > 1 and not fsdp else 0)))
 
 
@@ -520,7 +636,7 @@ def _evaluate(config: TransformerConfig, candidate: Candidate, reports: list[Ran
 def measure(config: TransformerConfig, candidate: Candidate) -> list[RankReport]:
     """The first rank of each pipeline stage, measured by the dry run (one- and two-block
     runs of the stage, extended to its blocks)."""
-    stride = candidate.dp * candidate.shard * candidate.cp * candidate.tp
+    stride = candidate.dp * candidate.shard * candidate.ep * candidate.cp * candidate.tp
     return [dry_run_by_blocks(config, candidate.dims, rank=stage * stride,
                               schedule=candidate.schedule, microbatches=candidate.microbatches,
                               checkpointing=candidate.checkpointing)
@@ -555,10 +671,6 @@ def search(config: TransformerConfig, world: int, costs: Costs, *,
     and the allowance do)."""
     import time
 
-    if config.experts:
-        raise DryRunError(
-            "the search ranks meshes of dense models: for a mixture of experts, dry-run the "
-            "meshes you consider with --mesh (e.g. --mesh pp=16,shard=2,ep=64)")
     start = time.perf_counter()
     calibration = _calibration(config)
     modes = _checkpointing_modes(checkpointing)
