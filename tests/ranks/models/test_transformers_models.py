@@ -283,13 +283,16 @@ OPTIONS = {"ep_tp_experts_over_tp": {"experts_over_tp": True},
 
 
 def gpt2_tp_plan() -> dict:
-    """GPT-2 declares no tensor-parallel plan: its MLP's Conv1D pair split (column, row), the
-    attention's output projection split on its input (the packed q/k/v projection stays
-    whole), the tied embedding and head split on the vocabulary."""
+    """GPT-2 declares no tensor-parallel plan: its MLP's Conv1D pair split (column, row); the
+    attention's packed q/k/v projection split by columns and its output gathered (GPT-2 cuts
+    it into q, k and v by the config's width, as transformers' plans treat fused
+    projections: Phi-3's qkv_proj), the output projection split on its input; the tied
+    embedding and head split on the vocabulary."""
     from devmesh.parallel import ColwiseParallel, RowwiseParallel
     from devmesh.tensor import Replicate
 
     return {"transformer.wte": RowwiseParallel(input_layouts=Replicate()),
+            "transformer.h.*.attn.c_attn": ColwiseParallel(output_layouts=Replicate()),
             "transformer.h.*.attn.c_proj": RowwiseParallel(input_layouts=Replicate()),
             "transformer.h.*.mlp.c_fc": ColwiseParallel(),
             "transformer.h.*.mlp.c_proj": RowwiseParallel(),
