@@ -238,6 +238,35 @@ def test_clip_grad_norm_takes_torchs_arguments(mesh_pool):
     assert all(p.grad.isnan().all() for p in torch_grads.parameters())  # torch's behaviour
 
 
+def total_norms_of_a_deep_copy():
+    """torch's get_total_norm on the gradients of an FSDP model and of its deep copy (the
+    copy's parameters carry the layout too), in norms 2 and inf, with a plain tensor among
+    the gradients; and devmesh's clip_grad_norm_'s norm of the same gradients."""
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    model = copy.deepcopy(fsdp_model(mesh))
+    F.cross_entropy(model(torch.randn(8, 12, generator=torch.Generator().manual_seed(1))),
+                    torch.zeros(8, dtype=torch.long)).backward()
+    grads = [p.grad for p in model.parameters()]
+    extra = torch.full((3,), 0.5)
+    totals = [float(torch.nn.utils.get_total_norm(grads + [extra], norm_type=n))
+              for n in (2.0, "inf")]
+    return totals, float(clip_grad_norm_(model.parameters(), 1e9))
+
+
+def test_torchs_get_total_norm_counts_a_sharded_gradient_whole_and_a_plain_tensor_as_it_is(
+        mesh_pool):
+    reference = make_model()
+    F.cross_entropy(reference(torch.randn(8, 12, generator=torch.Generator().manual_seed(1))),
+                    torch.zeros(8, dtype=torch.long)).backward()
+    grads = [p.grad for p in reference.parameters()]
+    extra = torch.full((3,), 0.5)
+    want = [float(torch.nn.utils.get_total_norm(grads + [extra], norm_type=n))
+            for n in (2.0, "inf")]
+    for totals, clipped in mesh_pool.run(total_norms_of_a_deep_copy, 4):
+        assert totals == pytest.approx(want, rel=1e-6)
+        assert clipped == pytest.approx(float(torch.nn.utils.get_total_norm(grads)), rel=1e-6)
+
+
 def nan_gradient_without_error():
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     model = fsdp_model(mesh)
