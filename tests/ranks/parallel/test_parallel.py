@@ -244,27 +244,26 @@ def total_norms_of_a_deep_copy():
     the gradients; and devmesh's clip_grad_norm_'s norm of the same gradients."""
     mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
     model = copy.deepcopy(fsdp_model(mesh))
+    return _total_norms(model), float(clip_grad_norm_(model.parameters(), 1e9))
+
+
+def _total_norms(model: torch.nn.Module) -> list[float]:
+    """torch's get_total_norm, norms 2 and inf, of ``model``'s gradients on a fixed batch
+    and a plain tensor beside them."""
     F.cross_entropy(model(torch.randn(8, 12, generator=torch.Generator().manual_seed(1))),
                     torch.zeros(8, dtype=torch.long)).backward()
-    grads = [p.grad for p in model.parameters()]
-    extra = torch.full((3,), 0.5)
-    totals = [float(torch.nn.utils.get_total_norm(grads + [extra], norm_type=n))
-              for n in (2.0, "inf")]
-    return totals, float(clip_grad_norm_(model.parameters(), 1e9))
+    grads = [p.grad for p in model.parameters()] + [torch.full((3,), 0.5)]
+    return [float(torch.nn.utils.get_total_norm(grads, norm_type=n)) for n in (2.0, "inf")]
 
 
 def test_torchs_get_total_norm_counts_a_sharded_gradient_whole_and_a_plain_tensor_as_it_is(
         mesh_pool):
     reference = make_model()
-    F.cross_entropy(reference(torch.randn(8, 12, generator=torch.Generator().manual_seed(1))),
-                    torch.zeros(8, dtype=torch.long)).backward()
-    grads = [p.grad for p in reference.parameters()]
-    extra = torch.full((3,), 0.5)
-    want = [float(torch.nn.utils.get_total_norm(grads + [extra], norm_type=n))
-            for n in (2.0, "inf")]
+    want = _total_norms(reference)
+    whole = float(torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
     for totals, clipped in mesh_pool.run(total_norms_of_a_deep_copy, 4):
         assert totals == pytest.approx(want, rel=1e-6)
-        assert clipped == pytest.approx(float(torch.nn.utils.get_total_norm(grads)), rel=1e-6)
+        assert clipped == pytest.approx(whole, rel=1e-6)
 
 
 def nan_gradient_without_error():
