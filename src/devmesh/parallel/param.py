@@ -27,7 +27,8 @@ from devmesh.errors import DevmeshError, ParallelizeError  # noqa: F401 - re-exp
 from devmesh.mesh import DeviceMesh, init_device_mesh
 from devmesh.tensor import ShardedTensor, ShardingSpec
 
-__all__ = ["with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter", "get_layout", "set_layout", "sharded_parameter", "laid_out_parameters",
+__all__ = ["with_methods", "GradientSyncControl", "ParamLayout", "ShardedParameter",
+           "get_layout", "set_layout", "sharded_parameter", "laid_out_parameters",
            "layout_of", "local_of", "shaped_like", "is_dtensor",
            "local_block", "as_sharded", "combined_mesh", "describe_tensors"]
 

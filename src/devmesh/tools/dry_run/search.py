@@ -97,6 +97,16 @@ class Candidate:
         return {name: sizes[name] for name in DIM_ORDER if sizes.get(name, 1) > 1} or {"dp": 1}
 
     @property
+    def data_ranks(self) -> int:
+        """The ranks holding different sequences: ``dp x shard x ep``."""
+        return self.dp * self.shard * self.ep
+
+    @property
+    def stage_ranks(self) -> int:
+        """The ranks of one pipeline stage (the stride between stages' first ranks)."""
+        return self.data_ranks * self.cp * self.tp
+
+    @property
     def mesh(self) -> str:
         return ",".join(f"{name}={size}" for name, size in self.dims.items())
 
@@ -214,10 +224,6 @@ def _stage_per_microbatch(parts: dict[str, tuple[_PerSequence, int]], base: str,
         if calls:
             traffic[key] = (microbatches * calls, microbatches * nbytes)
     return activations, traffic
-
-
-#: the kinds of block a model may hold: a dense feed-forward, a mixture of experts
-BLOCK_KINDS = ("dense", "moe")
 
 
 def _block_kinds(config: TransformerConfig, first: int, last: int) -> dict[str, int]:
@@ -440,7 +446,7 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
     """The closed-form report of the first rank of pipeline rank ``stage`` (see the module
     docstring): its one stage, or under an interleaved schedule its two, added up."""
     pp, m = candidate.pp, candidate.microbatches
-    mb_size = config.batch // (candidate.dp * candidate.shard * candidate.ep) // m
+    mb_size = config.batch // candidate.data_ranks // m
     schedule = _schedule(candidate.schedule, pp, m) if pp > 1 else None
     total = schedule.stages if schedule is not None else 1
     mine = ([s for s in range(total) if schedule.rank_of(s) == stage]
@@ -468,7 +474,7 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
     several = len(mine) > 1
     first = parts[mine[0]]
     report = RankReport(
-        rank=stage * (candidate.dp * candidate.shard * candidate.ep * candidate.cp * candidate.tp),
+        rank=stage * candidate.stage_ranks,
         coordinate={}, layers=first.layers, parameters=params, parameter_bytes=4 * params,
         gradient_bytes=4 * params, optimizer_bytes=8 * params,
         activation_bytes_per_microbatch=max(activations.values()),
@@ -636,7 +642,7 @@ def _evaluate(config: TransformerConfig, candidate: Candidate, reports: list[Ran
 def measure(config: TransformerConfig, candidate: Candidate) -> list[RankReport]:
     """The first rank of each pipeline stage, measured by the dry run (one- and two-block
     runs of the stage, extended to its blocks)."""
-    stride = candidate.dp * candidate.shard * candidate.ep * candidate.cp * candidate.tp
+    stride = candidate.stage_ranks
     return [dry_run_by_blocks(config, candidate.dims, rank=stage * stride,
                               schedule=candidate.schedule, microbatches=candidate.microbatches,
                               checkpointing=candidate.checkpointing)
