@@ -160,21 +160,22 @@ def test_a_search_that_may_checkpoint_fits_where_none_does_and_pays_the_recomput
     the search ranks the candidates that then fit, each checkpointing; full recomputes its
     blocks' forward (a third more of their FLOPs), selective every other matmul (wk, wo and
     w3: fewer than full)."""
-    plain = search(CONFIG, 8, COSTS, verify=0)
+    plain = search(CONFIG, 4, COSTS, verify=0)
     limit = min(e.peak_bytes for e in plain.ranked) - 1
-    assert not search(CONFIG, 8, COSTS, device_memory=limit, verify=0).ranked
-    result = search(CONFIG, 8, COSTS, device_memory=limit, verify=1, checkpointing="any")
+    assert not search(CONFIG, 4, COSTS, device_memory=limit, verify=0).ranked
+    result = search(CONFIG, 4, COSTS, device_memory=limit, verify=1, checkpointing="any")
     # every mode with every candidate, but selective with none that splits backwards
     assert result.ranked and result.considered == len(
-        candidates(CONFIG, 8, checkpointing=("none", "full", "selective")))
+        candidates(CONFIG, 4, checkpointing=("none", "full", "selective")))
     assert 2 * plain.considered < result.considered < 3 * plain.considered
     assert all(e.candidate.checkpointing != "none" for e in result.ranked)
     assert result.ranked[0].measured
     base = Candidate(1, 8, 1, 1, "1f1b", 1)
     compute = {}
+    calibration = _Calibration(CONFIG)
     for mode in ("none", "full", "selective"):
         candidate = replace(base, checkpointing=mode)
-        report = estimate(CONFIG, candidate, 0, _Calibration(CONFIG))
+        report = estimate(CONFIG, candidate, 0, calibration)
         compute[mode] = predict(CONFIG, candidate.dims, report, COSTS, "1f1b", 1)["compute"]
     assert compute["none"] < compute["selective"] < compute["full"] < compute["none"] * 4 / 3
     d, kv, ffn = CONFIG.dim, CONFIG.kv_heads * CONFIG.head_dim, CONFIG.ffn_dim
