@@ -56,8 +56,7 @@ def get_total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor,
     tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
     norm_type = checked_norm_type(norm_type)
     owners = _gradient_owners(tensors)
-    owned = {id(p) for p in owners.values()}
-    power = grad_norm_power([p for p in laid_out_parameters() if id(p) in owned], norm_type)
+    power = grad_norm_power(list(owners.values()), norm_type)
     rest = [t.detach().double().abs() for t in tensors if id(t) not in owners]
     if rest:
         if norm_type == math.inf:
@@ -72,10 +71,10 @@ def get_total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor,
 
 def _gradient_owners(tensors: list[torch.Tensor]) -> dict[int, torch.Tensor]:
     """``id(tensor) -> parameter`` for each of ``tensors`` that is the gradient of a
-    parameter devmesh laid out."""
-    given = {id(t) for t in tensors}
-    return {id(p.grad): p for p in laid_out_parameters()
-            if p.grad is not None and id(p.grad) in given}
+    parameter devmesh laid out, in the order given (the registry's order varies from run
+    to run; the norm's sums must not)."""
+    by_grad = {id(p.grad): p for p in laid_out_parameters() if p.grad is not None}
+    return {id(t): by_grad[id(t)] for t in tensors if id(t) in by_grad}
 
 
 _torchs: dict[str, object] = {}  # torch's own clip_grad_norm_ and get_total_norm, once routed

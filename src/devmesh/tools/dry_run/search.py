@@ -262,15 +262,14 @@ class _Calibration:
         return (tp, fsdp, embedding, head, checkpointing, cp, measured_ep, kind)
 
     def transient(self, tp: int, fsdp: bool, embedding: bool, head: bool,
-                  checkpointing: str, cp: int, sequences: int, blocks: int | dict[str, int],
+                  checkpointing: str, cp: int, sequences: int, kinds: dict[str, int],
                   ep: int = 1) -> int:
-        """What the peak of a stage of ``blocks`` blocks (a count, or one per kind) holds
+        """What the peak of a stage of ``kinds`` blocks (a count per kind of block) holds
         besides its parameters, AdamW's states, activations and accumulated gradients, on
         micro-batches of ``sequences``: measured on a stage of two blocks (of the kind
         with experts, where it holds some) on such micro-batches, plus per block more what
         a third block of its kind adds on one sequence (the peak of a one-block stage comes
         at another moment: :func:`~devmesh.tools.dry_run.run.dry_run_by_blocks`)."""
-        kinds = {"dense": blocks} if isinstance(blocks, int) else blocks
         base = "moe" if "moe" in kinds else "dense"
         total = 0
         for kind, n in kinds.items():
