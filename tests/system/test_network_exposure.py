@@ -103,3 +103,36 @@ def test_devmesh_run_listens_on_loopback_only(tmp_path):
         done.write_text("done")
         out = proc.communicate(timeout=120)[0]
     assert proc.returncode == 0, out
+
+
+def test_devmesh_runs_ranks_need_no_port_after_the_launch_chose_it(tmp_path):
+    """torchrun hands the ranks a ``MASTER_PORT`` it found free and closed again; another
+    process on the machine may bind it before rank 0 does (seen under a loaded test run:
+    ``OSError: [Errno 98] Address already in use`` in rank 0). A rank of ``devmesh run``
+    joins the store its launcher holds instead, so a taken ``MASTER_PORT`` does not matter.
+    Rank 0 of a one-rank world, with the environment torchrun gives it and its
+    ``MASTER_PORT`` held by this test."""
+    import socket
+    import subprocess
+
+    from devmesh.launching.store import RUN_STORE_VARIABLE, serve_loopback_store
+
+    store, port = serve_loopback_store()
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               GROUP_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(taken.getsockname()[1]), TORCHELASTIC_RUN_ID="taken-port",
+               GLOO_SOCKET_IFNAME="lo", **{RUN_STORE_VARIABLE: f"127.0.0.1:{port}"})
+    script = ("import torch\nfrom devmesh import init_device_mesh\n"
+              "mesh = init_device_mesh('cpu', (1,))\n"
+              "t = torch.ones(2)\ntorch.distributed.all_reduce(t)\nprint('sum', t.sum().item())")
+    try:
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                              text=True, timeout=120, cwd=tmp_path)
+    finally:
+        taken.close()
+        del store
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sum 2.0" in done.stdout

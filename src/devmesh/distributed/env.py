@@ -21,7 +21,7 @@ import torch.distributed as dist
 from devmesh._exit import settle_collective_threads_at_exit
 from devmesh._log import get_logger
 from devmesh.errors import DeviceUnavailableError, LaunchEnvironmentError, MeshTimeoutError
-from devmesh.launching.store import serve_loopback_store
+from devmesh.launching.store import RUN_STORE_VARIABLE, serve_loopback_store
 from devmesh.layout import format_ranks
 
 __all__ = ["LaunchEnv", "read_launch_env", "launched_world_size", "backend_for",
@@ -191,7 +191,7 @@ def ensure_default_group(
     if device_type == "cuda":
         torch.cuda.set_device(env.local_rank)
         kwargs["device_id"] = torch.device("cuda", env.local_rank)
-    store = _loopback_store(env, timeout) or _agent_store(env, timeout)
+    store = _launcher_store(env, timeout) or _loopback_store(env, timeout)
     if store is not None:
         _wait_for_every_rank(store, env, timeout)
         kwargs.update(store=store, rank=env.rank, world_size=env.world_size)
@@ -266,18 +266,29 @@ def _wait_for_every_rank(store, env: LaunchEnv, timeout: datetime.timedelta | No
             f"rank ({env.rank}) arrived. " + advice)
 
 
-def _agent_store(env: LaunchEnv, timeout: datetime.timedelta | None):
-    """Under torchrun's shared agent store, a client of it with a prefix per restart attempt.
+def _launcher_store(env: LaunchEnv, timeout: datetime.timedelta | None):
+    """A client of the store the launcher serves, with a prefix per restart attempt: ``devmesh
+    run``'s (its address in ``DEVMESH_RUN_STORE``) or torchrun's shared agent store
+    (``TORCHELASTIC_USE_AGENT_STORE``, at ``MASTER_ADDR:MASTER_PORT``). ``None``: no launcher
+    serves one.
 
-    torch (2.5 to at least 2.13) reuses the agent's store for every restart without a prefix,
-    so after ``--max-restarts`` restarts the ranks read the previous attempt's addresses
-    (gloo: ``connectFullMesh failed ... Connection refused``; NCCL: a stale unique id —
-    pytorch/pytorch#135712). All ranks of a single-node job restart together, so
-    ``TORCHELASTIC_RESTART_COUNT`` is the same on each and names the attempt."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    The launcher holds the store for the whole launch, so no rank has to bind a port another
+    process may have taken since it was chosen, and a rank arriving after the others gave up
+    is still told so. torch (2.5 to at least 2.13) reuses the agent's store for every restart
+    without a prefix, so after ``--max-restarts`` restarts the ranks read the previous
+    attempt's addresses (gloo: ``connectFullMesh failed ... Connection refused``; NCCL: a
+    stale unique id — pytorch/pytorch#135712). All ranks of a single-node job restart
+    together, so ``TORCHELASTIC_RESTART_COUNT`` is the same on each and names the attempt."""
+    served = os.environ.get(RUN_STORE_VARIABLE)
+    if served:
+        host, _, port_text = served.rpartition(":")
+        port = int(port_text)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        host, port = env.master_addr, env.master_port
+    else:
         return None
     wait = timeout or datetime.timedelta(minutes=30)
-    store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, False, wait)
+    store = dist.TCPStore(host, port, env.world_size, False, wait)
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     return dist.PrefixStore(f"devmesh/attempt_{attempt}", store)
 
@@ -294,7 +305,7 @@ def _loopback_store(env: LaunchEnv, timeout: datetime.timedelta | None):
     rendezvous store rank 0 serves, listening on loopback only — torch's own ``env://``
     store listens on every interface, open to any machine on the network. ``None``: let
     torch do it (a multi-host launch, or torchrun's agent store)."""
-    if not is_loopback(env.master_addr) or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if not is_loopback(env.master_addr):
         return None
     host = "::1" if env.master_addr == "::1" else "127.0.0.1"
     wait = timeout or datetime.timedelta(minutes=30)

@@ -120,8 +120,8 @@ class Watch:
         """The ranks of the group that say (through the rendezvous store) they were inside
         this collective when it failed, after waiting up to :data:`GRACE_SECONDS` for them.
 
-        The store is served by rank 0's process (under ``devmesh run`` and torch's ``env://``),
-        so rank 0 does not return before the other ranks that were inside have read what
+        The store may be served by rank 0's process (torch's ``env://``, a loopback launch
+        without a launcher's store), so rank 0 does not return before the other ranks that were inside have read what
         they need, or a second grace period passed: leaving first would take the store down
         under them (and torchrun stops every rank as soon as one exits)."""
         store = _torch_compat.default_store()

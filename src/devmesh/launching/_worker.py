@@ -23,11 +23,12 @@ from collections.abc import Sequence
 from multiprocessing.connection import Connection
 
 from devmesh.launching import _auth
+from devmesh.launching.store import RUN_STORE_VARIABLE
 
 _TASK_ENV = (
     "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE",
     "ROLE_RANK", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-    "TORCHELASTIC_USE_AGENT_STORE", "GLOO_SOCKET_IFNAME",
+    "TORCHELASTIC_USE_AGENT_STORE", "GLOO_SOCKET_IFNAME", RUN_STORE_VARIABLE,
 )
 
 

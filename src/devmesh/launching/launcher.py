@@ -36,7 +36,7 @@ import cloudpickle
 from devmesh._log import get_logger
 from devmesh.launching import _auth, capacity
 from devmesh.launching.forking import ForkedProcess, Zygote
-from devmesh.launching.store import serve_loopback_store
+from devmesh.launching.store import RUN_STORE_VARIABLE, serve_loopback_store
 from devmesh.errors import RankFailedError, RankTimeoutError, WorkerStartError, is_peer_gone
 
 __all__ = ["launch", "WorkerPool"]
@@ -349,6 +349,7 @@ class WorkerPool:
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                 "TORCHELASTIC_RUN_ID": f"devmesh-{task_id}",
                 "TORCHELASTIC_USE_AGENT_STORE": "True",
+                RUN_STORE_VARIABLE: "",  # not a devmesh run's store, if one launched this pool
                 # a local launch stays on this machine: gloo's sockets on loopback too
                 "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
             }

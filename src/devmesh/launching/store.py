@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch.distributed as dist
 
-__all__ = ["serve_loopback_store"]
+__all__ = ["RUN_STORE_VARIABLE", "serve_loopback_store"]
+
+# ``HOST:PORT`` of the store ``devmesh run`` serves for its ranks' process group. torchrun
+# hands the ranks a ``MASTER_PORT`` it found free and closed again; binding it later in
+# rank 0 races every other launch on the machine ("Address already in use"), so devmesh's
+# ranks join the launcher's store, held from the moment it was chosen, instead.
+RUN_STORE_VARIABLE = "DEVMESH_RUN_STORE"
 
 
 def serve_loopback_store(host: str = "127.0.0.1", port: int = 0, world_size: int | None = None,

@@ -207,15 +207,18 @@ def run(args: argparse.Namespace) -> int:
     os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     # torchrun --standalone's agent serves its rendezvous store on every interface; this
     # process serves it on loopback instead and the agent joins it as a client
-    from devmesh.launching.store import serve_loopback_store
+    from devmesh.launching.store import RUN_STORE_VARIABLE, serve_loopback_store
 
     if hosts is None:
         store, port = serve_loopback_store()
+        # the ranks' process group meets in this store too (a prefix per restart attempt)
+        os.environ[RUN_STORE_VARIABLE] = f"127.0.0.1:{port}"
         torchrun_args = ["--nnodes=1", f"--nproc_per_node={args.nproc}", "--rdzv-backend=c10d",
                          f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id=devmesh-run-{port}",
                          "--rdzv-conf=is_host=false", "--local-addr=127.0.0.1",
                          f"--max-restarts={args.max_restarts}"]
     else:
+        os.environ.pop(RUN_STORE_VARIABLE, None)  # one of devmesh run's ranks may launch this
         store, torchrun_args = None, [f"--nproc_per_node={args.nproc}", *hosts,
                                       f"--max-restarts={args.max_restarts}"]
     # every rank's output goes to a file that torchrun's agent copies to the console a whole
