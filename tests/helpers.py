@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import random
 import runpy
+import socket
 import sys
 import time
 
@@ -171,3 +173,26 @@ def full_params(model, kind: str) -> dict:
         return state_dict(model, full=True)
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
             for k, v in model.state_dict().items()}
+
+
+def port_for_a_server() -> int:
+    """A free loopback port for a server the test starts later (torchrun's ``--master_port``),
+    chosen below the kernel's ephemeral range: a port from ``bind(0)``, closed again, may be
+    handed to another process's outgoing connection before the server binds it (the suite
+    opens thousands of them), one below that range only to an explicit bind."""
+    low = 32768
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        pass
+    for _ in range(100):
+        port = random.randrange(max(1024, low - 12000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port below {low}")
+

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from devmesh.tools.cluster_plan import ModelSize, plan_cluster
+from helpers import port_for_a_server
 from devmesh.errors import MeshShapeError
 from devmesh.layout import MeshLayout
 from devmesh.layout.topology import (
@@ -157,14 +157,8 @@ def test_plan_cli_exit_codes():
     assert incomplete.returncode == 2 and "--params needs --hidden" in incomplete.stderr
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_two_simulated_hosts_with_torchrun(tmp_path):
-    port = _free_port()
+    port = port_for_a_server()
     script = str(ROOT / "tests" / "scripts" / "two_hosts.py")
     agents = [
         subprocess.Popen(
