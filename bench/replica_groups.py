@@ -7,12 +7,15 @@ run, every rank one process on this host:
 
 - **healthy steps**: ``devmesh run --replica-groups 2 -n 1`` (two groups of one rank, each
   step through ``ReplicaGroups.step()``) against ``devmesh run -n 2`` with torch's
-  ``DistributedDataParallel`` (the same two replicas, gradients averaged by DDP); the median
-  step time after ``--warmup`` steps, and the ratio. And the quorum's own cost: the same two
-  replicas averaging their gradients as ``ReplicaGroups`` does (a copy of each, all
-  all-reduced at once after backward, over a plain gloo group of the two) without the
-  quorum's store round trips; what ``ReplicaGroups`` takes above that, as a share of its
-  step;
+  ``DistributedDataParallel`` (the same two replicas, gradients averaged by DDP), and
+  against the same averaging without the quorum (a copy of each gradient, all all-reduced at
+  once after backward, over a plain gloo group of the two). Each is launched ``--repeats``
+  times, in turn; a run's step time is the time between its steps after ``--warmup`` (the
+  period: what the job pays per step), and the median over the repeats is printed with the
+  spread of the runs, since launches of the same job differ by several percent here. The
+  quorum's own cost is measured inside the step, where it is paid: the seconds each
+  ``step()`` waited on the coordinator (``StepResult.quorum_seconds``: the round's quorum
+  and its decision, the other group's lateness included), as a share of the step;
 - **a failure**: the second replica SIGKILLed at step ``--kill-at``. Replica groups: the seconds
   from the death until the survivor committed its next step, and until the restarted group
   healed from it (no checkpoint read). DDP with ``--max-restarts 1``: every rank restarts and
@@ -20,7 +23,7 @@ run, every rank one process on this host:
   the best case of a whole-job restart, no step lost); the seconds from the death until the
   first step after the restart. The healthy DDP run saves no checkpoint.
 
-    .venv/bin/python bench/replica_groups.py [--steps 40] [--kill-at 10]
+    .venv/bin/python bench/replica_groups.py [--steps 60] [--repeats 3] [--kill-at 10]
 """
 
 from __future__ import annotations
@@ -82,10 +85,10 @@ SCRIPT = textwrap.dedent('''
         g = torch.Generator().manual_seed(1000 * who + step)
         x = torch.randn(32, 512, generator=g)
         nn.functional.mse_loss(model(x), x).backward()
-        healed = False
+        healed, waited = False, 0.0
         if mode == "replicas":
             result = replicas.step()
-            healed = result.healed
+            healed, waited = result.healed, result.quorum_seconds
         elif mode == "plain":
             with torch.no_grad():
                 grads = [p.grad for p in model.parameters()]
@@ -104,7 +107,7 @@ SCRIPT = textwrap.dedent('''
                 os.replace(ckpt + ".tmp", ckpt)
             step_no[0] += 1
         opt.zero_grad()
-        log.write(json.dumps({"step": step, "t": time.time(), "healed": healed,
+        log.write(json.dumps({"step": step, "t": time.time(), "healed": healed, "quorum": waited,
                               "attempt": attempt,
                               "seconds": time.perf_counter() - began}) + "\\n")
         log.flush()
@@ -129,27 +132,47 @@ def _run(folder: Path, mode: str, steps: int, kill_at: int) -> dict[int, list[di
             for who in (0, 1)}
 
 
+def _period(logs: dict[int, list[dict]], warmup: int) -> float:
+    """Seconds per step after ``warmup`` steps: the time between the steps' ends, the
+    slower replica's."""
+    return max((rows[-1]["t"] - rows[warmup]["t"]) / (len(rows) - 1 - warmup)
+               for rows in logs.values())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--kill-at", type=int, default=10)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="bench-replicas-") as tmp:
         tmp = Path(tmp)
-        healthy = {}
-        for mode in ("ddp", "plain", "replicas"):
-            logs = _run(tmp / f"healthy-{mode}", mode, args.steps, -1)
-            healthy[mode] = statistics.median(
-                max(logs[0][i]["seconds"], logs[1][i]["seconds"])
-                for i in range(args.warmup, args.steps))
-        print(f"healthy step (median of {args.steps - args.warmup}, slowest replica): "
-              f"replica groups {healthy['replicas'] * 1e3:.1f} ms, torch DDP "
-              f"{healthy['ddp'] * 1e3:.1f} ms, ratio {healthy['replicas'] / healthy['ddp']:.3f}")
-        quorum = healthy["replicas"] - healthy["plain"]
-        print(f"the quorum's cost: replica groups {healthy['replicas'] * 1e3:.1f} ms, the same "
-              f"averaging without the quorum {healthy['plain'] * 1e3:.1f} ms: "
-              f"{quorum * 1e3:+.1f} ms, {100 * quorum / healthy['replicas']:+.1f}% of the step")
+        periods: dict[str, list[float]] = {"ddp": [], "plain": [], "replicas": []}
+        waits: list[float] = []
+        for repeat in range(args.repeats):
+            for mode in periods:
+                logs = _run(tmp / f"healthy-{mode}-{repeat}", mode, args.steps, -1)
+                periods[mode].append(_period(logs, args.warmup))
+                if mode == "replicas":
+                    waits += [statistics.median(r["quorum"] for r in rows[args.warmup:])
+                              for rows in logs.values()]
+        step = {mode: statistics.median(values) for mode, values in periods.items()}
+
+        def runs(mode):
+            return ", ".join(f"{v * 1e3:.1f}" for v in periods[mode])
+
+        print(f"healthy step (time per step after {args.warmup}, slower replica; median of "
+              f"{args.repeats} runs each, in turn):")
+        print(f"  replica groups {step['replicas'] * 1e3:.1f} ms ({runs('replicas')}), torch "
+              f"DDP {step['ddp'] * 1e3:.1f} ms ({runs('ddp')}): ratio "
+              f"{step['replicas'] / step['ddp']:.3f}")
+        print(f"  the same averaging without the quorum {step['plain'] * 1e3:.1f} ms "
+              f"({runs('plain')}): replica groups {step['replicas'] / step['plain']:.3f} of it")
+        wait = statistics.median(waits)
+        print(f"the quorum's own cost, timed inside step() (waiting for the round's quorum and "
+              f"its decision): median {wait * 1e3:.1f} ms a step, "
+              f"{100 * wait / step['replicas']:.1f}% of the step")
         rows = {}
         for mode in ("ddp", "replicas"):
             folder = tmp / f"fault-{mode}"

@@ -41,6 +41,9 @@ class StepResult:
     members: tuple[int, ...]  #: the groups that stepped (a healer steps without contributing)
     healed: bool  #: whether this group received its state from a live group first
     retries: int  #: rounds aborted before this one committed (a member failed mid-step)
+    quorum_seconds: float = 0.0  #: seconds this rank waited on the coordinator in this
+    #: step — for each round's quorum and decision (the other groups' lateness included):
+    #: the quorum's own cost, next to the step's time
 
     @property
     def groups(self) -> int:
@@ -189,10 +192,12 @@ class ReplicaGroups:
         ended, has no peer to heal from and nothing left to do: this raises ``SystemExit(0)``
         there, so its script ends without saving state it never received."""
         grads, blocks = self._gradients()
-        retries, healed = 0, False
+        retries, healed, waited = 0, False, 0.0
         self._fresh = True
         while True:
+            began = time.perf_counter()
             quorum = self._join()
+            waited += time.perf_counter() - began
             vote, averaged = "ok", None
             try:
                 members = self._members(quorum)
@@ -215,9 +220,11 @@ class ReplicaGroups:
                 self._epoch = None
                 self._log.info("group %d: round %d failed (%s)", self.group, self._round,
                                str(exc).splitlines()[0][:200])
+            began = time.perf_counter()
             self._store.set(protocol.vote_key(vote, self._round, self.group, self.rank), "1")
             protocol.announce(self._store)
             decision = self._wait(protocol.decision_key(self._round)).decode()
+            waited += time.perf_counter() - began
             if decision == "commit":
                 committed = bool(quorum.contributors)
                 if committed:
@@ -227,7 +234,7 @@ class ReplicaGroups:
                     self.step_count = quorum.step + 1
                 return StepResult(committed=committed, step=quorum.step,
                                   contributors=quorum.contributors, members=quorum.members,
-                                  healed=healed, retries=retries)
+                                  healed=healed, retries=retries, quorum_seconds=waited)
             retries += 1
             self._epoch = None
 
