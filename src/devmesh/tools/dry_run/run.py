@@ -184,6 +184,7 @@ class _SavedBytes:
         self.bytes = 0
         self.active = False
         self._model: torch.nn.Module | None = None
+        self._modules: list[torch.nn.Module] = []  # the model's, listed once per probe
         self._counted: set[int] = set()
 
     def reset(self) -> None:
@@ -221,14 +222,18 @@ class _SavedBytes:
         its forward runs), DTensor parameters by their local blocks."""
         assert self._model is not None
         # a parameter's compute-dtype copy (DDP and TP under mixed precision) is held by
-        # autograd until backward: counted as the activation it is
+        # autograd until backward: counted as the activation it is. Read from each module's
+        # own slots, whose contents change as units gather and release; the modules do not
+        # (walking the tree again at each new saved storage was a tenth of a search's time)
         return {storage_key(p.to_local() if isinstance(p, DTensor) else p)
-                for p in self._model.parameters() if not is_compute_copy(p)}
+                for module in self._modules for p in module._parameters.values()
+                if p is not None and not is_compute_copy(p)}
 
     @contextlib.contextmanager
     def probing(self, model: torch.nn.Module) -> Iterator[None]:
         """Count what ``model``'s forward inside keeps."""
         self._model, self.active = model, True
+        self._modules = list(model.modules())
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
                 yield
