@@ -121,9 +121,10 @@ class Watch:
         this collective when it failed, after waiting up to :data:`GRACE_SECONDS` for them.
 
         The store may be served by rank 0's process (torch's ``env://``, a loopback launch
-        without a launcher's store), so rank 0 does not return before the other ranks that were inside have read what
-        they need, or a second grace period passed: leaving first would take the store down
-        under them (and torchrun stops every rank as soon as one exits)."""
+        without a launcher's store), so rank 0 does not return before the other ranks that
+        were inside have read what they need, or a second grace period passed: leaving first
+        would take the store down under them (and torchrun stops every rank as soon as one
+        exits)."""
         store = _torch_compat.default_store()
         rank = dist.get_rank()
         prefix = (f"devmesh/timeout/{self.series}/{','.join(map(str, self.ranks))}/"
