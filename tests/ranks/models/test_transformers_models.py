@@ -1106,6 +1106,65 @@ def test_transformers_own_gradient_checkpointing_trains_as_one_process(mesh_pool
         assert difference <= 1e-12, difference
 
 
+def trained_by_transformers_own_fsdp_and_tp(folder: str, checkpoint: str):
+    """transformers' own parallelism (``from_pretrained(distributed_config=...)``: its
+    tensor-parallel plan and torch's FSDP2 on a mesh it builds) over the process group
+    devmesh's ``init_device_mesh`` started; devmesh's full state dict and sharded checkpoint
+    of the result, loaded back into a second such model."""
+    import transformers as T
+    from devmesh.parallel import load_checkpoint, save_checkpoint, state_dict
+
+    init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    config = T.DistributedConfig(tp_size=2, fsdp_size=2)
+    model = T.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                               distributed_config=config)
+    fsdp = model._device_mesh["fsdp"].get_local_rank()  # the mesh transformers built
+    per = BATCH // 2
+    losses = _train(model, slice(fsdp * per, (fsdp + 1) * per))
+    full = {k: v.clone() for k, v in state_dict(model, full=True).items()}
+    save_checkpoint(checkpoint, model)
+    again = T.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float64,
+                                               distributed_config=config)
+    load_checkpoint(checkpoint, again)
+    reloaded = state_dict(again, full=True)
+    return fsdp, losses, full, max((reloaded[k] - v).abs().max().item()
+                                   for k, v in full.items())
+
+
+def test_transformers_own_fsdp_and_tp_over_devmeshs_process_group_train_as_one_process(
+        mesh_pool, tmp_path):
+    """A model transformers distributes itself trains as one process on devmesh's process
+    group, and devmesh's state dict and checkpoints read its torch DTensors: the whole
+    model, and a checkpoint a plain model in this process loads."""
+    import transformers as T
+    from devmesh.parallel import load_checkpoint
+
+    torch.manual_seed(1)
+    T.LlamaForCausalLM(T.LlamaConfig(**COMMON)).double().save_pretrained(tmp_path / "in")
+    ref = T.LlamaForCausalLM.from_pretrained(tmp_path / "in", dtype=torch.float64)
+    results = mesh_pool.run(trained_by_transformers_own_fsdp_and_tp, 4, str(tmp_path / "in"),
+                            str(tmp_path / "checkpoint"))
+    per, halves = BATCH // 2, []  # one process on the whole batch; its loss on each half
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(STEPS):
+        ids = _ids(step)
+        with torch.no_grad():
+            halves.append([ref(input_ids=ids[i * per:(i + 1) * per],
+                               labels=ids[i * per:(i + 1) * per]).loss.item() for i in (0, 1)])
+        ref(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    want = ref.state_dict()
+    for fsdp, losses, full, reloaded in results:
+        assert list(full) == list(want)
+        assert max((full[k] - v).abs().max().item() for k, v in want.items()) <= 1e-12
+        assert max(abs(a - h[fsdp]) for a, h in zip(losses, halves, strict=True)) <= 1e-12
+        assert reloaded == 0.0
+    plain = T.LlamaForCausalLM.from_pretrained(tmp_path / "in", dtype=torch.float64)
+    load_checkpoint(str(tmp_path / "checkpoint"), plain)
+    assert all(torch.equal(plain.state_dict()[k], v) for k, v in results[0][2].items())
+
+
 def generated(arch: str, strategy: str):
     """Greedy generation (transformers' ``generate``, its key/value cache) and the logits of
     a parallelized model against the same model in one process."""
