@@ -318,6 +318,45 @@ def test_torch_data_parallelism_over_devmesh_tensor_parallelism(mesh_pool):
         assert max(errors.values()) < 1e-6, errors
 
 
+def torch_ddp_over_devmesh_blocks():
+    """torch's DistributedDataParallel over models devmesh split, where DDP's group holds
+    ranks with other blocks (it would broadcast rank 0's blocks over theirs and average
+    different blocks): each refused on every rank before DDP's first collective, the
+    blocks left as they were. Over the ranks holding the same blocks (``device_mesh=`` the
+    dp dim) and over devmesh's whole-parameter DDP it is accepted."""
+    from devmesh.parallel import (ColwiseParallel, RowwiseParallel, fully_shard,
+                                  parallelize_module, replicate)
+    from helpers import caught
+
+    DDP = torch.nn.parallel.DistributedDataParallel
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
+    sharded = fully_shard(_model(), mesh=init_device_mesh("cpu", (4,)))
+    before = [p.detach().clone() for p in sharded.parameters()]
+    split = parallelize_module(_model(), mesh["tp"], plan)
+    refusals = [caught(lambda: DDP(sharded)), caught(lambda: DDP(split)),
+                caught(lambda: DDP(split, process_group=mesh["tp"].get_group()))]
+    kept = all(torch.equal(a, b) for a, b in zip(before, sharded.parameters(), strict=True))
+    accepted = [type(DDP(parallelize_module(_model(), mesh["tp"], plan),
+                         device_mesh=mesh["dp"])).__name__,
+                type(DDP(replicate(_model(), mesh=init_device_mesh("cpu", (4,))))).__name__]
+    return refusals, kept, accepted
+
+
+def test_torch_ddp_over_a_model_devmesh_split_is_refused_where_it_would_mix_blocks(mesh_pool):
+    """Code that wraps whatever model it is handed in DDP (transformers' Trainer, through
+    accelerate) trained a devmesh-split model silently unlike one process."""
+    for refusals, kept, accepted in mesh_pool.run(torch_ddp_over_devmesh_blocks, 4):
+        for refusal in refusals:
+            assert refusal is not None and refusal[0] == "ParallelizeError", refusal
+            assert "torch's DistributedDataParallel over " in refusal[1]
+            assert "without the DDP wrapper" in refusal[1]
+        assert "0.weight, 0.bias, 2.weight" in refusals[0][1]  # every block of FSDP's
+        assert "0.weight, 0.bias, 2.weight" in refusals[1][1]  # 2.bias stays whole
+        assert kept
+        assert accepted == ["DistributedDataParallel", "DistributedDataParallel"]
+
+
 def devmesh_and_torch_styles_under_one_fully_shard():
     """devmesh's ColwiseParallel on the first layer, torch's RowwiseParallel (a torch-API
     style, as one's own would be) on the second, one devmesh ``fully_shard`` over ``dp``."""

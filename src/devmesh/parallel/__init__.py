@@ -37,6 +37,7 @@ from devmesh.parallel.tensor_parallel import (
 from devmesh.parallel.grads import clip_grad_norm_, route_torchs_clip_grad_norm
 from devmesh.parallel.grad_scaler import GradScaler, route_torchs_grad_scaler
 from devmesh.parallel.state_dict import load_state_dict, state_dict
+from devmesh.parallel.torch_ddp import route_torchs_ddp
 
 __all__ = [
     "fully_shard", "batched_checks", "MixedPrecisionPolicy", "FSDPUnit", "FSDPModule", "UnshardHandle",
@@ -73,6 +74,9 @@ def __getattr__(name: str):
 
 # torch's clip_grad_norm_ and GradScaler, as code written for torch's FSDP2 calls them, clip
 # a devmesh-sharded model by its global norm and skip an overflowing step on every rank (see
-# route_torchs_clip_grad_norm, route_torchs_grad_scaler); other calls stay torch's own
+# route_torchs_clip_grad_norm, route_torchs_grad_scaler), and torch's DistributedDataParallel
+# refuses a devmesh-split model instead of overwriting its blocks (route_torchs_ddp); other
+# calls stay torch's own
 route_torchs_clip_grad_norm()
 route_torchs_grad_scaler()
+route_torchs_ddp()

@@ -1165,6 +1165,36 @@ def test_transformers_own_fsdp_and_tp_over_devmeshs_process_group_train_as_one_p
     assert all(torch.equal(plain.state_dict()[k], v) for k, v in results[0][2].items())
 
 
+def handed_to_trainer(folder: str):
+    """transformers' Trainer given a Llama devmesh parallelized (FSDP × TP): accelerate
+    wraps it in torch's DDP over the whole world, which would broadcast rank 0's blocks over
+    every rank's and average different blocks. What ``train()`` raises, and whether the
+    blocks are still this rank's own."""
+    import transformers as T
+    from devmesh.parallel import parallelize
+    from helpers import caught
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = parallelize(make("llama"), mesh)
+    before = [p.detach().clone() for p in model.parameters()]
+    rows = [{"input_ids": ids, "labels": ids} for ids in _ids(0)]
+    args = T.TrainingArguments(output_dir=folder, per_device_train_batch_size=1, max_steps=1,
+                               report_to=[], save_strategy="no", use_cpu=True)
+    refusal = caught(T.Trainer(model=model, args=args, train_dataset=rows).train)
+    return refusal, all(torch.equal(a, b) for a, b in zip(before, model.parameters(),
+                                                          strict=True))
+
+
+def test_transformers_trainer_over_a_devmesh_parallelized_model_is_refused_by_name(
+        mesh_pool, tmp_path):
+    """It trained, silently unlike one process (every rank's blocks became rank 0's)."""
+    for refusal, kept in mesh_pool.run(handed_to_trainer, 4, str(tmp_path)):
+        assert refusal is not None and refusal[0] == "ParallelizeError", refusal
+        assert "torch's DistributedDataParallel over SavesWholeFSDPLlamaForCausalLM" in refusal[1]
+        assert "transformers' Trainer wraps it so" in refusal[1]
+        assert kept
+
+
 def generated(arch: str, strategy: str):
     """Greedy generation (transformers' ``generate``, its key/value cache) and the logits of
     a parallelized model against the same model in one process."""
