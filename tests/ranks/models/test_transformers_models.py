@@ -95,7 +95,8 @@ def make(arch: str, layers: int = 2) -> torch.nn.Module:
         model = T.Cohere2ForCausalLM(T.Cohere2Config(
             **COMMON, head_dim=8, sliding_window=4, pad_token_id=0,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2)))
-    elif arch == "gpt_oss":  # experts (E, in, out) with biases, gate/up interleaved;
+    elif arch in ("gpt_oss", "gpt_oss_experts_tp"):  # experts (E, in, out) with biases,
+        # gate/up interleaved (gpt_oss_experts_tp: every expert split over tp by its plan);
         # attention sinks; called (hidden_states, router_indices, routing_weights)
         model = T.GptOssForCausalLM(T.GptOssConfig(
             **COMMON, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
@@ -143,6 +144,11 @@ def make(arch: str, layers: int = 2) -> torch.nn.Module:
                                                attention_probs_dropout_prob=0.0))
     else:
         raise ValueError(arch)
+    if arch == "gpt_oss_experts_tp":  # transformers starts the experts' biases at zero
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("_bias"):
+                    param.normal_(std=0.1)
     return model.double()
 
 
@@ -299,7 +305,21 @@ def gpt2_tp_plan() -> dict:
             "lm_head": ColwiseParallel(output_layouts=Replicate())}
 
 
-TP_PLANS = {"gpt2": gpt2_tp_plan}  # architectures that declare none
+def gpt_oss_tp_plan() -> dict:
+    """gpt-oss's own plan (its head) with every expert split over tp, which its plan leaves
+    whole: ``gate_up_proj`` ``(E, in, out)`` with gate and up interleaved by column, so
+    contiguous blocks of columns hold whole gate/up pairs (one part); the biases
+    (``gate_up_proj_bias``, ``down_proj_bias``) go with their weights."""
+    from devmesh.parallel import ColwiseParallel, ExpertsTensorParallel
+    from devmesh.tensor import Replicate
+
+    return {"lm_head": ColwiseParallel(output_layouts=Replicate()),
+            "model.layers.*.mlp.experts": ExpertsTensorParallel(
+                colwise={"gate_up_proj": 1}, rowwise=("down_proj",), transposed=True)}
+
+
+# architectures that declare none, or leave parts whole
+TP_PLANS = {"gpt2": gpt2_tp_plan, "gpt_oss_experts_tp": gpt_oss_tp_plan}
 
 
 def train_parallel(arch: str, strategy: str):
@@ -357,7 +377,10 @@ CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES if "ep" not in s.sp
          # their experts over ep
          + [(arch, "fsdp_ep") for arch in ("gpt_oss", "deepseek_v3", "qwen2_moe",
                                            "glm4_moe", "ernie4_5_moe")]
-         + [("gpt_oss", "ep_tp_selective_ac")])
+         + [("gpt_oss", "ep_tp_selective_ac")]
+         # every expert with its biases split over tp (gpt_oss_tp_plan)
+         + [("gpt_oss_experts_tp", s) for s in ("ddp_tp_full_ac", "fsdp_tp",
+                                                "ep_tp_experts_over_tp")])
 
 
 @pytest.mark.parametrize("arch, strategy", CASES)

@@ -6,6 +6,7 @@ refused by name on every rank."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -24,16 +25,21 @@ class StackedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.randn(EXPERTS, 2 * intermediate, HIDDEN))
         self.down_proj = nn.Parameter(torch.randn(EXPERTS, HIDDEN, intermediate))
-        if bias:
+        if bias:  # gpt-oss's names: each weight's bias, (E, out)
+            self.gate_up_proj_bias = nn.Parameter(torch.randn(EXPERTS, 2 * intermediate))
             self.down_proj_bias = nn.Parameter(torch.randn(EXPERTS, HIDDEN))
 
     def forward(self, x, index, weights):
         out = torch.zeros_like(x)
+        biases = hasattr(self, "down_proj_bias")
         for e in range(EXPERTS):
             token, slot = torch.where(index == e)
-            gate, up = F.linear(x[token], self.gate_up_proj[e]).chunk(2, dim=-1)
-            y = F.linear(F.silu(gate) * up, self.down_proj[e]) * weights[token, slot, None]
-            out = out.index_add(0, token, y)
+            gate_up = F.linear(x[token], self.gate_up_proj[e],
+                               self.gate_up_proj_bias[e] if biases else None)
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = F.linear(F.silu(gate) * up, self.down_proj[e],
+                         self.down_proj_bias[e] if biases else None)
+            out = out.index_add(0, token, y * weights[token, slot, None])
         return out
 
 
@@ -45,13 +51,13 @@ def _inputs():
     return x, index, weights
 
 
-def split_experts(intermediate: int):
+def split_experts(intermediate: int, bias: bool = False):
     from devmesh.parallel import ExpertsTensorParallel, parallelize_module, state_dict
 
     torch.manual_seed(0)
-    ref = StackedExperts(intermediate).double()
+    ref = StackedExperts(intermediate, bias).double()
     torch.manual_seed(0)
-    experts = StackedExperts(intermediate).double()
+    experts = StackedExperts(intermediate, bias).double()
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     parallelize_module(experts, mesh, ExpertsTensorParallel())
     local = tuple(experts.gate_up_proj.shape)
@@ -75,7 +81,16 @@ def split_experts(intermediate: int):
     def error(a, b):  # relative to the largest value
         return ((a - b).abs().max() / b.abs().max()).item()
 
+    bias_grads = 0.0
+    if bias:  # gate/up's bias split as its columns; down's added once, its gradient whole
+        gate_up = ref.gate_up_proj_bias.grad
+        bias_grads = max(
+            error(experts.gate_up_proj_bias.grad,
+                  torch.cat([gate_up[:, :intermediate][:, mine],
+                             gate_up[:, intermediate:][:, mine]], dim=1)),
+            error(experts.down_proj_bias.grad, ref.down_proj_bias.grad))
     return {
+        "bias grads": bias_grads,
         "local": local,
         "output": error(got, want),
         "input grads": max(error(x.grad, want_grads[0]), error(weights.grad, want_grads[1])),
@@ -85,20 +100,23 @@ def split_experts(intermediate: int):
     }
 
 
-def test_experts_split_over_tp_compute_as_one_process(mesh_pool):
-    for rank, result in enumerate(mesh_pool.run(split_experts, 2, 6)):
+@pytest.mark.parametrize("bias", [False, True])
+def test_experts_split_over_tp_compute_as_one_process(mesh_pool, bias):
+    for rank, result in enumerate(mesh_pool.run(split_experts, 2, 6, bias)):
         assert result["local"] == (EXPERTS, 6, HIDDEN)  # 3 of gate's 6, 3 of up's
         assert result["state"]
-        assert max(result["output"], result["input grads"], result["weight grads"]) < 1e-12, (
-            rank, result)
+        assert max(result["output"], result["input grads"], result["weight grads"],
+                   result["bias grads"]) < 1e-12, (rank, result)
 
 
-def test_experts_of_uneven_features_split_each_part_as_torch_chunk(mesh_pool):
-    results = mesh_pool.run(split_experts, 2, 5)  # 5 features: 3 and 2 per rank
+@pytest.mark.parametrize("bias", [False, True])
+def test_experts_of_uneven_features_split_each_part_as_torch_chunk(mesh_pool, bias):
+    results = mesh_pool.run(split_experts, 2, 5, bias)  # 5 features: 3 and 2 per rank
     assert [r["local"] for r in results] == [(EXPERTS, 6, HIDDEN), (EXPERTS, 4, HIDDEN)]
     for result in results:
         assert result["state"]
-        assert max(result["output"], result["input grads"], result["weight grads"]) < 1e-12
+        assert max(result["output"], result["input grads"], result["weight grads"],
+                   result["bias grads"]) < 1e-12
 
 
 def refusals():
@@ -106,8 +124,13 @@ def refusals():
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     out = {}
-    out["bias"] = caught(lambda: parallelize_module(
-        StackedExperts(4, bias=True), mesh, ExpertsTensorParallel()))
+    other = StackedExperts(4)
+    other.scale = nn.Parameter(torch.ones(EXPERTS))  # not a weight's bias
+    out["other"] = caught(lambda: parallelize_module(other, mesh, ExpertsTensorParallel()))
+    shaped = StackedExperts(4)
+    shaped.down_proj_bias = nn.Parameter(torch.randn(EXPERTS, HIDDEN + 1))
+    out["bias shape"] = caught(lambda: parallelize_module(shaped, mesh,
+                                                          ExpertsTensorParallel()))
     out["missing"] = caught(lambda: parallelize_module(
         StackedExperts(4), mesh, ExpertsTensorParallel(colwise={"w1": 1}, rowwise=("w2",))))
     odd = StackedExperts(4)
@@ -122,7 +145,8 @@ def refusals():
 
 def test_what_experts_tensor_parallel_cannot_split_is_refused_by_name(mesh_pool):
     for result in mesh_pool.run(refusals, 2):
-        assert "holds ['down_proj_bias'] besides the split weights" in result["bias"][1]
+        assert "holds ['scale'] besides the split weights" in result["other"][1]
+        assert "'down_proj_bias' has shape (4, 9), not (4, 8)" in result["bias shape"][1]
         assert "has no parameter ['w1', 'w2']" in result["missing"][1]
         assert "9 long, which is not 2 equal packed parts" in result["parts"][1]
         assert "has no torch DTensor form" in result["dtensor"][1]

@@ -13,6 +13,12 @@ as after an attention block's row-wise projection), on its slice of every expert
 output is a partial sum that the style reduces. The router stays whole: the gradient of its
 weights for the experts' output, like the tokens', is summed over the ranks before it
 leaves the experts.
+
+A weight's bias, named ``<weight>_bias`` (gpt-oss's ``gate_up_proj_bias``,
+``down_proj_bias``, ``(E, out)``), goes with it: a column weight's is split as its output
+features are, each rank adding its slice; a row weight's is added to the partial sums
+before they are reduced, so only the first rank of the mesh adds it (the others add zeros
+in its place) and its gradient, there alone, is summed over the ranks.
 """
 
 from __future__ import annotations
@@ -27,8 +33,16 @@ from devmesh import _torch_compat
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.placement import refuse_torch_fsdp_over_blocks
+from devmesh.parallel.swap import swap_parameter
 from devmesh.parallel.tensor_parallel import activations as A
-from devmesh.parallel.tensor_parallel.styles import Distribute, ParallelStyle, _one
+from devmesh.parallel.tensor_parallel import functional as PF
+from devmesh.parallel.tensor_parallel.styles import (
+    _SAVED,
+    Distribute,
+    ParallelStyle,
+    _one,
+    _restore_parameters,
+)
 from devmesh.tensor import Partial, Placement, Replicate, Shard
 
 __all__ = ["ExpertsTensorParallel"]
@@ -51,8 +65,9 @@ class ExpertsTensorParallel(ParallelStyle):
             sums and reduce once (torchtitan's plan: a reduce-scatter to the sequence).
         use_local_output: hand on a plain tensor (default) or a torch DTensor.
 
-    Any other parameter of the module is refused: a bias of the row weights would be added
-    on every rank before the sum.
+    A weight's bias, ``<weight>_bias`` of shape ``(E, out)``, is split with a column
+    weight and added once (on the mesh's first rank) with a row weight. Any other parameter
+    of the module is refused: it would be used on every rank before the sum.
     """
 
     distributes_parameters = True
@@ -88,35 +103,78 @@ class ExpertsTensorParallel(ParallelStyle):
             raise ParallelizeError(
                 f"ExpertsTensorParallel on {name!r}: {flat} are not stacked matrices "
                 f"({'(experts, in, out)' if self.transposed else '(experts, out, in)'})")
-        other = sorted(set(own) - set(named)) + sorted(
+        for weight in named:
+            bias = own.get(_bias(weight))
+            want = (own[weight].shape[0], own[weight].shape[self._out_dim])
+            if bias is not None and tuple(bias.shape) != want:
+                raise ParallelizeError(
+                    f"ExpertsTensorParallel on {name!r}: {_bias(weight)!r} has shape "
+                    f"{tuple(bias.shape)}, not {want} (experts, output features of "
+                    f"{weight!r}), the bias it would be taken for")
+        biases = {_bias(w) for w in named if _bias(w) in own}
+        other = sorted(set(own) - set(named) - biases) + sorted(
             n for n, _ in module.named_parameters() if "." in n)
         if other:
             raise ParallelizeError(
                 f"ExpertsTensorParallel on {name!r}: {type(module).__name__} holds "
-                f"{other} besides the split weights; a bias would be added on every rank "
-                "before the partial sums are reduced. Leave these experts whole (no 'tp' "
-                "entry for them) or split them over an 'ep' mesh dim instead")
+                f"{other} besides the split weights and their '<weight>_bias'; each rank "
+                "would use it before the partial sums are reduced. Leave these experts "
+                "whole (no 'tp' entry for them) or split them over an 'ep' mesh dim instead")
 
     def sharded_parameters(self, module: nn.Module) -> tuple[str, ...]:
-        return (*self.colwise, *self.rowwise)
+        return (*self.colwise, *self.rowwise,
+                *(_bias(w) for w in self.colwise if _bias(w) in module._parameters))
 
     def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
         for attr, parts in self.colwise.items():
             distribute(module, attr, Shard(self._out_dim), parts=parts)
+            if module._parameters.get(_bias(attr)) is not None:
+                distribute(module, _bias(attr), Shard(-1), parts=parts)
+        row_biases = tuple(_bias(w) for w in self.rowwise
+                           if module._parameters.get(_bias(w)) is not None)
         for attr in self.rowwise:
             distribute(module, attr, Shard(self._in_dim))
-        module.register_forward_pre_hook(functools.partial(_experts_input, mesh),
+        for attr in row_biases:
+            distribute(module, attr, Replicate())
+        module.register_forward_pre_hook(functools.partial(_experts_input, mesh, row_biases),
                                          with_kwargs=True)
+        module.register_forward_hook(_restore_parameters_after, always_call=True)
         module.register_forward_hook(functools.partial(_experts_output, self, mesh))
         return module
 
 
+def _bias(weight: str) -> str:
+    """The name of a stacked expert weight's bias (gpt-oss's convention)."""
+    return f"{weight}_bias"
+
+
+def _row_biases_once(module: nn.Module, mesh: DeviceMesh, names: tuple[str, ...]) -> None:
+    """For this forward, each row weight's bias is added by the mesh's first rank alone (the
+    others see zeros): the partial sums are reduced after it. Its gradient, that rank's
+    alone, is summed over the ranks in backward, so every rank's replica gets it."""
+    saved = {}
+    first = mesh.get_local_rank() == 0
+    for name in names:
+        param = module._parameters[name]
+        saved[name] = param
+        once = PF.copy_to_parallel(param, mesh) if param.requires_grad else param
+        swap_parameter(module, name, once if first else once * 0)
+    setattr(module, _SAVED, saved)
+
+
+def _restore_parameters_after(module: nn.Module, args, y) -> None:
+    _restore_parameters(module)
+
+
 @_torch_compat.eager
-def _experts_input(mesh: DeviceMesh, module: nn.Module, args, kwargs):
+def _experts_input(mesh: DeviceMesh, row_biases: tuple[str, ...], module: nn.Module, args,
+                   kwargs):
     """Every floating-point input (the tokens, the routing weights) whole on every rank: its
     gradient from this rank's slice of the experts is a partial sum, summed over the ranks
-    in backward."""
+    in backward. The row weights' biases added once."""
     refuse_torch_fsdp_over_blocks(module)
+    if row_biases:
+        _row_biases_once(module, mesh, row_biases)
 
     def summed(x):
         if A.is_global(x) or isinstance(x, torch.Tensor) and x.is_floating_point():
