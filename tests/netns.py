@@ -1,5 +1,6 @@
 """Hosts for the tests: network namespaces on one bridge (itself in a namespace of its own),
-made by the test and removed after, every process left in them killed."""
+made by the test and removed after, every process left in them killed; where namespaces
+cannot be made, loopback aliases (127.0.0.2, 127.0.0.3, ...)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import subprocess
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 
 def ip(*args: str) -> None:
@@ -51,3 +53,40 @@ def bridged(tag: str, addresses: list[str]) -> Iterator[list[str]]:
         for name in made:
             kill_all(name)
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+@dataclass
+class Host:
+    address: str
+    prefix: list[str]  # what runs a command on the host
+
+
+def _namespaces_work() -> str | None:
+    """Why network namespaces cannot be made here, or None."""
+    probe = f"dm{os.getpid()}probe"
+    try:
+        ip("netns", "add", probe)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        return f"cannot make a network namespace ({exc})"
+    ip("netns", "del", probe)
+    return None
+
+
+@contextlib.contextmanager
+def simulated_hosts(count: int, *, descending: bool = False) -> Iterator[list[Host]]:
+    """``count`` hosts: namespaces ``dm<pid>h<i>`` at 10.201.0.<i+1>/24 on a bridge in
+    ``dm<pid>sw`` (``descending``: host i at 10.201.0.<count-i>, the first host's address
+    the highest); every process left in them is killed and the namespaces deleted after."""
+    why = ("DEVMESH_TEST_HOSTS=aliases" if os.environ.get("DEVMESH_TEST_HOSTS") == "aliases"
+           else _namespaces_work())
+
+    def number(i: int) -> int:
+        return count - i if descending else i + 1
+
+    if why is not None:  # loopback aliases: every 127/8 address is this machine's lo
+        yield [Host(f"127.0.0.{number(i) + 1}", []) for i in range(count)]
+        return
+    addresses = [f"10.201.0.{number(i)}" for i in range(count)]
+    with bridged(f"dm{os.getpid()}", addresses) as names:
+        yield [Host(address, ["ip", "netns", "exec", name])
+               for address, name in zip(addresses, names)]

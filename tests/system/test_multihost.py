@@ -5,60 +5,21 @@ hosts are loopback aliases (127.0.0.2, 127.0.0.3, ...)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import netns
+from netns import Host, simulated_hosts
 from helpers import run_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "scripts"
-
-
-@dataclass
-class Host:
-    address: str
-    prefix: list[str]  # what runs a command on the host
-
-
-def _namespaces_work() -> str | None:
-    """Why network namespaces cannot be made here, or None."""
-    probe = f"dm{os.getpid()}probe"
-    try:
-        netns.ip("netns", "add", probe)
-    except (OSError, subprocess.CalledProcessError) as exc:
-        return f"cannot make a network namespace ({exc})"
-    netns.ip("netns", "del", probe)
-    return None
-
-
-@contextlib.contextmanager
-def simulated_hosts(count: int, *, descending: bool = False) -> Iterator[list[Host]]:
-    """``count`` hosts: namespaces ``dm<pid>h<i>`` at 10.201.0.<i+1>/24 on a bridge in
-    ``dm<pid>sw`` (``descending``: host i at 10.201.0.<count-i>, the first host's address
-    the highest); every process left in them is killed and the namespaces deleted after."""
-    why = ("DEVMESH_TEST_HOSTS=aliases" if os.environ.get("DEVMESH_TEST_HOSTS") == "aliases"
-           else _namespaces_work())
-
-    def number(i: int) -> int:
-        return count - i if descending else i + 1
-
-    if why is not None:  # loopback aliases: every 127/8 address is this machine's lo
-        yield [Host(f"127.0.0.{number(i) + 1}", []) for i in range(count)]
-        return
-    addresses = [f"10.201.0.{number(i)}" for i in range(count)]
-    with netns.bridged(f"dm{os.getpid()}", addresses) as names:
-        yield [Host(address, ["ip", "netns", "exec", name])
-               for address, name in zip(addresses, names)]
 
 
 def _start(host: Host, node: int | None, nodes: int, endpoint: str | None, nproc: int,

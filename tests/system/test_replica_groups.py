@@ -13,6 +13,7 @@ import sys
 import textwrap
 import time
 
+import pytest
 import torch
 from torch import nn
 
@@ -327,3 +328,112 @@ def test_a_source_that_dies_while_healing_another_group_is_survived(tmp_path):
         got = torch.load(tmp_path / f"model-{g}-0.pt")
         for key, value in want.items():
             assert torch.allclose(got[key], value, rtol=0, atol=1e-12), (g, key)
+
+
+def test_a_host_cut_off_drops_its_group_and_the_other_host_steps_on(tmp_path):
+    """Two hosts (network namespaces), a replica group on each (``--groups``), the
+    coordinator served by the launcher of group 0's host (``--coordinator``). Host 1's link
+    goes down as its group reaches step 3: group 0 commits step 3 without it within seconds
+    and trains on alone, equal to one process on the committed batches; host 1's rank
+    raises naming the coordinator it cannot reach, within the silence (10 timeouts), and
+    its devmesh run ends; host 0's launcher, its group done, waits that long for group 1,
+    says it went silent, and ends. Nothing is left in either host."""
+    import netns
+
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env.update(DEVMESH_LOG="info", DEVMESH_REPLICA_TIMEOUT="2", DEVMESH_TRACE_COLLECTIVES="0",
+               PYTHONWARNINGS="ignore::FutureWarning")
+    fault = {"group": 1, "rank": 0, "step": 3, "how": "hang", "seconds": 1}
+    with netns.simulated_hosts(2) as hosts:
+        if not hosts[0].prefix:
+            pytest.skip("a link can be cut only between network namespaces; this machine "
+                        "cannot make them")
+        coordinator = f"{hosts[0].address}:29621"
+        runs = [subprocess.Popen(
+            [*host.prefix, sys.executable, "-m", "devmesh", "run", "--replica-groups", "2",
+             "--groups", str(i), "--coordinator", coordinator, "-n", "1",
+             "--max-restarts", "0", str(script), str(tmp_path), "100", "whole",
+             json.dumps(fault)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            start_new_session=True) for i, host in enumerate(hosts)]
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "fault").exists():
+            assert time.monotonic() < deadline and all(r.poll() is None for r in runs), \
+                [r.communicate()[1][-3000:] if r.poll() is not None else "" for r in runs]
+            time.sleep(0.05)
+        netns.ip("-n", hosts[1].prefix[-1], "link", "set", "eth0", "down")
+        cut = time.time()
+        (tmp_path / "stop").write_text("8")
+        outputs = [run.communicate(timeout=180) for run in runs]
+        ended = time.time() - cut
+        left = {h.prefix[-1]: netns.pids(h.prefix[-1]) for h in hosts}
+    assert left == {h.prefix[-1]: [] for h in hosts}
+    assert runs[0].returncode == 0, outputs[0][1][-4000:]
+    assert ("devmesh run: replica groups [1] (on other hosts) went silent before finishing"
+            in outputs[0][1]), outputs[0][1][-4000:]
+    assert runs[1].returncode != 0
+    said = outputs[1][1]
+    assert f"replica group 1 rank 0: the coordinator at {coordinator} has not answered for " \
+        in said and "this host is cut off from the coordinator's (its link down)" in said, \
+        said[-4000:]
+    assert ended < 20 + 60, ended  # the silence, and the launchers' own ends
+    rows = [json.loads(line) for line in (tmp_path / "log-0-0.jsonl").read_text().splitlines()]
+    committed = [(row["step"], row["contributors"]) for row in rows if row["committed"]]
+    assert [s for s, _ in committed] == list(range(8)), committed
+    assert all(groups == [0, 1] for step, groups in committed if step < 3), committed
+    assert all(groups == [0] for step, groups in committed if step >= 3), committed
+    first_alone = next(row for row in rows if row["step"] == 3 and row["committed"])
+    print(f"group 0 committed step 3 alone {first_alone['t'] - cut:.2f} s after the cut; "
+          f"both launchers ended {ended:.1f} s after it")
+    assert first_alone["t"] - cut < 15, first_alone["t"] - cut
+    want = _reference(1, committed)
+    got = torch.load(tmp_path / "model-0-0.pt")
+    for key, value in want.items():
+        assert torch.allclose(got[key], value, rtol=0, atol=1e-12), key
+
+
+def test_a_rank_whose_coordinator_stops_answering_exits_saying_so(tmp_path):
+    """The coordinator's process stopped (SIGSTOP: connected, answering nothing, as over a
+    cut link): torch's store client would wait for it for good; the rank's heartbeat watch
+    ends the rank after the silence, exit code 1, naming the coordinator."""
+    import signal
+
+    server = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f'''
+        import time
+        from datetime import timedelta
+        import torch.distributed as dist
+        store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                              timeout=timedelta(seconds=60))
+        open({str(tmp_path / "port")!r}, "w").write(str(store.port))
+        time.sleep(300)
+    ''')])
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "port").exists() or not (tmp_path / "port").read_text():
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        address = f"127.0.0.1:{(tmp_path / 'port').read_text()}"
+        rank = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f'''
+            import time
+            from devmesh.fault import replicas
+            replicas._Heartbeat({address!r}, group=1, rank=0, silence=2.0)
+            open({str(tmp_path / "beating")!r}, "w").close()
+            time.sleep(120)
+        ''')], stderr=subprocess.PIPE, text=True)
+        while not (tmp_path / "beating").exists():
+            assert time.monotonic() < deadline and rank.poll() is None
+            time.sleep(0.1)
+        server.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        _, err = rank.communicate(timeout=60)
+        took = time.monotonic() - stopped
+    finally:
+        server.kill()
+        server.wait()
+    assert rank.returncode == 1, err[-2000:]
+    assert (f"replica group 1 rank 0: the coordinator at {address} has not answered for 2 s: "
+            "this host is cut off from the coordinator's (its link down), or that host is "
+            "gone; this rank exits") in err, err[-2000:]
+    assert 1 < took < 10, took  # the silence, counted from the last answered heartbeat

@@ -38,7 +38,8 @@ _HEARTBEAT = """
 
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, timeout=timedelta(seconds=5))
     protocol.HEARTBEAT_SECONDS = 0.0  # the heartbeat writes without a pause
-    beat = replicas._Heartbeat("127.0.0.1", server.port, group=0, rank=0)  # never stopped
+    beat = replicas._Heartbeat(f"127.0.0.1:{server.port}", group=0, rank=0,
+                               silence=30.0)  # never stopped
     time.sleep(0.05)
 """
 

@@ -66,6 +66,32 @@ class Coordinator:
         self._thread.join(timeout=5)
         self._waiter.join(timeout=5)
 
+    def wait_for(self, groups: list[int], grace: float) -> list[int]:
+        """Wait until each of ``groups`` (run by other hosts' launchers) has finished its
+        training, or has gone ``grace`` seconds without a heartbeat moving: the coordinator
+        outlives them, so that one restarted late is still told where things stand. The
+        groups that went silent, for the launcher to say so."""
+        store = dist.TCPStore(self.host, self.port, is_master=False,
+                              timeout=timedelta(seconds=60))
+        seen: dict[int, tuple[list, float]] = {}  # last heartbeats and when they moved
+        waiting, silent = set(groups), []
+        while waiting:
+            now = time.monotonic()
+            for g in sorted(waiting):
+                ranks = range(self.ranks_per_group)
+                if store.check([protocol.finished_key(g, r) for r in ranks]):
+                    waiting.discard(g)
+                    continue
+                beats = [store.get(k) if store.check([k]) else None
+                         for k in (protocol.heartbeat_key(g, r) for r in ranks)]
+                if g not in seen or seen[g][0] != beats:
+                    seen[g] = (beats, now)
+                elif now - seen[g][1] > grace:
+                    waiting.discard(g)
+                    silent.append(g)
+            time.sleep(protocol.HEARTBEAT_SECONDS)
+        return sorted(silent)
+
     # -- who lives -------------------------------------------------------------------------
 
     def _incarnations(self) -> dict[int, tuple[str, ...]]:

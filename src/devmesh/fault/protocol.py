@@ -24,6 +24,11 @@ Heartbeats (``hb/g/r`` = ``pid:count``, every :data:`HEARTBEAT_SECONDS`) tell th
 coordinator that a rank lives; one left unchanged for the timeout is dead. A rank whose
 training ended writes ``finished/g/r`` = its committed steps as it stops beating, so a group
 that comes back after the others finished is told to end, not that its peers died.
+
+Over several hosts (a host cut off from the coordinator's, or the coordinator's host gone),
+a rank whose store calls go unanswered for :func:`silence_seconds` raises instead of
+waiting on, and the coordinator's launcher, its own groups done, waits that long for a
+group on another host that neither finished nor beats.
 """
 
 from __future__ import annotations
@@ -86,6 +91,13 @@ def heartbeat_key(group: int, rank: int) -> str:
 
 def finished_key(group: int, rank: int) -> str:
     return f"finished/{group}/{rank}"
+
+
+def silence_seconds(timeout: float) -> float:
+    """How long the other side is waited for before it is taken for gone: ten timeouts, at
+    least 10 s (a restarted group beats again well within it; a store call on a cut link
+    would otherwise wait for TCP to give up, many minutes)."""
+    return max(10.0, 10 * timeout)
 
 
 def timeout_from_environment(env=None) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -54,18 +55,31 @@ class StepResult:
 
 class _Heartbeat:
     """A thread telling the coordinator, every few tenths of a second, that this rank lives
-    (its own connection to the store). Stopped at exit too, if the script did not close its
-    groups: CPython ends a daemon thread that is inside a store call at shutdown with
-    ``pthread_exit``, which aborts the process through torch's C++ frames."""
+    (its own connection to the store), and a second one watching that it is heard.
 
-    def __init__(self, host: str, port: int, group: int, rank: int) -> None:
-        self._store = dist.TCPStore(host, port, is_master=False,
+    A host cut off from the coordinator's (its link down, no reset coming back) leaves a
+    store call unanswered for good — torch's TCPStore client retries it past its timeout —
+    so the rank's own call would never return: when no heartbeat has been answered for
+    ``silence`` seconds the watch says so on stderr and ends the process (exit code 1, for
+    its ``devmesh run`` to restart it or give up). Both stop at exit too, if the script did
+    not close its groups: CPython ends a daemon thread that is inside a store call at
+    shutdown with ``pthread_exit``, which aborts the process through torch's C++ frames."""
+
+    def __init__(self, address: str, group: int, rank: int, silence: float) -> None:
+        host, _, port = address.rpartition(":")
+        self._store = dist.TCPStore(host, int(port), is_master=False,
                                     timeout=timedelta(seconds=30))
         self._key = protocol.heartbeat_key(group, rank)
+        self._who = f"replica group {group} rank {rank}: the coordinator at {address}"
+        self._silence = silence
+        self._answered = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="devmesh-heartbeat",
                                         daemon=True)
+        self._watch = threading.Thread(target=self._watch_silence,
+                                       name="devmesh-heartbeat-watch", daemon=True)
         self._thread.start()
+        self._watch.start()
         atexit.register(self.stop)
 
     def _beat(self) -> None:
@@ -74,14 +88,28 @@ class _Heartbeat:
         while not self._stop.is_set():
             try:
                 self._store.set(self._key, f"{pid}:{count}")
+                # a set is not answered (over a cut link it lands in the socket's buffer):
+                # heard is when a call that is answered returns
+                self._store.check([self._key])
             except Exception:  # the coordinator is gone: the next round says so
                 return
+            self._answered = time.monotonic()
             count += 1
             self._stop.wait(protocol.HEARTBEAT_SECONDS)
+
+    def _watch_silence(self) -> None:
+        while not self._stop.wait(0.5):
+            quiet = time.monotonic() - self._answered
+            if quiet > self._silence:
+                print(f"[devmesh] {self._who} has not answered for {quiet:.0f} s: this host "
+                      "is cut off from the coordinator's (its link down), or that host is "
+                      "gone; this rank exits", file=sys.stderr, flush=True)
+                os._exit(1)
 
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self._watch.join(timeout=2)
 
 
 class ReplicaGroups:
@@ -117,9 +145,11 @@ class ReplicaGroups:
         self.rank = int(env.get("RANK", "0")) if rank is None else rank
         self.timeout = protocol.timeout_from_environment() if timeout is None else timeout
         self.step_count = 0
+        # 60 s to reach a coordinator whose host starts later than this one
         self._store = dist.TCPStore(host, int(port), is_master=False,
                                     timeout=timedelta(seconds=60))
-        self._heartbeat = _Heartbeat(host, int(port), self.group, self.rank)
+        self._heartbeat = _Heartbeat(address, self.group, self.rank,
+                                     protocol.silence_seconds(self.timeout))
         self._round = -1
         self._fresh = True  # whether the gradients are of the weights held now
         self._epoch: int | None = None
@@ -137,8 +167,9 @@ class ReplicaGroups:
             except dist.DistStoreError as exc:
                 if "timeout" not in str(exc).lower():
                     raise
-                # still waiting: the round waits for a late group, or the previous step's
-                # members still vote; the store answering is enough
+            # still waiting: the round waits for a late group, or the previous step's
+            # members still vote; the store answering is enough (one that stopped
+            # answering, this host cut off, is the heartbeat's watch's to end)
 
     def _join(self) -> Quorum:
         """Join rounds until one admits this group; its quorum."""

@@ -19,12 +19,13 @@ __all__ = ["parse_endpoint", "local_address_towards", "interface_of"]
 _SIOCGIFADDR = 0x8915
 
 
-def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``HOST:PORT`` as ``(host, port)``; a clear error for anything else."""
+def parse_endpoint(endpoint: str, flag: str = "--rdzv-endpoint",
+                   whose: str = "node 0's") -> tuple[str, int]:
+    """``HOST:PORT`` as ``(host, port)``; a clear error for anything else, naming ``flag``."""
     host, sep, port = endpoint.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--rdzv-endpoint {endpoint!r}: give HOST:PORT, e.g. 10.0.0.1:29500 "
-                         "(node 0's address and a free port)")
+        raise ValueError(f"{flag} {endpoint!r}: give HOST:PORT, e.g. 10.0.0.1:29500 "
+                         f"({whose} address and a free port)")
     return host.strip("[]"), int(port)
 
 

@@ -56,6 +56,13 @@ def add(sub) -> None:
                      help="run G replica groups of -n ranks, each restarted alone "
                           "(--max-restarts) and healed from a live group while the others "
                           "step on: the script steps through devmesh.fault.ReplicaGroups")
+    parser.add_argument("--groups", default=None, metavar="I,J",
+                     help="with --replica-groups over several hosts: the groups this host "
+                          "runs (default: all of them)")
+    parser.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                     help="with --replica-groups over several hosts: where the coordinator "
+                          "listens, the same on every host; the host running group 0 serves "
+                          "it there (HOST is that host's address)")
     parser.add_argument("script", help="the Python script (with -m: the module)")
     parser.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     parser.set_defaults(handler=run)
@@ -161,6 +168,11 @@ def _run_as_slurm_task(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    placed = [flag for flag, value in (("--groups", args.groups),
+                                       ("--coordinator", args.coordinator)) if value]
+    if args.replica_groups is None and placed:
+        raise SystemExit(f"devmesh run: {' and '.join(placed)} place replica groups on "
+                         "hosts: give --replica-groups G too")
     if args.replica_groups is not None:
         from devmesh.tools.cli.run_replicas import run_replica_groups
 

@@ -1,13 +1,19 @@
 """``devmesh run --replica-groups G -n N train.py``: G replica groups of N ranks, each a
 ``devmesh run`` of its own (its ranks, its restarts), and the coordinator that admits the
 live groups to each step (:mod:`devmesh.fault`): a group that fails is restarted alone and
-heals from a live one while the others step on."""
+heals from a live one while the others step on.
+
+Over several hosts each host runs some of the groups (``--groups``) and every host names
+the coordinator's ``--coordinator HOST:PORT``; the launcher of the host running group 0
+serves it there and outlives its own groups until every other host's group has finished or
+gone silent, so a group restarted late is still told where things stand."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -38,19 +44,89 @@ def _group_command(args: argparse.Namespace, group: int) -> list[str]:
     return [*command, args.script, *args.args]
 
 
+def _groups_here(args: argparse.Namespace) -> list[int]:
+    """The groups this host runs: ``--groups`` (``0,2``), or all of them."""
+    count = args.replica_groups
+    if args.groups is None:
+        return list(range(count))
+    try:
+        here = [int(g) for g in args.groups.split(",")]
+    except ValueError:
+        raise SystemExit(f"devmesh run: --groups {args.groups!r}: give the groups this host "
+                         f"runs as numbers in 0..{count - 1} separated by commas, e.g. 0,1"
+                         ) from None
+    if not here or len(set(here)) != len(here) or not all(0 <= g < count for g in here):
+        raise SystemExit(f"devmesh run: --groups {args.groups!r}: each of the "
+                         f"{count} groups is numbered 0..{count - 1}, given once")
+    if len(here) < count and args.coordinator is None:
+        raise SystemExit(
+            f"devmesh run: --groups {args.groups} runs {len(here)} of the {count} groups "
+            "here; the others' hosts reach the coordinator at --coordinator HOST:PORT (the "
+            "address of the host running group 0 and a free port): give it on every host")
+    return sorted(here)
+
+
+def _serve_or_reach(args: argparse.Namespace, here: list[int], timeout: float):
+    """The coordinator this launcher serves (``None`` if another host's serves it) and the
+    address the groups reach it at. Over several hosts the ranks' gloo sockets use the
+    interface that reaches the coordinator (``GLOO_SOCKET_IFNAME``, unless set)."""
+    from devmesh.fault import Coordinator
+    from devmesh.launching.hosts import interface_of, local_address_towards, parse_endpoint
+
+    if args.coordinator is None:
+        coordinator = Coordinator(args.replica_groups, args.nproc, timeout=timeout)
+        return coordinator, coordinator.address
+    try:
+        host, port = parse_endpoint(args.coordinator, "--coordinator",
+                                    "the address of the host running group 0,")
+    except ValueError as exc:
+        raise SystemExit(f"devmesh run: {exc}") from None
+    local = args.local_addr or local_address_towards(host, port)
+    interface = interface_of(local)
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    if 0 not in here:
+        return None, f"{host}:{port}"
+    if not _is_this_hosts(host):
+        raise SystemExit(
+            f"devmesh run: this host runs group 0, so it serves the coordinator at "
+            f"--coordinator {args.coordinator}, but {host} is not one of its addresses: give "
+            "this host's own address (the other hosts give the same)")
+    try:
+        coordinator = Coordinator(args.replica_groups, args.nproc, timeout=timeout,
+                                  host=host, port=port)
+    except (RuntimeError, OSError) as exc:  # torch's DistNetworkError is a RuntimeError
+        raise SystemExit(
+            f"devmesh run: this host runs group 0, so it serves the coordinator at "
+            f"--coordinator {args.coordinator}, but cannot listen there "
+            f"({str(exc).splitlines()[0]}): give this host's own address and a free port"
+        ) from None
+    return coordinator, coordinator.address
+
+
+def _is_this_hosts(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (binding a socket to it works)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((socket.gethostbyname(host), 0))
+    except OSError:
+        return False
+    return True
+
+
 def run_replica_groups(args: argparse.Namespace) -> int:
-    """Start the coordinator and the groups; wait for every group; the first failing group's
-    exit code (a group that failed for good does not stop the others)."""
+    """Start the coordinator (or reach another host's) and this host's groups; wait for
+    them, and, serving the coordinator, for the other hosts' groups; the first failing
+    group's exit code (a group that failed for good does not stop the others)."""
     given = [flag for flag, name in _AGENT_ONLY if getattr(args, name)]
     if args.replica_groups < 1:
         raise SystemExit(f"devmesh run: --replica-groups must be 1 or more, got "
                          f"{args.replica_groups}")
     if given:
-        raise SystemExit(f"devmesh run: --replica-groups runs its groups on this host: drop "
-                         f"{', '.join(given)}")
+        raise SystemExit(f"devmesh run: --replica-groups places its groups on hosts itself "
+                         f"(--groups, --coordinator): drop {', '.join(given)}")
     if args.nproc is None:
         raise SystemExit("devmesh run: give -n N, the ranks of each replica group")
-    from devmesh.fault import Coordinator
     from devmesh.fault import protocol
     from devmesh.launching.child import ARGV_VARIABLE
 
@@ -58,7 +134,9 @@ def run_replica_groups(args: argparse.Namespace) -> int:
         timeout = protocol.timeout_from_environment()
     except ValueError as exc:
         raise SystemExit(f"devmesh run: {exc}") from None
-    coordinator = Coordinator(args.replica_groups, args.nproc, timeout=timeout)
+    here = _groups_here(args)
+    coordinator, address = _serve_or_reach(args, here, timeout)
+    elsewhere = [g for g in range(args.replica_groups) if g not in here]
     groups = []
     received = [signal.SIGINT]
 
@@ -68,15 +146,18 @@ def run_replica_groups(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stopped)
     try:
-        for group in range(args.replica_groups):
+        for group in here:
             env = dict({k: v for k, v in os.environ.items() if k != ARGV_VARIABLE}, **{
-                protocol.ADDRESS_VARIABLE: coordinator.address,
+                protocol.ADDRESS_VARIABLE: address,
                 protocol.GROUP_VARIABLE: str(group),
                 protocol.GROUPS_VARIABLE: str(args.replica_groups),
                 "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": f"[group{group} rank${{rank}}]:",
             })
             groups.append(subprocess.Popen(_group_command(args, group), env=env))
         codes = [group.wait() for group in groups]
+        silent = []
+        if coordinator is not None and elsewhere:
+            silent = coordinator.wait_for(elsewhere, grace=protocol.silence_seconds(timeout))
     except KeyboardInterrupt:
         for group in groups:
             if group.poll() is None:
@@ -95,12 +176,17 @@ def run_replica_groups(args: argparse.Namespace) -> int:
             if group.poll() is None:
                 group.kill()
                 group.wait()
-        coordinator.stop()
-    failed = [(g, code) for g, code in enumerate(codes) if code != 0]
-    steps = len(coordinator.commits)
-    if failed:
-        print(f"devmesh run: replica groups {[g for g, _ in failed]} failed for good "
-              f"(exit codes {[c for _, c in failed]}); the others committed {steps} steps",
+        if coordinator is not None:
+            coordinator.stop()
+    if silent:
+        print(f"devmesh run: replica groups {silent} (on other hosts) went silent before "
+              "finishing: their hosts stopped, or were cut off from this one",
               file=sys.stderr)
+    failed = [(g, code) for g, code in zip(here, codes, strict=True) if code != 0]
+    if failed:
+        committed = (f"; the others committed {len(coordinator.commits)} steps"
+                     if coordinator is not None else "")
+        print(f"devmesh run: replica groups {[g for g, _ in failed]} failed for good "
+              f"(exit codes {[c for _, c in failed]}){committed}", file=sys.stderr)
         return failed[0][1]
     return 0
