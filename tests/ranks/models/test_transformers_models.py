@@ -306,14 +306,20 @@ def gpt2_tp_plan() -> dict:
 
 
 def gpt_oss_tp_plan() -> dict:
-    """gpt-oss's own plan (its head) with every expert split over tp, which its plan leaves
-    whole: ``gate_up_proj`` ``(E, in, out)`` with gate and up interleaved by column, so
+    """gpt-oss declares a plan for its head only: the attention split by heads (q, k, v by
+    columns, o by rows, the per-head ``sinks`` with the heads) and every expert split over
+    tp: ``gate_up_proj`` ``(E, in, out)`` with gate and up interleaved by column, so
     contiguous blocks of columns hold whole gate/up pairs (one part); the biases
     (``gate_up_proj_bias``, ``down_proj_bias``) go with their weights."""
-    from devmesh.parallel import ColwiseParallel, ExpertsTensorParallel
+    from devmesh.parallel import ColwiseParallel, ExpertsTensorParallel, RowwiseParallel
+    from devmesh.parallel.tensor_parallel import HeadwiseParallel
     from devmesh.tensor import Replicate
 
-    return {"lm_head": ColwiseParallel(output_layouts=Replicate()),
+    attention = "model.layers.*.self_attn"
+    return {**{f"{attention}.{p}_proj": ColwiseParallel() for p in "qkv"},
+            f"{attention}.o_proj": RowwiseParallel(),
+            attention: HeadwiseParallel(("sinks",)),
+            "lm_head": ColwiseParallel(output_layouts=Replicate()),
             "model.layers.*.mlp.experts": ExpertsTensorParallel(
                 colwise={"gate_up_proj": 1}, rowwise=("down_proj",), transposed=True)}
 

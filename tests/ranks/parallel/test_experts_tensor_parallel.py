@@ -2,7 +2,8 @@
 transformers stores them) split over tp, every expert a column/row pair, against the same
 module in one process — outputs and the gradients of the weights, the tokens and the routing
 weights (float64, relative to the largest value); the parts split unevenly as ``torch.chunk``; and what it cannot split,
-refused by name on every rank."""
+refused by name on every rank. And ``HeadwiseParallel``: parameters with an entry per
+attention head (gpt-oss's sinks) split with the heads."""
 
 from __future__ import annotations
 
@@ -242,3 +243,26 @@ def test_partial_outputs_of_experts_and_shared_experts_reduce_once_as_one_proces
     for result in mesh_pool.run(partial_sums_reduced_once, 2):
         assert max(result["output"], result["input grad"], result["shared w2 grad"]) < 1e-12, \
             result
+
+
+def headwise_refusals():
+    from devmesh.parallel import parallelize_module
+    from devmesh.parallel.tensor_parallel import HeadwiseParallel
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    attention = nn.Module()
+    attention.sinks = nn.Parameter(torch.randn(3))  # 3 heads: tp 2 splits no whole heads
+    odd = caught(lambda: parallelize_module(attention, mesh, HeadwiseParallel()))
+    missing = caught(lambda: parallelize_module(nn.Linear(2, 2), mesh, HeadwiseParallel()))
+    attention.sinks = nn.Parameter(torch.arange(4.0))
+    parallelize_module(attention, mesh, HeadwiseParallel())
+    return odd, missing, attention.sinks.detach().clone()
+
+
+def test_per_head_parameters_split_with_the_heads_or_are_refused_by_name(mesh_pool):
+    """gpt-oss's attention sinks, one per head (the model trains as one process under tp
+    with them: tests/ranks/models/test_transformers_models.py)."""
+    for rank, (odd, missing, local) in enumerate(mesh_pool.run(headwise_refusals, 2)):
+        assert "Module.sinks has 3 heads on dim 0, which tp=2 does not divide" in odd[1]
+        assert "Linear has no parameter ['sinks']" in missing[1]
+        assert local.tolist() == [2.0 * rank, 2.0 * rank + 1]  # this rank's heads

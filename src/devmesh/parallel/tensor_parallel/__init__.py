@@ -5,6 +5,7 @@ from devmesh.parallel.tensor_parallel.api import parallelize_module
 from devmesh.parallel.tensor_parallel.experts import ExpertsTensorParallel
 from devmesh.parallel.tensor_parallel.styles import (
     ColwiseParallel,
+    HeadwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
     PrepareModuleInputOutput,
@@ -17,7 +18,7 @@ from devmesh.parallel.tensor_parallel.styles import (
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "ReplicatedWithGradSum",
-    "ExpertsTensorParallel", "parallelize_module", "loss_parallel",
+    "HeadwiseParallel", "ExpertsTensorParallel", "parallelize_module", "loss_parallel",
 ]
 
 

@@ -46,7 +46,7 @@ from devmesh.layout.spec import chunk_bounds
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "Distribute",
-    "ReplicatedWithGradSum",
+    "ReplicatedWithGradSum", "HeadwiseParallel",
 ]
 
 Distribute = Callable[..., None]
@@ -430,6 +430,46 @@ def _grad_sum_input(mesh: DeviceMesh, module: nn.Module, args) -> None:
 @_eager
 def _grad_sum_output(module: nn.Module, args, y) -> None:
     _restore_parameters(module)
+
+
+class HeadwiseParallel(ParallelStyle):
+    """A module's own parameters that hold one entry per attention head (gpt-oss's
+    ``sinks``, ``(heads,)``), split with the heads along ``dim``: the module runs on the
+    local heads its column-wise projections produced, so each rank uses its own entries
+    only, and their gradients are its own (no sum over the TP group). Inputs and outputs
+    pass as they are. ``tp`` must divide the heads; an uneven split is refused."""
+
+    distributes_parameters = True
+
+    def __init__(self, names: tuple[str, ...] = ("sinks",), *, dim: int = 0) -> None:
+        self.names = tuple(names)
+        self.dim = dim
+
+    def check(self, module: nn.Module, name: str) -> None:
+        own = dict(module.named_parameters(recurse=False))
+        missing = [n for n in self.names if n not in own]
+        if missing:
+            raise ParallelizeError(
+                f"HeadwiseParallel on {name!r}: {type(module).__name__} has no parameter "
+                f"{missing} (it has {sorted(own)}); name its per-head parameters")
+        flat = [n for n in self.names if own[n].ndim <= self.dim]
+        if flat:
+            raise ParallelizeError(f"HeadwiseParallel on {name!r}: {flat} have no dim "
+                                   f"{self.dim} to split by heads")
+
+    def sharded_parameters(self, module: nn.Module) -> tuple[str, ...]:
+        return self.names
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        for name in self.names:
+            heads = module._parameters[name].shape[self.dim]
+            if heads % mesh.size():
+                raise ParallelizeError(
+                    f"HeadwiseParallel: {type(module).__name__}.{name} has {heads} heads on "
+                    f"dim {self.dim}, which tp={mesh.size()} does not divide: the column-"
+                    "wise projections split whole heads")
+            distribute(module, name, Shard(self.dim))
+        return module
 
 
 # -- PrepareModuleInput / PrepareModuleOutput -----------------------------------------------
