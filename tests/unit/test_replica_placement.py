@@ -56,3 +56,14 @@ def test_serving_the_coordinator_at_another_hosts_address_is_refused_at_once(mon
         "devmesh run: this host runs group 0, so it serves the coordinator at --coordinator "
         "10.99.99.99:29600, but 10.99.99.99 is not one of its addresses: give this host's "
         "own address (the other hosts give the same)")
+
+
+def test_a_coordinator_address_that_is_not_host_and_port_is_refused(monkeypatch):
+    from devmesh.tools.cli.run_replicas import _serve_or_reach
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")
+    with pytest.raises(SystemExit) as caught:
+        _serve_or_reach(_args("--replica-groups", "2", "--groups", "1", "--coordinator",
+                              "host0"), [1], 3.0)
+    assert str(caught.value) == ("devmesh run: --coordinator 'host0': give HOST:PORT, e.g. "
+                                 "10.0.0.1:29500 (group 0's host's address and a free port)")

@@ -26,9 +26,10 @@ training ended writes ``finished/g/r`` = its committed steps as it stops beating
 that comes back after the others finished is told to end, not that its peers died.
 
 Over several hosts (a host cut off from the coordinator's, or the coordinator's host gone),
-a rank whose store calls go unanswered for :func:`silence_seconds` raises instead of
-waiting on, and the coordinator's launcher, its own groups done, waits that long for a
-group on another host that neither finished nor beats.
+a rank whose heartbeats go unanswered for :func:`silence_seconds` ends itself instead of
+waiting on in a store call that would never return, and the coordinator's launcher, its
+own groups done, waits that long for a group on another host that neither finished nor
+beats.
 """
 
 from __future__ import annotations

@@ -77,8 +77,7 @@ def _serve_or_reach(args: argparse.Namespace, here: list[int], timeout: float):
         coordinator = Coordinator(args.replica_groups, args.nproc, timeout=timeout)
         return coordinator, coordinator.address
     try:
-        host, port = parse_endpoint(args.coordinator, "--coordinator",
-                                    "the address of the host running group 0,")
+        host, port = parse_endpoint(args.coordinator, "--coordinator", "group 0's host's")
     except ValueError as exc:
         raise SystemExit(f"devmesh run: {exc}") from None
     local = args.local_addr or local_address_towards(host, port)
