@@ -386,7 +386,8 @@ CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES if "ep" not in s.sp
          + [("gpt_oss", "ep_tp_selective_ac")]
          # every expert with its biases split over tp (gpt_oss_tp_plan)
          + [("gpt_oss_experts_tp", s) for s in ("ddp_tp_full_ac", "fsdp_tp",
-                                                "ep_tp_experts_over_tp")])
+                                                "ep_tp_experts_over_tp",
+                                                "fsdp_ep_tp_experts_over_tp")])
 
 
 @pytest.mark.parametrize("arch, strategy", CASES)
