@@ -318,6 +318,29 @@ def test_torch_data_parallelism_over_devmesh_tensor_parallelism(mesh_pool):
         assert max(errors.values()) < 1e-6, errors
 
 
+def torch_fsdp_over_devmesh_fsdp():
+    """torch's ``fully_shard`` over a model devmesh's ``fully_shard`` sharded: the forward
+    is refused on every rank (it ran, taking each rank's shard for a whole parameter; only
+    saving refused it)."""
+    from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+    from devmesh.parallel import fully_shard
+    from helpers import caught
+
+    mesh = init_device_mesh("cpu", (2,))
+    model = fully_shard(_model(), mesh=mesh)
+    torch_fully_shard(model, mesh=mesh)
+    return caught(lambda: model(torch.randn(4, 8)))
+
+
+def test_torch_fully_shard_over_devmesh_fully_shard_is_refused_at_the_forward(mesh_pool):
+    for refusal in mesh_pool.run(torch_fsdp_over_devmesh_fsdp, 2):
+        assert refusal is not None and refusal[0] == "ParallelizeError", refusal
+        assert "split by devmesh's parallelize_module or fully_shard and is managed by " \
+            "torch's fully_shard" in refusal[1]
+        assert "Apply devmesh.parallel.fully_shard instead, once" in refusal[1]
+
+
 def torch_ddp_over_devmesh_blocks():
     """torch's DistributedDataParallel over models devmesh split, where DDP's group holds
     ranks with other blocks (it would broadcast rank 0's blocks over theirs and average

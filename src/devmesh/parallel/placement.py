@@ -49,8 +49,9 @@ def state_dict_of_blocks() -> Iterator[None]:
 
 
 def refuse_torch_fsdp_over_blocks(module: nn.Module, module_name: str | None = None) -> None:
-    """Refuse ``module`` if torch's ``fully_shard`` manages it while it holds blocks devmesh's
-    tensor parallelism split: torch's FSDP2 takes each block for a whole parameter (a
+    """Refuse ``module`` if torch's ``fully_shard`` manages it while it holds blocks devmesh
+    split (its tensor parallelism, or its own ``fully_shard``: called from both units' and
+    styles' forwards): torch's FSDP2 takes each block for a whole parameter (a
     DTensor of the block's shape), so the training runs but saving fails after it
     (``model.state_dict()`` raised "the local_tensor argument only accepts torch.Tensor",
     devmesh's ``state_dict`` "got mixed torch.Tensor and DTensor"). torch marks every module its ``fully_shard`` manages; every rank has the same modules, so every
@@ -64,11 +65,11 @@ def refuse_torch_fsdp_over_blocks(module: nn.Module, module_name: str | None = N
                  else f"a {type(module).__name__} module")
         raise ParallelizeError(
             f"{where} holds parameter(s) {split} split by devmesh's "
-            "parallelize_module and is managed by torch's fully_shard, which takes each "
-            "block for a whole parameter: the state dict and checkpoints would name one "
-            "rank's block as the full tensor. Apply devmesh.parallel.fully_shard instead "
-            "(it nests its shards inside the tensor-parallel blocks), or split the model "
-            "with torch's parallelize_module and styles for torch's fully_shard")
+            "parallelize_module or fully_shard and is managed by torch's fully_shard, which "
+            "takes each block for a whole parameter: the state dict and checkpoints would "
+            "name one rank's block as the full tensor. Apply devmesh.parallel.fully_shard "
+            "instead, once (it nests its shards inside the tensor-parallel blocks), or split "
+            "the model with torch's parallelize_module and styles for torch's fully_shard")
 
 
 def place_parameter(module: nn.Module, name: str, param: nn.Parameter) -> None:

@@ -66,7 +66,11 @@ from devmesh.parallel.param import (
     is_dtensor,
     sharded_parameter,
 )
-from devmesh.parallel.placement import place_parameter, replaced_parameters
+from devmesh.parallel.placement import (
+    place_parameter,
+    refuse_torch_fsdp_over_blocks,
+    replaced_parameters,
+)
 from devmesh.parallel.saved_activation import SavedActivation
 from devmesh.parallel.swap import swap_parameter
 from devmesh.tensor import ShardedTensor, ShardingSpec
@@ -633,6 +637,8 @@ class FSDPUnit:
 
     @_torch_compat.eager  # collectives on devmesh's mesh: eager under torch.compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        for owner in {id(m): m for p in self.params for m, _ in p.places}.values():
+            refuse_torch_fsdp_over_blocks(owner)  # torch's fully_shard applied over this unit
         root = not forward_running()  # this unit starts the forward
         if _torch_compat.current_graph_task_id() == -1:
             self._recomputed = None  # left by a backward that raised before its end
