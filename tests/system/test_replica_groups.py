@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -433,7 +434,8 @@ def test_a_rank_whose_coordinator_stops_answering_exits_saying_so(tmp_path):
         server.kill()
         server.wait()
     assert rank.returncode == 1, err[-2000:]
-    assert (f"replica group 1 rank 0: the coordinator at {address} has not answered for 2 s: "
-            "this host is cut off from the coordinator's (its link down), or that host is "
-            "gone; this rank exits") in err, err[-2000:]
+    said = (rf"replica group 1 rank 0: the coordinator at {re.escape(address)} has not "
+            r"answered for \d+ s: this host is cut off from the coordinator's \(its link "
+            r"down\), or that host is gone; this rank exits")  # 2 s, or more under load
+    assert re.search(said, err), err[-2000:]
     assert 1 < took < 10, took  # the silence, counted from the last answered heartbeat

@@ -10,11 +10,13 @@ or ``--local-addr`` where given; the interface is the one that holds that addres
 from __future__ import annotations
 
 import fcntl
+import os
 import socket
 import struct
 from collections.abc import Callable
 
-__all__ = ["parse_endpoint", "local_address_towards", "interface_of"]
+__all__ = ["parse_endpoint", "local_address_towards", "interface_of",
+           "use_interface_towards", "is_this_hosts"]
 
 _SIOCGIFADDR = 0x8915
 
@@ -34,6 +36,27 @@ def local_address_towards(host: str, port: int) -> str:
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
         probe.connect((socket.gethostbyname(host), port))
         return probe.getsockname()[0]
+
+
+def use_interface_towards(host: str, port: int, local_addr: str | None = None) -> str:
+    """This machine's address for a job that meets at ``host:port`` (``local_addr``, or the
+    one on the route there); the ranks' gloo sockets take its interface
+    (``GLOO_SOCKET_IFNAME``, unless set)."""
+    local = local_addr or local_address_towards(host, port)
+    interface = interface_of(local)
+    if interface is not None:
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    return local
+
+
+def is_this_hosts(host: str) -> bool:
+    """Whether ``host`` names an address of this machine (binding a socket to it works)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind((socket.gethostbyname(host), 0))
+    except OSError:
+        return False
+    return True
 
 
 def interface_of(address: str) -> str | None:
@@ -88,7 +111,6 @@ def exit_when_cut_off(host: str, port: int, node_rank: int, *, quiet_seconds: fl
     say so, call ``before_exit`` (to remove what the run wrote) and exit (1) at once:
     torchrun's agent would otherwise wait on the unreachable rendezvous store for many
     minutes, and an exit through the interpreter would wait on the agent's threads."""
-    import os
     import sys
     import threading
     import time

@@ -24,7 +24,6 @@ from __future__ import annotations
 import functools
 import inspect
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -43,8 +42,7 @@ def _other_blocks(layout: ParamLayout) -> frozenset[int]:
         return frozenset()
     split = {m for dims in layout.spec.dim_map for m in dims}
     same = ranks[tuple(mine[d] if d in split else slice(None) for d in range(ranks.ndim))]
-    return frozenset(ranks.flatten().tolist()) - frozenset(torch.as_tensor(same).flatten()
-                                                           .tolist())
+    return frozenset(ranks.flatten().tolist()) - frozenset(same.flatten().tolist())
 
 
 def _ddp_ranks(process_group, device_mesh) -> frozenset[int]:

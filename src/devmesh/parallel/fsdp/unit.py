@@ -131,6 +131,7 @@ class FSDPUnit:
         # the dim each parameter is split along, by id (torch's shard_placement_fn); else 0
         self._split_dims = split_dims or {}
         self.params: list[ShardedParam] = []
+        self._owners: list[nn.Module] | None = None  # the modules holding them, once listed
         self._full: list[torch.Tensor] | None = None  # gathered for backward (resharded case)
         # gradient accumulation (set_requires_gradient_sync(False)): unsharded gradients summed
         # here until a backward with sync reduces them once
@@ -637,7 +638,9 @@ class FSDPUnit:
 
     @_torch_compat.eager  # collectives on devmesh's mesh: eager under torch.compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
-        for owner in {id(m): m for p in self.params for m, _ in p.places}.values():
+        if self._owners is None:  # the places are fixed when the unit is made
+            self._owners = list({id(m): m for p in self.params for m, _ in p.places}.values())
+        for owner in self._owners:
             refuse_torch_fsdp_over_blocks(owner)  # torch's fully_shard applied over this unit
         root = not forward_running()  # this unit starts the forward
         if _torch_compat.current_graph_task_id() == -1:

@@ -113,7 +113,7 @@ def _run_as_slurm_task(args: argparse.Namespace) -> int:
     the first node."""
     from devmesh._log import get_logger
     from devmesh.launching.child import ARGV_VARIABLE
-    from devmesh.launching.hosts import interface_of, local_address_towards
+    from devmesh.launching.hosts import use_interface_towards
     from devmesh.launching.slurm import from_environment, rank_environment
 
     try:
@@ -149,11 +149,7 @@ def _run_as_slurm_task(args: argparse.Namespace) -> int:
     os.environ.pop(ARGV_VARIABLE, None)
     if args.trace_collectives:
         os.environ["DEVMESH_TRACE_COLLECTIVES"] = "1"
-    local = args.local_addr or local_address_towards(ranks["MASTER_ADDR"],
-                                                     int(ranks["MASTER_PORT"]))
-    interface = interface_of(local)
-    if interface is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    use_interface_towards(ranks["MASTER_ADDR"], int(ranks["MASTER_PORT"]), args.local_addr)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     get_logger("run").info(
         "Slurm task %s of job %s (node %s, local rank %s): RANK %s of %s, rendezvous %s:%s",
@@ -359,8 +355,8 @@ def hosts_of_run(args: argparse.Namespace,
     itself cut off from host 0, calling ``before_exit`` first."""
     if args.nnodes == 1 and args.rdzv_endpoint is None:
         return None
-    from devmesh.launching.hosts import (exit_when_cut_off, interface_of,
-                                         local_address_towards, parse_endpoint)
+    from devmesh.launching.hosts import (exit_when_cut_off, parse_endpoint,
+                                         use_interface_towards)
 
     if args.nnodes < 1 or not 0 <= args.node_rank < args.nnodes:
         raise SystemExit(f"devmesh run: --node-rank {args.node_rank} must be in 0..{args.nnodes - 1} "
@@ -372,12 +368,9 @@ def hosts_of_run(args: argparse.Namespace,
         host, port = parse_endpoint(args.rdzv_endpoint)
     except ValueError as exc:
         raise SystemExit(f"devmesh run: {exc}") from None
-    local = args.local_addr or local_address_towards(host, port)
+    local = use_interface_towards(host, port, args.local_addr)
     if args.node_rank != 0:  # host 0 serves the rendezvous; another host can lose it
         exit_when_cut_off(host, port, args.node_rank, before_exit=before_exit)
-    interface = interface_of(local)
-    if interface is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
     from devmesh.launching.rendezvous import register
 
     # torch's c10d rendezvous, each host taking the ranks of its --node-rank (torch's own

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -71,7 +70,8 @@ def _serve_or_reach(args: argparse.Namespace, here: list[int], timeout: float):
     address the groups reach it at. Over several hosts the ranks' gloo sockets use the
     interface that reaches the coordinator (``GLOO_SOCKET_IFNAME``, unless set)."""
     from devmesh.fault import Coordinator
-    from devmesh.launching.hosts import interface_of, local_address_towards, parse_endpoint
+    from devmesh.launching.hosts import (is_this_hosts, parse_endpoint,
+                                         use_interface_towards)
 
     if args.coordinator is None:
         coordinator = Coordinator(args.replica_groups, args.nproc, timeout=timeout)
@@ -80,13 +80,10 @@ def _serve_or_reach(args: argparse.Namespace, here: list[int], timeout: float):
         host, port = parse_endpoint(args.coordinator, "--coordinator", "group 0's host's")
     except ValueError as exc:
         raise SystemExit(f"devmesh run: {exc}") from None
-    local = args.local_addr or local_address_towards(host, port)
-    interface = interface_of(local)
-    if interface is not None:
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", interface)
+    use_interface_towards(host, port, args.local_addr)
     if 0 not in here:
         return None, f"{host}:{port}"
-    if not _is_this_hosts(host):
+    if not is_this_hosts(host):
         raise SystemExit(
             f"devmesh run: this host runs group 0, so it serves the coordinator at "
             f"--coordinator {args.coordinator}, but {host} is not one of its addresses: give "
@@ -101,16 +98,6 @@ def _serve_or_reach(args: argparse.Namespace, here: list[int], timeout: float):
             f"({str(exc).splitlines()[0]}): give this host's own address and a free port"
         ) from None
     return coordinator, coordinator.address
-
-
-def _is_this_hosts(host: str) -> bool:
-    """Whether ``host`` names an address of this machine (binding a socket to it works)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind((socket.gethostbyname(host), 0))
-    except OSError:
-        return False
-    return True
 
 
 def run_replica_groups(args: argparse.Namespace) -> int:
