@@ -166,8 +166,9 @@ def _check(tmp_path, logs, groups, ranks, steps, died_at, *, faulty, at_step, co
     # the others stepped on without the faulty group soon after it failed
     first = next(row for row in survivor if row["step"] == at_step)
     assert faulty not in first["contributors"]
-    # what a step waited on the coordinator is told: there, the wait for the fault's finding
-    assert first["quorum_seconds"] > 1.0, first
+    # the round given to every member with the last commit broke off at the fault (the
+    # others' all-reduce with it failed) and was retried without it
+    assert first["retries"] >= 1, first
     assert all(row["quorum_seconds"] > 0 for rows in logs.values() for row in rows)
     assert first["t"] - died_at < commit_within, first["t"] - died_at
     # it came back: healed from a live group, then contributed again

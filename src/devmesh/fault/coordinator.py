@@ -21,6 +21,9 @@ __all__ = ["Coordinator"]
 #: How long the first round waits for every group to start (importing torch, building the
 #: model) before it goes on with the groups that came.
 START_SECONDS = 300.0
+#: How long the coordinator's waiter waits for the ranks' next event in one call (a store
+#: wait that times out prints torch's warnings; a step can take minutes).
+_EVENT_WAIT = timedelta(minutes=10)
 
 
 class Coordinator:
@@ -63,6 +66,10 @@ class Coordinator:
 
     def stop(self) -> None:
         self._stopping.set()
+        try:  # wake the waiter out of its wait for the ranks' next event
+            protocol.announce(self._store)
+        except Exception:  # the store is gone already
+            pass
         self._thread.join(timeout=5)
         self._waiter.join(timeout=5)
 
@@ -141,13 +148,16 @@ class Coordinator:
     def _rounds(self) -> None:
         members: dict[int, tuple[str, ...]] = {}  # last quorum's groups and incarnations
         epoch, round_, aborted = 0, 0, False
+        absent: set[int] = set()  # members missing from an aborted round they were given
+        quorum: Quorum | None = None  # the round's, when published before its joins
         while not self._stopping.is_set():
-            quorum = self._close_round(round_, members, epoch, aborted)
             if quorum is None:
-                return
-            epoch = quorum.epoch
-            members = {g: pids for g, pids in self._incarnations().items()
-                       if g in quorum.members}
+                quorum = self._close_round(round_, members, epoch, aborted, absent)
+                if quorum is None:
+                    return
+                epoch = quorum.epoch
+                members = {g: pids for g, pids in self._incarnations().items()
+                           if g in quorum.members}
             decision = self._decide(round_, quorum, members)
             if decision is None:
                 return
@@ -161,14 +171,37 @@ class Coordinator:
             else:
                 self._log.info("step %d aborted in round %d: it is retried without the "
                                "groups that failed", quorum.step, round_)
+            absent = (set(quorum.members) - set(self._joined(round_))) if aborted else set()
+            following = self._next_quorum(round_, quorum, members) if not aborted else None
+            if following is not None:
+                self._store.set(protocol.quorum_key(round_ + 1), following.encode())
+                self._store.set(protocol.OPEN, str(round_ + 1))
             # published once recorded: a rank (or a test) that reads the decision finds the
-            # commit in commits
+            # commit in commits; and after the next round's quorum, which it asks for next
             self._store.set(protocol.decision_key(round_), decision)
             self._forget(round_ - 2)
             round_ += 1
+            quorum = following
+
+    def _next_quorum(self, round_: int, quorum: Quorum,
+                     members: dict[int, tuple[str, ...]]) -> Quorum | None:
+        """The next round's quorum, published with this round's commit, before any rank
+        joins it: the same groups, one step on, every one contributing — when nothing can
+        change it (every live group is a member, in the same processes, and none healed in
+        this round). A rank then finds its quorum waiting when it joins, instead of waiting
+        for the last group's join and the coordinator's answer. A member that fails before
+        it takes part is found by the others' all-reduce (a dead process's connections
+        close; a hung one answers nothing for the timeout): they vote ``fail``, the round is
+        aborted, and the next one, closed as usual, is not kept waiting for the members that
+        never joined it."""
+        if not quorum.contributors or quorum.healers or self._incarnations() != members:
+            return None
+        return Quorum(round=round_ + 1, epoch=quorum.epoch, members=quorum.members,
+                      step=quorum.step + 1, healers=(), source=quorum.members[0],
+                      contributors=quorum.members)
 
     def _close_round(self, round_: int, members: dict[int, tuple[str, ...]], epoch: int,
-                     aborted: bool) -> Quorum | None:
+                     aborted: bool, absent: set[int]) -> Quorum | None:
         first_join: float | None = None
         while not self._stopping.is_set():
             joined = self._joined(round_)
@@ -178,15 +211,17 @@ class Coordinator:
                 first_join = now
             # the groups waited for: the last quorum's, while the same processes live; at
             # the start, every group
-            expected = ({g for g, pids in members.items() if alive.get(g) == pids}
-                        if members else set(range(self.groups)))
+            holders = ({g for g, pids in members.items() if alive.get(g) == pids}
+                       if members else set(range(self.groups)))
+            # less those that never joined the aborted round they were given: already late
+            expected = holders - absent
             present = {g for g in joined if g in alive}
             late = first_join is not None and now - first_join > (
                 self.timeout if members else START_SECONDS)
             steps = {g: max(j["step"] for j in joined[g]) for g in present}
             committed = self.commits[-1][0] + 1 if self.commits else 0
             behind = bool(present) and max(steps.values()) < committed
-            if behind and expected:
+            if behind and holders:
                 # only restarted groups came: a group holding the committed steps still
                 # lives, so wait for it (it is the one to heal from), late or not
                 self._wait_for_event()
@@ -236,7 +271,10 @@ class Coordinator:
         member's processes (``incarnations``) died, or one timeout passed after the first ok."""
         ranks = [(g, r) for g in quorum.members for r in range(self.ranks_per_group)]
         first_ok: float | None = None
+        oks_keys = [protocol.vote_key("ok", round_, g, r) for g, r in ranks]
         while not self._stopping.is_set():
+            if self._store.check(oks_keys):  # every vote in: one call, the healthy step's
+                return "commit"
             failed = any(self._store.check([protocol.vote_key("fail", round_, g, r)])
                          for g, r in ranks)
             oks = sum(self._store.check([protocol.vote_key("ok", round_, g, r)])
@@ -268,8 +306,8 @@ class Coordinator:
         coordinator, and drop the event's key."""
         number = 1
         while not self._stopping.is_set():
-            try:
-                store.wait([protocol.event_key(number)], timedelta(seconds=1))
+            try:  # long: a wait that times out prints torch's warnings (stop() wakes it)
+                store.wait([protocol.event_key(number)], _EVENT_WAIT)
             except dist.DistStoreError as exc:
                 if "timeout" in str(exc).lower():
                     continue

@@ -7,7 +7,11 @@ Rounds are numbered; round ``q`` is one attempt at one optimizer step:
 2. the coordinator closes the round when every group of the last quorum that is still alive
    (same processes, heartbeats fresh) has joined — or one timeout after the first join, for
    a group that is alive but does not answer — and writes ``quorum/q``: the members, the
-   epoch of their process groups, the step, who heals from whom;
+   epoch of their process groups, the step, who heals from whom. When round ``q - 1``
+   committed with every live group a member, in the same processes, none healing, the
+   coordinator writes ``quorum/q`` with that commit, before the joins: the same members,
+   one step on (a rank not at that step, restarted meanwhile, joins the next round; a
+   member that fails before taking part breaks the others' all-reduce, which aborts);
 3. the members heal (a group behind the step receives state from the source group), average
    their gradients over the members' process group, and write ``ok/q/g/r`` or
    ``fail/q/g/r``;

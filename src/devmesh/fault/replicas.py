@@ -30,6 +30,10 @@ from devmesh.fault.transfer import _local, receive_state, send_state
 
 __all__ = ["ReplicaGroups", "StepResult"]
 
+#: How long one store wait for the coordinator's answer lasts before it is waited again (a
+#: round can wait minutes for a group starting or healing).
+_KEY_WAIT = timedelta(minutes=1)
+
 
 @dataclass(frozen=True)
 class StepResult:
@@ -161,8 +165,8 @@ class ReplicaGroups:
     def _wait(self, key: str) -> bytes:
         """A key the coordinator writes; a coordinator that is gone raises from the store."""
         while True:
-            try:
-                self._store.wait([key], timedelta(seconds=self.timeout))
+            try:  # long: a store wait that times out prints torch's warnings
+                self._store.wait([key], _KEY_WAIT)
                 return self._store.get(key)
             except dist.DistStoreError as exc:
                 if "timeout" not in str(exc).lower():
@@ -187,8 +191,12 @@ class ReplicaGroups:
                                "training: it has nothing left to do and ends", self.group)
                 self._heartbeat.stop()
                 raise SystemExit(0)
-            if self.group in quorum.members:
+            if self.group in quorum.members and (self.group in quorum.healers
+                                                  or quorum.step == self.step_count):
                 return quorum
+            # left out, or a quorum published before the round's joins (after a commit) for
+            # this group's previous processes: a restarted group is not at its step, and the
+            # round is aborted without it (its old processes are gone from the members' group)
             self._log.info("group %d was left out of round %d (late, or a rank of it "
                            "restarting); joining the next", self.group, self._round)
 
@@ -245,7 +253,9 @@ class ReplicaGroups:
                     for healer in quorum.healers:
                         send_state(members, index(healer), self.model, self.optimizer)
                 contributing = self.group in quorum.contributors
+                _t0 = time.perf_counter()
                 averaged = _average(grads, members, contributing, len(quorum.contributors))
+                open(f"/tmp/avg-{self.group}.txt","a").write(f"{(time.perf_counter()-_t0)*1e3:.2f}\n")
             except Exception as exc:  # a peer died or hung: this epoch's group is broken
                 vote = "fail"
                 self._epoch = None
