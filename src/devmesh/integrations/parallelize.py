@@ -80,7 +80,8 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
     :class:`~devmesh.parallel.pipeline.PipelineRunner` of this rank's stages.
 
     ``tp_plan``: module name -> devmesh style (default: a transformers model's own
-    ``_tp_plan``, translated). ``blocks``: the repeated blocks, each an FSDP unit and a
+    ``_tp_plan``, translated; devmesh's plan for an architecture whose own leaves its
+    blocks whole, GPT-2's and gpt-oss's: :mod:`devmesh.integrations.transformers_plans`). ``blocks``: the repeated blocks, each an FSDP unit and a
     checkpointed region (default: a transformers model's ``_no_split_modules`` instances).
     ``activation_checkpointing``: ``"none"``; ``"full"`` (every block recomputed in
     backward); ``"selective"`` (every block, saving the outputs of its matmuls and attention

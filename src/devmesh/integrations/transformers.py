@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from devmesh.errors import ParallelizeError
+from devmesh.integrations import transformers_plans
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.context_parallel import sequence_positions, shard_sequence
 from devmesh.parallel.tensor_parallel import (
@@ -53,27 +54,37 @@ def is_transformers_model(model: nn.Module) -> bool:
 def tensor_parallel_plan(model: nn.Module, leave_out: Sequence[str] = ()
                          ) -> dict[str, ParallelStyle]:
     """The model's own tensor-parallel plan as devmesh styles, keyed by module name (``*``
-    for one segment, as transformers and ``parallelize_module`` read it), without the
+    for one segment, as transformers and ``parallelize_module`` read it) — or, for an
+    architecture whose own plan leaves its blocks whole (GPT-2, gpt-oss), devmesh's
+    (:mod:`devmesh.integrations.transformers_plans`) — without the
     entries for the modules named in ``leave_out`` and theirs (experts split over ``ep``
     instead), and without those naming nothing the model has (a dense MLP's where every
     layer has experts; another pipeline stage's layers). A style devmesh does not compute
     is refused by name, listing those it does."""
     declared: Mapping[str, str] = getattr(model, "_tp_plan", None) or {}
-    if not declared:
+    # an architecture whose own plan leaves its blocks whole (entries for the layers carry
+    # a '*'), and for which devmesh has one: devmesh's
+    own = None if any("*" in name for name in declared) else transformers_plans.plan_for(model)
+    if not declared and own is None:
         raise ParallelizeError(
             f"{type(model).__name__} declares no tensor-parallel plan (its _tp_plan and its "
             "config's base_model_tp_plan are empty): pass tp_plan={module name: style} "
             "(devmesh.parallel's ColwiseParallel, RowwiseParallel, ...)")
-    plan: dict[str, ParallelStyle] = {}
-    unknown = {}
     # entries for modules this model does not have are left out, as transformers' own
     # loading passes them by: a dense MLP's in a model whose every layer has experts (or
     # the reverse), another pipeline stage's layers
     present = ([name for name, _ in model.named_modules() if name]
                + [name for name, _ in model.named_parameters()])  # (expert weights' entries)
-    declared = {name: style for name, style in declared.items()
-                if not any(_within(name, module) for module in leave_out)
-                and any(_names(name, module) for module in present)}
+
+    def kept(name: str) -> bool:
+        return (not any(_within(name, module) for module in leave_out)
+                and any(_names(name, module) for module in present))
+
+    if own is not None:
+        return {name: style for name, style in own.items() if kept(name)}
+    plan: dict[str, ParallelStyle] = {}
+    unknown = {}
+    declared = {name: style for name, style in declared.items() if kept(name)}
     for name, style in declared.items():
         if style == "moe_tp_experts":
             plan[name] = _experts_style(name, declared)

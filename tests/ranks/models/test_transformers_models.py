@@ -96,7 +96,7 @@ def make(arch: str, layers: int = 2) -> torch.nn.Module:
             **COMMON, head_dim=8, sliding_window=4, pad_token_id=0,
             layer_types=["sliding_attention", "full_attention"] * (layers // 2)))
     elif arch in ("gpt_oss", "gpt_oss_experts_tp"):  # experts (E, in, out) with biases,
-        # gate/up interleaved (gpt_oss_experts_tp: every expert split over tp by its plan);
+        # gate/up interleaved (gpt_oss_experts_tp: biases drawn non-zero);
         # attention sinks; called (hidden_states, router_indices, routing_weights)
         model = T.GptOssForCausalLM(T.GptOssConfig(
             **COMMON, head_dim=8, num_local_experts=4, num_experts_per_tok=2,
@@ -288,46 +288,6 @@ OPTIONS = {"ep_tp_experts_over_tp": {"experts_over_tp": True},
            "fsdp_ep_tp_experts_over_tp": {"experts_over_tp": True}}
 
 
-def gpt2_tp_plan() -> dict:
-    """GPT-2 declares no tensor-parallel plan: its MLP's Conv1D pair split (column, row); the
-    attention's packed q/k/v projection split by columns and its output gathered (GPT-2 cuts
-    it into q, k and v by the config's width, as transformers' plans treat fused
-    projections: Phi-3's qkv_proj), the output projection split on its input; the tied
-    embedding and head split on the vocabulary."""
-    from devmesh.parallel import ColwiseParallel, RowwiseParallel
-    from devmesh.tensor import Replicate
-
-    return {"transformer.wte": RowwiseParallel(input_layouts=Replicate()),
-            "transformer.h.*.attn.c_attn": ColwiseParallel(output_layouts=Replicate()),
-            "transformer.h.*.attn.c_proj": RowwiseParallel(input_layouts=Replicate()),
-            "transformer.h.*.mlp.c_fc": ColwiseParallel(),
-            "transformer.h.*.mlp.c_proj": RowwiseParallel(),
-            "lm_head": ColwiseParallel(output_layouts=Replicate())}
-
-
-def gpt_oss_tp_plan() -> dict:
-    """gpt-oss declares a plan for its head only: the attention split by heads (q, k, v by
-    columns, o by rows, the per-head ``sinks`` with the heads) and every expert split over
-    tp: ``gate_up_proj`` ``(E, in, out)`` with gate and up interleaved by column, so
-    contiguous blocks of columns hold whole gate/up pairs (one part); the biases
-    (``gate_up_proj_bias``, ``down_proj_bias``) go with their weights."""
-    from devmesh.parallel import ColwiseParallel, ExpertsTensorParallel, RowwiseParallel
-    from devmesh.parallel.tensor_parallel import HeadwiseParallel
-    from devmesh.tensor import Replicate
-
-    attention = "model.layers.*.self_attn"
-    return {**{f"{attention}.{p}_proj": ColwiseParallel() for p in "qkv"},
-            f"{attention}.o_proj": RowwiseParallel(),
-            attention: HeadwiseParallel(("sinks",)),
-            "lm_head": ColwiseParallel(output_layouts=Replicate()),
-            "model.layers.*.mlp.experts": ExpertsTensorParallel(
-                colwise={"gate_up_proj": 1}, rowwise=("down_proj",), transposed=True)}
-
-
-# architectures that declare none, or leave parts whole
-TP_PLANS = {"gpt2": gpt2_tp_plan, "gpt_oss_experts_tp": gpt_oss_tp_plan}
-
-
 def train_parallel(arch: str, strategy: str):
     """This rank's losses (over its share of each batch) next to one process's on the same
     share, and the full state dict against the one process's."""
@@ -336,8 +296,9 @@ def train_parallel(arch: str, strategy: str):
     shape, names, checkpointing = STRATEGIES[strategy]
     ref = make(arch)
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-    plan = {"tp_plan": TP_PLANS[arch]()} if arch in TP_PLANS and "tp" in names else {}
-    model = parallelize(make(arch), mesh, activation_checkpointing=checkpointing, **plan,
+    # GPT-2 declares no tensor-parallel plan and gpt-oss one for its head only: parallelize
+    # splits them by devmesh's (devmesh.integrations.transformers_plans)
+    model = parallelize(make(arch), mesh, activation_checkpointing=checkpointing,
                         **OPTIONS.get(strategy, {}))
     rows = _data_rows(mesh, names)
     ref_losses = []
@@ -384,7 +345,7 @@ CASES = ([(arch, s) for arch in DECODERS for s in STRATEGIES if "ep" not in s.sp
          + [(arch, "fsdp_ep") for arch in ("gpt_oss", "deepseek_v3", "qwen2_moe",
                                            "glm4_moe", "ernie4_5_moe")]
          + [("gpt_oss", "ep_tp_selective_ac")]
-         # every expert with its biases split over tp (gpt_oss_tp_plan)
+         # every expert with its biases split over tp (devmesh's plan for gpt-oss)
          + [("gpt_oss_experts_tp", s) for s in ("ddp_tp_full_ac", "fsdp_tp",
                                                 "ep_tp_experts_over_tp",
                                                 "fsdp_ep_tp_experts_over_tp")])
@@ -401,6 +362,35 @@ def test_a_transformers_model_trains_as_one_process(mesh_pool, arch, strategy):
         assert result["keys"], "the full state dict's keys differ from nn.Module's"
         assert result["losses"] <= tolerance, result
         assert result["params"] <= tolerance, result
+
+
+def split_without_a_plan(arch: str) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """A model whose own plan leaves its blocks whole, parallelized over tp = 2 with no
+    tp_plan: each named weight's shape on this rank and in one process."""
+    from devmesh.parallel import parallelize
+
+    whole = dict(make(arch).named_parameters())
+    model = parallelize(make(arch), init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
+    here = dict(model.named_parameters())
+    names = {"gpt2": ["transformer.h.0.attn.c_attn.weight", "transformer.h.0.mlp.c_fc.weight",
+                      "transformer.h.0.mlp.c_proj.weight", "transformer.wte.weight"],
+             "gpt_oss": ["model.layers.0.self_attn.q_proj.weight",
+                         "model.layers.0.self_attn.o_proj.weight",
+                         "model.layers.0.self_attn.sinks",
+                         "model.layers.0.mlp.experts.gate_up_proj",
+                         "model.layers.0.mlp.experts.down_proj", "lm_head.weight"]}[arch]
+    return {n: (tuple(here[n].shape), tuple(whole[n].shape)) for n in names}
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gpt_oss"])
+def test_parallelize_splits_the_blocks_a_models_own_plan_leaves_whole(mesh_pool, arch):
+    """GPT-2 declares no tensor-parallel plan, gpt-oss one for its head only (its attention
+    and experts stayed whole on every rank, computed tp times): parallelize applies
+    devmesh's plan for them, so each rank holds half of every split weight (training equal
+    to one process: the FSDP x TP rows above)."""
+    for shapes in mesh_pool.run(split_without_a_plan, 2, arch):
+        for name, (here, whole) in shapes.items():
+            assert math.prod(here) * 2 == math.prod(whole), (name, here, whole)
 
 
 def _conv1d_grad_errors(mlp, ref, cols: slice) -> dict[str, float]:
@@ -527,7 +517,7 @@ def refused(arch: str, names: tuple[str, ...], shape: tuple[int, ...], options: 
 
 
 @pytest.mark.parametrize("arch, names, shape, says, options", [(*row, {}) for row in [
-    ("gpt2", ("dp_shard", "tp"), (2, 2), "declares no tensor-parallel plan"),
+    ("bert", ("dp_shard", "tp"), (2, 2), "declares no tensor-parallel plan"),
     ("mixtral", ("dp_replicate", "ep"), (2, 2), "build the mesh as ('dp_shard', 'ep')"),
     ("llama", ("ep",), (4,), "LlamaForCausalLM has no experts to split"),
     ("llama4", ("dp_shard", "ep"), (2, 2), "Llama4TextExperts) are called with every token "
