@@ -55,6 +55,14 @@ SCRIPT = textwrap.dedent('''
             os.kill(os.getpid(), signal.SIGKILL)
 
         replicas_module.send_state = dying
+    if fault.get("host_dies_healing") and attempt != "0" and group == fault["group"]:
+        import devmesh.fault.replicas as replicas_module
+
+        def healing(*args, **kwargs):  # the test powers this host off meanwhile
+            open(os.path.join(out, "healing"), "w").write(str(time.time()))
+            time.sleep(120)
+
+        replicas_module.receive_state = healing
     log = open(os.path.join(out, f"log-{group}-{rank}.jsonl"), "a")
     # every group stops at one step: ``steps``, or three past the one the faulty group
     # healed at, whichever is later (written once by the healed group)
@@ -332,6 +340,26 @@ def test_a_source_that_dies_while_healing_another_group_is_survived(tmp_path):
             assert torch.allclose(got[key], value, rtol=0, atol=1e-12), (g, key)
 
 
+def _one_group_per_host(tmp_path, hosts, fault: dict, *, port: int, restarts: int
+                        ) -> tuple[str, list[subprocess.Popen]]:
+    """SCRIPT's group i on host i (network namespaces), timeout 2 s, the coordinator served
+    by host 0's launcher at ``port``: its address and the launchers."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
+    env.update(DEVMESH_LOG="info", DEVMESH_REPLICA_TIMEOUT="2", DEVMESH_TRACE_COLLECTIVES="0",
+               PYTHONWARNINGS="ignore::FutureWarning")
+    coordinator = f"{hosts[0].address}:{port}"
+    runs = [subprocess.Popen(
+        [*host.prefix, sys.executable, "-m", "devmesh", "run", "--replica-groups", "2",
+         "--groups", str(i), "--coordinator", coordinator, "-n", "1",
+         "--max-restarts", str(restarts), str(script), str(tmp_path), "100", "whole",
+         json.dumps(fault)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True) for i, host in enumerate(hosts)]
+    return coordinator, runs
+
+
 def test_a_host_cut_off_drops_its_group_and_the_other_host_steps_on(tmp_path):
     """Two hosts (network namespaces), a replica group on each (``--groups``), the
     coordinator served by the launcher of group 0's host (``--coordinator``). Host 1's link
@@ -342,24 +370,13 @@ def test_a_host_cut_off_drops_its_group_and_the_other_host_steps_on(tmp_path):
     says it went silent, and ends. Nothing is left in either host."""
     import netns
 
-    script = tmp_path / "train.py"
-    script.write_text(SCRIPT)
-    env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
-    env.update(DEVMESH_LOG="info", DEVMESH_REPLICA_TIMEOUT="2", DEVMESH_TRACE_COLLECTIVES="0",
-               PYTHONWARNINGS="ignore::FutureWarning")
     fault = {"group": 1, "rank": 0, "step": 3, "how": "hang", "seconds": 1}
     with netns.simulated_hosts(2) as hosts:
         if not hosts[0].prefix:
             pytest.skip("a link can be cut only between network namespaces; this machine "
                         "cannot make them")
-        coordinator = f"{hosts[0].address}:29621"
-        runs = [subprocess.Popen(
-            [*host.prefix, sys.executable, "-m", "devmesh", "run", "--replica-groups", "2",
-             "--groups", str(i), "--coordinator", coordinator, "-n", "1",
-             "--max-restarts", "0", str(script), str(tmp_path), "100", "whole",
-             json.dumps(fault)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            start_new_session=True) for i, host in enumerate(hosts)]
+        coordinator, runs = _one_group_per_host(tmp_path, hosts, fault, port=29621,
+                                                restarts=0)
         deadline = time.monotonic() + 240
         while not (tmp_path / "fault").exists():
             assert time.monotonic() < deadline and all(r.poll() is None for r in runs), \
@@ -390,6 +407,57 @@ def test_a_host_cut_off_drops_its_group_and_the_other_host_steps_on(tmp_path):
     print(f"group 0 committed step 3 alone {first_alone['t'] - cut:.2f} s after the cut; "
           f"both launchers ended {ended:.1f} s after it")
     assert first_alone["t"] - cut < 15, first_alone["t"] - cut
+    want = _reference(1, committed)
+    got = torch.load(tmp_path / "model-0-0.pt")
+    for key, value in want.items():
+        assert torch.allclose(got[key], value, rtol=0, atol=1e-12), key
+
+
+def test_a_host_powered_off_while_its_group_heals_leaves_the_other_host_stepping_on(
+        tmp_path):
+    """A second failure during healing, over two hosts: group 1 (host 1) is killed at step 3,
+    its devmesh run restarts it, and as it starts receiving group 0's state, host 1 goes
+    dark (its link down and every process on it killed, as a host losing power: no reset
+    comes back). Group 0, the source of the heal, is released by the timeout, the round
+    aborts, and it trains on alone, equal to one process on the committed batches; its
+    launcher waits out the silence for group 1 and says it went silent."""
+    import netns
+
+    fault = {"group": 1, "rank": 0, "step": 3, "how": "kill", "host_dies_healing": True}
+    with netns.simulated_hosts(2) as hosts:
+        if not hosts[0].prefix:
+            pytest.skip("a host can go dark only in a network namespace; this machine "
+                        "cannot make them")
+        _, runs = _one_group_per_host(tmp_path, hosts, fault, port=29623, restarts=1)
+        deadline = time.monotonic() + 240
+        while not (tmp_path / "healing").exists():
+            assert time.monotonic() < deadline and runs[0].poll() is None, \
+                [r.communicate()[1][-3000:] if r.poll() is not None else "" for r in runs]
+            time.sleep(0.05)
+        dark = hosts[1].prefix[-1]
+        netns.ip("-n", dark, "link", "set", "eth0", "down")
+        netns.kill_all(dark)
+        powered_off = time.time()
+        (tmp_path / "stop").write_text("10")
+        outputs = [runs[0].communicate(timeout=180)]
+        runs[1].wait(timeout=30)
+        left = {h.prefix[-1]: netns.pids(h.prefix[-1]) for h in hosts}
+    assert left == {h.prefix[-1]: [] for h in hosts}
+    said = outputs[0][1]
+    assert runs[0].returncode == 0, said[-4000:]
+    assert "devmesh run: replica groups [1] (on other hosts) went silent before finishing" \
+        in said, said[-4000:]
+    rows = [json.loads(line) for line in (tmp_path / "log-0-0.jsonl").read_text().splitlines()]
+    committed = [(row["step"], row["contributors"]) for row in rows if row["committed"]]
+    assert [s for s, _ in committed] == list(range(len(committed))), committed
+    assert all(groups == [0, 1] for step, groups in committed if step < 3), committed
+    assert all(groups == [0] for step, groups in committed if step >= 3), committed
+    after = [row for row in rows if row["committed"] and row["t"] > powered_off]
+    assert after, rows[-3:]
+    print(f"group 0 committed step {after[0]['step']} {after[0]['t'] - powered_off:.2f} s "
+          f"after host 1 went dark mid-heal")
+    assert after[0]["t"] - powered_off < 15, after[0]["t"] - powered_off
+    assert "round" in said and "failed" in said, said[-4000:]  # the heal's round broke off
     want = _reference(1, committed)
     got = torch.load(tmp_path / "model-0-0.pt")
     for key, value in want.items():
