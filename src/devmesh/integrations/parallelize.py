@@ -1,6 +1,6 @@
 """``parallelize(model, mesh)``: every parallelism a mesh's dim names ask for, applied to a
 model in torchtitan's order — tensor parallelism over ``tp`` (the model's own plan, for a
-transformers model), expert parallelism over ``ep``, activation checkpointing of its blocks,
+transformers model; torchtitan's, for a torchtitan Llama 3 or Qwen3), expert parallelism over ``ep``, activation checkpointing of its blocks,
 then FSDP over the sharded data-parallel dim (HSDP with a replicate dim beside it) or DDP
 over replicate dims alone.
 
@@ -41,6 +41,7 @@ from torch import nn
 from devmesh.distributed import comm
 from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
+from devmesh.integrations import torchtitan as titan
 from devmesh.integrations import transformers as hf
 from devmesh.integrations.pipeline_stages import REMOVED, transformers_stages
 from devmesh.integrations.pretrained import SavesWhole
@@ -81,9 +82,11 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
 
     ``tp_plan``: module name -> devmesh style (default: a transformers model's own
     ``_tp_plan``, translated; devmesh's plan for an architecture whose own leaves its
-    blocks whole, GPT-2's and gpt-oss's: :mod:`devmesh.integrations.transformers_plans`). ``blocks``: the repeated blocks, each an FSDP unit and a
-    checkpointed region (default: a transformers model's ``_no_split_modules`` instances).
-    ``activation_checkpointing``: ``"none"``; ``"full"`` (every block recomputed in
+    blocks whole, GPT-2's and gpt-oss's: :mod:`devmesh.integrations.transformers_plans`;
+    torchtitan's plan for a torchtitan Llama 3 or Qwen3:
+    :mod:`devmesh.integrations.torchtitan`). ``blocks``: the repeated blocks, each an FSDP unit and a checkpointed
+    region (default: a transformers model's ``_no_split_modules`` instances, a torchtitan
+    model's ``layers``). ``activation_checkpointing``: ``"none"``; ``"full"`` (every block recomputed in
     backward); ``"selective"`` (every block, saving the outputs of its matmuls and attention
     and recomputing the rest, as torchtitan's per-op mode); or an int ``k``: every k-th block
     in full. ``mp_policy``: compute in its ``param_dtype`` over parameters kept in their own
@@ -198,7 +201,8 @@ def _parallelize_on(model: nn.Module, mesh: DeviceMesh | None, names: tuple[str,
     if "cp" in names:
         _check_context_parallel(model, names, shard, replicas)
     if blocks is None:
-        blocks = hf.blocks_of(model) if hf.is_transformers_model(model) else []
+        blocks = (hf.blocks_of(model) if hf.is_transformers_model(model)
+                  else titan.blocks_of(model) if titan.is_torchtitan_model(model) else [])
     blocks = _untied(model, list(blocks))
     if "tp" in names:
         _tensor_parallel(model, mesh["tp"], tp_plan,  # type: ignore[index]
@@ -352,24 +356,31 @@ def _tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh,
                      plan: Mapping[str, ParallelStyle] | None, experts: list[nn.Module]
                      ) -> None:
     if plan is None:
-        if not hf.is_transformers_model(model):
+        where = {id(m): name for name, m in model.named_modules()}
+        leave_out = [where[id(m)] for m in experts]
+        if titan.is_torchtitan_model(model):
+            _check_heads(model, tp_mesh.size(), titan.heads(model))
+            plan = titan.tensor_parallel_plan(model, leave_out)
+        elif hf.is_transformers_model(model):
+            config = getattr(model, "config", None)
+            heads = getattr(config, "num_attention_heads", None)
+            kv_heads = getattr(config, "num_key_value_heads", None) or heads
+            _check_heads(model, tp_mesh.size(), (heads, kv_heads) if heads else None)
+            plan = hf.tensor_parallel_plan(
+                model, leave_out=leave_out + list(getattr(model, REMOVED, ())))
+        else:
             raise ParallelizeError(
                 f"the mesh has 'tp' but {type(model).__name__} declares no plan: pass "
                 "tp_plan={module name: style}")
-        _check_heads(model, tp_mesh.size())
-        where = {id(m): name for name, m in model.named_modules()}
-        plan = hf.tensor_parallel_plan(model, leave_out=[where[id(m)] for m in experts]
-                                       + list(getattr(model, REMOVED, ())))
     parallelize_module(model, tp_mesh, dict(plan))
 
 
-def _check_heads(model: nn.Module, tp: int) -> None:
-    """Attention splits by whole heads: tp must divide the query and key/value heads."""
-    config = getattr(model, "config", None)
-    heads = getattr(config, "num_attention_heads", None)
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    if not heads:
+def _check_heads(model: nn.Module, tp: int, counts: tuple[int, int] | None) -> None:
+    """Attention splits by whole heads: tp must divide the query and key/value heads
+    (``counts``, when the model says them)."""
+    if counts is None:
         return
+    heads, kv_heads = counts
     if heads % tp or kv_heads % tp:
         fits = [t for t in range(1, heads + 1) if heads % t == 0 and kv_heads % t == 0]
         raise ParallelizeError(

@@ -16,6 +16,7 @@ from torch import nn
 
 from devmesh.errors import ParallelizeError
 from devmesh.integrations import transformers_plans
+from devmesh.integrations.plan_entries import entries_for
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.context_parallel import sequence_positions, shard_sequence
 from devmesh.parallel.tensor_parallel import (
@@ -70,21 +71,11 @@ def tensor_parallel_plan(model: nn.Module, leave_out: Sequence[str] = ()
             f"{type(model).__name__} declares no tensor-parallel plan (its _tp_plan and its "
             "config's base_model_tp_plan are empty): pass tp_plan={module name: style} "
             "(devmesh.parallel's ColwiseParallel, RowwiseParallel, ...)")
-    # entries for modules this model does not have are left out, as transformers' own
-    # loading passes them by: a dense MLP's in a model whose every layer has experts (or
-    # the reverse), another pipeline stage's layers
-    present = ([name for name, _ in model.named_modules() if name]
-               + [name for name, _ in model.named_parameters()])  # (expert weights' entries)
-
-    def kept(name: str) -> bool:
-        return (not any(_within(name, module) for module in leave_out)
-                and any(_names(name, module) for module in present))
-
     if own is not None:
-        return {name: style for name, style in own.items() if kept(name)}
+        return entries_for(model, own, leave_out)
     plan: dict[str, ParallelStyle] = {}
     unknown = {}
-    declared = {name: style for name, style in declared.items() if kept(name)}
+    declared = entries_for(model, declared, leave_out)
     for name, style in declared.items():
         if style == "moe_tp_experts":
             plan[name] = _experts_style(name, declared)
@@ -138,18 +129,6 @@ def _experts_style(name: str, declared: Mapping[str, str]) -> ParallelStyle:
     rowwise = [w for w, (dim, _) in splits.items() if dim != out_dim]
     return ExpertsTensorParallel(colwise=colwise, rowwise=rowwise, transposed=transposed)
 
-
-def _names(pattern: str, module: str) -> bool:
-    """Whether the plan's entry ``pattern`` (``*`` for one segment) is ``module`` itself."""
-    return pattern.count(".") == module.count(".") and _within(pattern, module)
-
-
-def _within(pattern: str, module: str) -> bool:
-    """Whether the plan's entry ``pattern`` (``*`` for one segment) names ``module`` or a
-    module inside it."""
-    have, want = pattern.split("."), module.split(".")
-    return len(have) >= len(want) and all(
-        a == "*" or a == b for a, b in zip(have, want, strict=False))
 
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks (its ``_no_split_modules`` classes: the decoder layers),

@@ -1,6 +1,6 @@
 """torchtitan's own Llama 3 model (the ``torchtitan`` package, a tiny random config, float64)
-under devmesh's parallelisms — ``parallelize`` with torchtitan's tensor-parallel plan written
-in devmesh's styles, over devmesh's mesh — against torchtitan's own ``apply_tp`` and
+under devmesh's parallelisms — ``parallelize(model, mesh)``, which applies torchtitan's
+tensor-parallel plan in devmesh's styles and shards its blocks, over devmesh's mesh — against torchtitan's own ``apply_tp`` and
 ``apply_fsdp`` (torch's tensor parallelism and FSDP2) over torch's mesh of the same shape,
 and both against the model trained in one process on the whole batch."""
 
@@ -27,35 +27,6 @@ def make() -> torch.nn.Module:
     with torch.no_grad():
         model.init_weights()
     return model.double()
-
-
-def torchtitan_plan() -> dict:
-    """torchtitan's Llama plan (``apply_tp`` without loss parallelism) in devmesh's styles:
-    the embedding rowwise, the norms sequence-parallel, attention and feed-forward inputs
-    gathered, their projections column- and rowwise."""
-    from devmesh.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                  SequenceParallel)
-    from devmesh.tensor import Replicate, Shard
-
-    return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        "layers.*.attention_norm": SequenceParallel(),
-        "layers.*.attention": PrepareModuleInput(
-            input_layouts=(Shard(1), None, None, None),
-            desired_input_layouts=(Replicate(), None, None, None)),
-        "layers.*.attention.wq": ColwiseParallel(),
-        "layers.*.attention.wk": ColwiseParallel(),
-        "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.ffn_norm": SequenceParallel(),
-        "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
-                                                    desired_input_layouts=(Replicate(),)),
-        "layers.*.feed_forward.w1": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        "layers.*.feed_forward.w3": ColwiseParallel(),
-    }
 
 
 def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
@@ -92,9 +63,8 @@ def train_both(checkpointing: str):
     dims = ("dp_shard", "tp")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=dims)
     ours = make()
-    parallelize(ours, mesh, tp_plan=torchtitan_plan(),
-                blocks=[ours.tok_embeddings, *ours.layers.values()],
-                activation_checkpointing=checkpointing)
+    # torchtitan's plan and blocks, which parallelize knows for torchtitan's Llama 3
+    parallelize(ours, mesh, activation_checkpointing=checkpointing)
     dp = mesh["dp_shard"].get_local_rank()
     rows = slice(2 * dp, 2 * dp + 2)
     our_losses = _train(ours, rows)

@@ -33,7 +33,7 @@ def _histc_on_cpu() -> None:
     torch.histc = counted
 
 
-def make() -> torch.nn.Module:
+def make(moe: bool = True) -> torch.nn.Module:
     from torchtitan.models.moe import MoEArgs
     from torchtitan.models.qwen3.model.args import Qwen3ModelArgs
     from torchtitan.models.qwen3.model.model import Qwen3Model
@@ -42,7 +42,7 @@ def make() -> torch.nn.Module:
     torch.manual_seed(0)
     model = Qwen3Model(Qwen3ModelArgs(
         dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=VOCAB, head_dim=8,
-        hidden_dim=48, max_seq_len=32, moe_enabled=True, moe_inter_dim=24,
+        hidden_dim=48, max_seq_len=32, moe_enabled=moe, moe_inter_dim=24,
         # the experts' for-loop: torch._grouped_mm computes in bfloat16
         moe_args=MoEArgs(num_experts=4, top_k=2, use_grouped_mm=False,
                          num_shared_experts=1, score_func="softmax")))
@@ -60,38 +60,20 @@ def _batch(step: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(step))
 
 
-def tensor_parallel_plan() -> dict:
-    """torchtitan's Qwen3 plan for its blocks (torchtitan applies it with torch's styles and
-    its own ``TensorParallel`` for the experts): attention by heads, the q/k norms on the
-    local heads, the shared experts column/row, every routed expert column/row."""
-    from devmesh.parallel import ColwiseParallel, ExpertsTensorParallel, RowwiseParallel
-    from devmesh.parallel.tensor_parallel import ReplicatedWithGradSum
-
-    return {"layers.*.attention.wq": ColwiseParallel(),
-            "layers.*.attention.wk": ColwiseParallel(),
-            "layers.*.attention.wv": ColwiseParallel(),
-            "layers.*.attention.wo": RowwiseParallel(),
-            "layers.*.attention.q_norm": ReplicatedWithGradSum(),
-            "layers.*.attention.k_norm": ReplicatedWithGradSum(),
-            "layers.*.moe.shared_experts.w1": ColwiseParallel(),
-            "layers.*.moe.shared_experts.w3": ColwiseParallel(),
-            "layers.*.moe.shared_experts.w2": RowwiseParallel(),
-            "layers.*.moe.experts": ExpertsTensorParallel(colwise={"w1": 1, "w3": 1},
-                                                          rowwise=("w2",))}
-
-
-def train_expert_parallel(split: str = "ep"):
+def train_expert_parallel(split: str = "ep", moe: bool = True):
     import torch.distributed as dist
 
     from devmesh import init_device_mesh
     from devmesh.parallel import parallelize, state_dict
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", split))
-    model = make()
-    plan = {"tp_plan": tensor_parallel_plan()} if split == "tp" else {}
-    parallelize(model, mesh, blocks=list(model.layers.values()), **plan)
-    experts = model.layers["0"].moe.experts
-    local = {name: tuple(p.shape) for name, p in experts.named_parameters()}
+    model = make(moe)
+    # torchtitan's blocks, and its plan for Qwen3 (attention by heads, the q/k norms on the
+    # local heads, the feed-forward or shared experts column/row, every routed expert a
+    # column/row pair), which parallelize knows for torchtitan's Qwen3
+    parallelize(model, mesh)
+    split_module = model.layers["0"].moe.experts if moe else model.layers["0"].feed_forward
+    local = {name: tuple(p.shape) for name, p in split_module.named_parameters()}
     # every rank has its own rows: the data ranks are dp_shard x ep (dp_shard alone: tp's
     # ranks share theirs)
     if split == "ep":
@@ -109,7 +91,7 @@ def train_expert_parallel(split: str = "ep"):
         losses.append(loss.item())
     ours = state_dict(model, full=True)
 
-    ref = make()  # one process, the whole batch; its loss on this rank's rows
+    ref = make(moe)  # one process, the whole batch; its loss on this rank's rows
     opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     row_losses = []
     for step in range(STEPS):
@@ -141,4 +123,15 @@ def test_torchtitans_moe_experts_split_over_tp_train_as_one_process(mesh_pool):
         assert result["keys"], "state dict names differ"
         # every expert's hidden features halved over tp, then FSDP halves the experts
         assert result["local"] == {"w1": (2, 12, 32), "w2": (2, 32, 12), "w3": (2, 12, 32)}
+        assert result["losses"] <= 1e-12 and result["params"] <= 1e-12, result
+
+
+def test_torchtitans_dense_qwen3_split_over_tp_trains_as_one_process(mesh_pool):
+    """Without experts, Qwen3's feed-forward is the column/row pair of parallelize's plan for
+    torchtitan's Qwen3."""
+    for result in mesh_pool.run(train_expert_parallel, 4, "tp", False):
+        assert result["keys"], "state dict names differ"
+        # the hidden features halved over tp, then FSDP halves dim 0 of each block
+        assert result["local"] == {"w1.weight": (12, 32), "w2.weight": (16, 24),
+                                   "w3.weight": (12, 32)}, result["local"]
         assert result["losses"] <= 1e-12 and result["params"] <= 1e-12, result
