@@ -253,9 +253,7 @@ class ReplicaGroups:
                     for healer in quorum.healers:
                         send_state(members, index(healer), self.model, self.optimizer)
                 contributing = self.group in quorum.contributors
-                _t0 = time.perf_counter()
                 averaged = _average(grads, members, contributing, len(quorum.contributors))
-                open(f"/tmp/avg-{self.group}.txt","a").write(f"{(time.perf_counter()-_t0)*1e3:.2f}\n")
             except Exception as exc:  # a peer died or hung: this epoch's group is broken
                 vote = "fail"
                 self._epoch = None

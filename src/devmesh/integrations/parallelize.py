@@ -1,8 +1,8 @@
 """``parallelize(model, mesh)``: every parallelism a mesh's dim names ask for, applied to a
 model in torchtitan's order — tensor parallelism over ``tp`` (the model's own plan, for a
-transformers model; torchtitan's, for a torchtitan Llama 3 or Qwen3), expert parallelism over ``ep``, activation checkpointing of its blocks,
-then FSDP over the sharded data-parallel dim (HSDP with a replicate dim beside it) or DDP
-over replicate dims alone.
+transformers model; torchtitan's, for a torchtitan Llama 3 or Qwen3), expert parallelism
+over ``ep``, activation checkpointing of its blocks, then FSDP over the sharded
+data-parallel dim (HSDP with a replicate dim beside it) or DDP over replicate dims alone.
 
 Dim names, as torchtitan's ``ParallelDims`` and devmesh's docs write them:
 
@@ -84,11 +84,12 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, *,
     ``_tp_plan``, translated; devmesh's plan for an architecture whose own leaves its
     blocks whole, GPT-2's and gpt-oss's: :mod:`devmesh.integrations.transformers_plans`;
     torchtitan's plan for a torchtitan Llama 3 or Qwen3:
-    :mod:`devmesh.integrations.torchtitan`). ``blocks``: the repeated blocks, each an FSDP unit and a checkpointed
-    region (default: a transformers model's ``_no_split_modules`` instances, a torchtitan
-    model's ``layers``). ``activation_checkpointing``: ``"none"``; ``"full"`` (every block recomputed in
-    backward); ``"selective"`` (every block, saving the outputs of its matmuls and attention
-    and recomputing the rest, as torchtitan's per-op mode); or an int ``k``: every k-th block
+    :mod:`devmesh.integrations.torchtitan`). ``blocks``: the repeated blocks, each an FSDP
+    unit and a checkpointed region (default: a transformers model's ``_no_split_modules``
+    instances, a torchtitan model's ``layers``). ``activation_checkpointing``: ``"none"``;
+    ``"full"`` (every block recomputed in backward); ``"selective"`` (every block, saving
+    the outputs of its matmuls and attention and recomputing the rest, as torchtitan's
+    per-op mode); or an int ``k``: every k-th block
     in full. ``mp_policy``: compute in its ``param_dtype`` over parameters kept in their own
     dtype, under FSDP (``fully_shard``'s), DDP (``replicate``'s) or tensor parallelism
     alone; ``reshard_after_forward``: as ``fully_shard``'s. ``experts_over_tp``: with both
