@@ -49,6 +49,7 @@ class Coordinator:
         self._log = get_logger("replicas")
         self._beats: dict[tuple[int, int], tuple[str, float]] = {}  # last value, when it moved
         self._woken = threading.Event()  # set by the waiter at each of the ranks' events
+        self._first_spoken: float | None = None  # when the round decided had its first join
         self._stopping = threading.Event()
         self._store.set(protocol.OPEN, "0")
         self._thread = threading.Thread(target=self._serve, name="devmesh-coordinator",
@@ -149,10 +150,12 @@ class Coordinator:
         members: dict[int, tuple[str, ...]] = {}  # last quorum's groups and incarnations
         epoch, round_, aborted = 0, 0, False
         absent: set[int] = set()  # members missing from an aborted round they were given
+        absent_since = 0.0  # when that round's first rank spoke
         quorum: Quorum | None = None  # the round's, when published before its joins
         while not self._stopping.is_set():
             if quorum is None:
-                quorum = self._close_round(round_, members, epoch, aborted, absent)
+                quorum = self._close_round(round_, members, epoch, aborted, absent,
+                                           absent_since)
                 if quorum is None:
                     return
                 epoch = quorum.epoch
@@ -172,6 +175,8 @@ class Coordinator:
                 self._log.info("step %d aborted in round %d: it is retried without the "
                                "groups that failed", quorum.step, round_)
             absent = (set(quorum.members) - set(self._joined(round_))) if aborted else set()
+            # (none joined it: they are waited for a timeout from now)
+            absent_since = self._first_spoken or time.monotonic()
             following = self._next_quorum(round_, quorum, members) if not aborted else None
             if following is not None:
                 self._store.set(protocol.quorum_key(round_ + 1), following.encode())
@@ -192,8 +197,8 @@ class Coordinator:
         for the last group's join and the coordinator's answer. A member that fails before
         it takes part is found by the others' all-reduce (a dead process's connections
         close; a hung one answers nothing for the timeout): they vote ``fail``, the round is
-        aborted, and the next one, closed as usual, is not kept waiting for the members that
-        never joined it."""
+        aborted, and the next one, closed as usual, waits for the members that never joined
+        it only until a timeout has passed since its first join."""
         if not quorum.contributors or quorum.healers or self._incarnations() != members:
             return None
         return Quorum(round=round_ + 1, epoch=quorum.epoch, members=quorum.members,
@@ -201,7 +206,7 @@ class Coordinator:
                       contributors=quorum.members)
 
     def _close_round(self, round_: int, members: dict[int, tuple[str, ...]], epoch: int,
-                     aborted: bool, absent: set[int]) -> Quorum | None:
+                     aborted: bool, absent: set[int], absent_since: float) -> Quorum | None:
         first_join: float | None = None
         while not self._stopping.is_set():
             joined = self._joined(round_)
@@ -213,8 +218,10 @@ class Coordinator:
             # the start, every group
             holders = ({g for g, pids in members.items() if alive.get(g) == pids}
                        if members else set(range(self.groups)))
-            # less those that never joined the aborted round they were given: already late
-            expected = holders - absent
+            # less those that never joined the aborted round they were given, once that
+            # round's first rank spoke a timeout ago (a hung member is not waited for twice;
+            # one merely slower than the others' failure is)
+            expected = holders - (absent if now - absent_since > self.timeout else set())
             present = {g for g in joined if g in alive}
             late = first_join is not None and now - first_join > (
                 self.timeout if members else START_SECONDS)
@@ -272,7 +279,13 @@ class Coordinator:
         ranks = [(g, r) for g in quorum.members for r in range(self.ranks_per_group)]
         first_ok: float | None = None
         oks_keys = [protocol.vote_key("ok", round_, g, r) for g, r in ranks]
+        joins = [protocol.join_key(round_, g, r) for g, r in ranks]
+        spoken, self._first_spoken = False, None
         while not self._stopping.is_set():
+            # when the round's first rank joined (a quorum published with the last commit
+            # is decided from before any join): the time its missing members are late from
+            if not spoken and any(self._store.check([key]) for key in joins):
+                spoken, self._first_spoken = True, time.monotonic()
             if self._store.check(oks_keys):  # every vote in: one call, the healthy step's
                 return "commit"
             failed = any(self._store.check([protocol.vote_key("fail", round_, g, r)])
