@@ -340,6 +340,31 @@ def test_a_source_that_dies_while_healing_another_group_is_survived(tmp_path):
             assert torch.allclose(got[key], value, rtol=0, atol=1e-12), (g, key)
 
 
+def test_a_job_whose_every_holder_dies_ends_saying_so_on_every_rank(tmp_path):
+    """Two groups: group 1 is killed at step 3, and group 0, the one group holding the
+    committed steps, is killed as it starts sending group 1 its state. Both come back at
+    step 0 with no peer to heal from: every rank raises saying so and the job ends (to be
+    restarted from a checkpoint), within seconds rather than hanging."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    env = dict(os.environ, DEVMESH_LOG="info", DEVMESH_REPLICA_TIMEOUT="2",
+               DEVMESH_TRACE_COLLECTIVES="0")
+    fault = {"group": 1, "rank": 0, "step": 3, "how": "kill", "source_dies": True}
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "devmesh", "run", "--replica-groups", "2", "-n", "1",
+         "--max-restarts", "1", str(script), str(tmp_path), "100", "whole", json.dumps(fault)],
+        env=env, capture_output=True, text=True, timeout=180)
+    took = time.monotonic() - started
+    assert done.returncode != 0, done.stderr[-3000:]
+    said = done.stdout + done.stderr
+    for g in range(2):  # each group's rank raised it (its restarted processes' failure)
+        assert re.search(rf"replica group {g}: no live replica group holds the \d+ steps "
+                         "committed", said), said[-6000:]
+    assert (tmp_path / "source-died").exists()
+    assert took < 120, took
+
+
 def _one_group_per_host(tmp_path, hosts, fault: dict, *, port: int, restarts: int
                         ) -> tuple[str, list[subprocess.Popen]]:
     """SCRIPT's group i on host i (network namespaces), timeout 2 s, the coordinator served

@@ -127,6 +127,29 @@ def test_a_round_whose_every_holder_of_the_committed_steps_is_gone_says_so(two_g
     assert "restart the job from its last checkpoint" in quorum.error
 
 
+def test_a_healer_whose_source_dies_in_the_heal_is_not_taken_for_a_holder(two_groups):
+    """Group 1 restarts and heals from group 0, which dies during the heal: the round is
+    aborted, and group 1 (the same processes, still at step 0) holds none of the committed
+    steps. With group 0 restarted too, no live group holds them: the next round says so to
+    every rank at once, rather than waiting for group 1 as if it held them."""
+    coordinator, ranks = two_groups
+    _commit_step_zero(ranks)
+    ranks.pids[1] = "2001"
+    ranks.join(1, 1, 0)
+    assert ranks.decision(1) == "abort"
+    ranks.join(2, 1, 0)
+    ranks.join(2, 0, 1)
+    quorum = ranks.quorum(2)
+    assert (quorum.healers, quorum.source) == ((1,), 0)
+    ranks.pids[0] = "2000"  # the source dies while group 1 receives its state; restarted
+    assert ranks.decision(2) == "abort"
+    ranks.join(3, 0, 0)
+    ranks.join(3, 1, 0)
+    quorum = ranks.quorum(3)
+    assert quorum.members == (0, 1) and quorum.step == 0
+    assert "no live replica group holds the 1 steps committed" in quorum.error
+
+
 def test_a_late_live_group_is_left_out_and_the_others_step_on():
     """A member alive but not answering (hung) is left out after one timeout, not two: the
     round published with the last commit is aborted when the others' all-reduce with it
