@@ -10,11 +10,12 @@ measures what they cost, and counts them.
 Cases (each in a fresh world; the time is the slowest rank's, median of ``--repeats``):
 
 - ``fully_shard``: ``--blocks`` blocks (Linear(64, 128) -> ReLU -> Linear(128, 64)), each
-  block sharded, then the root, over a (8,) mesh; for devmesh twice: each call checked on
-  its own (one collective per call), and the calls inside ``batched_checks()`` (their checks
-  made together at its end);
+  block sharded, then the root, over a (8,) mesh; for devmesh twice: the calls as written
+  (their checks held and agreed together at the root's call, which the time includes), and
+  inside ``batched_checks()`` (agreed together at its end);
 - ``parallelize_module``: the same model, one call with a plan of column- and row-wise
-  layers for every block, over a (8,) mesh.
+  layers for every block, over a (8,) mesh (torch broadcasts each split parameter from rank
+  0, devmesh the same values in buckets).
 
 For each, the time, the ratio devmesh / torch (< 1: devmesh faster) and, per call, the
 collectives (``torch.distributed``'s functions entered) and rendezvous-store operations each

@@ -31,6 +31,7 @@ import hashlib
 import json
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
     from devmesh.mesh import DeviceMesh
 
 __all__ = ["agree", "describe_disagreement", "failures", "refused_everywhere",
-           "refused_or_agreed", "batched", "differing",
+           "refused_or_agreed", "settle_held", "batched", "differing",
            "gather_texts", "texts_through_store", "warn_if_called_alone", "ALONE_SECONDS"]
 
 
@@ -126,7 +127,7 @@ def failures(error: str | None, group: dist.ProcessGroup | None = None) -> dict[
     the result is not empty: an error on some ranks alone is a hang for the others."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {0: error} if error is not None else {}
-    stops.refuse_if_broken()
+    _before_agreeing()
     with _agreement("the failure check (an all-reduce of who failed)", group):
         device = small_tensor_device(group)
         count = torch.tensor([int(error is not None)], dtype=torch.int64, device=device)
@@ -192,22 +193,45 @@ def _raise_refusals(error: Exception | None, failed: dict[int, str], what: str, 
 
 @contextlib.contextmanager
 def refused_or_agreed(group: dist.ProcessGroup | None, what: str, error_type: type[Exception],
-                      agreed: str) -> Iterator[list[str]]:
+                      agreed: str, *, hold: bool = False) -> Iterator[list[str]]:
     """:func:`refused_everywhere` and :func:`differing` in one collective: the block checks
     this rank's own arguments and appends the value every rank must agree on to the list it
     is given. One all-reduce (the maximum of a failure flag, a 63-bit digest and its
     negation) when nobody failed and everyone agrees; after a refusal every rank raises as
     :func:`refused_everywhere` makes it, after a disagreement a
     :class:`~devmesh.errors.MeshMismatchError` saying ``agreed`` and which ranks passed what.
-    A call made once per module of a model (``fully_shard``) pays one agreement, not two."""
-    from devmesh.errors import MeshMismatchError, rank_prefix
+    A call made once per module of a model (``fully_shard``) pays one agreement, not two.
 
+    With ``hold``, a call that passes its checks does not communicate: its value is held,
+    with those of the calls after it over the same group, until this rank's next
+    communication of devmesh's (:func:`~devmesh.distributed.groups.hold_until_communicating`:
+    the model's first forward, any collective or agreement, a process group made) or a
+    call over another group, and they are all agreed then in one all-reduce (a model's
+    ``fully_shard`` calls cost one agreement, not one each). A rank refused settles at
+    once — its held calls and the refusal in that one all-reduce — and raises; the others
+    find the refusal where they settle theirs, and raise naming it. A refusal beats a
+    disagreement: the refused rank holds fewer calls than the others."""
+    global _held
     values: list[str] = []
     if _batch is not None:  # batched(): agreed at its end, a refusal raised there everywhere
         yield values
         _batch.append((group, agreed, values[0] if values else ""))
         return
     error: Exception | None = None
+    if hold and dist.is_initialized() and dist.get_world_size(group) > 1:
+        _before_agreeing(group)  # calls held over another group are settled first
+        held = _held if _held is not None else _HeldCalls(group, what, error_type,
+                                                          groups.generation())
+        try:
+            yield values
+        except error_type as exc:
+            error = exc
+        _held = held
+        if error is not None:
+            _settle_held(error)  # raises: this rank's error
+        held.calls.append((agreed, values[0] if values else ""))
+        groups.hold_until_communicating(_settle_held)
+        return
     try:
         yield values
     except error_type as exc:
@@ -215,9 +239,22 @@ def refused_or_agreed(group: dist.ProcessGroup | None, what: str, error_type: ty
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         _raise_refusals(error, {}, what, "was refused", error_type)
         return
-    stops.refuse_if_broken()
-    value = values[0] if values and error is None else ""
-    digest = int.from_bytes(hashlib.blake2b(value.encode(), digest_size=8).digest(),
+    _before_agreeing()
+    _refused_or_agreed_once(group, what, error_type,
+                            [(agreed, values[0] if values and error is None else "")], error,
+                            held=False)
+
+
+def _refused_or_agreed_once(group: dist.ProcessGroup | None, what: str,
+                            error_type: type[Exception], calls: list[tuple[str, str]],
+                            error: Exception | None, *, held: bool) -> None:
+    """The one all-reduce of :func:`refused_or_agreed` over ``calls`` (what each agrees
+    on, and this rank's value: one call, or those ``held``), then on a refusal or a
+    disagreement the exchanges that say it, on every rank."""
+    from devmesh.errors import MeshMismatchError, rank_prefix
+
+    listing = json.dumps([value for _, value in calls]) if held else calls[0][1]
+    digest = int.from_bytes(hashlib.blake2b(listing.encode(), digest_size=8).digest(),
                             "little") >> 1
     with _agreement("the refusal and agreement check (an all-reduce)", group):
         device = small_tensor_device(group)
@@ -228,15 +265,64 @@ def refused_or_agreed(group: dist.ProcessGroup | None, what: str, error_type: ty
         failed = failures(None if error is None else str(error).removeprefix(rank_prefix()),
                           group)
         _raise_refusals(error, failed, what, "was refused", error_type)
-    if int(checked[1]) != -int(checked[2]):  # the largest digest is not the smallest
+    if int(checked[1]) == -int(checked[2]):  # the largest digest is the smallest: all agree
+        return
+    if not held:
         with _agreement("the agreement's texts (two all-gathers)", group):
-            texts = gather_texts(value, group)
+            texts = gather_texts(listing, group)
         ranks = dist.get_process_group_ranks(group) if group is not None else range(len(texts))
         by_value: dict[str, list[int]] = defaultdict(list)
         for rank, text in zip(ranks, texts, strict=True):
             by_value[text].append(rank)
-        raise MeshMismatchError(f"{agreed}: the ranks disagree — "
+        raise MeshMismatchError(f"{calls[0][0]}: the ranks disagree — "
                                 f"{describe_disagreement(by_value)}")
+    _raise_first_difference(calls, differing(listing, group))
+
+
+@dataclass
+class _HeldCalls:
+    """The calls :func:`refused_or_agreed` holds back (``hold``): all over one group."""
+
+    group: dist.ProcessGroup | None
+    what: str
+    error_type: type[Exception]
+    generation: int  # the world's: a world destroyed since has nothing to settle
+    calls: list[tuple[str, str]] = field(default_factory=list)  # what each agrees on, value
+
+
+_held: _HeldCalls | None = None
+
+
+def _settle_held(error: Exception | None = None) -> None:
+    """Agree on the calls held back, over their group, raising on every rank what a rank
+    refused (``error`` on this one) or the first call whose values differ."""
+    global _held
+    held, _held = _held, None
+    if held is None or held.generation != groups.generation():
+        if error is not None:
+            raise error
+        return
+    stops.refuse_if_broken()
+    _refused_or_agreed_once(held.group, held.what, held.error_type, held.calls, error,
+                            held=True)
+
+
+def settle_held() -> None:
+    """Agree now on the calls :func:`refused_or_agreed` holds back (``hold``), raising on
+    every rank what one refused or where they differ: where a model's setup ends (its
+    root's ``fully_shard``, its first forward). Collective over their group, when any are
+    held; nothing otherwise."""
+    groups.settle_held()
+    _settle_held()
+
+
+def _before_agreeing(group: dist.ProcessGroup | None | object = ...) -> None:
+    """Before an agreement (over ``group``, when given: calls held over it stay held):
+    settle the calls held back, and refuse if the world is out of step."""
+    if _held is not None and (group is ... or _held.group is not group
+                              or _held.generation != groups.generation()):
+        settle_held()
+    stops.refuse_if_broken()
 
 
 # the agreements batched() holds back, in call order: (group, what they agree on, value)
@@ -266,6 +352,7 @@ def batched(what: str, error_type: type[Exception]) -> Iterator[None]:
     if _batch is not None:
         yield
         return
+    _before_agreeing()  # calls held before the block agree first, where every rank is
     _batch = entries = []
     error: Exception | None = None
     try:
@@ -284,7 +371,7 @@ def batched(what: str, error_type: type[Exception]) -> Iterator[None]:
 
 def _agree_on_batch(what: str, error_type: type[Exception], error: Exception | None,
                     entries: list[tuple[dist.ProcessGroup | None, str, str]]) -> None:
-    from devmesh.errors import MeshMismatchError, rank_prefix
+    from devmesh.errors import rank_prefix
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         if error is not None:
@@ -302,15 +389,24 @@ def _agree_on_batch(what: str, error_type: type[Exception], error: Exception | N
     for group, agreed, value in entries:
         by_group.setdefault(id(group), (group, []))[1].append((agreed, value))
     for group, calls in by_group.values():
-        held = differing(json.dumps([value for _, value in calls]), group)
-        for i, (agreed, _) in enumerate(calls):  # the first call whose values differ
-            by_value: dict[str, list[int]] = defaultdict(list)
-            for listing, ranks in held.items():
-                values = json.loads(listing)
-                by_value[values[i] if i < len(values) else "(no such call)"] += ranks
-            if len(by_value) > 1:
-                raise MeshMismatchError(f"{agreed}: the ranks disagree — "
-                                        f"{describe_disagreement(dict(by_value))}")
+        _raise_first_difference(calls, differing(json.dumps([value for _, value in calls]),
+                                                 group))
+
+
+def _raise_first_difference(calls: list[tuple[str, str]],
+                            held: dict[str, list[int]]) -> None:
+    """Raise the :class:`~devmesh.errors.MeshMismatchError` of the first of ``calls`` whose
+    values differ, from :func:`differing`'s answer over their listings (nothing if none)."""
+    from devmesh.errors import MeshMismatchError
+
+    for i, (agreed, _) in enumerate(calls):
+        by_value: dict[str, list[int]] = defaultdict(list)
+        for listing, ranks in held.items():
+            values = json.loads(listing)
+            by_value[values[i] if i < len(values) else "(no such call)"] += ranks
+        if len(by_value) > 1:
+            raise MeshMismatchError(f"{agreed}: the ranks disagree — "
+                                    f"{describe_disagreement(dict(by_value))}")
 
 
 def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, list[int]]:
@@ -321,7 +417,7 @@ def differing(value: str, group: dist.ProcessGroup | None = None) -> dict[str, l
     listing per stage, not one per rank)."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return {}
-    stops.refuse_if_broken()
+    _before_agreeing()
     with _agreement("the agreement check (an all-reduce of digests)", group):
         return _differing(value, group)
 

@@ -153,9 +153,35 @@ def silent(reason: str) -> Iterator[None]:
 def refuse_communication(what: Callable[[], str]) -> None:
     """Raise :class:`~devmesh.errors.MeshUsageError` naming ``what()`` if communication is
     refused now (:func:`silent`), instead of a collective some ranks never join. ``what``
-    is called only then: every collective asks, and describing one costs a join of names."""
+    is called only then: every collective asks, and describing one costs a join of names.
+    Otherwise settle the agreements held back (:func:`hold_until_communicating`) first."""
     if _silent is not None:
         raise MeshUsageError(f"{what()} communicates, and {_silent}")
+    settle_held()
+
+
+#: the agreements this rank holds back, to settle before its next communication: the
+#: world's generation they were held in, and the function settling them
+_held: tuple[int, Callable[[], None]] | None = None
+
+
+def hold_until_communicating(settle: Callable[[], None]) -> None:
+    """Call ``settle`` before this rank's next communication of devmesh's in this world (a
+    collective, an agreement, a process group made): checks of calls that do not
+    communicate (a model's ``fully_shard`` calls) are then made together, and still before
+    any collective that a rank refused there would never join."""
+    global _held
+    _held = (generation(), settle)
+
+
+def settle_held() -> None:
+    """Run the settling function held (once), if it was held in this world."""
+    global _held
+    if _held is None:
+        return
+    (held_in, settle), _held = _held, None
+    if held_in == generation():  # a world destroyed since has nothing left to settle
+        settle()
 
 
 def get_group(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -257,10 +258,11 @@ def test_arguments_one_rank_passes_differently_are_refused_on_every_rank(mesh_po
             assert "ranks 0:" in message and "ranks 1:" in message, message
 
 
-def one_rank_passing_other_arguments_in_a_batch():
-    """The ``fully_shard`` cases above, each a model's blocks and root inside
-    ``batched_checks()``, rank 1's own argument at block 2: the refusal or disagreement
-    comes at the end of the block, on every rank, naming the call that differs."""
+def one_rank_passing_other_arguments_in_a_batch(batched: bool):
+    """The ``fully_shard`` cases above, each a model's blocks and root (inside
+    ``batched_checks()``, or as written), rank 1's own argument at block 2: the refusal or
+    disagreement comes at the end of the block (or at the root's call), on every rank,
+    naming the call that differs."""
     import torch
     from torch import nn
 
@@ -285,7 +287,7 @@ def one_rank_passing_other_arguments_in_a_batch():
             model[3] = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 4))
 
         def setup(model=model, kwargs=kwargs):
-            with batched_checks():
+            with batched_checks() if batched else contextlib.nullcontext():
                 for i, block in enumerate(model):
                     fully_shard(block, mesh=mesh, **(kwargs if i == 2 else {}))
                 fully_shard(model, mesh=mesh)
@@ -294,9 +296,15 @@ def one_rank_passing_other_arguments_in_a_batch():
     return out
 
 
-def test_arguments_one_rank_passes_differently_in_batched_checks_are_refused_on_every_rank(
-        mesh_pool):
-    for rank, out in enumerate(mesh_pool.run(one_rank_passing_other_arguments_in_a_batch, 2)):
+@pytest.mark.parametrize("batched, refused_on_others", [
+    (True, "fully_shard failed on other ranks — rank 1: ParallelizeError: "),
+    # as written: the calls' checks are held and agreed at the root's call
+    (False, "fully_shard was refused on other ranks — rank 1: "),
+])
+def test_arguments_one_rank_passes_differently_to_a_models_calls_are_refused_on_every_rank(
+        mesh_pool, batched, refused_on_others):
+    results = mesh_pool.run(one_rank_passing_other_arguments_in_a_batch, 2, batched)
+    for rank, out in enumerate(results):
         for case, words in {
             "int reshard": "If passing reshard_after_forward as an int, it should be a factor "
                            "of 2, not 3",
@@ -305,8 +313,7 @@ def test_arguments_one_rank_passes_differently_in_batched_checks_are_refused_on_
             name, message, _ = out[case]
             assert name == "ParallelizeError" and words in message, (case, out[case])
             if rank == 0:  # the rank that passed good arguments names the one that did not
-                assert f"fully_shard failed on other ranks — rank 1: ParallelizeError: " \
-                       f"{words}" in message, message
+                assert refused_on_others + words in message, message
         for case, words in {
             "mixed precision": "param_dtype=None",
             "reshard": "reshard_after_forward=True",
@@ -315,6 +322,36 @@ def test_arguments_one_rank_passes_differently_in_batched_checks_are_refused_on_
             name, message, _ = out[case]
             assert name == "MeshMismatchError" and words in message, (case, out[case])
             assert "ranks 0:" in message and "ranks 1:" in message, message
+
+
+def a_refusal_held_back():
+    """Rank 1 refused at block 2 of 8; rank 0 shards on, then enters a collective before
+    any root call: what each raised."""
+    import torch
+    from torch import nn
+
+    from devmesh.distributed import comm
+    from devmesh.parallel import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), timeout=20)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+    refused = dist_rank() == 1
+
+    def setup():
+        for i, block in enumerate(model):
+            fully_shard(block, mesh=mesh, reshard_after_forward=3 if refused and i == 2 else True)
+        comm.all_reduce(torch.ones(1), mesh, (0,))
+    return _catch(setup)
+
+
+def test_a_refusal_held_back_is_raised_before_the_next_collective(mesh_pool):
+    """Rank 1 is refused at block 2 and leaves; rank 0 goes on sharding and then calls a
+    collective rank 1 would never join: the held checks are settled first, and it raises
+    naming rank 1's refusal instead of waiting in that collective."""
+    on_0, on_1 = mesh_pool.run(a_refusal_held_back, 2)
+    assert on_1[0] == "ParallelizeError" and "not 3" in on_1[1], on_1
+    assert on_0[0] == "ParallelizeError" and (
+        "fully_shard was refused on other ranks — rank 1:" in on_0[1]), on_0
 
 
 def communicating_inside_a_batch(what: str):

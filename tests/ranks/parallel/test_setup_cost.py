@@ -1,8 +1,10 @@
 """What setting a model up costs in communication: ``fully_shard`` checks one rank's own
-arguments and agrees on what its unit holds in a single collective per call (inside
-``batched_checks()``, two collectives for all the calls), and
+arguments and agrees on what its unit holds, a model's calls together in a single
+collective at the root's call (inside ``batched_checks()``, two collectives for all the
+calls), and
 ``parallelize_module`` agrees on its whole plan (styles, and the shapes and dtypes of the
-parameters they split) once, then sends each split parameter once — as torch's sends it.
+parameters they split) once, then sends the split parameters' source values in buckets
+(torch's sends each parameter on its own).
 Counted on real gloo ranks (every collective entered on a process group); the refusals and
 disagreements these single agreements still catch on every rank are in
 the errors tests."""
@@ -49,10 +51,11 @@ def setup_collectives() -> dict[str, int]:
             "broadcasts": splitting["broadcast"], "batched": sum(batched.values())}
 
 
-def test_each_setup_call_costs_one_agreement_and_each_split_parameter_one_send(mesh_pool):
+def test_a_models_setup_costs_one_agreement_and_its_split_parameters_one_bucket(mesh_pool):
     for counts in mesh_pool.run(setup_collectives, 2):
-        assert counts["fully_shard"] == BLOCKS + 1, counts           # one per call
+        assert counts["fully_shard"] == 1, counts  # one for the calls, at the root's call
         assert counts["batched"] == 2, counts  # a failure flag, then one digest of them all
-        split = 4 * BLOCKS  # two Linear layers per block, a weight and a bias each
-        assert counts["broadcasts"] == split, counts
-        assert counts["parallelize_module"] == split + 2, counts     # + refusal + plan
+        # two Linear layers per block, a weight and a bias each: 24 parameters, 10 KB in all,
+        # one bucket
+        assert counts["broadcasts"] == 1, counts
+        assert counts["parallelize_module"] == 1 + 2, counts     # + refusal + plan

@@ -38,6 +38,11 @@ def fully_shard(
     """Shard ``module``'s parameters over ``mesh`` (FSDP2's API): apply to submodules first,
     then to the root. Returns ``module``; ``module._devmesh_fsdp`` is its unit.
 
+    The ranks check that they passed the same settings and hold the same parameters, and a
+    refusal of one rank's arguments reaches every rank; a model's calls do so together,
+    in one all-reduce at the root's call (or its first forward, or devmesh's next
+    collective), so the setup waits for the other ranks once, not once per call.
+
     A list of modules makes **one** unit of them all, as torch's ``fully_shard([a, b])``:
     torchtitan groups the final norm with the output head
     (``fully_shard([model.norm, model.output])``), or a tied embedding with the head that
@@ -66,10 +71,12 @@ def fully_shard(
     offloading on a GPU mesh, ``dp_mesh_dims``, and embeddings with ``sparse=True`` (ignore
     them, and ``replicate``)."""
     mesh = mesh if mesh is not None else world_mesh()
-    # a refusal of one rank's own arguments is raised on every rank, not left to a hang
-    # and the ranks agree on what the unit holds and how it is set, in the same collective
+    # a refusal of one rank's own arguments is raised on every rank, not left to a hang,
+    # and the ranks agree on what the unit holds and how it is set, in the same collective:
+    # held until the root's call, the first forward or the next collective, so a model's
+    # calls agree in one all-reduce, not one each (consensus.refused_or_agreed's ``hold``)
     with consensus.refused_or_agreed(comm.process_group(mesh, range(mesh.ndim)), "fully_shard",
-                                     ParallelizeError, AGREED) as agreed:
+                                     ParallelizeError, AGREED, hold=True) as agreed:
         modules = _grouped(module)
         for one in modules:
             if getattr(one, "_devmesh_fsdp", None) is not None:
@@ -92,16 +99,21 @@ def fully_shard(
         one.register_forward_pre_hook(unit.pre_forward, prepend=True, with_kwargs=True)
         one.register_forward_hook(unit.post_forward, always_call=True)
     unit.watch_recomputation(modules)
+    if any(inner is not one and getattr(inner, "_devmesh_fsdp", None) is not None
+           for one in modules for inner in one.modules()):
+        consensus.settle_held()  # the root's call (it holds units made before): setup ends
     return module
 
 
 @contextlib.contextmanager
 def batched_checks() -> Iterator[None]:
     """Collective over the world: the ``fully_shard`` calls inside check their arguments and
-    agree across their ranks once, at the end of the block, instead of one collective per
-    call. A model of hundreds of blocks then pays two small collectives for its setup,
-    where each call would otherwise wait for every rank of its mesh (torch's ``fully_shard``
-    checks nothing across ranks)::
+    agree across their ranks once, at the end of the block. A model of hundreds of blocks
+    then pays two small collectives for its setup, however many meshes its calls use
+    (torch's ``fully_shard`` checks nothing across ranks). Calls outside a block are held
+    and agreed together too, but one mesh at a time (a call over another mesh settles
+    those before it) and where the setup ends by itself: at the root's call, the first
+    forward, or devmesh's next collective::
 
         with batched_checks():
             for block in model.layers:

@@ -638,6 +638,7 @@ class FSDPUnit:
 
     @_torch_compat.eager  # collectives on devmesh's mesh: eager under torch.compile
     def pre_forward(self, module: nn.Module, args: tuple, kwargs: dict):
+        consensus.settle_held()  # the setup's checks held back (the first forward ends it)
         if self._owners is None:  # the places are fixed when the unit is made
             self._owners = list({id(m): m for p in self.params for m, _ in p.places}.values())
         for owner in self._owners:

@@ -22,6 +22,7 @@ from devmesh.mesh import DeviceMesh
 from devmesh.parallel.conversion import KeepsLayouts
 from devmesh.parallel.param import get_layout, sharded_parameter, with_methods
 from devmesh.parallel.placement import place_parameter
+from devmesh.parallel.tensor_parallel.source_values import SourceValues
 from devmesh.parallel.tensor_parallel.styles import ParallelStyle
 from devmesh.tensor import Placement, Shard, ShardingSpec, distribute_tensor
 
@@ -114,8 +115,9 @@ def parallelize_module(
 ) -> nn.Module:
     """Apply tensor-parallel styles to ``module`` (or to submodules by name; ``*`` matches one
     path segment, as in torch) over the 1-D ``device_mesh`` (default: torch's current mesh
-    from ``with mesh:``). ``src_data_rank=None`` keeps each rank's own values instead of
-    broadcasting them first."""
+    from ``with mesh:``). Each split parameter takes rank ``src_data_rank``'s values (sent
+    in buckets of about 32 MB, not one broadcast per parameter as torch's);
+    ``src_data_rank=None`` keeps each rank's own values instead."""
     mesh = _as_devmesh(device_mesh)
     if mesh.ndim != 1:
         raise ParallelizeError(
@@ -142,6 +144,7 @@ def parallelize_module(
     # parameters of the modules they split, so that splitting each of those needs no
     # agreement of its own (distribute_tensor's check: one collective per parameter)
     agreed: set[tuple[int, str]] = set()
+    to_split: list[nn.Parameter] = []
     described = []
     for name, target, style in entries:
         text = f"{name or '(the module)'}: {_describe_style(style)}"
@@ -152,16 +155,19 @@ def parallelize_module(
                    and getattr(p, _REPLACED_BY, None) is None]
             text += "".join(f", {attr} {tuple(p.shape)} {p.dtype}" for attr, p in own)
             agreed.update((id(target), attr) for attr, _ in own)
+            to_split += [p for _, p in own]
         described.append(text)
     consensus.agree(mesh, (0,), "parallelize_module: every rank must apply the same plan "
                     "(its styles, and the shapes and dtypes of the parameters they split)",
                     "; ".join(described))
     aliases = parameter_aliases(module)
+    # the source rank's values of the agreed parameters, in buckets (not one each)
+    sent = SourceValues(to_split, mesh, src_data_rank) if src_data_rank is not None else None
     for name, target, style in entries:
         def distribute(owner: nn.Module, attr: str, placement: Placement,
                        where: str = name, parts: int = 1) -> None:
             _distribute(owner, attr, placement, mesh, aliases, src_data_rank, where,
-                        checked=(id(owner), attr) in agreed, parts=parts)
+                        checked=(id(owner), attr) in agreed, parts=parts, sent=sent)
 
         style.apply(target, mesh, distribute)
         if style.distributes_parameters:
@@ -216,10 +222,12 @@ def _describe_style(style: ParallelStyle) -> str:
 
 def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: DeviceMesh,
                 aliases: dict[int, list[tuple[nn.Module, str]]], src_data_rank: int | None,
-                where: str, checked: bool = False, parts: int = 1) -> None:
+                where: str, checked: bool = False, parts: int = 1,
+                sent: SourceValues | None = None) -> None:
     """Split ``module.attr`` (``checked``: its shape and dtype already agreed on every rank);
     ``parts`` > 1: the placement's dim is ``parts`` equal parts laid end to end (a packed
-    weight), each split over the mesh (see :class:`~devmesh.parallel.param.ParamLayout`)."""
+    weight), each split over the mesh (see :class:`~devmesh.parallel.param.ParamLayout`).
+    ``sent`` holds the source rank's values of the agreed parameters, sent in buckets."""
     param = module._parameters.get(attr)
     if param is None:
         return
@@ -245,10 +253,16 @@ def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: Device
             "module must be split the same way in both (e.g. RowwiseParallel on the embedding "
             "and ColwiseParallel on the tied output projection both split the vocabulary)"
         )
-    whole = param.detach() if view is None else param.detach().reshape(view)
-    sharded = distribute_tensor(whole, mesh, [placement], src_rank=src_data_rank,
+    source = sent.take(param) if sent is not None else None
+    whole = param.detach() if source is None else source
+    whole = whole if view is None else whole.reshape(view)
+    sharded = distribute_tensor(whole, mesh, [placement],
+                                src_rank=src_data_rank if source is None else None,
                                 check=not checked)
     local = sharded.to_local().contiguous()
+    if source is not None and local.untyped_storage().data_ptr() == \
+            source.untyped_storage().data_ptr():
+        local = local.clone()  # not a view of the bucket, which would stay whole
     if view is not None:  # the parts side by side, as the module computes with them
         d = placement.dim
         local = local.reshape(local.shape[:d - 1] + (local.shape[d - 1] * local.shape[d],)
