@@ -203,15 +203,15 @@ def refused_or_agreed(group: dist.ProcessGroup | None, what: str, error_type: ty
     A call made once per module of a model (``fully_shard``) pays one agreement, not two.
 
     With ``hold``, a call that passes its checks does not communicate: its value is held,
-    with those of the calls after it over the same group, until this rank's next
-    communication of devmesh's (:func:`~devmesh.distributed.groups.hold_until_communicating`:
-    the model's first forward, any collective or agreement, a process group made) or a
-    call over another group, and they are all agreed then in one all-reduce (a model's
-    ``fully_shard`` calls cost one agreement, not one each). A rank refused settles at
-    once — its held calls and the refusal in that one all-reduce — and raises; the others
-    find the refusal where they settle theirs, and raise naming it. A refusal beats a
-    disagreement: the refused rank holds fewer calls than the others."""
-    global _held
+    with those of the other calls held over its group, until this rank's next collective
+    of devmesh's (:func:`~devmesh.distributed.groups.hold_until_communicating`: the
+    model's first forward, any collective or agreement, a process group made) or
+    :func:`settle_held` (the root's ``fully_shard``), and then each group's calls are
+    agreed in one all-reduce (a model's ``fully_shard`` calls cost one agreement per mesh,
+    not one each). A rank refused settles at once — every group it holds calls over, the
+    refusal flagged in each — and raises; the others find the refusal where they settle
+    theirs, and raise naming it. A refusal beats a disagreement: the refused rank holds
+    fewer calls than the others."""
     values: list[str] = []
     if _batch is not None:  # batched(): agreed at its end, a refusal raised there everywhere
         yield values
@@ -219,14 +219,12 @@ def refused_or_agreed(group: dist.ProcessGroup | None, what: str, error_type: ty
         return
     error: Exception | None = None
     if hold and dist.is_initialized() and dist.get_world_size(group) > 1:
-        _before_agreeing(group)  # calls held over another group are settled first
-        held = _held if _held is not None else _HeldCalls(group, what, error_type,
-                                                          groups.generation())
+        stops.refuse_if_broken()
         try:
             yield values
         except error_type as exc:
             error = exc
-        _held = held
+        held = _held_over(group, what, error_type)
         if error is not None:
             _settle_held(error)  # raises: this rank's error
         held.calls.append((agreed, values[0] if values else ""))
@@ -256,7 +254,9 @@ def _refused_or_agreed_once(group: dist.ProcessGroup | None, what: str,
     listing = json.dumps([value for _, value in calls]) if held else calls[0][1]
     digest = int.from_bytes(hashlib.blake2b(listing.encode(), digest_size=8).digest(),
                             "little") >> 1
-    with _agreement("the refusal and agreement check (an all-reduce)", group):
+    label = (f"the checks of the {what} calls held until now (an all-reduce)" if held
+             else "the refusal and agreement check (an all-reduce)")
+    with _agreement(label, group):
         device = small_tensor_device(group)
         checked = torch.tensor([int(error is not None), digest, -digest], dtype=torch.int64,
                                device=device)
@@ -281,46 +281,68 @@ def _refused_or_agreed_once(group: dist.ProcessGroup | None, what: str,
 
 @dataclass
 class _HeldCalls:
-    """The calls :func:`refused_or_agreed` holds back (``hold``): all over one group."""
+    """The calls :func:`refused_or_agreed` holds back (``hold``) over one group."""
 
     group: dist.ProcessGroup | None
     what: str
     error_type: type[Exception]
-    generation: int  # the world's: a world destroyed since has nothing to settle
     calls: list[tuple[str, str]] = field(default_factory=list)  # what each agrees on, value
 
 
-_held: _HeldCalls | None = None
+# the calls held back, a group at a time in the order of their first call, and the world's
+# generation they were held in (a world destroyed since has nothing to settle)
+_held: list[_HeldCalls] = []
+_held_in = -1
+
+
+def _held_over(group: dist.ProcessGroup | None, what: str,
+               error_type: type[Exception]) -> _HeldCalls:
+    global _held_in
+    if _held_in != groups.generation():
+        _held.clear()
+        _held_in = groups.generation()
+    for held in _held:
+        if held.group is group:
+            return held
+    _held.append(_HeldCalls(group, what, error_type))
+    return _held[-1]
 
 
 def _settle_held(error: Exception | None = None) -> None:
-    """Agree on the calls held back, over their group, raising on every rank what a rank
-    refused (``error`` on this one) or the first call whose values differ."""
-    global _held
-    held, _held = _held, None
-    if held is None or held.generation != groups.generation():
-        if error is not None:
-            raise error
-        return
-    stops.refuse_if_broken()
-    _refused_or_agreed_once(held.group, held.what, held.error_type, held.calls, error,
-                            held=True)
+    """Agree on the calls held back, each group's in one all-reduce, in the order the
+    groups were first used (the same on each of a group's ranks: they made the same calls).
+    Every group is settled before anything is raised — a rank raising at its first group
+    would leave the others of its later groups waiting — then this rank's own ``error``,
+    else the first refusal or disagreement a group found, is raised."""
+    from devmesh.errors import MeshMismatchError
+
+    held = [] if _held_in != groups.generation() else list(_held)
+    _held.clear()
+    found: Exception | None = error
+    for entry in held:
+        stops.refuse_if_broken()
+        try:
+            _refused_or_agreed_once(entry.group, entry.what, entry.error_type, entry.calls,
+                                    error, held=True)
+        except (entry.error_type, MeshMismatchError) as exc:
+            found = found or exc
+    if found is not None:
+        raise found
 
 
 def settle_held() -> None:
     """Agree now on the calls :func:`refused_or_agreed` holds back (``hold``), raising on
     every rank what one refused or where they differ: where a model's setup ends (its
-    root's ``fully_shard``, its first forward). Collective over their group, when any are
+    root's ``fully_shard``, its first forward). Collective over their groups, when any are
     held; nothing otherwise."""
     groups.settle_held()
     _settle_held()
 
 
-def _before_agreeing(group: dist.ProcessGroup | None | object = ...) -> None:
-    """Before an agreement (over ``group``, when given: calls held over it stay held):
-    settle the calls held back, and refuse if the world is out of step."""
-    if _held is not None and (group is ... or _held.group is not group
-                              or _held.generation != groups.generation()):
+def _before_agreeing() -> None:
+    """Before an agreement: settle the calls held back, and refuse if the world is out of
+    step."""
+    if _held:
         settle_held()
     stops.refuse_if_broken()
 

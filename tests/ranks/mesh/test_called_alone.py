@@ -138,6 +138,7 @@ def called_on_rank_0_only(path: str, rank_1_exits: bool):
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), timeout=3)
     model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
     fully_shard(model, mesh=mesh)
+    consensus.settle_held()  # the setup's checks agreed on both ranks (a first forward would)
     if mesh.get_rank() == 1:
         if not rank_1_exits:  # busy until rank 0 has its errors
             stay_away_until_reported(os.path.dirname(path), (0,))

@@ -324,9 +324,10 @@ def test_arguments_one_rank_passes_differently_to_a_models_calls_are_refused_on_
             assert "ranks 0:" in message and "ranks 1:" in message, message
 
 
-def a_refusal_held_back():
-    """Rank 1 refused at block 2 of 8; rank 0 shards on, then enters a collective before
-    any root call: what each raised."""
+def a_refusal_held_back(meshes: int):
+    """Rank 1 refused at block 3 of 8; rank 0 shards on, then enters a collective before
+    any root call: what each raised. With two meshes (another process group over the same
+    ranks), the blocks alternate between them, as a model's experts and dense layers do."""
     import torch
     from torch import nn
 
@@ -334,21 +335,25 @@ def a_refusal_held_back():
     from devmesh.parallel import fully_shard
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",), timeout=20)
+    other = init_device_mesh("cpu", (2,), mesh_dim_names=("ep",), timeout=21)
+    assert other.get_group() is not mesh.get_group()
     model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
     refused = dist_rank() == 1
 
     def setup():
         for i, block in enumerate(model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=3 if refused and i == 2 else True)
+            fully_shard(block, mesh=other if meshes == 2 and i % 2 else mesh,
+                        reshard_after_forward=3 if refused and i == 3 else True)
         comm.all_reduce(torch.ones(1), mesh, (0,))
     return _catch(setup)
 
 
-def test_a_refusal_held_back_is_raised_before_the_next_collective(mesh_pool):
-    """Rank 1 is refused at block 2 and leaves; rank 0 goes on sharding and then calls a
+@pytest.mark.parametrize("meshes", [1, 2])
+def test_a_refusal_held_back_is_raised_before_the_next_collective(mesh_pool, meshes):
+    """Rank 1 is refused at block 3 and leaves; rank 0 goes on sharding and then calls a
     collective rank 1 would never join: the held checks are settled first, and it raises
     naming rank 1's refusal instead of waiting in that collective."""
-    on_0, on_1 = mesh_pool.run(a_refusal_held_back, 2)
+    on_0, on_1 = mesh_pool.run(a_refusal_held_back, 2, meshes)
     assert on_1[0] == "ParallelizeError" and "not 3" in on_1[1], on_1
     assert on_0[0] == "ParallelizeError" and (
         "fully_shard was refused on other ranks — rank 1:" in on_0[1]), on_0

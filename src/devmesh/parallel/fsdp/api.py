@@ -111,9 +111,8 @@ def batched_checks() -> Iterator[None]:
     agree across their ranks once, at the end of the block. A model of hundreds of blocks
     then pays two small collectives for its setup, however many meshes its calls use
     (torch's ``fully_shard`` checks nothing across ranks). Calls outside a block are held
-    and agreed together too, but one mesh at a time (a call over another mesh settles
-    those before it) and where the setup ends by itself: at the root's call, the first
-    forward, or devmesh's next collective::
+    and agreed together too (one all-reduce per mesh they use), where the setup ends by
+    itself: at the root's call, the first forward, or devmesh's next collective::
 
         with batched_checks():
             for block in model.layers:
