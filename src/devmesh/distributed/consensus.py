@@ -316,6 +316,8 @@ def _settle_held(error: Exception | None = None) -> None:
     else the first refusal or disagreement a group found, is raised."""
     from devmesh.errors import MeshMismatchError
 
+    if not _held and error is None:  # every unit's forward asks: nothing held, no cost
+        return
     held = [] if _held_in != groups.generation() else list(_held)
     _held.clear()
     found: Exception | None = error

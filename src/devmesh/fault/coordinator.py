@@ -175,11 +175,11 @@ class Coordinator:
                 self._log.info("step %d aborted in round %d: it is retried without the "
                                "groups that failed", quorum.step, round_)
             absent = (set(quorum.members) - set(self._joined(round_))) if aborted else set()
+            # (none joined it: they are waited for a timeout from now)
+            absent_since = self._first_spoken or time.monotonic()
             if aborted:  # its healers got none of the committed steps: they hold nothing
                 # (the source, never a healer, stays: members is never emptied here)
                 members = {g: pids for g, pids in members.items() if g not in quorum.healers}
-            # (none joined it: they are waited for a timeout from now)
-            absent_since = self._first_spoken or time.monotonic()
             following = self._next_quorum(round_, quorum, members) if not aborted else None
             if following is not None:
                 self._store.set(protocol.quorum_key(round_ + 1), following.encode())

@@ -59,3 +59,42 @@ def test_a_models_setup_costs_one_agreement_and_its_split_parameters_one_bucket(
         # one bucket
         assert counts["broadcasts"] == 1, counts
         assert counts["parallelize_module"] == 1 + 2, counts     # + refusal + plan
+
+
+def split_from_differently_initialised_ranks(bucket_bytes: int) -> bool:
+    """Each rank builds the model from its own seed; ``parallelize_module`` (buckets of
+    ``bucket_bytes``: several per model, and parameters larger than one) must leave every
+    rank holding its block of rank 0's values — a float64 layer beside float32 ones."""
+    from devmesh.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from devmesh.parallel.tensor_parallel import source_values
+
+    def build(seed: int) -> nn.Sequential:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8).double(),
+                             nn.Linear(8, 6), nn.Linear(6, 8))
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    rank = mesh.get_local_rank(0)
+    default, source_values.BUCKET_BYTES = source_values.BUCKET_BYTES, bucket_bytes
+    try:
+        model = parallelize_module(build(rank), mesh, {"0": ColwiseParallel(),
+                                                       "2": RowwiseParallel(),
+                                                       "3": ColwiseParallel(),
+                                                       "4": RowwiseParallel()})
+    finally:
+        source_values.BUCKET_BYTES = default
+    want = build(0)
+    for (name, got), (_, whole) in zip(model.named_parameters(), want.named_parameters(),
+                                       strict=True):
+        block = got.to_local() if hasattr(got, "to_local") else got
+        dim = 0 if name.startswith(("0.", "3.")) else (1 if name.endswith("weight") else None)
+        expected = whole if dim is None else whole.chunk(2, dim)[rank]
+        if block.dtype != whole.dtype or not torch.equal(block.detach(), expected):
+            return False
+    return True
+
+
+def test_split_parameters_take_the_source_ranks_values_bucket_by_bucket(mesh_pool):
+    for bucket_bytes in (200, 1 << 25):  # many buckets (one weight larger than any); one
+        assert mesh_pool.run(split_from_differently_initialised_ranks, 2, bucket_bytes) == \
+            [True, True]

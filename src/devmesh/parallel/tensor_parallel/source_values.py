@@ -13,6 +13,7 @@ besides the model.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable
 
 import torch
@@ -34,8 +35,8 @@ class SourceValues:
 
     def __init__(self, params: Iterable[torch.Tensor], mesh: DeviceMesh, src: int) -> None:
         device = comm.mesh_device(mesh)
-        self._queue = list({id(p): p for p in params if p.device == device
-                            and not p.is_sparse}.values())
+        self._queue = deque({id(p): p for p in params if p.device == device
+                             and not p.is_sparse}.values())
         self._waiting = {id(p) for p in self._queue}
         self._received: dict[int, torch.Tensor] = {}
         self._mesh, self._src, self._device = mesh, src, device
@@ -53,10 +54,11 @@ class SourceValues:
     def _send_next_bucket(self) -> None:
         bucket, size = [], 0
         while self._queue and (not bucket or size + self._queue[0].nbytes <= BUCKET_BYTES):
-            param = self._queue.pop(0)
+            param = self._queue.popleft()
             bucket.append((param, size))
             size += -(-param.nbytes // _ALIGN) * _ALIGN
-        buffer = torch.zeros(size, dtype=torch.uint8, device=self._device)
+        # (the padding between parameters is never read: it need not be zeroed)
+        buffer = torch.empty(size, dtype=torch.uint8, device=self._device)
         if self._mesh.get_local_rank(0) == self._src:
             for param, offset in bucket:
                 buffer[offset: offset + param.nbytes] = _as_bytes(param.detach())
