@@ -50,3 +50,33 @@ def test_a_process_with_the_thread_running_exits_0(script):
         done = subprocess.run([sys.executable, "-c", textwrap.dedent(script)],
                               capture_output=True, text=True, timeout=60)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_the_exit_handler_waits_while_another_thread_is_runnable(monkeypatch):
+    """On a loaded machine, a gloo thread woken for the GIL may wait longer than the handler's
+    first moment for a core; the handler then waits on while a thread is runnable. A thread
+    hashing without the GIL stands in for it here (runnable throughout)."""
+    import hashlib
+    import threading
+    import time
+
+    from devmesh import _exit
+
+    monkeypatch.setitem(sys.modules, "torch.distributed", sys)  # the handler acts with torch only
+    data = bytes(8 << 20)
+    until = time.monotonic() + 0.4
+
+    def hash_until():
+        while time.monotonic() < until:
+            hashlib.sha256(data).digest()  # releases the GIL for buffers of this size
+
+    thread = threading.Thread(target=hash_until)
+    thread.start()
+    time.sleep(0.05)
+    assert _exit._another_thread_runnable()
+    start = time.monotonic()
+    _exit._settle()
+    waited = time.monotonic() - start
+    thread.join()
+    assert waited >= 0.25 and waited < _exit._MOST_SECONDS + 0.5, waited
+    assert not _exit._another_thread_runnable()
