@@ -30,6 +30,7 @@ from devmesh.errors import ParallelizeError
 from devmesh.mesh import DeviceMesh
 from devmesh.parallel.param import is_dtensor
 from devmesh.parallel.tensor_parallel import functional as PF
+from devmesh.parallel.tensor_parallel.shared_inputs import converted_once
 from devmesh.tensor import Partial, Placement, Replicate, Shard, ShardedTensor, as_placement
 
 if TYPE_CHECKING:  # imported on first use: torch.distributed.tensor costs ~0.6 s to import
@@ -118,17 +119,19 @@ def _same(a: Placement, b: Placement, ndim: int) -> bool:
 
 def replicated_input(x, have: Placement, mesh: DeviceMesh) -> torch.Tensor:
     """The whole activation on every rank, for a consumer with column-sharded weights (whose
-    input gradient is a partial sum over the TP ranks)."""
+    input gradient is a partial sum over the TP ranks). Modules reading one input share its
+    conversion (:mod:`.shared_inputs`): its gradient is reduced once for all of them."""
     if is_global(x):
         dt = as_dtensor(x, mesh, have)
         if not dt.placements[0].is_replicate():
             dt = dt.redistribute(mesh, [to_torch_placement(Replicate())])
         return dt.to_local(grad_placements=[to_torch_placement(Partial())])
-    if isinstance(have, Shard):
-        return PF.gather_for_parallel(x, mesh, have.dim)  # backward: one reduce-scatter
+    if isinstance(have, Shard):  # backward: one reduce-scatter
+        return converted_once(x, mesh, have, lambda: PF.gather_for_parallel(x, mesh, have.dim))
     if isinstance(have, Partial):
-        return PF.copy_to_parallel(PF.reduce_from_parallel(x, mesh), mesh)
-    return PF.copy_to_parallel(x, mesh)  # backward: one all-reduce
+        return converted_once(x, mesh, have, lambda: PF.copy_to_parallel(
+            PF.reduce_from_parallel(x, mesh), mesh))
+    return converted_once(x, mesh, have, lambda: PF.copy_to_parallel(x, mesh))  # one all-reduce
 
 
 def sharded_input(x, have: Placement, want: Shard, mesh: DeviceMesh,
