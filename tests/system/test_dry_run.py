@@ -480,3 +480,22 @@ def test_the_allowance_is_stated_and_can_be_changed():
     for bad in ("cache=20", "cache=-5%", "fragmentation=5%", "context=lots"):
         with pytest.raises(DryRunError, match="is not cache=PERCENT%"):
             parse_allowance(bad)
+
+
+@pytest.mark.parametrize("row", ["t1", "t5a"])
+def test_a_published_jobs_memory_is_predicted_within_10_percent(row):
+    """bench/published_jobs.py's rows against torchtitan's published peak memory: table 1
+    (8B, FSDP 8) and table 5's 1F1B row (405B, PP 8 x FSDP 8 x TP 8), run as torchtitan then
+    split its step, one micro-batch per stage (with 32 micro-batches of one sequence, the
+    dry run held 0.76 of the published)."""
+    import pathlib
+    import subprocess
+    import sys
+
+    bench = pathlib.Path(__file__).parents[2] / "bench" / "published_jobs.py"
+    done = subprocess.run([sys.executable, str(bench), "--only", row], capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    line = next(line for line in done.stdout.splitlines() if line.startswith(row + " "))
+    memory_ratio = float(line.split()[3])
+    assert 0.9 <= memory_ratio <= 1.1, line
