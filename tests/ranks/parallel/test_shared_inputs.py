@@ -90,7 +90,7 @@ def test_modules_reading_one_input_reduce_its_gradient_once(mesh_pool, sequence_
             assert r["backward"]["all_reduce"][0] == 1, r
 
 
-def forward_changed_in_place():
+def forward_changed_in_place(inference: bool = False):
     from devmesh.parallel import parallelize_module
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
@@ -100,7 +100,8 @@ def forward_changed_in_place():
     parallelize_module(model, mesh, _plan(sequence_parallel=True))
     x = torch.randn(2, 4, DIM, dtype=torch.float64)
     rank = mesh.get_rank()
-    with torch.no_grad(), comm_stats() as forward:
+    mode = torch.inference_mode() if inference else torch.no_grad()
+    with mode, comm_stats() as forward:
         y = model(x.chunk(2, dim=1)[rank])
     with torch.no_grad():
         expected = reference(x).chunk(2, dim=1)[rank]
@@ -145,3 +146,11 @@ def test_a_transformers_llama_under_its_tp_plan_reduces_two_gradients_a_layer(me
     for forward, backward, layers in mesh_pool.run(llama_tp_collectives, 2):
         assert backward["all_reduce"][0] == 2 * layers + 1, backward
         assert forward["all_reduce"][0] == 2 * layers + 1, forward
+
+
+def test_an_inference_tensor_is_gathered_for_each_reader(mesh_pool):
+    """An inference tensor keeps no version, so a change cannot be seen: each module gathers
+    it (before, asking its version raised under ``torch.inference_mode()``)."""
+    for forward, right in mesh_pool.run(forward_changed_in_place, 2, True):
+        assert right
+        assert forward["all_gather"][0] == 3, forward

@@ -13,7 +13,8 @@ gathered once instead of once per module).
 
 Only the latest conversion is remembered: the modules reading one input run one after another.
 It is reused only for the same tensor object, unchanged since (its version), converted the
-same way over the same mesh, with the same grad mode. The converted tensor is held only while
+same way over the same mesh, with the same grad mode (an inference tensor, which keeps no
+version, is converted for each module). The converted tensor is held only while
 the input's Python object lives (a weak reference to the input drops it): the modules' forward,
 not the step.
 """
@@ -54,6 +55,8 @@ def converted_once(x: torch.Tensor, mesh: DeviceMesh, how: object,
                    convert: Callable[[], torch.Tensor]) -> torch.Tensor:
     """``convert()``'s result for ``x``, or the one already made for this very ``x`` (unchanged,
     over ``mesh``, converted as ``how`` says, same grad mode) by the module before."""
+    if x.is_inference():  # keeps no version to tell a change by: converted for each module
+        return convert()
     key = (id(mesh), how, torch.is_grad_enabled())
     latest = _latest
     result = latest.result
