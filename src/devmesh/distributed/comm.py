@@ -282,7 +282,7 @@ def all_gather_async(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]
     out = torch.empty((g.size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
     watch = _watch("all_gather", mesh, dims, g)
     with watch.guard():
-        if exchange.usable(out, g.group, out.numel() * out.element_size()):
+        if exchange.usable("all_gather", out, g.group, out.numel() * out.element_size()):
             work = exchange.all_gather(_on_wire(out), _on_wire(tensor.reshape(-1)), g.group)
         else:
             work = dist.all_gather_single(_on_wire(out), _on_wire(tensor.reshape(-1)),
@@ -313,7 +313,7 @@ def reduce_scatter(
     watch = _watch("reduce_scatter", mesh, dims, g)
     nbytes = stacked.numel() * stacked.element_size()
     with watch.guard():
-        if exchange.usable(stacked, g.group, nbytes, _OPS[op]):
+        if exchange.usable("reduce_scatter", stacked, g.group, nbytes, _OPS[op]):
             work, reduce = exchange.reduce_scatter(out, stacked, _OPS[op], g.group)
             stops.wait(work, watch, polled=True)
             reduce()
@@ -345,8 +345,8 @@ def all_reduce(
 
 
 def _by_exchange(tensor: torch.Tensor, g: _Group, op: str) -> bool:
-    return tensor.is_contiguous() and exchange.usable(tensor, g.group, _nbytes(tensor),
-                                                      _OPS[op])
+    return tensor.is_contiguous() and exchange.usable("all_reduce", tensor, g.group,
+                                                      _nbytes(tensor), _OPS[op])
 
 
 def all_reduce_async(

@@ -20,9 +20,9 @@ The results are gloo's bit for bit: each element is combined in the order gloo's
 all-reduce leaves every replica the same bits. (gloo's reduce-scatter is its all-reduce of the
 whole tensor, sliced: the same order.)
 
-Used for CPU tensors on gloo groups up to :data:`MOST_BYTES` (beyond it the transient buffers
-of a whole tensor's size cost more than the ring's latency saves: the two take about the same
-time at 25 MiB); everything else goes to torch's collectives unchanged.
+Used for CPU tensors on gloo groups up to :data:`MOST_BYTES` (beyond it the ring is as fast,
+without the exchange's buffer of the whole tensor's size); everything else goes to torch's
+collectives unchanged.
 """
 
 from __future__ import annotations
@@ -32,12 +32,15 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["MOST_BYTES", "WHOLE_BYTES", "usable", "reduce_scatter", "all_gather",
-           "all_reduce_start", "all_reduce"]
+from devmesh import _torch_compat
 
-#: The largest tensor (an all-gather's output, a reduce-scatter's input, an all-reduce's
-#: tensor) sent by exchange; larger ones go through gloo's ring.
-MOST_BYTES = 16 << 20
+__all__ = ["MOST_BYTES", "WHOLE_BYTES", "usable", "reduce_scatter", "all_gather",
+           "all_reduce_start", "all_reduce", "all_reduce_over"]
+
+#: The largest tensor sent by exchange (an all-gather's output, a reduce-scatter's input, an
+#: all-reduce's tensor); larger ones go through gloo's ring, which is as fast or faster there
+#: (measured: ``bench/gloo_collectives.py``), without a second buffer of the tensor's size.
+MOST_BYTES = {"reduce_scatter": 16 << 20, "all_gather": 4 << 20, "all_reduce": 4 << 20}
 #: An all-reduce whose n copies fit in this many bytes is one exchange of the whole tensor.
 WHOLE_BYTES = 1 << 20
 
@@ -84,12 +87,13 @@ def _is_gloo(group: dist.ProcessGroup) -> bool:
         return False
 
 
-def usable(tensor: torch.Tensor, group: dist.ProcessGroup, nbytes: int,
+def usable(collective: str, tensor: torch.Tensor, group: dist.ProcessGroup, nbytes: int,
            op: dist.ReduceOp | None = None) -> bool:
-    """Whether a collective moving ``nbytes`` of ``tensor`` over ``group`` goes by exchange:
-    a dense CPU tensor on a gloo group, at most :data:`MOST_BYTES`, and for a reduction a
-    sum, maximum or minimum of one of the reduced dtypes."""
-    if tensor.device.type != "cpu" or tensor.is_sparse or not 0 < nbytes <= MOST_BYTES:
+    """Whether ``collective`` moving ``nbytes`` of ``tensor`` over ``group`` goes by
+    exchange: a dense CPU tensor on a gloo group, at most :data:`MOST_BYTES`, and for a
+    reduction a sum, maximum or minimum of one of the reduced dtypes."""
+    if (tensor.device.type != "cpu" or tensor.is_sparse
+            or not 0 < nbytes <= MOST_BYTES[collective]):
         return False
     if op is not None and (op not in (*_ORDERED, *_EXACT) or tensor.dtype not in _REDUCIBLE):
         return False
@@ -155,3 +159,15 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup
     _reduce(op, received.view(n, per), mine, dist.get_rank(group) * per, flat.numel())
     wait(all_gather(blocks, mine, group))
     flat.copy_(blocks[:flat.numel()])
+
+
+def all_reduce_over(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,
+                    group: dist.ProcessGroup | None = None) -> None:
+    """``dist.all_reduce(tensor, op, group)``, by exchange where it can go so (the agreements
+    and checks of a checkpoint, whose few dozen integers gloo's ring takes ~20 ms for)."""
+    group = group if group is not None else _torch_compat.default_group()
+    nbytes = tensor.numel() * tensor.element_size()
+    if tensor.is_contiguous() and usable("all_reduce", tensor, group, nbytes, op):
+        all_reduce(tensor, op, group, lambda work: work.wait())
+    else:
+        dist.all_reduce(tensor, op=op, group=group)
