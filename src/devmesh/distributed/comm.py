@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from devmesh._log import get_logger
-from devmesh.distributed import groups, stops
+from devmesh.distributed import exchange, groups, stops
 from devmesh.distributed.timeouts import Watch
 
 if TYPE_CHECKING:
@@ -282,8 +282,11 @@ def all_gather_async(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int]
     out = torch.empty((g.size * tensor.numel(),), dtype=tensor.dtype, device=tensor.device)
     watch = _watch("all_gather", mesh, dims, g)
     with watch.guard():
-        work = dist.all_gather_single(_on_wire(out), _on_wire(tensor.reshape(-1)),
-                                       group=g.group, async_op=True)
+        if exchange.usable("all_gather", out, g.group, out.numel() * out.element_size()):
+            work = exchange.all_gather(_on_wire(out), _on_wire(tensor.reshape(-1)), g.group)
+        else:
+            work = dist.all_gather_single(_on_wire(out), _on_wire(tensor.reshape(-1)),
+                                           group=g.group, async_op=True)
     _record("all_gather", mesh, dims, out.numel() * out.element_size())
 
     def finish() -> torch.Tensor:
@@ -308,11 +311,17 @@ def reduce_scatter(
     stacked = stacked.contiguous()
     out = torch.empty(stacked.shape[1:], dtype=stacked.dtype, device=stacked.device)
     watch = _watch("reduce_scatter", mesh, dims, g)
+    nbytes = stacked.numel() * stacked.element_size()
     with watch.guard():
-        work = dist.reduce_scatter_single(out.view(-1), stacked.view(-1), op=_OPS[op],
-                                          group=g.group, async_op=True)
-        stops.wait(work, watch, polled=out.device.type == "cpu")
-    _record("reduce_scatter", mesh, dims, stacked.numel() * stacked.element_size())
+        if exchange.usable("reduce_scatter", stacked, g.group, nbytes, _OPS[op]):
+            work, reduce = exchange.reduce_scatter(out, stacked, _OPS[op], g.group)
+            stops.wait(work, watch, polled=True)
+            reduce()
+        else:
+            work = dist.reduce_scatter_single(out.view(-1), stacked.view(-1), op=_OPS[op],
+                                              group=g.group, async_op=True)
+            stops.wait(work, watch, polled=out.device.type == "cpu")
+    _record("reduce_scatter", mesh, dims, nbytes)
     if op == "avg":
         out /= g.size
     return out
@@ -322,7 +331,22 @@ def all_reduce(
     tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], op: str = "sum"
 ) -> torch.Tensor:
     """All-reduce ``tensor`` in place over the flattened group of ``dims``; returns it."""
-    return all_reduce_async(tensor, mesh, dims, op).wait()
+    g = _group(mesh, dims)
+    if g.size == 1 or not _by_exchange(tensor, g, op):
+        return all_reduce_async(tensor, mesh, dims, op).wait()
+    watch = _watch("all_reduce", mesh, dims, g)
+    with watch.guard():
+        exchange.all_reduce(tensor, _OPS[op], g.group,
+                            lambda work: stops.wait(work, watch, polled=True))
+    _record("all_reduce", mesh, dims, _nbytes(tensor))
+    if op == "avg":
+        tensor.div_(g.size)
+    return tensor
+
+
+def _by_exchange(tensor: torch.Tensor, g: _Group, op: str) -> bool:
+    return tensor.is_contiguous() and exchange.usable("all_reduce", tensor, g.group,
+                                                      _nbytes(tensor), _OPS[op])
 
 
 def all_reduce_async(
@@ -335,11 +359,19 @@ def all_reduce_async(
     if g.size == 1:
         return Pending(None, lambda: tensor)
     watch = _watch("all_reduce", mesh, dims, g)
+    reduce = None
     with watch.guard():
-        work = dist.all_reduce(tensor, op=_OPS[op], group=g.group, async_op=True)
+        started = (exchange.all_reduce_start(tensor, _OPS[op], g.group)
+                   if _by_exchange(tensor, g, op) else None)
+        if started is not None:  # small: one exchange, reduced here once it is done
+            work, reduce = started
+        else:
+            work = dist.all_reduce(tensor, op=_OPS[op], group=g.group, async_op=True)
     _record("all_reduce", mesh, dims, _nbytes(tensor))
 
     def finish() -> torch.Tensor:
+        if reduce is not None:
+            reduce()
         if op == "avg":
             tensor.div_(g.size)
         return tensor

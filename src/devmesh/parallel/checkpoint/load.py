@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from devmesh._log import get_logger
-from devmesh.distributed import comm, consensus
+from devmesh.distributed import comm, consensus, exchange
 from devmesh.errors import CheckpointError, CheckpointNotFoundError, StateDictError
 from devmesh.parallel.checkpoint import legacy
 from devmesh.parallel.checkpoint.encoding import Malformed, decode
@@ -260,7 +260,7 @@ def _unloaded(saved: list[str], model: nn.Module) -> list[str]:
         return [name for name in saved if name not in mine]
     loaded = torch.tensor([name in mine for name in saved], dtype=torch.int32,
                           device=comm.small_tensor_device(None))
-    dist.all_reduce(loaded, op=dist.ReduceOp.MAX)
+    exchange.all_reduce_over(loaded, dist.ReduceOp.MAX)
     return [name for name, flag in zip(saved, loaded.tolist(), strict=True) if not flag]
 
 

@@ -39,7 +39,7 @@ from torch import nn
 from devmesh._files import TMP_SUFFIX, atomic_file
 from devmesh._log import get_logger
 from devmesh._progress import Progress, bytes_text
-from devmesh.distributed import comm, consensus, groups
+from devmesh.distributed import comm, consensus, exchange, groups
 from devmesh.errors import CheckpointError
 from devmesh.layout import format_ranks
 from devmesh.parallel.checkpoint.blocks import (Block, Placed, TensorLayout, distinct_blocks,
@@ -423,7 +423,7 @@ def _refuse_differing_replicas(placed: list[Placed], local: dict[str, torch.Tens
     mine.append(secrets.randbits(63))  # the save id: the largest proposal
     mine.append(int(failure is not None))  # last: did any rank fail to digest its blocks
     extremes = torch.tensor(mine, dtype=torch.int64, device=comm.small_tensor_device(group))
-    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    exchange.all_reduce_over(extremes, dist.ReduceOp.MAX, group)
     if failure is not None:
         raise failure
     if int(extremes[-1]):
@@ -575,7 +575,7 @@ def _checksums_on_every_rank(placed: list[Placed], written: dict[int, list[int]]
         at += n
     slots[-1] = int(failed)
     if group is not None:  # the same slots on every rank: from the placement
-        dist.all_reduce(slots, group=group)
+        exchange.all_reduce_over(slots, group=group)
     values = slots.tolist()
     out, at = [], 0
     for n in counts:
