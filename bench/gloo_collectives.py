@@ -1,8 +1,8 @@
 """devmesh's collectives over gloo against torch's, on the same ranks and tensors.
 
-devmesh sends a reduce-scatter, an all-gather or an all-reduce of a CPU tensor up to 16 MiB
-as one ``all_to_all_single`` exchange (two for a larger all-reduce) and combines the pieces
-in gloo's own order (:mod:`devmesh.distributed.exchange`); torch's collectives run gloo's
+devmesh sends a reduce-scatter (up to 16 MiB), an all-gather or an all-reduce (up to 4 MiB)
+of a CPU tensor as one ``all_to_all_single`` exchange (two for an all-reduce whose copies
+exceed 1 MiB) and combines the pieces in gloo's own order (:mod:`devmesh.distributed.exchange`); torch's collectives run gloo's
 ring. For each collective and size (the whole tensor's bytes: an all-gather's output, a
 reduce-scatter's input), 8 gloo ranks time devmesh's ``comm`` call and torch's
 ``torch.distributed`` call alternately, each after a barrier, and print the slowest rank's

@@ -27,6 +27,7 @@ collectives unchanged.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -44,25 +45,41 @@ MOST_BYTES = {"reduce_scatter": 16 << 20, "all_gather": 4 << 20, "all_reduce": 4
 #: An all-reduce whose n copies fit in this many bytes is one exchange of the whole tensor.
 WHOLE_BYTES = 1 << 20
 
+def _transport(fn: Callable) -> Callable:
+    """Run ``fn`` as the transport's own work, unseen by torch dispatch modes: its buffers
+    are the exchange's scratch, as gloo's ring and NCCL keep theirs inside the backend, so
+    the dry run's count of what a step holds (:mod:`devmesh.tools.dry_run.live`), made
+    under NCCL's collectives, is what a real step on gloo holds too."""
+    @functools.wraps(fn)
+    def unseen(*args, **kwargs):
+        with _torch_compat.disable_current_modes():
+            return fn(*args, **kwargs)
+    return unseen
+
+
 _ORDERED = {dist.ReduceOp.SUM: torch.Tensor.add_}
 _EXACT = {dist.ReduceOp.MAX: torch.amax, dist.ReduceOp.MIN: torch.amin}
 
 
+@_transport
 @torch.no_grad()  # as gloo's: a tensor that requires grad (create_graph) is written in place
 def _reduce(op: dist.ReduceOp, received: torch.Tensor, out: torch.Tensor, start: int,
             total: int) -> None:
-    """Combine ``received`` (``(n, m)``: each rank's values of elements ``start`` to
-    ``start + m`` of a ``total``-element tensor, in group rank order) into ``out`` as gloo's
-    ring all-reduce does, bit for bit: it cuts the tensor into ``2n`` pieces of
+    """Combine ``received`` (``n`` blocks of ``out``'s ``m`` elements: each rank's values of
+    elements ``start`` to ``start + m`` of a ``total``-element tensor, in group rank order)
+    into ``out`` as gloo's ring all-reduce does, bit for bit: it cuts the tensor into ``2n`` pieces of
     ``ceil(total / 2n)`` elements, and the ``c``-th pair of pieces is summed starting from
     rank ``c - 1`` and going down the ring (``x[c-1] + x[c-2] + ... + x[c]``, indices mod
     ``n``), one rounding per addition. Maxima and minima need no order. (Products and the
     other ops go to gloo.)"""
+    out = out.view(-1)
+    m = out.numel()
+    received = received.view(-1, m)  # (views made here, unseen too: see _transport)
     if op in _EXACT:
         _EXACT[op](received, 0, out=out)
         return
     combine = _ORDERED[op]
-    n, m = received.shape
+    n = received.shape[0]
     span = 2 * -(-total // (2 * n))
     for c in range(n):
         lo, hi = max(start, c * span), min(start + m, (c + 1) * span)
@@ -100,6 +117,7 @@ def usable(collective: str, tensor: torch.Tensor, group: dist.ProcessGroup, nbyt
     return _is_gloo(group)
 
 
+@_transport
 def reduce_scatter(out: torch.Tensor, blocks: torch.Tensor, op: dist.ReduceOp,
                    group: dist.ProcessGroup) -> tuple[object, Callable[[], None]]:
     """Start reducing ``blocks`` (contiguous, shape ``(n, *out.shape)``, block ``j`` for the
@@ -108,11 +126,11 @@ def reduce_scatter(out: torch.Tensor, blocks: torch.Tensor, op: dist.ReduceOp,
     received = torch.empty_like(blocks)
     work = dist.all_to_all_single(received.view(-1), blocks.view(-1), group=group,
                                   async_op=True)
-    n, mine = blocks.shape[0], dist.get_rank(group)
-    m = out.numel()
-    return work, lambda: _reduce(op, received.view(n, m), out.view(-1), mine * m, n * m)
+    n, m = blocks.shape[0], out.numel()
+    return work, functools.partial(_reduce, op, received, out, dist.get_rank(group) * m, n * m)
 
 
+@_transport
 def all_gather(out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup) -> object:
     """Start gathering every rank's ``block`` into ``out`` (flat, the group's size times
     ``block``'s elements, in rank order); returns the exchange's work."""
@@ -121,6 +139,7 @@ def all_gather(out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup)
     return dist.all_to_all_single(out.view(-1), sent.view(-1), group=group, async_op=True)
 
 
+@_transport
 def all_reduce_start(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup
                      ) -> tuple[object, Callable[[], None]] | None:
     """Start an in-place all-reduce of a small ``tensor`` (contiguous) in one exchange: its
@@ -132,9 +151,10 @@ def all_reduce_start(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.Proces
     flat = tensor.detach().view(-1)
     received = torch.empty(n * flat.numel(), dtype=flat.dtype)
     work = all_gather(received, flat, group)
-    return work, lambda: _reduce(op, received.view(n, -1), flat, 0, flat.numel())
+    return work, functools.partial(_reduce, op, received, flat, 0, flat.numel())
 
 
+@_transport
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup,
                wait: Callable[[object], None]) -> None:
     """All-reduce ``tensor`` (contiguous) in place: one exchange if it is small
@@ -156,7 +176,7 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup
     wait(dist.all_to_all_single(received, blocks, group=group, async_op=True))
     mine = torch.empty(per, dtype=flat.dtype)
     # this rank's elements in the order gloo sums the whole tensor (not the padded one's)
-    _reduce(op, received.view(n, per), mine, dist.get_rank(group) * per, flat.numel())
+    _reduce(op, received, mine, dist.get_rank(group) * per, flat.numel())
     wait(all_gather(blocks, mine, group))
     flat.copy_(blocks[:flat.numel()])
 
