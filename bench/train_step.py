@@ -6,6 +6,10 @@ strategy) runs in fresh processes so that peak RSS (``ru_maxrss``) belongs to th
 Prints the slowest rank's median step time, the ratio devmesh / torch, and peak RSS.
 
     .venv/bin/python bench/train_step.py [--steps 5] [--strategies ddp,fsdp,tp,fsdp+tp]
+                                         [--repeats 1]
+
+Each repeat runs torch twice: the A/A column (torch's second run over its first) shows how
+much the machine alone moves a ratio.
 
 Two more strategies: ``fsdp/4`` (``reshard_after_forward=4``: backward all-gathers within
 groups of 4 ranks) and ``ddp+fp16`` (DDP with torch's ``fp16_compress_hook``).
@@ -126,12 +130,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--strategies", default="ddp,fsdp,tp,fsdp+tp")
+    parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     from devmesh._progress import Progress
     from devmesh.launching.launcher import launch
 
     strategies = args.strategies.split(",")
-    progress = Progress("bench train_step", 1 + 2 * len(strategies), bar=False, unit="runs")
+    progress = Progress("bench train_step", 1 + 3 * len(strategies) * args.repeats, bar=False,
+                        unit="runs")
 
     def measure(library, strategy):
         per_rank = launch(run, 8, library, strategy, args.steps, timeout=1800)
@@ -143,12 +149,16 @@ def main() -> None:
           f"slowest rank's median of {args.steps} steps")
     print(f"no communication (plain model on every rank): {base_time * 1e3:.0f} ms/step, "
           f"peak RSS {base_mem:.0f} MB")
-    print(f"{'strategy':<10}{'devmesh':>12}{'torch':>12}{'ratio':>8}{'devmesh RSS':>14}{'torch RSS':>12}")
+    print(f"{'strategy':<10}{'devmesh':>12}{'torch':>12}{'ratio':>8}{'A/A':>7}"
+          f"{'devmesh RSS':>14}{'torch RSS':>12}")
     for strategy in strategies:
-        ours_t, ours_m = measure("devmesh", strategy)
-        theirs_t, theirs_m = measure("torch", strategy)
-        print(f"{strategy:<10}{ours_t * 1e3:>10.0f}ms{theirs_t * 1e3:>10.0f}ms"
-              f"{ours_t / theirs_t:>8.2f}{ours_m:>12.0f}MB{theirs_m:>10.0f}MB", flush=True)
+        for _ in range(args.repeats):
+            ours_t, ours_m = measure("devmesh", strategy)
+            theirs_t, theirs_m = measure("torch", strategy)
+            again_t, _ = measure("torch", strategy)
+            print(f"{strategy:<10}{ours_t * 1e3:>10.0f}ms{theirs_t * 1e3:>10.0f}ms"
+                  f"{ours_t / theirs_t:>8.2f}{again_t / theirs_t:>7.2f}"
+                  f"{ours_m:>12.0f}MB{theirs_m:>10.0f}MB", flush=True)
     progress.close()
 
 

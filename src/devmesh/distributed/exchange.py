@@ -27,6 +27,7 @@ collectives unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 
@@ -34,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from devmesh import _torch_compat
+from devmesh.distributed import trace
 
 __all__ = ["MOST_BYTES", "WHOLE_BYTES", "usable", "reduce_scatter", "all_gather",
            "all_reduce_start", "all_reduce", "all_reduce_over"]
@@ -45,23 +47,27 @@ MOST_BYTES = {"reduce_scatter": 16 << 20, "all_gather": 4 << 20, "all_reduce": 4
 #: An all-reduce whose n copies fit in this many bytes is one exchange of the whole tensor.
 WHOLE_BYTES = 1 << 20
 
-def _transport(fn: Callable) -> Callable:
-    """Run ``fn`` as the transport's own work, unseen by torch dispatch modes: its buffers
-    are the exchange's scratch, as gloo's ring and NCCL keep theirs inside the backend, so
-    the dry run's count of what a step holds (:mod:`devmesh.tools.dry_run.live`), made
-    under NCCL's collectives, is what a real step on gloo holds too."""
-    @functools.wraps(fn)
-    def unseen(*args, **kwargs):
-        with _torch_compat.disable_current_modes():
-            return fn(*args, **kwargs)
-    return unseen
+def _transport(carries: str | None = None) -> Callable[[Callable], Callable]:
+    """Run the function as the transport's own work, unseen by torch dispatch modes: its
+    buffers are the exchange's scratch, as gloo's ring and NCCL keep theirs inside the
+    backend, so the dry run's count of what a step holds (:mod:`devmesh.tools.dry_run.live`),
+    made under NCCL's collectives, is what a real step on gloo holds too. ``carries``: the
+    collective its exchanges make, as ``--trace-collectives`` records them."""
+    def decorate(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def unseen(*args, **kwargs):
+            with (_torch_compat.disable_current_modes(),
+                  trace.carrying(carries) if carries else contextlib.nullcontext()):
+                return fn(*args, **kwargs)
+        return unseen
+    return decorate
 
 
 _ORDERED = {dist.ReduceOp.SUM: torch.Tensor.add_}
 _EXACT = {dist.ReduceOp.MAX: torch.amax, dist.ReduceOp.MIN: torch.amin}
 
 
-@_transport
+@_transport()
 @torch.no_grad()  # as gloo's: a tensor that requires grad (create_graph) is written in place
 def _reduce(op: dist.ReduceOp, received: torch.Tensor, out: torch.Tensor, start: int,
             total: int) -> None:
@@ -117,7 +123,7 @@ def usable(collective: str, tensor: torch.Tensor, group: dist.ProcessGroup, nbyt
     return _is_gloo(group)
 
 
-@_transport
+@_transport("reduce_scatter")
 def reduce_scatter(out: torch.Tensor, blocks: torch.Tensor, op: dist.ReduceOp,
                    group: dist.ProcessGroup) -> tuple[object, Callable[[], None]]:
     """Start reducing ``blocks`` (contiguous, shape ``(n, *out.shape)``, block ``j`` for the
@@ -130,7 +136,7 @@ def reduce_scatter(out: torch.Tensor, blocks: torch.Tensor, op: dist.ReduceOp,
     return work, functools.partial(_reduce, op, received, out, dist.get_rank(group) * m, n * m)
 
 
-@_transport
+@_transport("all_gather")
 def all_gather(out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup) -> object:
     """Start gathering every rank's ``block`` into ``out`` (flat, the group's size times
     ``block``'s elements, in rank order); returns the exchange's work."""
@@ -139,7 +145,7 @@ def all_gather(out: torch.Tensor, block: torch.Tensor, group: dist.ProcessGroup)
     return dist.all_to_all_single(out.view(-1), sent.view(-1), group=group, async_op=True)
 
 
-@_transport
+@_transport("all_reduce")
 def all_reduce_start(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup
                      ) -> tuple[object, Callable[[], None]] | None:
     """Start an in-place all-reduce of a small ``tensor`` (contiguous) in one exchange: its
@@ -154,7 +160,7 @@ def all_reduce_start(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.Proces
     return work, functools.partial(_reduce, op, received, flat, 0, flat.numel())
 
 
-@_transport
+@_transport("all_reduce")
 def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup,
                wait: Callable[[object], None]) -> None:
     """All-reduce ``tensor`` (contiguous) in place: one exchange if it is small

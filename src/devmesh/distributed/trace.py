@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import functools
 import inspect
 import json
@@ -41,12 +42,12 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
 __all__ = ["VARIABLE", "KEEP", "install", "uninstall", "installed", "install_from_environment",
-           "records", "note", "compare"]
+           "records", "note", "carrying", "compare"]
 
 VARIABLE = "DEVMESH_TRACE_COLLECTIVES"
 KEEP = 64  # records kept per rank
@@ -246,6 +247,23 @@ def _shapes(args: tuple, kwargs: dict) -> str:
 
 
 _inside = threading.local()  # a recorded call in progress on this thread
+_carried = threading.local()  # the collective devmesh's calls on this thread make (carrying)
+
+
+@contextlib.contextmanager
+def carrying(op: str) -> Iterator[None]:
+    """Record the collectives called inside as parts of ``op``: devmesh's all-reduce over
+    gloo, made of all-to-all exchanges (:mod:`~devmesh.distributed.exchange`), shows as
+    ``all_reduce (as all_to_all_single)``, the collective the user's code asked for first.
+    The outermost ``op`` names nested ones."""
+    if getattr(_carried, "op", None) is not None:
+        yield
+        return
+    _carried.op = op
+    try:
+        yield
+    finally:
+        _carried.op = None
 
 
 def _wrap(name: str, original: Callable, find_group: Callable, *,
@@ -255,9 +273,11 @@ def _wrap(name: str, original: Callable, find_group: Callable, *,
         if getattr(_inside, "call", False):  # torch's collectives calling each other
             return original(*args, **kwargs)
         group = _ranks_of(find_group(args, kwargs))
+        carried = getattr(_carried, "op", None)
+        op = name if carried is None else f"{carried} (as {name})"
         with _lock:
             seq = _counts[group] = _counts.get(group, 0) + 1
-            record = Record(name, group, seq, _shapes(args, kwargs), _user_line())
+            record = Record(op, group, seq, _shapes(args, kwargs), _user_line())
             _records.append(record)
         _start_listener()
         _inside.call = True

@@ -366,7 +366,9 @@ class DataParallelState:
         else:
             bucket.buffer = bucket.flat(sum(t.numel() for t in pieces), dtype, used.device)
             torch.cat(pieces, out=bucket.buffer)
-        bucket.pending = comm.all_reduce_async(bucket.buffer, self.mesh, self.dims, "avg")
+        # summed, and divided by the replica count while copied back into ``param.grad``
+        # (one pass over the gradients fewer than averaging in the bucket; the same values)
+        bucket.pending = comm.all_reduce_async(bucket.buffer, self.mesh, self.dims, "sum")
 
     def reduce_accumulated(self) -> None:
         """Reduce the gradients accumulated without sync now, as the last backward with sync
@@ -388,6 +390,7 @@ class DataParallelState:
                 bucket.pending.wait()
         sparse = [self._launch_sparse(p) for p in self.sparse_params]
         hooked_flags = flags_pending.wait() if flags_pending is not None else None
+        replicas = None if self.comm_hook is not None else self.mesh.size()  # to divide by
         for bucket in self.buckets:
             assert bucket.pending is not None and bucket.buffer is not None
             flat = bucket.pending.wait()
@@ -409,8 +412,13 @@ class DataParallelState:
                     chunk = chunk.real  # a bucket widened by a complex parameter's gradient
                 if used_somewhere == 0:
                     continue
+                if replicas is not None and p.grad is not None and not chunk.requires_grad:
+                    torch.div(chunk, replicas, out=p.grad)  # the average, in the bucket's dtype
+                    continue
+                if replicas is not None:
+                    chunk = chunk / replicas
                 if p.grad is None:
-                    p.grad = chunk.to(p.dtype, copy=True)  # the bucket may be wider
+                    p.grad = chunk.to(p.dtype, copy=replicas is None)  # the bucket may be wider
                 else:
                     p.grad.copy_(chunk)
             bucket.pending, bucket.buffer, bucket.used, bucket.ready = None, None, None, 0

@@ -102,3 +102,31 @@ def collectives_called() -> dict[str, int]:
 def test_gloo_reductions_and_gathers_go_as_all_to_all_exchanges(mesh_pool):
     for called in mesh_pool.run(collectives_called, 4):
         assert called == {"all_to_all_single": 5, "all_reduce": 1}
+
+
+def traced_ops() -> list[str]:
+    """What ``--trace-collectives`` records for devmesh's collectives by exchange."""
+    from devmesh.distributed import comm, trace
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    trace.install()
+    try:
+        comm.all_reduce(torch.ones(10), mesh, (0,))  # one exchange
+        comm.all_reduce(torch.ones(1 << 20), mesh, (0,))  # two
+        comm.all_reduce_async(torch.ones(10), mesh, (0,)).wait()
+        comm.reduce_scatter(torch.ones(4, 1000), mesh, (0,))
+        comm.all_gather(torch.ones(1000), mesh, (0,))
+        dist.all_to_all_single(torch.empty(4), torch.ones(4))  # the user's own: as it is
+        ops = [r.op for r in trace.records()]
+    finally:
+        trace.uninstall()
+    return ops
+
+
+def test_the_collective_recorder_names_the_collective_an_exchange_makes(mesh_pool):
+    """A hang report names what the code asked for: devmesh's all-reduce, not the
+    all-to-all it is made of."""
+    for ops in mesh_pool.run(traced_ops, 4):
+        assert ops == ["all_reduce (as all_to_all_single)"] * 4 + [
+            "reduce_scatter (as all_to_all_single)", "all_gather (as all_to_all_single)",
+            "all_to_all_single"], ops

@@ -98,3 +98,41 @@ def test_split_parameters_take_the_source_ranks_values_bucket_by_bucket(mesh_poo
     for bucket_bytes in (200, 1 << 25):  # many buckets (one weight larger than any); one
         assert mesh_pool.run(split_from_differently_initialised_ranks, 2, bucket_bytes) == \
             [True, True]
+
+
+def whole_parameters_alive_while_splitting() -> list[int]:
+    """How many of the model's whole (unsplit) parameters are still alive as each one is
+    split, small buckets (one parameter each)."""
+    import weakref
+
+    from devmesh.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from devmesh.parallel.tensor_parallel import api, source_values
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    model = _model()
+    plan = {}
+    for i in range(BLOCKS):
+        plan[f"{i}.0"], plan[f"{i}.2"] = ColwiseParallel(), RowwiseParallel()
+    wholes = [weakref.ref(p) for p in model.parameters()]
+    alive: list[int] = []
+    split = api._distribute
+
+    def counting(*args, **kwargs):
+        split(*args, **kwargs)
+        alive.append(sum(w() is not None for w in wholes))
+
+    default, source_values.BUCKET_BYTES = source_values.BUCKET_BYTES, 1
+    api._distribute = counting
+    try:
+        parallelize_module(model, mesh, plan)
+    finally:
+        api._distribute, source_values.BUCKET_BYTES = split, default
+    return alive
+
+
+def test_each_whole_parameter_is_freed_once_split(mesh_pool):
+    """A whole parameter goes once its block replaces it: holding them all until the whole
+    plan was split kept the entire model beside its blocks (a large model's peak memory)."""
+    for alive in mesh_pool.run(whole_parameters_alive_while_splitting, 2):
+        assert len(alive) == 4 * BLOCKS  # a weight and a bias of two layers per block
+        assert alive == list(range(4 * BLOCKS - 1, -1, -1)), alive

@@ -143,26 +143,17 @@ def parallelize_module(
     # one agreement for the whole plan: the styles, and the shapes and dtypes of the
     # parameters of the modules they split, so that splitting each of those needs no
     # agreement of its own (distribute_tensor's check: one collective per parameter)
-    agreed: set[tuple[int, str]] = set()
-    to_split: list[nn.Parameter] = []
-    described = []
-    for name, target, style in entries:
-        text = f"{name or '(the module)'}: {_describe_style(style)}"
-        if style.distributes_parameters:
-            # (a parameter split by an earlier call, a tie, agreed when it was split)
-            own = [(attr, p) for attr, p in target._parameters.items()
-                   if p is not None and get_layout(p) is None
-                   and getattr(p, _REPLACED_BY, None) is None]
-            text += "".join(f", {attr} {tuple(p.shape)} {p.dtype}" for attr, p in own)
-            agreed.update((id(target), attr) for attr, _ in own)
-            to_split += [p for _, p in own]
-        described.append(text)
+    described, agreed, to_split = _plan_to_agree(entries)
     consensus.agree(mesh, (0,), "parallelize_module: every rank must apply the same plan "
                     "(its styles, and the shapes and dtypes of the parameters they split)",
-                    "; ".join(described))
+                    described)
     aliases = parameter_aliases(module)
-    # the source rank's values of the agreed parameters, in buckets (not one each)
-    sent = SourceValues(to_split, mesh, src_data_rank) if src_data_rank is not None else None
+    # the source rank's values of the agreed parameters, in buckets (not one each); no list
+    # of them stays here: each whole parameter is freed once its block replaces it (such a
+    # list held the whole model beside its blocks until the last was split)
+    sent = (SourceValues(to_split.values(), mesh, src_data_rank)
+            if src_data_rank is not None else None)
+    del to_split
     for name, target, style in entries:
         def distribute(owner: nn.Module, attr: str, placement: Placement,
                        where: str = name, parts: int = 1) -> None:
@@ -178,6 +169,28 @@ def parallelize_module(
     # model.to_empty() / .to() keep the split parameters split (meta-device construction)
     with_methods(module, KeepsLayouts)
     return module
+
+
+def _plan_to_agree(entries: list[tuple[str, nn.Module, ParallelStyle]]
+                   ) -> tuple[str, set[tuple[int, str]], dict[int, nn.Parameter]]:
+    """The plan as the ranks compare it (each style, and the shape and dtype of each
+    parameter it splits), the ``(id(module), name)`` of those parameters, and the
+    parameters themselves by id, in plan order."""
+    agreed: set[tuple[int, str]] = set()
+    to_split: dict[int, nn.Parameter] = {}
+    described = []
+    for name, target, style in entries:
+        text = f"{name or '(the module)'}: {_describe_style(style)}"
+        if style.distributes_parameters:
+            # (a parameter split by an earlier call, a tie, agreed when it was split)
+            own = [(attr, p) for attr, p in target._parameters.items()
+                   if p is not None and get_layout(p) is None
+                   and getattr(p, _REPLACED_BY, None) is None]
+            text += "".join(f", {attr} {tuple(p.shape)} {p.dtype}" for attr, p in own)
+            agreed.update((id(target), attr) for attr, _ in own)
+            to_split.update((id(p), p) for _, p in own)
+        described.append(text)
+    return "; ".join(described), agreed, to_split
 
 
 def _guard_unsplit_ties(target: nn.Module, name: str, style: ParallelStyle,
