@@ -175,16 +175,21 @@ def all_reduce(tensor: torch.Tensor, op: dist.ReduceOp, group: dist.ProcessGroup
     n = dist.get_world_size(group)
     flat = tensor.detach().view(-1)
     per = -(-flat.numel() // n)
-    blocks = torch.empty(n * per, dtype=flat.dtype)
-    blocks[:flat.numel()] = flat
-    blocks[flat.numel():] = 0  # padding: its sums are never read
+    if per * n == flat.numel():  # n equal blocks: sent from the tensor and gathered into it
+        blocks = flat
+    else:
+        blocks = torch.empty(n * per, dtype=flat.dtype)
+        blocks[:flat.numel()] = flat
+        blocks[flat.numel():] = 0  # padding: its sums are never read
     received = torch.empty_like(blocks)
     wait(dist.all_to_all_single(received, blocks, group=group, async_op=True))
     mine = torch.empty(per, dtype=flat.dtype)
     # this rank's elements in the order gloo sums the whole tensor (not the padded one's)
     _reduce(op, received, mine, dist.get_rank(group) * per, flat.numel())
+    del received
     wait(all_gather(blocks, mine, group))
-    flat.copy_(blocks[:flat.numel()])
+    if blocks is not flat:
+        flat.copy_(blocks[:flat.numel()])
 
 
 def all_reduce_over(tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM,

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from devmesh import init_device_mesh
 
-SIZES = (1, 3, 7, 10, 17, 100, 1001, 65_537, 300_001)
+SIZES = (1, 3, 7, 10, 17, 100, 1001, 65_537, 300_000, 300_001)
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64)
 
 
