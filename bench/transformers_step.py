@@ -5,7 +5,11 @@ model, same mesh, same data, 8 gloo ranks.
 A Llama of 4 layers, hidden 256, 8 heads, MLP 688, vocabulary 4096 (~11M parameters),
 float32, 2 sequences of 256 tokens per data-parallel rank, AdamW. Each (library, strategy)
 runs in fresh processes so that peak RSS (``ru_maxrss``) belongs to that run alone. Prints
-the slowest rank's median step time, the ratio devmesh / torch, and the largest peak RSS;
+the slowest rank's median step time, the ratio devmesh / torch, the largest peak RSS, and
+the most bytes one more step's tensors hold at once (counted op by op under a dispatch mode,
+:class:`devmesh.tools.dry_run.live.LiveBytes`: the step's part of the peak a GPU's allocator
+would report; the process's RSS adds what glibc keeps of freed memory, which differs from
+run to run);
 ``--repeats`` runs every pair again and prints each ratio (the machine's noise).
 
     .venv/bin/python bench/transformers_step.py [--steps 5] [--strategies fsdp,tp,fsdp+tp]
@@ -89,7 +93,14 @@ def run(library: str, strategy: str, steps: int):
         opt.zero_grad()
         if step >= 2:
             times.append(time.perf_counter() - start)
-    return statistics.median(times), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    from devmesh.tools.dry_run.live import LiveBytes
+
+    with LiveBytes() as live:  # one more step, untimed: the bytes its ops hold at most
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return statistics.median(times), rss, live.peak / 2**20
 
 
 def main() -> None:
@@ -102,18 +113,23 @@ def main() -> None:
 
     def measure(library, strategy):
         per_rank = launch(run, 8, library, strategy, args.steps, timeout=1800)
-        return max(t for t, _ in per_rank), max(m for _, m in per_rank)
+        return (max(t for t, _, _ in per_rank), max(m for _, m, _ in per_rank),
+                max(a for _, _, a in per_rank))
 
     print(f"transformers Llama (~11M parameters), float32, 2 x 256 tokens per data-parallel "
           f"rank, AdamW, 8 gloo ranks; slowest rank's median of {args.steps} steps")
+    print("peak RSS: the process's (ru_maxrss); allocated: the most bytes a step's tensors "
+          "hold at once,\nbeyond the model and optimizer state (the step's part of the peak "
+          "a GPU's allocator reports)")
     print(f"{'strategy':<10}{'devmesh':>12}{'torch':>12}{'ratio':>8}{'devmesh RSS':>14}"
-          f"{'torch RSS':>12}")
+          f"{'torch RSS':>12}{'allocated':>20}")
     for strategy in args.strategies.split(","):
         for _ in range(args.repeats):
-            ours_t, ours_m = measure("devmesh", strategy)
-            theirs_t, theirs_m = measure("torch", strategy)
+            ours_t, ours_m, ours_a = measure("devmesh", strategy)
+            theirs_t, theirs_m, theirs_a = measure("torch", strategy)
             print(f"{strategy:<10}{ours_t * 1e3:>10.0f}ms{theirs_t * 1e3:>10.0f}ms"
-                  f"{ours_t / theirs_t:>8.2f}{ours_m:>12.0f}MB{theirs_m:>10.0f}MB", flush=True)
+                  f"{ours_t / theirs_t:>8.2f}{ours_m:>12.0f}MB{theirs_m:>10.0f}MB"
+                  f"{ours_a:>10.1f} / {theirs_a:.1f}MB", flush=True)
 
 
 if __name__ == "__main__":
