@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from devmesh._log import get_logger
-from devmesh.distributed import exchange, groups, stops
+from devmesh.distributed import env, exchange, groups, stops
 from devmesh.distributed.timeouts import Watch
 
 if TYPE_CHECKING:
@@ -425,6 +425,43 @@ def _pack(pieces: Sequence[torch.Tensor]) -> torch.Tensor:
         out[offset:offset + piece.numel()].view(piece.shape).copy_(piece)
         offset += piece.numel()
     return out
+
+
+def scatter_bytes(pieces: Sequence[Sequence[torch.Tensor]] | None, sizes: Sequence[int],
+                  mesh: DeviceMesh, dims: Sequence[int], src_index: int,
+                  device: torch.device) -> torch.Tensor:
+    """From the ``src_index``-th rank of the group (mesh order), send the ``i``-th rank the
+    bytes of ``pieces[i]`` (``uint8`` tensors of any strides, packed once into the message;
+    only the source passes them), ``sizes[i]`` bytes in all (every rank passes ``sizes``).
+    Returns this rank's bytes, flat. Torch's ``scatter`` needs equal pieces; this is one
+    ``all_to_all_single`` in which only the source sends."""
+    g = _group(mesh, dims)
+    me = g.ranks.index(mesh.get_rank())
+    order = list(g.from_c10d) if g.from_c10d is not None else list(range(g.size))
+    source = me == src_index
+    send = torch.empty(sum(sizes) if source else 0, dtype=torch.uint8, device=device)
+    if source:
+        assert pieces is not None
+        offset = 0
+        for i in order:
+            for piece in pieces[i]:
+                send[offset: offset + piece.numel()].view(piece.shape).copy_(piece)
+                offset += piece.numel()
+    if g.size == 1:
+        return send
+    recv = torch.empty(sizes[me], dtype=torch.uint8, device=device)
+    if env.is_fake_world():  # torch's fake group fills an all-to-all's output from the input
+        _record("scatter", mesh, dims, send.numel())  # (values are arbitrary there anyway)
+        return recv
+    watch = _watch("scatter", mesh, dims, g)
+    with watch.guard():
+        work = dist.all_to_all_single(
+            recv, send, output_split_sizes=[sizes[me] if i == src_index else 0 for i in order],
+            input_split_sizes=[sizes[i] if source else 0 for i in order], group=g.group,
+            async_op=True)
+        stops.wait(work, watch, polled=device.type == "cpu")
+    _record("scatter", mesh, dims, send.numel())
+    return recv
 
 
 def broadcast(tensor: torch.Tensor, mesh: DeviceMesh, dims: Sequence[int], src_index: int = 0

@@ -3,8 +3,8 @@ arguments and agrees on what its unit holds, a model's calls together in a singl
 collective at the root's call (inside ``batched_checks()``, two collectives for all the
 calls), and
 ``parallelize_module`` agrees on its whole plan (styles, and the shapes and dtypes of the
-parameters they split) once, then sends the split parameters' source values in buckets
-(torch's sends each parameter on its own).
+parameters they split) once, then sends each rank its blocks of the split parameters from
+the source in buckets (torch's scatters each parameter on its own).
 Counted on real gloo ranks (every collective entered on a process group); the refusals and
 disagreements these single agreements still catch on every rank are in
 the errors tests."""
@@ -26,9 +26,16 @@ def _model() -> nn.Sequential:
                            for _ in range(BLOCKS)])
 
 
+def _plan() -> dict:
+    """Each block's first layer split column-wise, its last row-wise."""
+    from devmesh.parallel import ColwiseParallel, RowwiseParallel
+
+    return {f"{i}.{j}": style() for i in range(BLOCKS)
+            for j, style in ((0, ColwiseParallel), (2, RowwiseParallel))}
+
+
 def setup_collectives() -> dict[str, int]:
-    from devmesh.parallel import ColwiseParallel, RowwiseParallel, batched_checks, \
-        fully_shard, parallelize_module
+    from devmesh.parallel import batched_checks, fully_shard, parallelize_module
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
     model = _model()
@@ -42,13 +49,19 @@ def setup_collectives() -> dict[str, int]:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
     model = _model()
-    plan = {}
-    for i in range(BLOCKS):
-        plan[f"{i}.0"], plan[f"{i}.2"] = ColwiseParallel(), RowwiseParallel()
-    with entered_collectives() as splitting:
-        parallelize_module(model, mesh, plan)
+    plan = _plan()
+    from devmesh.distributed import comm
+
+    sends = []
+    scatter = comm.scatter_bytes
+    comm.scatter_bytes = lambda *args, **kwargs: sends.append(1) or scatter(*args, **kwargs)
+    try:
+        with entered_collectives() as splitting:
+            parallelize_module(model, mesh, plan)
+    finally:
+        comm.scatter_bytes = scatter
     return {"fully_shard": sum(sharding.values()), "parallelize_module": sum(splitting.values()),
-            "broadcasts": splitting["broadcast"], "batched": sum(batched.values())}
+            "sends": len(sends), "batched": sum(batched.values())}
 
 
 def test_a_models_setup_costs_one_agreement_and_its_split_parameters_one_bucket(mesh_pool):
@@ -57,14 +70,15 @@ def test_a_models_setup_costs_one_agreement_and_its_split_parameters_one_bucket(
         assert counts["batched"] == 2, counts  # a failure flag, then one digest of them all
         # two Linear layers per block, a weight and a bias each: 24 parameters, 10 KB in all,
         # one bucket
-        assert counts["broadcasts"] == 1, counts
+        assert counts["sends"] == 1, counts
         assert counts["parallelize_module"] == 1 + 2, counts     # + refusal + plan
 
 
 def split_from_differently_initialised_ranks(bucket_bytes: int) -> bool:
     """Each rank builds the model from its own seed; ``parallelize_module`` (buckets of
     ``bucket_bytes``: several per model, and parameters larger than one) must leave every
-    rank holding its block of rank 0's values — a float64 layer beside float32 ones."""
+    rank holding its block of rank 0's values — a float64 layer beside float32 ones, and a
+    layer split by a style of one's own."""
     from devmesh.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
     from devmesh.parallel.tensor_parallel import source_values
 
@@ -73,13 +87,27 @@ def split_from_differently_initialised_ranks(bucket_bytes: int) -> bool:
         return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8).double(),
                              nn.Linear(8, 6), nn.Linear(6, 8))
 
+    from devmesh.parallel.tensor_parallel.styles import ParallelStyle
+    from devmesh.tensor import Shard
+
+    class RowsOfOwn(ParallelStyle):
+        """A style of one's own, which does not say how it splits (no ``splits``): its
+        parameters come whole from the source and each rank splits its copy."""
+
+        distributes_parameters = True
+
+        def apply(self, module, mesh, distribute):
+            distribute(module, "weight", Shard(0))
+            distribute(module, "bias", Shard(0))
+            return module
+
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     rank = mesh.get_local_rank(0)
     default, source_values.BUCKET_BYTES = source_values.BUCKET_BYTES, bucket_bytes
     try:
         model = parallelize_module(build(rank), mesh, {"0": ColwiseParallel(),
                                                        "2": RowwiseParallel(),
-                                                       "3": ColwiseParallel(),
+                                                       "3": RowsOfOwn(),
                                                        "4": RowwiseParallel()})
     finally:
         source_values.BUCKET_BYTES = default
@@ -105,14 +133,12 @@ def whole_parameters_alive_while_splitting() -> list[int]:
     split, small buckets (one parameter each)."""
     import weakref
 
-    from devmesh.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from devmesh.parallel import parallelize_module
     from devmesh.parallel.tensor_parallel import api, source_values
 
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     model = _model()
-    plan = {}
-    for i in range(BLOCKS):
-        plan[f"{i}.0"], plan[f"{i}.2"] = ColwiseParallel(), RowwiseParallel()
+    plan = _plan()
     wholes = [weakref.ref(p) for p in model.parameters()]
     alive: list[int] = []
     split = api._distribute
@@ -136,3 +162,38 @@ def test_each_whole_parameter_is_freed_once_split(mesh_pool):
     for alive in mesh_pool.run(whole_parameters_alive_while_splitting, 2):
         assert len(alive) == 4 * BLOCKS  # a weight and a bias of two layers per block
         assert alive == list(range(4 * BLOCKS - 1, -1, -1)), alive
+
+
+def bytes_received_while_splitting() -> tuple[int, int]:
+    """The bytes this rank received of the source's values, and the model's bytes."""
+    from devmesh.distributed import comm
+    from devmesh.parallel import parallelize_module
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("tp",))
+    model = _model()
+    plan = _plan()
+    received = []
+    scatter = comm.scatter_bytes
+
+    def counting(*args, **kwargs):
+        mine = scatter(*args, **kwargs)
+        received.append(mine.numel())
+        return mine
+
+    comm.scatter_bytes = counting
+    try:
+        whole = sum(p.numel() * p.element_size() for p in model.parameters())
+        parallelize_module(model, mesh, plan)
+    finally:
+        comm.scatter_bytes = scatter
+    return sum(received), whole
+
+
+def test_each_rank_receives_only_its_blocks_of_the_source_values(mesh_pool):
+    """Over 4 ranks a rank receives its quarter of each split weight and of the column-wise
+    biases, and the row-wise biases whole (added after the reduction), as torch's scatter
+    sends them: not the whole model (a broadcast of every parameter sent each rank 4x that)."""
+    per_block = (8 * 16 + 16 + 16 * 8) * 4 // 4 + 8 * 4  # float32; (padding: 16-byte steps)
+    for received, whole in mesh_pool.run(bytes_received_while_splitting, 4):
+        assert whole == BLOCKS * (8 * 16 + 16 + 16 * 8 + 8) * 4
+        assert BLOCKS * per_block <= received <= BLOCKS * per_block + 4 * BLOCKS * 16, received

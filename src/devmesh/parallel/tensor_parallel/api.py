@@ -13,6 +13,7 @@ import fnmatch
 import functools
 from collections.abc import Mapping
 
+import torch
 from torch import nn
 
 from devmesh import _torch_compat
@@ -24,7 +25,7 @@ from devmesh.parallel.param import get_layout, sharded_parameter, with_methods
 from devmesh.parallel.placement import place_parameter
 from devmesh.parallel.tensor_parallel.source_values import SourceValues
 from devmesh.parallel.tensor_parallel.styles import ParallelStyle
-from devmesh.tensor import Placement, Shard, ShardingSpec, distribute_tensor
+from devmesh.tensor import Placement, Replicate, Shard, ShardingSpec, distribute_tensor
 
 __all__ = ["parallelize_module", "parameter_aliases"]
 
@@ -115,9 +116,10 @@ def parallelize_module(
 ) -> nn.Module:
     """Apply tensor-parallel styles to ``module`` (or to submodules by name; ``*`` matches one
     path segment, as in torch) over the 1-D ``device_mesh`` (default: torch's current mesh
-    from ``with mesh:``). Each split parameter takes rank ``src_data_rank``'s values (sent
-    in buckets of about 32 MB, not one broadcast per parameter as torch's);
-    ``src_data_rank=None`` keeps each rank's own values instead."""
+    from ``with mesh:``). Each split parameter takes rank ``src_data_rank``'s values: that
+    rank sends every rank its own blocks, in buckets of about 8 MB rather than one
+    collective per parameter as torch's; ``src_data_rank=None`` keeps each rank's own
+    values instead."""
     mesh = _as_devmesh(device_mesh)
     if mesh.ndim != 1:
         raise ParallelizeError(
@@ -151,7 +153,7 @@ def parallelize_module(
     # the source rank's values of the agreed parameters, in buckets (not one each); no list
     # of them stays here: each whole parameter is freed once its block replaces it (such a
     # list held the whole model beside its blocks until the last was split)
-    sent = (SourceValues(to_split.values(), mesh, src_data_rank)
+    sent = (SourceValues(_planned(entries, to_split, mesh), mesh, src_data_rank)
             if src_data_rank is not None else None)
     del to_split
     for name, target, style in entries:
@@ -191,6 +193,34 @@ def _plan_to_agree(entries: list[tuple[str, nn.Module, ParallelStyle]]
             to_split.update((id(p), p) for _, p in own)
         described.append(text)
     return "; ".join(described), agreed, to_split
+
+
+def _planned(entries: list[tuple[str, nn.Module, ParallelStyle]],
+             to_split: dict[int, nn.Parameter], mesh: DeviceMesh
+             ) -> list[tuple[nn.Parameter, ShardingSpec, tuple[int, ...]]]:
+    """Each parameter to split, with the spec of the blocks its style cuts it into and the
+    shape it is cut in, as the styles say before they run (``splits``); the parameters of
+    a style that does not say, whole (a replicated spec). A tied parameter: as its first
+    style splits it."""
+    plans: dict[int, tuple[nn.Parameter, ShardingSpec, tuple[int, ...]]] = {}
+    for name, target, style in entries:
+        if not style.distributes_parameters:
+            continue
+        splits = {attr: (placement, parts)
+                  for attr, placement, parts in style.splits(target) or ()}
+        for attr, param in target._parameters.items():
+            if param is None or id(param) not in to_split or id(param) in plans:
+                continue
+            shape = tuple(param.shape)
+            if attr in splits:
+                spec, view = _split_spec(shape, *splits[attr], mesh,
+                                         f"{name or 'the module'}.{attr}")
+            else:
+                spec = ShardingSpec.from_placements([Replicate()], mesh.shape, shape,
+                                                    mesh.mesh_dim_names)
+                view = shape
+            plans[id(param)] = (param, spec, view)
+    return [plans[key] for key in to_split if key in plans]
 
 
 def _guard_unsplit_ties(target: nn.Module, name: str, style: ParallelStyle,
@@ -250,42 +280,64 @@ def _distribute(module: nn.Module, attr: str, placement: Placement, mesh: Device
         param = replacement
     layout = get_layout(param)
     full_shape = layout.full_shape if layout is not None else tuple(param.shape)
-    view = None
-    if parts > 1:
-        view = _packed_view(full_shape, placement, parts, f"{where}.{attr}")
-        placement = Shard(placement.dim % len(full_shape) + 1)
+    spec, view = _split_spec(full_shape, placement, parts, mesh, f"{where}.{attr}")
     if layout is not None:
-        wanted = ShardingSpec.from_placements([placement], mesh.shape, view or full_shape,
-                                              mesh.mesh_dim_names)
-        if (layout.mesh == mesh and layout.spec == wanted
-                and layout.shape == (None if view is None else full_shape)):
+        if (layout.mesh == mesh and layout.spec == spec
+                and layout.shape == (None if view == full_shape else full_shape)):
             return  # a tied alias, already distributed the same way
         raise ParallelizeError(
             f"{where + '.' if where else ''}{attr} is already distributed ({layout.spec} on "
-            f"{layout.mesh!r}), and this style needs {wanted}: a parameter tied to another "
+            f"{layout.mesh!r}), and this style needs {spec}: a parameter tied to another "
             "module must be split the same way in both (e.g. RowwiseParallel on the embedding "
             "and ColwiseParallel on the tied output projection both split the vocabulary)"
         )
-    source = sent.take(param) if sent is not None else None
-    whole = param.detach() if source is None else source
-    whole = whole if view is None else whole.reshape(view)
-    sharded = distribute_tensor(whole, mesh, [placement],
-                                src_rank=src_data_rank if source is None else None,
-                                check=not checked)
-    local = sharded.to_local().contiguous()
-    if source is not None and local.untyped_storage().data_ptr() == \
-            source.untyped_storage().data_ptr():
-        local = local.clone()  # not a view of the bucket, which would stay whole
-    if view is not None:  # the parts side by side, as the module computes with them
-        d = placement.dim
+    local = _local_block(param, spec, view, mesh, src_data_rank, checked,
+                         sent.take(param) if sent is not None else None)
+    if view != full_shape:  # the parts side by side, as the module computes with them
+        d = spec.shard_dim_of(0)  # the part's dim: its block of each part, beside (parts)
         local = local.reshape(local.shape[:d - 1] + (local.shape[d - 1] * local.shape[d],)
                               + local.shape[d + 1:])
-    new = sharded_parameter(local, param.requires_grad, mesh, sharded.spec,
-                            shape=None if view is None else tuple(param.shape))
+    new = sharded_parameter(local, param.requires_grad, mesh, spec,
+                            shape=None if view == full_shape else tuple(param.shape))
     for owner, name in aliases.get(id(param), [(module, attr)]):
         place_parameter(owner, name, new)
     place_parameter(module, attr, new)
     setattr(param, _REPLACED_BY, new)
+
+
+def _split_spec(shape: tuple[int, ...], placement: Placement, parts: int, mesh: DeviceMesh,
+                where: str) -> tuple[ShardingSpec, tuple[int, ...]]:
+    """How a parameter of ``shape`` is split by ``placement``: the spec of its blocks, and
+    the shape it is split in (``shape`` itself, or with the placement's dim cut into
+    ``(parts, part size)`` for a packed parameter, each part split)."""
+    view = shape
+    if parts > 1:
+        view = _packed_view(shape, placement, parts, where)
+        placement = Shard(placement.dim % len(shape) + 1)
+    return ShardingSpec.from_placements([placement], mesh.shape, view,
+                                        mesh.mesh_dim_names), view
+
+
+def _local_block(param: nn.Parameter, spec: ShardingSpec, view: tuple[int, ...],
+                 mesh: DeviceMesh, src_data_rank: int | None, checked: bool,
+                 sent: tuple[torch.Tensor, ShardingSpec] | None) -> torch.Tensor:
+    """This rank's block of ``param`` (split in ``view``'s shape), a tensor of its own:
+    the one the source sent (``sent``: this rank's block and the spec it was cut by, or the
+    whole), else split here from the source's values (``src_data_rank``) or this rank's."""
+    if sent is not None and sent[1] == spec:  # cut by the source as this style splits it
+        return sent[0].clone()  # (out of the bucket's buffer, which goes once it is taken)
+    if sent is not None and sent[1] != sent[1].replicated():
+        raise ParallelizeError(  # pragma: no cover - a style whose splits() misleads
+            f"a style's splits() planned {sent[1]} for a parameter its apply() splits as "
+            f"{spec}; make splits() return what apply() distributes")
+    whole = param.detach() if sent is None else sent[0]
+    sharded = distribute_tensor(whole.reshape(view), mesh, spec,
+                                src_rank=src_data_rank if sent is None else None,
+                                check=not checked)
+    local = sharded.to_local().contiguous()
+    if local.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr():
+        local = local.clone()  # not a view of the bucket or of the whole parameter
+    return local
 
 
 def _packed_view(shape: tuple[int, ...], placement: Placement, parts: int,

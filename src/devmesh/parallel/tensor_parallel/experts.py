@@ -40,6 +40,8 @@ from devmesh.parallel.tensor_parallel.styles import (
     _SAVED,
     Distribute,
     ParallelStyle,
+    Split,
+    _distribute_splits,
     _one,
     _restore_parameters,
 )
@@ -125,17 +127,22 @@ class ExpertsTensorParallel(ParallelStyle):
         return (*self.colwise, *self.rowwise,
                 *(_bias(w) for w in self.colwise if _bias(w) in module._parameters))
 
-    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+    def splits(self, module: nn.Module) -> list[Split]:
+        out: list[Split] = []
         for attr, parts in self.colwise.items():
-            distribute(module, attr, Shard(self._out_dim), parts=parts)
+            out.append((attr, Shard(self._out_dim), parts))
             if module._parameters.get(_bias(attr)) is not None:
-                distribute(module, _bias(attr), Shard(-1), parts=parts)
+                out.append((_bias(attr), Shard(-1), parts))
+        out += [(attr, Shard(self._in_dim), 1) for attr in self.rowwise]
+        # a row-wise weight's bias is added once, after the reduction: whole on every rank
+        out += [(_bias(w), Replicate(), 1) for w in self.rowwise
+                if module._parameters.get(_bias(w)) is not None]
+        return out
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
         row_biases = tuple(_bias(w) for w in self.rowwise
                            if module._parameters.get(_bias(w)) is not None)
-        for attr in self.rowwise:
-            distribute(module, attr, Shard(self._in_dim))
-        for attr in row_biases:
-            distribute(module, attr, Replicate())
+        _distribute_splits(self, module, distribute)
         module.register_forward_pre_hook(functools.partial(_experts_input, mesh, row_biases),
                                          with_kwargs=True)
         module.register_forward_hook(_restore_parameters_after, always_call=True)

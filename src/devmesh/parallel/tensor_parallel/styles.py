@@ -46,13 +46,17 @@ from devmesh.layout.spec import chunk_bounds
 __all__ = [
     "ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
     "PrepareModuleInput", "PrepareModuleOutput", "PrepareModuleInputOutput", "Distribute",
-    "ReplicatedWithGradSum", "HeadwiseParallel",
+    "ReplicatedWithGradSum", "HeadwiseParallel", "Split",
 ]
 
 Distribute = Callable[..., None]
 """``distribute(module, name, placement, parts=1)`` replaces ``module.<name>`` (and every
 tied alias of it) by this rank's block of it; ``parts`` > 1: the placement's dim is that
 many equal parts packed end to end, each split (a fused gate/up or q/k/v weight)."""
+
+Split = tuple[str, Placement, int]
+"""One parameter a style distributes: its name on the module, its placement, and its packed
+parts (1: not packed) — the arguments of a :data:`Distribute` call."""
 
 # The functions below run in a module's forward and call collectives on devmesh's meshes:
 # under torch.compile they run eagerly, between compiled regions, rather than be traced
@@ -94,8 +98,21 @@ class ParallelStyle:
         a parameter tied to another module must be split there too."""
         return ()
 
+    def splits(self, module: nn.Module) -> list[Split] | None:
+        """The parameters :meth:`apply` distributes, and how: known before it runs, the
+        source rank sends each rank only its own blocks of them. ``None`` (a style of one's
+        own that distributes as it goes): its parameters are sent whole, and each rank
+        splits its copy."""
+        return None
+
     def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
         raise NotImplementedError  # pragma: no cover
+
+
+def _distribute_splits(style: ParallelStyle, module: nn.Module, distribute: Distribute) -> None:
+    """``distribute`` each parameter of ``style.splits(module)``, as planned."""
+    for name, placement, parts in style.splits(module) or ():
+        distribute(module, name, placement, parts=parts)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
@@ -157,20 +174,20 @@ class ColwiseParallel(ParallelStyle):
     def sharded_parameters(self, module: nn.Module) -> tuple[str, ...]:
         return ("weight",) if isinstance(module, nn.Embedding) else ("weight", "bias")
 
-    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+    def splits(self, module: nn.Module) -> list[Split]:
         if isinstance(module, nn.Embedding):
-            features = module.embedding_dim
-            distribute(module, "weight", Shard(1))
-        elif _conv1d_class(module) is not None:
-            features = module.nf
-            distribute(module, "weight", Shard(1))
-            distribute(module, "bias", Shard(0))
-            # Conv1D's own forward shapes its output by nf: this rank's columns
+            return [("weight", Shard(1), 1)]
+        if _conv1d_class(module) is not None:  # the weight stored (in, out)
+            return [("weight", Shard(1), 1), ("bias", Shard(0), 1)]
+        return [("weight", Shard(0), 1), ("bias", Shard(0), 1)]
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        conv1d = _conv1d_class(module) is not None
+        features = (module.embedding_dim if isinstance(module, nn.Embedding)
+                    else module.nf if conv1d else module.out_features)
+        _distribute_splits(self, module, distribute)
+        if conv1d:  # Conv1D's own forward shapes its output by nf: this rank's columns
             module.nf = module.weight.shape[1]
-        else:
-            features = module.out_features
-            distribute(module, "weight", Shard(0))
-            distribute(module, "bias", Shard(0))
         module.register_forward_pre_hook(functools.partial(_colwise_input, self, mesh))
         module.register_forward_hook(functools.partial(_colwise_output, self, mesh, features))
         return module
@@ -232,9 +249,16 @@ class RowwiseParallel(ParallelStyle):
     def sharded_parameters(self, module: nn.Module) -> tuple[str, ...]:
         return ("weight",)
 
-    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+    def splits(self, module: nn.Module) -> list[Split]:
         if isinstance(module, nn.Embedding):
-            distribute(module, "weight", Shard(0))
+            return [("weight", Shard(0), 1)]
+        # the bias is added once, after the reduction: whole on every rank
+        return [("weight", Shard(0 if _conv1d_class(module) else 1), 1),
+                ("bias", Replicate(), 1)]
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
+        _distribute_splits(self, module, distribute)
+        if isinstance(module, nn.Embedding):
             start = chunk_bounds(module.num_embeddings, mesh.size(), mesh.get_local_rank())[0]
             # hooks around the module's own forward: a subclass's (Gemma's scaled embedding)
             # still runs; the output hook runs before any hook registered earlier
@@ -245,8 +269,6 @@ class RowwiseParallel(ParallelStyle):
             module.register_forward_hook(functools.partial(_rowwise_embedding_output, self, mesh),
                                          prepend=True, always_call=True)
         else:  # the forward is replaced: the bias is added once, after the reduction
-            distribute(module, "weight", Shard(0 if _conv1d_class(module) else 1))
-            distribute(module, "bias", Replicate())
             module.forward = functools.partial(_rowwise_linear, self, mesh, module)
         return module
 
@@ -359,9 +381,11 @@ class SequenceParallel(ParallelStyle):
         self.sequence_dim = sequence_dim
         self.use_local_output = use_local_output
 
+    def splits(self, module: nn.Module) -> list[Split]:
+        return [(name, Replicate(), 1) for name in module._parameters]
+
     def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
-        for name in list(module._parameters):
-            distribute(module, name, Replicate())
+        _distribute_splits(self, module, distribute)
         module.register_forward_pre_hook(functools.partial(_sequence_input, self, mesh))
         module.register_forward_hook(functools.partial(_sequence_output, self, mesh),
                                      always_call=True)
@@ -414,9 +438,11 @@ class ReplicatedWithGradSum(ParallelStyle):
 
     distributes_parameters = True
 
+    def splits(self, module: nn.Module) -> list[Split]:
+        return [(name, Replicate(), 1) for name in module._parameters]
+
     def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
-        for name in list(module._parameters):
-            distribute(module, name, Replicate())
+        _distribute_splits(self, module, distribute)
         module.register_forward_pre_hook(functools.partial(_grad_sum_input, mesh))
         module.register_forward_hook(_grad_sum_output, always_call=True)
         return module
@@ -460,6 +486,9 @@ class HeadwiseParallel(ParallelStyle):
     def sharded_parameters(self, module: nn.Module) -> tuple[str, ...]:
         return self.names
 
+    def splits(self, module: nn.Module) -> list[Split]:
+        return [(name, Shard(self.dim), 1) for name in self.names]
+
     def apply(self, module: nn.Module, mesh: DeviceMesh, distribute: Distribute) -> nn.Module:
         for name in self.names:
             heads = module._parameters[name].shape[self.dim]
@@ -468,7 +497,7 @@ class HeadwiseParallel(ParallelStyle):
                     f"HeadwiseParallel: {type(module).__name__}.{name} has {heads} heads on "
                     f"dim {self.dim}, which tp={mesh.size()} does not divide: the column-"
                     "wise projections split whole heads")
-            distribute(module, name, Shard(self.dim))
+        _distribute_splits(self, module, distribute)
         return module
 
 
