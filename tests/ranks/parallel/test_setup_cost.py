@@ -11,6 +11,7 @@ the errors tests."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -197,3 +198,36 @@ def test_each_rank_receives_only_its_blocks_of_the_source_values(mesh_pool):
     for received, whole in mesh_pool.run(bytes_received_while_splitting, 4):
         assert whole == BLOCKS * (8 * 16 + 16 + 16 * 8 + 8) * 4
         assert BLOCKS * per_block <= received <= BLOCKS * per_block + 4 * BLOCKS * 16, received
+
+
+def split_from_another_source(src: int) -> bool:
+    """Rank ``src`` of a mesh whose order is not the ranks' (``[2, 0, 1]``) sends each rank
+    its block, 10 rows over 3 ranks (4, 4, 2)."""
+    import torch.distributed as dist
+
+    from devmesh import DeviceMesh
+    from devmesh.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def build(seed: int) -> nn.Sequential:
+        torch.manual_seed(seed)
+        return nn.Sequential(nn.Linear(8, 10), nn.Linear(10, 8))
+
+    mesh = DeviceMesh("cpu", [2, 0, 1], mesh_dim_names=("tp",))
+    index = mesh.get_local_rank(0)
+    model = parallelize_module(build(dist.get_rank()), mesh,
+                               {"0": ColwiseParallel(), "1": RowwiseParallel()},
+                               src_data_rank=src)
+    want = build([2, 0, 1][src])  # the source's own model
+    for (name, got), (_, whole) in zip(model.named_parameters(), want.named_parameters(),
+                                       strict=True):
+        block = got.to_local() if hasattr(got, "to_local") else got
+        dim = 0 if name.startswith("0.") else (1 if name.endswith("weight") else None)
+        expected = whole if dim is None else whole.chunk(3, dim)[index]
+        if not torch.equal(block.detach(), expected.detach()):
+            return False
+    return True
+
+
+@pytest.mark.parametrize("src", [1, 2])
+def test_any_source_rank_of_a_reordered_mesh_sends_each_rank_its_block(mesh_pool, src):
+    assert mesh_pool.run(split_from_another_source, 3, src) == [True] * 3
