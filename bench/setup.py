@@ -14,8 +14,9 @@ Cases (each in a fresh world; the time is the slowest rank's, median of ``--repe
   (their checks held and agreed together at the root's call, which the time includes), and
   inside ``batched_checks()`` (agreed together at its end);
 - ``parallelize_module``: the same model, one call with a plan of column- and row-wise
-  layers for every block, over a (8,) mesh (torch broadcasts each split parameter from rank
-  0, devmesh the same values in buckets).
+  layers for every block, over a (8,) mesh (torch sends each split parameter from rank
+  0 on its own — a scatter of its blocks, a broadcast of a replicated bias; devmesh sends
+  each rank its blocks of all of them in buckets).
 
 For each, the time, the ratio devmesh / torch (< 1: devmesh faster) and, per call, the
 collectives (``torch.distributed``'s functions entered) and rendezvous-store operations each
