@@ -412,7 +412,8 @@ class DataParallelState:
                     chunk = chunk.real  # a bucket widened by a complex parameter's gradient
                 if used_somewhere == 0:
                     continue
-                if replicas is not None and p.grad is not None and not chunk.requires_grad:
+                if (replicas is not None and p.grad is not None and not chunk.requires_grad
+                        and not p.grad.requires_grad):
                     torch.div(chunk, replicas, out=p.grad)  # the average, in the bucket's dtype
                     continue
                 if replicas is not None:

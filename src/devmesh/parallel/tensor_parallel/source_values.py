@@ -33,7 +33,6 @@ __all__ = ["BUCKET_BYTES", "SourceValues"]
 #: alone).
 BUCKET_BYTES = 8 * 1024 * 1024
 _ALIGN = 16  # each block's bytes start at a multiple: any dtype can view them
-_PADDING = torch.zeros(_ALIGN, dtype=torch.uint8)  # sent between blocks, never read
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,8 @@ class SourceValues:
         self._waiting = {id(item.param) for item in self._queue}
         self._received: dict[int, tuple[torch.Tensor, ShardingSpec]] = {}
         self._mesh, self._src, self._device = mesh, src, device
+        # sent between blocks, never read (on the device: no copy from the host for it)
+        self._padding = torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
 
     def take(self, param: torch.Tensor) -> tuple[torch.Tensor, ShardingSpec] | None:
         """This rank's block of ``param`` (in its planned shape, sending buckets until it
@@ -94,8 +95,13 @@ class SourceValues:
         me = self._mesh.get_local_rank(0)
         pieces = None
         if me == self._src:
-            pieces = [[piece for item in bucket for piece in _block_bytes(item, i)]
-                      for i in range(n)]
+            pieces = [[] for _ in range(n)]
+            for item in bucket:
+                for i, data in enumerate(_blocks_as_bytes(item, n)):
+                    pieces[i].append(data)
+                    pad = _padded(data.numel()) - data.numel()
+                    if pad:
+                        pieces[i].append(self._padding[:pad])
         mine = comm.scatter_bytes(pieces, sizes, self._mesh, (0,), self._src, self._device)
         offset = 0
         for item in bucket:
@@ -105,17 +111,19 @@ class SourceValues:
             offset += _padded(nbytes)
 
 
-def _block_bytes(item: _Planned, index: int) -> list[torch.Tensor]:
-    """The bytes of the ``index``-th rank's block of ``item`` on the source (a view where its
-    strides allow), and the padding after them."""
-    block = item.param.detach().reshape(item.view)
-    for dim, (start, size) in enumerate(item.spec.local_bounds((index,))):
-        block = block.narrow(dim, start, size)
-    if block.dim() == 0:
-        block = block.reshape(1)
-    try:
-        data = block.view(torch.uint8)
-    except RuntimeError:  # strides a byte view cannot take
-        data = block.contiguous().view(torch.uint8)
-    pad = _padded(data.numel()) - data.numel()
-    return [data, _PADDING[:pad]] if pad else [data]
+def _blocks_as_bytes(item: _Planned, n: int) -> list[torch.Tensor]:
+    """Each of the ``n`` ranks' blocks of ``item`` on the source, as bytes (views where their
+    strides allow)."""
+    whole = item.param.detach().reshape(item.view)
+    out = []
+    for index in range(n):
+        block = whole
+        for dim, (start, size) in enumerate(item.spec.local_bounds((index,))):
+            block = block.narrow(dim, start, size)
+        if block.dim() == 0:
+            block = block.reshape(1)
+        try:
+            out.append(block.view(torch.uint8))
+        except RuntimeError:  # strides a byte view cannot take
+            out.append(block.contiguous().view(torch.uint8))
+    return out
