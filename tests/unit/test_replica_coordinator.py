@@ -145,8 +145,11 @@ def test_a_healer_whose_source_dies_in_the_heal_is_not_taken_for_a_holder(two_gr
     assert ranks.decision(2) == "abort"
     ranks.join(3, 0, 0)
     ranks.join(3, 1, 0)
+    # with no holder alive the round closes on the first restarted group it sees (both or
+    # either: the joins and heartbeats race the coordinator's reads); every rank of round 3,
+    # member or not, reads this quorum and raises its error
     quorum = ranks.quorum(3)
-    assert quorum.members == (0, 1) and quorum.step == 0
+    assert set(quorum.members) <= {0, 1} and quorum.members and quorum.step == 0
     assert "no live replica group holds the 1 steps committed" in quorum.error
 
 
