@@ -20,12 +20,15 @@ import tempfile
 from collections.abc import Callable, Iterator
 from typing import IO, Any
 
-__all__ = ["atomic_file", "atomic_write", "pyplot", "save_figure", "TMP_SUFFIX"]
+__all__ = ["atomic_file", "atomic_write", "fsync_directory", "pyplot", "save_figure",
+           "TMP_SUFFIX"]
 
 TMP_SUFFIX = ".devmesh-tmp"
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_directory(directory: str) -> None:
+    """Make the renames into ``directory`` survive a power cut (a no-op where directories
+    cannot be opened)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # a platform without directory fds: the rename is still atomic
@@ -39,8 +42,13 @@ def _fsync_dir(directory: str) -> None:
 
 
 @contextlib.contextmanager
-def atomic_file(path: str, mode: str = "wb") -> Iterator[IO[Any]]:
-    """``with atomic_file(path) as f: ...`` writes ``path`` all or nothing."""
+def atomic_file(path: str, mode: str = "wb", *,
+                sync_directory: bool = True) -> Iterator[IO[Any]]:
+    """``with atomic_file(path) as f: ...`` writes ``path`` all or nothing.
+
+    ``sync_directory=False`` leaves the directory's fsync to the caller: for many files
+    renamed into one directory (a checkpoint's ranks' data files), one
+    :func:`fsync_directory` after the last rename makes them all durable at once."""
     directory = os.path.dirname(os.path.abspath(path)) or "."
     prefix = f".{os.path.basename(path)}."
     for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*"
@@ -57,7 +65,8 @@ def atomic_file(path: str, mode: str = "wb") -> Iterator[IO[Any]]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-        _fsync_dir(directory)
+        if sync_directory:
+            fsync_directory(directory)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -368,8 +368,8 @@ def test_a_killed_writer_leaves_the_old_checkpoint_loadable(tmp_path, stage):
         import devmesh.parallel.checkpoint.save as save
         real = save.atomic_file
         @contextlib.contextmanager
-        def dying(target, mode="wb"):
-            with real(target, mode) as f:
+        def dying(target, mode="wb", **options):
+            with real(target, mode, **options) as f:
                 if {stage!r} in os.path.basename(target):
                     f.write(b"partial" if "b" in mode else "partial")
                     f.flush()

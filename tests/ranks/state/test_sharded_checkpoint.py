@@ -537,6 +537,60 @@ def test_a_rank_failing_to_read_its_blocks_fails_the_save_everywhere(mesh_pool, 
     assert not written0 and not written1
 
 
+def _save_recording_fsyncs_and_renames(path: str):
+    """Save a replicated model, recording this rank's fsyncs and renames (what each touched,
+    when: CLOCK_MONOTONIC is one clock for every process of a host)."""
+    import time
+
+    from torch import nn
+
+    from devmesh.parallel import replicate
+
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",), timeout=30)
+    model = replicate(nn.Linear(64, 64), mesh=mesh)
+    events: list[tuple[int, str, str]] = []
+    fsync, replace = os.fsync, os.replace
+
+    def recording_fsync(fd):
+        events.append((time.monotonic_ns(), "fsync", os.readlink(f"/proc/self/fd/{fd}")))
+        return fsync(fd)
+
+    def recording_replace(src, dst):
+        replace(src, dst)
+        events.append((time.monotonic_ns(), "rename", os.path.abspath(dst)))
+
+    os.fsync, os.replace = recording_fsync, recording_replace
+    try:
+        save_checkpoint(path, model)
+    finally:
+        os.fsync, os.replace = fsync, replace
+    return events
+
+
+def test_the_data_files_are_durable_before_the_metadata_that_names_them(mesh_pool, tmp_path):
+    """A checkpoint exists once its metadata is renamed into place, so every rank's data
+    file must be durable first: its bytes fsynced before its rename, and the renames
+    themselves (directory entries) fsynced before the metadata's. One fsync of the directory,
+    after the last data file's rename, makes them all durable: the ranks do not each fsync
+    it (eight concurrent directory fsyncs were a tenth of a replicated save)."""
+    from devmesh.parallel.checkpoint.format import DATA_FILE, METADATA
+
+    directory = os.path.realpath(tmp_path / "ckpt")
+    events = sorted(e for rank in mesh_pool.run(_save_recording_fsyncs_and_renames, 4,
+                                                directory, timeout=60) for e in rank)
+    renames = {os.path.basename(target): at for at, kind, target in events if kind == "rename"}
+    data = [name for name in renames if DATA_FILE.fullmatch(name)]
+    assert len(data) >= 2 and METADATA in renames  # a replicated block: one writer
+    for name in data:  # its bytes, under the temporary name it was written as, before it
+        assert any(kind == "fsync" and os.path.basename(target).startswith(f".{name}.")
+                   and at < renames[name] for at, kind, target in events), name
+    first, last = min(renames[n] for n in data), max(renames[n] for n in data)
+    directory_syncs = [at for at, kind, target in events
+                       if kind == "fsync" and target == directory
+                       and first < at < renames[METADATA]]
+    assert len(directory_syncs) == 1 and directory_syncs[0] > last, events
+
+
 def _paths_per_rank(base: str):
     """Each rank builds its own path (from its rank, as a script might from the host or the
     time): the save is refused on every rank before anything is written, and a load of two

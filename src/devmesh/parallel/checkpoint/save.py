@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from devmesh._files import TMP_SUFFIX, atomic_file
+from devmesh._files import TMP_SUFFIX, atomic_file, fsync_directory
 from devmesh._log import get_logger
 from devmesh._progress import Progress, bytes_text
 from devmesh.distributed import comm, consensus, exchange, groups
@@ -516,7 +516,8 @@ def _write_and_commit(path: str, save_id: str, rank: int, world: int,
         os.makedirs(path, exist_ok=True)
         if blocks:
             total = sum(p.nbytes for p, _ in blocks)
-            with (atomic_file(os.path.join(path, name), "wb") as f,
+            # the directory is fsynced once, by rank 0 before the metadata (_commit)
+            with (atomic_file(os.path.join(path, name), "wb", sync_directory=False) as f,
                   checkpoint_progress("checkpoint save", total, rank) as progress):
                 for p, tensor in blocks:
                     assert f.tell() == p.offset
@@ -603,8 +604,11 @@ def _commit(path: str, save_id: str, world: int, placed: list[Placed], merged: M
     metadata = {"format": FORMAT, "world_size": world, "files": sizes, "tensors": tensors,
                 "aliases": merged.aliases, "model": merged.model_keys,
                 "optimizer": merged.optimizer, "extra": extra[0], "extra_state": extra[1]}
+    # every rank renamed its data file before the checksums' all-reduce: one fsync of the
+    # directory makes them all durable before the metadata that names them can be
+    fsync_directory(path)
     with atomic_file(os.path.join(path, METADATA), "w") as f:
-        json.dump(metadata, f)
+        f.write(json.dumps(metadata))  # dumps: C's encoder (dump streams through Python's)
     for stale in os.listdir(path):  # every rank is done writing: these are left over
         leftover_tmp = stale.startswith(".data-") and stale.endswith(TMP_SUFFIX)
         if (DATA_FILE.fullmatch(stale) and stale not in sizes) or leftover_tmp:
