@@ -12,7 +12,8 @@ median time, the ratio devmesh / torch, each rank's peak memory growth during th
 sampled every millisecond, minus the RSS before), the bytes written, the time devmesh spends
 computing its blocks' checksums (XXH3, against the save's time), and for FSDP, devmesh's
 ``async_=True``: how long the call blocks and how much a training step slows while the
-write runs.
+write runs. torch runs a second time after its first: that A/A ratio shows how much the
+machine alone (and the previous run's bytes still being written back) moves a ratio.
 
     .venv/bin/python bench/checkpoint.py [--repeats 3] [--dir /tmp] [--strategies fsdp,hsdp,ddp]
 """
@@ -186,13 +187,13 @@ def main() -> None:
 
     directory = tempfile.mkdtemp(prefix="devmesh-bench-", dir=args.dir)
     strategies = args.strategies.split(",")
-    with Progress("bench checkpoint", 2 * len(strategies), bar=False, unit="runs") as progress:
+    with Progress("bench checkpoint", 3 * len(strategies), bar=False, unit="runs") as progress:
         for strategy in strategies:
             results = {}
             try:
-                for lib in ("devmesh", "torch"):
-                    results[lib] = launch(run, 8, lib, directory, args.repeats, strategy,
-                                          timeout=1800)
+                for lib in ("devmesh", "torch", "again"):  # again: torch's A/A
+                    results[lib] = launch(run, 8, "torch" if lib == "again" else lib,
+                                          directory, args.repeats, strategy, timeout=1800)
                     progress.advance()
             finally:
                 shutil.rmtree(directory, ignore_errors=True)
@@ -203,12 +204,14 @@ def report(strategy: str, results: dict, repeats: int) -> None:
     layout = {"fsdp": "FSDP over 8", "hsdp": "HSDP (2, 4) over 8", "ddp": "DDP over 8"}
     print(f"\n8.4M-parameter MLP + AdamW state, {layout[strategy]} gloo ranks; slowest "
           f"rank's median of {repeats}")
-    print(f"{'':<26}{'devmesh':>12}{'torch DCP':>12}{'ratio':>8}")
-    ours, theirs = results["devmesh"], results["torch"]
+    print(f"{'':<26}{'devmesh':>12}{'torch DCP':>12}{'ratio':>8}{'A/A (torch again)':>20}")
+    ours, theirs, again = results["devmesh"], results["torch"], results["again"]
     for label, index, unit, scale in (("save", 0, "ms", 1e3), ("load", 1, "ms", 1e3)):
         a = max(r[index] for r in ours) * scale
         b = max(r[index] for r in theirs) * scale
-        print(f"{label + ' time':<26}{a:>10.0f}{unit}{b:>10.0f}{unit}{a / b:>8.2f}")
+        c = max(r[index] for r in again) * scale
+        print(f"{label + ' time':<26}{a:>10.0f}{unit}{b:>10.0f}{unit}{a / b:>8.2f}"
+              f"{c / b:>20.2f}")
     a, b = max(r[2] for r in ours), max(r[2] for r in theirs)
     own = max(r[3] for r in ours)
     print(f"{'peak RSS growth in save':<26}{a:>10.1f}MB{b:>10.1f}MB{a / max(b, 1e-9):>8.2f}"
