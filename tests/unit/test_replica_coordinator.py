@@ -273,7 +273,9 @@ def test_a_round_closes_and_a_step_is_decided_when_the_last_rank_speaks(monkeypa
     coordinator = Coordinator(2, 1, timeout=5)
     ranks = _Ranks(coordinator, 2)
     try:
-        time.sleep(0.3)  # both groups' heartbeats are in: alive when they join
+        # both groups' heartbeats are in, so both are alive when they join (a loaded machine
+        # may start the heartbeat thread late; the coordinator looks again only in 30 s)
+        ranks.store.wait([protocol.heartbeat_key(g, 0) for g in (0, 1)], timedelta(seconds=10))
         for round_ in range(3):
             for g in (0, 1):
                 ranks.join(round_, g, round_)
