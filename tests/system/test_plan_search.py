@@ -1,6 +1,6 @@
 """The mesh search (devmesh.tools.dry_run.search, ``devmesh plan --model --world --search``):
-its closed form equals the dry run on every kind of candidate, the dry run from one- and two-
-block stages equals the whole stage's, and the search drops what does not fit and ranks the
+its closed form equals the dry run on every kind of candidate, the dry run from runs of a few
+of a stage's blocks equals the whole stage's, and the search drops what does not fit and ranks the
 rest by predicted step time, the best measured by the dry run."""
 
 from __future__ import annotations
@@ -24,14 +24,27 @@ CONFIG = read_config("tiny:layers=7,batch=32,dtype=bfloat16")
 COSTS = Costs(tflops=0.05, bandwidth={"tp": 4.0}, default=1.0, latency=2e-5)
 
 
-@pytest.mark.parametrize("dims", [{"shard": 2, "tp": 2}, {"dp": 4}, {"pp": 2, "dp": 2, "shard": 2},
-                                  {"pp": 3, "tp": 2}], ids=str)
-def test_a_stage_measured_from_one_and_two_blocks_equals_the_whole_stage(dims):
+# stages of ten blocks or more, measured from runs of four and five of them; the peak comes
+# at another moment in a long stage than in a short one (where the old extension, from two and
+# three blocks, held 16% too little: the first case)
+LONG = read_config("tiny:layers=30,batch=32,dtype=bfloat16")
+
+
+@pytest.mark.parametrize("dims, checkpointing, microbatches", [
+    ({"shard": 2, "tp": 2}, "full", 1), ({"shard": 2, "tp": 2}, "none", 4),
+    ({"dp": 4}, "selective", 2), ({"pp": 2, "dp": 2, "shard": 2}, "selective", 4),
+    ({"pp": 3, "tp": 2}, "full", 4), ({"pp": 2, "shard": 2, "cp": 2}, "full", 2),
+], ids=str)
+def test_a_long_stage_measured_from_four_and_five_blocks_equals_the_whole_stage(
+        dims, checkpointing, microbatches):
     pp = dims.get("pp", 1)
     stride = 8 // pp if pp > 1 else 1
     for stage in range(pp):
-        whole = dry_run(CONFIG, dims, rank=stage * stride, microbatches=4)
-        parts = dry_run_by_blocks(CONFIG, dims, rank=stage * stride, microbatches=4)
+        kwargs = dict(rank=stage * stride, microbatches=microbatches,
+                      checkpointing=checkpointing)
+        whole = dry_run(LONG, dims, **kwargs)
+        parts = dry_run_by_blocks(LONG, dims, **kwargs)
+        assert whole.layers[1] - whole.layers[0] >= 10
         whole.seconds = parts.seconds = 0.0
         assert parts == whole, (dims, stage)
 

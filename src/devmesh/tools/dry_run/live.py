@@ -10,6 +10,10 @@ tensors, whose storages have sizes but no bytes. It sees what no per-part count 
 float32 logits and their gradient at the start of backward, FSDP's gathered units and the
 next one prefetched, a checkpointed block's recomputation, the collectives' buffers.
 
+Each count is also kept per moment of the step (``moment``, set by the one running it: which
+action, which block): the highest point within each moment, from which a longer stage's peak
+is extended (:func:`~devmesh.tools.dry_run.run.dry_run_by_blocks`).
+
 Ops DTensor runs to propagate shapes (on fake tensors of the global shape) are not counted:
 they allocate nothing on a device. torch's own ``MemTracker`` counts per module and attaches
 hooks to each parameter's gradient accumulation, which a parameter FSDP hands to its module
@@ -19,7 +23,7 @@ as a view of a gathered buffer does not take; the count here needs neither.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Iterable
+from collections.abc import Hashable, Iterable
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -28,14 +32,19 @@ from devmesh._torch_compat import FakeTensor, TorchDispatchMode, pytree
 
 __all__ = ["LiveBytes"]
 
+Moment = Hashable
+
 
 class LiveBytes(TorchDispatchMode):
-    """Inside: the bytes alive now (``now``) and the most alive at once (``peak``)."""
+    """Inside: the bytes alive now (``now``), the most alive at once (``peak``), and the most
+    alive at once within each ``moment`` (``peaks``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.now = 0
         self.peak = 0
+        self.moment: Moment = None
+        self.peaks: dict[Moment, int] = {}
         self._alive: dict[int, tuple[weakref.ref, int]] = {}
 
     def hold(self, tensors: Iterable[torch.Tensor]) -> None:
@@ -62,6 +71,8 @@ class LiveBytes(TorchDispatchMode):
         self._alive[key] = (weakref.ref(storage, freed), nbytes)
         self.now += nbytes
         self.peak = max(self.peak, self.now)
+        if self.now > self.peaks.get(self.moment, -1):
+            self.peaks[self.moment] = self.now
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(issubclass(t, DTensor) for t in types):

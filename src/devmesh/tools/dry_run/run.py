@@ -109,6 +109,10 @@ class RankReport:
     #: the most bytes alive at once in the step, measured (:class:`~.live.LiveBytes`), plus
     #: AdamW's states; ``None`` where estimated in closed form from the parts alone
     peak_bytes: int | None = None
+    #: the most bytes alive at once within each moment of the step (an action, and where in
+    #: the stage's blocks: :func:`_block_position`), without AdamW's states: what
+    #: :func:`dry_run_by_blocks` extends a stage's peak from. Not part of the report proper
+    moment_peaks: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def activation_bytes(self) -> int:
@@ -364,31 +368,43 @@ def _check_checkpointing(mode: str | int) -> None:
 def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: int = 0,
                       schedule: str = "1f1b", microbatches: int | None = None,
                       checkpointing: str | int = "none") -> RankReport:
-    """:func:`dry_run`'s report from two cheap runs: the rank's stage built with two and with
-    three of its blocks, extended to all of them. A stage's blocks are identical (same shapes,
-    each its own FSDP unit, the same tensor-parallel plan), so every count the report holds
-    (parameter, gradient, optimizer and activation bytes; each collective's calls and bytes;
-    the step's peak) grows by the same amount per block: what the third block adds, times the
-    blocks past the second. (All but the peak already grow so from the first block; the
-    peak of a one-block stage comes at another moment of its step than a longer stage's,
-    so it is off that line.) A stage of up to three blocks, or holding both dense blocks
-    and blocks of experts, is run as it is."""
+    """:func:`dry_run`'s report from two cheaper runs: the rank's stage built with four and
+    with five of its blocks, extended to all of them. A stage's blocks are identical (same
+    shapes, each its own FSDP unit, the same tensor-parallel plan), so every count the report
+    holds (parameter, gradient, optimizer and activation bytes; each collective's calls and
+    bytes) grows by the same amount per block: what the fifth block adds, times the blocks
+    past the fourth.
+
+    The step's peak is no such line: it is the highest of many moments, and which moment
+    holds it changes with the blocks (with few, a block's recomputation in backward; with
+    more, the head's logits over every block's saved input). What each moment holds does
+    grow by the same amount per block, so the peak is extended moment by moment (an action
+    of the schedule, and where in the blocks: before them, in the first, second, next-to-
+    last or last block, after them) and the highest taken. The blocks between the second
+    and the next-to-last each hold what those two do, plus or minus a block's worth per
+    step along the stage: never more than the higher of the two. A stage of up to nine
+    blocks, or holding both dense blocks and blocks of experts, is run as it is."""
     pp = dims.get("pp", 1)
+    kwargs = dict(rank=rank, schedule=schedule, microbatches=microbatches,
+                  checkpointing=checkpointing)
     if (isinstance(checkpointing, int) and checkpointing > 1) or (
             pp > 1 and schedule not in ("1f1b", "gpipe")):
         # every k-th block: the stage's blocks are not alike; several stages on the rank:
         # the peak of their activations held at once is no line in the blocks. Run whole
-        return dry_run(config, dims, rank=rank, schedule=schedule, microbatches=microbatches,
-                       checkpointing=checkpointing)
-    kwargs = dict(rank=rank, schedule=schedule, microbatches=microbatches,
-                  checkpointing=checkpointing)
-    one = dry_run(config, dims, blocks=2, **kwargs)
-    first, last = one.layers
-    if last - first <= 3 or len({config.has_experts(i) for i in range(first, last)}) > 1:
-        # (dense blocks and blocks of experts in one stage: not alike)
         return dry_run(config, dims, **kwargs)
-    two = dry_run(config, dims, blocks=3, **kwargs)
-    more = last - first - 2
+    world = 1
+    for name in DIM_ORDER:  # as dry_run reads the mesh, pp outermost
+        world *= dims.get(name, 1)
+    if not 0 <= rank < world:
+        return dry_run(config, dims, **kwargs)  # which says what is wrong
+    first, last = stage_layers(config, pp, rank // (world // pp))
+    if last - first <= 9 or len({config.has_experts(i) for i in range(first, last)}) > 1:
+        # (two runs of 4 and 5 blocks cost a run of 9; dense blocks and blocks of experts in
+        # one stage are not alike)
+        return dry_run(config, dims, **kwargs)
+    one = dry_run(config, dims, blocks=4, **kwargs)
+    two = dry_run(config, dims, blocks=5, **kwargs)
+    more = last - first - 4
 
     def grown(a: int, b: int) -> int:
         return a + more * (b - a)
@@ -397,9 +413,12 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
     for key in one.collectives.keys() | two.collectives.keys():
         (c1, b1), (c2, b2) = (one.collectives.get(key, (0, 0)), two.collectives.get(key, (0, 0)))
         collectives[key] = (grown(c1, c2), grown(b1, b2))
+    parameters = grown(one.parameters, two.parameters)
+    moments = {m: grown(one.moment_peaks[m], two.moment_peaks[m])
+               for m in one.moment_peaks.keys() & two.moment_peaks.keys()}
     return RankReport(
-        rank=one.rank, coordinate=one.coordinate, layers=one.layers,
-        parameters=grown(one.parameters, two.parameters),
+        rank=one.rank, coordinate=one.coordinate, layers=(first, last),
+        parameters=parameters,
         parameter_bytes=grown(one.parameter_bytes, two.parameter_bytes),
         gradient_bytes=grown(one.gradient_bytes, two.gradient_bytes),
         optimizer_bytes=grown(one.optimizer_bytes, two.optimizer_bytes),
@@ -409,7 +428,8 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
                                               two.activation_bytes_per_microbatch),
         microbatches_in_flight=one.microbatches_in_flight, compute_dtype=one.compute_dtype,
         collectives=dict(sorted(collectives.items())), seconds=one.seconds + two.seconds,
-        checkpointing=one.checkpointing, peak_bytes=grown(one.peak_bytes, two.peak_bytes))
+        checkpointing=one.checkpointing, moment_peaks=moments,
+        peak_bytes=max(moments.values()) + 2 * parameters * 4)
 
 
 def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
@@ -487,9 +507,13 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
         stage_bytes[stage] = saved.bytes
     live = LiveBytes()  # from here on: what the step holds at once, at its worst moment
     live.hold(t for model in models.values() for t in (*model.parameters(), *model.buffers()))
+    hooks = [h for model in models.values() for h in _mark_block_moments(model, live)]
     with comm_stats(include_torch=True) as stats, loss_context(), live:
-        for action in actions:
+        for index, action in enumerate(actions):
             key = (action.stage, action.microbatch)
+            # a forward starts before the blocks (the embedding), a backward after them
+            # (the loss and the head)
+            live.moment = (index, "before" if action.kind == "F" else "after")
             if action.kind == "F":
                 out = forward(action.stage)
                 if bounds[action.stage][1] == config.layers:
@@ -503,6 +527,8 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
                 out.backward(grad)
                 accumulated = max(accumulated,
                                   sum(u.accumulated_gradient_bytes() for u in units))
+    for hook in hooks:
+        hook.remove()
     collectives = {key: (calls, nbytes) for key, (calls, nbytes) in stats.records.items()}
     if schedule is not None:
         add_pipeline_messages(collectives, schedule, list(models), mb_size, config,
@@ -522,7 +548,53 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
         stage_layers=bounds if several else {},
         stage_activation_bytes=stage_bytes if several else {},
         activation_peak_bytes=activation_peak(actions, stage_bytes) if several else None,
-        peak_bytes=live.peak + 2 * params * 4)
+        peak_bytes=live.peak + 2 * params * 4, moment_peaks=dict(live.peaks))
+
+
+def _block_position(k: int, blocks: int) -> str:
+    """Block ``k`` of a stage of ``blocks``: the first two and the last two blocks each a
+    position of their own, every other block ``"middle"``."""
+    if k in (0, blocks - 1):
+        return "first" if k == 0 else "last"
+    if k in (1, blocks - 2):
+        return "second" if k == 1 else "penultimate"
+    return "middle"
+
+
+def _mark_block_moments(model: Transformer, live: LiveBytes) -> list:
+    """Keep ``live.moment``'s second part the position of the block (:func:`_block_position`)
+    that runs: set as a block's forward starts (before FSDP's own hooks gather it), as the
+    gradient of its output arrives in backward (its recomputation and backward follow), and
+    back to ``"before"`` / ``"after"`` outside the blocks. Returns the hooks' handles."""
+    blocks = list(model.layers.values())
+
+    def at(where: str):
+        def mark(*_) -> None:
+            live.moment = (live.moment[0], where)
+        return mark
+
+    def grads_mark(tensors, where: str) -> None:
+        for t in tensors if isinstance(tensors, (tuple, list)) else (tensors,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(at(where))
+
+    handles = []
+    for k, block in enumerate(blocks):
+        where = _block_position(k, len(blocks))
+
+        def before(_module, args, where=where, first=k == 0) -> None:
+            at(where)()
+            if first:  # backward leaves the blocks with the gradient of the first's input
+                grads_mark(args, "before")
+
+        def after(_module, _args, out, where=where, last=k == len(blocks) - 1) -> None:
+            grads_mark(out, where)
+            if last:
+                at("after")()
+
+        handles.append(block.register_forward_pre_hook(before, prepend=True))
+        handles.append(block.register_forward_hook(after, prepend=True))
+    return handles
 
 
 def activation_peak(actions: list[Action], stage_bytes: dict[int, int]) -> int:

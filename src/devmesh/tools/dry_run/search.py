@@ -639,8 +639,8 @@ def _evaluate(config: TransformerConfig, candidate: Candidate, reports: list[Ran
 
 
 def measure(config: TransformerConfig, candidate: Candidate) -> list[RankReport]:
-    """The first rank of each pipeline stage, measured by the dry run (one- and two-block
-    runs of the stage, extended to its blocks)."""
+    """The first rank of each pipeline stage, measured by the dry run (a long stage from runs
+    of a few of its blocks: :func:`~devmesh.tools.dry_run.run.dry_run_by_blocks`)."""
     stride = candidate.stage_ranks
     return [dry_run_by_blocks(config, candidate.dims, rank=stage * stride,
                               schedule=candidate.schedule, microbatches=candidate.microbatches,
