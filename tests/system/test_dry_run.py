@@ -392,7 +392,8 @@ def test_devmesh_plan_model_json_holds_every_number_the_report_has():
         report = dry_run(config, dims, rank=rank, checkpointing="selective")
         for name in ("parameters", "parameter_bytes", "gradient_bytes", "optimizer_bytes",
                      "activation_bytes_per_microbatch", "microbatches_in_flight",
-                     "activation_bytes", "total_bytes", "peak_bytes", "compute_dtype"):
+                     "activation_bytes", "total_bytes", "peak_bytes", "peak_at",
+                     "compute_dtype"):
             assert entry[name] == getattr(report, name), name
         assert {(c["collective"], c["dims"]): (c["calls"], c["bytes"])
                 for c in entry["collectives"]} == report.collectives
@@ -464,6 +465,19 @@ def test_the_peak_of_a_tensor_parallel_head_holds_only_its_vocabulary_share():
     assert report.peak_bytes < global_logits
     # the float32 logits' share and its gradients are there, at the start of backward
     assert report.peak_bytes > 2 * global_logits // 8
+    assert report.peak_at == "the backward, before it reaches the blocks"
+
+
+def test_the_peak_is_placed_where_it_comes_in_the_step():
+    """``peak at``: the moment the step first holds its peak. Under DDP, the end of the one
+    backward that syncs, the last micro-batch's: every gradient, and its copy in the
+    all-reduce's buckets (under tensor parallelism the start of backward instead, the loss's
+    logits: the test above)."""
+    one = dry_run(replace(CONFIG, vocab=2**16), {"dp": 8})
+    assert one.peak_at == "the backward, after it leaves the blocks", one.peak_at
+    pipelined = dry_run(CONFIG, {"pp": 2, "dp": 4}, rank=0, microbatches=4)
+    assert pipelined.peak_at == "micro-batch 3's backward, after it leaves the blocks", \
+        pipelined.peak_at
 
 
 def test_the_allowance_is_stated_and_can_be_changed():

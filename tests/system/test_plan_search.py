@@ -47,6 +47,7 @@ def test_a_long_stage_measured_from_four_and_five_blocks_equals_the_whole_stage(
         assert whole.layers[1] - whole.layers[0] >= 10
         whole.seconds = parts.seconds = 0.0
         assert parts == whole, (dims, stage)
+        assert parts.peak_at == whole.peak_at, (dims, stage)
 
 
 KINDS = [  # every data-parallel kind, with and without tp and pp, both schedules, accumulation

@@ -413,7 +413,7 @@ def reports_as_json(config: TransformerConfig, dims: dict[str, int],
             "activation_bytes_per_microbatch": report.activation_bytes_per_microbatch,
             "microbatches_in_flight": report.microbatches_in_flight,
             "activation_bytes": report.activation_bytes, "total_bytes": report.total_bytes,
-            "peak_bytes": report.most_bytes,
+            "peak_bytes": report.most_bytes, "peak_at": report.peak_at,
             "device_bytes": allowance.device_bytes(report.most_bytes),
             "store_round_trips": report.store_round_trips,
             "stages": [{"stage": stage, "layers": list(report.stage_layers[stage]),
@@ -490,6 +490,8 @@ def format_reports(config: TransformerConfig, dims: dict[str, int], reports: lis
         if report.peak_bytes is not None:
             lines.append(f"  peak       {_gib(report.peak_bytes):>14}   (the most alive at once "
                          "in the step, with AdamW's states)")
+            if report.peak_at:
+                lines.append(f"  peak at    {'':>14}   {report.peak_at}")
         what = "peak" if report.peak_bytes is not None else "total"
         lines.append(f"  device     {_gib(device):>14}   ({what}{allowance.describe()})"
                      f"{verdict}")

@@ -113,6 +113,8 @@ class RankReport:
     #: the stage's blocks: :func:`_block_position`), without AdamW's states: what
     #: :func:`dry_run_by_blocks` extends a stage's peak from. Not part of the report proper
     moment_peaks: dict = field(default_factory=dict, compare=False, repr=False)
+    #: when the peak comes, in words (:func:`describe_moment`); ``None`` where estimated
+    peak_at: str | None = field(default=None, compare=False)
 
     @property
     def activation_bytes(self) -> int:
@@ -414,8 +416,8 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
         (c1, b1), (c2, b2) = (one.collectives.get(key, (0, 0)), two.collectives.get(key, (0, 0)))
         collectives[key] = (grown(c1, c2), grown(b1, b2))
     parameters = grown(one.parameters, two.parameters)
-    moments = {m: grown(one.moment_peaks[m], two.moment_peaks[m])
-               for m in one.moment_peaks.keys() & two.moment_peaks.keys()}
+    moments = {m: grown(peak, two.moment_peaks[m])  # in the step's order
+               for m, peak in one.moment_peaks.items() if m in two.moment_peaks}
     return RankReport(
         rank=one.rank, coordinate=one.coordinate, layers=(first, last),
         parameters=parameters,
@@ -429,6 +431,7 @@ def dry_run_by_blocks(config: TransformerConfig, dims: dict[str, int], *, rank: 
         microbatches_in_flight=one.microbatches_in_flight, compute_dtype=one.compute_dtype,
         collectives=dict(sorted(collectives.items())), seconds=one.seconds + two.seconds,
         checkpointing=one.checkpointing, moment_peaks=moments,
+        peak_at=describe_moment(max(moments, key=moments.__getitem__)),
         peak_bytes=max(moments.values()) + 2 * parameters * 4)
 
 
@@ -513,7 +516,8 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
             key = (action.stage, action.microbatch)
             # a forward starts before the blocks (the embedding), a backward after them
             # (the loss and the head)
-            live.moment = (index, "before" if action.kind == "F" else "after")
+            live.moment = (index, _action_words(action, microbatches, len(models) > 1),
+                           "before" if action.kind == "F" else "after")
             if action.kind == "F":
                 out = forward(action.stage)
                 if bounds[action.stage][1] == config.layers:
@@ -548,7 +552,36 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
         stage_layers=bounds if several else {},
         stage_activation_bytes=stage_bytes if several else {},
         activation_peak_bytes=activation_peak(actions, stage_bytes) if several else None,
-        peak_bytes=live.peak + 2 * params * 4, moment_peaks=dict(live.peaks))
+        peak_bytes=live.peak + 2 * params * 4, moment_peaks=dict(live.peaks),
+        peak_at=describe_moment(max(live.peaks, key=live.peaks.__getitem__)))
+
+
+def _action_words(action: Action, microbatches: int, several: bool) -> str:
+    """``action`` as a person reads it: "micro-batch 3's backward (stage 5)"."""
+    kind = "forward" if action.kind == "F" else "backward"
+    words = f"micro-batch {action.microbatch}'s {kind}" if microbatches > 1 else f"the {kind}"
+    return words + (f" (stage {action.stage})" if several else "")
+
+
+_WHERE = {"first": "in the first block", "second": "in the second block",
+          "middle": "in a middle block", "penultimate": "in the next-to-last block",
+          "last": "in the last block"}
+
+
+def describe_moment(moment) -> str:
+    """A moment of :class:`~devmesh.tools.dry_run.live.LiveBytes` as ``_step`` marks them
+    (action index, the action in words, where in the blocks), in words."""
+    if moment is None:
+        return "before the step (its parameters and buffers)"
+    _, action, where = moment
+    backward = "backward" in action
+    if where == "before":
+        where = "after it leaves the blocks" if backward else "before the blocks"
+    elif where == "after":
+        where = "before it reaches the blocks" if backward else "after the blocks"
+    else:
+        where = _WHERE[where]
+    return f"{action}, {where}"
 
 
 def _block_position(k: int, blocks: int) -> str:
@@ -562,7 +595,7 @@ def _block_position(k: int, blocks: int) -> str:
 
 
 def _mark_block_moments(model: Transformer, live: LiveBytes) -> list:
-    """Keep ``live.moment``'s second part the position of the block (:func:`_block_position`)
+    """Keep ``live.moment``'s last part the position of the block (:func:`_block_position`)
     that runs: set as a block's forward starts (before FSDP's own hooks gather it), as the
     gradient of its output arrives in backward (its recomputation and backward follow), and
     back to ``"before"`` / ``"after"`` outside the blocks. Returns the hooks' handles."""
@@ -570,7 +603,7 @@ def _mark_block_moments(model: Transformer, live: LiveBytes) -> list:
 
     def at(where: str):
         def mark(*_) -> None:
-            live.moment = (live.moment[0], where)
+            live.moment = (*live.moment[:2], where)
         return mark
 
     def grads_mark(tensors, where: str) -> None:
