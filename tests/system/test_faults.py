@@ -515,8 +515,10 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path, whole_group):
     import time
 
     script = tmp_path / "sleepy.py"
-    script.write_text("import os, time\nprint('ready', os.environ['RANK'], flush=True)\n"
-                      "time.sleep(120)\n")
+    # "ready" and the sleep on one line: the signal can come as soon as "ready" is written,
+    # before the rank has reached a later line, and either way it is at line 2
+    script.write_text("import os, time\n"
+                      "print('ready', os.environ['RANK'], flush=True); time.sleep(120)\n")
     proc = subprocess.Popen([sys.executable, "-m", "devmesh", "run", "-n", "2", str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=whole_group)
@@ -533,8 +535,8 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path, whole_group):
     assert "stopped by SIGINT" in out
     if whole_group:
         assert "Traceback" not in out and "death signal" not in out, out
-        assert "[rank0]:interrupted at sleepy.py:3" in out
-        assert "[rank1]:interrupted at sleepy.py:3" in out
+        assert "[rank0]:interrupted at sleepy.py:2" in out
+        assert "[rank1]:interrupted at sleepy.py:2" in out
     left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
     assert not left.strip()
 
