@@ -511,28 +511,30 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     live = LiveBytes()  # from here on: what the step holds at once, at its worst moment
     live.hold(t for model in models.values() for t in (*model.parameters(), *model.buffers()))
     hooks = [h for model in models.values() for h in _mark_block_moments(model, live)]
-    with comm_stats(include_torch=True) as stats, loss_context(), live:
-        for index, action in enumerate(actions):
-            key = (action.stage, action.microbatch)
-            # a forward starts before the blocks (the embedding), a backward after them
-            # (the loss and the head)
-            live.moment = (index, _action_words(action, microbatches, len(models) > 1),
-                           "before" if action.kind == "F" else "after")
-            if action.kind == "F":
-                out = forward(action.stage)
-                if bounds[action.stage][1] == config.layers:
-                    out = out / microbatches
-                outputs[key] = out
-            elif action.kind in ("B", "I"):  # a split backward's "W" is done by its "I" here
-                for switch in syncs[action.stage]:
-                    switch(action is last_backward[action.stage])
-                out = outputs.pop(key)
-                grad = None if out.dim() == 0 else torch.ones_like(out)
-                out.backward(grad)
-                accumulated = max(accumulated,
-                                  sum(u.accumulated_gradient_bytes() for u in units))
-    for hook in hooks:
-        hook.remove()
+    try:
+        with comm_stats(include_torch=True) as stats, loss_context(), live:
+            for index, action in enumerate(actions):
+                key = (action.stage, action.microbatch)
+                # a forward starts before the blocks (the embedding), a backward after them
+                # (the loss and the head)
+                live.moment = (index, _action_words(action, microbatches, len(models) > 1),
+                               "before" if action.kind == "F" else "after")
+                if action.kind == "F":
+                    out = forward(action.stage)
+                    if bounds[action.stage][1] == config.layers:
+                        out = out / microbatches
+                    outputs[key] = out
+                elif action.kind in ("B", "I"):  # a split backward's "W" is done by its "I" here
+                    for switch in syncs[action.stage]:
+                        switch(action is last_backward[action.stage])
+                    out = outputs.pop(key)
+                    grad = None if out.dim() == 0 else torch.ones_like(out)
+                    out.backward(grad)
+                    accumulated = max(accumulated,
+                                      sum(u.accumulated_gradient_bytes() for u in units))
+    finally:  # the marks live on the models only for this step
+        for hook in hooks:
+            hook.remove()
     collectives = {key: (calls, nbytes) for key, (calls, nbytes) in stats.records.items()}
     if schedule is not None:
         add_pipeline_messages(collectives, schedule, list(models), mb_size, config,
