@@ -153,11 +153,15 @@ def _what_happened(tmp_path, logs) -> str:
     return "\n".join(lines) + "\n" + (tmp_path / "launcher-stderr.txt").read_text()[-4000:]
 
 
-def _check(tmp_path, logs, groups, ranks, steps, died_at, *, faulty, at_step, commit_within,
-           heal_within):
-    """The bounds on seconds are loose (a loaded CI machine runs these several times slower
-    than a quiet one: 3.0 s to commit and 8.9 s to heal there, printed by each run); what
-    they catch is a survivor waiting for the dead group, or a heal that never comes."""
+# Bounds on seconds from a fault: loose, since a loaded machine runs these several times slower
+# than a quiet one (3.0 s to commit and 8.9 s to heal on a CI machine, 15.7 s to commit with
+# the whole suite and a profiler beside it, printed by each run); what they catch is a
+# survivor waiting for the dead group or a heal that never comes, which wait for the run's
+# own timeout (600 s)
+COMMIT_WITHIN, HEAL_WITHIN = 30, 120
+
+
+def _check(tmp_path, logs, groups, ranks, steps, died_at, *, faulty, at_step):
     survivor = logs[(next(g for g in range(groups) if g != faulty), 0)]
     committed = [(row["step"], row["contributors"]) for row in survivor if row["committed"]]
     # each step once, in order (the groups step on past ``steps`` until the faulty one healed)
@@ -178,13 +182,13 @@ def _check(tmp_path, logs, groups, ranks, steps, died_at, *, faulty, at_step, co
     # others' all-reduce with it failed) and was retried without it
     assert first["retries"] >= 1, first
     assert all(row["quorum_seconds"] > 0 for rows in logs.values() for row in rows)
-    assert first["t"] - died_at < commit_within, first["t"] - died_at
+    assert first["t"] - died_at < COMMIT_WITHIN, first["t"] - died_at
     # it came back: healed from a live group, then contributed again
     healed = [row for row in logs[(faulty, 0)] if row["healed"]]
     assert healed, logs[(faulty, 0)]
     print(f"group {faulty}: the others committed {first['t'] - died_at:.2f} s after its "
           f"fault, it healed {healed[0]['t'] - died_at:.2f} s after it")
-    assert healed[0]["t"] - died_at < heal_within, healed[0]["t"] - died_at
+    assert healed[0]["t"] - died_at < HEAL_WITHIN, healed[0]["t"] - died_at
     assert faulty in committed[-1][1]
     want = _reference(ranks, committed)
     for g in range(groups):
@@ -200,7 +204,7 @@ def test_ddp_groups_step_on_without_a_killed_group_which_heals_from_a_live_one(t
     done, logs, died_at = _run(tmp_path, groups, 1, steps,
                                {"group": 1, "rank": 0, "step": 3, "how": "kill"})
     committed, healed = _check(tmp_path, logs, groups, 1, steps, died_at, faulty=1,
-                               at_step=3, commit_within=10, heal_within=90)
+                               at_step=3)
     assert committed[3][1] == [0, 2] and committed[0][1] == [0, 1, 2]
     assert "heal from group 0" in done.stderr and "without [1]" in done.stderr
 
@@ -215,7 +219,7 @@ def test_hsdp_groups_step_on_without_a_group_whose_rank_was_killed(tmp_path):
                                {"group": 1, "rank": 1, "step": 2, "how": "kill"}, shard=True,
                                traced=True)
     committed, _ = _check(tmp_path, logs, groups, ranks, steps, died_at, faulty=1,
-                          at_step=2, commit_within=10, heal_within=90)
+                          at_step=2)
     assert [0] in [c for _, c in committed]  # steps group 0 took alone
     # both ranks of the restarted group healed, each from its counterpart
     assert "healed from group 0" in done.stderr
@@ -235,7 +239,7 @@ def test_a_hung_group_is_left_out_and_heals_when_it_answers_again(tmp_path):
                                {"group": 2, "rank": 0, "step": 2, "how": "hang",
                                 "seconds": 5})
     committed, _ = _check(tmp_path, logs, groups, 1, steps, died_at, faulty=2,
-                          at_step=2, commit_within=10, heal_within=90)
+                          at_step=2)
     # it was never restarted: its one attempt went on after the hang
     assert {row["attempt"] for row in logs[(2, 0)]} == {"0"}
 
@@ -354,7 +358,7 @@ def test_a_job_whose_every_holder_dies_ends_saying_so_on_every_rank(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "devmesh", "run", "--replica-groups", "2", "-n", "1",
          "--max-restarts", "1", str(script), str(tmp_path), "100", "whole", json.dumps(fault)],
-        env=env, capture_output=True, text=True, timeout=180)
+        env=env, capture_output=True, text=True, timeout=300)
     took = time.monotonic() - started
     assert done.returncode != 0, done.stderr[-3000:]
     said = done.stdout + done.stderr
@@ -362,7 +366,7 @@ def test_a_job_whose_every_holder_dies_ends_saying_so_on_every_rank(tmp_path):
         assert re.search(rf"replica group {g}: no live replica group holds the \d+ steps "
                          "committed", said), said[-6000:]
     assert (tmp_path / "source-died").exists()
-    assert took < 120, took
+    assert took < 240, took  # seconds to a minute alone; a hang waits for the timeout
 
 
 def _one_group_per_host(tmp_path, hosts, fault: dict, *, port: int, restarts: int
