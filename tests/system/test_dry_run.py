@@ -35,6 +35,9 @@ STRATEGIES = {
     "ddp-cp-full": ({"dp": 4, "cp": 2}, "full"),
     "fsdp-cp-tp-selective": ({"shard": 2, "cp": 2, "tp": 2}, "selective"),
     "pp-fsdp-cp": {"pp": 2, "shard": 2, "cp": 2},
+    # one stage per rank, each backward split into I and W, under FSDP and under DDP
+    "pp-fsdp-zero-bubble": ({"pp": 2, "shard": 4}, "none", "float32", "zero-bubble"),
+    "pp-ddp-zero-bubble": ({"pp": 2, "dp": 4}, "none", "float32", "zero-bubble"),
     # several stages per rank: looped (interleaved 1F1B) and in a V (zero-bubble V splits
     # backwards into I and W; DualPipeV mixes whole and split ones), 4 stages of one layer
     "pp-fsdp-tp-interleaved": ({"pp": 2, "shard": 2, "tp": 2}, "none", "float32",
@@ -97,6 +100,9 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
             assert predicted.collectives == runner[rank][0], rank
             # FSDP's unsharded float32 gradients held between the micro-batches' backwards
             assert predicted.accumulated_gradient_bytes == runner[rank][1], rank
+            # the most alive at once as the runner plays the schedule (a split backward
+            # keeps its micro-batch's graph from I until W)
+            assert predicted.peak_bytes == pytest.approx(runner[rank][2], rel=PEAK_REL), rank
             assert (runner[rank][1] > 0) == ("shard" in dims), rank
         assert predicted.accumulated_gradient_bytes == measured.accumulated_gradient_bytes
         if "pp" in dims and schedule == "1f1b" and not config.experts:
@@ -123,13 +129,16 @@ def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy
 
 def pipelined_step(dims, checkpointing="none", schedule="1f1b", config=CONFIG):
     """The pipeline case run by devmesh's own runner (``schedule``, 4 micro-batches) on the
-    stages the dry run builds: its collectives over the step."""
+    stages the dry run builds: its collectives over the step, the most unsharded gradients
+    FSDP held, and the most bytes alive at once in a second step (AdamW's states added, as
+    the dry run adds them)."""
     import torch.nn.functional as F
 
     from devmesh import comm_stats
     from devmesh.layout.schedule import build_schedule
     from devmesh.parallel import loss_parallel
     from devmesh.parallel.pipeline import PipelineRunner
+    from devmesh.tools.dry_run.live import LiveBytes
     from devmesh.tools.dry_run.run import build_rank_stages
 
     plan = build_schedule(schedule, 2, 4)
@@ -163,7 +172,15 @@ def pipelined_step(dims, checkpointing="none", schedule="1f1b", config=CONFIG):
     # train context), and torch's collectives for it and for DTensor activations count too
     with comm_stats(include_torch=True) as stats, loss_parallel():
         runner.step(x if 0 in models else None, x if last in models else None)
-    return {key: tuple(value) for key, value in stats.records.items()}, held[0]
+    parameters = [p for model in models.values() for p in model.parameters()]
+    for p in parameters:
+        p.grad = None
+    live = LiveBytes()
+    live.hold(t for model in models.values() for t in (*model.parameters(), *model.buffers()))
+    with live, loss_parallel():
+        runner.step(x if 0 in models else None, x if last in models else None)
+    peak = live.peak + 2 * 4 * sum(p.numel() for p in parameters)
+    return {key: tuple(value) for key, value in stats.records.items()}, held[0], peak
 
 
 @pytest.mark.parametrize("name", ["gpipe", "1f1b", "interleaved-1f1b", "looped-bfs",

@@ -102,6 +102,12 @@ class LayerCuts:
         finally:
             self._made = None
 
+    def remove(self) -> None:
+        """Take the hooks off the stage's layers (a dry run's cuts last one step)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def _cut(self, module: nn.Module, args: tuple, output: object) -> object:
         # first the compiled case (one autograd node anyway), so that torch.compile tracing
         # a compiled layer's hooks reads none of this object's state (no guard, no recompile)

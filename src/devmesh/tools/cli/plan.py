@@ -140,8 +140,10 @@ def add(sub) -> None:
                           f"{MIN_TOKENS_PER_CP_RANK:,} tokens of a sequence or more")
     dry.add_argument("--top", type=int, default=5, help="with --search: candidates printed")
     dry.add_argument("--verify", type=int, default=5,
-                     help="with --search: the best this many by the closed form are measured "
-                          "by the dry run and ranked again (0: none)")
+                     help="with --search: measure by the dry run down the closed form's "
+                          "order until this many fit (at most 4 x as many), then up to this "
+                          "many estimated a little too big that would beat them; rank them "
+                          "again (0: none measured)")
     plan.set_defaults(handler=run)
 
 

@@ -44,6 +44,9 @@ from devmesh.layout.data_parallel import (cp_beside_one_data_dim, cp_shards_para
                                           ep_beside, flattened_name)
 from devmesh.layout.liveness import activation_liveness
 from devmesh.parallel.compute_dtype import is_compute_copy
+from devmesh.parallel.pipeline.grad_sync import StageGradSync
+from devmesh.parallel.pipeline.layer_cuts import Cut, LayerCuts
+from devmesh.parallel.pipeline.split_backward import SplitBackward
 from devmesh.layout.schedule import SCHEDULES as ALL_SCHEDULES
 from devmesh.layout.schedule import Action, Schedule, ScheduleError, build_schedule
 from devmesh.tools.dry_run.live import LiveBytes
@@ -477,22 +480,34 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
         actions = list(schedule.actions[pp_rank])
     else:
         actions = [Action(kind, 0, m) for m in range(microbatches) for kind in ("F", "B")]
-    syncs = {s: [f for f in (getattr(m, "set_requires_gradient_sync", None)
-                             for m in model.modules()) if f is not None]
-             for s, model in models.items()}
+    # each stage's data-parallel switches, set as the runner sets them: only a stage's
+    # last B or W reduces, and a W's several autograd calls reduce once
+    syncs = {s: StageGradSync(model) for s, model in models.items()}
+    for sync in syncs.values():
+        sync.start_step()
     units = [u for model in models.values()
              for u in (getattr(m, "_devmesh_fsdp", None) for m in model.modules()) if u]
     accumulated = 0  # the most unsharded gradients FSDP holds between backwards
-    last_backward = {a.stage: a for a in actions if a.kind in ("B", "I")}
-    outputs: dict[tuple[int, int], torch.Tensor] = {}
+    # the backward that reduces a stage's gradients: its last B or W (devmesh's replicate
+    # and fully_shard reduce on the weight side)
+    reducing = {a.stage: a for a in actions if a.kind in ("B", "W")}
+    # a split backward (I, then W) as the runner plays it: the graph cut at the layers'
+    # outputs in the forward, I's input gradients and the graph kept until W
+    split = {(a.stage, a.microbatch) for a in actions if a.kind == "I"}
+    cutters = {s: LayerCuts(models[s]) for s in {s for s, _ in split}}
+    outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, list[Cut]]] = {}
+    splits: dict[tuple[int, int], SplitBackward] = {}
 
     def loss(logits: torch.Tensor) -> torch.Tensor:
         # the logits: float32, split over the vocabulary under tp (loss parallelism)
         return F.cross_entropy(logits.flatten(0, 1).float(), tokens().flatten())
 
-    def forward(stage: int) -> torch.Tensor:
-        out = models[stage](tokens() if stage == 0 else hidden())
-        return loss(out) if bounds[stage][1] == config.layers else out
+    def forward(stage: int, cuts: LayerCuts | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, list[Cut]]:
+        x = tokens() if stage == 0 else hidden()
+        with cuts.recording() if cuts is not None else contextlib.nullcontext([]) as made:
+            out = models[stage](x)
+        return (loss(out) if bounds[stage][1] == config.layers else out), x, made
 
     # the head's logits stay split over tp: the loss and its backward run under torch's
     # loss_parallel(), as torchtitan's train step does
@@ -505,7 +520,7 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
     for stage, model in models.items():
         saved.reset()
         with saved.probing(model), loss_context():
-            probe = forward(stage)
+            probe, _, _ = forward(stage)
         del probe
         stage_bytes[stage] = saved.bytes
     live = LiveBytes()  # from here on: what the step holds at once, at its worst moment
@@ -520,21 +535,38 @@ def _step(config: TransformerConfig, dims: dict[str, int], schedule_name: str,
                 live.moment = (index, _action_words(action, microbatches, len(models) > 1),
                                "before" if action.kind == "F" else "after")
                 if action.kind == "F":
-                    out = forward(action.stage)
+                    out, x, cuts = forward(action.stage, cutters.get(action.stage)
+                                           if key in split else None)
                     if bounds[action.stage][1] == config.layers:
                         out = out / microbatches
-                    outputs[key] = out
-                elif action.kind in ("B", "I"):  # a split backward's "W" is done by its "I" here
-                    for switch in syncs[action.stage]:
-                        switch(action is last_backward[action.stage])
-                    out = outputs.pop(key)
-                    grad = None if out.dim() == 0 else torch.ones_like(out)
-                    out.backward(grad)
-                    accumulated = max(accumulated,
-                                      sum(u.accumulated_gradient_bytes() for u in units))
-    finally:  # the marks live on the models only for this step
+                    outputs[key] = out, x, cuts
+                    continue
+                sync = syncs[action.stage]
+                if action.kind == "B":
+                    out, _, _ = outputs.pop(key)
+                    sync.before_backward(action is reducing[action.stage], [out])
+                    out.backward(None if out.dim() == 0 else torch.ones_like(out))
+                elif action.kind == "I":  # the input's gradient; the graph kept for W
+                    out, x, cuts = outputs[key]
+                    # the first stage's tokens need none: its I stops at its first cut
+                    splits[key] = SplitBackward(
+                        out, None if out.dim() == 0 else torch.ones_like(out),
+                        [x] if action.stage > 0 else [], list(models[action.stage].parameters()),
+                        cuts)
+                    splits[key].input_grad()
+                else:  # "W": the weight gradients; what the micro-batch held is freed
+                    out, _, _ = outputs.pop(key)
+                    sync.before_backward(action is reducing[action.stage], [out])
+                    with sync.one_reduction():
+                        splits.pop(key).weight_grads()
+                accumulated = max(accumulated, sum(u.accumulated_gradient_bytes() for u in units))
+    finally:  # the marks and cuts live on the models only for this step
         for hook in hooks:
             hook.remove()
+        for cutter in cutters.values():
+            cutter.remove()
+        for sync in syncs.values():
+            sync.end_step()
     collectives = {key: (calls, nbytes) for key, (calls, nbytes) in stats.records.items()}
     if schedule is not None:
         add_pipeline_messages(collectives, schedule, list(models), mb_size, config,
@@ -632,18 +664,24 @@ def _mark_block_moments(model: Transformer, live: LiveBytes) -> list:
     return handles
 
 
-def activation_peak(actions: list[Action], stage_bytes: dict[int, int]) -> int:
+def activation_peak(actions: list[Action], stage_bytes: dict[int, int],
+                    until_weights: dict[int, int] | None = None) -> int:
     """The most activation bytes a rank holds at once over ``actions``: a micro-batch's
-    forward of a stage keeps ``stage_bytes[stage]`` until its backward (a split backward's
-    ``W``) releases them."""
-    release = {(a.stage, a.microbatch): i for i, a in enumerate(actions) if a.kind in ("B", "W")}
+    forward of a stage keeps ``stage_bytes[stage]`` until its backward releases them — or,
+    split, until its ``I``, which keeps ``until_weights[stage]`` (default the same) for its
+    ``W``: under activation checkpointing the blocks' recomputed activations."""
+    until_weights = stage_bytes if until_weights is None else until_weights
     held = peak = 0
-    for i, action in enumerate(actions):
+    for action in actions:
         if action.kind == "F":
             held += stage_bytes[action.stage]
-            peak = max(peak, held)
-        if release.get((action.stage, action.microbatch)) == i:
+        elif action.kind == "I":
+            held += until_weights[action.stage] - stage_bytes[action.stage]
+        elif action.kind == "B":
             held -= stage_bytes[action.stage]
+        elif action.kind == "W":
+            held -= until_weights[action.stage]
+        peak = max(peak, held)
     return peak
 
 
