@@ -177,7 +177,7 @@ def test_a_search_that_may_checkpoint_fits_where_none_does_and_pays_the_recomput
     plain = search(CONFIG, 4, COSTS, verify=0)
     limit = min(e.peak_bytes for e in plain.ranked) - 1
     assert not search(CONFIG, 4, COSTS, device_memory=limit, verify=0).ranked
-    result = search(CONFIG, 4, COSTS, device_memory=limit, verify=3, checkpointing="any")
+    result = search(CONFIG, 4, COSTS, device_memory=limit, verify=2, checkpointing="any")
     # every mode with every candidate, but selective with none that splits backwards
     assert result.ranked and result.considered == len(
         candidates(CONFIG, 4, checkpointing=("none", "full", "selective")))
