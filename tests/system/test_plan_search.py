@@ -30,18 +30,20 @@ COSTS = Costs(tflops=0.05, bandwidth={"tp": 4.0}, default=1.0, latency=2e-5)
 LONG = read_config("tiny:layers=30,batch=32,dtype=bfloat16")
 
 
-@pytest.mark.parametrize("dims, checkpointing, microbatches", [
-    ({"shard": 2, "tp": 2}, "full", 1), ({"shard": 2, "tp": 2}, "none", 4),
-    ({"dp": 4}, "selective", 2), ({"pp": 2, "dp": 2, "shard": 2}, "selective", 4),
-    ({"pp": 3, "tp": 2}, "full", 4), ({"pp": 2, "shard": 2, "cp": 2}, "full", 2),
+@pytest.mark.parametrize("dims, checkpointing, microbatches, schedule", [
+    ({"shard": 2, "tp": 2}, "full", 1, "1f1b"), ({"shard": 2, "tp": 2}, "none", 4, "1f1b"),
+    ({"dp": 4}, "selective", 2, "1f1b"), ({"pp": 2, "dp": 2, "shard": 2}, "selective", 4, "1f1b"),
+    ({"pp": 3, "tp": 2}, "full", 4, "1f1b"), ({"pp": 2, "shard": 2, "cp": 2}, "full", 2, "1f1b"),
+    # split backwards, each micro-batch's recomputed blocks held from its I until its W
+    ({"pp": 2, "dp": 4}, "full", 4, "zero-bubble"),
 ], ids=str)
 def test_a_long_stage_measured_from_four_and_five_blocks_equals_the_whole_stage(
-        dims, checkpointing, microbatches):
+        dims, checkpointing, microbatches, schedule):
     pp = dims.get("pp", 1)
     stride = 8 // pp if pp > 1 else 1
     for stage in range(pp):
         kwargs = dict(rank=stage * stride, microbatches=microbatches,
-                      checkpointing=checkpointing)
+                      checkpointing=checkpointing, schedule=schedule)
         whole = dry_run(LONG, dims, **kwargs)
         parts = dry_run_by_blocks(LONG, dims, **kwargs)
         assert whole.layers[1] - whole.layers[0] >= 10
