@@ -45,8 +45,9 @@ The closed form, per rank of a stage with ``b`` blocks and ``m`` micro-batches:
   added up, its activations the most its stages' micro-batches hold at once (a split
   backward's until its ``W``), its accumulated gradients the most its stages hold between
   their first and last backwards at once;
-- a split backward under activation checkpointing: its micro-batch's recomputed activations
-  (the stage's without checkpointing) held from its ``I`` until its ``W``.
+- a split backward: from its ``I`` until its ``W`` a micro-batch holds the gradients ``W``
+  starts from (each matmul's and norm's output gradient) and, under activation
+  checkpointing, its recomputed activations (the stage's without checkpointing).
 """
 
 from __future__ import annotations
@@ -494,16 +495,48 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
     report.peak_bytes = (report.parameter_bytes + report.optimizer_bytes
                          + report.activation_bytes + report.accumulated_gradient_bytes
                          + max(p.peak_bytes or 0 for p in parts.values()))
-    if schedule is not None and schedule.splits_backward and candidate.checkpointing != "none":
-        # a checkpointed micro-batch's I recomputes its blocks, and their activations stay
-        # for its W: the stage's activations without checkpointing, from I until W
+    if schedule is not None and schedule.splits_backward:
+        # from its I until its W a micro-batch keeps the gradients W starts from; and a
+        # checkpointed one its recomputed blocks' activations (the stage's without
+        # checkpointing) instead of the checkpoints
         plain = replace(candidate, checkpointing="none")
-        recomputed = {s: _stage_estimate(config, plain, stage_layers(config, total, s),
-                                         mb_size, calibration).activation_bytes_per_microbatch
-                      for s in mine}
+        until_weights = {s: _kept_for_weights(config, candidate, stage_layers(config, total, s),
+                                              mb_size) + (
+            activations[s] if candidate.checkpointing == "none" else _stage_estimate(
+                config, plain, stage_layers(config, total, s), mb_size,
+                calibration).activation_bytes_per_microbatch) for s in mine}
         report.peak_bytes += (activation_peak(list(schedule.actions[stage]), activations,
-                                              recomputed) - report.activation_bytes)
+                                              until_weights) - report.activation_bytes)
     return report
+
+
+def _kept_for_weights(config: TransformerConfig, candidate: Candidate, layers: tuple[int, int],
+                      mb_size: int) -> int:
+    """What a split backward's ``I`` keeps for its ``W`` besides the activations, per
+    micro-batch: the gradient arriving where the weight side leaves the input path — each
+    matmul's output (a column-split one's over the gathered sequence, a row-split one's
+    before its reduce-scatter) and each norm's (over the rank's part of the sequence under
+    tp) — and the first stage's embedding output, where its ``I`` stops."""
+    tp = candidate.tp
+    tokens = mb_size * (config.seq // candidate.cp)
+    d, kv = config.dim, config.kv_heads * config.head_dim
+    norm = tokens // tp * d
+    first, last = layers
+    kept = 0
+    for layer in range(first, last):
+        kept += tokens * (d // tp + 2 * kv // tp + d) + 2 * norm  # attention and norms
+        if config.has_experts(layer):
+            hidden, shared = config.expert_hidden, config.shared_experts * config.expert_hidden
+            kept += tokens * config.experts + tokens * config.top_k * (2 * hidden // tp + d)
+            if shared:
+                kept += tokens * (2 * shared // tp + d)
+        else:
+            kept += tokens * (2 * config.ffn_dim // tp + d)
+    if first == 0:
+        kept += norm
+    if last == config.layers:
+        kept += norm + tokens * math.ceil(config.vocab / tp)
+    return kept * torch.empty(0, dtype=config.torch_dtype).element_size()
 
 
 def _accumulated_at_most(actions: list, per_stage: dict[int, int]) -> int:
