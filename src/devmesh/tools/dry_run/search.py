@@ -499,12 +499,15 @@ def estimate(config: TransformerConfig, candidate: Candidate, stage: int,
         # from its I until its W a micro-batch keeps the gradients W starts from; and a
         # checkpointed one its recomputed blocks' activations (the stage's without
         # checkpointing) instead of the checkpoints
-        plain = replace(candidate, checkpointing="none")
-        until_weights = {s: _kept_for_weights(config, candidate, stage_layers(config, total, s),
-                                              mb_size) + (
-            activations[s] if candidate.checkpointing == "none" else _stage_estimate(
-                config, plain, stage_layers(config, total, s), mb_size,
-                calibration).activation_bytes_per_microbatch) for s in mine}
+        held = dict(activations)
+        if candidate.checkpointing != "none":
+            plain = replace(candidate, checkpointing="none")
+            held = {s: _stage_estimate(config, plain, stage_layers(config, total, s), mb_size,
+                                       calibration).activation_bytes_per_microbatch
+                    for s in mine}
+        until_weights = {s: held[s] + _kept_for_weights(config, candidate,
+                                                        stage_layers(config, total, s), mb_size)
+                         for s in mine}
         report.peak_bytes += (activation_peak(list(schedule.actions[stage]), activations,
                                               until_weights) - report.activation_bytes)
     return report
@@ -516,7 +519,9 @@ def _kept_for_weights(config: TransformerConfig, candidate: Candidate, layers: t
     micro-batch: the gradient arriving where the weight side leaves the input path — each
     matmul's output (a column-split one's over the gathered sequence, a row-split one's
     before its reduce-scatter) and each norm's (over the rank's part of the sequence under
-    tp) — and the first stage's embedding output, where its ``I`` stops."""
+    tp); in a block of experts the router's, each token's ``top_k`` experts' (a balanced
+    router, as the dry run's) and the shared experts'; the first stage's embedding output,
+    where its ``I`` stops; the last stage's final norm and logits."""
     tp = candidate.tp
     tokens = mb_size * (config.seq // candidate.cp)
     d, kv = config.dim, config.kv_heads * config.head_dim
