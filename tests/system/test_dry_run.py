@@ -81,6 +81,32 @@ def real_step(dims, checkpointing="none", config=CONFIG, schedule="1f1b"):
                    checkpointing=checkpointing, schedule=schedule)
 
 
+def _models_alive() -> int:
+    import gc
+
+    from devmesh.tools.dry_run.model import Transformer
+
+    gc.collect()
+    return sum(Transformer in type(o).__mro__ for o in gc.get_objects())  # fully_shard subclasses
+
+
+def real_step_then_models_alive(dims, checkpointing, config):
+    real_step(dims, checkpointing, config)
+    return _models_alive()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp-tp", "ddp-full", "moe-fsdp-tp-selective-bf16"])
+def test_a_dry_run_leaves_nothing_of_its_model_alive(mesh_pool, strategy):
+    """What a dry run builds is gone when it returns, on ``meta`` and on real ranks: its
+    probe forward, never run backward, must not hold the model (and with it the units, the
+    mesh and, on real ranks, their process groups) in a cycle the collector cannot free."""
+    dims, checkpointing, config, _ = _case(strategy)
+    dry_run(config, dims, rank=1, checkpointing=checkpointing)
+    assert _models_alive() == 0
+    assert mesh_pool.run(real_step_then_models_alive, 8, dims, checkpointing,
+                         config) == [0] * 8
+
+
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_the_dry_run_counts_what_a_real_step_sends_and_holds(mesh_pool, strategy):
     """Every rank's collectives per kind and mesh dim — calls and bytes — and its parameter,

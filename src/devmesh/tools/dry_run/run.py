@@ -44,6 +44,7 @@ from devmesh.layout.data_parallel import (cp_beside_one_data_dim, cp_shards_para
                                           ep_beside, flattened_name)
 from devmesh.layout.liveness import activation_liveness
 from devmesh.parallel.compute_dtype import is_compute_copy
+from devmesh.parallel.saved_activation import SavedActivation
 from devmesh.parallel.pipeline.grad_sync import StageGradSync
 from devmesh.parallel.pipeline.layer_cuts import Cut, LayerCuts
 from devmesh.parallel.pipeline.split_backward import SplitBackward
@@ -213,9 +214,13 @@ class _SavedBytes:
             self._counted.add(key)
             self.bytes += local.untyped_storage().nbytes()
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> SavedActivation:
+        """Count ``t`` and keep it as autograd would (detached: an operation's own output
+        kept with its ``grad_fn`` would hold its node, and the node this hook and with it the
+        model, its units and process groups, in a cycle through C++ that the garbage
+        collector cannot see: a probe forward is never run backward)."""
         self.count(t)
-        return t
+        return SavedActivation(t)
 
     def watch_inputs(self, block: torch.nn.Module) -> None:
         """Count the tensors a checkpointed ``block`` is called with (it keeps them to run
@@ -244,7 +249,7 @@ class _SavedBytes:
         self._model, self.active = model, True
         self._modules = list(model.modules())
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            with torch.autograd.graph.saved_tensors_hooks(self.pack, SavedActivation.unpack):
                 yield
         finally:
             self.active = False
