@@ -522,10 +522,18 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path, whole_group):
     proc = subprocess.Popen([sys.executable, "-m", "devmesh", "run", "-n", "2", str(script)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=whole_group)
-    ready, deadline = 0, time.monotonic() + 120
-    while ready < 2 and time.monotonic() < deadline:
+    # each rank's own "ready" line: under load the launcher's output may hold other lines
+    # with the word in them ("address already in use" while a port is retried)
+    ready, before, deadline = set(), [], time.monotonic() + 120
+    while ready != {0, 1} and time.monotonic() < deadline:
         line = proc.stdout.readline()
-        ready += "ready" in line
+        if not line:  # the launcher ended
+            break
+        before.append(line)
+        found = re.fullmatch(r"\[rank(\d)\]:ready (\d)", line.strip())
+        if found and found.group(1) == found.group(2):
+            ready.add(int(found.group(1)))
+    assert ready == {0, 1}, "".join(before)[-2000:]
     if whole_group:
         os.killpg(proc.pid, signal.SIGINT)
     else:
@@ -535,8 +543,9 @@ def test_ctrl_c_stops_every_rank_and_exits_130(tmp_path, whole_group):
     assert "stopped by SIGINT" in out
     if whole_group:
         assert "Traceback" not in out and "death signal" not in out, out
-        assert "[rank0]:interrupted at sleepy.py:2" in out
-        assert "[rank1]:interrupted at sleepy.py:2" in out
+        shown = "".join(before) + "--- after SIGINT:\n" + out
+        assert "[rank0]:interrupted at sleepy.py:2" in out, shown[-3000:]
+        assert "[rank1]:interrupted at sleepy.py:2" in out, shown[-3000:]
     left = subprocess.run(["pgrep", "-f", str(script)], capture_output=True, text=True).stdout
     assert not left.strip()
 
